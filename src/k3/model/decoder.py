@@ -1,0 +1,163 @@
+"""The K3 decoder: layers of (KDA | MLA) + (dense MLP | LatentMoE) wired by Block AttnRes, and the LM head."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.attn_res import attn_res_mix
+from k3.model.cache import K3Cache
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import MultiHeadLatentAttention
+from k3.model.mlp import SiTUMLP
+from k3.model.moe import LatentMoE
+from k3.model.norm import RMSNorm
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor  # [B, T, vocab]
+    loss: torch.Tensor | None = None
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.is_mla = config.is_mla(layer_idx)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        self.self_attention_res_norm = RMSNorm(D, eps)
+        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(D, eps)
+        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+        self.self_attn = (MultiHeadLatentAttention if self.is_mla else KimiDeltaAttention)(config, layer_idx)
+        if config.is_moe(layer_idx):
+            self.block_sparse_moe = LatentMoE(config)
+        else:
+            self.mlp = SiTUMLP(config, D, config.intermediate_size)
+
+    def ffn(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.block_sparse_moe(x, mask) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        D = config.hidden_size
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, l) for l in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+
+    def forward(self, input_ids, doc_ids=None, cache=None, mask=None) -> torch.Tensor:
+        """SPEC §3.1's layer loop. Returns the final normed hidden states [B, T, D]."""
+        block = self.config.attn_res_block_size
+        blocks: list[torch.Tensor] = []
+        p = self.embed_tokens(input_ids)
+        for l, layer in enumerate(self.layers):
+            x = attn_res_mix(blocks + [p], layer.self_attention_res_norm, layer.self_attention_res_proj) if blocks else p
+            if l % block == 0:
+                blocks.append(p)
+                p = torch.zeros_like(p)
+            p = p + layer.self_attn(layer.input_layernorm(x), doc_ids=doc_ids, cache=cache)
+            m = attn_res_mix(blocks + [p], layer.mlp_res_norm, layer.mlp_res_proj)
+            p = p + layer.ffn(layer.post_attention_layernorm(m), mask)
+        h = attn_res_mix(blocks + [p], self.output_attn_res_norm, self.output_attn_res_proj)
+        return self.norm(h)
+
+
+class K3ForCausalLM(nn.Module):
+    """Kimi K3's text model. Parameter names are the released checkpoint's (without `language_model.`)."""
+
+    def __init__(self, config: K3Config, init: bool = True):
+        super().__init__()
+        if not isinstance(config, K3Config):
+            raise TypeError(f"config must be a K3Config, got {type(config).__name__}")
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if init and not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Normal(0, initializer_range) matrices; unit norms; zero AttnRes queries (each mix starts as a mean);
+        KDA decay rates spread over (−1, −0.01) at init so that memories of many lengths exist from the start."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("res_proj.weight"):
+                p.zero_()
+            elif name.endswith("A_log"):
+                p.zero_()
+            elif name.endswith("dt_bias"):
+                rate = torch.exp(torch.empty(p.shape).uniform_(math.log(0.01), math.log(1.0), generator=gen))
+                frac = rate / -self.config.linear_attn_config.gate_lower_bound
+                p.copy_(torch.log(frac) - torch.log1p(-frac))  # sigmoid(dt_bias) = rate / 5
+            elif "conv1d" in name:
+                w = p.shape[-1]
+                p.copy_(torch.empty(p.shape).uniform_(-w ** -0.5, w ** -0.5, generator=gen))
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
+
+    # ---- forward --------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
+                labels: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> K3Output:
+        """input_ids: [B, T] int64. doc_ids: [B, T] for packed rows (documents never see each other).
+        cache: a K3Cache to continue from and update (decode / chunked prefill). labels: [B, T], −100 = ignore.
+        mask: [B, T] bool, False marks padding (kept out of the balancing statistics)."""
+        self._check_inputs(input_ids, doc_ids, cache, labels, mask)
+        h = self.model(input_ids, doc_ids=doc_ids, cache=cache, mask=mask)
+        logits = self.lm_head(h)
+        if cache is not None:
+            cache.seq_len += input_ids.shape[1]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return K3Output(logits=logits, loss=loss)
+
+    def _check_inputs(self, input_ids, doc_ids, cache, labels, mask):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a [batch, seq] tensor, got "
+                             f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be int64 or int32, got {input_ids.dtype}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("input_ids is empty (sequence length 0)")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size}); got range "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        for name, t in (("doc_ids", doc_ids), ("labels", labels), ("mask", mask)):
+            if t is not None and tuple(t.shape) != tuple(input_ids.shape):
+                raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(t.shape)}")
+        if doc_ids is not None and cache is not None:
+            raise ValueError("packed input (doc_ids) cannot be combined with a decode cache")
+        if cache is not None and cache.num_layers != self.config.num_hidden_layers:
+            raise ValueError(f"cache has {cache.num_layers} layers, model has {self.config.num_hidden_layers}")
+
+    def new_cache(self) -> K3Cache:
+        return K3Cache(self.config.num_hidden_layers)
+
+    # ---- generation and checkpoints live in their own modules --------------------------------------------
+    def generate(self, input_ids, **kwargs):
+        from k3.model.generate import generate
+        return generate(self, input_ids, **kwargs)
+
+    def save_pretrained(self, path, dtype: torch.dtype | None = torch.bfloat16, **kwargs) -> None:
+        from k3.checkpoint.hf import save_pretrained
+        save_pretrained(self, path, dtype=dtype, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "K3ForCausalLM":
+        from k3.checkpoint.hf import load_pretrained
+        return load_pretrained(path, device=device, dtype=dtype)

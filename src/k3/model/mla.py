@@ -1,0 +1,68 @@
+"""Gated MLA without positional encoding (SPEC §3.3): expanded form for training, absorbed form with a cache."""
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.cache import MLAState
+from k3.model.norm import RMSNorm
+from k3.ops.attention import causal_attention
+
+# SPEC §3.3 ⚠: the reference uses 1e-6 for q_a_layernorm / kv_a_layernorm (one port uses 1e-5).
+LORA_NORM_EPS = 1e-6
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.layer_idx, self.num_heads = layer_idx, H
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_rank = config.kv_lora_rank
+        self.scale = config.qk_head_dim ** -0.5
+        self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=LORA_NORM_EPS)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, H * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, self.nope + self.rope)
+        latent, k_extra = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        if cache is None:
+            k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
+            k = torch.cat([k_nope, k_extra[:, :, None, :].expand(B, T, H, self.rope)], dim=-1)
+            o = causal_attention(q, k, v, self.scale, doc_ids)
+        else:
+            st = cache.layers[self.layer_idx]
+            if st is None:
+                st = cache.layers[self.layer_idx] = MLAState(latent, k_extra)
+            else:
+                st.append(latent, k_extra)
+            o = self.absorbed_attention(q, st.latent, st.k_extra)
+        o = o.reshape(B, T, H * self.v_dim) * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor) -> torch.Tensor:
+        """Attention of the T newest queries over S cached latents, with W_kvb folded into q and the output.
+
+        q: [B, T, H, nope+rope]; latent: [B, S, R]; k_extra: [B, S, rope]. Query t sits at position S−T+t.
+        """
+        B, T, H, _ = q.shape
+        S = latent.shape[1]
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        q_nope, q_extra = q.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
+        scores = torch.einsum("bthr,bsr->bhts", q_lat, latent) + torch.einsum("bthe,bse->bhts", q_extra, k_extra)
+        scores = scores.float() if scores.dtype != torch.float64 else scores
+        pos = torch.arange(S - T, S, device=q.device)
+        mask = torch.arange(S, device=q.device)[None, :] <= pos[:, None]  # [T, S]
+        attn = torch.softmax((scores * self.scale).masked_fill(~mask, float("-inf")), dim=-1).to(latent.dtype)
+        ctx = torch.einsum("bhts,bsr->bthr", attn, latent)
+        return torch.einsum("bthr,hvr->bthv", ctx, w_uv)

@@ -1,0 +1,20 @@
+"""The SiTU-GLU MLP: layer 0's dense MLP and the fused shared experts."""
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.ops.situ import situ_glu
+
+
+class SiTUMLP(nn.Module):
+    """`down(SiTU-GLU(gate(x), up(x)))` with `gate_proj`, `up_proj`: [I, D] and `down_proj`: [D, I]."""
+
+    def __init__(self, config: K3Config, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), *self.betas))

@@ -1,0 +1,90 @@
+"""Stable LatentMoE (SPEC §3.4): sigmoid router, bias-only selection, experts in a latent space, shared MLP."""
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.mlp import SiTUMLP
+from k3.model.norm import RMSNorm
+from k3.ops.grouped_mm import expert_situ_mlp
+
+
+class Router(nn.Module):
+    """`weight` [E, D] and the selection-only bias `e_score_correction_bias` [E] (fp32 buffer, set by balancing)."""
+
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+
+class Experts(nn.Module):
+    """Stacked routed experts in checkpoint `[out, in]` layout: w1 (gate), w3 (up): [E, I, L]; w2 (down): [E, L, I]."""
+
+    def __init__(self, num_experts: int, latent: int, intermediate: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, latent))
+        self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent))
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True, scale: float = 1.0):
+    """Top-k of `scores + bias`; weights from the unbiased scores. scores: [N, E] → (idx [N, k], weights [N, k])."""
+    idx = torch.topk(scores + bias.to(scores.dtype), k, dim=-1).indices
+    w = scores.gather(-1, idx)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return idx, w * scale
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        D, L = config.hidden_size, config.routed_expert_hidden_size
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
+        self.renormalize, self.scale = config.moe_renormalize, config.routed_scaling_factor
+        self.betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
+        self.gate = Router(config.num_experts, D)
+        self.experts = Experts(config.num_experts, L, config.moe_intermediate_size)
+        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+        self.routed_expert_norm = RMSNorm(L, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
+        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        self.shared_experts = (SiTUMLP(config, D, config.shared_intermediate_size)
+                               if config.num_shared_experts > 0 else None)
+        # Router scores of the last training forward, for the load balancer (k3.balance); never used at inference.
+        self.last_scores: torch.Tensor | None = None
+        self.last_mask: torch.Tensor | None = None
+
+    def router_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Sigmoid router in fp32 (fp64 stays fp64). x: [N, D] → [N, E]."""
+        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return torch.sigmoid(x.to(dt) @ self.gate.weight.to(dt).t())
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, D]; mask: [B, T] bool, False for padding (excluded from balancing statistics)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores = self.router_scores(x)
+        idx, w = route(scores, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scale)
+        if self.training:
+            self.last_scores = scores.detach()
+            self.last_mask = None if mask is None else mask.reshape(-1)
+        z = self.routed_expert_down_proj(x)
+        r = self.combine_experts(z, idx, w.to(z.dtype))
+        if self.routed_expert_norm is not None:
+            r = self.routed_expert_norm(r)
+        out = self.routed_expert_up_proj(r)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def combine_experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L]."""
+        N, k = idx.shape
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        e = self.experts
+        y = expert_situ_mlp(z[token], counts, e.w1, e.w3, e.w2, *self.betas)
+        y = y * w.flatten()[order, None]
+        return torch.zeros_like(z).index_add_(0, token, y)
