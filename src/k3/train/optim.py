@@ -1,0 +1,229 @@
+"""Optimizers for k3: Muon (Newton–Schulz orthogonalised momentum) for hidden matrices, AdamW for the rest.
+
+`build_optimizer` splits a model's parameters by name into Muon and AdamW groups and returns one
+optimizer object whose groups all carry a `base_lr` that a schedule multiplies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["newton_schulz", "Muon", "MuonWithAdamW", "build_optimizer", "param_role", "OPTIMIZERS"]
+
+OPTIMIZERS = ("muon", "adamw")
+
+# Quintic Newton–Schulz coefficients (the widely published "Muon" choice): p(x) = a x + b x^3 + c x^5.
+# They trade exact convergence for a steep slope at 0, so 5 steps push every singular value with
+# sigma / ||G||_F >= 2e-3 into about [0.68, 1.21] (checked by evaluating p^5 on a grid), and no singular
+# value ever leaves [0, 1.21].
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Approximately orthogonalise a matrix or a batch of matrices.
+
+    G: [..., m, n]. Returns X: [..., m, n] in G's dtype with the singular vectors of G and singular values
+    mapped by p^steps after Frobenius normalisation (see NS_COEFFS for the band). `dtype` is the working
+    precision (float32 by default; bfloat16 is fine on GPU).
+    """
+    if G.dim() < 2:
+        raise ValueError(f"G must have at least 2 dims [..., m, n], got shape {tuple(G.shape)}")
+    a, b, c = NS_COEFFS
+    X = G.to(dtype)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:  # iterate on the smaller Gram matrix
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def muon_scale(shape: torch.Size) -> float:
+    """Update scale for an orthogonalised matrix [..., m, n]: 0.2 * sqrt(max(m, n)).
+
+    An orthogonal m x n matrix has RMS entry 1/sqrt(max(m, n)); times 0.2 sqrt(max(m, n)) its RMS is 0.2,
+    about AdamW's typical update RMS, so both optimizers share one learning rate and weight decay.
+    """
+    return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
+
+
+def _check_hparams(lr: float, weight_decay: float) -> None:
+    if not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon: nesterov momentum, Newton–Schulz orthogonalisation, decoupled weight decay.
+
+    Params must be 2-D `[out, in]` or stacked experts `[E, out, in]` (each expert orthogonalised on its
+    own, batched). Update: `buf = mu buf + g`; `u = g + mu buf` (nesterov) or `buf`;
+    `p *= 1 - lr wd`; `p -= lr * muon_scale * NS(u)`.
+    Groups with `use_muon=False` are updated with AdamW instead (used by `MuonWithAdamW`).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_dtype: torch.dtype | None = None,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ):
+        _check_hparams(lr, weight_decay)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        defaults = dict(
+            lr=lr, base_lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            ns_steps=ns_steps, ns_dtype=ns_dtype, betas=betas, eps=eps, use_muon=True,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    if p.dim() not in (2, 3):
+                        raise ValueError(f"Muon params must be 2-D or 3-D, got shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            update = self._muon_update if group["use_muon"] else self._adamw_update
+            for p in group["params"]:
+                if p.grad is not None:
+                    update(p, group)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load like torch, but keep the saved dtype of moments (torch casts them to a bf16 param's dtype)."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, saved in state_dict["state"].items():
+            p = params[index]
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and key != "step":
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
+    def _muon_update(self, p: Tensor, group: dict) -> None:
+        grad = p.grad
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        buf = state["momentum_buffer"]
+        mu = group["momentum"]
+        buf.mul_(mu).add_(grad.float())
+        direction = grad.float().add(buf, alpha=mu) if group["nesterov"] else buf
+        ns_dtype = group["ns_dtype"] or (torch.bfloat16 if p.is_cuda else torch.float32)
+        ortho = newton_schulz(direction, steps=group["ns_steps"], dtype=ns_dtype).float()
+        lr = group["lr"]
+        if group["weight_decay"]:
+            p.mul_(1.0 - lr * group["weight_decay"])
+        p.add_(ortho.to(p.dtype), alpha=-lr * muon_scale(p.shape))
+
+    def _adamw_update(self, p: Tensor, group: dict) -> None:
+        grad = p.grad.float()
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        t = float(state["step"])
+        state["exp_avg"].lerp_(grad, 1.0 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        lr = group["lr"]
+        if group["weight_decay"]:
+            p.mul_(1.0 - lr * group["weight_decay"])
+        denom = (state["exp_avg_sq"] / (1.0 - beta2**t)).sqrt_().add_(group["eps"])
+        step = state["exp_avg"] / (1.0 - beta1**t) / denom
+        p.add_(step.to(p.dtype), alpha=-lr)
+
+
+class MuonWithAdamW(Muon):
+    """One optimizer holding Muon groups (`use_muon=True`) and AdamW groups (`use_muon=False`).
+
+    A single object keeps `state_dict`, `zero_grad` and the schedule (`param_groups[i]["lr"]` from
+    `base_lr`) uniform across both kinds.
+    """
+
+    def __init__(self, param_groups: list[dict], lr: float, **kwargs):
+        if not param_groups:
+            raise ValueError("MuonWithAdamW needs at least one param group")
+        super().__init__(param_groups, lr=lr, **kwargs)
+
+
+def param_role(name: str, param: Tensor) -> tuple[str, bool]:
+    """Which optimizer a parameter gets and whether it decays: returns ("muon"|"adamw", decay).
+
+    AdamW: embeddings, lm_head, every 1-D param (norms, biases, A_log, dt_bias), AttnRes pseudo-queries
+    (`res_proj`, shape [1, D]), the router `gate.weight`, conv kernels (`conv1d`). Muon: other 2-D/3-D
+    matrices. No decay on 1-D params, embeddings and the pseudo-queries (vectors stored as [1, D]).
+    """
+    is_embedding = "embed_tokens" in name
+    is_vector = param.dim() < 2 or "res_proj" in name
+    is_router = name == "gate.weight" or name.endswith(".gate.weight")
+    adamw = (
+        is_embedding or is_vector or is_router or "lm_head" in name or "conv1d" in name or param.dim() > 3
+    )
+    decay = not (is_embedding or is_vector)
+    return ("adamw" if adamw else "muon"), decay
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str = "muon",
+    lr: float = 3e-4,
+    weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95),
+) -> torch.optim.Optimizer:
+    """Build the optimizer for a k3 model: "muon" (Muon + AdamW by name) or "adamw" (AdamW everywhere).
+
+    Every group has `base_lr` = lr (a schedule sets `lr = base_lr * multiplier`) and a `role` tag
+    ("muon", "adamw_decay", "adamw_no_decay"). Frozen params (requires_grad False) are left out.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer name must be one of {OPTIMIZERS}, got {name!r}")
+    _check_hparams(lr, weight_decay)
+    buckets: dict[str, list[Tensor]] = {"muon": [], "adamw_decay": [], "adamw_no_decay": []}
+    for pname, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        kind, decay = param_role(pname, p)
+        if name == "adamw" and kind == "muon":
+            kind = "adamw"
+        key = "muon" if kind == "muon" else ("adamw_decay" if decay else "adamw_no_decay")
+        buckets[key].append(p)
+    groups = []
+    for role, params in buckets.items():
+        if params:
+            groups.append(
+                dict(
+                    params=params, role=role, lr=lr, base_lr=lr, use_muon=role == "muon",
+                    weight_decay=0.0 if role == "adamw_no_decay" else weight_decay,
+                )
+            )
+    if not groups:
+        raise ValueError("model has no trainable parameters")
+    if name == "adamw":
+        for g in groups:
+            del g["use_muon"]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay)
+    return MuonWithAdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas)

@@ -1,0 +1,319 @@
+"""k3's main job: train a K3 on the bundled corpus with Muon, Quantile Balancing and exact resume."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3.balance import ExpertBalancer
+from k3.config import K3Config
+from k3.data import PackedLoader, Tokenizer, eval_batches, load_corpus, load_token_docs, split_documents
+from k3.data.stats import unigram_cross_entropy
+from k3.model.decoder import K3ForCausalLM
+from k3.train.optim import build_optimizer
+from k3.train.schedule import apply_lr, wsd_multiplier
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    out: str = "runs/tiny"
+    corpus: str | None = None  # None: the bundled Shakespeare
+    tokenizer: str | None = None  # None: the bundled BPE
+    max_steps: int = 300
+    time_budget: float | None = None  # seconds; training stops early (and still evaluates and saves)
+    batch_size: int = 16
+    seq_len: int = 256
+    grad_accum: int = 1
+    lr: float = 0.02
+    optimizer: str = "muon"
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    decay_fraction: float = 0.3
+    grad_clip: float = 1.0
+    balance: str = "quantile"
+    eval_every: int = 50
+    eval_batches: int = 6
+    save_every: int = 100
+    seed: int = 0
+    sample_prompt: str = "KING HENRY:"
+    sample_tokens: int = 48
+    device: str = "auto"
+    resume: bool = False
+
+    def validate(self) -> None:
+        def need(cond, name, allowed):
+            if not cond:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r}: {allowed}")
+        for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches", "save_every"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        need(self.lr > 0 and math.isfinite(self.lr), "lr", "must be a positive number")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(0 <= self.decay_fraction <= 1, "decay_fraction", "must lie in [0, 1]")
+        need(self.grad_clip > 0, "grad_clip", "must be > 0")
+        need(self.time_budget is None or self.time_budget > 0, "time_budget", "must be > 0 seconds")
+        need(self.optimizer in ("muon", "adamw"), "optimizer", "one of muon, adamw")
+        need(self.balance in ("quantile", "sign", "none"), "balance", "one of quantile, sign, none")
+        need(self.sample_tokens >= 0, "sample_tokens", "must be >= 0")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def rng_state() -> dict:
+    s = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+class Trainer:
+    """Owns the data, model, optimizer, balancer and checkpoints of one run directory."""
+
+    def __init__(self, cfg: TrainConfig, log=print):
+        cfg.validate()
+        self.cfg, self.log = cfg, log
+        self.out = Path(cfg.out)
+        self.device = pick_device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+
+        self.tokenizer = Tokenizer.from_file(cfg.tokenizer)
+        train_docs, val_docs = split_documents(load_corpus(cfg.corpus), seed=cfg.seed)
+        self.train_ids = load_token_docs(self.tokenizer, train_docs)
+        self.val_ids = load_token_docs(self.tokenizer, val_docs)
+        tok = self.tokenizer
+        self.loader = PackedLoader(self.train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, tok.bos_id, tok.eos_id, tok.pad_id)
+        self.val_batches = eval_batches(self.val_ids, cfg.seq_len, cfg.batch_size, tok.bos_id, tok.eos_id, tok.pad_id)
+
+        self.model_config = K3Config.preset(cfg.preset).replace(
+            vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+        self.model = K3ForCausalLM(self.model_config).to(self.device)
+        self.model.reset_parameters(seed=cfg.seed)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.balancer = ExpertBalancer(self.model, mode=cfg.balance)
+        self.step = 0
+        self.history: list[dict] = []
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """Writes checkpoints/step_N atomically: a temporary directory renamed into place, then `latest`."""
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        final = self.ckpt_root / f"step_{self.step:06d}"
+        tmp = self.ckpt_root / f".tmp-step_{self.step:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp, dtype=None)  # float32 master weights: resume must be exact
+        self.tokenizer.backend.save(str(tmp / "tokenizer.json"))
+        torch.save({
+            "step": self.step, "optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(),
+            "rng": rng_state(), "history": self.history, "train_config": asdict(self.cfg),
+        }, tmp / "trainer_state.pt")
+        _fsync_dir_files(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write(self.ckpt_root / "latest", final.name + "\n")
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint; temporary directories of interrupted saves are never considered."""
+        pointer = self.ckpt_root / "latest"
+        if pointer.is_file():
+            p = self.ckpt_root / pointer.read_text().strip()
+            if (p / "trainer_state.pt").is_file():
+                return p
+        done = sorted(p for p in self.ckpt_root.glob("step_*") if (p / "trainer_state.pt").is_file())
+        return done[-1] if done else None
+
+    def load_checkpoint(self, path: Path) -> None:
+        from k3.checkpoint.hf import load_pretrained
+
+        loaded = load_pretrained(path, device=self.device)
+        self.model.load_state_dict(loaded.state_dict())
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        self.step, self.history = state["step"], state["history"]
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, max_batches: int | None = None) -> float:
+        """Mean validation cross-entropy (nats/token) over the first max_batches batches (all when None)."""
+        self.model.eval()
+        total, count = 0.0, 0
+        for b in self.val_batches[:max_batches]:
+            b = {k: v.to(self.device) for k, v in b.items()}
+            with self.autocast or _null():
+                logits = self.model(b["input_ids"], doc_ids=b["doc_ids"]).logits
+            n = int((b["labels"] != -100).sum())
+            if n:
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten(),
+                                                         ignore_index=-100, reduction="sum")
+                total, count = total + float(loss), count + n
+        self.model.train()
+        return total / max(count, 1)
+
+    def sample(self, max_new_tokens: int | None = None, seed: int = 0) -> str:
+        ids = self.tokenizer.encode(self.cfg.sample_prompt, add_bos=True)
+        out = self.model.generate(ids, max_new_tokens=max_new_tokens or self.cfg.sample_tokens, temperature=0.8,
+                                  top_k=50, seed=seed, eos_token_id=self.tokenizer.eos_id)
+        return self.tokenizer.decode(out[0].tolist(), skip_special_tokens=True)
+
+    def unigram_baseline(self) -> float:
+        eos = [self.tokenizer.eos_id]
+        flat = lambda docs: [t for d in docs for t in list(d) + eos]
+        return unigram_cross_entropy(flat(self.train_ids), flat(self.val_ids), self.tokenizer.vocab_size)
+
+    # ---- training -----------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr_mult = wsd_multiplier(self.step, cfg.max_steps, cfg.warmup_steps, cfg.decay_fraction)
+        apply_lr(self.optimizer, lr_mult)
+        loss_sum, tokens = 0.0, 0
+        for _ in range(cfg.grad_accum):
+            b = {k: v.to(self.device) for k, v in self.loader.next_batch().items()}
+            with self.autocast or _null():
+                out = self.model(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"])
+            (out.loss / cfg.grad_accum).backward()
+            self.balancer.observe()
+            loss_sum += float(out.loss.detach())
+            tokens += b["input_ids"].numel()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        bal = self.balancer.step()  # the new bias is first used by the next step's batches
+        self.step += 1
+        dt = time.perf_counter() - t0
+        rec = {"step": self.step, "loss": loss_sum / cfg.grad_accum, "lr": self.optimizer.param_groups[0]["lr"],
+               "grad_norm": grad_norm, "tokens_per_s": tokens / dt, "maxvio": bal["maxvio_mean"],
+               "maxvio_layers": bal["maxvio"], "load": bal["load"], "epoch": self.loader.epoch}
+        return rec
+
+    def run(self) -> dict:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        if cfg.resume:
+            ckpt = self.latest_checkpoint() if self.ckpt_root.exists() else None
+            if ckpt is None:
+                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.ckpt_root}")
+            self.load_checkpoint(ckpt)
+            self.log(f"resumed from {ckpt} at step {self.step}")
+        else:
+            for stale in (self.out / "metrics.jsonl",):
+                stale.unlink(missing_ok=True)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.log(f"k3 train: preset {cfg.preset} ({n_params / 1e6:.2f}M parameters), {self.device}, "
+                 f"optimizer {cfg.optimizer}, balance {cfg.balance}, batch {cfg.batch_size}x{cfg.seq_len}"
+                 f"x{cfg.grad_accum}, {cfg.max_steps} steps, out {self.out}")
+        metrics_f = open(self.out / "metrics.jsonl", "a")
+        start = time.perf_counter()
+        stopped_early = False
+        bar = tqdm(total=cfg.max_steps, initial=self.step, dynamic_ncols=True, desc="train")
+        try:
+            while self.step < cfg.max_steps:
+                rec = self.train_step()
+                if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
+                    rec["val_loss"] = self.evaluate(cfg.eval_batches)
+                    rec["val_ppl"] = math.exp(rec["val_loss"])
+                    rec["sample"] = self.sample()
+                    bar.write(f"step {self.step}: val loss {rec['val_loss']:.3f} (ppl {rec['val_ppl']:.1f}) | "
+                              f"{rec['sample']!r}")
+                self.history.append({k: v for k, v in rec.items() if k not in ("load", "maxvio_layers")})
+                metrics_f.write(json.dumps(rec) + "\n")
+                metrics_f.flush()
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                lr=f"{rec['lr']:.2e}", maxvio=f"{rec['maxvio']:.2f}")
+                bar.update(1)
+                if self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                    self.save_checkpoint()
+                if cfg.time_budget is not None and time.perf_counter() - start > cfg.time_budget:
+                    stopped_early = True
+                    bar.write(f"time budget of {cfg.time_budget:.0f} s reached at step {self.step}")
+                    break
+        finally:
+            bar.close()
+            metrics_f.close()
+        final = self.save_checkpoint()
+        return self.finish(final, stopped_early, last=rec if self.history else None)
+
+    def finish(self, ckpt: Path, stopped_early: bool, last: dict | None) -> dict:
+        """Full validation pass, baseline, plots, the exported model and summary.json."""
+        from k3.train.plots import plot_run
+
+        val = self.evaluate()
+        base = self.unigram_baseline()
+        model_dir = self.out / "model"
+        tmp = self.out / ".tmp-model"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(ckpt, tmp, ignore=shutil.ignore_patterns("trainer_state.pt"))
+        shutil.rmtree(model_dir, ignore_errors=True)
+        os.replace(tmp, model_dir)
+        summary = {
+            "steps": self.step, "stopped_early": stopped_early, "val_loss": val, "val_ppl": math.exp(val),
+            "unigram_baseline": base, "gain_over_unigram": base - val,
+            "maxvio_mean_last": last["maxvio"] if last else None,
+            "maxvio_layers_last": last["maxvio_layers"] if last else None,
+            "balance": self.cfg.balance, "model_dir": str(model_dir), "checkpoint": str(ckpt),
+            "sample": self.sample(64),
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        plot_run(self.out / "metrics.jsonl", self.out)
+        return summary
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir_files(d: Path) -> None:
+    for p in d.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def train_config_from_dict(d: dict) -> TrainConfig:
+    known = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in d.items() if k in known})
