@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -119,9 +120,14 @@ class K3Config:
                      "num_experts_per_token", "moe_intermediate_size", "routed_expert_hidden_size",
                      "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
                      "attn_res_block_size", "moe_layer_freq"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, name, "must be a positive integer")
+            need(_is_int(getattr(self, name)) and getattr(self, name) > 0, name, "must be a positive integer")
         for name in ("qk_rope_head_dim", "num_shared_experts", "first_k_dense_replace"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
+            need(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")
+        # Real-valued fields are type-checked first so that a JSON string or null names its field instead of
+        # failing later as "'>' not supported between 'str' and 'int'".
+        for name in ("activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps", "routed_scaling_factor",
+                     "linear_attn_config.gate_lower_bound"):
+            need(_is_real(getattr_path(self, name)), name, "must be a finite number")
         need(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
              f"must be <= num_experts ({self.num_experts})")
         need(self.num_key_value_heads == self.num_attention_heads, "num_key_value_heads",
@@ -138,18 +144,18 @@ class K3Config:
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         need(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be > 0")
         la = self.linear_attn_config
-        need(isinstance(la.num_heads, int) and la.num_heads > 0, "linear_attn_config.num_heads", "must be a positive integer")
-        need(isinstance(la.head_dim, int) and la.head_dim > 0, "linear_attn_config.head_dim", "must be a positive integer")
-        need(isinstance(la.short_conv_kernel_size, int) and la.short_conv_kernel_size >= 1,
+        need(_is_int(la.num_heads) and la.num_heads > 0, "linear_attn_config.num_heads", "must be a positive integer")
+        need(_is_int(la.head_dim) and la.head_dim > 0, "linear_attn_config.head_dim", "must be a positive integer")
+        need(_is_int(la.short_conv_kernel_size) and la.short_conv_kernel_size >= 1,
              "linear_attn_config.short_conv_kernel_size", "must be an integer >= 1")
         need(la.gate_lower_bound < 0, "linear_attn_config.gate_lower_bound", "must be < 0 (the decay gate lies in (lower_bound, 0))")
         need(la.use_full_rank_gate, "linear_attn_config.use_full_rank_gate", "only true is supported")
         L = self.num_hidden_layers
+        for name in ("full_attn_layers", "kda_layers"):
+            layers = getattr(la, name)
+            need(isinstance(layers, (list, tuple)) and all(_is_int(x) and 1 <= x <= L for x in layers),
+                 f"linear_attn_config.{name}", f"a list of 1-indexed layer numbers in 1..{L}")
         full, kda = set(la.full_attn_layers), set(la.kda_layers)
-        need(all(isinstance(x, int) and 1 <= x <= L for x in full), "linear_attn_config.full_attn_layers",
-             f"1-indexed layer numbers in 1..{L}")
-        need(all(isinstance(x, int) and 1 <= x <= L for x in kda), "linear_attn_config.kda_layers",
-             f"1-indexed layer numbers in 1..{L}")
         need(not (full & kda) and (full | kda) == set(range(1, L + 1)), "linear_attn_config.kda_layers",
              "together with full_attn_layers, every layer 1..num_hidden_layers exactly once")
 
@@ -232,6 +238,14 @@ class K3Config:
             return _scaled(num_layers=16, hidden=1536, heads=12, head_dim=128, vocab=32768, dense_inter=6144,
                            experts=64, topk=8, expert_inter=512, q_lora=384, kv_lora=256, rope=64, block=4)
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(cls.PRESETS)}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def getattr_path(obj, dotted: str):

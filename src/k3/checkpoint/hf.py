@@ -93,7 +93,9 @@ def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None):
                     skipped_vision += 1
                     continue
                 name, expert, kind = parse_name(raw)
-                if name not in targets:
+                # An expert index beyond num_experts is as unexpected as an unknown name (and would otherwise
+                # surface as an IndexError from targets[name][expert]).
+                if name not in targets or (expert is not None and expert >= targets[name].shape[0]):
                     problems.append(f"unexpected tensor {raw}")
                     continue
                 if kind not in (None, "weight"):
@@ -104,6 +106,8 @@ def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None):
                 except (SafetensorError, OSError, RuntimeError) as e:
                     raise CheckpointError(f"corrupt shard {f}: cannot read {raw}: {e}") from None
                 dst = targets[name] if expert is None else targets[name][expert]
+                # The tensor is present: even when it is rejected below, it must not be reported as missing too.
+                seen[name].add(expert)
                 if name.endswith("A_log"):
                     want = (a_log_len(dst.shape[0]),)
                     if tuple(t.shape) != want:
@@ -118,7 +122,6 @@ def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None):
                     continue
                 with torch.no_grad():
                     dst.copy_(t)
-                seen[name].add(expert)
     for name, t in targets.items():
         is_expert = name.endswith((".w1", ".w2", ".w3")) and ".experts." in name
         want = set(range(t.shape[0])) if is_expert else {None}

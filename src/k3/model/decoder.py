@@ -74,6 +74,14 @@ class K3Model(nn.Module):
         return self.norm(h)
 
 
+def contiguous_segments(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] document ids → a segment counter that changes exactly where the id changes, so that every op
+    (attention masks by equality, KDA and conv split at changes) sees the same documents even when an id repeats."""
+    change = torch.zeros_like(doc_ids)
+    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(doc_ids.dtype)
+    return change.cumsum(1)
+
+
 class K3ForCausalLM(nn.Module):
     """Kimi K3's text model. Parameter names are the released checkpoint's (without `language_model.`)."""
 
@@ -117,6 +125,8 @@ class K3ForCausalLM(nn.Module):
         cache: a K3Cache to continue from and update (decode / chunked prefill). labels: [B, T], −100 = ignore.
         mask: [B, T] bool, False marks padding (kept out of the balancing statistics)."""
         self._check_inputs(input_ids, doc_ids, cache, labels, mask)
+        if doc_ids is not None:
+            doc_ids = contiguous_segments(doc_ids)
         h = self.model(input_ids, doc_ids=doc_ids, cache=cache, mask=mask)
         logits = self.lm_head(h)
         if cache is not None:

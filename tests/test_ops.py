@@ -1,0 +1,241 @@
+"""Numerical ops against independent references: SiTU-GLU, RMSNorm, short causal conv, causal attention,
+and the two routed-expert GEMM paths."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.ops.attention import causal_attention
+from k3.ops.conv import short_conv
+from k3.ops.grouped_mm import expert_situ_mlp_grouped, expert_situ_mlp_loop
+from k3.ops.norm import rms_norm
+from k3.ops.situ import situ_glu
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """The tensors here are tiny, so intra-op threads buy nothing; on a shared 2-core machine OpenMP's
+    spin-waiting under contention turned a 0.3 s test into 30 s. Restored afterwards for other modules."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- SiTU-GLU ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_situ_is_bounded_by_100_and_finite_for_huge_inputs(dtype):
+    big = torch.tensor([1e6, -1e6, 1e30, -1e30, 3e4, -3e4, float("inf"), float("-inf")])
+    g, u = torch.meshgrid(big, big, indexing="ij")
+    h = situ_glu(g.to(dtype), u.to(dtype)).double()
+    assert torch.isfinite(h).all()
+    assert h.abs().max() <= 100.0
+    # the bound is reached: large positive gate and up saturate both tanh's and the sigmoid
+    assert h.max() == pytest.approx(100.0, rel=1e-2)
+
+
+def test_situ_random_inputs_stay_in_bound():
+    x = torch.randn(2, 4096, generator=gen(1), dtype=torch.float64) * 1e3
+    assert situ_glu(x[0], x[1]).abs().max() <= 100.0
+
+
+def test_situ_equals_swiglu_to_first_order_near_zero():
+    # β tanh(x/β) = x − x³/(3β²) + …, so with g, u = O(s):  h = silu(g)·u·(1 + O(s²)).
+    # silu(g)·u is O(s²), hence the absolute gap is O(s⁴) and the ratio h / SwiGLU is 1 + O(s²).
+    g0 = torch.randn(512, generator=gen(2), dtype=torch.float64)
+    u0 = torch.randn(512, generator=gen(3), dtype=torch.float64)
+    abs_err, rel_err = [], []
+    for s in (1e-1, 5e-2, 2.5e-2, 1.25e-2):
+        g, u = s * g0, s * u0
+        swiglu = F.silu(g) * u
+        h = situ_glu(g, u)
+        abs_err.append((h - swiglu).abs().max().item())
+        rel_err.append((h / swiglu - 1).abs().max().item())
+    assert rel_err[-1] < 1e-3  # the ratio goes to 1
+    for a, b in zip(abs_err, abs_err[1:]):
+        assert 13 < a / b < 19  # halving the scale divides the gap by ~16
+    for a, b in zip(rel_err, rel_err[1:]):
+        assert 3.3 < a / b < 4.7  # ... and the relative gap by ~4
+
+
+def _situ_scalar(g: float, u: float, b1: float, b2: float) -> float:
+    sig = 1.0 / (1.0 + math.exp(-g)) if g >= 0 else math.exp(g) / (1.0 + math.exp(g))
+    return b1 * math.tanh(g / b1) * sig * b2 * math.tanh(u / b2)
+
+
+@pytest.mark.parametrize("seed,betas", [(4, (4.0, 25.0)), (5, (2.0, 7.0))])
+def test_situ_matches_scalar_float64_formula(seed, betas):
+    g = torch.randn(300, generator=gen(seed), dtype=torch.float64) * 8
+    u = torch.randn(300, generator=gen(seed + 100), dtype=torch.float64) * 40
+    ref = torch.tensor([_situ_scalar(a, b, *betas) for a, b in zip(g.tolist(), u.tolist())], dtype=torch.float64)
+    torch.testing.assert_close(situ_glu(g, u, *betas), ref, rtol=1e-12, atol=1e-12)
+    # float32 input: computed in float32, returned as float32
+    h32 = situ_glu(g.float(), u.float(), *betas)
+    assert h32.dtype == torch.float32
+    torch.testing.assert_close(h32.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_situ_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="same shape"):
+        situ_glu(torch.zeros(3), torch.zeros(4))
+
+
+# ---- RMSNorm -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed,eps", [(6, 1e-5), (7, 1e-2)])
+def test_rms_norm_matches_direct_formula(seed, eps):
+    x = torch.randn(3, 5, 64, generator=gen(seed), dtype=torch.float64) * 3
+    w = torch.randn(64, generator=gen(seed + 1), dtype=torch.float64)
+    ref = torch.empty_like(x)
+    for idx in torch.cartesian_prod(torch.arange(3), torch.arange(5)).tolist():
+        v = x[idx[0], idx[1]]
+        ref[idx[0], idx[1]] = w * v / math.sqrt(float((v * v).sum()) / 64 + eps)
+    torch.testing.assert_close(rms_norm(x, w, eps), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rms_norm(x, None, eps), ref / w, rtol=1e-10, atol=1e-10)
+
+
+def test_rms_norm_bf16_input_is_computed_in_float32():
+    x = torch.randn(4, 256, generator=gen(8)) * 10
+    w = torch.rand(256, generator=gen(9)) + 0.5
+    xb = x.bfloat16()
+    y = rms_norm(xb, w, 1e-5)
+    assert y.dtype == torch.bfloat16
+    ref = rms_norm(xb.float(), w, 1e-5).bfloat16()  # fp32 compute, one rounding at the end
+    assert torch.equal(y, ref)
+
+
+# ---- short causal conv -----------------------------------------------------------------------------------------
+def conv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise conv over the input padded on the left with W−1 zeros. x: [B, T, C]."""
+    W = weight.shape[-1]
+    return F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight, groups=x.shape[-1]).transpose(1, 2)
+
+
+@pytest.mark.parametrize("seed,W,T", [(10, 4, 9), (11, 4, 1), (12, 2, 7), (13, 1, 5), (14, 5, 3)])
+def test_short_conv_matches_conv1d(seed, W, T):
+    g = gen(seed)
+    x = torch.randn(2, T, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(6, 1, W, generator=g, dtype=torch.float64)
+    y, tail = short_conv(x, w)
+    torch.testing.assert_close(y, conv_reference(x, w), rtol=1e-12, atol=1e-12)
+    assert tail.shape == (2, W - 1, 6)
+
+
+@pytest.mark.parametrize("seed,split", [(15, 1), (16, 2), (17, 5), (18, 9)])
+def test_short_conv_carried_tail_equals_one_pass(seed, split):
+    g = gen(seed)
+    x = torch.randn(2, 10, 5, generator=g, dtype=torch.float64)
+    w = torch.randn(5, 1, 4, generator=g, dtype=torch.float64)
+    whole, whole_tail = short_conv(x, w)
+    ya, tail = short_conv(x[:, :split], w)
+    yb, tail_b = short_conv(x[:, split:], w, tail)
+    torch.testing.assert_close(torch.cat([ya, yb], 1), whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tail_b, whole_tail, rtol=0, atol=0)
+
+
+def test_short_conv_token_by_token_equals_one_pass():
+    g = gen(19)
+    x = torch.randn(1, 7, 3, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 1, 4, generator=g, dtype=torch.float64)
+    tail, ys = None, []
+    for t in range(7):
+        y, tail = short_conv(x[:, t:t + 1], w, tail)
+        ys.append(y)
+    torch.testing.assert_close(torch.cat(ys, 1), conv_reference(x, w), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed,lengths", [(20, [4, 6]), (21, [1, 2, 7]), (22, [10])])
+def test_short_conv_doc_ids_equal_separate_documents(seed, lengths):
+    g = gen(seed)
+    T = sum(lengths)
+    x = torch.randn(2, T, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 1, 4, generator=g, dtype=torch.float64)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, T)
+    y, _ = short_conv(x, w, doc_ids=doc)
+    parts, start = [], 0
+    for n in lengths:
+        parts.append(conv_reference(x[:, start:start + n], w))
+        start += n
+    torch.testing.assert_close(y, torch.cat(parts, 1), rtol=1e-12, atol=1e-12)
+
+
+def test_short_conv_float32_weights_with_bf16_input():
+    x = torch.randn(1, 6, 8, generator=gen(23)).bfloat16()
+    w = torch.randn(8, 1, 4, generator=gen(24))
+    y, tail = short_conv(x, w)
+    assert y.dtype == torch.bfloat16 and tail.dtype == torch.float32
+    torch.testing.assert_close(y.float(), conv_reference(x.float(), w), rtol=1e-2, atol=1e-2)
+
+
+# ---- causal attention ------------------------------------------------------------------------------------------
+def attention_reference(q, k, v, scale):
+    """Explicit causal softmax attention, per head. q, k: [B, T, H, D], v: [B, T, H, V]."""
+    T = q.shape[1]
+    s = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhts,bshv->bthv", torch.softmax(s, -1), v)
+
+
+@pytest.mark.parametrize("seed,T,D,V", [(30, 1, 8, 8), (31, 7, 12, 6), (32, 16, 24, 16)])
+def test_causal_attention_matches_softmax_reference(seed, T, D, V):
+    g = gen(seed)
+    q = torch.randn(2, T, 3, D, generator=g, dtype=torch.float64)
+    k = torch.randn(2, T, 3, D, generator=g, dtype=torch.float64)
+    v = torch.randn(2, T, 3, V, generator=g, dtype=torch.float64)
+    scale = D ** -0.5
+    torch.testing.assert_close(causal_attention(q, k, v, scale), attention_reference(q, k, v, scale),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed,lengths", [(33, [3, 5]), (34, [1, 4, 2])])
+def test_causal_attention_doc_ids_equal_separate_runs(seed, lengths):
+    g = gen(seed)
+    T = sum(lengths)
+    q, k, v = (torch.randn(2, T, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, T)
+    out = causal_attention(q, k, v, 0.3, doc_ids=doc)
+    parts, start = [], 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        parts.append(attention_reference(q[:, sl], k[:, sl], v[:, sl], 0.3))
+        start += n
+    torch.testing.assert_close(out, torch.cat(parts, 1), rtol=1e-12, atol=1e-12)
+
+
+# ---- routed-expert GEMMs ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed,counts,D,I", [
+    (40, [3, 0, 7, 0, 2], 16, 24),
+    (41, [0, 0, 5], 8, 8),
+    (42, [1, 1, 1, 1, 1, 1, 1, 1], 32, 16),
+    (43, [20, 0], 12, 4),
+])
+def test_grouped_expert_mlp_matches_loop(seed, counts, D, I):
+    g = gen(seed)
+    E, S = len(counts), sum(counts)
+    x = torch.randn(S, D, generator=g, requires_grad=True)
+    w1 = (torch.randn(E, I, D, generator=g) * 0.3).requires_grad_()
+    w3 = (torch.randn(E, I, D, generator=g) * 0.3).requires_grad_()
+    w2 = (torch.randn(E, D, I, generator=g) * 0.3).requires_grad_()
+    ref = expert_situ_mlp_loop(x, counts, w1, w3, w2)
+    out = expert_situ_mlp_grouped(x, torch.tensor(counts), w1, w3, w2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the loop itself against a per-row formula, so that both paths are pinned to the definition
+    e_of_row = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    for r in range(S):
+        e = int(e_of_row[r])
+        h = situ_glu(w1[e] @ x[r], w3[e] @ x[r])
+        torch.testing.assert_close(ref[r], w2[e] @ h, rtol=1e-5, atol=1e-5)
+    # gradients: _grouped_mm's backward wants a dense upstream gradient
+    up = torch.randn(out.shape, generator=g)
+    g_ref = torch.autograd.grad(ref, (x, w1, w3, w2), up)
+    g_out = torch.autograd.grad(out, (x, w1, w3, w2), up)
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # experts without tokens get exactly zero gradient
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert g_out[1][e].abs().max() == 0 and g_out[3][e].abs().max() == 0
