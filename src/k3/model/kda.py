@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import KDAState
+from k3.model.cache import BatchCacheView, KDAState
 from k3.model.norm import RMSNorm
 from k3.ops.conv import short_conv
 from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
@@ -18,6 +18,35 @@ def doc_ids_to_cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
     start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     idx = start.flatten().nonzero().flatten()
     return torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int64)
+
+
+def short_conv_varlen(x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor,
+                      cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv` over S sequences flattened into one row, each continuing from its own tail.
+
+    x: [N, C]; weight: [C, 1, W]; tails: [S, W−1, C]; cu_seqlens: [S+1] with every sequence non-empty.
+    Returns (y [N, C] in x's dtype, new tails [S, W−1, C] in the compute dtype).
+    """
+    N, C = x.shape
+    S, W = tails.shape[0], weight.shape[-1]
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    lens = cu_seqlens.diff()
+    seg = torch.repeat_interleave(torch.arange(S, device=x.device), lens)
+    # One buffer holding every tail then every new input; each tap of each token is one gather from it.
+    buf = torch.cat([tails.to(dt).reshape(S * (W - 1), C), x.to(dt)])
+
+    def index(seq, local):  # position `local` in [tail_s ; x_s] (tail occupies −(W−1)…−1)
+        in_x = local >= 0
+        return torch.where(in_x, S * (W - 1) + cu_seqlens[seq] + local.clamp(min=0),
+                           seq * (W - 1) + (W - 1) + local.clamp(max=-1))
+
+    local = torch.arange(N, device=x.device) - cu_seqlens[seg]
+    taps = torch.arange(W, device=x.device) - (W - 1)  # reads x[t − (W−1) + j]
+    win = buf[index(seg[:, None], local[:, None] + taps)]  # [N, W, C]
+    y = torch.einsum("nwc,cw->nc", win, weight[:, 0, :].to(dt))
+    last = lens[:, None] + torch.arange(-(W - 1), 0, device=x.device)  # [S, W−1]
+    new_tails = buf[index(torch.arange(S, device=x.device)[:, None], last)]
+    return y.to(x.dtype), new_tails
 
 
 class ShortConv(nn.Module):
@@ -57,6 +86,8 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """x: [B, T, D] (already normalised). `cache` is the model's K3Cache (state read and written in place)."""
+        if isinstance(cache, BatchCacheView):
+            return self._forward_varlen(x, cache)
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         st = cache.layers[self.layer_idx] if cache is not None else None
@@ -83,3 +114,43 @@ class KimiDeltaAttention(nn.Module):
 
         o = self.o_norm(o) * torch.sigmoid(self.g_proj(x).view(B, T, H, K).to(o.dtype))
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+
+    def _forward_varlen(self, x: torch.Tensor, cache: BatchCacheView) -> torch.Tensor:
+        """x: [1, N, D], S sequences laid out by cache.cu_seqlens; each continues from its own state.
+        One-token sequences (decodes) take the recurrent step, longer ones the chunked form, like K3Cache."""
+        N, H, K = x.shape[1], self.num_heads, self.head_dim
+        cu = cache.cu_seqlens
+        st = cache.kda_state(self.layer_idx)
+        x2 = x[0]
+        q, tq = short_conv_varlen(self.q_proj(x2), self.q_conv1d.weight, st.conv_q, cu)
+        k, tk = short_conv_varlen(self.k_proj(x2), self.k_conv1d.weight, st.conv_k, cu)
+        v, tv = short_conv_varlen(self.v_proj(x2), self.v_conv1d.weight, st.conv_v, cu)
+        q = l2_norm(F.silu(q).view(N, H, K))
+        k = l2_norm(F.silu(k).view(N, H, K))
+        v = F.silu(v).view(N, H, K)
+        beta = torch.sigmoid(self.b_proj(x2).float() if x.dtype != torch.float64 else self.b_proj(x2))
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x2)).view(N, H, K), self.A_log, self.dt_bias, self.lower_bound)
+
+        lens = cu.diff()
+        one = lens == 1
+        o = v.new_empty(N, H, K)
+        state = st.state.clone()
+        if bool(one.any()):  # decodes: a batch of single steps
+            rows = one.nonzero().flatten()
+            t = cu[:-1][rows]
+            od, sd = kda_recurrent(q[t, None], k[t, None], v[t, None], g[t, None], beta[t, None],
+                                   initial_state=st.state[rows], output_final_state=True)
+            o[t] = od[:, 0].to(o.dtype)
+            state[rows] = sd.to(state.dtype)
+        if not bool(one.all()):  # prefill chunks: one packed row
+            rows = (~one).nonzero().flatten()
+            sub_lens = lens[rows]
+            t = torch.cat([torch.arange(int(cu[r]), int(cu[r + 1]), device=x.device) for r in rows.tolist()])
+            sub_cu = torch.cat([sub_lens.new_zeros(1), sub_lens.cumsum(0)])
+            op, sp = kda_chunk(q[None, t], k[None, t], v[None, t], g[None, t], beta[None, t],
+                               initial_state=st.state[rows], output_final_state=True, cu_seqlens=sub_cu)
+            o[t] = op[0].to(o.dtype)
+            state[rows] = sp.to(state.dtype)
+        cache.set_kda_state(self.layer_idx, KDAState(state, tq, tk, tv))
+        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x2).view(N, H, K).to(o.dtype))
+        return self.o_proj(o.reshape(1, N, H * K).to(x.dtype))

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import MLAState
+from k3.model.cache import BatchCacheView, MLAState
 from k3.model.norm import RMSNorm
 from k3.ops.attention import causal_attention
 
@@ -34,7 +34,9 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, self.nope + self.rope)
         latent, k_extra = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        if cache is None:
+        if isinstance(cache, BatchCacheView):
+            o = self._attend_varlen(q, latent, k_extra, cache)
+        elif cache is None:
             k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
             k = torch.cat([k_nope, k_extra[:, :, None, :].expand(B, T, H, self.rope)], dim=-1)
             o = causal_attention(q, k, v, self.scale, doc_ids)
@@ -48,10 +50,32 @@ class MultiHeadLatentAttention(nn.Module):
         o = o.reshape(B, T, H * self.v_dim) * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
 
-    def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor) -> torch.Tensor:
+    def _attend_varlen(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
+                       cache: BatchCacheView) -> torch.Tensor:
+        """q: [1, N, H, nope+rope] of S sequences laid out by cache.cu_seqlens → o [1, N, H, v_dim].
+        Decodes (one token) attend as one batch, each longer chunk on its own, so padding stays small."""
+        cache.mla_append(self.layer_idx, latent[0], k_extra[0])
+        cu = cache.cu_seqlens
+        lens = cu.diff()
+        o = q.new_empty(q.shape[1], self.num_heads, self.v_dim)
+        one = lens == 1
+        if bool(one.any()):
+            rows = one.nonzero().flatten()
+            lat, kx, kv_len = cache.mla_context(self.layer_idx, rows)
+            t = cu[:-1][rows]
+            o[t] = self.absorbed_attention(q[0, t, None], lat, kx, kv_len=kv_len)[:, 0]
+        for r in (~one).nonzero().flatten().tolist():
+            lat, kx, kv_len = cache.mla_context(self.layer_idx, torch.tensor([r], device=q.device))
+            a, b = int(cu[r]), int(cu[r + 1])
+            o[a:b] = self.absorbed_attention(q[:, a:b], lat[:, :int(kv_len[0])], kx[:, :int(kv_len[0])])[0]
+        return o[None]
+
+    def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
+                           kv_len: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the T newest queries over S cached latents, with W_kvb folded into q and the output.
 
-        q: [B, T, H, nope+rope]; latent: [B, S, R]; k_extra: [B, S, rope]. Query t sits at position S−T+t.
+        q: [B, T, H, nope+rope]; latent: [B, S, R]; k_extra: [B, S, rope]. Query t sits at position S−T+t,
+        or at kv_len[b]−T+t when kv_len [B] gives each row's true length (rows padded to S).
         """
         B, T, H, _ = q.shape
         S = latent.shape[1]
@@ -61,8 +85,12 @@ class MultiHeadLatentAttention(nn.Module):
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
         scores = torch.einsum("bthr,bsr->bhts", q_lat, latent) + torch.einsum("bthe,bse->bhts", q_extra, k_extra)
         scores = scores.float() if scores.dtype != torch.float64 else scores
-        pos = torch.arange(S - T, S, device=q.device)
-        mask = torch.arange(S, device=q.device)[None, :] <= pos[:, None]  # [T, S]
+        if kv_len is None:
+            pos = torch.arange(S - T, S, device=q.device)
+            mask = torch.arange(S, device=q.device)[None, :] <= pos[:, None]  # [T, S]
+        else:
+            pos = kv_len[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
+            mask = (torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
         attn = torch.softmax((scores * self.scale).masked_fill(~mask, float("-inf")), dim=-1).to(latent.dtype)
         ctx = torch.einsum("bhts,bsr->bthr", attn, latent)
         return torch.einsum("bthr,hvr->bthv", ctx, w_uv)

@@ -6,6 +6,7 @@ from k3.config import K3Config
 from k3.model.mlp import SiTUMLP
 from k3.model.norm import RMSNorm
 from k3.ops.grouped_mm import expert_situ_mlp
+from k3.ops.mx_experts import packed_expert_situ_mlp, qat_expert_situ_mlp
 
 
 class Router(nn.Module):
@@ -25,6 +26,8 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, latent))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent, intermediate))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent))
+        # True after k3.ops.mx_experts.pack_experts_: uint8 buffers w*_packed, w*_scale replace w1..w3 (MXFP4).
+        self.packed = False
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True, scale: float = 1.0):
@@ -53,6 +56,8 @@ class LatentMoE(nn.Module):
         # Router scores of the last training forward, for the load balancer (k3.balance); never used at inference.
         self.last_scores: torch.Tensor | None = None
         self.last_mask: torch.Tensor | None = None
+        # MXFP4 weights / MXFP8 activations fake-quantized in the expert GEMMs (k3.ops.mx_experts.enable_qat).
+        self.qat = False
 
     def router_scores(self, x: torch.Tensor) -> torch.Tensor:
         """Sigmoid router in fp32 (fp64 stays fp64). x: [N, D] → [N, E]."""
@@ -85,6 +90,11 @@ class LatentMoE(nn.Module):
         token = order // k
         counts = torch.bincount(flat, minlength=self.num_experts)
         e = self.experts
-        y = expert_situ_mlp(z[token], counts, e.w1, e.w3, e.w2, *self.betas)
+        if e.packed:
+            y = packed_expert_situ_mlp(z[token], counts, e, *self.betas, quantize_activations=self.qat)
+        elif self.qat:
+            y = qat_expert_situ_mlp(z[token], counts, e.w1, e.w3, e.w2, *self.betas)
+        else:
+            y = expert_situ_mlp(z[token], counts, e.w1, e.w3, e.w2, *self.betas)
         y = y * w.flatten()[order, None]
         return torch.zeros_like(z).index_add_(0, token, y)

@@ -48,6 +48,10 @@ class TrainConfig:
     sample_tokens: int = 48
     device: str = "auto"
     resume: bool = False
+    dp: int = 1  # k3.parallel: data × context parallel ranks (torchrun), experts sharded over ep of them
+    ep: int = 1
+    cp: int = 1
+    qat: bool = False  # MXFP4 expert weights / MXFP8 expert activations fake-quantized (k3.ops.mx_experts)
 
     def validate(self) -> None:
         def need(cond, name, allowed):
@@ -111,8 +115,18 @@ class Trainer:
             vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
         self.model = K3ForCausalLM(self.model_config).to(self.device)
         self.model.reset_parameters(seed=cfg.seed)
+        if cfg.qat:
+            from k3.ops.mx_experts import enable_qat
+            enable_qat(self.model)
+        self.dist = None  # k3.parallel.training.DistributedTraining when running on several processes
+        if cfg.dp * cfg.cp > 1 or cfg.ep > 1:
+            from k3.parallel.training import DistributedTraining
+            self.dist = DistributedTraining(self.model, cfg.dp, cfg.ep, cfg.cp, cfg.seq_len)
+            if not self.dist.is_main:
+                self.log = lambda *a, **k: None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.balancer = ExpertBalancer(self.model, mode=cfg.balance)
+        self.balancer = ExpertBalancer(self.model, mode=cfg.balance,
+                                       all_reduce=self.dist.all_reduce_counts if self.dist else None)
         self.step = 0
         self.history: list[dict] = []
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
@@ -124,11 +138,17 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Writes checkpoints/step_N atomically: a temporary directory renamed into place, then `latest`."""
-        self.ckpt_root.mkdir(parents=True, exist_ok=True)
         final = self.ckpt_root / f"step_{self.step:06d}"
+        model = self.model
+        if self.dist:  # gather the experts (every rank), write on rank 0 only
+            model = self.dist.full_model()
+            if not self.dist.is_main:
+                self.dist.barrier()
+                return final
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
         tmp = self.ckpt_root / f".tmp-step_{self.step:06d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp, dtype=None)  # float32 master weights: resume must be exact
+        model.save_pretrained(tmp, dtype=None)  # float32 master weights: resume must be exact
         self.tokenizer.backend.save(str(tmp / "tokenizer.json"))
         torch.save({
             "step": self.step, "optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(),
@@ -139,6 +159,8 @@ class Trainer:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _atomic_write(self.ckpt_root / "latest", final.name + "\n")
+        if self.dist:
+            self.dist.barrier()
         return final
 
     def latest_checkpoint(self) -> Path | None:
@@ -170,6 +192,11 @@ class Trainer:
         total, count = 0.0, 0
         for b in self.val_batches[:max_batches]:
             b = {k: v.to(self.device) for k, v in b.items()}
+            if self.dist:
+                with self.autocast or _null():
+                    s, n = self.dist.eval_sums(b)
+                total, count = total + s, count + n
+                continue
             with self.autocast or _null():
                 logits = self.model(b["input_ids"], doc_ids=b["doc_ids"]).logits
             n = int((b["labels"] != -100).sum())
@@ -181,6 +208,8 @@ class Trainer:
         return total / max(count, 1)
 
     def sample(self, max_new_tokens: int | None = None, seed: int = 0) -> str:
+        if self.dist and self.cfg.cp > 1:
+            return "(no sample: decoding does not run under context parallelism)"
         ids = self.tokenizer.encode(self.cfg.sample_prompt, add_bos=True)
         out = self.model.generate(ids, max_new_tokens=max_new_tokens or self.cfg.sample_tokens, temperature=0.8,
                                   top_k=50, seed=seed, eos_token_id=self.tokenizer.eos_id)
@@ -201,12 +230,17 @@ class Trainer:
         for _ in range(cfg.grad_accum):
             b = {k: v.to(self.device) for k, v in self.loader.next_batch().items()}
             with self.autocast or _null():
-                out = self.model(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"])
+                out = (self.dist or self.model)(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"])
             (out.loss / cfg.grad_accum).backward()
             self.balancer.observe()
             loss_sum += float(out.loss.detach())
             tokens += b["input_ids"].numel()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        if self.dist:
+            self.dist.sync_gradients()
+            grad_norm = self.dist.clip_grad_norm_(cfg.grad_clip)
+            loss_sum = self.dist.global_sum(loss_sum)
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         bal = self.balancer.step()  # the new bias is first used by the next step's batches
@@ -222,6 +256,8 @@ class Trainer:
 
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
+        if cfg.resume and self.dist:
+            raise ValueError("--resume is not supported for multi-process runs yet (optimizer state is per rank)")
         if cfg.resume:
             ckpt = self.latest_checkpoint() if self.ckpt_root.exists() else None
             if ckpt is None:
@@ -234,11 +270,12 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         self.log(f"k3 train: preset {cfg.preset} ({n_params / 1e6:.2f}M parameters), {self.device}, "
                  f"optimizer {cfg.optimizer}, balance {cfg.balance}, batch {cfg.batch_size}x{cfg.seq_len}"
-                 f"x{cfg.grad_accum}, {cfg.max_steps} steps, out {self.out}")
-        metrics_f = open(self.out / "metrics.jsonl", "a")
+                 f"x{cfg.grad_accum}, {cfg.max_steps} steps{', QAT (MXFP4/MXFP8 experts)' if cfg.qat else ''}, out {self.out}")
+        metrics_f = open(self.out / "metrics.jsonl" if not self.dist or self.dist.is_main else os.devnull, "a")
         start = time.perf_counter()
         stopped_early = False
-        bar = tqdm(total=cfg.max_steps, initial=self.step, dynamic_ncols=True, desc="train")
+        bar = tqdm(total=cfg.max_steps, initial=self.step, dynamic_ncols=True, desc="train",
+                   disable=bool(self.dist and not self.dist.is_main))
         try:
             while self.step < cfg.max_steps:
                 rec = self.train_step()
@@ -271,6 +308,10 @@ class Trainer:
         from k3.train.plots import plot_run
 
         val = self.evaluate()
+        if self.dist:
+            sample = self.sample(64)  # a collective under expert parallelism: every rank decodes
+            if not self.dist.is_main:
+                return {"val_loss": val, "rank": torch.distributed.get_rank()}
         base = self.unigram_baseline()
         model_dir = self.out / "model"
         tmp = self.out / ".tmp-model"
@@ -284,7 +325,7 @@ class Trainer:
             "maxvio_mean_last": last["maxvio"] if last else None,
             "maxvio_layers_last": last["maxvio_layers"] if last else None,
             "balance": self.cfg.balance, "model_dir": str(model_dir), "checkpoint": str(ckpt),
-            "sample": self.sample(64),
+            "sample": sample if self.dist else self.sample(64),
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_run(self.out / "metrics.jsonl", self.out)

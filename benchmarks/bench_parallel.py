@@ -1,0 +1,143 @@
+"""Scale-out benchmarks (k3.parallel). Three parts, printed as tables:
+
+  planner  (one process, CPU)     MoonEP plan time per layer at K3 shapes (896 experts, top-16)
+  a2a      (torchrun, 2+ GPUs)    EP dispatch+combine bandwidth against a bare NCCL all_to_all_single
+  train    (torchrun, 1–2 GPUs)   tokens/s of the `small` preset: 1 GPU, EP=2 (dp 2), CP=2
+
+  python benchmarks/bench_parallel.py planner
+  torchrun --nproc-per-node 2 benchmarks/bench_parallel.py a2a
+  torchrun --nproc-per-node 1 benchmarks/bench_parallel.py train      # baseline
+  torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --ep 2
+  torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --cp 2
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def bench_planner() -> None:
+    from k3.parallel.planner import plan_balanced, plan_plain
+    E, K, S = 896, 16, 4096
+    print(f"| ranks | routing | plan_balanced ms/layer | plan_plain ms/layer | max replicas/rank |")
+    print("|---|---|---|---|---|")
+    for R in (2, 8, 32, 64, 128):
+        g = torch.Generator().manual_seed(R)
+        for kind in ("zipf", "one-expert"):
+            if kind == "zipf":
+                w = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+                load = torch.bincount(torch.multinomial(w, R * S * K, replacement=True, generator=g), minlength=E)
+            else:
+                load = torch.zeros(E, dtype=torch.long)
+                load[3] = R * S * K
+            for f in (plan_balanced, plan_plain):
+                f(load, R)
+            n = 20
+            t = time.perf_counter()
+            for _ in range(n):
+                p = plan_balanced(load, R)
+            tb = (time.perf_counter() - t) / n * 1e3
+            t = time.perf_counter()
+            for _ in range(n):
+                plan_plain(load, R)
+            tp = (time.perf_counter() - t) / n * 1e3
+            print(f"| {R} | {kind} | {tb:.3f} | {tp:.3f} | {max(len(r) for r in p.replicas)} |")
+
+
+def _timeit(fn, iters=20, warmup=5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+def bench_a2a() -> None:
+    import torch.distributed as dist
+    from k3.config import K3Config
+    from k3.model.moe import LatentMoE
+    from k3.parallel.expert_parallel import apply_expert_parallel
+    from k3.parallel.mesh import init_distributed
+    rank, world = init_distributed()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = K3Config.preset("kimi-k3")
+    L, K = cfg.routed_expert_hidden_size, cfg.num_experts_per_token
+    rows = []
+    for mib in (16, 128, 512):
+        n = mib * 2**20 // 2
+        x = torch.randn(n, dtype=torch.bfloat16, device=dev)
+        out = torch.empty_like(x)
+        t = _timeit(lambda: dist.all_to_all_single(out, x))
+        bare = mib / 1024 / t
+        # EP dispatch of the same bytes: S tokens × K slots × L latent × 2 B ≈ mib
+        S = max(1, mib * 2**20 // (K * L * 2))
+        small = K3Config.preset("kimi-k3").replace(num_experts=64 * world, num_experts_per_token=K,
+                                                   moe_intermediate_size=256)
+        with torch.device(dev):
+            moe = LatentMoE(small).to(torch.bfloat16)
+            for p in moe.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+        handle = apply_expert_parallel(moe, None, "balanced")[0]
+        z = torch.randn(S, L, dtype=torch.bfloat16, device=dev)
+        idx = torch.rand(S, small.num_experts, device=dev).argsort(1)[:, :K]
+        w = torch.full((S, K), 1.0 / K, dtype=torch.bfloat16, device=dev)
+        t_ep = _timeit(lambda: handle(z, idx, w), iters=5, warmup=2)
+        rows.append((mib, bare, S, t_ep * 1e3, 2 * mib / 1024 / t_ep))
+    if rank == 0:
+        print("| MiB | bare all_to_all_single GiB/s/rank | EP tokens | EP dispatch+GEMM+combine ms | EP effective GiB/s (2 a2a) |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r[0]} | {r[1]:.1f} | {r[2]} | {r[3]:.2f} | {r[4]:.1f} |")
+
+
+def bench_train(ep: int, cp: int, steps: int, seq: int, batch: int) -> None:
+    import torch.distributed as dist
+    from k3.config import K3Config
+    from k3.model.decoder import K3ForCausalLM
+    from k3.parallel.mesh import ParallelDims, ParallelMesh, init_distributed
+    from k3.parallel.parallelize import ParallelK3, clip_grad_norm_
+    rank, world = init_distributed()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("small")).to(dev)
+    runner = ParallelK3(model, ParallelMesh(ParallelDims(dp=world // cp, ep=ep, cp=cp))) if world > 1 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=dev)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = (runner or model)(ids, labels=ids)
+        out.loss.backward()
+        if runner:
+            runner.sync_gradients()
+            clip_grad_norm_(runner, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t = _timeit(step, iters=steps, warmup=2)
+    if rank == 0:
+        print(f"| small | gpus {world} | ep {ep} | cp {cp} | batch {batch}×{seq} | {batch * seq / t:,.0f} tokens/s |")
+    if world > 1:
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=["planner", "a2a", "train"])
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=4)
+    a = ap.parse_args()
+    if a.part == "planner":
+        bench_planner()
+    elif a.part == "a2a":
+        bench_a2a()
+    else:
+        bench_train(a.ep, a.cp, a.steps, a.seq, a.batch)

@@ -1,0 +1,212 @@
+"""Context parallelism for KDA and MLA layers, applied from outside: each rank of a CP group holds one
+contiguous shard of every sequence and the mixers' `forward` is replaced by a shard-aware one.
+
+KDA (SPEC §5): over its shard a rank's effect on the state is affine, S_out = M_r S_in + S̃_r. One
+`kda_chunk` pass with the values widened by K zero columns and the initial state [0 | I] yields all of it at
+once: the final state is [S̃_r | M_r] and the extra output columns are p_t = scale · M_{≤t}ᵀ q_t, so the
+true output is o_t = o⁰_t + S_inᵀ p_t. The (M_r, S̃_r) pairs are all-gathered and prefix-scanned for S_in;
+no second pass is needed. The short convs read the previous shard's last W−1 projected inputs (a halo).
+MLA: the normalised latent and k_extra of the whole sequence are all-gathered; local queries attend with a
+causal mask offset by the shard start. Packed documents (doc_ids) are supported: the document of the
+shard's first token decides whether the incoming state and halo apply.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from k3.model.kda import KimiDeltaAttention, doc_ids_to_cu_seqlens
+from k3.model.mla import MultiHeadLatentAttention
+from k3.ops.conv import short_conv
+from k3.ops.kda import kda_chunk, kda_gate
+from k3.ops.norm import l2_norm
+from k3.parallel.comm import all_gather
+
+
+def shard_bounds(seq_len: int, cp: int) -> list[tuple[int, int]]:
+    """Contiguous shards, sizes differing by at most one (the first seq_len % cp are longer)."""
+    if cp > seq_len:
+        raise ValueError(f"context parallel size {cp} is larger than the sequence length {seq_len}: "
+                         f"every rank needs at least one token")
+    base, extra = divmod(seq_len, cp)
+    bounds, start = [], 0
+    for r in range(cp):
+        end = start + base + (r < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class ContextParallelState:
+    """What the shard-aware mixers of one forward share: group, shard bounds and global document segments."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.bounds: list[tuple[int, int]] = []
+        self.segments: torch.Tensor | None = None  # [B, T] global contiguous segment ids, or None
+
+    def begin(self, seq_len: int, segments: torch.Tensor | None) -> tuple[int, int]:
+        """Set up one forward over sequences of global length seq_len; returns this rank's (start, end)."""
+        self.bounds = shard_bounds(seq_len, self.size)
+        self.segments = segments
+        return self.bounds[self.rank]
+
+    @property
+    def local_segments(self) -> torch.Tensor | None:
+        if self.segments is None:
+            return None
+        s, e = self.bounds[self.rank]
+        return self.segments[:, s:e]
+
+    def halo(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """The `width` inputs just before this shard, zeros before the sequence start. x: [B, T_r, C] →
+        [B, width, C]. Each rank shares its last `width` rows; several ranks contribute when shards are short."""
+        B, T, C = x.shape
+        mine = x[:, -width:] if T >= width else torch.cat([x.new_zeros(B, width - T, C), x], dim=1)
+        gathered = all_gather(mine.transpose(0, 1), self.group)  # [R·width, B, C]
+        table = torch.cat([gathered.new_zeros(1, B, C), gathered], dim=0)
+        start = self.bounds[self.rank][0]
+        index = []
+        for p in range(start - width, start):
+            if p < 0:
+                index.append(0)
+                continue
+            j = next(r for r, (s, e) in enumerate(self.bounds) if s <= p < e)
+            index.append(1 + j * width + width - (self.bounds[j][1] - p))
+        return table[torch.tensor(index, device=x.device)].transpose(0, 1)
+
+    def halo_segments(self, width: int) -> torch.Tensor | None:
+        """Global segment ids of the halo positions, −1 before the sequence start. [B, width]."""
+        if self.segments is None:
+            return None
+        start = self.bounds[self.rank][0]
+        pad = F.pad(self.segments, (width, 0), value=-1)
+        return pad[:, start:start + width]
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """All shards of x: [B, T_r, F] → [B, T, F] (shards padded to equal length for the gather)."""
+        B, T, Fdim = x.shape
+        longest = max(e - s for s, e in self.bounds)
+        padded = torch.cat([x, x.new_zeros(B, longest - T, Fdim)], dim=1) if T < longest else x
+        gathered = all_gather(padded.transpose(0, 1), self.group)  # [R·longest, B, F]
+        keep = [r * longest + i for r, (s, e) in enumerate(self.bounds) for i in range(e - s)]
+        return gathered[torch.tensor(keep, device=x.device)].transpose(0, 1)
+
+
+def _incoming_state(summaries: torch.Tensor, rank: int, V: int) -> torch.Tensor:
+    """Prefix scan of the gathered [R, B, H, K, V+K] = [S̃_r | M_r]: S_in(0) = 0, S_in(r+1) = M_r S_in(r) + S̃_r.
+
+    All R incoming states are formed and this rank's is picked from the stack, so every rank's result depends
+    on the gathered tensor (its backward is a collective every rank must join)."""
+    state = torch.zeros_like(summaries[0][..., :V])
+    states = [state]
+    for r in range(summaries.shape[0] - 1):
+        state = summaries[r][..., V:] @ state + summaries[r][..., :V]
+        states.append(state)
+    return torch.stack(states)[rank]
+
+
+class ContextParallelKDA:
+    """Shard-aware replacement of `KimiDeltaAttention.forward` (training/prefill; no decode cache)."""
+
+    def __init__(self, kda: KimiDeltaAttention, cp: ContextParallelState):
+        self.kda, self.cp = kda, cp
+
+    def __call__(self, x: torch.Tensor, doc_ids=None, cache=None) -> torch.Tensor:
+        """x: [B, T_r, D] (this rank's shard, normalised). doc_ids is ignored: the global segments are in cp."""
+        if cache is not None:
+            raise ValueError("context parallel KDA runs training/prefill forwards only (cache must be None)")
+        m, cp = self.kda, self.cp
+        B, T, _ = x.shape
+        H, K = m.num_heads, m.head_dim
+        W = m.q_conv1d.weight.shape[-1]
+        seg = cp.local_segments
+        pre = [m.q_proj(x), m.k_proj(x), m.v_proj(x)]
+        halo = cp.halo(torch.cat(pre, dim=-1), W - 1).split([p.shape[-1] for p in pre], dim=-1)
+        halo_seg = cp.halo_segments(W - 1)
+        convs = []
+        for p, h, conv in zip(pre, halo, (m.q_conv1d, m.k_conv1d, m.v_conv1d)):
+            if seg is None:
+                y, _ = short_conv(p, conv.weight, h)
+            else:  # prepend the halo as real rows so the document mask covers it too
+                y, _ = short_conv(torch.cat([h.to(p.dtype), p], 1), conv.weight, None, torch.cat([halo_seg, seg], 1))
+                y = y[:, W - 1:]
+            convs.append(y)
+        q = l2_norm(F.silu(convs[0]).view(B, T, H, K))
+        k = l2_norm(F.silu(convs[1]).view(B, T, H, K))
+        v = F.silu(convs[2]).view(B, T, H, K)
+        beta = torch.sigmoid(m.b_proj(x).float() if x.dtype != torch.float64 else m.b_proj(x))
+        g = kda_gate(m.f_b_proj(m.f_a_proj(x)).view(B, T, H, K), m.A_log, m.dt_bias, m.lower_bound)
+
+        V = v.shape[-1]
+        v_aug = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
+        sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        eye = torch.eye(K, dtype=sdt, device=x.device)
+        if seg is None:
+            init = torch.zeros(B, H, K, V + K, dtype=sdt, device=x.device)
+            init[..., V:] = eye
+            o_aug, final = kda_chunk(q, k, v_aug, g, beta, initial_state=init, output_final_state=True)
+            summary = final
+        else:
+            cu = doc_ids_to_cu_seqlens(seg)
+            starts = cu[:-1]
+            row_first = torch.searchsorted(starts, torch.arange(B, device=cu.device) * T)
+            row_last = torch.cat([row_first[1:], row_first.new_tensor([starts.numel()])]) - 1
+            continues = seg[:, 0] == halo_seg[:, -1]  # the row's first document began on an earlier rank
+            init = torch.zeros(starts.numel(), H, K, V + K, dtype=sdt, device=x.device)
+            init[row_first[continues], :, :, V:] = eye
+            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
+            o_aug, final = kda_chunk(flat(q), flat(k), flat(v_aug), flat(g), flat(beta), initial_state=init,
+                                     output_final_state=True, cu_seqlens=cu)
+            o_aug = o_aug.view(B, T, H, V + K)
+            summary = final[row_last]
+        s_in = _incoming_state(all_gather(summary[None], cp.group), cp.rank, V)  # [B, H, K, V]
+        o = o_aug[..., :V] + torch.einsum("bthk,bhkv->bthv", o_aug[..., V:].to(sdt), s_in).to(o_aug.dtype)
+
+        o = m.o_norm(o) * torch.sigmoid(m.g_proj(x).view(B, T, H, K).to(o.dtype))
+        return m.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+
+
+class ContextParallelMLA:
+    """Shard-aware replacement of `MultiHeadLatentAttention.forward`: local queries over the gathered
+    latent KV of the whole sequence (training/prefill; no decode cache)."""
+
+    def __init__(self, mla: MultiHeadLatentAttention, cp: ContextParallelState):
+        self.mla, self.cp = mla, cp
+
+    def __call__(self, x: torch.Tensor, doc_ids=None, cache=None) -> torch.Tensor:
+        if cache is not None:
+            raise ValueError("context parallel MLA runs training/prefill forwards only (cache must be None)")
+        m, cp = self.mla, self.cp
+        B, T, _ = x.shape
+        H = m.num_heads
+        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x))).view(B, T, H, m.nope + m.rope)
+        latent, k_extra = m.kv_a_proj_with_mqa(x).split([m.kv_rank, m.rope], dim=-1)
+        kv = cp.gather_sequence(torch.cat([m.kv_a_layernorm(latent), k_extra], dim=-1))
+        latent, k_extra = kv.split([m.kv_rank, m.rope], dim=-1)
+        S = kv.shape[1]
+        k_nope, v = m.kv_b_proj(latent).view(B, S, H, m.nope + m.v_dim).split([m.nope, m.v_dim], -1)
+        k = torch.cat([k_nope, k_extra[:, :, None, :].expand(B, S, H, m.rope)], dim=-1)
+        start = cp.bounds[cp.rank][0]
+        mask = torch.arange(S, device=x.device)[None, :] <= torch.arange(start, start + T, device=x.device)[:, None]
+        mask = mask[None].expand(B, T, S)
+        if cp.segments is not None:
+            mask = mask & (cp.local_segments[:, :, None] == cp.segments[:, None, :])
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask[:, None], scale=m.scale).transpose(1, 2)
+        o = o.reshape(B, T, H * m.v_dim) * torch.sigmoid(m.g_proj(x))
+        return m.o_proj(o)
+
+
+def apply_context_parallel(model, group) -> ContextParallelState:
+    """Replace the forward of every KDA and MLA mixer in `model` by its shard-aware version over `group`.
+    Returns the shared state; the caller (k3.parallel.parallelize) calls `begin` before each forward."""
+    cp = ContextParallelState(group)
+    for mod in model.modules():
+        if isinstance(mod, KimiDeltaAttention):
+            mod.forward = ContextParallelKDA(mod, cp)
+        elif isinstance(mod, MultiHeadLatentAttention):
+            mod.forward = ContextParallelMLA(mod, cp)
+    return cp

@@ -1,0 +1,398 @@
+"""OpenAI-compatible HTTP server (FastAPI): completions, chat completions (SSE streaming), models, health,
+Prometheus metrics, tokenize/detokenize. Every bad request gets a 4xx JSON error in OpenAI's shape."""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k3.serve.chat_template import ChatOutputParser, render_chat
+from k3.serve.engine import EngineThread, LLMEngine
+from k3.serve.sampling import SamplingParams
+
+MAX_N = 4
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+
+def error_response(status: int, message: str, param=None, type_="invalid_request_error", code=None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "param": param,
+                                                               "code": code}})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: str | None = None,
+               max_tokens_limit: int | None = None) -> FastAPI:
+    """The FastAPI app around an engine (started and stopped with the app's lifespan)."""
+    runner = EngineThread(engine)
+    max_len = engine.max_model_len
+    max_tokens_limit = min(max_tokens_limit or max_len, max_len)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        runner.start()
+        try:
+            yield
+        finally:
+            runner.shutdown()
+
+    app = FastAPI(title="k3 serve", lifespan=lifespan)
+    app.state.runner, app.state.engine = runner, engine
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.type, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        return error_response(e.status_code, str(e.detail), type_="invalid_request_error" if e.status_code < 500
+                              else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, e):
+        return error_response(500, f"internal error: {type(e).__name__}", type_="server_error")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            got = request.headers.get("authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    async def parse(request: Request, cls):
+        try:
+            body = await request.json()
+        except Exception:
+            raise APIError(400, "request body is not valid JSON")
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param)
+
+    def check_model(req) -> None:
+        if req.model != model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                           "model", code="model_not_found")
+
+    def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
+        if not 1 <= req.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", "n")
+        if req.presence_penalty or req.frequency_penalty:
+            raise APIError(400, "presence_penalty and frequency_penalty are not supported (use 0)", "presence_penalty")
+        if max_tokens is None:
+            max_tokens = 16 if isinstance(req, CompletionRequest) else max(1, min(max_tokens_limit, 512))
+        if max_tokens < 1 or max_tokens > max_tokens_limit:
+            raise APIError(400, f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}", "max_tokens")
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                  seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
+                                  ignore_eos=req.ignore_eos, logprobs=logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e), str(e).split(" ")[0])
+
+    def check_prompt(ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise APIError(400, "prompt is empty", "prompt")
+        try:
+            engine.check_request(ids, params)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt")
+
+    async def run_choices(request: Request, prompt, params: SamplingParams, n: int, checkpoint_at=None):
+        """Submit n sequences; yield (choice index, RequestOutput) as they come; abort all on exit."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = uuid.uuid4().hex
+        ids = [f"{rid}-{i}" for i in range(n)]
+        for i, sub in enumerate(ids):
+            p = params if n == 1 or params.seed is None else SamplingParams(**{**vars(params), "seed": params.seed + i})
+            runner.submit(prompt, p, sub, lambda out, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, out)),
+                          checkpoint_at)
+        pending = set(range(n))
+        try:
+            while pending:
+                try:
+                    i, out = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if out.finished:
+                    pending.discard(i)
+                    if out.finish_reason and out.finish_reason.startswith("error"):
+                        raise APIError(500, out.finish_reason, type_="server_error")
+                yield i, out
+        finally:
+            for i in pending:  # client gone (or error): cancel, freeing blocks and the state slot
+                runner.abort(ids[i])
+
+    def usage(prompt_tokens: int, completion: int, cache) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cache.restored_tokens if cache else 0}}
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    # ---- endpoints ------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if runner.error is not None:
+            return error_response(503, f"engine failed: {runner.error}", type_="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "k3", "max_model_len": max_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await parse(request, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
+        try:
+            ids = (tokenizer.encode(req.prompt) if req.prompt is not None
+                   else render_chat(tokenizer, req.messages, req.add_generation_prompt)[0])
+        except ValueError as e:
+            raise APIError(400, str(e), "messages")
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await parse(request, DetokenizeRequest)
+        try:
+            return {"prompt": tokenizer.decode(req.tokens)}
+        except ValueError as e:
+            raise APIError(400, str(e), "tokens")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest)
+        check_model(req)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise APIError(400, f"logprobs must be in [0, 5], got {req.logprobs}", "logprobs")
+        params = sampling_params(req, req.max_tokens, req.logprobs)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompt(ids, params)
+        cid, model = f"cmpl-{uuid.uuid4().hex}", model_name
+
+        def lp_block(lps, offset):
+            if req.logprobs is None:
+                return None
+            toks = [tokenizer.decode([lp.token_id]) for lp in lps]
+            return {"tokens": toks, "token_logprobs": [lp.logprob for lp in lps],
+                    "top_logprobs": [{tokenizer.decode([t]): v for t, v in lp.top} for lp in lps],
+                    "text_offset": list(range(offset, offset + len(lps)))}
+
+        if req.stream:
+            async def events():
+                total, cache = 0, None
+                async for i, out in run_choices(request, ids, params, req.n):
+                    total += len(out.new_token_ids)
+                    cache = out.cache or cache
+                    if out.new_text or out.finished:
+                        yield sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                                   "choices": [{"index": i, "text": out.new_text, "logprobs": lp_block(out.new_logprobs, 0),
+                                                "finish_reason": out.finish_reason if out.finished else None}]})
+                if req.stream_options and req.stream_options.include_usage:
+                    yield sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                               "choices": [], "usage": usage(len(ids), total, cache),
+                               "k3_cache": cache.as_dict() if cache else None})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        finals, lps = {}, {i: [] for i in range(req.n)}
+        async for i, out in run_choices(request, ids, params, req.n):
+            lps[i] += out.new_logprobs
+            if out.finished:
+                finals[i] = out
+        if len(finals) < req.n:  # client went away
+            return error_response(499, "client closed request")
+        outs = [finals[i] for i in range(req.n)]
+        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": i, "text": (tokenizer.decode(ids) if req.echo else "") + o.text,
+                             "logprobs": lp_block(lps[i], 0), "finish_reason": o.finish_reason}
+                            for i, o in enumerate(outs)],
+                "usage": usage(len(ids), sum(len(o.output_ids) for o in outs), outs[0].cache),
+                "k3_cache": outs[0].cache.as_dict()}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await parse(request, ChatRequest)
+        check_model(req)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
+                                 (req.top_logprobs or 0) if req.logprobs else None)
+        try:
+            ids, turn_ends = render_chat(tokenizer, req.messages)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages")
+        check_prompt(ids, params)
+        cid, model = f"chatcmpl-{uuid.uuid4().hex}", model_name
+
+        def lp_content(lps):
+            if not req.logprobs:
+                return None
+            return {"content": [{"token": tokenizer.decode([lp.token_id]), "logprob": lp.logprob, "bytes": None,
+                                 "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": v, "bytes": None}
+                                                  for t, v in lp.top]} for lp in lps]}
+
+        if req.stream:
+            async def events():
+                parsers = [ChatOutputParser(tokenizer) for _ in range(req.n)]
+                total, cache = 0, None
+                base = {"id": cid, "object": "chat.completion.chunk", "model": model}
+                for i in range(req.n):
+                    yield sse({**base, "created": int(time.time()), "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]})
+                async for i, out in run_choices(request, ids, params, req.n, turn_ends):
+                    total += len(out.new_token_ids)
+                    cache = out.cache or cache
+                    reasoning, content = "", ""
+                    for t in out.new_token_ids:
+                        r, c = parsers[i].step(t)
+                        reasoning, content = reasoning + r, content + c
+                    delta = {}
+                    if reasoning:
+                        delta["reasoning_content"] = reasoning
+                    if content:
+                        delta["content"] = content
+                    if delta or out.finished:
+                        yield sse({**base, "created": int(time.time()), "choices": [
+                            {"index": i, "delta": delta, "logprobs": lp_content(out.new_logprobs),
+                             "finish_reason": out.finish_reason if out.finished else None}]})
+                if req.stream_options and req.stream_options.include_usage:
+                    yield sse({**base, "created": int(time.time()), "choices": [],
+                               "usage": usage(len(ids), total, cache), "k3_cache": cache.as_dict() if cache else None})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        finals, lps = {}, {i: [] for i in range(req.n)}
+        async for i, out in run_choices(request, ids, params, req.n, turn_ends):
+            lps[i] += out.new_logprobs
+            if out.finished:
+                finals[i] = out
+        if len(finals) < req.n:
+            return error_response(499, "client closed request")
+        choices = []
+        for i in range(req.n):
+            o, parser = finals[i], ChatOutputParser(tokenizer)
+            reasoning, content = "", ""
+            for t in o.output_ids:
+                r, c = parser.step(t)
+                reasoning, content = reasoning + r, content + c
+            choices.append({"index": i, "message": {"role": "assistant", "content": content,
+                                                    "reasoning_content": reasoning},
+                            "logprobs": lp_content(lps[i]), "finish_reason": o.finish_reason})
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": usage(len(ids), sum(len(finals[i].output_ids) for i in finals),
+                                                   finals[0].cache),
+                "k3_cache": finals[0].cache.as_dict()}
+
+    return app
+
+
+def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          engine_config=None, model_name: str | None = None, device: str = "cpu") -> None:
+    """Load a model directory and serve it until Ctrl-C."""
+    from pathlib import Path
+
+    import uvicorn
+
+    from k3.data import Tokenizer
+    from k3.model.decoder import K3ForCausalLM
+
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"--model {d}: no config.json there")
+    tok_path = d / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(tok_path if tok_path.is_file() else None)
+    model = K3ForCausalLM.from_pretrained(d, device=device)
+    engine = LLMEngine(model, tokenizer, engine_config)
+    print(f"k3 serve: {engine.describe_capacity()}", flush=True)
+    app = create_app(engine, tokenizer, model_name or d.name, api_key)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,189 @@
+"""`k3 bench serve`: a load generator in the spirit of `vllm bench serve`. Streams requests over HTTP (max
+concurrency or a Poisson request rate), from random prompts or a multi-turn shared-prefix chat dataset, and
+reports TTFT, TPOT, ITL, e2e latency (mean/median/p99), throughput and prefix-cache hit rate; next to a
+static-batch baseline (the model's own `generate` over fixed batches)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestResult:
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ok: bool = False
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ms = lambda xs: {"mean": 1e3 * statistics.fmean(xs) if xs else float("nan"),
+                     "median": 1e3 * statistics.median(xs) if xs else float("nan"), "p99": 1e3 * _pct(xs, 99)}
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {"requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
+            "req_per_s": len(ok) / wall, "out_tok_per_s": sum(r.output_tokens for r in ok) / wall,
+            "total_tok_per_s": (prompt + sum(r.output_tokens for r in ok)) / wall,
+            "ttft_ms": ms([r.ttft for r in ok]), "tpot_ms": ms(tpot), "itl_ms": ms([x for r in ok for x in r.itls]),
+            "e2e_ms": ms([r.e2e for r in ok]),
+            "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0}
+
+
+async def _stream(client, url: str, path: str, body: dict, headers: dict) -> tuple[RequestResult, str]:
+    res, text = RequestResult(), ""
+    t0 = time.perf_counter()
+    last = None
+    async with client.stream("POST", url + path, json={**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}},
+                             headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return res, ""
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                u = obj["usage"]
+                res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
+                res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                continue
+            ch = obj["choices"][0]
+            piece = ch.get("text") or ch.get("delta", {}).get("content") or ch.get("delta", {}).get("reasoning_content") or ""
+            if not piece:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                res.ttft = now - t0
+            else:
+                res.itls.append(now - last)
+            last = now
+            text += piece
+    res.e2e = time.perf_counter() - t0
+    res.ok = res.output_tokens > 0
+    return res, text
+
+
+def random_prompts(n: int, input_len: int, vocab_words: list[str], seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(vocab_words) for _ in range(input_len)) for _ in range(n)]
+
+
+async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurrency: int | None,
+                   request_rate: float | None, input_len: int, output_len: int, turns: int, api_key: str | None,
+                   seed: int = 0) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    words = ("thou art the king of all that the sea and sky would hold in a summer day when love is "
+             "young and night is gone").split()
+    sem = asyncio.Semaphore(concurrency or 10**9)
+    rng = random.Random(seed)
+    results: list[RequestResult] = []
+    common = {"model": model, "max_tokens": output_len, "temperature": 0, "ignore_eos": True}
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as client:
+        async def one_completion(prompt):
+            async with sem:
+                r, _ = await _stream(client, url, "/v1/completions", {**common, "prompt": prompt}, headers)
+                results.append(r)
+
+        async def one_session(i):  # turns share the growing conversation as their prefix
+            system = "You are a courtly poet. " + " ".join(words[(i + j) % len(words)] for j in range(input_len))
+            messages = [{"role": "system", "content": system}]
+            for t in range(turns):
+                messages.append({"role": "user", "content": f"Verse {t} about {words[(i * 7 + t) % len(words)]}."})
+                async with sem:
+                    r, text = await _stream(client, url, "/v1/chat/completions", {**common, "messages": messages}, headers)
+                results.append(r)
+                messages.append({"role": "assistant", "content": "", "reasoning_content": text})
+
+        if dataset == "random":
+            jobs = [one_completion(p) for p in random_prompts(num_prompts, input_len, words, seed)]
+        elif dataset == "multiturn":
+            jobs = [one_session(i) for i in range(max(1, num_prompts // turns))]
+        else:
+            raise ValueError(f"dataset must be 'random' or 'multiturn', got {dataset!r}")
+        t0 = time.perf_counter()
+        tasks = []
+        for job in jobs:
+            tasks.append(asyncio.create_task(job))
+            if request_rate:
+                await asyncio.sleep(rng.expovariate(request_rate))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    return summarize(results, wall)
+
+
+def static_batch_baseline(model, tokenizer, num_prompts: int, batch_size: int, input_len: int, output_len: int,
+                          seed: int = 0) -> dict:
+    """What one writes without an engine: `generate` over fixed batches of equal-length prompts."""
+    g = torch.Generator().manual_seed(seed)
+    lo = len(tokenizer.special_tokens)
+    prompts = torch.randint(lo, model.config.vocab_size, (num_prompts, input_len), generator=g)
+    lat = []
+    t0 = time.perf_counter()
+    for i in range(0, num_prompts, batch_size):
+        b0 = time.perf_counter()
+        model.generate(prompts[i:i + batch_size], max_new_tokens=output_len)
+        lat += [time.perf_counter() - b0] * len(prompts[i:i + batch_size])
+    wall = time.perf_counter() - t0
+    res = [RequestResult(ttft=float("nan"), e2e=l, prompt_tokens=input_len, output_tokens=output_len, ok=True)
+           for l in lat]
+    out = summarize(res, wall)
+    out["ttft_ms"] = out["tpot_ms"] = out["itl_ms"] = {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    return out
+
+
+def start_local_server(model, tokenizer, engine_config, model_name: str = "k3"):
+    """An in-process server on a free 127.0.0.1 port → (url, stop function, engine)."""
+    import uvicorn
+
+    from k3.serve.api import create_app
+    from k3.serve.engine import LLMEngine
+
+    engine = LLMEngine(model, tokenizer, engine_config)
+    app = create_app(engine, tokenizer, model_name)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.02)
+
+    def stop():
+        server.should_exit = True
+        th.join(30)
+        sock.close()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop, engine
+
+
+def format_table(rows: list[tuple[str, dict]]) -> str:
+    head = ("| run | req/s | out tok/s | TTFT mean/med/p99 ms | TPOT mean/med/p99 ms | ITL mean/med/p99 ms "
+            "| e2e mean/med/p99 ms | hit rate |")
+    lines = [head, "|" + "---|" * 8]
+    f = lambda d: "/".join("-" if d[k] != d[k] else f"{d[k]:.0f}" for k in ("mean", "median", "p99"))
+    for name, s in rows:
+        lines.append(f"| {name} | {s['req_per_s']:.2f} | {s['out_tok_per_s']:.1f} | {f(s['ttft_ms'])} | "
+                     f"{f(s['tpot_ms'])} | {f(s['itl_ms'])} | {f(s['e2e_ms'])} | {s['hit_rate']:.1%} |")
+    return "\n".join(lines)

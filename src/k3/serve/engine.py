@@ -1,0 +1,268 @@
+"""The engine: requests in, tokens out. `LLMEngine` is the synchronous core (add, step, abort);
+`EngineThread` runs it in a background thread for the HTTP server."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from k3.serve.block_pool import CachePool, plan_capacity
+from k3.serve.metrics import Metrics
+from k3.serve.runner import ModelRunner
+from k3.serve.sampling import SamplingParams, make_generator, sample_tokens
+from k3.serve.scheduler import Scheduler
+from k3.serve.sequence import RequestOutput, Sequence, Status
+
+
+@dataclass
+class EngineConfig:
+    memory_bytes: int = 1 << 30      # KV pool + KDA slab budget
+    block_size: int = 2048           # allocation unit (tokens per physical block)
+    match_unit: int = 512            # prefix-hash granularity (divides block_size)
+    max_batch_tokens: int = 2048     # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 64           # concurrently running sequences
+    num_state_slots: int | None = None  # KDA slots (running + checkpoints); default 2 × max_num_seqs
+    max_model_len: int | None = None    # prompt + max_tokens limit; default: what the pool holds
+    prefix_caching: bool = True
+    num_blocks: int | None = None       # exact block count (overrides the budget's share; tests, benchmarks)
+
+    def validate(self) -> None:
+        for name in ("memory_bytes", "block_size", "match_unit", "max_batch_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.block_size % self.match_unit:
+            raise ValueError(f"block_size ({self.block_size}) must be a multiple of match_unit ({self.match_unit})")
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, metrics: Metrics | None = None):
+        self.config = config = config or EngineConfig()
+        config.validate()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        param = next(model.parameters())
+        slots = config.num_state_slots or 2 * config.max_num_seqs
+        self.capacity = plan_capacity(model.config, config.memory_bytes, config.block_size, slots, param.dtype,
+                                      config.num_blocks)
+        self.pool = CachePool(model.config, self.capacity, config.match_unit, param.dtype, param.device,
+                              config.prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_batch_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.pool)
+        self.metrics = metrics or Metrics()
+        self.max_model_len = min(config.max_model_len or self.capacity.tokens, self.capacity.tokens)
+        self.eos_id = tokenizer.eos_id if tokenizer is not None else None
+        self.seqs: dict[str, Sequence] = {}
+
+    def describe_capacity(self) -> str:
+        return (f"{self.capacity.describe()}; max {self.scheduler.max_num_seqs} concurrent sequences, "
+                f"max {self.max_model_len} tokens per sequence")
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the field) for a request the engine cannot serve."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        V = self.model.config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {V})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"maximum sequence length {self.max_model_len}")
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    checkpoint_at: list[int] | None = None) -> str:
+        """Queue a request; `checkpoint_at`: extra token positions (e.g. chat-turn ends) worth a KDA checkpoint."""
+        self.check_request(prompt, params)
+        seq = Sequence(list(prompt), params, request_id or "", list(checkpoint_at or []))
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        seq.generator = make_generator(params, self.pool.device)
+        seq.decoder = self.tokenizer.decode_stream(skip_special_tokens=True) if self.tokenizer else None
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its blocks and state slot. False if unknown or already finished."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        if seq.status is Status.RUNNING:
+            self.pool.free(seq)
+        seq.host_copy = None
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        seqs, lens = self.scheduler.schedule()
+        if not seqs:
+            return []
+        sampling = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens)]
+        logits = self.runner.run(seqs, lens, sampling)
+        for s, n in zip(seqs, lens):
+            decoding = not s.in_prefill
+            s.num_computed += n
+            self.pool.register_computed(s)
+            self._maybe_checkpoint(s, decoding)
+        outputs = []
+        if sampling:
+            chosen = [seqs[i] for i in sampling]
+            tokens, logprobs = sample_tokens(logits, [s.params for s in chosen], [s.generator for s in chosen])
+            now = time.perf_counter()
+            for s, tok, lp in zip(chosen, tokens, logprobs):
+                outputs.append(self._append_token(s, tok, lp, now))
+        return outputs
+
+    def _maybe_checkpoint(self, seq: Sequence, decoding: bool) -> None:
+        if decoding:  # end of generation: keep the newest boundary reached while decoding
+            if seq.num_computed % self.pool.match_unit == 0:
+                h = self.pool.save_checkpoint(seq)
+                if h is not None and seq.gen_checkpoint is not None and seq.gen_checkpoint != h:
+                    self.pool.drop_checkpoint(seq.gen_checkpoint)
+                seq.gen_checkpoint = h
+        elif seq.num_computed in self.scheduler.checkpoint_boundaries(seq):
+            self.pool.save_checkpoint(seq)
+
+    def _append_token(self, seq: Sequence, tok: int, lp, now: float) -> RequestOutput:
+        p = seq.params
+        first = seq.first_token_time is None
+        self.metrics.on_token(first, now - (seq.arrival if first else seq.last_token_time))
+        if first:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        seq.tokens.append(tok)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        stop_tok = tok in p.stop_token_ids or (tok == self.eos_id and not p.ignore_eos)
+        if seq.decoder is not None and not stop_tok:
+            seq.output_text += seq.decoder.step(tok)
+        reason = None
+        if stop_tok:
+            reason = "stop"
+        elif p.stop and self._cut_at_stop_string(seq):
+            reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason, now)
+        # Hold back text that could still become the start of a stop string.
+        hold = 0 if reason or not p.stop else max(len(s) for s in p.stop) - 1
+        upto = max(seq.text_sent, len(seq.output_text) - hold)
+        new_text = seq.output_text[seq.text_sent:upto]
+        seq.text_sent = upto
+        return RequestOutput(seq.request_id, [tok], new_text, [lp] if lp is not None else [], seq.output_ids,
+                             seq.output_text, seq.finished, seq.finish_reason, seq.prompt_len, seq.cache)
+
+    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+        text = seq.output_text
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, seq.text_sent - longest)
+        hits = [i for i in (text.find(s, start) for s in seq.params.stop) if i >= 0]
+        if hits:
+            seq.output_text = text[:min(hits)]
+            return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.scheduler.remove(seq)
+        self.pool.free(seq)
+        self.seqs.pop(seq.request_id, None)
+        self.metrics.on_finish(reason, now - seq.arrival, seq.prompt_len)
+
+    # ---- convenience ----------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 checkpoint_at: list[list[int]] | None = None) -> list[RequestOutput]:
+        """Run the given prompts to completion (offline use and tests); final outputs in prompt order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp, checkpoint_at=(checkpoint_at[i] if checkpoint_at else None))
+               for i, (p, sp) in enumerate(zip(prompts, params))]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+
+class EngineThread:
+    """Owns an LLMEngine in a background thread; other threads submit and abort through a mailbox."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._listeners: dict[str, Callable[[RequestOutput], None]] = {}
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
+
+    def start(self) -> "EngineThread":
+        self._thread.start()
+        return self
+
+    def submit(self, prompt: list[int], params: SamplingParams, request_id: str,
+               on_output: Callable[[RequestOutput], None], checkpoint_at: list[int] | None = None) -> None:
+        self.engine.check_request(prompt, params)  # raise in the caller's thread, before queueing
+        with self._cv:
+            self._inbox.append(("add", prompt, params, request_id, on_output, checkpoint_at))
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self._inbox and not eng.has_unfinished():
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    inbox, self._inbox = self._inbox, []
+                for item in inbox:
+                    if item[0] == "add":
+                        _, prompt, params, rid, cb, ckpt = item
+                        self._listeners[rid] = cb
+                        try:
+                            eng.add_request(prompt, params, rid, ckpt)
+                        except ValueError as e:  # e.g. a duplicate id: tell that request only
+                            self._listeners.pop(rid)(RequestOutput(rid, [], "", [], [], "", True, f"error: {e}",
+                                                                   len(prompt), None))
+                    else:
+                        eng.abort(item[1])
+                        self._listeners.pop(item[1], None)
+                with torch.inference_mode():
+                    outputs = eng.step()
+                for out in outputs:
+                    cb = self._listeners.get(out.request_id)
+                    if out.finished:
+                        self._listeners.pop(out.request_id, None)
+                    if cb is not None:
+                        cb(out)
+        except BaseException as e:  # surface engine crashes to waiting requests instead of hanging them
+            self.error = e
+            for rid, cb in list(self._listeners.items()):
+                cb(RequestOutput(rid, [], "", [], [], "", True, f"error: {e}", 0, None))
+            raise

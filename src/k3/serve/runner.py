@@ -1,0 +1,65 @@
+"""Runs one engine step through the model: flattens the scheduled chunks into one row [1, N] and lets the
+model's own KDA and MLA modules read and write the pool through a BatchCacheView."""
+from __future__ import annotations
+
+import torch
+
+from k3.model.cache import BatchCacheView, KDAState
+from k3.serve.block_pool import CachePool
+from k3.serve.sequence import Sequence
+
+
+class PagedBatchView(BatchCacheView):
+    """S sequences' views into the pool: KDA state rows by slot, MLA latents by block table."""
+
+    def __init__(self, pool: CachePool, num_layers: int, seqs: list[Sequence], lens: list[int]):
+        dev = pool.device
+        self.pool, self.num_layers, self.seq_len = pool, num_layers, 0
+        self.slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        self.cu_seqlens = torch.cat([lens_t.new_zeros(1), lens_t.cumsum(0)])
+        self.kv_len = torch.tensor([s.num_computed + n for s, n in zip(seqs, lens)], dtype=torch.long, device=dev)
+        bs = pool.block_size
+        width = max(len(s.block_table) for s in seqs)
+        self.block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                         dtype=torch.long, device=dev)
+        pos = [p for s, n in zip(seqs, lens) for p in range(s.num_computed, s.num_computed + n)]
+        blk = [s.block_table[p // bs] for s, n in zip(seqs, lens) for p in range(s.num_computed, s.num_computed + n)]
+        self.slot_mapping = torch.tensor([b * bs + p % bs for b, p in zip(blk, pos)], dtype=torch.long, device=dev)
+
+    def kda_state(self, layer_idx: int) -> KDAState:
+        conv = self.pool.conv[layer_idx][self.slots]  # [S, 3, W−1, C]
+        return KDAState(self.pool.state[layer_idx][self.slots], conv[:, 0], conv[:, 1], conv[:, 2])
+
+    def set_kda_state(self, layer_idx: int, st: KDAState) -> None:
+        self.pool.state[layer_idx][self.slots] = st.state.to(torch.float32)
+        self.pool.conv[layer_idx][self.slots] = torch.stack([st.conv_q, st.conv_k, st.conv_v], 1).to(torch.float32)
+
+    def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor) -> None:
+        kv = self.pool.kv[layer_idx]
+        kv.view(-1, kv.shape[-1])[self.slot_mapping] = torch.cat([latent, k_extra], -1).to(kv.dtype)
+
+    def mla_context(self, layer_idx: int, rows: torch.Tensor):
+        kv = self.pool.kv[layer_idx]
+        kv_len = self.kv_len[rows]
+        L = int(kv_len.max())
+        nb = -(-L // self.pool.block_size)
+        ctx = kv[self.block_tables[rows, :nb]].flatten(1, 2)[:, :L]  # [n, L, R + rope]
+        R = self.pool.latent_dim
+        return ctx[..., :R], ctx[..., R:], kv_len
+
+
+class ModelRunner:
+    def __init__(self, model, pool: CachePool):
+        self.model, self.pool = model, pool
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int]) -> torch.Tensor:
+        """Feed seqs[i].tokens[num_computed : num_computed + lens[i]] for every i; return the last-token
+        logits [len(sample_rows), vocab] of the rows that will sample. Does not advance num_computed."""
+        ids = [t for s, n in zip(seqs, lens) for t in s.tokens[s.num_computed:s.num_computed + n]]
+        view = PagedBatchView(self.pool, self.model.config.num_hidden_layers, seqs, lens)
+        h = self.model.model(torch.tensor([ids], dtype=torch.long, device=self.device), cache=view)
+        last = view.cu_seqlens[1:][torch.tensor(sample_rows, dtype=torch.long, device=self.device)] - 1
+        return self.model.lm_head(h[0, last])

@@ -1,0 +1,95 @@
+"""Per-request sampling: parameters with validation, and the sampler (greedy, temperature, top-k/top-p, seeds,
+logprobs). Each request owns a seeded generator, so its tokens do not depend on what it was batched with."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.model.generate import sample_next
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops. temperature 0 is greedy."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob plus the top k
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > 4:
+            raise ValueError(f"stop accepts at most 4 strings, got {len(self.stop)}")
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # [(token id, logprob)], best first
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [S, V], one row per sequence → (next token per row, logprobs per row or None)."""
+    logits = logits.float()
+    tokens = logits.argmax(-1).tolist()
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = int(sample_next(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generators[i])[0])
+    logprobs: list[TokenLogprob | None] = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(logits[want], -1)
+        for row, i in enumerate(want):
+            k = params[i].logprobs
+            top = torch.topk(lp[row], k) if k else None
+            logprobs[i] = TokenLogprob(tokens[i], float(lp[row, tokens[i]]),
+                                       list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
+    return tokens, logprobs

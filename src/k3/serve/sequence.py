@@ -1,0 +1,98 @@
+"""One request as the engine sees it: tokens, progress through the model, where its state lives, how it stops."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.serve.sampling import SamplingParams, TokenLogprob
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"    # never admitted
+    RUNNING = "running"    # holds a state slot and MLA blocks
+    SWAPPED = "swapped"    # preempted: state and blocks copied to host memory
+    FINISHED = "finished"
+
+
+@dataclass
+class CacheReport:
+    """What the prefix cache did for a request. `matched_tokens`: longest prefix whose MLA latents were
+    cached; `restored_tokens`: where it actually resumed (needs a KDA checkpoint there too); `reason` says
+    why they differ: miss | full | last_token_recomputed | no_checkpoint | checkpoint_evicted | disabled."""
+    matched_tokens: int = 0
+    restored_tokens: int = 0
+    reason: str = "miss"
+
+    def as_dict(self) -> dict:
+        return {"matched_tokens": self.matched_tokens, "restored_tokens": self.restored_tokens, "reason": self.reason}
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    checkpoint_at: list[int] = field(default_factory=list)  # extra token positions (chat-turn ends)
+    status: Status = Status.WAITING
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed: int = 0  # tokens whose KV / state went through the model
+    block_table: list[int] = field(default_factory=list)
+    slot: int | None = None
+    unit_hashes: list[int] = field(default_factory=list)  # chained hash of each complete match unit
+    units_registered: int = 0
+    gen_checkpoint: int | None = None  # hash of this sequence's newest end-of-generation checkpoint
+    host_copy: dict | None = None  # swapped-out state
+    generator: torch.Generator | None = None
+    decoder: object = None  # a StreamDecoder when the engine has a tokenizer
+    cache: CacheReport = field(default_factory=CacheReport)
+    finish_reason: str | None = None
+    output_text: str = ""
+    text_sent: int = 0  # characters of output_text already handed out
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+        if not self.request_id:
+            self.request_id = f"req-{self.seq_id}"
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (new_* are the increments; the rest are totals)."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    output_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cache: CacheReport

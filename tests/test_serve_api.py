@@ -1,0 +1,245 @@
+"""The OpenAI-compatible server, live: uvicorn on 127.0.0.1 (a free port) in a thread, driven by the real
+`openai` client and raw httpx. Outputs are checked against the model's own `generate`; bad requests must
+get a 4xx error in OpenAI's shape; disconnects and finished requests must leave the pool empty."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from k3 import K3Config, K3ForCausalLM
+from k3.data import Tokenizer
+from k3.serve import EngineConfig, LLMEngine
+from k3.serve.api import create_app
+from k3.serve.chat_template import ChatOutputParser, render_chat
+
+KEY, NAME = "test-key", "k3-tiny"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_file()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = K3ForCausalLM(K3Config.preset("tiny"))
+    m.reset_parameters(seed=3)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def server(model, tok):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    eng = LLMEngine(model, tok, EngineConfig(memory_bytes=32 << 20, block_size=16, match_unit=4, max_batch_tokens=256,
+                                             max_num_seqs=32, max_model_len=200))
+    app = create_app(eng, tok, NAME, api_key=KEY)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.time() + 20
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", eng
+    srv.should_exit = True
+    th.join(10)
+    sock.close()
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def reference(model, ids, n):
+    return model.generate(torch.tensor([ids]), max_new_tokens=n)[0, len(ids):].tolist()
+
+
+def wait_pool_empty(eng, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if eng.pool.num_used_blocks == 0 and eng.pool.num_used_slots == 0 and not eng.has_unfinished():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def test_completion_plain_and_streaming_match_generate(client, server, model, tok):
+    prompt = "To be, or not to be"
+    want = tok.decode(reference(model, tok.encode(prompt), 6), skip_special_tokens=True)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, **GREEDY)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == len(tok.encode(prompt))
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 6
+    # the second identical prompt restores the first one's end-of-prompt checkpoint
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert wait_pool_empty(server[1])
+
+
+def test_completion_logprobs_and_token_prompt(client, model, tok):
+    ids = tok.encode("Hark")
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=3, logprobs=2, **GREEDY)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+    first = r.choices[0].logprobs.token_logprobs[0]
+    assert first == pytest.approx(float(lp.max()), abs=1e-4)
+    assert len(r.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def chat_expected(model, tok, messages, n):
+    ids, _ = render_chat(tok, messages)
+    parser = ChatOutputParser(tok)
+    reasoning = content = ""
+    for t in reference(model, ids, n):
+        a, b = parser.step(t)
+        reasoning, content = reasoning + a, content + b
+    return reasoning, content
+
+
+def test_chat_plain_and_streaming_match_generate(client, model, tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who goes there?"}]
+    reasoning, content = chat_expected(model, tok, messages, 7)
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=7, **GREEDY)
+    msg = r.choices[0].message
+    assert (msg.model_extra["reasoning_content"], msg.content) == (reasoning, content)
+    assert reasoning + content  # something was generated
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=7, stream=True, **GREEDY)
+    got_r = got_c = ""
+    for c in stream:
+        d = c.choices[0].delta
+        got_r += (d.model_extra or {}).get("reasoning_content") or ""
+        got_c += d.content or ""
+    assert (got_r, got_c) == (reasoning, content)
+
+
+def test_multi_turn_chat_over_http_hits_the_cache(client, tok):
+    messages = [{"role": "user", "content": "Good morrow."}]
+    cached = []
+    for turn in range(3):
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, **GREEDY)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        m = r.choices[0].message
+        messages += [{"role": "assistant", "content": m.content, "reasoning_content": m.model_extra["reasoning_content"]},
+                     {"role": "user", "content": f"Again, {turn}."}]
+    assert all(c > 0 for c in cached[1:])
+
+
+def test_32_concurrent_streams_are_complete_and_correct(server, model, tok):
+    url, eng = server
+    prompts = [f"Line {i}: the king" for i in range(32)]
+    want = [tok.decode(reference(model, tok.encode(p), 5), skip_special_tokens=True) for p in prompts]
+
+    async def one(c, p):
+        text, finish = "", None
+        stream = await c.completions.create(model=NAME, prompt=p, max_tokens=5, stream=True, **GREEDY)
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    got = asyncio.run(main())
+    assert [t for t, _ in got] == want
+    assert all(f == "length" for _, f in got)
+    assert wait_pool_empty(eng)
+
+
+def test_client_disconnect_frees_blocks_and_state_slot(server):
+    url, eng = server
+    body = {"model": NAME, "prompt": "Now is the winter of our discontent", "max_tokens": 150, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = r.iter_lines()
+            first = next(l for l in lines if l.startswith("data:"))
+            assert json.loads(first[5:])["choices"]
+            assert eng.pool.num_used_slots == 1 or eng.has_unfinished()
+    assert wait_pool_empty(eng)  # cancelled long before 150 tokens would have finished
+    assert eng.metrics.generation_tokens > 0
+
+
+BAD = [
+    ("invalid json", "/v1/completions", b"{not json", 400),
+    ("not an object", "/v1/completions", [1, 2], 400),
+    ("missing prompt", "/v1/completions", {"model": NAME}, 400),
+    ("missing model", "/v1/completions", {"prompt": "hi"}, 400),
+    ("wrong type", "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": "ten"}, 400),
+    ("negative max_tokens", "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": -1}, 400),
+    ("huge max_tokens", "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 10**9}, 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404),
+    ("empty prompt", "/v1/completions", {"model": NAME, "prompt": ""}, 400),
+    ("over-long prompt", "/v1/completions", {"model": NAME, "prompt": "word " * 400}, 400),
+    ("bad stop", "/v1/completions", {"model": NAME, "prompt": "hi", "stop": [1, 2]}, 400),
+    ("empty stop string", "/v1/completions", {"model": NAME, "prompt": "hi", "stop": ""}, 400),
+    ("temperature < 0", "/v1/completions", {"model": NAME, "prompt": "hi", "temperature": -0.5}, 400),
+    ("top_p > 1", "/v1/completions", {"model": NAME, "prompt": "hi", "top_p": 1.5}, 400),
+    ("n too large", "/v1/completions", {"model": NAME, "prompt": "hi", "n": 100}, 400),
+    ("token out of vocab", "/v1/completions", {"model": NAME, "prompt": [1, 10**7]}, 400),
+    ("empty messages", "/v1/chat/completions", {"model": NAME, "messages": []}, 400),
+    ("bad role", "/v1/chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("message without content", "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user"}]}, 400),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+    ("unknown route", "/v1/embeddings", {"model": NAME, "input": "x"}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_shaped_4xx(server, name, path, body, status):
+    url, eng = server
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + path, content=content, headers=headers, timeout=10)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err
+
+
+def test_api_key_is_enforced(server):
+    url, _ = server
+    bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.get(url + "/v1/models", timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_models_health_metrics_tokenize(server, client, tok):
+    url, eng = server
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    text = "O Romeo, Romeo!"
+    t = httpx.post(url + "/tokenize", json={"prompt": text}).json()
+    assert t["tokens"] == tok.encode(text)
+    assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == text
+    client.completions.create(model=NAME, prompt=text, max_tokens=2, **GREEDY)
+    m = httpx.get(url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert name in m
+    count = float(next(l for l in m.splitlines() if l.startswith("vllm:e2e_request_latency_seconds_count")).split()[-1])
+    assert count >= 1

@@ -1,0 +1,224 @@
+"""k3.serve engine invariants on a tiny random K3 (CPU, float32), each checked token for token against the
+model's own `generate` (plain K3Cache, one sequence at a time): chunked prefill, continuous batching,
+prefix-cache hits at several boundaries (mid-block included), preemption by swapping, multi-turn chat,
+sampling controls, abort, and the pool emptying afterwards."""
+import pytest
+import torch
+
+from k3 import K3Config, K3ForCausalLM
+from k3.data import Tokenizer
+from k3.serve import EngineConfig, LLMEngine, SamplingParams
+from k3.serve.chat_template import render_chat
+
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = K3ForCausalLM(K3Config.preset("tiny"))
+    m.reset_parameters(seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # make the AttnRes mixes and gates non-trivial so every path matters
+        for name, p in m.named_parameters():
+            if name.endswith("res_proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0, generator=g)
+    return m.eval()
+
+
+def engine(model, tokenizer=None, **kw) -> LLMEngine:
+    cfg = dict(memory_bytes=16 << 20, block_size=16, match_unit=4, max_batch_tokens=64, max_num_seqs=8)
+    cfg.update(kw)
+    return LLMEngine(model, tokenizer, EngineConfig(**cfg))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(10, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def reference(model, ids: list[int], n: int) -> list[int]:
+    return model.generate(torch.tensor([ids]), max_new_tokens=n)[0, len(ids):].tolist()
+
+
+def assert_pool_empty(eng: LLMEngine) -> None:
+    assert eng.pool.num_used_blocks == 0
+    assert eng.pool.num_used_slots == 0
+    assert not eng.scheduler.running and not eng.scheduler.waiting
+
+
+@pytest.mark.parametrize("budget", [3, 7, 64])
+def test_chunked_prefill_and_batching_equal_one_shot_generate(model, budget):
+    prompts = [prompt(1, 5), prompt(2, 23), prompt(3, 40)]
+    eng = engine(model, max_batch_tokens=budget, prefix_caching=False)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
+    for p, o in zip(prompts, outs):
+        assert o.output_ids == reference(model, p, 6)
+        assert o.finish_reason == "length"
+    assert_pool_empty(eng)
+
+
+@pytest.mark.parametrize("boundary", [4, 16, 28, 44])
+def test_prefix_hit_equals_cold_run(model, boundary):
+    """Seed the cache with a prompt checkpointed at 4 (mid-block), 16 (block edge), 28 (mid-block) and 44 (end
+    of prompt), then resume a different continuation from `boundary`: restored there, same tokens as cold."""
+    base = prompt(10, 45)
+    eng = engine(model)
+    eng.generate([base], SamplingParams(max_tokens=2, **GREEDY), checkpoint_at=[[5, 16, 30]])
+    query = base[:boundary] + prompt(11, 6)
+    out = eng.generate([query], SamplingParams(max_tokens=6, **GREEDY))[0]
+    assert out.cache.restored_tokens == boundary
+    assert out.cache.matched_tokens == boundary  # the next unit differs, so MLA matching stops here too
+    assert out.output_ids == reference(model, query, 6)
+    assert_pool_empty(eng)
+
+
+def test_hit_reports_why_matched_and_restored_differ(model):
+    base = prompt(20, 30)
+    eng = engine(model)
+    eng.generate([base], SamplingParams(max_tokens=1, **GREEDY))  # checkpoint only at 28 (end of prompt)
+    out = eng.generate([base[:20] + prompt(21, 5)], SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert (out.cache.matched_tokens, out.cache.restored_tokens, out.cache.reason) == (20, 0, "no_checkpoint")
+    same = eng.generate([base], SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert same.cache.restored_tokens == 28 and same.cache.reason == "full"
+    assert same.output_ids == reference(model, base, 3)
+
+
+def test_shared_full_blocks_are_referenced_not_copied(model):
+    base = prompt(30, 40)
+    eng = engine(model)
+    eng.generate([base], SamplingParams(max_tokens=1, **GREEDY), checkpoint_at=[[32]])
+    a, b = base[:32] + prompt(31, 3), base[:32] + prompt(32, 3)
+    for ids in (a, b):
+        eng.add_request(ids, SamplingParams(max_tokens=4, **GREEDY))
+    eng.step()  # both admitted: the two full blocks of the shared prefix are one physical copy
+    t0, t1 = (s.block_table for s in eng.scheduler.running)
+    assert t0[:2] == t1[:2] and t0[2] != t1[2]
+    assert all(eng.pool.ref[blk] == 2 for blk in t0[:2])
+    while eng.has_unfinished():
+        eng.step()
+    assert_pool_empty(eng)
+
+
+def test_preempt_swap_and_resume_equals_uninterrupted(model):
+    prompts = [prompt(40 + i, 18) for i in range(3)]
+    # 7 blocks of 16 tokens: three sequences of 18 + 20 tokens (3 blocks each) cannot all stay resident.
+    eng = engine(model, num_blocks=7, max_batch_tokens=64, prefix_caching=False)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=20, **GREEDY))
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.pool.stats["swaps_in"] == eng.pool.stats["swaps_out"] > 0
+    for p, o in zip(prompts, outs):
+        assert o.output_ids == reference(model, p, 20)
+    assert_pool_empty(eng)
+
+
+def test_multi_turn_chat_hits_the_cache_every_turn(model):
+    tok = Tokenizer.from_file()
+    eng = engine(model, tok)
+    messages, previous = [], None
+    for turn, text in enumerate(["Hello there.", "Tell me more, please.", "And then?"]):
+        messages.append({"role": "user", "content": text})
+        ids, ends = render_chat(tok, messages)
+        out = eng.generate([ids], SamplingParams(max_tokens=5, ignore_eos=True, **GREEDY), checkpoint_at=[ends])[0]
+        if turn > 0:  # at least the previous turn's whole prompt (to a match unit) is restored
+            assert ids[:len(previous)] == previous
+            assert out.cache.restored_tokens >= (len(previous) // 4) * 4 > 0
+        else:
+            assert out.cache.restored_tokens == 0
+        assert out.output_ids == reference(model, ids, 5)
+        # the client sends the whole assistant message back, reasoning included
+        messages.append({"role": "assistant", "reasoning_content": tok.decode(out.output_ids), "content": ""})
+        previous = ids
+    assert eng.pool.stats["hits"] == 2
+    assert_pool_empty(eng)
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(model):
+    p = prompt(50, 12)
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, top_p=0.9, seed=123)
+    alone = engine(model).generate([p], params)[0].output_ids
+    eng = engine(model, max_batch_tokens=9)
+    crowd = eng.generate([prompt(51, 20), p, prompt(52, 7)],
+                         [SamplingParams(max_tokens=5, temperature=1.0, seed=1), params, SamplingParams(max_tokens=9, **GREEDY)])
+    assert crowd[1].output_ids == alone
+    other = engine(model).generate([p], SamplingParams(**{**vars(params), "seed": 124}))[0].output_ids
+    assert other != alone
+
+
+def test_logprobs_match_a_plain_forward(model):
+    p = prompt(60, 9)
+    out = engine(model).generate([p], SamplingParams(max_tokens=3, logprobs=3, **GREEDY))[0]
+    full = torch.tensor([p + out.output_ids[:-1]])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(full).logits[0, len(p) - 1:].float(), -1)
+    steps = engine(model).generate([p], SamplingParams(max_tokens=3, logprobs=3, **GREEDY))
+    eng = engine(model)
+    eng.add_request(p, SamplingParams(max_tokens=3, logprobs=3, **GREEDY))
+    got = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            got += o.new_logprobs
+    assert [g.token_id for g in got] == out.output_ids == steps[0].output_ids
+    for i, g in enumerate(got):
+        assert g.logprob == pytest.approx(float(lp[i, g.token_id]), abs=1e-4)
+        assert [t for t, _ in g.top] == lp[i].topk(3).indices.tolist()
+
+
+def test_stop_token_ids_stop_strings_and_max_tokens(model):
+    tok = Tokenizer.from_file()
+    p = prompt(70, 10)
+    ref = reference(model, p, 12)
+    eng = engine(model, tok)
+    by_id = eng.generate([p], SamplingParams(max_tokens=12, stop_token_ids=[ref[4]], **GREEDY))[0]
+    assert by_id.output_ids == ref[:5] and by_id.finish_reason == "stop"
+    full_text = tok.decode(ref, skip_special_tokens=True)
+    stop = full_text[len(full_text) // 2: len(full_text) // 2 + 3]
+    by_str = eng.generate([p], SamplingParams(max_tokens=12, stop=[stop], **GREEDY))[0]
+    assert by_str.finish_reason == "stop" and by_str.text == full_text[:full_text.index(stop)]
+    assert len(eng.generate([p], SamplingParams(max_tokens=4, **GREEDY))[0].output_ids) == 4
+    assert_pool_empty(eng)
+
+
+def test_abort_frees_blocks_and_state_slot(model):
+    eng = engine(model)
+    rid = eng.add_request(prompt(80, 30), SamplingParams(max_tokens=50, **GREEDY))
+    eng.step()
+    assert eng.pool.num_used_blocks > 0 and eng.pool.num_used_slots == 1
+    assert eng.abort(rid)
+    assert_pool_empty(eng)
+    assert not eng.abort(rid)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(block_size=16, match_unit=5), "multiple of match_unit"),
+    (dict(max_batch_tokens=0), "max_batch_tokens"),
+])
+def test_bad_engine_config_raises(model, bad, match):
+    with pytest.raises(ValueError, match=match):
+        engine(model, **bad)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(stop=[""]), "stop"), (dict(logprobs=99), "logprobs"),
+])
+def test_bad_sampling_params_raise(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad)
+
+
+def test_requests_the_pool_cannot_hold_are_refused(model):
+    eng = engine(model, num_blocks=2)
+    with pytest.raises(ValueError, match="maximum sequence length"):
+        eng.add_request(prompt(90, 30), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request([1, 99999], SamplingParams(max_tokens=1))
