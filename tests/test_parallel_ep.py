@@ -122,7 +122,7 @@ def test_balanced_plans_equalise_slots_and_replicate(results):
 def test_ep_training_follows_single_process(results):
     model = make_model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    balancer = ExpertBalancer(model, "quantile")
+    balancer = ExpertBalancer(model, "quantile", exact=False)  # the histogram the ranks all-reduce
     losses = []
     for b in train_batches():
         _, loss = f64_loss(model, b)

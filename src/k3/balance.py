@@ -254,6 +254,7 @@ class ExpertBalancer:
         bins: int = 1000,
         gamma: float = 1e-3,
         all_reduce: Callable[[Tensor], Tensor | None] | None = None,
+        exact: bool | None = None,
     ):
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
@@ -262,11 +263,16 @@ class ExpertBalancer:
         self.all_reduce = all_reduce
         self.layers = [m for m in model.modules() if _is_moe(m)]
         self.histograms = [QuantileHistogram(m.num_experts, m.top_k, bins) for m in self.layers]
+        # One process sees the whole batch: sort the margins exactly. Across ranks: the histogram estimate.
+        self.exact = (all_reduce is None) if exact is None else exact
+        if self.exact and all_reduce is not None:
+            raise ValueError("exact quantiles need every token in one process; use the histogram (exact=False) with all_reduce")
         self._reset_loads()
 
     def _reset_loads(self) -> None:
         self.loads = [None] * len(self.layers)
         self._seen = [False] * len(self.layers)
+        self._scores: list[list[Tensor]] = [[] for _ in self.layers]  # exact mode: kept scores per micro-batch
 
     def observe(self) -> None:
         """Read and clear `last_scores` of every MoE layer; never changes a bias."""
@@ -281,7 +287,9 @@ class ExpertBalancer:
             idx, _ = route_topk(kept, bias.to(kept.device), layer.top_k)
             load = expert_load(idx, layer.num_experts)
             self.loads[i] = load if self.loads[i] is None else self.loads[i] + load
-            if self.mode == "quantile":
+            if self.mode == "quantile" and self.exact:
+                self._scores[i].append(kept)
+            elif self.mode == "quantile":
                 self.histograms[i].observe(scores, bias.to(scores.device), mask)
             self._seen[i] = True
             layer.last_scores = None
@@ -324,7 +332,10 @@ class ExpertBalancer:
             load = self.loads[i]
             maxvio.append(max_violation(load))
             loads.append([int(v) for v in load.tolist()])
-            if self.mode == "quantile":
+            if self.mode == "quantile" and self.exact:
+                new = quantile_bias(torch.cat(self._scores[i]), buf.detach().to(self._scores[i][0].device), layer.top_k)
+                buf.copy_(new.to(buf.device, buf.dtype))
+            elif self.mode == "quantile":
                 buf.copy_(self.histograms[i].solve().to(buf.device, buf.dtype))
             elif self.mode == "sign":
                 buf.copy_(sign_bias_update(load.to(buf.device), buf, self.gamma))

@@ -66,9 +66,31 @@ def _launch_torchrun(a) -> int | None:
     return subprocess.call(argv)
 
 
+_VISION_TRAIN_DEFAULTS = {"out": "runs/vision", "max_steps": 400, "batch_size": 32, "lr": 3e-3, "eval_every": 100}
+
+
+def cmd_train_vision(a) -> int:
+    from k3.vision.train_vision import VisionTrainConfig, run
+
+    defaults = build_parser()._subparsers._group_actions[0].choices["train"]  # flags left at the text defaults
+    kw = {k: (v if getattr(a, k) == defaults.get_default(k) else getattr(a, k)) for k, v in _VISION_TRAIN_DEFAULTS.items()}
+    device = "cpu" if a.device == "auto" else a.device
+    s = run(VisionTrainConfig(time_budget=a.time_budget, seed=a.seed, device=device, **kw))
+    print()
+    print(f"steps {s['steps']}{' (stopped by --time-budget)' if s['stopped_early'] else ''} in {s['seconds']:.0f} s")
+    for split, kinds in s["accuracy"].items():
+        print(f"{split:>16} accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in kinds.items()))
+    print(f"held-out (unseen colour-shape combinations) accuracy: {s['heldout_accuracy']:.3f}; "
+          f"in-distribution: {s['in_distribution_accuracy']:.3f}")
+    print(f"model: {s['model_dir']}   metrics: {Path(kw['out']) / 'metrics.jsonl'}")
+    return 0
+
+
 def cmd_train(a) -> int:
     from k3.train.trainer import TrainConfig, Trainer
 
+    if getattr(a, "task", "text") == "vision":
+        return cmd_train_vision(a)
     launched = _launch_torchrun(a)
     if launched is not None:
         return launched
@@ -106,6 +128,8 @@ def cmd_generate(a) -> int:
         raise CLIError(f"--model {model_dir}: no config.json there (train one with `k3 train`)")
     tok_path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_path if tok_path.is_file() else None)
+    if a.image:
+        return _generate_with_images(a, model_dir, tokenizer)
     model = K3ForCausalLM.from_pretrained(model_dir)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CLIError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}")
@@ -116,6 +140,40 @@ def cmd_generate(a) -> int:
     for tok in stream_generate(model, torch.tensor([ids]), max_new_tokens=a.max_new_tokens,
                                temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                                eos_token_id=tokenizer.eos_id):
+        t = int(tok[0])
+        if t == tokenizer.eos_id:
+            break
+        sys.stdout.write(stream.step(t))
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _generate_with_images(a, model_dir: Path, tokenizer) -> int:
+    """`k3 generate --image FILE ...`: the images' media blocks, then the prompt, through a vision model."""
+    import torch
+
+    from k3.vision.checkpoint import has_vision
+    from k3.vision.multimodal import K3ForConditionalGeneration, image_token_ids
+    from k3.vision.preprocess import ImageError, preprocess_image
+
+    if not has_vision(model_dir):
+        raise CLIError(f"--image needs a vision model, but {model_dir}/config.json has no vision_config "
+                       f"(train one with `k3 train --task vision`)")
+    model = K3ForConditionalGeneration.from_pretrained(model_dir)
+    images = []
+    for path in a.image:
+        try:
+            images.append(preprocess_image(Path(path), model.vision_config))
+        except ImageError as e:
+            raise CLIError(f"--image {path}: {e}") from None
+    ids = [tokenizer.bos_id] + [t for im in images for t in image_token_ids(tokenizer, im)] + tokenizer.encode(a.prompt)
+    stream = tokenizer.decode_stream(skip_special_tokens=True)
+    sys.stdout.write(a.prompt)
+    sys.stdout.flush()
+    for tok in model.stream_generate(torch.tensor([ids]), images, max_new_tokens=a.max_new_tokens,
+                                     temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                                     eos_token_id=tokenizer.eos_id):
         t = int(tok[0])
         if t == tokenizer.eos_id:
             break
@@ -301,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a K3 on the bundled corpus (defaults: tiny preset, ~10 min on 2 CPU cores)")
+    t.add_argument("--task", choices=["text", "vision"], default="text",
+                   help="text: the bundled corpus; vision: a tiny vision-language model on synthetic scenes "
+                        "(defaults then: --out runs/vision --max-steps 400 --batch-size 32 --lr 3e-3)")
     t.add_argument("--preset", default="tiny")
     t.add_argument("--out", default="runs/tiny", help="run directory (checkpoints, metrics, plots, model)")
     t.add_argument("--corpus", default=None, help="a .jsonl.xz corpus (default: bundled Shakespeare)")
@@ -310,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=_positive_int, default=16)
     t.add_argument("--seq-len", type=_positive_int, default=256)
     t.add_argument("--grad-accum", type=_positive_int, default=1)
-    t.add_argument("--lr", type=_positive_float, default=0.02)
+    t.add_argument("--lr", type=_positive_float, default=0.01)
     t.add_argument("--warmup-steps", type=int, default=20)
     t.add_argument("--optimizer", choices=["muon", "adamw"], default="muon")
     t.add_argument("--balance", choices=["quantile", "sign", "none"], default="quantile")
@@ -350,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--image", action="append", default=None, metavar="FILE",
+                   help="an image file placed before the prompt (repeatable; needs a vision model)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="parameter breakdown, activated parameters, cache and checkpoint sizes")

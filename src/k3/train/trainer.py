@@ -33,7 +33,7 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 256
     grad_accum: int = 1
-    lr: float = 0.02
+    lr: float = 0.01
     optimizer: str = "muon"
     weight_decay: float = 0.1
     warmup_steps: int = 20
