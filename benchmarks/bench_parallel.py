@@ -104,14 +104,14 @@ def bench_train(ep: int, cp: int, steps: int, seq: int, batch: int) -> None:
     rank, world = init_distributed()
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("small")).to(dev)
+    # bf16 weights (no autocast: the grouped expert GEMM wants one dtype for tokens and weights)
+    model = K3ForCausalLM(K3Config.preset("small")).to(dev, torch.bfloat16)
     runner = ParallelK3(model, ParallelMesh(ParallelDims(dp=world // cp, ep=ep, cp=cp))) if world > 1 else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=dev)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = (runner or model)(ids, labels=ids)
+        out = (runner or model)(ids, labels=ids)
         out.loss.backward()
         if runner:
             runner.sync_gradients()

@@ -66,7 +66,7 @@ def _launch_torchrun(a) -> int | None:
     return subprocess.call(argv)
 
 
-_VISION_TRAIN_DEFAULTS = {"out": "runs/vision", "max_steps": 400, "batch_size": 32, "lr": 3e-3, "eval_every": 100}
+_VISION_TRAIN_DEFAULTS = {"out": "runs/vision", "max_steps": 400, "batch_size": 16, "lr": 3e-3, "eval_every": 100}
 
 
 def cmd_train_vision(a) -> int:
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a K3 on the bundled corpus (defaults: tiny preset, ~10 min on 2 CPU cores)")
     t.add_argument("--task", choices=["text", "vision"], default="text",
                    help="text: the bundled corpus; vision: a tiny vision-language model on synthetic scenes "
-                        "(defaults then: --out runs/vision --max-steps 400 --batch-size 32 --lr 3e-3)")
+                        "(defaults then: --out runs/vision --max-steps 400 --batch-size 16 --lr 3e-3)")
     t.add_argument("--preset", default="tiny")
     t.add_argument("--out", default="runs/tiny", help="run directory (checkpoints, metrics, plots, model)")
     t.add_argument("--corpus", default=None, help="a .jsonl.xz corpus (default: bundled Shakespeare)")
@@ -461,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--json", default=None, help="write the results here")
     _add_engine_args(bs, block=256, unit=16)
     bs.set_defaults(func=cmd_bench_serve)
+
+    from k3.agentenv.commands import add_agentenv_parser
+    add_agentenv_parser(sub)
     return p
 
 

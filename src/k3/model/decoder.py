@@ -57,11 +57,13 @@ class K3Model(nn.Module):
         self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
 
-    def forward(self, input_ids, doc_ids=None, cache=None, mask=None) -> torch.Tensor:
-        """SPEC §3.1's layer loop. Returns the final normed hidden states [B, T, D]."""
+    def forward(self, input_ids, doc_ids=None, cache=None, mask=None, inputs_embeds=None) -> torch.Tensor:
+        """SPEC §3.1's layer loop. Returns the final normed hidden states [B, T, D].
+        inputs_embeds: [B, T, D] used instead of `embed_tokens(input_ids)` (the multimodal model splices image
+        rows into them); input_ids still give the shape."""
         block = self.config.attn_res_block_size
         blocks: list[torch.Tensor] = []
-        p = self.embed_tokens(input_ids)
+        p = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         for l, layer in enumerate(self.layers):
             x = attn_res_mix(blocks + [p], layer.self_attention_res_norm, layer.self_attention_res_proj) if blocks else p
             if l % block == 0:
@@ -120,14 +122,19 @@ class K3ForCausalLM(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
-                labels: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> K3Output:
+                labels: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> K3Output:
         """input_ids: [B, T] int64. doc_ids: [B, T] for packed rows (documents never see each other).
         cache: a K3Cache to continue from and update (decode / chunked prefill). labels: [B, T], −100 = ignore.
-        mask: [B, T] bool, False marks padding (kept out of the balancing statistics)."""
+        mask: [B, T] bool, False marks padding (kept out of the balancing statistics).
+        inputs_embeds: [B, T, D] replacing the token embeddings (see K3Model.forward)."""
         self._check_inputs(input_ids, doc_ids, cache, labels, mask)
+        if inputs_embeds is not None and tuple(inputs_embeds.shape) != (*input_ids.shape, self.config.hidden_size):
+            raise ValueError(f"inputs_embeds must be [batch, seq, hidden] = {(*input_ids.shape, self.config.hidden_size)}, "
+                             f"got {tuple(inputs_embeds.shape)}")
         if doc_ids is not None:
             doc_ids = contiguous_segments(doc_ids)
-        h = self.model(input_ids, doc_ids=doc_ids, cache=cache, mask=mask)
+        h = self.model(input_ids, doc_ids=doc_ids, cache=cache, mask=mask, inputs_embeds=inputs_embeds)
         logits = self.lm_head(h)
         if cache is not None:
             cache.seq_len += input_ids.shape[1]

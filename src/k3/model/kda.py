@@ -8,6 +8,7 @@ from k3.model.cache import BatchCacheView, KDAState
 from k3.model.norm import RMSNorm
 from k3.ops.conv import short_conv
 from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
+from k3.ops.kda_fla import fla_kda_gated, fla_usable
 from k3.ops.norm import l2_norm
 
 
@@ -94,6 +95,10 @@ class KimiDeltaAttention(nn.Module):
         q, tq = self.q_conv1d(self.q_proj(x), st and st.conv_q, doc_ids)
         k, tk = self.k_conv1d(self.k_proj(x), st and st.conv_k, doc_ids)
         v, tv = self.v_conv1d(self.v_proj(x), st and st.conv_v, doc_ids)
+        if fla_usable(q, K):  # GPU: gate, q/k L2 norm and beta sigmoid fused into fla's kernels
+            o = self._inner_fla(x, q, k, v, doc_ids, st, (tq, tk, tv), cache)
+            o = self.o_norm(o) * torch.sigmoid(self.g_proj(x).view(B, T, H, K).to(o.dtype))
+            return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
         q = l2_norm(F.silu(q).view(B, T, H, K))
         k = l2_norm(F.silu(k).view(B, T, H, K))
         v = F.silu(v).view(B, T, H, K)
@@ -114,6 +119,27 @@ class KimiDeltaAttention(nn.Module):
 
         o = self.o_norm(o) * torch.sigmoid(self.g_proj(x).view(B, T, H, K).to(o.dtype))
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+
+    def _inner_fla(self, x, q, k, v, doc_ids, st, tails, cache) -> torch.Tensor:
+        """The delta rule through k3.ops.kda_fla.fla_kda_gated (same function as the reference path above).
+        q, k, v: [B, T, H*K] conv outputs before SiLU. Returns o [B, T, H, K]; updates the cache like forward."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        q, k, v = (F.silu(t).view(B, T, H, K) for t in (q, k, v))
+        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        beta_logits = self.b_proj(x)
+        if doc_ids is not None:
+            cu = doc_ids_to_cu_seqlens(doc_ids)
+            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
+            o, _ = fla_kda_gated(flat(q), flat(k), flat(v), flat(f), flat(beta_logits), self.A_log, self.dt_bias,
+                                 self.lower_bound, cu_seqlens=cu)
+            return o.view(B, T, H, K)
+        o, state = fla_kda_gated(q, k, v, f, beta_logits, self.A_log, self.dt_bias, self.lower_bound,
+                                 initial_state=st.state if st is not None else None,
+                                 output_final_state=cache is not None)
+        if cache is not None:
+            cache.layers[self.layer_idx] = KDAState(state, *tails)
+        return o
 
     def _forward_varlen(self, x: torch.Tensor, cache: BatchCacheView) -> torch.Tensor:
         """x: [1, N, D], S sequences laid out by cache.cu_seqlens; each continues from its own state.

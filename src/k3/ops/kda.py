@@ -16,6 +16,8 @@ from numbers import Real
 
 import torch
 
+from k3.ops.kda_fla import fla_usable
+
 __all__ = ["kda_gate", "kda_recurrent", "kda_chunk"]
 
 # --------------------------------------------------------------------------------------------- gate
@@ -60,6 +62,14 @@ def kda_gate(
 
 
 # -------------------------------------------------------------------------------------- validation
+
+
+def _take_fla_path(q, k, v, g, beta) -> bool:
+    """GPU dispatch: CUDA bf16/fp16/fp32 inputs go to flash-linear-attention when it is importable
+    (k3.ops.kda_fla); CPU, float64 and empty inputs stay on the references below."""
+    tensors = (q, k, v, g, beta)
+    return (all(isinstance(t, torch.Tensor) for t in tensors) and q.dim() == 4 and q.shape[1] > 0
+            and fla_usable(q))
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -156,6 +166,9 @@ def kda_recurrent(
     Returns o: [B, T, H, V] in v's dtype, and the final state [B or N, H, K, V] (None unless
     output_final_state).
     """
+    if _take_fla_path(q, k, v, g, beta):
+        from k3.ops.kda_fla import fla_kda_recurrent
+        return fla_kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     B, T, H, K, V, bounds = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     dtype = _compute_dtype(q, k, v, g, beta)
     out_dtype = v.dtype
@@ -312,6 +325,9 @@ def kda_chunk(
     all chunks; no factor exp(+G) is ever formed (see _decayed_scores), so gates down to -5 are stable
     in float32. Requires g <= 0.
     """
+    if chunk_size == 64 and _take_fla_path(q, k, v, g, beta):
+        from k3.ops.kda_fla import fla_kda_chunk
+        return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     B, T, H, K, V, bounds = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")

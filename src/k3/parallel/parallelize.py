@@ -77,9 +77,8 @@ class ParallelK3:
         """ExpertBalancer's hook: sum integer counts over every rank (all ranks hold different tokens)."""
         dist.all_reduce(t)
 
-    @staticmethod
-    def global_sum(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
+    def global_sum(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64, device=next(self.model.parameters()).device)
         dist.all_reduce(t)
         return float(t)
 
@@ -103,7 +102,8 @@ def _is_dtensor(t) -> bool:
 def clip_grad_norm_(runner: ParallelK3, max_norm: float) -> float:
     """Global gradient norm over every rank's parameters (replicated counted once, FSDP shards summed over
     all ranks, expert shards over their EP group), then the same clip on every rank. Returns the norm."""
-    rep, world, experts = 0.0, torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    dev = next(runner.model.parameters()).device  # NCCL reduces device tensors only
+    rep, world, experts = 0.0, torch.zeros(1, dtype=torch.float64, device=dev), torch.zeros(1, dtype=torch.float64, device=dev)
     grads = []
     for n, p in runner.model.named_parameters():
         if p.grad is None:

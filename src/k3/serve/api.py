@@ -161,15 +161,33 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(" ")[0])
 
-    def check_prompt(ids: list[int], params: SamplingParams) -> None:
+    def image_collector():
+        """(list the images land in, media callback for render_chat, or None for a text-only model)."""
+        vision = getattr(engine.model, "vision_config", None)
+        images: list = []
+        if vision is None:
+            return images, None
+        from k3.vision.multimodal import image_token_ids
+        from k3.vision.preprocess import preprocess_image
+
+        def media(url: str, where: str) -> list[int]:
+            try:
+                im = preprocess_image(url, vision)
+            except ValueError as e:  # ImageError: bad data URL, remote URL, corrupt or absurd image
+                raise ValueError(f"{where}: {e}") from None
+            images.append(im)
+            return image_token_ids(tokenizer, im)
+        return images, media
+
+    def check_prompt(ids: list[int], params: SamplingParams, images=None) -> None:
         if not ids:
             raise APIError(400, "prompt is empty", "prompt")
         try:
-            engine.check_request(ids, params)
+            engine.check_request(ids, params, images)
         except ValueError as e:
             raise APIError(400, str(e), "prompt")
 
-    async def run_choices(request: Request, prompt, params: SamplingParams, n: int, checkpoint_at=None):
+    async def run_choices(request: Request, prompt, params: SamplingParams, n: int, checkpoint_at=None, images=None):
         """Submit n sequences; yield (choice index, RequestOutput) as they come; abort all on exit."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -178,7 +196,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
         for i, sub in enumerate(ids):
             p = params if n == 1 or params.seed is None else SamplingParams(**{**vars(params), "seed": params.seed + i})
             runner.submit(prompt, p, sub, lambda out, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, out)),
-                          checkpoint_at)
+                          checkpoint_at, images)
         pending = set(range(n))
         try:
             while pending:
@@ -227,7 +245,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
         try:
             ids = (tokenizer.encode(req.prompt) if req.prompt is not None
-                   else render_chat(tokenizer, req.messages, req.add_generation_prompt)[0])
+                   else render_chat(tokenizer, req.messages, req.add_generation_prompt, media=image_collector()[1])[0])
         except ValueError as e:
             raise APIError(400, str(e), "messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
@@ -306,11 +324,12 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                  (req.top_logprobs or 0) if req.logprobs else None)
+        images, media = image_collector()
         try:
-            ids, turn_ends = render_chat(tokenizer, req.messages)
+            ids, turn_ends = render_chat(tokenizer, req.messages, media=media)
         except ValueError as e:
             raise APIError(400, str(e), "messages")
-        check_prompt(ids, params)
+        check_prompt(ids, params, images)
         cid, model = f"chatcmpl-{uuid.uuid4().hex}", model_name
 
         def lp_content(lps):
@@ -329,7 +348,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                     yield sse({**base, "created": int(time.time()), "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}]})
-                async for i, out in run_choices(request, ids, params, req.n, turn_ends):
+                async for i, out in run_choices(request, ids, params, req.n, turn_ends, images):
                     total += len(out.new_token_ids)
                     cache = out.cache or cache
                     reasoning, content = "", ""
@@ -352,7 +371,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             return StreamingResponse(events(), media_type="text/event-stream")
 
         finals, lps = {}, {i: [] for i in range(req.n)}
-        async for i, out in run_choices(request, ids, params, req.n, turn_ends):
+        async for i, out in run_choices(request, ids, params, req.n, turn_ends, images):
             lps[i] += out.new_logprobs
             if out.finished:
                 finals[i] = out
@@ -384,14 +403,14 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
     import uvicorn
 
     from k3.data import Tokenizer
-    from k3.model.decoder import K3ForCausalLM
+    from k3.vision.multimodal import load_model
 
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"--model {d}: no config.json there")
     tok_path = d / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_path if tok_path.is_file() else None)
-    model = K3ForCausalLM.from_pretrained(d, device=device)
+    model = load_model(d, device=device)  # a vision model when config.json has a vision_config
     engine = LLMEngine(model, tokenizer, engine_config)
     print(f"k3 serve: {engine.describe_capacity()}", flush=True)
     app = create_app(engine, tokenizer, model_name or d.name, api_key)

@@ -181,7 +181,7 @@ class CachePool:
         while (len(seq.unit_hashes) + 1) * u <= len(seq.tokens):
             i = len(seq.unit_hashes)
             prev = seq.unit_hashes[-1] if seq.unit_hashes else _ROOT_HASH
-            seq.unit_hashes.append(chain_hash(prev, seq.tokens[i * u:(i + 1) * u]))
+            seq.unit_hashes.append(chain_hash(prev, seq.hash_unit(i * u, (i + 1) * u)))
 
     def boundary_hash(self, seq: Sequence, pos: int) -> int:
         return _ROOT_HASH if pos == 0 else seq.unit_hashes[pos // self.match_unit - 1]

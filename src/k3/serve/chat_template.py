@@ -21,8 +21,42 @@ def message_text(content, where: str) -> str:
     raise ValueError(f"{where}.content must be a string or a non-empty list of text parts")
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
-    """messages → (token ids, the position after each message). Raises ValueError naming the bad field."""
+def _is_image_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def content_ids(tokenizer, content, where: str, media=None) -> list[int]:
+    """Ids of a message's content. Text is encoded as one string; with OpenAI `image_url` parts, the text runs
+    between images are encoded separately and each image becomes `media(url, where)` (its media block ids)."""
+    if not (isinstance(content, list) and any(_is_image_part(p) for p in content)):
+        return tokenizer.encode(message_text(content, where))
+    if media is None:
+        raise ValueError(f"{where}.content has an image_url part, but this model has no vision tower (text only)")
+    ids, text = [], []
+    for i, part in enumerate(content):
+        if _is_image_part(part):
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise ValueError(f"{where}.content[{i}].image_url.url must be a string (a base64 data URL)")
+            if text:
+                ids += tokenizer.encode("".join(text))
+                text = []
+            ids += media(url, f"{where}.content[{i}]")
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        else:
+            raise ValueError(f"{where}.content[{i}] must be {{'type': 'text', 'text': str}} or "
+                             f"{{'type': 'image_url', 'image_url': {{'url': 'data:image/...;base64,...'}}}}")
+    if text:
+        ids += tokenizer.encode("".join(text))
+    return ids
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                media=None) -> tuple[list[int], list[int]]:
+    """messages → (token ids, the position after each message). Raises ValueError naming the bad field.
+    media: called as media(url, where) for each image_url part of a non-assistant message; returns its ids."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     sp = tokenizer.special_tokens
@@ -46,7 +80,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         else:
             if "content" not in m:
                 raise ValueError(f"{where}.content is required")
-            ids += [OPEN, *enc(role), SEP, *enc(message_text(m["content"], where)), CLOSE]
+            ids += [OPEN, *enc(role), SEP, *content_ids(tokenizer, m["content"], where, media), CLOSE]
         ends.append(len(ids))
     if add_generation_prompt:
         ids += generation_prompt(tokenizer)

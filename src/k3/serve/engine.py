@@ -62,8 +62,9 @@ class LLMEngine:
                 f"max {self.max_model_len} tokens per sequence")
 
     # ---- requests -------------------------------------------------------------------------------------
-    def check_request(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (naming the field) for a request the engine cannot serve."""
+    def check_request(self, prompt: list[int], params: SamplingParams, images: list | None = None) -> None:
+        """Raise ValueError (naming the field) for a request the engine cannot serve.
+        images: preprocessed images (k3.vision.ImageInput) whose pads the prompt carries, in order."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt, list) or not prompt:
@@ -74,19 +75,41 @@ class LLMEngine:
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"maximum sequence length {self.max_model_len}")
+        pad = getattr(self.model, "media_placeholder_token_id", None)
+        if images and pad is None:
+            raise ValueError("images were given but this model has no vision tower (text only)")
+        if pad is not None:
+            want = sum(im.num_tokens for im in images or [])
+            if prompt.count(pad) != want:
+                raise ValueError(f"prompt holds {prompt.count(pad)} <|media_pad|> tokens but the images need {want}")
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    checkpoint_at: list[int] | None = None) -> str:
-        """Queue a request; `checkpoint_at`: extra token positions (e.g. chat-turn ends) worth a KDA checkpoint."""
-        self.check_request(prompt, params)
+                    checkpoint_at: list[int] | None = None, images: list | None = None) -> str:
+        """Queue a request; `checkpoint_at`: extra token positions (e.g. chat-turn ends) worth a KDA checkpoint;
+        `images`: preprocessed images for the prompt's <|media_pad|> runs (encoded here, once)."""
+        self.check_request(prompt, params, images)
         seq = Sequence(list(prompt), params, request_id or "", list(checkpoint_at or []))
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        if images:
+            seq.mm = self._encode_images(prompt, images)
         seq.generator = make_generator(params, self.pool.device)
         seq.decoder = self.tokenizer.decode_stream(skip_special_tokens=True) if self.tokenizer else None
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq.request_id
+
+    def _encode_images(self, prompt: list[int], images: list) -> list:
+        """→ [(first pad position, rows [n, D], digest)]: image k takes the next num_tokens pads, in order."""
+        pad = self.model.media_placeholder_token_id
+        positions = [i for i, t in enumerate(prompt) if t == pad]
+        with torch.inference_mode():
+            rows = self.model.encode(images)
+        out, k = [], 0
+        for im in images:
+            out.append((positions[k], rows[k:k + im.num_tokens], im.digest))
+            k += im.num_tokens
+        return out
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its blocks and state slot. False if unknown or already finished."""
@@ -183,10 +206,12 @@ class LLMEngine:
 
     # ---- convenience ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 checkpoint_at: list[list[int]] | None = None) -> list[RequestOutput]:
-        """Run the given prompts to completion (offline use and tests); final outputs in prompt order."""
+                 checkpoint_at: list[list[int]] | None = None, images: list[list] | None = None) -> list[RequestOutput]:
+        """Run the given prompts to completion (offline use and tests); final outputs in prompt order.
+        images: per prompt, its preprocessed images (vision models)."""
         params = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp, checkpoint_at=(checkpoint_at[i] if checkpoint_at else None))
+        ids = [self.add_request(p, sp, checkpoint_at=(checkpoint_at[i] if checkpoint_at else None),
+                                images=(images[i] if images else None))
                for i, (p, sp) in enumerate(zip(prompts, params))]
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
@@ -213,10 +238,11 @@ class EngineThread:
         return self
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str,
-               on_output: Callable[[RequestOutput], None], checkpoint_at: list[int] | None = None) -> None:
-        self.engine.check_request(prompt, params)  # raise in the caller's thread, before queueing
+               on_output: Callable[[RequestOutput], None], checkpoint_at: list[int] | None = None,
+               images: list | None = None) -> None:
+        self.engine.check_request(prompt, params, images)  # raise in the caller's thread, before queueing
         with self._cv:
-            self._inbox.append(("add", prompt, params, request_id, on_output, checkpoint_at))
+            self._inbox.append(("add", prompt, params, request_id, on_output, checkpoint_at, images))
             self._cv.notify()
 
     def abort(self, request_id: str) -> None:
@@ -243,10 +269,10 @@ class EngineThread:
                     inbox, self._inbox = self._inbox, []
                 for item in inbox:
                     if item[0] == "add":
-                        _, prompt, params, rid, cb, ckpt = item
+                        _, prompt, params, rid, cb, ckpt, images = item
                         self._listeners[rid] = cb
                         try:
-                            eng.add_request(prompt, params, rid, ckpt)
+                            eng.add_request(prompt, params, rid, ckpt, images)
                         except ValueError as e:  # e.g. a duplicate id: tell that request only
                             self._listeners.pop(rid)(RequestOutput(rid, [], "", [], [], "", True, f"error: {e}",
                                                                    len(prompt), None))

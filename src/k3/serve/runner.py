@@ -60,6 +60,18 @@ class ModelRunner:
         logits [len(sample_rows), vocab] of the rows that will sample. Does not advance num_computed."""
         ids = [t for s, n in zip(seqs, lens) for t in s.tokens[s.num_computed:s.num_computed + n]]
         view = PagedBatchView(self.pool, self.model.config.num_hidden_layers, seqs, lens)
-        h = self.model.model(torch.tensor([ids], dtype=torch.long, device=self.device), cache=view)
+        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        embeds = None
+        if any(s.mm for s in seqs):  # splice image rows over the <|media_pad|> positions this chunk covers
+            embeds = self.model.model.embed_tokens(ids_t)
+            offset = 0
+            for s, n in zip(seqs, lens):
+                lo, hi = s.num_computed, s.num_computed + n
+                for start, rows, _ in s.mm:
+                    a, b = max(lo, start), min(hi, start + rows.shape[0])
+                    if a < b:
+                        embeds[0, offset + a - lo:offset + b - lo] = rows[a - start:b - start].to(embeds.dtype)
+                offset += n
+        h = self.model.model(ids_t, cache=view, inputs_embeds=embeds)
         last = view.cu_seqlens[1:][torch.tensor(sample_rows, dtype=torch.long, device=self.device)] - 1
         return self.model.lm_head(h[0, last])

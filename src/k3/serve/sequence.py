@@ -59,12 +59,21 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
+    # images: (first pad position, projector rows [n, D], content digest), in prompt order
+    mm: list[tuple[int, torch.Tensor, str]] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt)
         if not self.request_id:
             self.request_id = f"req-{self.seq_id}"
+
+    def hash_unit(self, start: int, end: int) -> tuple:
+        """What the prefix cache hashes for tokens[start:end]: the ids, plus (digest, offset) of every image
+        overlapping them, so that the same text with different images never shares cached state."""
+        unit = tuple(self.tokens[start:end])
+        images = tuple((digest, s - start) for s, rows, digest in self.mm if s < end and s + rows.shape[0] > start)
+        return unit + images if images else unit
 
     @property
     def prompt_len(self) -> int:

@@ -1,0 +1,65 @@
+"""Long-context prefill of the `small` preset on one GPU (bf16, batch 1): time and peak memory, 8K upward.
+
+Runs the decoder stack over the whole prompt and the LM head on the last position only (as serving does).
+Stops before a length whose predicted time (quadratic extrapolation of the MLA share) exceeds --budget-s.
+Target (issue 6): a 1M-token prefill completes on one H200, with a near-linear time curve.
+Run: PYTHONPATH=src python benchmarks/bench_gpu_prefill.py [--quick] [--budget-s 60]
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench_util import save, table  # noqa: E402
+
+from k3.config import K3Config  # noqa: E402
+from k3.model.decoder import K3ForCausalLM  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=60.0)
+    a = ap.parse_args()
+    cfg = K3Config.preset("small" if not a.quick else "tiny")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    lengths = [8192, 32768, 131072, 262144, 524288, 1048576] if not a.quick else [1024, 4096]
+    rows, last = [], None
+    for T in lengths:
+        if last is not None:
+            predicted = last[1] * (T / last[0]) ** 2  # pessimistic: as if all of it were quadratic
+            if predicted > a.budget_s and T > 262144:
+                rows.append(dict(tokens=T, status=f"skipped (predicted up to {predicted:.0f} s)"))
+                print(rows[-1], flush=True)
+                continue
+        ids = torch.randint(0, cfg.vocab_size, (1, T), device="cuda")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            with torch.no_grad():
+                for rep in range(2 if T <= 131072 else 1):  # a warm-up at the small lengths
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    h = model.model(ids)
+                    logits = model.lm_head(h[:, -1])
+                    torch.cuda.synchronize()
+                    sec = time.perf_counter() - t0
+            assert torch.isfinite(logits).all()
+            rows.append(dict(tokens=T, status="ok", seconds=sec, tokens_per_s=T / sec,
+                             peak_GiB=torch.cuda.max_memory_allocated() / 2 ** 30))
+            last = (T, sec)
+        except torch.OutOfMemoryError:
+            rows.append(dict(tokens=T, status="OOM", peak_GiB=torch.cuda.max_memory_allocated() / 2 ** 30))
+        print(rows[-1], flush=True)
+        h = logits = None
+    print(table(rows, ["tokens", "status", "seconds", "tokens_per_s", "peak_GiB"]))
+    save("prefill" + ("_quick" if a.quick else ""), {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()

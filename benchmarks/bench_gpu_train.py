@@ -1,0 +1,73 @@
+"""Training step of the `small` preset on one GPU: tokens/s and MFU against 989 TFLOP/s dense bf16.
+
+bf16 parameters, fused AdamW, packed rows of B x T tokens, loss = next-token cross entropy.
+FLOP formula (per step): 6 · N_active · tokens  +  3 · Σ_MLA-layers 2·2·B·H·(T²/2)·(d_qk + d_v)/2,
+where N_active counts every matmul weight a token uses (all attention/KDA/MLP/shared/router/latent
+projections, lm_head, and top_k/E of the routed experts; embeddings and norms excluded), and the second term
+is causal softmax attention (QKᵀ with d_qk, PV with d_v, half the T² square, x3 for fwd+bwd). KDA's chunked
+delta-rule arithmetic is not counted (it is O(T·H·C·d), a few % here), so the MFU slightly under-counts.
+Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick]
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench_util import PEAK_BF16, save, table, time_ms  # noqa: E402
+
+from k3.config import K3Config  # noqa: E402
+from k3.model.decoder import K3ForCausalLM  # noqa: E402
+
+
+def active_params(model, cfg) -> int:
+    n = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "embed_tokens" in name:
+            continue
+        frac = cfg.num_experts_per_token / cfg.num_experts if ".experts.w" in name else 1.0
+        n += p.numel() * frac
+    return int(n)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compile", action="store_true")
+    a = ap.parse_args()
+    cfg = K3Config.preset("small" if not a.quick else "tiny")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(cfg).to(torch.bfloat16)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    n_act = active_params(model, cfg)
+    H, dqk, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+    n_mla = len(cfg.mla_layer_ids)
+    rows = []
+    for B, T in ([(8, 4096), (2, 16384)] if not a.quick else [(2, 512)]):
+        ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+
+        def step():
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t0 = time.time()
+        torch.cuda.reset_peak_memory_stats()
+        ms = time_ms(step, warmup=2, reps=5)
+        tokens = B * T
+        flops = 6 * n_act * tokens + 3 * n_mla * 2 * 2 * B * H * (T * T / 2) * (dqk + dv) / 2
+        rows.append(dict(preset="small" if not a.quick else "tiny", B=B, T=T, step_ms=ms,
+                         tokens_per_s=tokens / ms * 1e3, TFLOPs=flops / ms * 1e-9,
+                         MFU=flops / (ms * 1e-3) / PEAK_BF16, peak_GiB=torch.cuda.max_memory_allocated() / 2 ** 30,
+                         active_params_M=n_act / 1e6, wall_s=time.time() - t0))
+        print(rows[-1], flush=True)
+    print(table(rows, ["preset", "B", "T", "step_ms", "tokens_per_s", "TFLOPs", "MFU", "peak_GiB", "active_params_M"]))
+    save("train" + ("_quick" if a.quick else ""), {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Shared helpers for the bench_gpu_*.py scripts: event timing, environment stamp, result files."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on H200 (SPEC §6); re-measured by measure_ceilings()
+PEAK_BF16 = 989e12  # dense bf16 datasheet figure the MFU targets use
+MATMUL_BF16 = 790e12  # measured 8192^3 bf16 matmul (SPEC §6)
+
+
+def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median milliseconds of fn() over reps, timed with CUDA events after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict:
+    """Copy bandwidth (bytes read + written) and a bf16 8192^3 matmul rate on this card, now."""
+    x = torch.randn(2 ** 30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), reps=20)
+    bw = 2 * x.numel() * 2 / (ms * 1e-3)
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms_mm = time_ms(lambda: a @ b, reps=20)
+    del x, y
+    return {"copy_TBps": bw / 1e12, "matmul_TFLOPs": 2 * 8192 ** 3 / (ms_mm * 1e-3) / 1e12}
+
+
+def environment() -> dict:
+    env = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "python": sys.version.split()[0]}
+    for mod in ("triton", "fla"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True, timeout=5).stdout.strip() or os.environ.get("K3_COMMIT", "?")
+    except Exception:
+        env["commit"] = os.environ.get("K3_COMMIT", "?")
+    return env
+
+
+def save(name: str, payload: dict) -> None:
+    """Write payload as JSON to $OUT/name.json when OUT is set (the device tool brings it back)."""
+    out = os.environ.get("OUT")
+    payload = {"env": environment(), **payload}
+    if out:
+        with open(os.path.join(out, f"{name}.json"), "w") as fh:
+            json.dump(payload, fh, indent=1)
+    print(json.dumps(payload["env"]))
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)

@@ -1,0 +1,1 @@
+"""Sandbox backends: bwrap (default), gvisor, firecracker."""

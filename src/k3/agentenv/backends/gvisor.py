@@ -1,0 +1,273 @@
+"""gVisor backend: Debian's `runsc` with an OCI bundle (minimal rootfs, read-only /usr, bind-mounted workspace
+on a sized tmpfs, `--network=none`), one `runsc exec` of the guest agent per call, `runsc pause/resume`, full
+snapshots with process state through `runsc checkpoint`/`restore`, and fork by restoring one image n times."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from k3.agentenv import hostfs
+from k3.agentenv.api import Backend, ExecResult, Sandbox, SandboxError, SandboxSpec, Snapshot, check_argv_or_cmd
+
+_avail: dict[str, tuple[bool, str]] = {}
+
+
+def _runsc_base(state: Path) -> list[str]:
+    return ["runsc", "--root", str(state), "--network=none", "--platform=ptrace", "--ignore-cgroups"]
+
+
+class GVisorBackend(Backend):
+    name = "gvisor"
+
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root) if root else hostfs.state_root()
+
+    def available(self) -> tuple[bool, str]:
+        if "r" in _avail:
+            return _avail["r"]
+        if os.geteuid() != 0:
+            _avail["r"] = (False, "runsc needs root here")
+        elif not shutil.which("runsc"):
+            _avail["r"] = (False, "runsc not installed (apt-get install runsc)")
+        else:
+            try:
+                r = subprocess.run(["runsc", "--network=none", "--platform=ptrace", "--ignore-cgroups", "do", "true"],
+                                   capture_output=True, timeout=60, cwd="/tmp")
+                _avail["r"] = (True, "") if r.returncode == 0 else \
+                    (False, f"runsc do true failed: {r.stderr.decode()[-300:].strip()}")
+            except (OSError, subprocess.SubprocessError) as e:
+                _avail["r"] = (False, f"runsc probe failed: {e}")
+        return _avail["r"]
+
+    def create(self, spec: SandboxSpec | None = None) -> "GVisorSandbox":
+        spec = spec or SandboxSpec()
+        spec.validate()
+        self.require()
+        hostfs.ensure_state(self.root)
+        base = hostfs.seal_template(spec.template, self.root)
+        return GVisorSandbox(self, spec, [str(base)], image=None)
+
+    def restore(self, snap: Snapshot) -> "GVisorSandbox":
+        if snap.backend != self.name:
+            raise ValueError(f"snapshot is from backend {snap.backend!r}, not {self.name!r}")
+        self.require()
+        return GVisorSandbox(self, snap.spec, list(snap.layers), image=snap.image)
+
+    def sweep(self) -> int:
+        n = 0
+        for d in sorted((self.root / "gv").glob("*")):
+            if hostfs.owner_alive(d):
+                continue
+            subprocess.run([*_runsc_base(d / "state"), "delete", "-force", d.name], capture_output=True, timeout=30)
+            hostfs.remove_tree(d)
+            n += 1
+        return n
+
+
+class GVisorSandbox(Sandbox):
+    backend_name = "gvisor"
+
+    def __init__(self, backend: GVisorBackend, spec: SandboxSpec, layers: list[str], image: str | None):
+        self.backend, self.spec, self.layers = backend, spec, list(layers)
+        self.id = "gv-" + uuid.uuid4().hex[:12]
+        self.state = "creating"
+        self._lock = threading.RLock()
+        self._timer = None
+        self.dir = backend.root / "gv" / self.id
+        self.dir.mkdir(parents=True)
+        hostfs.write_owner(self.dir, {})
+        try:
+            self._start(image)
+        except BaseException:
+            self.close()
+            raise
+        self.set_ttl(spec.ttl)
+
+    def _runsc(self, *args, timeout=60, check=True, detached=False, **kw) -> subprocess.CompletedProcess:
+        if detached:  # the container keeps the fds it inherits: give it a log file, not our pipes
+            with open(self.dir / "runsc.log", "ab") as log:
+                r = subprocess.run([*_runsc_base(self.dir / "state"), *args], stdout=log, stderr=log,
+                                   stdin=subprocess.DEVNULL, timeout=timeout)
+            err = (self.dir / "runsc.log").read_bytes()
+        else:
+            r = subprocess.run([*_runsc_base(self.dir / "state"), *args], capture_output=True, timeout=timeout, **kw)
+            err = r.stderr
+        if check and r.returncode != 0:
+            raise SandboxError(f"runsc {args[0]} failed: {err.decode(errors='replace')[-400:].strip()}")
+        return r
+
+    def _start(self, image: str | None) -> None:
+        lim = self.spec.limits
+        disk, ws, rootfs = self.dir / "disk", self.dir / "ws", self.dir / "rootfs"
+        for p in (disk, ws, rootfs):
+            p.mkdir()
+        hostfs.mount("tmpfs", disk, "tmpfs", f"size={lim.disk_bytes},mode=0755")
+        # gVisor's gofer serves the workspace from a plain directory: the layers are copied into it.
+        upper = disk / "ws"
+        upper.mkdir()
+        for layer in reversed(self.layers):  # oldest first; newer layers overwrite
+            subprocess.run(["cp", "-a", "--", f"{layer}/.", str(upper)], check=True)
+        subprocess.run(["find", str(upper), "-type", "c", "-delete"], check=True)  # overlay whiteouts
+        os.chown(upper, hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
+        for name in ("bin", "lib", "lib64", "sbin"):
+            os.symlink(f"usr/{name}", rootfs / name)
+        root = self.backend.root
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8", **self.spec.env}
+        self.cfg = {"cpu_seconds": lim.cpu_seconds, "file_bytes": lim.disk_bytes, "open_files": lim.open_files,
+                    "output_bytes": lim.output_bytes, "env": env}
+        ro = ["ro", "rbind", "nosuid", "nodev"]
+        config = {
+            "ociVersion": "1.0.2",
+            "process": {"terminal": False, "user": {"uid": hostfs.SANDBOX_UID, "gid": hostfs.SANDBOX_UID},
+                        "args": ["/bin/sh", "-c", self.spec.metadata.get("init", "exec sleep infinity")], "env": [f"{k}={v}" for k, v in env.items()],
+                        "cwd": "/workspace", "capabilities": {k: [] for k in
+                                                               ("bounding", "effective", "inheritable", "permitted")},
+                        "noNewPrivileges": True,
+                        "rlimits": [{"type": "RLIMIT_NOFILE", "hard": lim.open_files, "soft": lim.open_files}]},
+            "root": {"path": str(rootfs), "readonly": True},
+            "hostname": "sandbox",
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+                {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"},
+                {"destination": "/usr", "type": "bind", "source": "/usr", "options": ro},
+                {"destination": "/etc", "type": "bind", "source": str(root / "etc"), "options": ro},
+                {"destination": "/.k3agent", "type": "bind", "source": str(root / "agent"), "options": ro},
+                {"destination": "/workspace", "type": "bind", "source": str(upper), "options": ["rw", "rbind"]},
+            ],
+            "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                      "resources": {"memory": {"limit": lim.memory_bytes}, "pids": {"limit": lim.pids}}},
+        }
+        (self.dir / "config.json").write_text(json.dumps(config))
+        if image is None:
+            self._runsc("run", "--bundle", str(self.dir), "-detach", self.id, detached=True)
+        else:
+            self._runsc("restore", "--image-path", image, "--bundle", str(self.dir), "-detach", self.id, detached=True)
+        self.upper = upper
+        self.state = "running"
+
+    def _agent(self, req: dict, wait: float = 60) -> dict:
+        with self._lock:
+            if self.state != "running":
+                raise SandboxError(f"sandbox {self.id} is {self.state}")
+            r = self._runsc("exec", "--user", f"{hostfs.SANDBOX_UID}:{hostfs.SANDBOX_UID}", self.id,
+                            "/usr/bin/python3", "-I", "-S", "/.k3agent/guest_agent.py", json.dumps(self.cfg),
+                            "--oneshot", input=(json.dumps(req) + "\n").encode(), timeout=wait, check=False)
+        try:
+            res = json.loads(r.stdout.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise SandboxError(f"guest agent gave no answer: {r.stderr.decode()[-300:]}") from None
+        if not res.pop("ok", False):
+            raise SandboxError(f"{req['op']} failed in sandbox: {res.get('error')}")
+        return res
+
+    def exec(self, cmd, *, cwd="/workspace", env=None, stdin=b"", timeout=None) -> ExecResult:
+        timeout = float(timeout if timeout is not None else self.spec.limits.exec_timeout)
+        r = self._agent({"op": "exec", "argv": check_argv_or_cmd(cmd), "cwd": cwd, "env": env or {},
+                         "timeout": timeout, "stdin": base64.b64encode(stdin).decode()}, wait=timeout + 30)
+        return ExecResult(base64.b64decode(r["stdout"]), base64.b64decode(r["stderr"]), r["exit_code"], r["signal"],
+                          r["timed_out"], r["truncated"], r["duration"])
+
+    def read_file(self, path: str) -> bytes:
+        return base64.b64decode(self._agent({"op": "read", "path": path})["data"])
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        if not isinstance(data, (bytes, bytearray)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        self._agent({"op": "write", "path": path, "data": base64.b64encode(data).decode(), "mode": mode})
+
+    def list_dir(self, path: str = "/workspace") -> list[dict]:
+        return self._agent({"op": "list", "path": path})["entries"]
+
+    def download_tar(self, path: str = "/workspace") -> bytes:
+        return base64.b64decode(self._agent({"op": "tar_get", "path": path})["data"])
+
+    def upload_tar(self, data: bytes, dest: str = "/workspace") -> None:
+        self._agent({"op": "tar_put", "data": base64.b64encode(data).decode(), "dest": dest})
+
+    def pause(self) -> None:
+        with self._lock:
+            if self.state == "running":
+                self._runsc("pause", self.id)
+                self.state = "paused"
+
+    def resume(self) -> None:
+        with self._lock:
+            if self.state == "paused":
+                self._runsc("resume", self.id)
+                self.state = "running"
+
+    def snapshot(self, level: str = "fs") -> Snapshot:
+        """'fs': the workspace as a sealed layer; 'full': also every process's memory (`runsc checkpoint`,
+        which stops this sandbox's container — it is restarted from the image so the sandbox carries on)."""
+        if level not in ("fs", "full"):
+            raise ValueError(f"level must be 'fs' or 'full', got {level!r}")
+        with self._lock:
+            was_paused = self.state == "paused"
+            if level == "fs":
+                if not was_paused:
+                    self._runsc("pause", self.id)
+                try:
+                    layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}")
+                finally:
+                    if not was_paused:
+                        self._runsc("resume", self.id)
+                return Snapshot("gvisor", self.spec, (str(layer),), "fs")
+            layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}")
+            image = self.backend.root / "layers" / f"img-{uuid.uuid4().hex[:12]}"
+            image.mkdir()
+            # checkpoint then copy the workspace again: the image must match the files it had open
+            self._runsc("checkpoint", "--image-path", str(image), self.id, timeout=120)
+            shutil.rmtree(layer)
+            layer = hostfs.seal_upper(self.upper, self.backend.root, layer.name)
+            self._runsc("delete", "-force", self.id, check=False)
+            self._runsc("restore", "--image-path", str(image), "--bundle", str(self.dir), "-detach", self.id,
+                        detached=True, timeout=120)
+            self.state = "running"
+            if was_paused:
+                self.pause()
+            return Snapshot("gvisor", self.spec, (str(layer),), "full", str(image))
+
+    def fork(self, n: int) -> list["GVisorSandbox"]:
+        if not isinstance(n, int) or not 1 <= n <= 16:
+            raise ValueError(f"n must be an integer in [1, 16], got {n!r}")
+        snap = self.snapshot("full")
+        return [self.backend.restore(snap) for _ in range(n)]
+
+    def set_ttl(self, ttl: float | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if ttl is None:
+            return
+        if not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds or None, got {ttl!r}")
+        self._timer = threading.Timer(ttl, self.close if self.spec.on_expiry == "kill" else self._expire_pause)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire_pause(self) -> None:
+        try:
+            self.pause()
+        except SandboxError:
+            pass
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.state in ("closing", "closed"):
+            return
+        self.state = "closing"
+        try:
+            self._runsc("delete", "-force", self.id, check=False, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        hostfs.remove_tree(self.dir)
+        self.state = "closed"

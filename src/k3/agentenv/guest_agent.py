@@ -1,0 +1,280 @@
+"""The guest agent: runs inside a sandbox with the system Python, standard library only. It reads one JSON
+request per line on stdin and answers one JSON line on stdout: exec (with timeout, output cap and rlimits),
+background spawn/poll/kill, read/write/list files and tar up/download. Paths resolve inside the sandbox's own
+mount namespace, so a symlink can only ever point at something the sandbox already sees.
+`--oneshot` serves a single request and exits (backends that start a process per call)."""
+import base64
+import io
+import json
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+WORKDIR = "/workspace"
+CONFIG = {"cpu_seconds": 60, "file_bytes": 64 << 20, "open_files": 256, "output_bytes": 1 << 20,
+          "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "LANG": "C.UTF-8"}}
+BACKGROUND = {}  # handle -> dict(proc, out, err, done)
+
+
+def b64(data):
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(s):
+    return base64.b64decode(s.encode("ascii")) if s else b""
+
+
+def resolve(path):
+    if not isinstance(path, str) or not path:
+        raise ValueError("path must be a non-empty string")
+    return os.path.normpath(path if path.startswith("/") else os.path.join(WORKDIR, path))
+
+
+def limit_child():
+    """In the child before exec: rlimits, a high OOM score (so the memory killer picks the command, not us)."""
+    resource.setrlimit(resource.RLIMIT_CPU, (CONFIG["cpu_seconds"], CONFIG["cpu_seconds"]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (CONFIG["file_bytes"], CONFIG["file_bytes"]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (CONFIG["open_files"], CONFIG["open_files"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
+def start(argv, cwd, env, stdin_bytes):
+    full_env = dict(CONFIG["env"])
+    full_env.update(env or {})
+    return subprocess.Popen(argv, cwd=resolve(cwd), env=full_env, stdin=subprocess.PIPE if stdin_bytes else
+                            subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=limit_child, close_fds=True)
+
+
+def kill_group(proc):
+    for _ in range(20):  # a fork bomb keeps adding members; repeat until the group is empty
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.01)
+
+
+def op_exec(req):
+    t0 = time.monotonic()
+    stdin_bytes = unb64(req.get("stdin"))
+    try:
+        proc = start(req["argv"], req.get("cwd") or WORKDIR, req.get("env"), stdin_bytes)
+    except (OSError, ValueError) as e:
+        return {"stdout": "", "stderr": b64(f"exec failed: {e}\n".encode()), "exit_code": 127, "signal": None,
+                "timed_out": False, "truncated": False, "duration": time.monotonic() - t0}
+    cap = int(req.get("output_bytes") or CONFIG["output_bytes"])
+    deadline = t0 + float(req.get("timeout") or 30)
+    bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    sel = selectors.DefaultSelector()
+    for f in (proc.stdout, proc.stderr):
+        os.set_blocking(f.fileno(), False)
+        sel.register(f.fileno(), selectors.EVENT_READ)
+    pending_in = memoryview(stdin_bytes)
+    if stdin_bytes:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+    timed_out = truncated = False
+    exited_at = None
+    while sel.get_map():
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = True
+            break
+        if exited_at is None and proc.poll() is not None:
+            exited_at = now
+        if exited_at is not None and now - exited_at > 0.2:  # a stray grandchild holds the pipe: stop reading
+            break
+        for key, _ in sel.select(timeout=min(0.05, deadline - now)):
+            fd = key.fd
+            if stdin_bytes and fd == proc.stdin.fileno():
+                try:
+                    n = os.write(fd, pending_in[:65536])
+                    pending_in = pending_in[n:]
+                except BrokenPipeError:
+                    pending_in = pending_in[:0]
+                if not len(pending_in):
+                    sel.unregister(fd)
+                    proc.stdin.close()
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                sel.unregister(fd)
+                continue
+            bufs[fd] += chunk
+            if len(bufs[fd]) > cap:
+                truncated = True
+        if truncated:
+            break
+    if timed_out or truncated or proc.poll() is None:
+        kill_group(proc)
+    else:
+        kill_group(proc)  # background leftovers of a finished command go with it (use spawn for daemons)
+    try:
+        rc = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        rc = None
+    out, err = bytes(bufs[proc.stdout.fileno()][:cap]), bytes(bufs[proc.stderr.fileno()][:cap])
+    for f in (proc.stdout, proc.stderr, proc.stdin):
+        if f:
+            f.close()
+    sig = -rc if rc is not None and rc < 0 else None
+    return {"stdout": b64(out), "stderr": b64(err), "exit_code": rc if rc is not None and rc >= 0 else None,
+            "signal": sig, "timed_out": timed_out, "truncated": truncated, "duration": time.monotonic() - t0}
+
+
+def op_spawn(req):
+    proc = start(req["argv"], req.get("cwd") or WORKDIR, req.get("env"), b"")
+    handle = str(proc.pid)
+    for f in (proc.stdout, proc.stderr):
+        os.set_blocking(f.fileno(), False)
+    BACKGROUND[handle] = {"proc": proc, "out": bytearray(), "err": bytearray(), "eof": set()}
+    return {"handle": handle}
+
+
+def drain_background():
+    cap = CONFIG["output_bytes"]
+    for bg in BACKGROUND.values():
+        for name, f in (("out", bg["proc"].stdout), ("err", bg["proc"].stderr)):
+            if name in bg["eof"]:
+                continue
+            for _ in range(64):
+                try:
+                    chunk = os.read(f.fileno(), 65536)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    bg["eof"].add(name)
+                    break
+                if len(bg[name]) < cap:
+                    bg[name] += chunk[:cap - len(bg[name])]
+
+
+def op_poll(req):
+    drain_background()
+    bg = BACKGROUND.get(req["handle"])
+    if bg is None:
+        raise ValueError(f"no background process {req['handle']!r}")
+    rc = bg["proc"].poll()
+    out, err = bytes(bg["out"]), bytes(bg["err"])
+    bg["out"].clear()
+    bg["err"].clear()
+    if rc is not None and len(bg["eof"]) == 2:
+        BACKGROUND.pop(req["handle"])
+    return {"stdout": b64(out), "stderr": b64(err), "running": rc is None,
+            "exit_code": rc if rc is not None and rc >= 0 else None, "signal": -rc if rc is not None and rc < 0 else None}
+
+
+def op_kill(req):
+    bg = BACKGROUND.get(req["handle"])
+    if bg is not None:
+        kill_group(bg["proc"])
+        bg["proc"].wait(timeout=5)
+    return {}
+
+
+def op_read(req):
+    with open(resolve(req["path"]), "rb") as f:
+        data = f.read(int(req.get("max_bytes") or (64 << 20)) + 1)
+    if len(data) > int(req.get("max_bytes") or (64 << 20)):
+        raise ValueError("file larger than max_bytes")
+    return {"data": b64(data)}
+
+
+def op_write(req):
+    path = resolve(req["path"])
+    if req.get("parents", True):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, int(req.get("mode") or 0o644))
+    with os.fdopen(fd, "wb") as f:
+        f.write(unb64(req.get("data")))
+    return {}
+
+
+def op_list(req):
+    path = resolve(req.get("path") or WORKDIR)
+    out = []
+    with os.scandir(path) as it:
+        for e in it:
+            st = e.stat(follow_symlinks=False)
+            kind = "dir" if e.is_dir(follow_symlinks=False) else "symlink" if e.is_symlink() else "file"
+            out.append({"name": e.name, "path": os.path.join(path, e.name), "type": kind, "size": st.st_size,
+                        "mode": st.st_mode & 0o7777})
+    return {"entries": sorted(out, key=lambda d: d["name"])}
+
+
+def op_tar_get(req):
+    path = resolve(req.get("path") or WORKDIR)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add(path, arcname=".")
+    return {"data": b64(buf.getvalue())}
+
+
+def op_tar_put(req):
+    dest = resolve(req.get("dest") or WORKDIR)
+    os.makedirs(dest, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(unb64(req.get("data"))), mode="r") as tf:
+        members = []
+        for m in tf.getmembers():
+            name = os.path.normpath(m.name)
+            if name.startswith(("/", "..")) or not (m.isfile() or m.isdir() or m.issym()):
+                raise ValueError(f"refused tar member {m.name!r} (absolute, '..' or special file)")
+            m.mode &= 0o777  # no setuid bits from outside
+            members.append(m)
+        tf.extractall(dest, members=members)
+    return {}
+
+
+OPS = {"exec": op_exec, "spawn": op_spawn, "poll": op_poll, "kill": op_kill, "read": op_read, "write": op_write,
+       "list": op_list, "tar_get": op_tar_get, "tar_put": op_tar_put, "ping": lambda req: {"pid": os.getpid()}}
+
+
+def handle(line):
+    req = {}
+    try:
+        req = json.loads(line)
+        res = OPS[req["op"]](req)
+        res["ok"] = True
+    except Exception as e:  # every failure goes back to the host as an answer, never kills the agent
+        res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    res["rid"] = req.get("rid") if isinstance(req, dict) else None  # lets the host drop a stale answer (one that arrived after it gave up)
+    return json.dumps(res) + "\n"
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1].startswith("{"):
+        CONFIG.update(json.loads(sys.argv[1]))
+    if "--oneshot" in sys.argv:
+        sys.stdout.write(handle(sys.stdin.readline()))
+        sys.stdout.flush()
+        return
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    out = sys.stdout
+    out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+    out.flush()
+    inp = sys.stdin.buffer
+    while True:
+        line = inp.readline()
+        if not line:
+            return
+        out.write(handle(line))
+        out.flush()
+        drain_background()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Host-side filesystem plumbing shared by the backends: the state directory, sealed (read-only, shared)
+template layers with git history stripped, sized tmpfs disks, overlay mounts, owner records and sweeping."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+SANDBOX_UID = int(os.environ.get("K3_AGENTENV_UID", "61000"))  # host uid every sandbox runs as (unprivileged)
+INSIDE_UID = 1000  # what the sandbox sees
+MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def state_root() -> Path:
+    return Path(os.environ.get("K3_AGENTENV_ROOT", "/var/tmp/k3-agentenv"))
+
+
+def mount(source: str, target: str | Path, fstype: str, options: str = "", flags: int = 0) -> None:
+    r = _libc.mount(source.encode(), str(target).encode(), fstype.encode(), ctypes.c_ulong(flags),
+                    options.encode() if options else None)
+    if r != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mount -t {fstype} {source} {target} ({options}): {os.strerror(e)}")
+
+
+def umount(target: str | Path) -> None:
+    _libc.umount2(str(target).encode(), MNT_DETACH)
+
+
+def is_mounted(target: str | Path) -> bool:
+    t = os.path.realpath(target)
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == t for line in f)
+
+
+def mounts_under(root: str | Path) -> list[str]:
+    r = os.path.realpath(root) + "/"
+    with open("/proc/self/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[1].startswith(r)]
+
+
+def ensure_state(root: Path | None = None) -> Path:
+    """The state root with etc/ (a minimal passwd/group/hosts), layers/, sb/ and the guest agent."""
+    root = root or state_root()
+    for sub in ("layers", "sb", "etc", "agent"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o711)
+    for sub in ("layers", "sb", "agent"):
+        os.chmod(root / sub, 0o711 if sub != "agent" else 0o755)
+    etc = root / "etc"
+    files = {"passwd": f"root:x:0:0:root:/root:/bin/sh\nuser:x:{INSIDE_UID}:{INSIDE_UID}:user:/workspace:/bin/sh\n",
+             "group": f"root:x:0:\nuser:x:{INSIDE_UID}:\n", "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+             "hostname": "sandbox\n", "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n"}
+    for name, text in files.items():
+        p = etc / name
+        if not p.exists() or p.read_text() != text:
+            p.write_text(text)
+    if Path("/etc/ld.so.cache").exists() and not (etc / "ld.so.cache").exists():
+        shutil.copy2("/etc/ld.so.cache", etc / "ld.so.cache")
+    src = Path(__file__).with_name("guest_agent.py")
+    dst = root / "agent" / "guest_agent.py"
+    if not dst.exists() or dst.read_bytes() != src.read_bytes():
+        tmp = dst.with_suffix(".tmp")
+        tmp.write_bytes(src.read_bytes())
+        tmp.replace(dst)
+    os.chmod(root / "agent", 0o755)
+    os.chmod(dst, 0o644)
+    return root
+
+
+def tree_fingerprint(path: Path) -> str:
+    """A hash of names, sizes, modes and mtimes below `path` (cheap change detection for template caching)."""
+    h = hashlib.sha256(str(path.resolve()).encode())
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(filenames + dirnames):
+            st = os.lstat(os.path.join(dirpath, name))
+            h.update(f"{os.path.relpath(os.path.join(dirpath, name), path)}\0{st.st_size}\0{st.st_mode}\0"
+                     f"{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:24]
+
+
+def seal_template(template: str | Path | None, root: Path, strip_git: bool = True) -> Path:
+    """A read-only shared copy of the template owned by the sandbox uid, `.git` removed so a repository's
+    future history cannot be read. Cached by content fingerprint; built atomically (tmp dir + rename)."""
+    if template is None:
+        layer = root / "layers" / "empty"
+        layer.mkdir(exist_ok=True)
+        os.chown(layer, SANDBOX_UID, SANDBOX_UID)
+        return layer
+    src = Path(template)
+    layer = root / "layers" / f"tpl-{tree_fingerprint(src)}{'-nogit' if strip_git else ''}"
+    if layer.is_dir():
+        return layer
+    tmp = root / "layers" / f".building-{os.getpid()}-{time.monotonic_ns()}"
+    ignore = shutil.ignore_patterns(".git") if strip_git else None
+    shutil.copytree(src, tmp, symlinks=True, ignore=ignore)
+    subprocess.run(["chown", "-R", "-h", f"{SANDBOX_UID}:{SANDBOX_UID}", str(tmp)], check=True)
+    try:
+        tmp.rename(layer)
+    except OSError:  # someone else sealed it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return layer
+
+
+def seal_upper(upper: Path, root: Path, name: str) -> Path:
+    """Copy a sandbox's overlay upper dir (whiteouts and opaque-dir xattrs included) into a sealed layer."""
+    dst = root / "layers" / name
+    tmp = dst.with_name("." + name)
+    subprocess.run(["cp", "-a", "--", str(upper), str(tmp)], check=True)
+    tmp.rename(dst)
+    return dst
+
+
+def proc_start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def write_owner(d: Path, extra: dict) -> None:
+    rec = {"pid": os.getpid(), "start": proc_start_time(os.getpid()), **extra}
+    (d / "owner.json").write_text(json.dumps(rec))
+
+
+def owner_alive(d: Path) -> bool:
+    try:
+        rec = json.loads((d / "owner.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return proc_start_time(rec["pid"]) == rec["start"]
+
+
+def remove_tree(d: Path) -> None:
+    for m in sorted(mounts_under(d), key=len, reverse=True):
+        umount(m)
+    shutil.rmtree(d, ignore_errors=True)

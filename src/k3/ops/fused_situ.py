@@ -1,0 +1,82 @@
+"""Fused SiTU-GLU on CUDA (Triton), with the same contract and result as k3.ops.situ.situ_glu.
+
+Importing this module needs no triton; `fused_situ_available(x)` says whether x can take the fused path
+(CUDA, bf16/fp16/fp32, triton importable, not disabled by K3_NO_TRITON=1). Elsewhere `situ_glu_fast` falls
+back to the reference.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from k3.ops.situ import situ_glu
+
+__all__ = ["fused_situ_available", "fused_situ_glu", "situ_glu_fast"]
+
+_BLOCK = 2048
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    try:
+        from k3.ops import _situ_triton
+    except Exception:
+        return None
+    return _situ_triton
+
+
+def fused_situ_available(x: torch.Tensor) -> bool:
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return False
+    if os.environ.get("K3_NO_TRITON", "") not in ("", "0"):
+        return False
+    return _kernels() is not None
+
+
+class _FusedSiTUGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, beta_gate, beta_up):
+        gate, up = gate.contiguous(), up.contiguous()
+        h = torch.empty_like(gate)
+        n = gate.numel()
+        if n:
+            kern = _kernels()
+            grid = (triton_cdiv(n, _BLOCK),)
+            kern.situ_glu_fwd_kernel[grid](gate, up, h, n, float(beta_gate), float(beta_up), BLOCK=_BLOCK)
+        ctx.save_for_backward(gate, up)
+        ctx.betas = (float(beta_gate), float(beta_up))
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        dh = dh.contiguous()
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        if n:
+            kern = _kernels()
+            grid = (triton_cdiv(n, _BLOCK),)
+            kern.situ_glu_bwd_kernel[grid](gate, up, dh, dg, du, n, *ctx.betas, BLOCK=_BLOCK)
+        return dg, du, None, None
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fused_situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0):
+    """SiTU-GLU in one Triton pass (fp32 math, output in gate's dtype). gate, up: [..., I] CUDA, same shape
+    and dtype. Differentiable (its own fused backward)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"fused_situ_glu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} must have the same shape and dtype")
+    return _FusedSiTUGLU.apply(gate, up, beta_gate, beta_up)
+
+
+def situ_glu_fast(gate, up, beta_gate: float = 4.0, beta_up: float = 25.0):
+    """Dispatch: the fused kernel on CUDA where triton is there, else the reference `situ_glu`."""
+    if fused_situ_available(gate) and gate.shape == up.shape and gate.dtype == up.dtype:
+        return fused_situ_glu(gate, up, beta_gate, beta_up)
+    return situ_glu(gate, up, beta_gate, beta_up)

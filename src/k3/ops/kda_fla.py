@@ -1,0 +1,163 @@
+"""KDA on CUDA through flash-linear-attention (fla >= 0.6.0): the GPU dispatch beside k3.ops.kda's references.
+
+fla is imported lazily, so importing this module needs neither triton nor fla; `fla_usable(x)` says whether a
+tensor can take the fla path (CUDA, bf16/fp16/fp32, fla importable, K <= 256, not disabled by K3_NO_FLA=1).
+
+State layout: fla's default, K-first `[N, H, K, V]` in float32 (`state_v_first=False`), the same as the
+references'. fla 0.5.x had a causality bug in the safe-gate path, so older versions are refused.
+
+Three entry points:
+- `fla_kda_chunk`: same contract as `kda_chunk` (q, k already L2-normalised, g a log-decay). Autograd works.
+- `fla_kda_recurrent`: same contract as `kda_recurrent`; fla's fused recurrent kernel (forward only) when no
+  gradient is needed, else the chunked kernel (same function).
+- `fla_kda_gated`: the K3 layer's whole inner op with the gate, the q/k L2 norm and the beta sigmoid computed
+  in the kernel (`use_gate_in_kernel`, `lower_bound`, `safe_gate`, `use_qk_l2norm_in_kernel`,
+  `use_beta_sigmoid_in_kernel`), i.e. SPEC §3.2's g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["fla_available", "fla_usable", "fla_kda_chunk", "fla_kda_recurrent", "fla_kda_gated", "MIN_FLA_VERSION"]
+
+MIN_FLA_VERSION = (0, 6, 0)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for p in text.split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def fla_available() -> bool:
+    """True when fla >= 0.6.0 and its KDA ops import (never on a machine without triton)."""
+    try:
+        import fla  # noqa: F401
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
+    except Exception:  # ImportError, or triton failing to initialise without a GPU
+        return False
+    version = getattr(fla, "__version__", "0")
+    return _version_tuple(version) >= MIN_FLA_VERSION
+
+
+def fla_usable(x: torch.Tensor, head_dim: int | None = None) -> bool:
+    """Whether x (a q-like tensor) can take the fla path. CPU tensors never do."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in _DTYPES):
+        return False
+    if os.environ.get("K3_NO_FLA", "") not in ("", "0"):
+        return False
+    if (head_dim if head_dim is not None else x.shape[-1]) > 256:
+        return False
+    return fla_available()
+
+
+def _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens):
+    """Shape checks only (no device sync, no pass over the data): the fast path must stay fast."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"k and g must match q's shape {list(q.shape)}, got {list(k.shape)} and {list(g.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] with [B, T, H]={[B, T, H]}, got {list(v.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H]={[B, T, H]}, got {list(beta.shape)}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens requires packed input with B == 1, got B={B}")
+    n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (n, H, K, v.shape[3]):
+        raise ValueError(f"initial_state must be [N, H, K, V]={[n, H, K, v.shape[3]]}, got {list(initial_state.shape)}")
+
+
+def _cu(cu_seqlens, device):
+    """fla wants int64 cu_seqlens on the device; a CPU copy spares it a sync when it plans the chunks."""
+    if cu_seqlens is None:
+        return None, None
+    cpu = cu_seqlens.to("cpu", torch.int64) if not cu_seqlens.is_cuda else None
+    return cu_seqlens.to(device=device, dtype=torch.int64), cpu
+
+
+def _state(initial_state):
+    return None if initial_state is None else initial_state.float().contiguous()
+
+
+def fla_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None):
+    """`kda_chunk` through fla's chunk_kda. q, k: [B, T, H, K] (L2-normalised); g: [B, T, H, K] log-decay in
+    [-5, 0); v: [B, T, H, V]; beta: [B, T, H] in (0, 1); initial_state: [N, H, K, V] fp32 (K-first).
+    Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None)."""
+    from fla.ops.kda import chunk_kda
+
+    _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    cu, cu_cpu = _cu(cu_seqlens, q.device)
+    # safe_gate: fla's M=16 tensor-core path for gates bounded below by -5, which kda_gate guarantees.
+    o, state = chunk_kda(q, k, v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
+                         initial_state=_state(initial_state), output_final_state=output_final_state,
+                         safe_gate=True, state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    return o.to(v.dtype), state
+
+
+def fla_kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None):
+    """`kda_recurrent` on CUDA: fla's fused recurrent kernel without autograd (decode), else the chunked
+    kernel, which computes the same function and has a backward. Layouts as `fla_kda_chunk`."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    if needs_grad:
+        return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    from fla.ops.kda import fused_recurrent_kda
+
+    _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    cu, _ = _cu(cu_seqlens, q.device)
+    o, state = fused_recurrent_kda(q, k, v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
+                                   initial_state=_state(initial_state), output_final_state=output_final_state,
+                                   state_v_first=False, cu_seqlens=cu)
+    return o.to(v.dtype), state
+
+
+def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, scale=None, initial_state=None,
+                  output_final_state=False, cu_seqlens=None, recurrent=None):
+    """The K3 mixer's inner op with gate, q/k L2 norm and beta sigmoid fused into fla's kernels.
+
+    q, k: [B, T, H, K] raw (after conv and SiLU, before the L2 norm); v: [B, T, H, V];
+    f: [B, T, H, K] the low-rank gate projection W_fb W_fa x; beta_logits: [B, T, H] (before the sigmoid);
+    A_log: [H'] (H' >= H, first H used); dt_bias: [H*K] or [H, K]; lower_bound in [-5, 0).
+    recurrent: use the fused recurrent kernel (forward only); default: when T == 1 and no gradient is needed.
+    Computes kda_recurrent(l2(q), l2(k), v, kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(beta_logits)).
+    """
+    B, T, H, K = q.shape
+    _check_shapes(q, k, v, f, beta_logits, initial_state, cu_seqlens)
+    if not (-5.0 <= float(lower_bound) < 0.0):
+        raise ValueError(f"lower_bound must be in [-5, 0) for fla's safe gate, got {lower_bound!r}")
+    A = A_log[:H].float().contiguous()
+    bias = dt_bias.reshape(H * K).float().contiguous()
+    cu, cu_cpu = _cu(cu_seqlens, q.device)
+    dt = q.dtype
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, f, beta_logits, A_log, dt_bias, initial_state))
+    if recurrent is None:
+        recurrent = T == 1 and not needs_grad
+    if recurrent:
+        from fla.ops.kda import fused_recurrent_kda
+
+        o, state = fused_recurrent_kda(q, k.to(dt), v.to(dt), f.to(dt), beta_logits.to(dt), A_log=A,
+                                       dt_bias=bias, scale=scale, initial_state=_state(initial_state),
+                                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+                                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                       lower_bound=float(lower_bound), state_v_first=False, cu_seqlens=cu)
+    else:
+        from fla.ops.kda import chunk_kda
+
+        o, state = chunk_kda(q, k.to(dt), v.to(dt), f.to(dt), beta_logits.to(dt), scale=scale,
+                             initial_state=_state(initial_state), output_final_state=output_final_state,
+                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=float(lower_bound),
+                             state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, A_log=A, dt_bias=bias)
+    return o.to(v.dtype), state

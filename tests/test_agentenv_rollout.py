@@ -1,0 +1,150 @@
+"""Agent rollouts: the built-in tasks solved end to end by a scripted policy in real sandboxes (reward from
+hidden tests that exist only in the grader sandbox); parked-and-resumed trajectories reproduce uninterrupted
+ones token for token (scripted policy with tool outputs; the tiny K3 greedy through the serving engine); a new
+policy version never hits a cache entry of an older one."""
+import pytest
+import torch
+
+from k3 import K3Config, K3ForCausalLM
+from k3.agentenv import get_backend
+from k3.agentenv.rollout import (BUILTIN_TASKS, SCRIPTS, TOOLS, EnginePolicy, RolloutRunner, ScriptedPolicy,
+                                 tool_call_text)
+from k3.data import Tokenizer
+from k3.serve import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_file()
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = get_backend("bwrap")
+    ok, reason = b.available()
+    if not ok:
+        pytest.skip(f"backend unavailable: bwrap: {reason}")
+    return b
+
+
+def test_tool_schemas_are_openai_shaped():
+    names = [t["function"]["name"] for t in TOOLS]
+    assert names == ["bash", "read_file", "write_file", "str_replace", "submit"]
+    for t in TOOLS:
+        p = t["function"]["parameters"]
+        assert t["type"] == "function" and p["type"] == "object"
+        assert set(p.get("required", [])) <= set(p["properties"])
+
+
+@pytest.mark.parametrize("task", list(BUILTIN_TASKS))
+def test_scripted_policy_solves_task_and_hidden_tests_stay_hidden(backend, tok, task):
+    runner = RolloutRunner(backend, tok, chunk=8)
+    traj = runner.start(BUILTIN_TASKS[task])
+    try:
+        assert runner.grade(traj) == 0.0  # the bug is real before the agent acts
+        listing = traj.sandbox.exec("find / -name 'test_hidden*' 2>/dev/null; ls -a").text
+        assert "test_hidden" not in listing and ".git" not in listing
+        runner.run([traj], ScriptedPolicy(tok))
+        assert traj.status == "finished" and traj.turn == len(SCRIPTS[task])
+        assert runner.grade(traj) == 1.0
+        assert "test_hidden" not in traj.sandbox.exec("ls -a").text  # grading left the agent's box alone
+    finally:
+        runner.close(traj)
+
+
+def test_wrong_fix_gets_zero(backend, tok):
+    bad = {"fix_add": [tool_call_text("str_replace", path="app.py", old="a - b", new="a * b"),
+                       tool_call_text("submit")]}
+    runner = RolloutRunner(backend, tok)
+    traj = runner.start(BUILTIN_TASKS["fix_add"])
+    try:
+        runner.run([traj], ScriptedPolicy(tok, bad))
+        assert runner.grade(traj) == 0.0
+    finally:
+        runner.close(traj)
+
+
+def test_partial_rollout_park_resume_matches_uninterrupted_scripted(backend, tok):
+    tasks = [BUILTIN_TASKS["fix_greet"], BUILTIN_TASKS["fix_add"]]  # fix_greet is shorter: finishes first
+    ref_runner = RolloutRunner(backend, tok, chunk=5)
+    refs = [ref_runner.start(t) for t in tasks]
+    ref_runner.run(refs, ScriptedPolicy(tok))
+    runner = RolloutRunner(backend, tok, chunk=5)
+    trajs = [runner.start(t) for t in tasks]
+    try:
+        done, parked = runner.run_partial(trajs, ScriptedPolicy(tok, version=1), lam=0.5)
+        assert [t.task.name for t in done] == ["fix_greet"] and [t.task.name for t in parked] == ["fix_add"]
+        p = parked[0]
+        assert p.sandbox.state == "paused" and p.partial  # parked mid-turn, tokens so far kept
+        kept = list(p.ids) + list(p.partial)
+        runner.resume(p)
+        runner.run([p], ScriptedPolicy(tok, version=2))
+        assert p.ids[:len(kept)] == kept  # never re-tokenised: the old tokens are a prefix of the new ones
+        for t, r in zip(trajs, refs):
+            assert t.ids == r.ids and t.tool_outputs == r.tool_outputs and t.gen_mask == r.gen_mask
+        gen_versions = [v for v, g in zip(p.versions, p.gen_mask) if g]
+        assert set(gen_versions) == {1, 2} and gen_versions == sorted(gen_versions)
+        assert all(v is None for v, g in zip(p.versions, p.gen_mask) if not g)
+        assert runner.grade(p) == 1.0
+    finally:
+        for t in trajs + refs:
+            runner.close(t)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    m = K3ForCausalLM(K3Config.preset("tiny"))
+    m.reset_parameters(seed=3)
+    return m.eval()
+
+
+def engine_cfg():
+    return EngineConfig(memory_bytes=32 << 20, block_size=16, match_unit=4, max_batch_tokens=256, max_num_seqs=4,
+                        max_model_len=400)
+
+
+def test_tiny_model_greedy_park_resume_same_tokens_and_versions(tok, tiny):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        task = BUILTIN_TASKS["fix_add"]
+        ref_runner = RolloutRunner(None, tok, max_turns=1, max_turn_tokens=24, chunk=24)
+        ref = ref_runner.start(task, with_sandbox=False)
+        ref_pol = EnginePolicy(tiny, tok, engine_cfg(), version=1)
+        ref_runner.run([ref], ref_pol)
+        runner = RolloutRunner(None, tok, max_turns=1, max_turn_tokens=24, chunk=8)
+        traj = runner.start(task, with_sandbox=False)
+        pol = EnginePolicy(tiny, tok, engine_cfg(), version=1)
+        runner.step(traj, pol)
+        assert traj.status == "running" and len(traj.partial) == 8  # parked mid-turn
+        runner.park(traj)
+        pol.set_version(1)  # same weights, fresh engine: the resumed turn must not depend on old cache
+        runner.resume(traj)
+        runner.run([traj], pol)
+        assert traj.generated == ref.generated and len(ref.generated) > 0
+        a = [x for x, g in zip(traj.logprobs, traj.gen_mask) if g]
+        b = [x for x, g in zip(ref.logprobs, ref.gen_mask) if g]
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_new_policy_version_never_hits_old_cache(tok, tiny):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = RolloutRunner(None, tok, max_turns=1, max_turn_tokens=16, chunk=4)
+        pol = EnginePolicy(tiny, tok, engine_cfg(), version=1)
+        t1 = runner.start(BUILTIN_TASKS["fix_add"], with_sandbox=False)
+        runner.step(t1, pol)
+        runner.step(t1, pol)
+        assert any(rep.restored_tokens > 0 for v, rep in pol.cache_reports if v == 1)  # the cache does work
+        pol.set_version(2)
+        runner.step(t1, pol)
+        reps = [rep for v, rep in pol.cache_reports if v == 2]
+        assert reps and reps[0].restored_tokens == 0 and reps[0].matched_tokens == 0
+        versions = list(t1.partial_versions)
+        assert versions == [1] * 8 + [2] * (len(versions) - 8)
+    finally:
+        torch.set_num_threads(n)

@@ -1,0 +1,177 @@
+"""Images in serving and on the command line: a prefix-cache hit with an image equals a cold run, the same text
+with a different image never reuses the image's cached state, chunked prefill may split an image, bad images
+get a 4xx from the server and a clear error (exit 2) from `k3 generate --image`."""
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from k3 import K3Config, K3ForCausalLM
+from k3.cli import main
+from k3.data import Tokenizer
+from k3.serve import EngineConfig, LLMEngine
+from k3.serve.api import create_app
+from k3.serve.sampling import SamplingParams
+from k3.vision.config import VisionConfig
+from k3.vision.multimodal import K3ForConditionalGeneration, image_token_ids
+from k3.vision.preprocess import preprocess_image
+
+PAD = 9
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_text() -> K3Config:
+    return K3Config.preset("tiny").replace(num_hidden_layers=2, attn_res_block_size=1,
+                                           linear_attn_config={"full_attn_layers": [2], "kda_layers": [1]})
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    torch.manual_seed(0)
+    m = K3ForConditionalGeneration(tiny_text(), VisionConfig.preset("tiny"), PAD)
+    m.language_model.reset_parameters(seed=1)
+    m.reset_vision_parameters(seed=2)
+    with torch.no_grad():
+        m.mm_projector.post_norm.weight.mul_(0.05)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_file()
+
+
+def png(seed: int, W=56, H=56) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (H, W, 3), dtype=np.uint8), "RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(b: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(b).decode()
+
+
+def engine(model, tok, **kw):
+    cfg = dict(memory_bytes=16 << 20, block_size=16, match_unit=4, max_batch_tokens=64, max_num_seqs=4)
+    cfg.update(kw)
+    return LLMEngine(model, tok, EngineConfig(**cfg))
+
+
+def request(tok, seed):
+    im = preprocess_image(png(seed), VisionConfig.preset("tiny"))
+    ids = [tok.bos_id, *tok.encode(" look:"), *image_token_ids(tok, im), *tok.encode(" what is in the picture?")]
+    return ids, im
+
+
+def reference(vlm, ids, im, n):
+    return torch.cat(list(vlm.stream_generate(torch.tensor([ids]), [im], max_new_tokens=n))).tolist()
+
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
+
+
+def test_prefix_hit_with_an_image_equals_cold_run(vlm, tok):
+    ids, im = request(tok, 1)
+    eng = engine(vlm, tok)
+    cold = eng.generate([ids], GREEDY, images=[[im]])[0]
+    assert cold.output_ids == reference(vlm, ids, im, 5)
+    hot = eng.generate([ids], GREEDY, images=[[im]])[0]
+    last_pad = max(i for i, t in enumerate(ids) if t == PAD)
+    assert hot.cache.restored_tokens > last_pad  # resumed past the whole image
+    assert hot.output_ids == cold.output_ids
+
+
+def test_same_text_different_image_never_hits_the_image(vlm, tok):
+    ids_a, im_a = request(tok, 1)
+    ids_b, im_b = request(tok, 2)
+    assert ids_a == ids_b and im_a.digest != im_b.digest  # identical token ids, different pixels
+    eng = engine(vlm, tok)
+    eng.generate([ids_a], GREEDY, checkpoint_at=[[4, 8, 12, 16]], images=[[im_a]])
+    out = eng.generate([ids_b], GREEDY, images=[[im_b]])[0]
+    first_pad = ids_a.index(PAD)
+    assert out.cache.matched_tokens <= first_pad and out.cache.restored_tokens <= first_pad
+    assert out.output_ids == reference(vlm, ids_b, im_b, 5)
+
+
+def test_chunked_prefill_splitting_an_image_equals_reference(vlm, tok):
+    ids, im = request(tok, 3)
+    eng = engine(vlm, tok, max_batch_tokens=3, prefix_caching=False)
+    assert eng.generate([ids], GREEDY, images=[[im]])[0].output_ids == reference(vlm, ids, im, 5)
+
+
+def test_engine_refuses_mismatched_images(vlm, tok):
+    ids, im = request(tok, 4)
+    eng = engine(vlm, tok)
+    with pytest.raises(ValueError, match="media_pad"):
+        eng.add_request(ids, GREEDY)  # pads without images
+    with pytest.raises(ValueError, match="media_pad"):
+        eng.add_request(ids, GREEDY, images=[im, im])
+
+
+def chat_body(url, text="what is this?"):
+    return {"model": "k3", "max_tokens": 3, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": text},
+                                                      {"type": "image_url", "image_url": {"url": url}}]}]}
+
+
+def test_server_accepts_data_urls_and_refuses_bad_images_with_400(vlm, tok):
+    app = create_app(engine(vlm, tok, max_model_len=200), tok, "k3")
+    with TestClient(app) as client:
+        ok = client.post("/v1/chat/completions", json=chat_body(data_url(png(5))))
+        assert ok.status_code == 200, ok.text
+        n_tokens = preprocess_image(png(5), vlm.vision_config).num_tokens
+        assert ok.json()["usage"]["prompt_tokens"] > n_tokens
+        bad = {"remote": "https://example.com/a.png", "base64": "data:image/png;base64,!!!!",
+               "decoded": data_url(b"not a png at all"), "image/": "data:text/plain;base64,aGVsbG8=",
+               "aspect": data_url(_png_of_size(1, 400))}
+        for match, url in bad.items():
+            r = client.post("/v1/chat/completions", json=chat_body(url))
+            assert r.status_code == 400, (match, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "messages" and match in err["message"] and "content[1]" in err["message"]
+
+
+def _png_of_size(W, H) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (W, H)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_text_only_server_refuses_images(tok):
+    torch.manual_seed(0)
+    text = K3ForCausalLM(tiny_text()).eval()
+    app = create_app(engine(text, tok, max_model_len=200), tok, "k3")
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=chat_body(data_url(png(6))))
+        assert r.status_code == 400 and "no vision tower" in r.json()["error"]["message"]
+
+
+def test_cli_generate_with_image(vlm, tok, tmp_path, capsys):
+    d = tmp_path / "vlm"
+    vlm.save_pretrained(d, dtype=None)
+    good, corrupt = tmp_path / "a.png", tmp_path / "bad.png"
+    good.write_bytes(png(7))
+    corrupt.write_bytes(b"\x89PNG garbage")
+    argv = ["generate", "--model", str(d), "--prompt", " hi", "--max-new-tokens", "3", "--temperature", "0"]
+    assert main(argv + ["--image", str(good)]) == 0
+    capsys.readouterr()
+    assert main(argv + ["--image", str(corrupt)]) == 2
+    assert "--image" in capsys.readouterr().err
+    assert main(argv + ["--image", str(tmp_path / "missing.png")]) == 2
+    assert "not found" in capsys.readouterr().err
+    text_dir = tmp_path / "text"
+    vlm.language_model.save_pretrained(text_dir, dtype=None)
+    assert main(["generate", "--model", str(text_dir), "--prompt", "x", "--image", str(good)]) == 2
+    assert "vision" in capsys.readouterr().err
