@@ -8,7 +8,6 @@ import socket
 import tarfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 

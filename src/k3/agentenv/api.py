@@ -6,7 +6,6 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable
 
 
 class SandboxError(RuntimeError):
@@ -278,9 +277,3 @@ def with_limits(spec: SandboxSpec, **changes) -> SandboxSpec:
     """A copy of `spec` with some limits changed."""
     return replace(spec, limits=replace(spec.limits, **changes))
 
-
-def iter_bounded(seq: Iterable, n: int):
-    for i, x in enumerate(seq):
-        if i >= n:
-            return
-        yield x

@@ -57,12 +57,19 @@ def start(argv, cwd, env, stdin_bytes):
 
 
 def kill_group(proc):
-    for _ in range(20):  # a fork bomb keeps adding members; repeat until the group is empty
+    """SIGKILL the command's process group. The leader is reaped first (a zombie still counts as a member);
+    orphans are reaped by the sandbox's pid 1, so the group empties quickly. A fork bomb keeps adding members:
+    repeat, bounded."""
+    for i in range(50):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             return
-        time.sleep(0.01)
+        try:
+            proc.wait(timeout=0.5 if i == 0 else 0.01)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(0.002 * min(i, 5))
 
 
 def op_exec(req):
@@ -119,10 +126,7 @@ def op_exec(req):
                 truncated = True
         if truncated:
             break
-    if timed_out or truncated or proc.poll() is None:
-        kill_group(proc)
-    else:
-        kill_group(proc)  # background leftovers of a finished command go with it (use spawn for daemons)
+    kill_group(proc)  # also a finished command's leftovers in its group (use spawn for daemons)
     try:
         rc = proc.wait(timeout=5)
     except subprocess.TimeoutExpired:

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from k3.agentenv import cgroups, hostfs
-from k3.agentenv.api import (Backend, BackendUnavailable, ExecResult, Sandbox, SandboxError, SandboxSpec, Snapshot,
+from k3.agentenv.api import (Backend, ExecResult, Sandbox, SandboxError, SandboxSpec, Snapshot,
                              check_argv_or_cmd)
 
 AGENT_START_TIMEOUT = 10.0

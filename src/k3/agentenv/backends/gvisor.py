@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import threading
-import time
 import uuid
 from pathlib import Path
 
