@@ -21,7 +21,7 @@ import torch
 def bench_planner() -> None:
     from k3.parallel.planner import plan_balanced, plan_plain
     E, K, S = 896, 16, 4096
-    print(f"| ranks | routing | plan_balanced ms/layer | plan_plain ms/layer | max replicas/rank |")
+    print("| ranks | routing | plan_balanced ms/layer | plan_plain ms/layer | max replicas/rank |")
     print("|---|---|---|---|---|")
     for R in (2, 8, 32, 64, 128):
         g = torch.Generator().manual_seed(R)

@@ -29,11 +29,14 @@ def test_rendered_image_shows_the_scene():
         assert img.shape == (syn.HEIGHT, syn.WIDTH, 3)
         for o in scene.objects:
             x0 = 0 if o.side == "left" else syn.CELL
-            cell = img[:syn.CELL, x0:x0 + syn.CELL]
+            cell = img[:, x0:x0 + syn.CELL]
             counts = {c: int((np.abs(cell - np.array(rgb)).max(-1) <= 25).sum()) for c, rgb in syn.COLOURS.items()}
             assert max(counts, key=counts.get) == o.colour and counts[o.colour] >= 100
-        strip = img[syn.CELL:]
-        assert (strip.min(-1) > 200).sum() >= 2 * 10 * 3  # the digit's white segments (at least two of them)
+            assert (np.abs(cell[:, :, None] - np.array(list(syn.COLOURS.values()))).max(-1) <= 25).any(-1).sum() \
+                == counts[o.colour]  # nothing else coloured in the object's cell
+        digit_cell = img[:, 2 * syn.CELL:]
+        assert (digit_cell.min(-1) > 200).sum() >= 2 * 10 * 3  # the digit's white segments (at least two of them)
+        assert (img[:, :2 * syn.CELL].min(-1) > 200).sum() == 0  # and nothing white in the object cells
 
 
 def test_training_rows_supervise_only_the_answers():
@@ -48,4 +51,4 @@ def test_training_rows_supervise_only_the_answers():
     targets = b["labels"][0][b["labels"][0] != -100].tolist()
     want = [t for _, a in qas for t in tok.encode(" " + a) + [tok.eos_id]]
     assert targets == want
-    assert int((b["input_ids"] == tok.special_tokens["<|media_pad|>"]).sum()) == im.num_tokens == 12
+    assert int((b["input_ids"] == tok.special_tokens["<|media_pad|>"]).sum()) == im.num_tokens == 3  # one merged token per cell

@@ -50,7 +50,6 @@ class ExpertParallelCombine:
 
     def __call__(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         R, me, E = self.size, self.rank, self.moe.num_experts
-        per = E // R
         N, k = idx.shape
         flat = idx.flatten()
         counts = torch.bincount(flat, minlength=E)

@@ -14,7 +14,10 @@ SHAPES = ("circle", "square", "triangle", "cross")
 HELD_OUT = frozenset({("red", "circle"), ("green", "square"), ("blue", "triangle"), ("yellow", "cross"),
                       ("purple", "circle"), ("orange", "square")})
 SIDES = ("left", "right")
-WIDTH, HEIGHT, CELL = 112, 84, 56   # two 56×56 object cells over a 28-px digit strip
+# Three 28×28 cells side by side: left object, right object, digit. 28 px is one merged image token
+# (2×2 patches of 14 px), so each object is exactly one token of the text model's input: the question
+# only has to pick the right token, which a tiny text model learns in minutes on CPU.
+WIDTH, HEIGHT, CELL = 84, 28, 28
 BACKGROUND = (24, 24, 24)
 # seven-segment layout: a top, b top-right, c bottom-right, d bottom, e bottom-left, f top-left, g middle
 _SEGMENTS = {0: "abcdef", 1: "bc", 2: "abged", 3: "abgcd", 4: "fgbc", 5: "afgcd", 6: "afgedc", 7: "abc",
@@ -55,15 +58,15 @@ def sample_scene(rng: random.Random, split: str) -> Scene:
 
 
 def render(scene: Scene, rng: random.Random):
-    """The scene as a 112×84 RGB PIL image (size, position and colour jittered)."""
+    """The scene as an 84×28 RGB PIL image (size, position and colour jittered)."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (WIDTH, HEIGHT), BACKGROUND)
     draw = ImageDraw.Draw(img)
     for o in scene.objects:
         x0 = 0 if o.side == "left" else CELL
-        r = rng.randint(13, 20)
-        cx, cy = x0 + CELL // 2 + rng.randint(-5, 5), CELL // 2 + rng.randint(-5, 5)
+        r = rng.randint(8, 11)
+        cx, cy = x0 + CELL // 2 + rng.randint(-2, 2), CELL // 2 + rng.randint(-2, 2)
         colour = tuple(max(0, min(255, v + rng.randint(-20, 20))) for v in COLOURS[o.colour])
         if o.shape == "circle":
             draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
@@ -75,7 +78,7 @@ def render(scene: Scene, rng: random.Random):
             t = max(3, r // 3)
             draw.rectangle([cx - r, cy - t, cx + r, cy + t], fill=colour)
             draw.rectangle([cx - t, cy - r, cx + t, cy + r], fill=colour)
-    _draw_digit(draw, scene.digit, WIDTH // 2 + rng.randint(-30, 30), CELL + 14)
+    _draw_digit(draw, scene.digit, 2 * CELL + CELL // 2 + rng.randint(-4, 4), CELL // 2 + rng.randint(-2, 2))
     return img
 
 
