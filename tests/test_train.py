@@ -13,7 +13,7 @@ from k3.train.trainer import TrainConfig, Trainer
 
 def small_run(out, **kw) -> TrainConfig:
     base = dict(out=str(out), max_steps=6, batch_size=2, seq_len=32, eval_every=100, eval_batches=1,
-                save_every=3, warmup_steps=2, sample_tokens=4, seed=3)
+                save_every=3, warmup_steps=2, sample_tokens=4, seed=3, final_eval_batches=2)
     base.update(kw)
     return TrainConfig(**base)
 

@@ -40,6 +40,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def expert_situ_mlp(x, counts: torch.Tensor, w1, w3, w2, beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
     """Dispatch: grouped GEMM where supported, else the per-expert loop."""
+    if w1.dtype != x.dtype:  # autocast does not cover _grouped_mm: bf16 activations meet fp32 master weights
+        w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
     if grouped_mm_supported(x, w1, w2) and x.shape[0] > 0:
         return expert_situ_mlp_grouped(x, counts, w1, w3, w2, beta_gate, beta_up)
     return expert_situ_mlp_loop(x, counts.tolist(), w1, w3, w2, beta_gate, beta_up)

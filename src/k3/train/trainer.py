@@ -42,6 +42,7 @@ class TrainConfig:
     balance: str = "quantile"
     eval_every: int = 50
     eval_batches: int = 6
+    final_eval_batches: int | None = None  # None: the whole validation split
     save_every: int = 100
     seed: int = 0
     sample_prompt: str = "KING HENRY:"
@@ -307,7 +308,7 @@ class Trainer:
         """Full validation pass, baseline, plots, the exported model and summary.json."""
         from k3.train.plots import plot_run
 
-        val = self.evaluate()
+        val = self.evaluate(self.cfg.final_eval_batches)
         if self.dist:
             sample = self.sample(64)  # a collective under expert parallelism: every rank decodes
             if not self.dist.is_main:
