@@ -16,15 +16,6 @@ INDEX = "model.safetensors.index.json"
 F32_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tensors here are tiny, so intra-op threads buy nothing; on a shared 2-core machine OpenMP's
-    spin-waiting under contention turned a 0.3 s test into 30 s. Restored afterwards for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def small_config() -> K3Config:
     # the tiny preset with expert width != latent width, so that [I, L] and [L, I] are told apart

@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3ForCausalLM
@@ -23,13 +22,6 @@ from test_checkpoint import read_headers, released_layout, shard_files  # the SP
 SPEC_QUANT_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "symmetric": True,
                       "scale_dtype": "torch.uint8"}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def small_config() -> K3Config:

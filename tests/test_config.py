@@ -13,15 +13,6 @@ from k3 import ConfigError, K3Config
 FIXTURE = Path("/work/shared/fixtures/kimi-k3-config.json")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tensors here are tiny, so intra-op threads buy nothing; on a shared 2-core machine OpenMP's
-    spin-waiting under contention turned a 0.3 s test into 30 s. Restored afterwards for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def released() -> dict:

@@ -6,15 +6,6 @@ from k3 import K3Config, K3ForCausalLM
 from k3.info import format_report, model_report
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tensors here are tiny, so intra-op threads buy nothing; on a shared 2-core machine OpenMP's
-    spin-waiting under contention turned a 0.3 s test into 30 s. Restored afterwards for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def k3_report():

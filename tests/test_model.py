@@ -14,15 +14,6 @@ from k3.model.norm import RMSNorm
 TOL = dict(rtol=1e-10, atol=1e-10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tensors here are tiny, so intra-op threads buy nothing; on a shared 2-core machine OpenMP's
-    spin-waiting under contention turned a 0.3 s test into 30 s. Restored afterwards for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)

@@ -13,15 +13,6 @@ from k3.ops.norm import rms_norm
 from k3.ops.situ import situ_glu
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """The tensors here are tiny, so intra-op threads buy nothing; on a shared 2-core machine OpenMP's
-    spin-waiting under contention turned a 0.3 s test into 30 s. Restored afterwards for other modules."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)

@@ -64,14 +64,6 @@ def worker(rank, world):
     return res
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors: intra-op threads only add OpenMP spinning on the shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def results(single_thread):

@@ -13,13 +13,6 @@ from k3.serve.chat_template import render_chat
 GREEDY = dict(temperature=0.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def model():

@@ -20,13 +20,6 @@ from k3.vision.preprocess import batch_images, preprocess_image
 PAD = 9  # <|media_pad|> in the bundled tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_text() -> K3Config:
     return K3Config.preset("tiny").replace(num_hidden_layers=2, attn_res_block_size=1,

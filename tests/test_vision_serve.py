@@ -23,13 +23,6 @@ from k3.vision.preprocess import preprocess_image
 PAD = 9
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_text() -> K3Config:
     return K3Config.preset("tiny").replace(num_hidden_layers=2, attn_res_block_size=1,

@@ -3,9 +3,7 @@ images, the GPU attention path against the reference, position-grid resizing, no
 shapes and counts from a meta-device build."""
 import math
 
-import pytest
 import torch
-import torch.nn.functional as F
 
 from k3.config import K3Config
 from k3.vision.config import VisionConfig
@@ -14,13 +12,6 @@ from k3.vision.projector import PatchMergerProjector, merge_patches
 from k3.vision.tower import (LearnedPosEmb, MoonViT, VisionRMSNorm, apply_rope, attention_reference,
                              attention_sdpa, rope_angles)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_rope_column_on_even_pairs_row_on_odd_pairs():

@@ -3,7 +3,6 @@ Linear → exact GELU → Linear → RMSNorm(1e-5), one text-width vector per me
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3.model.norm import RMSNorm

@@ -50,6 +50,7 @@ class VisionTrainConfig:
     warmup_steps: int = 30
     weight_decay: float = 0.01
     text_layers: int = 2
+    full_attention: bool = False       # every text layer full attention (MLA) instead of the KDA pattern
     eval_scenes: int = 200
     eval_every: int = 100
     seed: int = 0
@@ -70,10 +71,10 @@ class VisionTrainConfig:
             raise ValueError(f"--time-budget must be > 0 seconds, got {self.time_budget!r}")
 
 
-def build_tiny_vlm(tokenizer: Tokenizer, text_layers: int = 2) -> K3ForConditionalGeneration:
-    """The tiny preset's K3 shape (width 128, 16 experts) with `text_layers` layers (KDA, the last one full
-    attention, as in the K3 layer pattern) + the tiny vision preset."""
-    full = sorted({l for l in range(1, text_layers + 1) if l % 4 == 0} | {text_layers})
+def build_tiny_vlm(tokenizer: Tokenizer, text_layers: int = 2, full_attention: bool = False) -> K3ForConditionalGeneration:
+    """The tiny preset's K3 shape (width 128, 16 experts) with `text_layers` layers + the tiny vision preset.
+    Layers follow the K3 pattern (KDA, every 4th and the last full attention) unless `full_attention`."""
+    full = sorted({l for l in range(1, text_layers + 1) if l % 4 == 0 or full_attention} | {text_layers})
     text = K3Config.preset("tiny").replace(
         num_hidden_layers=text_layers, attn_res_block_size=2,
         linear_attn_config={"full_attn_layers": full,
@@ -268,7 +269,7 @@ def run(cfg: VisionTrainConfig, log=print) -> dict:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tok = Tokenizer.from_file()
-    model = build_tiny_vlm(tok, cfg.text_layers).to(cfg.device)
+    model = build_tiny_vlm(tok, cfg.text_layers, cfg.full_attention).to(cfg.device)
     model.language_model.reset_parameters(seed=cfg.seed)
     model.reset_vision_parameters(seed=cfg.seed)
     vcfg = model.vision_config
