@@ -134,12 +134,18 @@ def cmd_generate(a) -> int:
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CLIError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}")
     ids = tokenizer.encode(a.prompt, add_bos=True)
+    tokens = stream_generate(model, torch.tensor([ids]), max_new_tokens=a.max_new_tokens,
+                             temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                             eos_token_id=tokenizer.eos_id)
+    return _print_stream(a.prompt, tokens, tokenizer)
+
+
+def _print_stream(prompt: str, tokens, tokenizer) -> int:
+    """Writes the prompt, then each generated token's text as it arrives, until EOS."""
     stream = tokenizer.decode_stream(skip_special_tokens=True)
-    sys.stdout.write(a.prompt)
+    sys.stdout.write(prompt)
     sys.stdout.flush()
-    for tok in stream_generate(model, torch.tensor([ids]), max_new_tokens=a.max_new_tokens,
-                               temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                               eos_token_id=tokenizer.eos_id):
+    for tok in tokens:
         t = int(tok[0])
         if t == tokenizer.eos_id:
             break
@@ -168,19 +174,10 @@ def _generate_with_images(a, model_dir: Path, tokenizer) -> int:
         except ImageError as e:
             raise CLIError(f"--image {path}: {e}") from None
     ids = [tokenizer.bos_id] + [t for im in images for t in image_token_ids(tokenizer, im)] + tokenizer.encode(a.prompt)
-    stream = tokenizer.decode_stream(skip_special_tokens=True)
-    sys.stdout.write(a.prompt)
-    sys.stdout.flush()
-    for tok in model.stream_generate(torch.tensor([ids]), images, max_new_tokens=a.max_new_tokens,
-                                     temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
-                                     eos_token_id=tokenizer.eos_id):
-        t = int(tok[0])
-        if t == tokenizer.eos_id:
-            break
-        sys.stdout.write(stream.step(t))
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    return 0
+    tokens = model.stream_generate(torch.tensor([ids]), images, max_new_tokens=a.max_new_tokens,
+                                   temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                                   eos_token_id=tokenizer.eos_id)
+    return _print_stream(a.prompt, tokens, tokenizer)
 
 
 def cmd_plan(a) -> int:

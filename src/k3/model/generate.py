@@ -30,8 +30,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
 @torch.no_grad()
 def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                    eos_token_id: int | None = None) -> Iterator[torch.Tensor]:
-    """Yields the next token [B] for each step; stops after max_new_tokens or when every row emitted EOS."""
+                    eos_token_id: int | None = None, prefill=None) -> Iterator[torch.Tensor]:
+    """Yields the next token [B] for each step; stops after max_new_tokens or when every row emitted EOS.
+
+    prefill(input_ids, cache) -> logits [B, T, V] replaces the prompt's forward (e.g. to splice in images)."""
     if isinstance(input_ids, list):
         input_ids = torch.tensor([input_ids] if input_ids and isinstance(input_ids[0], int) else input_ids)
     if max_new_tokens < 0:
@@ -43,7 +45,7 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     model.eval()
     try:
         cache = model.new_cache()
-        logits = model(input_ids, cache=cache).logits[:, -1]
+        logits = (prefill(input_ids, cache) if prefill else model(input_ids, cache=cache).logits)[:, -1]
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
         for _ in range(max_new_tokens):
             tok = sample_next(logits, temperature, top_k, top_p, gen)

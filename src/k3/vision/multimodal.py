@@ -122,31 +122,12 @@ class K3ForConditionalGeneration(nn.Module):
                         max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         seed: int | None = None, eos_token_id: int | None = None) -> Iterator[torch.Tensor]:
         """Prefill the prompt (with its images) once, then decode through the cache; yields tokens [B]."""
-        from k3.model.generate import sample_next
+        from k3.model.generate import stream_generate
 
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        device = self.lm_head.weight.device
-        input_ids = input_ids.to(device)
-        gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-        was_training = self.training
-        self.eval()
-        try:
-            cache = self.new_cache()
-            rows = self.encode(images) if images else None
-            logits = self(input_ids, image_rows=rows, cache=cache).logits[:, -1]
-            done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
-            for _ in range(max_new_tokens):
-                tok = sample_next(logits, temperature, top_k, top_p, gen)
-                if eos_token_id is not None:
-                    tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
-                    done |= tok == eos_token_id
-                yield tok
-                if eos_token_id is not None and bool(done.all()):
-                    break
-                logits = self.language_model(tok[:, None], cache=cache).logits[:, -1]
-        finally:
-            self.train(was_training)
+        rows = self.encode(images) if images else None
+        prefill = lambda ids, cache: self(ids, image_rows=rows, cache=cache).logits  # noqa: E731
+        yield from stream_generate(self.language_model, input_ids, max_new_tokens, temperature, top_k, top_p,
+                                   seed, eos_token_id, prefill=prefill)
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def save_pretrained(self, path, dtype: torch.dtype | None = torch.bfloat16, **kwargs) -> None:
