@@ -323,6 +323,7 @@ def run(cfg: VisionTrainConfig, log=print) -> dict:
                "config": asdict(cfg)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"final after {step} steps ({seconds:.0f} s): {_fmt(final)}")
+    log(f"chance (blind, best answer per question): {_fmt(blind)}")
     return summary
 
 
