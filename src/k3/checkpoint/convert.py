@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from k3.checkpoint.hf import INDEX_NAME, CheckpointError, is_vision, mxfp4_quantization_config, shard_files
 from k3.checkpoint.names import PREFIX
-from k3.checkpoint.plan import ST_BYTES, iter_plan
+from k3.checkpoint.plan import ST_BYTES, group_into_shards, iter_plan
 from k3.config import K3Config
 from k3.ops.mx import mxfp4_pack, mxfp4_unpack
 
@@ -149,13 +149,7 @@ def convert_checkpoint(src, dst, experts: str, max_shard_bytes: int = 5 * 2**30)
         packed, scale = mxfp4_pack(read(stem + ".weight"))
         return packed if spec.kind == "weight_packed" else scale
 
-    groups, size = [[]], 0
-    for spec in plan:
-        if groups[-1] and size + spec.nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(spec)
-        size += spec.nbytes
+    groups = group_into_shards(plan, max_shard_bytes)
     dst.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
     for i, specs in enumerate(groups):

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from k3.checkpoint.names import PREFIX, VISION_PREFIXES, a_log_len, is_f32, parse_name
-from k3.checkpoint.plan import ST_DTYPES, TensorSpec, check_experts_format, expert_stacks, iter_plan
+from k3.checkpoint.plan import ST_DTYPES, TensorSpec, check_experts_format, expert_stacks, group_into_shards, iter_plan
 from k3.config import K3Config
 from k3.ops.mx import BLOCK, mxfp4_pack, mxfp4_unpack
 
@@ -86,14 +86,7 @@ def save_pretrained(model, path, dtype: torch.dtype | None = torch.bfloat16, max
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     float_dtype = dtype or _float_dtype(model)
     plan = list(iter_plan(model.config, experts, float_dtype))
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for spec in plan:
-        if shards[-1] and size + spec.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += spec.nbytes
+    shards: list[list[TensorSpec]] = group_into_shards(plan, max_shard_bytes)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     materialize = _Materializer(model.state_dict())
@@ -159,6 +152,14 @@ class _LiveBytes:
         self.live -= n
 
 
+def open_shard(f: Path):
+    """A safetensors handle on one shard; an unreadable or truncated file is a CheckpointError naming it."""
+    try:
+        return safe_open(str(f), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read shard {f}: {e}") from None
+
+
 def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None, packed_experts: bool = False,
                     stats: dict | None = None):
     """Builds the model on the meta device, then streams the shards into it one at a time.
@@ -219,11 +220,7 @@ def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None, packed
             problems.append(f"shard file missing: {f.name}")
             continue
         largest = max(largest, f.stat().st_size)
-        try:
-            handle = safe_open(str(f), framework="pt", device="cpu")
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read shard {f}: {e}") from None
-        with handle:
+        with open_shard(f) as handle:
             for raw in handle.keys():
                 if is_vision(raw):
                     skipped_vision += 1

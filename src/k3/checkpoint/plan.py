@@ -100,3 +100,15 @@ def expert_stacks(config: K3Config) -> dict[str, tuple[int, int, int]]:
             p = f"model.layers.{l}.block_sparse_moe.experts."
             stacks |= {p + "w1": (E, I, L), p + "w2": (E, L, I), p + "w3": (E, I, L)}
     return stacks
+
+
+def group_into_shards(plan: list, max_shard_bytes: int) -> list[list]:
+    """Consecutive tensor specs packed greedily into shards of at most max_shard_bytes (a bigger tensor alone)."""
+    shards, size = [[]], 0
+    for spec in plan:
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards

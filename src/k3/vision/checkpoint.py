@@ -10,10 +10,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from k3.checkpoint.hf import INDEX_NAME, CheckpointError, is_vision, save_pretrained as save_text, shard_files
+from k3.checkpoint.hf import INDEX_NAME, CheckpointError, is_vision, open_shard, save_pretrained as save_text, shard_files
 from k3.checkpoint.names import VISION_PREFIXES
 from k3.config import K3Config
 from k3.vision.config import VisionConfig
@@ -95,11 +94,7 @@ def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None):
     for f in shard_files(path):
         if not f.is_file():
             continue  # the text loader already reported missing shards
-        try:
-            handle = safe_open(str(f), framework="pt", device="cpu")
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read shard {f}: {e}") from None
-        with handle:
+        with open_shard(f) as handle:
             for raw in handle.keys():
                 if not is_vision(raw):
                     continue
