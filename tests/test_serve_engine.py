@@ -191,6 +191,49 @@ def test_abort_frees_blocks_and_state_slot(model):
     assert not eng.abort(rid)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_no_cache_entry_from_an_older_policy_version_is_ever_hit(model):
+    """Requests only hit what their own policy version computed: a shadow record of every version's computed
+    tokens bounds each request's match, across interleaved versions; after new weights, outputs equal a cold
+    run of the new weights (an old-version hit would feed stale KDA state and latents)."""
+    import copy
+    m = copy.deepcopy(model)
+    eng = engine(m)
+    base = prompt(100, 40)
+    seen: dict[object, list[list[int]]] = {}  # version -> token sequences computed under it (prompt + output)
+    plan = [(1, base), (1, base[:24] + prompt(101, 9)), (2, base), (None, base[:30] + prompt(102, 5)),
+            ("1", base), (2, base[:16] + prompt(103, 8)), (1, base[:36] + prompt(104, 4)), (None, base)]
+    hits = {}
+    for version, ids in plan:
+        out = eng.generate([ids], SamplingParams(max_tokens=3, **GREEDY), checkpoint_at=[[16, 24, 32]],
+                           policy_version=version)[0]
+        own = max((common_prefix(ids, s) for s in seen.get(version, [])), default=0)
+        assert out.cache.matched_tokens <= (min(own, len(ids)) // 4) * 4, (version, out.cache)
+        assert out.cache.restored_tokens <= out.cache.matched_tokens
+        hits[version] = hits.get(version, 0) + out.cache.restored_tokens
+        assert out.output_ids == reference(m, ids, 3)
+        seen.setdefault(version, []).append(ids + out.output_ids[:-1])  # the last token never goes through
+    assert hits[1] > 0 and hits[2] > 0 and hits[None] > 0  # the cache works within a version
+    assert hits["1"] == 0  # the str "1" is not the int 1
+    # new weights under a new version: no stale state, same tokens as a cold run of the new weights
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    for ids in (base, base[:24] + prompt(101, 9)):
+        out = eng.generate([ids], SamplingParams(max_tokens=4, **GREEDY), policy_version=3)[0]
+        assert ids is base or out.cache.restored_tokens == 0  # first request of version 3: a clean miss
+        assert out.output_ids == reference(m, ids, 4)
+    with pytest.raises(ValueError, match="policy_version"):
+        eng.add_request(prompt(105, 5), SamplingParams(max_tokens=1), policy_version=1.5)
+    assert_pool_empty(eng)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(block_size=16, match_unit=5), "multiple of match_unit"),
     (dict(max_batch_tokens=0), "max_batch_tokens"),

@@ -26,6 +26,12 @@ def chain_hash(prev: int, unit: list[int] | tuple[int, ...]) -> int:
     return hash((prev, tuple(unit)))
 
 
+def root_hash(seq: Sequence) -> int:
+    """Hash of seq's empty prefix: it carries seq's policy version (the cache namespace), so every chained
+    hash below it does too and no entry of another version can be matched."""
+    return hash((_ROOT_HASH, seq.cache_root))
+
+
 @dataclass
 class Capacity:
     num_blocks: int
@@ -180,11 +186,11 @@ class CachePool:
         u = self.match_unit
         while (len(seq.unit_hashes) + 1) * u <= len(seq.tokens):
             i = len(seq.unit_hashes)
-            prev = seq.unit_hashes[-1] if seq.unit_hashes else _ROOT_HASH
+            prev = seq.unit_hashes[-1] if seq.unit_hashes else root_hash(seq)
             seq.unit_hashes.append(chain_hash(prev, seq.hash_unit(i * u, (i + 1) * u)))
 
     def boundary_hash(self, seq: Sequence, pos: int) -> int:
-        return _ROOT_HASH if pos == 0 else seq.unit_hashes[pos // self.match_unit - 1]
+        return root_hash(seq) if pos == 0 else seq.unit_hashes[pos // self.match_unit - 1]
 
     def match(self, seq: Sequence) -> tuple[CacheReport, list[tuple[int, int]]]:
         """Longest usable prefix of seq's prompt → (report, [(block, unit offset)] for the restored units)."""

@@ -38,6 +38,13 @@ class EngineConfig:
             raise ValueError(f"block_size ({self.block_size}) must be a multiple of match_unit ({self.match_unit})")
 
 
+def check_policy_version(policy_version) -> None:
+    """policy_version: None, an int or a str (raise ValueError otherwise: other types hash ambiguously)."""
+    if policy_version is not None and (isinstance(policy_version, bool)
+                                       or not isinstance(policy_version, (int, str))):
+        raise ValueError(f"policy_version must be an int, a str or None, got {type(policy_version).__name__}")
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, metrics: Metrics | None = None):
         self.config = config = config or EngineConfig()
@@ -84,11 +91,15 @@ class LLMEngine:
                 raise ValueError(f"prompt holds {prompt.count(pad)} <|media_pad|> tokens but the images need {want}")
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    checkpoint_at: list[int] | None = None, images: list | None = None) -> str:
+                    checkpoint_at: list[int] | None = None, images: list | None = None,
+                    policy_version: int | str | None = None) -> str:
         """Queue a request; `checkpoint_at`: extra token positions (e.g. chat-turn ends) worth a KDA checkpoint;
-        `images`: preprocessed images for the prompt's <|media_pad|> runs (encoded here, once)."""
+        `images`: preprocessed images for the prompt's <|media_pad|> runs (encoded here, once);
+        `policy_version`: the prefix-cache namespace (RL: the weights' version); requests only ever hit cache
+        entries computed under the same version, so new weights never reuse state of old ones."""
         self.check_request(prompt, params, images)
-        seq = Sequence(list(prompt), params, request_id or "", list(checkpoint_at or []))
+        check_policy_version(policy_version)
+        seq = Sequence(list(prompt), params, request_id or "", list(checkpoint_at or []), policy_version)
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
         if images:
@@ -206,12 +217,13 @@ class LLMEngine:
 
     # ---- convenience ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 checkpoint_at: list[list[int]] | None = None, images: list[list] | None = None) -> list[RequestOutput]:
+                 checkpoint_at: list[list[int]] | None = None, images: list[list] | None = None,
+                 policy_version: int | str | None = None) -> list[RequestOutput]:
         """Run the given prompts to completion (offline use and tests); final outputs in prompt order.
-        images: per prompt, its preprocessed images (vision models)."""
+        images: per prompt, its preprocessed images (vision models); policy_version: for every prompt."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp, checkpoint_at=(checkpoint_at[i] if checkpoint_at else None),
-                                images=(images[i] if images else None))
+                                images=(images[i] if images else None), policy_version=policy_version)
                for i, (p, sp) in enumerate(zip(prompts, params))]
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
@@ -239,10 +251,11 @@ class EngineThread:
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str,
                on_output: Callable[[RequestOutput], None], checkpoint_at: list[int] | None = None,
-               images: list | None = None) -> None:
+               images: list | None = None, policy_version: int | str | None = None) -> None:
         self.engine.check_request(prompt, params, images)  # raise in the caller's thread, before queueing
+        check_policy_version(policy_version)
         with self._cv:
-            self._inbox.append(("add", prompt, params, request_id, on_output, checkpoint_at, images))
+            self._inbox.append(("add", prompt, params, request_id, on_output, checkpoint_at, images, policy_version))
             self._cv.notify()
 
     def abort(self, request_id: str) -> None:
@@ -269,10 +282,10 @@ class EngineThread:
                     inbox, self._inbox = self._inbox, []
                 for item in inbox:
                     if item[0] == "add":
-                        _, prompt, params, rid, cb, ckpt, images = item
+                        _, prompt, params, rid, cb, ckpt, images, version = item
                         self._listeners[rid] = cb
                         try:
-                            eng.add_request(prompt, params, rid, ckpt, images)
+                            eng.add_request(prompt, params, rid, ckpt, images, version)
                         except ValueError as e:  # e.g. a duplicate id: tell that request only
                             self._listeners.pop(rid)(RequestOutput(rid, [], "", [], [], "", True, f"error: {e}",
                                                                    len(prompt), None))

@@ -39,6 +39,7 @@ class Sequence:
     params: SamplingParams
     request_id: str = ""
     checkpoint_at: list[int] = field(default_factory=list)  # extra token positions (chat-turn ends)
+    policy_version: int | str | None = None  # prefix-cache namespace: entries never cross versions
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     num_computed: int = 0  # tokens whose KV / state went through the model
@@ -67,6 +68,12 @@ class Sequence:
             self.tokens = list(self.prompt)
         if not self.request_id:
             self.request_id = f"req-{self.seq_id}"
+
+    @property
+    def cache_root(self) -> tuple:
+        """What the prefix hash chain starts from: the policy version, so the chained hash of every unit (and
+        every checkpoint) carries it and a request can only hit entries computed under its own version."""
+        return ("policy", type(self.policy_version).__name__, self.policy_version)
 
     def hash_unit(self, start: int, end: int) -> tuple:
         """What the prefix cache hashes for tokens[start:end]: the ids, plus (digest, offset) of every image
