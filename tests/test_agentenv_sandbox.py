@@ -129,8 +129,6 @@ def test_privileged_operations_fail(sb):
         "su": "su -c id root </dev/null 2>&1",
     }
     for what, cmd in checks.items():
-        if what == "userns" and sb.backend_name == "gvisor":
-            continue  # gVisor's own kernel allows nested user namespaces; reported open (needs OCI seccomp)
         r = sb.exec(cmd, timeout=10)
         assert r.exit_code != 0, (what, r.text)
     caps = sb.exec("grep -E 'CapEff|NoNewPrivs' /proc/self/status").text
@@ -188,7 +186,13 @@ ATTACKS = {
 
 @pytest.fixture(scope="module")
 def small(backend):
-    need(backend, "bwrap")  # gvisor here runs with --ignore-cgroups: its limits are not enforced by us
+    # gvisor: runsc 20221219 applies OCI memory/pids limits to the host cgroup of its sentry and gofer (Go
+    # threads, not guest processes): pids=32 stops the sandbox from starting ("newosproc"), and a memory
+    # limit there would kill the whole sandbox rather than the bomb. So it runs with --ignore-cgroups and
+    # these limits are not enforced for gvisor; the resource suite is bwrap-only.
+    if backend.name != "bwrap":
+        pytest.skip(f"{backend.name}: memory/pids limits not enforced (runsc here limits its own threads, "
+                    "not guest processes)")
     s = backend.create(SandboxSpec(limits=SMALL))
     yield s
     s.close()

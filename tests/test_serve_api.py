@@ -105,6 +105,39 @@ def test_completion_logprobs_and_token_prompt(client, model, tok):
     assert len(r.choices[0].logprobs.top_logprobs[0]) == 2
 
 
+def test_completion_token_ids_and_policy_version(server, model, tok):
+    """k3 extensions: `return_token_ids` gives exactly the generated ids (whole and per streamed chunk, also
+    tokens whose text is held back or empty); `policy_version` keeps the prefix cache apart per version."""
+    url, eng = server
+    ids = tok.encode("Once more unto the breach")
+    want = reference(model, ids, 12)
+    body = {"model": NAME, "prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "policy_version": 7, "checkpoint_at": [4]}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as h:
+        r = h.post("/v1/completions", json=body).json()
+        assert r["choices"][0]["token_ids"] == want and r["choices"][0]["prompt_token_ids"] == ids
+        assert r["k3_cache"]["matched_tokens"] == 0  # version 7 is new to this server
+        streamed = []
+        with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    for c in json.loads(line[5:])["choices"]:
+                        streamed += c["token_ids"]
+        assert streamed == want
+        again = h.post("/v1/completions", json=body).json()
+        assert again["k3_cache"]["restored_tokens"] > 0  # same version: the cache is used
+        other = h.post("/v1/completions", json={**body, "policy_version": 8}).json()
+        assert other["k3_cache"]["matched_tokens"] == 0 and other["choices"][0]["token_ids"] == want
+        plain = h.post("/v1/completions", json={k: v for k, v in body.items() if k != "return_token_ids"}).json()
+        assert "token_ids" not in plain["choices"][0]
+        for bad in ({"policy_version": 1.5}, {"policy_version": True}, {"checkpoint_at": [999]},
+                    {"return_token_ids": "yes"}):
+            r = h.post("/v1/completions", json={**body, **bad})
+            assert r.status_code == 400, (bad, r.text)
+    assert wait_pool_empty(eng)
+
+
 def chat_expected(model, tok, messages, n):
     ids, _ = render_chat(tok, messages)
     parser = ChatOutputParser(tok)

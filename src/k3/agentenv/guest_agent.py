@@ -259,9 +259,50 @@ def handle(line):
     return json.dumps(res) + "\n"
 
 
+def deny_namespaces():
+    """Install a seccomp filter (inherited by every command this agent starts, and irremovable) so that no
+    process can make or join a user namespace: unshare/clone with CLONE_NEWUSER and setns fail with EPERM,
+    clone3 with ENOSYS (a filter cannot read its flags; libc then falls back to clone). For sandboxes whose
+    kernel allows unprivileged user namespaces (gVisor) and whose exec'd processes miss the OCI filter."""
+    import ctypes
+    import struct
+    ld_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, kill, errno = 0x7FFF0000, 0x0, 0x00050000
+    nr_clone, nr_unshare, nr_setns, nr_clone3 = 56, 272, 308, 435  # x86_64
+    prog = [(ld_abs, 0, 0, 4),                   # 0  arch
+            (jeq, 0, 12, 0xC000003E),            # 1  not x86_64 → kill (14)
+            (ld_abs, 0, 0, 0),                   # 2  syscall number
+            (jge, 10, 0, 0x40000000),            # 3  x32 ABI → kill (14)
+            (jeq, 4, 0, nr_unshare),             # 4  → flags (9)
+            (jeq, 3, 0, nr_clone),               # 5  → flags (9)
+            (jeq, 5, 0, nr_setns),               # 6  → EPERM (12)
+            (jeq, 5, 0, nr_clone3),              # 7  → ENOSYS (13)
+            (ret, 0, 0, allow),                  # 8
+            (ld_abs, 0, 0, 16),                  # 9  low word of args[0]: the flags
+            (jset, 1, 0, 0x10000000),            # 10 CLONE_NEWUSER → EPERM (12)
+            (ret, 0, 0, allow),                  # 11
+            (ret, 0, 0, errno | 1),              # 12 EPERM
+            (ret, 0, 0, errno | 38),             # 13 ENOSYS
+            (ret, 0, 0, kill)]                   # 14
+    code = b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+    buf = ctypes.create_string_buffer(code, len(code))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    fprog = SockFprog(len(prog), ctypes.addressof(buf))
+    if libc.prctl(38, 1, None, 0, 0) != 0 or libc.prctl(22, 2, ctypes.cast(ctypes.pointer(fprog), ctypes.c_void_p),
+                                                        0, 0) != 0:  # NO_NEW_PRIVS, SECCOMP filter
+        raise OSError(ctypes.get_errno(), "cannot install the namespace seccomp filter")
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1].startswith("{"):
         CONFIG.update(json.loads(sys.argv[1]))
+    if CONFIG.get("deny_namespaces"):
+        deny_namespaces()  # before any request: fail closed (the agent exits) if it cannot be installed
     if "--oneshot" in sys.argv:
         sys.stdout.write(handle(sys.stdin.readline()))
         sys.stdout.flush()

@@ -4,8 +4,10 @@ once a fraction λ of trajectories finished, the rest are parked (sandbox frozen
 log-prob and policy version kept) and later resumed as a raw-token continuation, never re-tokenised.
 
 Policies: `ScriptedPolicy` (deterministic tool calls, for tests and smoke runs), `EnginePolicy` (an in-process
-k3 LLMEngine, greedy or sampled, whose prefix cache is rebuilt on every policy-version change so no entry of an
-older version can be hit), `ServePolicy` (a running `k3 serve`, through its OpenAI /v1/completions API)."""
+k3 LLMEngine, greedy or sampled), `ServePolicy` (a running `k3 serve`, through its OpenAI /v1/completions API
+with the `return_token_ids` extension). Both real policies tag every request with their policy version, which
+the engine's prefix-cache hashes carry, so no cache entry of an older version is ever hit; and both ask for
+KDA checkpoints at the tool-turn boundaries, so a resumed turn restores state instead of re-reading history."""
 from __future__ import annotations
 
 import json
@@ -134,8 +136,9 @@ class ScriptedPolicy:
 
 class EnginePolicy:
     """A k3 LLMEngine in this process. The context goes in as token ids (raw continuation of `ids + partial`).
-    `set_version` swaps weights (optional) and rebuilds the engine, so its prefix cache only ever holds
-    entries computed under the current version; `cache_reports` records (version, CacheReport) per call."""
+    `set_version` swaps weights (optional) and changes the version every request is tagged with: the engine's
+    prefix cache keys carry it, so entries of older versions stay but can never be hit again (they age out
+    by LRU); `cache_reports` records (version, CacheReport) per call."""
 
     def __init__(self, model, tokenizer, engine_config, version: int = 0, temperature: float = 0.0):
         self.model, self.tok, self.engine_config = model, tokenizer, engine_config
@@ -151,13 +154,12 @@ class EnginePolicy:
         if state_dict is not None:
             self.model.load_state_dict(state_dict)
         self.version = version
-        self._build()
 
     def generate(self, traj: Trajectory, max_new: int) -> tuple[list[int], list[float]]:
         from k3.serve.sampling import SamplingParams
         prompt = traj.ids + traj.partial
         sp = SamplingParams(max_tokens=max_new, temperature=self.temperature, logprobs=0)
-        rid = self.engine.add_request(prompt, sp, checkpoint_at=list(traj.turn_ends))
+        rid = self.engine.add_request(prompt, sp, checkpoint_at=list(traj.turn_ends), policy_version=self.version)
         lps, final = [], None
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -173,32 +175,38 @@ class EnginePolicy:
 
 
 class ServePolicy:
-    """A running `k3 serve` through /v1/completions, prompt sent as token ids. The API returns each token as
-    text, so ids are recovered per token piece and checked to decode back exactly (else an error is raised:
-    the continuation would not be raw tokens any more)."""
+    """A running `k3 serve` through /v1/completions: the prompt goes as token ids and the generated ids come
+    back as ids (`return_token_ids`), so the continuation is raw tokens end to end, never re-tokenised.
+    Requests carry `policy_version` (the server's prefix-cache namespace) and `checkpoint_at` (turn ends)."""
 
     def __init__(self, base_url: str, model: str, tokenizer, api_key: str | None = None, version: int = 0):
         import httpx
         self.http = httpx.Client(base_url=base_url, timeout=120,
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         self.model, self.tok, self.version = model, tokenizer, version
+        self.cache_reports: list[tuple[int, dict | None]] = []
+
+    def set_version(self, version: int) -> None:
+        """New weights were loaded into the server: tag later requests with `version`."""
+        self.version = version
+
+    def close(self) -> None:
+        self.http.close()
 
     def generate(self, traj: Trajectory, max_new: int) -> tuple[list[int], list[float]]:
-        r = self.http.post("/v1/completions", json={"model": self.model, "prompt": traj.ids + traj.partial,
-                                                    "max_tokens": max_new, "temperature": 0, "logprobs": 0})
-        r.raise_for_status()
+        r = self.http.post("/v1/completions", json={
+            "model": self.model, "prompt": traj.ids + traj.partial, "max_tokens": max_new, "temperature": 0,
+            "logprobs": 0, "return_token_ids": True, "policy_version": self.version,
+            "checkpoint_at": list(traj.turn_ends)})
+        if r.status_code != 200:
+            raise SandboxError(f"k3 serve answered {r.status_code}: {r.text[:300]}")
         choice = r.json()["choices"][0]
-        pieces, lps = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
-        ids = []
-        for p in pieces:
-            enc = self.tok.encode(p)
-            if len(enc) != 1 or self.tok.decode(enc) != p:
-                raise SandboxError(f"cannot recover the token id of {p!r} from the server's text")
-            ids.append(enc[0])
-        if choice["finish_reason"] == "stop" and len(ids) < max_new:
-            ids.append(self.tok.eos_id)
-            lps = list(lps) + [0.0]
-        return ids, list(lps)
+        ids, lps = list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"])
+        self.cache_reports.append((self.version, r.json().get("k3_cache")))
+        if choice["finish_reason"] == "stop" and self.tok.eos_id not in ids and len(ids) < max_new:
+            ids.append(self.tok.eos_id)  # ended on a stop string: the turn is over (as EnginePolicy does)
+            lps.append(0.0)
+        return ids, lps[:len(ids)]
 
 
 class RolloutRunner:

@@ -1,5 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI): completions, chat completions (SSE streaming), models, health,
-Prometheus metrics, tokenize/detokenize. Every bad request gets a 4xx JSON error in OpenAI's shape."""
+Prometheus metrics, tokenize/detokenize. Every bad request gets a 4xx JSON error in OpenAI's shape.
+k3 extensions (all optional): `policy_version` (prefix-cache namespace), and on /v1/completions
+`return_token_ids` (generated ids per choice and per streamed chunk: raw-token continuation without
+re-tokenising) and `checkpoint_at` (prompt positions, e.g. tool-turn ends, worth a KDA checkpoint)."""
 from __future__ import annotations
 
 import asyncio
@@ -57,12 +60,15 @@ class _Common(_Strict):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    policy_version: Union[int, str, None] = None  # k3 extension: prefix-cache namespace (RL weight version)
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: int | None = None
     echo: bool = False
+    return_token_ids: bool = False         # k3 extension: generated ids per choice / per streamed chunk
+    checkpoint_at: list[int] | None = None  # k3 extension: prompt positions worth a KDA checkpoint (turn ends)
 
 
 class ChatRequest(_Common):
@@ -187,7 +193,8 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
         except ValueError as e:
             raise APIError(400, str(e), "prompt")
 
-    async def run_choices(request: Request, prompt, params: SamplingParams, n: int, checkpoint_at=None, images=None):
+    async def run_choices(request: Request, prompt, params: SamplingParams, n: int, checkpoint_at=None, images=None,
+                          policy_version=None):
         """Submit n sequences; yield (choice index, RequestOutput) as they come; abort all on exit."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -196,7 +203,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
         for i, sub in enumerate(ids):
             p = params if n == 1 or params.seed is None else SamplingParams(**{**vars(params), "seed": params.seed + i})
             runner.submit(prompt, p, sub, lambda out, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, out)),
-                          checkpoint_at, images)
+                          checkpoint_at, images, policy_version)
         pending = set(range(n))
         try:
             while pending:
@@ -272,6 +279,10 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             prompt = prompt[0]
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, params)
+        ckpt = req.checkpoint_at
+        if ckpt is not None and (len(ckpt) > 1024 or not all(0 <= c <= len(ids) for c in ckpt)):
+            raise APIError(400, f"checkpoint_at must be at most 1024 positions in [0, {len(ids)}] (the prompt)",
+                           "checkpoint_at")
         cid, model = f"cmpl-{uuid.uuid4().hex}", model_name
 
         def lp_block(lps, offset):
@@ -285,13 +296,17 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
         if req.stream:
             async def events():
                 total, cache = 0, None
-                async for i, out in run_choices(request, ids, params, req.n):
+                async for i, out in run_choices(request, ids, params, req.n, ckpt, None, req.policy_version):
                     total += len(out.new_token_ids)
                     cache = out.cache or cache
-                    if out.new_text or out.finished:
+                    # with token ids on, every token is sent at once, even while its text is held back
+                    if out.new_text or out.finished or (req.return_token_ids and out.new_token_ids):
+                        choice = {"index": i, "text": out.new_text, "logprobs": lp_block(out.new_logprobs, 0),
+                                  "finish_reason": out.finish_reason if out.finished else None}
+                        if req.return_token_ids:
+                            choice["token_ids"] = list(out.new_token_ids)
                         yield sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                                   "choices": [{"index": i, "text": out.new_text, "logprobs": lp_block(out.new_logprobs, 0),
-                                                "finish_reason": out.finish_reason if out.finished else None}]})
+                                   "choices": [choice]})
                 if req.stream_options and req.stream_options.include_usage:
                     yield sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
                                "choices": [], "usage": usage(len(ids), total, cache),
@@ -300,17 +315,19 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             return StreamingResponse(events(), media_type="text/event-stream")
 
         finals, lps = {}, {i: [] for i in range(req.n)}
-        async for i, out in run_choices(request, ids, params, req.n):
+        async for i, out in run_choices(request, ids, params, req.n, ckpt, None, req.policy_version):
             lps[i] += out.new_logprobs
             if out.finished:
                 finals[i] = out
         if len(finals) < req.n:  # client went away
             return error_response(499, "client closed request")
         outs = [finals[i] for i in range(req.n)]
+        ids_field = ({"token_ids": list(o.output_ids), "prompt_token_ids": list(ids)} if req.return_token_ids else {}
+                     for o in outs)
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": [{"index": i, "text": (tokenizer.decode(ids) if req.echo else "") + o.text,
-                             "logprobs": lp_block(lps[i], 0), "finish_reason": o.finish_reason}
-                            for i, o in enumerate(outs)],
+                             "logprobs": lp_block(lps[i], 0), "finish_reason": o.finish_reason, **extra}
+                            for i, (o, extra) in enumerate(zip(outs, ids_field))],
                 "usage": usage(len(ids), sum(len(o.output_ids) for o in outs), outs[0].cache),
                 "k3_cache": outs[0].cache.as_dict()}
 
@@ -348,7 +365,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                     yield sse({**base, "created": int(time.time()), "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}]})
-                async for i, out in run_choices(request, ids, params, req.n, turn_ends, images):
+                async for i, out in run_choices(request, ids, params, req.n, turn_ends, images, req.policy_version):
                     total += len(out.new_token_ids)
                     cache = out.cache or cache
                     reasoning, content = "", ""
@@ -371,7 +388,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             return StreamingResponse(events(), media_type="text/event-stream")
 
         finals, lps = {}, {i: [] for i in range(req.n)}
-        async for i, out in run_choices(request, ids, params, req.n, turn_ends, images):
+        async for i, out in run_choices(request, ids, params, req.n, turn_ends, images, req.policy_version):
             lps[i] += out.new_logprobs
             if out.finished:
                 finals[i] = out

@@ -19,7 +19,25 @@ _avail: dict[str, tuple[bool, str]] = {}
 
 
 def _runsc_base(state: Path) -> list[str]:
-    return ["runsc", "--root", str(state), "--network=none", "--platform=ptrace", "--ignore-cgroups"]
+    return ["runsc", "--root", str(state), "--network=none", "--platform=ptrace", "--ignore-cgroups",
+            "--oci-seccomp"]
+
+
+_CLONE_NEWUSER = 0x10000000
+_EPERM = 1
+
+
+def _seccomp() -> dict:
+    """OCI seccomp profile loaded inside gVisor's kernel (`--oci-seccomp`): everything allowed except making
+    or joining namespaces. gVisor's kernel, like Linux, lets an unprivileged process create a user namespace
+    (and so regain capabilities inside it); here unshare/clone with CLONE_NEWUSER, setns and clone3 (whose
+    flags a filter cannot read) fail with EPERM / ENOSYS, so libc falls back to clone."""
+    newuser = [{"index": 0, "value": _CLONE_NEWUSER, "valueTwo": _CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]
+    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_X86_64"],
+            "syscalls": [{"names": ["unshare", "clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": _EPERM,
+                          "args": newuser},
+                         {"names": ["setns"], "action": "SCMP_ACT_ERRNO", "errnoRet": _EPERM},
+                         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38}]}
 
 
 class GVisorBackend(Backend):
@@ -120,7 +138,7 @@ class GVisorSandbox(Sandbox):
         root = self.backend.root
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8", **self.spec.env}
         self.cfg = {"cpu_seconds": lim.cpu_seconds, "file_bytes": lim.disk_bytes, "open_files": lim.open_files,
-                    "output_bytes": lim.output_bytes, "env": env}
+                    "output_bytes": lim.output_bytes, "env": env, "deny_namespaces": True}
         ro = ["ro", "rbind", "nosuid", "nodev"]
         config = {
             "ociVersion": "1.0.2",
@@ -142,7 +160,8 @@ class GVisorSandbox(Sandbox):
                 {"destination": "/workspace", "type": "bind", "source": str(upper), "options": ["rw", "rbind"]},
             ],
             "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
-                      "resources": {"memory": {"limit": lim.memory_bytes}, "pids": {"limit": lim.pids}}},
+                      "resources": {"memory": {"limit": lim.memory_bytes}, "pids": {"limit": lim.pids}},
+                      "seccomp": _seccomp()},
         }
         (self.dir / "config.json").write_text(json.dumps(config))
         if image is None:
