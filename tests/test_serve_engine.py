@@ -204,7 +204,7 @@ def test_no_cache_entry_from_an_older_policy_version_is_ever_hit(model):
     run of the new weights (an old-version hit would feed stale KDA state and latents)."""
     import copy
     m = copy.deepcopy(model)
-    eng = engine(m)
+    eng = engine(m, num_state_slots=64)  # room for every checkpoint: no eviction hides a cross-version hit
     base = prompt(100, 40)
     seen: dict[object, list[list[int]]] = {}  # version -> token sequences computed under it (prompt + output)
     plan = [(1, base), (1, base[:24] + prompt(101, 9)), (2, base), (None, base[:30] + prompt(102, 5)),
