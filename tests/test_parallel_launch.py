@@ -21,13 +21,17 @@ def test_bad_layouts_fail_clearly(dims, kw, match):
         dims.validate(**kw)
 
 
-def test_cli_rejects_bad_launch_before_starting_processes(capsys):
+def test_cli_rejects_bad_launch_before_starting_processes(capsys, tmp_path):
     assert main(["train", "--nproc", "2", "--ep", "3"]) == 2
     assert "--ep 3 must divide the world size" in capsys.readouterr().err
     assert main(["train", "--nproc", "4", "--cp", "4", "--seq-len", "3"]) == 2
     assert "larger than the sequence length 3" in capsys.readouterr().err
     assert main(["train", "--nproc", "2", "--ep", "2", "--preset", "tiny", "--dp", "1"]) == 2  # dp × cp ≠ nproc
     assert "must equal the number of processes" in capsys.readouterr().err
+    assert main(["train", "--nproc", "2", "--batch-size", "3"]) == 2
+    assert "--batch-size 3 must be divisible by --dp 2" in capsys.readouterr().err
+    assert main(["train", "--fsdp", "--out", str(tmp_path)]) == 2  # one process: nothing to shard over
+    assert "--fsdp" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("T,cp", [(11, 2), (10, 3), (3, 3), (100, 7)])

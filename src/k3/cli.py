@@ -45,6 +45,8 @@ def _launch_torchrun(a) -> int | None:
     from k3.parallel.mesh import ParallelDims
     ParallelDims(dp=dp, ep=a.ep, cp=cp).validate(world_size=nproc, num_experts=K3Config.preset(a.preset).num_experts,
                                                  seq_len=a.seq_len)
+    if a.batch_size % dp:
+        raise CLIError(f"--batch-size {a.batch_size} must be divisible by --dp {dp} (rows split over ranks)")
     a.dp = dp
     if inside:
         return None
@@ -99,7 +101,8 @@ def cmd_train(a) -> int:
                       time_budget=a.time_budget, batch_size=a.batch_size, seq_len=a.seq_len,
                       grad_accum=a.grad_accum, lr=a.lr, optimizer=a.optimizer, balance=a.balance,
                       eval_every=a.eval_every, save_every=a.save_every, seed=a.seed, resume=a.resume,
-                      device=a.device, warmup_steps=a.warmup_steps, qat=a.qat, dp=a.dp or 1, ep=a.ep, cp=a.cp)
+                      device=a.device, warmup_steps=a.warmup_steps, qat=a.qat, dp=a.dp or 1, ep=a.ep, cp=a.cp,
+                      fsdp=a.fsdp)
     from k3.config import K3Config
     K3Config.preset(cfg.preset)  # unknown preset: fail before loading data
     s = Trainer(cfg).run()
@@ -383,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dp", type=_positive_int, default=None, help="data parallel size (default nproc / cp)")
     t.add_argument("--ep", type=_positive_int, default=1, help="expert parallel size (divides dp × cp and the experts)")
     t.add_argument("--cp", type=_positive_int, default=1, help="context parallel size (KDA state scan, MLA KV gather)")
+    t.add_argument("--fsdp", action="store_true",
+                   help="FSDP2: shard the non-expert parameters and their optimizer state over all processes")
     t.set_defaults(func=cmd_train)
 
     pl = sub.add_parser("plan", help="per-GPU memory of a training or serving layout; smallest GPU count that fits")

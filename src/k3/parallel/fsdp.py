@@ -34,6 +34,9 @@ def apply_fsdp(model: K3ForCausalLM, mesh, reshard_after_forward: bool = True) -
     for m in model.modules():
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)
+            # a plain SUM: with factor 1 FSDP2 would otherwise ask float32 reduce-scatters for
+            # PREMUL_SUM(1.0), which gloo does not implement
+            m.set_force_sum_reduction_for_comms(True)
 
 
 def _inside_moe(model: nn.Module, module: nn.Module) -> bool:

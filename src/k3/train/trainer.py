@@ -52,6 +52,7 @@ class TrainConfig:
     dp: int = 1  # k3.parallel: data × context parallel ranks (torchrun), experts sharded over ep of them
     ep: int = 1
     cp: int = 1
+    fsdp: bool = False  # FSDP2: shard the non-expert parameters (and their optimizer state) over all ranks
     qat: bool = False  # MXFP4 expert weights / MXFP8 expert activations fake-quantized (k3.ops.mx_experts)
 
     def validate(self) -> None:
@@ -69,6 +70,8 @@ class TrainConfig:
         need(self.optimizer in ("muon", "adamw"), "optimizer", "one of muon, adamw")
         need(self.balance in ("quantile", "sign", "none"), "balance", "one of quantile, sign, none")
         need(self.sample_tokens >= 0, "sample_tokens", "must be >= 0")
+        need(not self.fsdp or self.dp * self.cp > 1, "fsdp", "needs more than one process (--nproc N, N > 1)")
+        need(self.batch_size % self.dp == 0, "batch_size", f"must be divisible by --dp {self.dp} (rows split over ranks)")
 
 
 def pick_device(name: str) -> torch.device:
@@ -122,7 +125,7 @@ class Trainer:
         self.dist = None  # k3.parallel.training.DistributedTraining when running on several processes
         if cfg.dp * cfg.cp > 1 or cfg.ep > 1:
             from k3.parallel.training import DistributedTraining
-            self.dist = DistributedTraining(self.model, cfg.dp, cfg.ep, cfg.cp, cfg.seq_len)
+            self.dist = DistributedTraining(self.model, cfg.dp, cfg.ep, cfg.cp, cfg.seq_len, fsdp=cfg.fsdp)
             if not self.dist.is_main:
                 self.log = lambda *a, **k: None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -141,19 +144,29 @@ class Trainer:
         """Writes checkpoints/step_N atomically: a temporary directory renamed into place, then `latest`."""
         final = self.ckpt_root / f"step_{self.step:06d}"
         model = self.model
-        if self.dist:  # gather the experts (every rank), write on rank 0 only
+        tmp = self.ckpt_root / f".tmp-step_{self.step:06d}-{os.getpid()}"
+        if self.dist:  # every rank: gather the full model, write its own optimizer state; rank 0 the rest
             model = self.dist.full_model()
+            tmp = self.ckpt_root / f".tmp-step_{self.step:06d}-dist"  # one name on every rank
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self.dist.barrier()
+            torch.save({"optimizer": self.dist.optimizer_state(self.optimizer), "rng": rng_state(),
+                        "layout": self.dist.layout}, tmp / f"rank_{self.dist.rank:05d}.pt")
+            self.dist.barrier()  # trainer_state.pt (which marks the checkpoint complete) comes after all ranks'
             if not self.dist.is_main:
                 self.dist.barrier()
                 return final
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
-        tmp = self.ckpt_root / f".tmp-step_{self.step:06d}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not self.dist:
+            shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, dtype=None)  # float32 master weights: resume must be exact
         self.tokenizer.backend.save(str(tmp / "tokenizer.json"))
         torch.save({
-            "step": self.step, "optimizer": self.optimizer.state_dict(), "loader": self.loader.state_dict(),
-            "rng": rng_state(), "history": self.history, "train_config": asdict(self.cfg),
+            "step": self.step, "optimizer": None if self.dist else self.optimizer.state_dict(),
+            "loader": self.loader.state_dict(), "rng": rng_state(), "history": self.history,
+            "train_config": asdict(self.cfg), "layout": self.dist.layout if self.dist else None,
         }, tmp / "trainer_state.pt")
         _fsync_dir_files(tmp)
         if final.exists():
@@ -178,11 +191,21 @@ class Trainer:
         from k3.checkpoint.hf import load_pretrained
 
         loaded = load_pretrained(path, device=self.device)
-        self.model.load_state_dict(loaded.state_dict())
         state = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved, now = state.get("layout"), self.dist.layout if self.dist else None
+        if saved != now:
+            raise ValueError(f"--resume: {path} was written by a run with layout {saved or 'single process'}; "
+                             f"resume it with the same --nproc/--dp/--ep/--cp/--fsdp (this run: {now or 'single process'})")
+        if self.dist:  # the full model into this rank's shards; this rank's own optimizer state and RNG
+            self.dist.load_full_state_dict(loaded.state_dict())
+            mine = torch.load(path / f"rank_{self.dist.rank:05d}.pt", weights_only=False)
+            self.dist.load_optimizer_state(self.optimizer, mine["optimizer"])
+            set_rng_state(mine["rng"])
+        else:
+            self.model.load_state_dict(loaded.state_dict())
+            self.optimizer.load_state_dict(state["optimizer"])
+            set_rng_state(state["rng"])
         self.loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
         self.step, self.history = state["step"], state["history"]
 
     # ---- evaluation ---------------------------------------------------------------------------------
@@ -257,15 +280,13 @@ class Trainer:
 
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        if cfg.resume and self.dist:
-            raise ValueError("--resume is not supported for multi-process runs yet (optimizer state is per rank)")
         if cfg.resume:
             ckpt = self.latest_checkpoint() if self.ckpt_root.exists() else None
             if ckpt is None:
                 raise FileNotFoundError(f"--resume: no complete checkpoint under {self.ckpt_root}")
             self.load_checkpoint(ckpt)
             self.log(f"resumed from {ckpt} at step {self.step}")
-        else:
+        elif not self.dist or self.dist.is_main:  # rank 0 owns metrics.jsonl (another rank would race it)
             for stale in (self.out / "metrics.jsonl",):
                 stale.unlink(missing_ok=True)
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -275,8 +296,9 @@ class Trainer:
         metrics_f = open(self.out / "metrics.jsonl" if not self.dist or self.dist.is_main else os.devnull, "a")
         start = time.perf_counter()
         stopped_early = False
-        bar = tqdm(total=cfg.max_steps, initial=self.step, dynamic_ncols=True, desc="train",
-                   disable=bool(self.dist and not self.dist.is_main))
+        quiet = bool(self.dist and not self.dist.is_main)  # other ranks print nothing (rank 0 speaks for all)
+        bar = tqdm(total=cfg.max_steps, initial=self.step, dynamic_ncols=True, desc="train", disable=quiet)
+        write = (lambda line: None) if quiet else bar.write  # tqdm.write prints even when the bar is disabled
         try:
             while self.step < cfg.max_steps:
                 rec = self.train_step()
@@ -284,8 +306,8 @@ class Trainer:
                     rec["val_loss"] = self.evaluate(cfg.eval_batches)
                     rec["val_ppl"] = math.exp(rec["val_loss"])
                     rec["sample"] = self.sample()
-                    bar.write(f"step {self.step}: val loss {rec['val_loss']:.3f} (ppl {rec['val_ppl']:.1f}) | "
-                              f"{rec['sample']!r}")
+                    write(f"step {self.step}: val loss {rec['val_loss']:.3f} (ppl {rec['val_ppl']:.1f}) | "
+                          f"{rec['sample']!r}")
                 self.history.append({k: v for k, v in rec.items() if k not in ("load", "maxvio_layers")})
                 metrics_f.write(json.dumps(rec) + "\n")
                 metrics_f.flush()
@@ -294,15 +316,19 @@ class Trainer:
                 bar.update(1)
                 if self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                     self.save_checkpoint()
-                if cfg.time_budget is not None and time.perf_counter() - start > cfg.time_budget:
+                if cfg.time_budget is not None and self._out_of_time(start):
                     stopped_early = True
-                    bar.write(f"time budget of {cfg.time_budget:.0f} s reached at step {self.step}")
+                    write(f"time budget of {cfg.time_budget:.0f} s reached at step {self.step}")
                     break
         finally:
             bar.close()
             metrics_f.close()
         final = self.save_checkpoint()
         return self.finish(final, stopped_early, last=rec if self.history else None)
+
+    def _out_of_time(self, start: float) -> bool:
+        over = time.perf_counter() - start > self.cfg.time_budget
+        return self.dist.any(over) if self.dist else over  # all ranks stop together (collectives would hang)
 
     def finish(self, ckpt: Path, stopped_early: bool, last: dict | None) -> dict:
         """Full validation pass, baseline, plots, the exported model and summary.json."""
@@ -317,7 +343,7 @@ class Trainer:
         model_dir = self.out / "model"
         tmp = self.out / ".tmp-model"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(ckpt, tmp, ignore=shutil.ignore_patterns("trainer_state.pt"))
+        shutil.copytree(ckpt, tmp, ignore=shutil.ignore_patterns("trainer_state.pt", "rank_*.pt"))
         shutil.rmtree(model_dir, ignore_errors=True)
         os.replace(tmp, model_dir)
         summary = {
