@@ -32,8 +32,15 @@ def test_resume_is_bit_exact(tmp_path, uninterrupted):
     t.history = [t.train_step() for _ in range(3)]  # a run stopped after step 3's checkpoint
     t.save_checkpoint()
     del t
+    # the interrupted run had logged a step past its checkpoint: resume must not keep it
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "loss": 0.0}) + "\n")
     resumed = Trainer(small_run(tmp_path, resume=True), log=lambda *a: None)
     resumed.run()
+    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [4, 5, 6]
+    again = Trainer(small_run(tmp_path, resume=True), log=lambda *a: None)  # resuming a finished run
+    assert again.run()["steps"] == 6
     assert resumed.step == 6
     resumed_losses = [h["loss"] for h in resumed.history[3:]]
     assert resumed_losses == full_losses[3:], (resumed_losses, full_losses[3:])

@@ -286,6 +286,8 @@ class Trainer:
                 raise FileNotFoundError(f"--resume: no complete checkpoint under {self.ckpt_root}")
             self.load_checkpoint(ckpt)
             self.log(f"resumed from {ckpt} at step {self.step}")
+            if not self.dist or self.dist.is_main:
+                _truncate_metrics(self.out / "metrics.jsonl", self.step)
         elif not self.dist or self.dist.is_main:  # rank 0 owns metrics.jsonl (another rank would race it)
             for stale in (self.out / "metrics.jsonl",):
                 stale.unlink(missing_ok=True)
@@ -299,6 +301,7 @@ class Trainer:
         quiet = bool(self.dist and not self.dist.is_main)  # other ranks print nothing (rank 0 speaks for all)
         bar = tqdm(total=cfg.max_steps, initial=self.step, dynamic_ncols=True, desc="train", disable=quiet)
         write = (lambda line: None) if quiet else bar.write  # tqdm.write prints even when the bar is disabled
+        rec = None  # the last step's record (none when resuming a finished run)
         try:
             while self.step < cfg.max_steps:
                 rec = self.train_step()
@@ -324,7 +327,7 @@ class Trainer:
             bar.close()
             metrics_f.close()
         final = self.save_checkpoint()
-        return self.finish(final, stopped_early, last=rec if self.history else None)
+        return self.finish(final, stopped_early, last=rec)
 
     def _out_of_time(self, start: float) -> bool:
         over = time.perf_counter() - start > self.cfg.time_budget
@@ -357,6 +360,13 @@ class Trainer:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_run(self.out / "metrics.jsonl", self.out)
         return summary
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """After a resume from `step`, drop the records of steps the interrupted run logged past its checkpoint."""
+    if path.is_file():
+        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+        _atomic_write(path, "".join(l + "\n" for l in keep))
 
 
 def _atomic_write(path: Path, text: str) -> None:
