@@ -41,6 +41,12 @@ def limit_child():
     resource.setrlimit(resource.RLIMIT_FSIZE, (CONFIG["file_bytes"], CONFIG["file_bytes"]))
     resource.setrlimit(resource.RLIMIT_NOFILE, (CONFIG["open_files"], CONFIG["open_files"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # set by backends whose guest kernel binds them (gVisor: a non-root uid of its own kernel); bwrap's
+    # root-mapped user is not bound by RLIMIT_NPROC and relies on the pids/memory cgroups instead
+    if CONFIG.get("nproc"):
+        resource.setrlimit(resource.RLIMIT_NPROC, (CONFIG["nproc"], CONFIG["nproc"]))
+    if CONFIG.get("address_space_bytes"):
+        resource.setrlimit(resource.RLIMIT_AS, (CONFIG["address_space_bytes"], CONFIG["address_space_bytes"]))
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")

@@ -12,10 +12,20 @@ import threading
 import uuid
 from pathlib import Path
 
-from k3.agentenv import hostfs
+from k3.agentenv import cgroups, hostfs
 from k3.agentenv.api import Backend, ExecResult, Sandbox, SandboxError, SandboxSpec, Snapshot, check_argv_or_cmd
 
 _avail: dict[str, tuple[bool, str]] = {}
+RUNSC_MEMORY_OVERHEAD = 160 << 20  # sentry + gofer resident memory besides the guest's own pages
+# Host pids backstop. Guest processes are bounded by RLIMIT_NPROC inside; on the host the ptrace platform adds
+# stub processes and the Go runtime keeps every OS thread it ever made: a fork bomb capped at 32 guest
+# processes was measured leaving ~770 host tasks, and a limit near that kills the whole sandbox.
+RUNSC_PIDS_OVERHEAD = 4096
+RUNSC_PIDS_PER_GUEST_TASK = 32
+# pid 1 of the container: reaps orphans (a killed fork bomb's processes are re-parented to it; unreaped
+# zombies would keep counting against RLIMIT_NPROC), otherwise sleeps.
+REAPER = ("import os, time\nwhile True:\n    try:\n        os.wait()\n    except ChildProcessError:\n"
+          "        time.sleep(0.5)\n")
 
 
 def _runsc_base(state: Path) -> list[str]:
@@ -53,6 +63,8 @@ class GVisorBackend(Backend):
             _avail["r"] = (False, "runsc needs root here")
         elif not shutil.which("runsc"):
             _avail["r"] = (False, "runsc not installed (apt-get install runsc)")
+        elif cgroups.detect()[0] == "":
+            _avail["r"] = (False, f"no cgroups to hold the runsc sandbox: {cgroups.detect()[1]}")
         else:
             try:
                 r = subprocess.run(["runsc", "--network=none", "--platform=ptrace", "--ignore-cgroups", "do", "true"],
@@ -83,6 +95,11 @@ class GVisorBackend(Backend):
             if hostfs.owner_alive(d):
                 continue
             subprocess.run([*_runsc_base(d / "state"), "delete", "-force", d.name], capture_output=True, timeout=30)
+            try:
+                rec = json.loads((d / "owner.json").read_text())
+                cgroups.SandboxCgroup(rec["cgroup_name"], rec["cgroup_version"], rec["cgroup_dirs"]).remove()
+            except (OSError, ValueError, KeyError):
+                pass
             hostfs.remove_tree(d)
             n += 1
         return n
@@ -99,7 +116,10 @@ class GVisorSandbox(Sandbox):
         self._timer = None
         self.dir = backend.root / "gv" / self.id
         self.dir.mkdir(parents=True)
-        hostfs.write_owner(self.dir, {})
+        self.cg = cgroups.SandboxCgroup("k3gv-" + self.id, cgroups.detect()[0])
+        hostfs.write_owner(self.dir, {"cgroup_name": self.cg.name, "cgroup_version": self.cg.version,
+                                      "cgroup_dirs": [str(d) for d in self.cg.dirs]})
+        self._cg_made = False
         try:
             self._start(image)
         except BaseException:
@@ -109,9 +129,13 @@ class GVisorSandbox(Sandbox):
 
     def _runsc(self, *args, timeout=60, check=True, detached=False, **kw) -> subprocess.CompletedProcess:
         if detached:  # the container keeps the fds it inherits: give it a log file, not our pipes
+            # runsc joins the sandbox's cgroup first, so its sandbox and gofer children start inside it
+            # (a shell, not preexec_fn: this process has threads)
+            join = 'for f in $K3_CG_PROCS; do echo $$ > "$f" || exit 97; done; exec "$@"'
             with open(self.dir / "runsc.log", "ab") as log:
-                r = subprocess.run([*_runsc_base(self.dir / "state"), *args], stdout=log, stderr=log,
-                                   stdin=subprocess.DEVNULL, timeout=timeout)
+                r = subprocess.run(["/bin/sh", "-c", join, "sh", *_runsc_base(self.dir / "state"), *args],
+                                   stdout=log, stderr=log, stdin=subprocess.DEVNULL, timeout=timeout,
+                                   env={**os.environ, "K3_CG_PROCS": " ".join(self.cg.procs_files())})
             err = (self.dir / "runsc.log").read_bytes()
         else:
             r = subprocess.run([*_runsc_base(self.dir / "state"), *args], capture_output=True, timeout=timeout, **kw)
@@ -122,6 +146,10 @@ class GVisorSandbox(Sandbox):
 
     def _start(self, image: str | None) -> None:
         lim = self.spec.limits
+        if not self._cg_made:
+            self._cg_made = True  # before create: close() then removes a half-made group too
+            self.cg.create(lim.memory_bytes + RUNSC_MEMORY_OVERHEAD,
+                           RUNSC_PIDS_OVERHEAD + RUNSC_PIDS_PER_GUEST_TASK * lim.pids, lim.cpus)
         disk, ws, rootfs = self.dir / "disk", self.dir / "ws", self.dir / "rootfs"
         for p in (disk, ws, rootfs):
             p.mkdir()
@@ -138,12 +166,14 @@ class GVisorSandbox(Sandbox):
         root = self.backend.root
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8", **self.spec.env}
         self.cfg = {"cpu_seconds": lim.cpu_seconds, "file_bytes": lim.disk_bytes, "open_files": lim.open_files,
-                    "output_bytes": lim.output_bytes, "env": env, "deny_namespaces": True}
+                    "output_bytes": lim.output_bytes, "env": env, "deny_namespaces": True,
+                    "nproc": lim.pids, "address_space_bytes": lim.memory_bytes}
         ro = ["ro", "rbind", "nosuid", "nodev"]
         config = {
             "ociVersion": "1.0.2",
             "process": {"terminal": False, "user": {"uid": hostfs.SANDBOX_UID, "gid": hostfs.SANDBOX_UID},
-                        "args": ["/bin/sh", "-c", self.spec.metadata.get("init", "exec sleep infinity")], "env": [f"{k}={v}" for k, v in env.items()],
+                        "args": ["/bin/sh", "-c", self.spec.metadata["init"]] if "init" in self.spec.metadata
+                        else ["/usr/bin/python3", "-I", "-S", "-c", REAPER], "env": [f"{k}={v}" for k, v in env.items()],
                         "cwd": "/workspace", "capabilities": {k: [] for k in
                                                                ("bounding", "effective", "inheritable", "permitted")},
                         "noNewPrivileges": True,
@@ -181,7 +211,8 @@ class GVisorSandbox(Sandbox):
         try:
             res = json.loads(r.stdout.decode().strip().splitlines()[-1])
         except (ValueError, IndexError):
-            raise SandboxError(f"guest agent gave no answer: {r.stderr.decode()[-300:]}") from None
+            gone = "" if self.alive() else "the sandbox is gone (killed, e.g. by its host memory limit); "
+            raise SandboxError(f"guest agent gave no answer: {gone}{r.stderr.decode()[-300:]}") from None
         if not res.pop("ok", False):
             raise SandboxError(f"{req['op']} failed in sandbox: {res.get('error')}")
         return res
@@ -287,5 +318,22 @@ class GVisorSandbox(Sandbox):
             self._runsc("delete", "-force", self.id, check=False, timeout=30)
         except (OSError, subprocess.SubprocessError):
             pass
+        if self._cg_made:
+            self.cg.remove()  # also whatever runsc left behind (a sandbox process whose delete failed)
         hostfs.remove_tree(self.dir)
         self.state = "closed"
+
+    def alive(self) -> bool:
+        """False once the sandbox is gone (closed, or its runsc processes were killed, e.g. by the host's
+        memory limit)."""
+        if self.state not in ("running", "paused"):
+            return False
+        try:
+            r = self._runsc("state", self.id, check=False, timeout=30)
+            return json.loads(r.stdout or b"{}").get("status") in ("running", "paused")
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return False
+
+    def memory_usage(self) -> int:
+        """Host memory charged to the whole runsc sandbox (guest pages + runsc's own), in bytes."""
+        return self.cg.memory_usage()
