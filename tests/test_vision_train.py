@@ -10,8 +10,8 @@ from PIL import Image
 from k3.data import Tokenizer
 from k3.vision import synthetic as syn
 from k3.vision.preprocess import preprocess_image
-from k3.vision.train_vision import Examples, accuracy, answer_logits, answer_loss, blind_baselines, build_tiny_vlm, \
-    train_batch
+from k3.vision.train_vision import Examples, VisionTrainConfig, accuracy, answer_logits, answer_loss, blind_baselines, \
+    build_tiny_vlm, centre_projector, shared_row_fraction, train_batch
 
 
 def test_shared_image_answer_loss_equals_full_model_loss():
@@ -67,3 +67,40 @@ def test_tiny_vlm_learns_to_name_the_colour_of_a_plain_image():
     after = accuracy(model, ex, held)
     # six colours: chance is 1/6 and a text-only model cannot beat it; reading the image gets most of them within 40 steps
     assert before < 0.4 and after >= 0.6
+
+
+def test_shared_row_fraction_is_the_mean_rows_share_of_the_energy():
+    v = torch.randn(1, 16, dtype=torch.float64)
+    assert torch.allclose(shared_row_fraction(v.repeat(5, 1)), torch.tensor(1.0, dtype=torch.float64))
+    assert shared_row_fraction(torch.cat([v, -v])).item() < 1e-12
+    rows = torch.randn(7, 16, dtype=torch.float64)
+    ref = (rows.sum(0) / 7).norm() ** 2 / (rows.norm(dim=1) ** 2).mean()
+    assert torch.allclose(shared_row_fraction(rows), ref)
+
+
+def test_centre_projector_removes_the_shared_row_and_keeps_the_projector_formula():
+    torch.manual_seed(0)
+    tok = Tokenizer.from_file()
+    model = build_tiny_vlm(tok, 1)
+    model.reset_vision_parameters(seed=0)
+    b = train_batch(random.Random(1), Examples(tok, model.vision_config), n_images=24, per_image=1)
+    before = model.encode_images(b["pixel_values"], b["grid_thws"]).detach()
+    centre_projector(model, b["pixel_values"], b["grid_thws"])
+    after = model.encode_images(b["pixel_values"], b["grid_thws"]).detach()
+    # at init most of every row is one vector shared by all images; afterwards almost none of it is
+    assert shared_row_fraction(before) > 0.5 and shared_row_fraction(after) < 0.05
+    # still the SPEC projector: RMSNorm'd rows (norm sqrt(D) with unit weight, less the eps = 1e-5 against a
+    # mean square ~1e-3 before the norm), and the rows still differ by image
+    D = after.shape[1]
+    assert torch.allclose(after.norm(dim=1), torch.full((after.shape[0],), D ** 0.5), rtol=2e-2)
+    assert (after - after.mean(0)).norm(dim=1).mean() > 0.9 * D ** 0.5
+
+
+def test_config_rejects_bad_centring_weight():
+    for bad in (-1.0, float("nan"), "x"):
+        try:
+            VisionTrainConfig(centring_weight=bad).validate()
+        except ValueError as e:
+            assert "--centring-weight" in str(e)
+        else:
+            raise AssertionError(f"centring_weight={bad!r} was accepted")

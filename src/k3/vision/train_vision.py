@@ -8,8 +8,13 @@ Why it is shaped like this (each choice bought learning speed on 2 CPU cores):
   (which would teach the text model to ignore the picture);
 - the loss and the logits are computed at the answer tokens only (the 8k-vocabulary head over every prompt
   position was a large part of a step and carried no signal);
-- the tower and projector learn `vision_lr_scale` × faster than the text model: they start from noise and
-  every answer depends on them."""
+- the image rows are kept from collapsing onto one shared vector, which is what blocked reading the image:
+  at init ~70 % of every projector row is one vector common to all images (GELU's positive mean through the
+  output layer), and within ~10 steps at the text model's lr the tower and projector made the rows identical
+  (shared fraction 0.96 → 1.00) because every early gradient asks for the same thing (the answer vocabulary).
+  So the recipe (not the SPEC math) (1) removes the mean hidden activation from the projector's output layer
+  at init (`centre_projector`), (2) adds `centring_weight` × the shared fraction of the batch's rows to the
+  loss, and (3) trains the tower and projector at `vision_lr_scale` = 0.1 × the text lr."""
 from __future__ import annotations
 
 import json
@@ -46,13 +51,15 @@ class VisionTrainConfig:
     batch_size: int = 16               # images per step
     questions_per_image: int = 4       # rows per image (one question each)
     lr: float = 3e-3                   # text model (AdamW); the tower and projector get lr × vision_lr_scale
-    vision_lr_scale: float = 1.0
+    vision_lr_scale: float = 0.1       # the tower and projector: at 1.0 their rows collapse
     warmup_steps: int = 30
     weight_decay: float = 0.01
     text_layers: int = 2
     full_attention: bool = False       # every text layer full attention (MLA) instead of the KDA pattern
     eval_scenes: int = 200
     eval_every: int = 100
+    centre_projector: bool = True      # start the projector with image rows centred over the training images
+    centring_weight: float = 1.0       # loss weight keeping the batch-mean image row near zero (0 = off)
     seed: int = 0
     device: str = "cpu"
 
@@ -61,6 +68,9 @@ class VisionTrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if not (isinstance(self.centring_weight, (int, float)) and self.centring_weight >= 0
+                and math.isfinite(self.centring_weight)):
+            raise ValueError(f"--centring-weight must be a number >= 0, got {self.centring_weight!r}")
         for name in ("lr", "vision_lr_scale"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
@@ -131,10 +141,12 @@ class Examples:
         return {**b, "pixel_values": pv, "grid_thws": grid, "image_index": index}
 
 
-def answer_logits(model: K3ForConditionalGeneration, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The text model's logits at the supervised positions only → (logits [S, vocab], targets [S]).
-    With `image_index` each image is encoded once and its rows are reused by every row asking about it."""
+def answer_logits(model: K3ForConditionalGeneration, batch: dict, return_rows: bool = False):
+    """The text model's logits at the supervised positions only → (logits [S, vocab], targets [S])
+    (+ the encoded image rows [M, D] with return_rows). With `image_index` each image is encoded once and its
+    rows are reused by every row asking about it."""
     image_rows = model.encode_images(batch["pixel_values"], batch["grid_thws"])
+    encoded = image_rows
     if "image_index" in batch:
         image_rows = image_rows[batch["image_index"].to(image_rows.device)]
     dev = image_rows.device
@@ -142,7 +154,29 @@ def answer_logits(model: K3ForConditionalGeneration, batch: dict) -> tuple[torch
     embeds = model.splice(input_ids, image_rows)
     hidden = model.language_model.model(input_ids, mask=batch["mask"].to(dev), inputs_embeds=embeds)
     keep = labels != -100
+    if return_rows:
+        return model.lm_head(hidden[keep]), labels[keep], encoded
     return model.lm_head(hidden[keep]), labels[keep]
+
+
+def shared_row_fraction(image_rows: torch.Tensor) -> torch.Tensor:
+    """image_rows: [M, D] → ‖mean row‖² / mean ‖row‖² in [0, 1]: the share of one common vector."""
+    return image_rows.mean(0).pow(2).sum() / image_rows.pow(2).sum(-1).mean().clamp_min(1e-12)
+
+
+@torch.no_grad()
+def centre_projector(model: K3ForConditionalGeneration, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> None:
+    """Removes the mean hidden activation's image from the projector's output layer, so the rows of these
+    images start centred. Why: at init GELU's positive mean makes ~70 % of every row's energy one vector shared
+    by all images, which the text model's RMSNorm then weighs against the per-image signal; with frozen random
+    features the text model read the image only once the rows were centred. The projector's formula is unchanged.
+    pixel_values: [N, 3, P, P]; grid_thws: [n, 3]."""
+    from k3.vision.projector import merge_patches
+    proj = model.mm_projector.proj
+    feats = merge_patches(model.vision_tower(pixel_values, grid_thws), grid_thws)
+    mu = proj[1](proj[0](feats)).mean(0)  # [mm_hidden]
+    w = proj[2].weight  # [D, mm_hidden]
+    w -= torch.outer(w @ mu, mu) / mu.pow(2).sum().clamp_min(1e-12)
 
 
 def answer_loss(model: K3ForConditionalGeneration, batch: dict) -> torch.Tensor:
@@ -274,6 +308,9 @@ def run(cfg: VisionTrainConfig, log=print) -> dict:
     model.reset_vision_parameters(seed=cfg.seed)
     vcfg = model.vision_config
     examples = Examples(tok, vcfg)
+    if cfg.centre_projector:
+        b = train_batch(random.Random(cfg.seed + 4), examples, 64, 1)
+        centre_projector(model, b["pixel_values"].to(cfg.device), b["grid_thws"])
     opt = build_vision_optimizer(model, cfg)
     balancer = ExpertBalancer(model, mode="quantile")
     sets = {"in_distribution": eval_items(cfg.seed + 1, cfg.eval_scenes // 2, "train", vcfg),
@@ -296,20 +333,27 @@ def run(cfg: VisionTrainConfig, log=print) -> dict:
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr * g["lr_scale"]
-        loss = answer_loss(model, train_batch(rng, examples, cfg.batch_size, cfg.questions_per_image))
+        logits, targets, rows = answer_logits(model, train_batch(rng, examples, cfg.batch_size,
+                                                                  cfg.questions_per_image), return_rows=True)
+        loss = F.cross_entropy(logits.float(), targets)
+        shared = shared_row_fraction(rows.float())
+        total = loss + cfg.centring_weight * shared if cfg.centring_weight > 0 else loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         balancer.observe()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         balancer.step()
         step += 1
-        rec = {"step": step, "loss": loss.item(), "lr": lr, "time": time.perf_counter() - t0}
+        rec = {"step": step, "loss": loss.item(), "shared_row_fraction": shared.item(), "lr": lr,
+               "time": time.perf_counter() - t0}
         if step % cfg.eval_every == 0 and step < cfg.max_steps:
             rec["eval"] = evaluate(model, examples, sets)
-            log(f"step {step}: loss {rec['loss']:.3f}  {_fmt(rec['eval'])}  ({rec['time']:.0f} s)", flush=True)
+            log(f"step {step}: loss {rec['loss']:.3f} shared {rec['shared_row_fraction']:.2f}  {_fmt(rec['eval'])}  "
+                f"({rec['time']:.0f} s)", flush=True)
         elif step % 10 == 0:
-            log(f"step {step}: loss {rec['loss']:.3f}  ({rec['time']:.0f} s)", flush=True)
+            log(f"step {step}: loss {rec['loss']:.3f} shared {rec['shared_row_fraction']:.2f}  ({rec['time']:.0f} s)",
+                flush=True)
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
     seconds = time.perf_counter() - t0
