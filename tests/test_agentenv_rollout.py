@@ -2,13 +2,9 @@
 hidden tests that exist only in the grader sandbox); parked-and-resumed trajectories reproduce uninterrupted
 ones token for token (scripted policy with tool outputs; the tiny K3 greedy through the serving engine); a new
 policy version never hits a cache entry of an older one."""
-import socket
-import threading
-import time
 
 import pytest
 import torch
-import uvicorn
 
 from k3 import K3Config, K3ForCausalLM
 from k3.agentenv import get_backend
@@ -17,6 +13,7 @@ from k3.agentenv.rollout import (BUILTIN_TASKS, SCRIPTS, TOOLS, EnginePolicy, Ro
 from k3.data import Tokenizer
 from k3.serve import EngineConfig, LLMEngine
 from k3.serve.api import create_app
+from live_server import live_server
 
 
 @pytest.fixture(scope="module")
@@ -161,20 +158,8 @@ def live_serve(tok, tiny):
     """`k3 serve`'s app on uvicorn, 127.0.0.1, a free port, in a thread (the tiny random model)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    app = create_app(LLMEngine(tiny, tok, engine_cfg()), tok, "k3-tiny", api_key="k")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv.should_exit = True
-    th.join(10)
-    sock.close()
+    with live_server(create_app(LLMEngine(tiny, tok, engine_cfg()), tok, "k3-tiny", api_key="k")) as url:
+        yield url
     torch.set_num_threads(n)
 
 

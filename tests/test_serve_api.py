@@ -3,21 +3,19 @@
 get a 4xx error in OpenAI's shape; disconnects and finished requests must leave the pool empty."""
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from k3 import K3Config, K3ForCausalLM
 from k3.data import Tokenizer
 from k3.serve import EngineConfig, LLMEngine
 from k3.serve.api import create_app
 from k3.serve.chat_template import ChatOutputParser, render_chat
+from live_server import live_server
 
 KEY, NAME = "test-key", "k3-tiny"
 
@@ -41,21 +39,8 @@ def server(model, tok):
     torch.set_num_threads(1)
     eng = LLMEngine(model, tok, EngineConfig(memory_bytes=32 << 20, block_size=16, match_unit=4, max_batch_tokens=256,
                                              max_num_seqs=32, max_model_len=200))
-    app = create_app(eng, tok, NAME, api_key=KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", eng
-    srv.should_exit = True
-    th.join(10)
-    sock.close()
+    with live_server(create_app(eng, tok, NAME, api_key=KEY)) as url:
+        yield url, eng
     torch.set_num_threads(n)
 
 

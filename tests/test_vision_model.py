@@ -11,30 +11,17 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors import safe_open
 
-from k3 import K3Config, K3ForCausalLM
+from k3 import K3ForCausalLM
 from k3.data import Tokenizer
 from k3.vision.config import VisionConfig
 from k3.vision.multimodal import K3ForConditionalGeneration, image_token_ids
 from k3.vision.preprocess import batch_images, preprocess_image
-
-PAD = 9  # <|media_pad|> in the bundled tokenizer
-
-
-
-def tiny_text() -> K3Config:
-    return K3Config.preset("tiny").replace(num_hidden_layers=2, attn_res_block_size=1,
-                                           linear_attn_config={"full_attn_layers": [2], "kda_layers": [1]})
+from tiny_vlm import PAD, make_tiny_vlm, tiny_text
 
 
 @pytest.fixture(scope="module")
 def vlm():
-    torch.manual_seed(0)
-    m = K3ForConditionalGeneration(tiny_text(), VisionConfig.preset("tiny"), PAD)
-    m.language_model.reset_parameters(seed=1)
-    m.reset_vision_parameters(seed=2)
-    with torch.no_grad():  # a visible image signal (the default init is small)
-        m.mm_projector.post_norm.weight.mul_(0.05)
-    return m.eval()
+    return make_tiny_vlm()
 
 
 @pytest.fixture(scope="module")

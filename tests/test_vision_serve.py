@@ -10,34 +10,21 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from k3 import K3Config, K3ForCausalLM
+from k3 import K3ForCausalLM
 from k3.cli import main
 from k3.data import Tokenizer
 from k3.serve import EngineConfig, LLMEngine
 from k3.serve.api import create_app
 from k3.serve.sampling import SamplingParams
 from k3.vision.config import VisionConfig
-from k3.vision.multimodal import K3ForConditionalGeneration, image_token_ids
+from k3.vision.multimodal import image_token_ids
 from k3.vision.preprocess import preprocess_image
-
-PAD = 9
-
-
-
-def tiny_text() -> K3Config:
-    return K3Config.preset("tiny").replace(num_hidden_layers=2, attn_res_block_size=1,
-                                           linear_attn_config={"full_attn_layers": [2], "kda_layers": [1]})
+from tiny_vlm import PAD, make_tiny_vlm, tiny_text
 
 
 @pytest.fixture(scope="module")
 def vlm():
-    torch.manual_seed(0)
-    m = K3ForConditionalGeneration(tiny_text(), VisionConfig.preset("tiny"), PAD)
-    m.language_model.reset_parameters(seed=1)
-    m.reset_vision_parameters(seed=2)
-    with torch.no_grad():
-        m.mm_projector.post_norm.weight.mul_(0.05)
-    return m.eval()
+    return make_tiny_vlm()
 
 
 @pytest.fixture(scope="module")
