@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import configparser
-import io
 import json
 import lzma
 import re
