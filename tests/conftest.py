@@ -11,3 +11,10 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    """The small vision-language model of the vision tests (tests/tiny_vlm.py)."""
+    from tiny_vlm import make_tiny_vlm
+    return make_tiny_vlm()

@@ -16,12 +16,7 @@ from k3.data import Tokenizer
 from k3.vision.config import VisionConfig
 from k3.vision.multimodal import K3ForConditionalGeneration, image_token_ids
 from k3.vision.preprocess import batch_images, preprocess_image
-from tiny_vlm import PAD, make_tiny_vlm, tiny_text
-
-
-@pytest.fixture(scope="module")
-def vlm():
-    return make_tiny_vlm()
+from tiny_vlm import PAD, tiny_text
 
 
 @pytest.fixture(scope="module")

@@ -222,6 +222,16 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             for i in pending:  # client gone (or error): cancel, freeing blocks and the state slot
                 runner.abort(ids[i])
 
+    async def run_to_end(choices, n: int):
+        """Non-streaming: drain run_choices → ({index: final output}, {index: logprobs}), or (None, None)
+        when the client left before every choice finished."""
+        finals, lps = {}, {i: [] for i in range(n)}
+        async for i, out in choices:
+            lps[i] += out.new_logprobs
+            if out.finished:
+                finals[i] = out
+        return (finals, lps) if len(finals) == n else (None, None)
+
     def usage(prompt_tokens: int, completion: int, cache) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": cache.restored_tokens if cache else 0}}
@@ -314,12 +324,8 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        finals, lps = {}, {i: [] for i in range(req.n)}
-        async for i, out in run_choices(request, ids, params, req.n, ckpt, None, req.policy_version):
-            lps[i] += out.new_logprobs
-            if out.finished:
-                finals[i] = out
-        if len(finals) < req.n:  # client went away
+        finals, lps = await run_to_end(run_choices(request, ids, params, req.n, ckpt, None, req.policy_version), req.n)
+        if finals is None:  # client went away
             return error_response(499, "client closed request")
         outs = [finals[i] for i in range(req.n)]
         ids_field = ({"token_ids": list(o.output_ids), "prompt_token_ids": list(ids)} if req.return_token_ids else {}
@@ -387,12 +393,9 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        finals, lps = {}, {i: [] for i in range(req.n)}
-        async for i, out in run_choices(request, ids, params, req.n, turn_ends, images, req.policy_version):
-            lps[i] += out.new_logprobs
-            if out.finished:
-                finals[i] = out
-        if len(finals) < req.n:
+        finals, lps = await run_to_end(run_choices(request, ids, params, req.n, turn_ends, images, req.policy_version),
+                                       req.n)
+        if finals is None:  # client went away
             return error_response(499, "client closed request")
         choices = []
         for i in range(req.n):
