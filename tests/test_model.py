@@ -72,6 +72,74 @@ def test_chunked_prefill_equals_one_shot(seed, chunks):
     torch.testing.assert_close(torch.cat(outs, 1), full, **TOL)
 
 
+@pytest.mark.parametrize("seed,B,T,chunk,k", [(11, 2, 14, 5, 4), (12, 1, 9, None, 3), (13, 3, 20, 8, 2)])
+@torch.no_grad()
+def test_static_cache_decode_equals_full_forward(seed, B, T, chunk, k):
+    """The preallocated cache (the CUDA-graph form) run eagerly: chunked prefill then one token at a time."""
+    from k3.model.cache import StaticCache
+    from k3.model.generate import chunked_prefill
+
+    model = make_model(seed)
+    ids = tokens(seed, (B, T), model.config.vocab_size)
+    full = model(ids).logits
+    cache = model.new_cache(B, T + 3)  # room to spare: attention must ignore the unwritten slots
+    assert isinstance(cache, StaticCache) and cache.layers[1].state.dtype == torch.float64
+    last = chunked_prefill(model, ids[:, :T - k], cache, chunk)
+    torch.testing.assert_close(last, full[:, T - k - 1], **TOL)
+    steps = [model(ids[:, t:t + 1], cache=cache).logits[:, 0] for t in range(T - k, T)]
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, T - k:], **TOL)
+    assert cache.seq_len == T and int(cache.length) == T
+
+
+@torch.no_grad()
+def test_static_cache_snapshot_restore_and_overflow():
+    from k3.model.cache import KDAState
+
+    model = make_model(14)
+    ids = tokens(14, (1, 8), model.config.vocab_size)
+    cache = model.new_cache(1, 8)
+    model(ids[:, :6], cache=cache)
+    snap = cache.kda_snapshot()
+    first = model(ids[:, 6:7], cache=cache).logits
+    cache.restore(snap)
+    assert cache.seq_len == 6 and int(cache.length) == 6
+    torch.testing.assert_close(model(ids[:, 6:7], cache=cache).logits, first, rtol=0, atol=0)
+    kda = next(s for s in snap[2:] if isinstance(s, KDAState))
+    assert not torch.equal(kda.state, next(s for s in cache.layers if isinstance(s, KDAState)).state)
+    with pytest.raises(ValueError, match="holds 8 tokens"):
+        model(ids[:, :2], cache=cache)
+
+
+@pytest.mark.parametrize("seed,T,chunk", [(15, 23, 6), (16, 16, 16), (17, 11, 1)])
+@torch.no_grad()
+def test_chunked_prefill_helper_and_logits_to_keep(seed, T, chunk):
+    from k3.model.generate import chunked_prefill
+
+    model = make_model(seed)
+    ids = tokens(seed, (2, T), model.config.vocab_size)
+    full = model(ids).logits
+    torch.testing.assert_close(model(ids, logits_to_keep=3).logits, full[:, -3:], **TOL)
+    torch.testing.assert_close(chunked_prefill(model, ids, model.new_cache(), chunk), full[:, -1], **TOL)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunked_prefill(model, ids, model.new_cache(), 0)
+
+
+@pytest.mark.parametrize("seed,T,S", [(18, 3, 7), (19, 5, 5), (20, 1, 9)])
+def test_causal_attention_bottom_right_matches_masked_softmax(seed, T, S):
+    from k3.ops.attention import causal_attention
+
+    g = gen(seed)
+    q, k = torch.randn(2, T, 3, 8, generator=g, dtype=torch.float64), torch.randn(2, S, 3, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, S, 3, 4, generator=g, dtype=torch.float64)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * 0.3
+    allowed = torch.arange(S)[None, :] <= (S - T + torch.arange(T))[:, None]
+    ref = torch.einsum("bhts,bshv->bthv", torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1), v)
+    torch.testing.assert_close(causal_attention(q, k, v, 0.3), ref, **TOL)
+    if T > 1:
+        with pytest.raises(ValueError, match="S >= T"):
+            causal_attention(q, k[:, :T - 1], v[:, :T - 1], 0.3)
+
+
 # ---- packed documents ----------------------------------------------------------------------------------------
 def doc_ids_for(lengths) -> torch.Tensor:
     return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])

@@ -1,4 +1,9 @@
-"""Per-sequence decode state, passed in and out of the model explicitly (never hidden in modules)."""
+"""Per-sequence decode state, passed in and out of the model explicitly (never hidden in modules).
+
+Three caches share one small interface that the mixers call (`kda_state`, `set_kda_state`, `mla_append`,
+`advance`): `K3Cache` grows as it goes, `StaticCache` is preallocated and written in place (so a decode step can
+be captured in a CUDA graph), and `BatchCacheView` maps sequences of different lengths onto the serving pool.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,10 +26,6 @@ class MLAState:
     latent: torch.Tensor
     k_extra: torch.Tensor
 
-    def append(self, latent: torch.Tensor, k_extra: torch.Tensor) -> None:
-        self.latent = torch.cat([self.latent, latent], dim=1)
-        self.k_extra = torch.cat([self.k_extra, k_extra], dim=1)
-
 
 @dataclass
 class K3Cache:
@@ -37,12 +38,89 @@ class K3Cache:
         if not self.layers:
             self.layers = [None] * self.num_layers
 
+    def kda_state(self, layer_idx: int) -> KDAState | None:
+        return self.layers[layer_idx]
+
+    def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
+        self.layers[layer_idx] = state
+
+    def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor):
+        """Append T new tokens' latent [B, T, R] and k_extra [B, T, rope]; return the whole context
+        (latent [B, S, R], k_extra [B, S, rope], kv_len) where kv_len [B] is None when every row is full."""
+        st = self.layers[layer_idx]
+        if st is None:
+            st = self.layers[layer_idx] = MLAState(latent, k_extra)
+        else:
+            st.latent = torch.cat([st.latent, latent], dim=1)
+            st.k_extra = torch.cat([st.k_extra, k_extra], dim=1)
+        return st.latent, st.k_extra, None
+
+    def advance(self, n: int) -> None:
+        self.seq_len += n
+
     def nbytes(self) -> int:
         total = 0
         for s in self.layers:
             if s is not None:
                 total += sum(t.numel() * t.element_size() for t in vars(s).values())
         return total
+
+
+class StaticCache(K3Cache):
+    """K3Cache with every buffer allocated up front for `max_len` tokens and written in place.
+
+    Shapes never change and the length also lives on the device (`length`, advanced by the forward itself),
+    so one decode step can be captured in a CUDA graph and replayed (k3.model.cuda_graph). MLA layers attend
+    over all `max_len` slots with a length mask. `seq_len` is the host's copy of the length.
+    """
+
+    def __init__(self, config, batch: int, max_len: int, device=None, dtype: torch.dtype = torch.float32):
+        super().__init__(config.num_hidden_layers)
+        la = config.linear_attn_config
+        H, K, W = la.num_heads, la.head_dim, la.short_conv_kernel_size
+        self.batch, self.max_len = batch, max_len
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        sd = torch.float64 if dtype == torch.float64 else torch.float32  # KDA state and conv tails: fp32 or wider
+        tail = lambda: torch.zeros(batch, W - 1, H * K, dtype=sd, device=device)  # noqa: E731
+        for l in range(self.num_layers):
+            if config.is_mla(l):
+                self.layers[l] = MLAState(
+                    torch.zeros(batch, max_len, config.kv_lora_rank, dtype=dtype, device=device),
+                    torch.zeros(batch, max_len, config.qk_rope_head_dim, dtype=dtype, device=device))
+            else:
+                self.layers[l] = KDAState(torch.zeros(batch, H, K, K, dtype=sd, device=device),
+                                          tail(), tail(), tail())
+
+    def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
+        dst = self.layers[layer_idx]
+        for name in ("state", "conv_q", "conv_k", "conv_v"):
+            getattr(dst, name).copy_(getattr(state, name))
+
+    def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor):
+        T = latent.shape[1]
+        if self.seq_len + T > self.max_len:
+            raise ValueError(f"StaticCache holds {self.max_len} tokens; {self.seq_len} cached + {T} new do not fit")
+        st = self.layers[layer_idx]
+        pos = self.length + torch.arange(T, device=latent.device)
+        st.latent.index_copy_(1, pos, latent.to(st.latent.dtype))
+        st.k_extra.index_copy_(1, pos, k_extra.to(st.k_extra.dtype))
+        return st.latent, st.k_extra, (self.length + T).expand(self.batch)
+
+    def advance(self, n: int) -> None:
+        self.seq_len += n
+        self.length += n  # in place: a captured graph replays the increment
+
+    def kda_snapshot(self) -> list:
+        """Copies of the KDA buffers and both lengths (MLA slots past the length need no saving)."""
+        return [self.seq_len, self.length.clone()] + [
+            None if isinstance(s, MLAState) else KDAState(*(t.clone() for t in vars(s).values())) for s in self.layers]
+
+    def restore(self, snap: list) -> None:
+        self.seq_len = snap[0]
+        self.length.copy_(snap[1])
+        for l, s in enumerate(snap[2:]):
+            if s is not None:
+                self.set_kda_state(l, s)
 
 
 class BatchCacheView:
@@ -71,3 +149,6 @@ class BatchCacheView:
         """Whole context of the sequences `rows` [n]: latent [n, L, R], k_extra [n, L, rope] (padded to the
         longest, L) and kv_len [n]; this step's tokens already included."""
         raise NotImplementedError
+
+    def advance(self, n: int) -> None:
+        self.seq_len += n

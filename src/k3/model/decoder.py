@@ -10,7 +10,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.attn_res import attn_res_mix
-from k3.model.cache import K3Cache
+from k3.model.cache import K3Cache, StaticCache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiHeadLatentAttention
 from k3.model.mlp import SiTUMLP
@@ -123,21 +123,24 @@ class K3ForCausalLM(nn.Module):
     # ---- forward --------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
                 labels: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> K3Output:
+                inputs_embeds: torch.Tensor | None = None, logits_to_keep: int = 0) -> K3Output:
         """input_ids: [B, T] int64. doc_ids: [B, T] for packed rows (documents never see each other).
         cache: a K3Cache to continue from and update (decode / chunked prefill). labels: [B, T], −100 = ignore.
         mask: [B, T] bool, False marks padding (kept out of the balancing statistics).
-        inputs_embeds: [B, T, D] replacing the token embeddings (see K3Model.forward)."""
+        inputs_embeds: [B, T, D] replacing the token embeddings (see K3Model.forward).
+        logits_to_keep: > 0 computes logits for the last that many positions only (prefill needs one)."""
         self._check_inputs(input_ids, doc_ids, cache, labels, mask)
         if inputs_embeds is not None and tuple(inputs_embeds.shape) != (*input_ids.shape, self.config.hidden_size):
             raise ValueError(f"inputs_embeds must be [batch, seq, hidden] = {(*input_ids.shape, self.config.hidden_size)}, "
                              f"got {tuple(inputs_embeds.shape)}")
         if doc_ids is not None:
             doc_ids = contiguous_segments(doc_ids)
+        if logits_to_keep < 0 or (logits_to_keep and labels is not None):
+            raise ValueError(f"logits_to_keep must be >= 0 and cannot be combined with labels, got {logits_to_keep}")
         h = self.model(input_ids, doc_ids=doc_ids, cache=cache, mask=mask, inputs_embeds=inputs_embeds)
-        logits = self.lm_head(h)
+        logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         if cache is not None:
-            cache.seq_len += input_ids.shape[1]
+            cache.advance(input_ids.shape[1])
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
@@ -151,7 +154,10 @@ class K3ForCausalLM(nn.Module):
             raise TypeError(f"input_ids must be int64 or int32, got {input_ids.dtype}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty (sequence length 0)")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+        # The range check syncs with the device, which a CUDA graph capture forbids (the graphed decode
+        # feeds back its own sampled tokens, always in range).
+        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if input_ids.numel() and not capturing and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size}); got range "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         for name, t in (("doc_ids", doc_ids), ("labels", labels), ("mask", mask)):
@@ -162,8 +168,13 @@ class K3ForCausalLM(nn.Module):
         if cache is not None and cache.num_layers != self.config.num_hidden_layers:
             raise ValueError(f"cache has {cache.num_layers} layers, model has {self.config.num_hidden_layers}")
 
-    def new_cache(self) -> K3Cache:
-        return K3Cache(self.config.num_hidden_layers)
+    def new_cache(self, batch: int | None = None, max_len: int | None = None) -> K3Cache:
+        """A growing K3Cache, or with `batch` and `max_len` a preallocated StaticCache on the model's device
+        (the form a CUDA-graphed decode needs)."""
+        if max_len is None:
+            return K3Cache(self.config.num_hidden_layers)
+        w = self.model.embed_tokens.weight
+        return StaticCache(self.config, batch, max_len, device=w.device, dtype=w.dtype)
 
     # ---- generation and checkpoints live in their own modules --------------------------------------------
     def generate(self, input_ids, **kwargs):

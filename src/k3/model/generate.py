@@ -28,12 +28,30 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
 
 
 @torch.no_grad()
+def chunked_prefill(model, input_ids: torch.Tensor, cache, chunk_size: int | None = None) -> torch.Tensor:
+    """Feed the prompt [B, T] through `cache`, `chunk_size` tokens at a time (all at once when None), and
+    return the last position's logits [B, V]. Chunks bound the activation memory, so a long prompt is
+    limited by its cache alone; the result equals one pass over the whole prompt."""
+    T = input_ids.shape[1]
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    step = chunk_size or T
+    for start in range(0, T, step):
+        logits = model(input_ids[:, start:start + step], cache=cache, logits_to_keep=1).logits[:, -1]
+    return logits
+
+
+@torch.no_grad()
 def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                    eos_token_id: int | None = None, prefill=None) -> Iterator[torch.Tensor]:
+                    eos_token_id: int | None = None, prefill=None, prefill_chunk: int | None = None,
+                    cuda_graph: bool | None = None) -> Iterator[torch.Tensor]:
     """Yields the next token [B] for each step; stops after max_new_tokens or when every row emitted EOS.
 
-    prefill(input_ids, cache) -> logits [B, T, V] replaces the prompt's forward (e.g. to splice in images)."""
+    prefill(input_ids, cache) -> logits [B, T, V] replaces the prompt's forward (e.g. to splice in images).
+    prefill_chunk: feed the prompt this many tokens at a time (bounds prefill memory).
+    cuda_graph: decode from a preallocated cache through one captured CUDA graph per token (default: on
+    CUDA devices); False keeps the eager, growing cache."""
     if isinstance(input_ids, list):
         input_ids = torch.tensor([input_ids] if input_ids and isinstance(input_ids[0], int) else input_ids)
     if max_new_tokens < 0:
@@ -41,21 +59,33 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    graphed = device.type == "cuda" if cuda_graph is None else cuda_graph
+    if graphed and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
     was_training = model.training
     model.eval()
     try:
-        cache = model.new_cache()
-        logits = (prefill(input_ids, cache) if prefill else model(input_ids, cache=cache).logits)[:, -1]
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
-        for _ in range(max_new_tokens):
+        B, T = input_ids.shape
+        cache = model.new_cache(B, T + max_new_tokens) if graphed else model.new_cache()
+        if prefill is not None:
+            logits = prefill(input_ids, cache)[:, -1]
+        else:
+            logits = chunked_prefill(model, input_ids, cache, prefill_chunk)
+        if graphed and max_new_tokens > 1:
+            from k3.model.cuda_graph import GraphedDecodeStep
+            decode = GraphedDecodeStep(model, cache).step
+        else:
+            decode = lambda tok: model(tok[:, None], cache=cache).logits[:, -1]  # noqa: E731
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        for i in range(max_new_tokens):
             tok = sample_next(logits, temperature, top_k, top_p, gen)
             if eos_token_id is not None:
                 tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
                 done |= tok == eos_token_id
             yield tok
-            if eos_token_id is not None and bool(done.all()):
+            if i == max_new_tokens - 1 or (eos_token_id is not None and bool(done.all())):
                 break
-            logits = model(tok[:, None], cache=cache).logits[:, -1]
+            logits = decode(tok)
     finally:
         model.train(was_training)
 

@@ -91,7 +91,7 @@ class KimiDeltaAttention(nn.Module):
             return self._forward_varlen(x, cache)
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        st = cache.layers[self.layer_idx] if cache is not None else None
+        st = cache.kda_state(self.layer_idx) if cache is not None else None
         q, tq = self.q_conv1d(self.q_proj(x), st and st.conv_q, doc_ids)
         k, tk = self.k_conv1d(self.k_proj(x), st and st.conv_k, doc_ids)
         v, tv = self.v_conv1d(self.v_proj(x), st and st.conv_v, doc_ids)
@@ -115,7 +115,7 @@ class KimiDeltaAttention(nn.Module):
             op = kda_recurrent if (cache is not None and T == 1) else kda_chunk
             o, state = op(q, k, v, g, beta, initial_state=init, output_final_state=cache is not None)
             if cache is not None:
-                cache.layers[self.layer_idx] = KDAState(state, tq, tk, tv)
+                cache.set_kda_state(self.layer_idx, KDAState(state, tq, tk, tv))
 
         o = self.o_norm(o) * torch.sigmoid(self.g_proj(x).view(B, T, H, K).to(o.dtype))
         return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
@@ -138,7 +138,7 @@ class KimiDeltaAttention(nn.Module):
                                  initial_state=st.state if st is not None else None,
                                  output_final_state=cache is not None)
         if cache is not None:
-            cache.layers[self.layer_idx] = KDAState(state, *tails)
+            cache.set_kda_state(self.layer_idx, KDAState(state, *tails))
         return o
 
     def _forward_varlen(self, x: torch.Tensor, cache: BatchCacheView) -> torch.Tensor:

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import BatchCacheView, MLAState
+from k3.model.cache import BatchCacheView
 from k3.model.norm import RMSNorm
 from k3.ops.attention import causal_attention
 
@@ -37,18 +37,26 @@ class MultiHeadLatentAttention(nn.Module):
         if isinstance(cache, BatchCacheView):
             o = self._attend_varlen(q, latent, k_extra, cache)
         elif cache is None:
-            k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
-            k = torch.cat([k_nope, k_extra[:, :, None, :].expand(B, T, H, self.rope)], dim=-1)
-            o = causal_attention(q, k, v, self.scale, doc_ids)
+            o = self.expanded_attention(q, latent, k_extra, doc_ids)
         else:
-            st = cache.layers[self.layer_idx]
-            if st is None:
-                st = cache.layers[self.layer_idx] = MLAState(latent, k_extra)
-            else:
-                st.append(latent, k_extra)
-            o = self.absorbed_attention(q, st.latent, st.k_extra)
+            lat, kx, kv_len = cache.mla_append(self.layer_idx, latent, k_extra)
+            if T == 1:  # decode: W_kvb folded into q and the output, no per-token K/V expansion
+                o = self.absorbed_attention(q, lat, kx, kv_len=kv_len)
+            else:  # prefill chunk: expand the cached latents once and let SDPA run bottom-right causal
+                S = cache.seq_len + T
+                o = self.expanded_attention(q, lat[:, :S], kx[:, :S])
         o = o.reshape(B, T, H * self.v_dim) * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o)
+
+    def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
+                           doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal SDPA of the T newest queries q [B, T, H, nope+rope] over S >= T latents [B, S, R] with
+        k_extra [B, S, rope]: query t sits at position S−T+t. Returns [B, T, H, v_dim]."""
+        B, S, _ = latent.shape
+        H = self.num_heads
+        k_nope, v = self.kv_b_proj(latent).view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
+        k = torch.cat([k_nope, k_extra[:, :, None, :].expand(B, S, H, self.rope)], dim=-1)
+        return causal_attention(q, k, v, self.scale, doc_ids)
 
     def _attend_varlen(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
                        cache: BatchCacheView) -> torch.Tensor:
@@ -67,7 +75,8 @@ class MultiHeadLatentAttention(nn.Module):
         for r in (~one).nonzero().flatten().tolist():
             lat, kx, kv_len = cache.mla_context(self.layer_idx, torch.tensor([r], device=q.device))
             a, b = int(cu[r]), int(cu[r + 1])
-            o[a:b] = self.absorbed_attention(q[:, a:b], lat[:, :int(kv_len[0])], kx[:, :int(kv_len[0])])[0]
+            n = int(kv_len[0])
+            o[a:b] = self.expanded_attention(q[:, a:b], lat[:, :n], kx[:, :n])[0]
         return o[None]
 
     def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,

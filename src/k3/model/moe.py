@@ -88,7 +88,8 @@ class LatentMoE(nn.Module):
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # not bincount: on CUDA it reads the max back to the host, which stalls (and breaks graph capture)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         e = self.experts
         if e.packed:
             y = packed_expert_situ_mlp(z[token], counts, e, *self.betas, quantize_activations=self.qat)

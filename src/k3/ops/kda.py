@@ -92,7 +92,8 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must be [B, T, H, V] with [B, T, H]={[B, T, H]}, got {list(v.shape)}")
     V = v.shape[3]
-    if T and bool((g > 0).any()):
+    capturing = g.is_cuda and torch.cuda.is_current_stream_capturing()  # a CUDA graph forbids the sync
+    if T and not capturing and bool((g > 0).any()):
         raise ValueError("g must be <= 0 (it is a log-decay, e.g. from kda_gate)")
     if beta.shape != (B, T, H):
         raise ValueError(f"beta must be [B, T, H]={[B, T, H]}, got {list(beta.shape)}")

@@ -53,8 +53,8 @@ class K3ForConditionalGeneration(nn.Module):
     def lm_head(self):
         return self.language_model.lm_head
 
-    def new_cache(self):
-        return self.language_model.new_cache()
+    def new_cache(self, batch: int | None = None, max_len: int | None = None):
+        return self.language_model.new_cache(batch, max_len)
 
     @torch.no_grad()
     def reset_vision_parameters(self, seed: int | None = None) -> None:

@@ -1,0 +1,49 @@
+"""One decode step captured in a CUDA graph: the whole layer stack replays as one launch per token.
+
+Eager decode of a hybrid model issues hundreds of small kernels per token, each paying launch latency on the
+host; at batch 1 that overhead, not memory bandwidth, sets the speed. A graph needs fixed shapes and addresses
+and no host syncs, which `StaticCache` provides (buffers written in place, the length on the device).
+"""
+from __future__ import annotations
+
+import torch
+
+from k3.model.cache import StaticCache
+
+
+class GraphedDecodeStep:
+    """`step(tokens [B]) -> logits [B, V]`: the model's forward of one token per row over `cache`, replayed
+    from a CUDA graph captured at construction. The returned logits live in a static buffer that the next
+    step overwrites."""
+
+    def __init__(self, model, cache: StaticCache, warmup: int = 2):
+        if not isinstance(cache, StaticCache):
+            raise TypeError(f"a graphed decode step needs a StaticCache, got {type(cache).__name__}")
+        device = cache.length.device
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA cache, got device {device}")
+        self.model, self.cache = model, cache
+        self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
+        saved = cache.kda_snapshot()
+        # Warm up on a side stream (kernel autotuning, cuBLAS workspaces) as capture requires; these steps
+        # write the cache, so it is restored afterwards (the MLA slot they wrote is rewritten by the next step).
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):
+                model(self.tokens, cache=cache)
+                cache.restore(saved)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.logits = model(self.tokens, cache=cache).logits[:, -1]
+        cache.restore(saved)  # capture ran the host-side bookkeeping (seq_len) once without running kernels
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        if cache.seq_len + 1 > cache.max_len:
+            raise ValueError(f"StaticCache holds {cache.max_len} tokens and is full")
+        self.tokens.copy_(tokens.reshape(cache.batch, 1))
+        self.graph.replay()
+        cache.seq_len += 1  # the graph advanced the device length; keep the host's copy in step
+        return self.logits
