@@ -94,11 +94,30 @@ def test_two_images_packed_equal_separate_runs():
     assert not torch.allclose(tower(p1b, g1)[1:], tower(p1, g1)[1:])
 
 
-def test_sdpa_block_mask_path_equals_reference():
+def test_sdpa_path_equals_reference_over_runs_of_equal_images():
+    """The GPU path batches consecutive equal-length images: runs of 1, 2 and 3 images, lengths repeating
+    after a different one, and q, k, v as strided views of one wqkv output (as in the tower)."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(10, 3, 8, dtype=torch.float64, generator=g) for _ in range(3))
-    cu = torch.tensor([0, 4, 10])
-    assert torch.allclose(attention_sdpa(q, k, v, cu), attention_reference(q, k, v, cu), atol=1e-8)
+    lens = [5, 4, 4, 6, 6, 6, 4]
+    N = sum(lens)
+    q, k, v = torch.randn(N, 3, 3, 8, dtype=torch.float64, generator=g).unbind(1)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    got, want = attention_sdpa(q, k, v, cu), attention_reference(q, k, v, cu)
+    assert got.shape == want.shape == (N, 3, 8)
+    assert torch.allclose(got, want, atol=2e-6)  # the reference computes in fp32
+    # attention stays within each image: moving a key of the last image changes only that image's outputs
+    k2 = k.clone()
+    k2[-1] += 1.0
+    moved = attention_sdpa(q, k2, v, cu)
+    assert torch.equal(moved[:-4], got[:-4]) and not torch.allclose(moved[-4:], got[-4:])
+
+
+def test_tower_sdpa_path_equals_reference_path():
+    tower = _tiny_tower()
+    grids = torch.tensor([[1, 2, 4], [1, 2, 4], [1, 4, 2], [1, 6, 2], [1, 6, 2]])
+    px = torch.randn(int(grids.prod(1).sum()), 3, 14, 14, dtype=torch.float64)
+    fast = tower(px, grids, attn=attention_sdpa)
+    assert torch.allclose(fast, tower(px, grids, attn=attention_reference), atol=1e-5)  # fp32 reference
 
 
 def test_projector_is_linear_erf_gelu_linear_rmsnorm():

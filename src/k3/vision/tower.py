@@ -73,11 +73,12 @@ def rope_angles(grid_thws: torch.Tensor, head_dim: int, theta: float, device=Non
 
 
 def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """x: [N, H, K]; angles: [N, K/2] → x with each pair (2j, 2j+1) rotated by angles[:, j], in fp32."""
-    xf = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-    a, b = xf[..., 0], xf[..., 1]
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(x.dtype)
+    """x: [N, H, K]; angles: [N, K/2] → x with each pair (2j, 2j+1) rotated by angles[:, j], in fp32.
+    As one complex multiply, (a + ib)·e^{iθ} = (a cos θ − b sin θ) + i(a sin θ + b cos θ): one elementwise pass
+    where separate products, sums and a stack took six."""
+    xc = torch.view_as_complex(x.float().contiguous().reshape(*x.shape[:-1], -1, 2))
+    rot = torch.polar(torch.ones_like(angles), angles)[:, None]
+    return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
 
 
 def attention_reference(q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -94,17 +95,26 @@ def attention_reference(q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def attention_sdpa(q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The same attention as one SDPA call with a block-diagonal mask (the GPU path)."""
-    N = q.shape[0]
-    seg = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=q.device), cu_seqlens.diff())
-    mask = seg[:, None] == seg[None, :]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       attn_mask=mask[None, None])
-    return o[0].transpose(0, 1).reshape(N, *q.shape[1:])
+    """The same attention through SDPA without a mask (flash kernels on the GPU): each run of consecutive
+    images of equal length is one batched call, so no [N, N] mask or score matrix is ever built.
+    q, k, v: [N, H, K]; cu_seqlens: [n + 1] (a CPU tensor spares a device sync) → [N, H, K]."""
+    H, K = q.shape[1:]
+    bounds = cu_seqlens.tolist()
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    outs, i = [], 0
+    while i < len(lens):
+        j = i
+        while j + 1 < len(lens) and lens[j + 1] == lens[i]:
+            j += 1
+        s, e, b = bounds[i], bounds[j + 1], j + 1 - i
+        qi, ki, vi = (t[s:e].unflatten(0, (b, lens[i])).transpose(1, 2) for t in (q, k, v))  # [b, H, n, K]
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(e - s, H, K))
+        i = j + 1
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def vision_attention(q, k, v, cu_seqlens):
-    """Dispatch: SDPA with a block mask on CUDA, the per-image reference elsewhere."""
+    """Dispatch: SDPA per run of equal-size images on CUDA, the per-image reference elsewhere."""
     return attention_sdpa(q, k, v, cu_seqlens) if q.is_cuda else attention_reference(q, k, v, cu_seqlens)
 
 
@@ -159,8 +169,8 @@ class MoonViT(nn.Module):
         grid_thws = check_grid(pixel_values, grid_thws, self.config)
         cfg = self.config
         x = self.patch_embed(pixel_values, grid_thws)
-        lens = (grid_thws[:, 0] * grid_thws[:, 1] * grid_thws[:, 2]).to(x.device)
-        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        lens = grid_thws[:, 0] * grid_thws[:, 1] * grid_thws[:, 2]
+        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])  # stays on the CPU: the attention reads it as ints
         angles = rope_angles(grid_thws, cfg.head_dim, cfg.rope_theta, device=x.device)
         for block in self.encoder.blocks:
             x = block(x, angles, cu, attn or vision_attention)
