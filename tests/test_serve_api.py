@@ -149,6 +149,32 @@ def test_chat_plain_and_streaming_match_generate(client, model, tok):
     assert (got_r, got_c) == (reasoning, content)
 
 
+def test_chat_token_ids(server, model, tok):
+    """`return_token_ids` on chat: the generated ids (whole, and per streamed chunk including tokens that add
+    no text) and the rendered prompt's ids, exactly as the model's own `generate` gives them."""
+    url, eng = server
+    messages = [{"role": "user", "content": "What light through yonder window breaks?"}]
+    ids, _ = render_chat(tok, messages)
+    want = reference(model, ids, 10)
+    body = {"model": NAME, "messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as h:
+        r = h.post("/v1/chat/completions", json=body).json()
+        assert r["choices"][0]["token_ids"] == want and r["choices"][0]["prompt_token_ids"] == ids
+        streamed, chunks = [], 0
+        with h.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    for c in json.loads(line[5:])["choices"]:
+                        streamed += c.get("token_ids", [])
+                        chunks += "token_ids" in c
+        assert streamed == want and chunks == len(want)  # one chunk per engine step, one token each
+        plain = h.post("/v1/chat/completions", json={**body, "return_token_ids": False}).json()
+        assert "token_ids" not in plain["choices"][0]
+        assert h.post("/v1/chat/completions", json={**body, "return_token_ids": "yes"}).status_code == 400
+    assert wait_pool_empty(eng)
+
+
 def test_multi_turn_chat_over_http_hits_the_cache(client, tok):
     messages = [{"role": "user", "content": "Good morrow."}]
     cached = []
@@ -196,6 +222,28 @@ def test_client_disconnect_frees_blocks_and_state_slot(server):
             assert eng.pool.num_used_slots == 1 or eng.has_unfinished()
     assert wait_pool_empty(eng)  # cancelled long before 150 tokens would have finished
     assert eng.metrics.generation_tokens > 0
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Now is the winter of our discontent"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Speak."}]})])
+def test_non_streaming_client_disconnect_frees_blocks_and_state_slot(server, monkeypatch, path, body):
+    """A plain request produces output every step, so the server must watch the connection on a clock, not
+    only when the engine pauses: a client that gives up cancels its sequence long before max_tokens."""
+    url, eng = server
+    step = eng.step
+
+    def slow_step():  # ~20 ms per token: 150 tokens would take 3 s, the client leaves after 0.5 s
+        time.sleep(0.02)
+        return step()
+    monkeypatch.setattr(eng, "step", slow_step)
+    before = eng.metrics.generation_tokens
+    body = {**body, "model": NAME, "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as h:
+        with pytest.raises(httpx.ReadTimeout):  # the timeout closes the connection: the client is gone
+            h.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert wait_pool_empty(eng)
+    generated = eng.metrics.generation_tokens - before
+    assert 0 < generated < 100, generated  # started, then cancelled (not run to 150)
 
 
 BAD = [

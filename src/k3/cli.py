@@ -299,13 +299,17 @@ def cmd_serve(a) -> int:
 
 
 def cmd_bench_serve(a) -> int:
-    import asyncio
+    import dataclasses
+    import time
 
     import torch
 
     from k3.data import Tokenizer
     from k3.serve import bench
 
+    if a.quick:  # a small CPU-sized sanity run of every path: engine (both datasets), baseline, checks
+        a.concurrency, a.num_prompts, a.prompts_per_concurrency = "1,4", 2, 2
+        a.input_len, a.output_len, a.turns, a.request_rate = 16, 8, 2, None
     torch.manual_seed(a.seed)
     # On a shared CPU, OpenMP spin-waiting across threads can slow small ops 10x; one thread is steadier.
     torch.set_num_threads(a.threads or (1 if a.device == "cpu" else torch.get_num_threads()))
@@ -320,37 +324,47 @@ def cmd_bench_serve(a) -> int:
     else:
         from k3 import K3Config, K3ForCausalLM
         tokenizer = Tokenizer.from_file()
-        model = K3ForCausalLM(K3Config.preset(a.preset)).to(a.device)
+        with torch.device(a.device):  # built where it runs: no host copy of the weights first
+            model = K3ForCausalLM(K3Config.preset(a.preset), init=False)  # the seeded init below is the one
         model.reset_parameters(seed=a.seed)
     model.eval()
     if a.dtype != "float32":
         model = model.to(getattr(torch, a.dtype))
+    engine_config = dataclasses.replace(_engine_config(a), num_state_slots=a.num_state_slots)
     levels = [int(c) for c in a.concurrency.split(",")] if a.concurrency else [None]
-    rows = []
+    datasets = a.dataset.split(",")
+    rows, problems = [], []
+    t_start = time.perf_counter()
+
+    def record(name: str, s: dict) -> None:
+        rows.append((name, s))
+        problems.extend(f"{name}: {p}" for p in s["problems"])
+        print(f"{bench.format_table(rows[-1:]).splitlines()[-1]}  ({time.perf_counter() - t_start:.0f} s)",
+              flush=True)
+        if a.json:  # after every row, so a run cut short still leaves its results
+            Path(a.json).write_text(json.dumps([{"run": n, **r} for n, r in rows], indent=2))
+
     with torch.inference_mode():
+        # Warm-up (CUDA context, kernels, allocator): otherwise the first timed run pays for it.
+        bench.run_engine(model, tokenizer, engine_config, "random", 2, 2, None, min(a.input_len, 16), 4, 1, a.seed,
+                         on_start=lambda e: print(f"engine: {e.describe_capacity()}", flush=True))
+        bench.static_batch_baseline(model, tokenizer, 2, 2, min(a.input_len, 16), 4, a.seed)
         for level in levels:
-            for dataset in a.dataset.split(","):
-                url, stop, engine = bench.start_local_server(model, tokenizer, _engine_config(a), "k3")
-                if level == levels[0] and dataset == a.dataset.split(",")[0]:
-                    print(f"engine: {engine.describe_capacity()}", flush=True)
-                try:
-                    s = asyncio.run(bench.run_load(url, "k3", dataset, a.num_prompts if level is None else
-                                                   max(a.num_prompts, level), level, a.request_rate, a.input_len,
-                                                   a.output_len, a.turns, None, a.seed))
-                finally:
-                    stop()
-                name = f"engine {dataset} c={level}" if level else f"engine {dataset} rate={a.request_rate}/s"
-                rows.append((name, s))
-                print(bench.format_table(rows[-1:]).splitlines()[-1], flush=True)
+            n = bench.requests_per_level(level, a.num_prompts, a.prompts_per_concurrency)
+            for dataset in datasets:
+                s = bench.run_engine(model, tokenizer, engine_config, dataset, n, level, a.request_rate, a.input_len,
+                                     a.output_len, a.turns, a.seed)
+                record(f"engine {dataset} c={level}" if level else f"engine {dataset} rate={a.request_rate}/s", s)
             if a.baseline and level:
-                s = bench.static_batch_baseline(model, tokenizer, max(a.num_prompts, level), level, a.input_len,
-                                                a.output_len, a.seed)
-                rows.append((f"static generate batch={level}", s))
-                print(bench.format_table(rows[-1:]).splitlines()[-1], flush=True)
+                s = bench.static_batch_baseline(model, tokenizer, n, level, a.input_len, a.output_len, a.seed)
+                record(f"static generate batch={level}", s)
     print()
     print(bench.format_table(rows))
-    if a.json:
-        Path(a.json).write_text(json.dumps([{"run": n, **s} for n, s in rows], indent=2))
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    if problems:
+        print("sanity checks FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    print("sanity checks passed: no failed request, every output exactly --output-len tokens, pools empty after")
     return 0
 
 
@@ -452,7 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--concurrency", default="1,8,32", help="comma-separated max concurrency levels")
     bs.add_argument("--request-rate", type=_positive_float, default=None, help="Poisson arrivals per second")
     bs.add_argument("--dataset", default="random,multiturn", help="random and/or multiturn")
-    bs.add_argument("--num-prompts", type=_positive_int, default=32)
+    bs.add_argument("--num-prompts", type=_positive_int, default=32, help="requests per level, at least")
+    bs.add_argument("--prompts-per-concurrency", type=_positive_int, default=1,
+                    help="requests per level = max(--num-prompts, this x concurrency): the same number of waves "
+                         "at every level (multi-turn: set it to --turns for one conversation per concurrent slot)")
     bs.add_argument("--input-len", type=_positive_int, default=64, help="prompt length in words")
     bs.add_argument("--output-len", type=_positive_int, default=32)
     bs.add_argument("--turns", type=_positive_int, default=4, help="turns per multi-turn conversation")
@@ -460,8 +477,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time the static-batch generate baseline")
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: 1 on CPU)")
-    bs.add_argument("--json", default=None, help="write the results here")
+    bs.add_argument("--json", default=None, help="write the results here (after every row)")
+    bs.add_argument("--quick", action="store_true",
+                    help="a small sanity run: concurrency 1,4, 2 requests per concurrent slot of 16 words and 8 "
+                         "tokens out, 2 turns (overrides those flags)")
     _add_engine_args(bs, block=256, unit=16)
+    bs.add_argument("--num-state-slots", type=_positive_int, default=None,
+                    help="KDA state slots, running sequences + prefix-cache checkpoints (default 2 x --max-num-seqs)")
     bs.set_defaults(func=cmd_bench_serve)
 
     from k3.agentenv.commands import add_agentenv_parser

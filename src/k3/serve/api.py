@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI): completions, chat completions (SSE streaming), models, health,
 Prometheus metrics, tokenize/detokenize. Every bad request gets a 4xx JSON error in OpenAI's shape.
-k3 extensions (all optional): `policy_version` (prefix-cache namespace), and on /v1/completions
-`return_token_ids` (generated ids per choice and per streamed chunk: raw-token continuation without
-re-tokenising) and `checkpoint_at` (prompt positions, e.g. tool-turn ends, worth a KDA checkpoint)."""
+k3 extensions (all optional): `policy_version` (prefix-cache namespace), `return_token_ids` (generated ids per
+choice and per streamed chunk, prompt ids per choice: raw-token continuation without re-tokenising), and on
+/v1/completions `checkpoint_at` (prompt positions, e.g. tool-turn ends, worth a KDA checkpoint)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,6 +23,7 @@ from k3.serve.engine import EngineThread, LLMEngine
 from k3.serve.sampling import SamplingParams
 
 MAX_N = 4
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still connected
 
 
 class APIError(Exception):
@@ -35,6 +36,23 @@ class APIError(Exception):
 def error_response(status: int, message: str, param=None, type_="invalid_request_error", code=None) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "param": param,
                                                                "code": code}})
+
+
+class BearerAuth:
+    """ASGI middleware: /v1/* needs 'Authorization: Bearer KEY'. Plain ASGI rather than @app.middleware("http"):
+    Starlette's BaseHTTPMiddleware wraps `receive` so that Request.is_disconnected() never sees a disconnect."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.expected):
+                response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                          code="invalid_api_key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class _Strict(BaseModel):
@@ -61,13 +79,13 @@ class _Common(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     policy_version: Union[int, str, None] = None  # k3 extension: prefix-cache namespace (RL weight version)
+    return_token_ids: bool = False  # k3 extension: generated ids per choice / per streamed chunk
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: int | None = None
     echo: bool = False
-    return_token_ids: bool = False         # k3 extension: generated ids per choice / per streamed chunk
     checkpoint_at: list[int] | None = None  # k3 extension: prompt positions worth a KDA checkpoint (turn ends)
 
 
@@ -122,14 +140,8 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
     async def _server_error(request, e):
         return error_response(500, f"internal error: {type(e).__name__}", type_="server_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            got = request.headers.get("authorization", "")
-            if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                      code="invalid_api_key")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     async def parse(request: Request, cls):
         try:
@@ -205,13 +217,20 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             runner.submit(prompt, p, sub, lambda out, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, out)),
                           checkpoint_at, images, policy_version)
         pending = set(range(n))
+        # Check the connection on a clock: a busy engine sends output every step, so waiting for a pause
+        # would let a plain (non-streaming) request whose client left run to max_tokens.
+        next_check = loop.time() + DISCONNECT_POLL_S
         try:
             while pending:
-                try:
-                    i, out = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
+                wait = next_check - loop.time()
+                if wait <= 0:
                     if await request.is_disconnected():
                         return
+                    next_check = loop.time() + DISCONNECT_POLL_S
+                    continue
+                try:
+                    i, out = await asyncio.wait_for(queue.get(), timeout=wait)
+                except asyncio.TimeoutError:
                     continue
                 if out.finished:
                     pending.discard(i)
@@ -383,10 +402,13 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                         delta["reasoning_content"] = reasoning
                     if content:
                         delta["content"] = content
-                    if delta or out.finished:
-                        yield sse({**base, "created": int(time.time()), "choices": [
-                            {"index": i, "delta": delta, "logprobs": lp_content(out.new_logprobs),
-                             "finish_reason": out.finish_reason if out.finished else None}]})
+                    # with token ids on, every token is sent at once, even one that adds no text
+                    if delta or out.finished or (req.return_token_ids and out.new_token_ids):
+                        choice = {"index": i, "delta": delta, "logprobs": lp_content(out.new_logprobs),
+                                  "finish_reason": out.finish_reason if out.finished else None}
+                        if req.return_token_ids:
+                            choice["token_ids"] = list(out.new_token_ids)
+                        yield sse({**base, "created": int(time.time()), "choices": [choice]})
                 if req.stream_options and req.stream_options.include_usage:
                     yield sse({**base, "created": int(time.time()), "choices": [],
                                "usage": usage(len(ids), total, cache), "k3_cache": cache.as_dict() if cache else None})
@@ -407,6 +429,8 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             choices.append({"index": i, "message": {"role": "assistant", "content": content,
                                                     "reasoning_content": reasoning},
                             "logprobs": lp_content(lps[i]), "finish_reason": o.finish_reason})
+            if req.return_token_ids:
+                choices[-1].update(token_ids=list(o.output_ids), prompt_token_ids=list(ids))
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": usage(len(ids), sum(len(finals[i].output_ids) for i in finals),
                                                    finals[0].cache),

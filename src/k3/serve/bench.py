@@ -1,16 +1,20 @@
 """`k3 bench serve`: a load generator in the spirit of `vllm bench serve`. Streams requests over HTTP (max
 concurrency or a Poisson request rate), from random prompts or a multi-turn shared-prefix chat dataset, and
 reports TTFT, TPOT, ITL, e2e latency (mean/median/p99), throughput and prefix-cache hit rate; next to a
-static-batch baseline (the model's own `generate` over fixed batches)."""
+static-batch baseline (the model's own `generate` over fixed batches). Every run also checks itself: no failed
+request, exactly `output_len` tokens each (EOS is ignored, so random weights give full-length outputs), and the
+engine's pool empty afterwards."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import socket
 import statistics
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -49,10 +53,12 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
 
 
 async def _stream(client, url: str, path: str, body: dict, headers: dict) -> tuple[RequestResult, str]:
+    """One streamed request → (timings, generated text). Tokens are timed by their ids (`return_token_ids`):
+    a token whose text is empty or held back still arrives in its own chunk, so TTFT and ITL are per token."""
     res, text = RequestResult(), ""
     t0 = time.perf_counter()
     last = None
-    async with client.stream("POST", url + path, json={**body, "stream": True,
+    async with client.stream("POST", url + path, json={**body, "stream": True, "return_token_ids": True,
                                                         "stream_options": {"include_usage": True}},
                              headers=headers) as r:
         if r.status_code != 200:
@@ -68,8 +74,9 @@ async def _stream(client, url: str, path: str, body: dict, headers: dict) -> tup
                 res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 continue
             ch = obj["choices"][0]
-            piece = ch.get("text") or ch.get("delta", {}).get("content") or ch.get("delta", {}).get("reasoning_content") or ""
-            if not piece:
+            delta = ch.get("delta", {})
+            text += ch.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
+            if not ch.get("token_ids"):
                 continue
             now = time.perf_counter()
             if last is None:
@@ -77,7 +84,6 @@ async def _stream(client, url: str, path: str, body: dict, headers: dict) -> tup
             else:
                 res.itls.append(now - last)
             last = now
-            text += piece
     res.e2e = time.perf_counter() - t0
     res.ok = res.output_tokens > 0
     return res, text
@@ -131,51 +137,100 @@ async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurr
                 await asyncio.sleep(rng.expovariate(request_rate))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
-    return summarize(results, wall)
+    out = summarize(results, wall)
+    out["wrong_length"] = sum(r.output_tokens != output_len for r in results if r.ok)
+    return out
+
+
+def requests_per_level(concurrency: int | None, num_prompts: int, per_concurrency: int) -> int:
+    """Requests at one concurrency level: at least `num_prompts`, and `per_concurrency` per concurrent slot, so
+    every level runs the same number of waves (multi-turn: per_concurrency / turns conversations per slot)."""
+    return num_prompts if concurrency is None else max(num_prompts, per_concurrency * concurrency)
 
 
 def static_batch_baseline(model, tokenizer, num_prompts: int, batch_size: int, input_len: int, output_len: int,
                           seed: int = 0) -> dict:
-    """What one writes without an engine: `generate` over fixed batches of equal-length prompts."""
-    g = torch.Generator().manual_seed(seed)
+    """What one writes without an engine: `generate` over fixed batches of equal-length prompts, on the model's
+    device (no EOS: every row must get exactly output_len tokens, else it is listed in `problems`)."""
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)  # drawn on the host: the same prompts on every device
     lo = len(tokenizer.special_tokens)
-    prompts = torch.randint(lo, model.config.vocab_size, (num_prompts, input_len), generator=g)
-    lat = []
+    prompts = torch.randint(lo, model.config.vocab_size, (num_prompts, input_len), generator=g).to(device)
+    lat, wrong = [], 0
+    _sync(device)
     t0 = time.perf_counter()
     for i in range(0, num_prompts, batch_size):
+        batch = prompts[i:i + batch_size]
         b0 = time.perf_counter()
-        model.generate(prompts[i:i + batch_size], max_new_tokens=output_len)
-        lat += [time.perf_counter() - b0] * len(prompts[i:i + batch_size])
+        out = model.generate(batch, max_new_tokens=output_len)
+        _sync(device)  # CUDA runs ahead of the host: time the work, not its launch
+        lat += [time.perf_counter() - b0] * len(batch)
+        wrong += len(batch) if out.shape != (len(batch), input_len + output_len) else 0
     wall = time.perf_counter() - t0
     res = [RequestResult(ttft=float("nan"), e2e=l, prompt_tokens=input_len, output_tokens=output_len, ok=True)
            for l in lat]
     out = summarize(res, wall)
     out["ttft_ms"] = out["tpot_ms"] = out["itl_ms"] = {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    out["wrong_length"] = wrong
+    out["problems"] = [f"{wrong} rows without exactly {output_len} output tokens"] if wrong else []
     return out
 
 
-def start_local_server(model, tokenizer, engine_config, model_name: str = "k3"):
-    """An in-process server on a free 127.0.0.1 port → (url, stop function, engine)."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def local_server(app):
+    """Serve an ASGI app in-process on a free 127.0.0.1 port; yields the base URL."""
     import uvicorn
 
-    from k3.serve.api import create_app
-    from k3.serve.engine import LLMEngine
-
-    engine = LLMEngine(model, tokenizer, engine_config)
-    app = create_app(engine, tokenizer, model_name)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     while not server.started:
+        if not th.is_alive():
+            raise RuntimeError("the benchmark server failed to start")
         time.sleep(0.02)
-
-    def stop():
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
         server.should_exit = True
         th.join(30)
         sock.close()
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop, engine
+
+
+def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, concurrency: int | None,
+               request_rate: float | None, input_len: int, output_len: int, turns: int, seed: int = 0,
+               on_start=None) -> dict:
+    """One load run against a fresh engine (so a cold prefix cache) behind an in-process server → the summary,
+    plus `problems`: failed requests, outputs of the wrong length, a pool not empty afterwards.
+    on_start(engine): called once the engine exists (e.g. to print its capacity)."""
+    from k3.serve.api import create_app
+    from k3.serve.engine import LLMEngine
+
+    engine = LLMEngine(model, tokenizer, engine_config)
+    try:
+        if on_start is not None:
+            on_start(engine)
+        with local_server(create_app(engine, tokenizer, "k3")) as url:
+            s = asyncio.run(run_load(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
+                                     output_len, turns, None, seed))
+        blocks, slots = engine.pool.num_used_blocks, engine.pool.num_used_slots
+        s["problems"] = [msg for bad, msg in (
+            (s["failed"], f"{s['failed']} failed requests"),
+            (s["wrong_length"], f"{s['wrong_length']} requests without exactly {output_len} output tokens"),
+            (blocks or slots or engine.has_unfinished(),
+             f"pool not empty afterwards ({blocks} blocks, {slots} slots held)")) if bad]
+        return s
+    finally:  # the next run allocates a pool of its own: free this one's device memory first
+        engine.close()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def format_table(rows: list[tuple[str, dict]]) -> str:

@@ -62,6 +62,9 @@ class LLMEngine:
         self.metrics = metrics or Metrics()
         self.max_model_len = min(config.max_model_len or self.capacity.tokens, self.capacity.tokens)
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
+        # A model's vocabulary may be padded past its tokenizer's: never sample an id that has no text.
+        vocab = model.config.vocab_size
+        self.sample_vocab = min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
         self.seqs: dict[str, Sequence] = {}
 
     def describe_capacity(self) -> str:
@@ -137,13 +140,20 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def close(self) -> None:
+        """Release the pool (device memory on a GPU) now; the engine is unusable afterwards. Waiting for the
+        engine to be collected is not enough: FastAPI caches endpoint functions, which keep their engine.
+        Stop the EngineThread that drives it first."""
+        self.seqs.clear()
+        self.pool = self.scheduler = self.runner = None
+
     # ---- one step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         seqs, lens = self.scheduler.schedule()
         if not seqs:
             return []
         sampling = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens)]
-        logits = self.runner.run(seqs, lens, sampling)
+        logits = self.runner.run(seqs, lens, sampling)[:, :self.sample_vocab]
         for s, n in zip(seqs, lens):
             decoding = not s.in_prefill
             s.num_computed += n
