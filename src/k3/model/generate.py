@@ -44,12 +44,12 @@ def chunked_prefill(model, input_ids: torch.Tensor, cache, chunk_size: int | Non
 @torch.no_grad()
 def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                    eos_token_id: int | None = None, prefill=None, prefill_chunk: int | None = None,
+                    eos_token_id: int | None = None, prefill=None, prefill_chunk: int | None = 65536,
                     cuda_graph: bool | None = None) -> Iterator[torch.Tensor]:
     """Yields the next token [B] for each step; stops after max_new_tokens or when every row emitted EOS.
 
     prefill(input_ids, cache) -> logits [B, T, V] replaces the prompt's forward (e.g. to splice in images).
-    prefill_chunk: feed the prompt this many tokens at a time (bounds prefill memory).
+    prefill_chunk: feed the prompt this many tokens at a time (bounds prefill memory; None = one pass).
     cuda_graph: decode from a preallocated cache through one captured CUDA graph per token (default: on
     CUDA devices); False keeps the eager, growing cache."""
     if isinstance(input_ids, list):
