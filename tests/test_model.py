@@ -396,6 +396,15 @@ def test_greedy_generate_equals_argmax_of_full_forwards(small_model):
 
 
 @torch.no_grad()
+def test_generate_chunked_prefill_matches_and_graph_needs_cuda(small_model):
+    prompt = tokens(25, (2, 11), small_model.config.vocab_size)
+    one = small_model.generate(prompt, max_new_tokens=5, prefill_chunk=None)
+    assert torch.equal(small_model.generate(prompt, max_new_tokens=5, prefill_chunk=3), one)
+    with pytest.raises(ValueError, match="CUDA"):
+        small_model.generate(prompt, max_new_tokens=2, cuda_graph=True)
+
+
+@torch.no_grad()
 def test_sampling_is_reproducible_per_seed(small_model):
     prompt = tokens(24, (1, 4), small_model.config.vocab_size)
     a = small_model.generate(prompt, max_new_tokens=8, temperature=1.0, seed=1)
