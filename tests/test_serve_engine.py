@@ -3,11 +3,14 @@ model's own `generate` (plain K3Cache, one sequence at a time): chunked prefill,
 prefix-cache hits at several boundaries (mid-block included), preemption by swapping, multi-turn chat,
 sampling controls, abort, and the pool emptying afterwards."""
 import gc
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
+import k3
 from k3 import K3Config, K3ForCausalLM
 from k3.data import Tokenizer
 from k3.serve import EngineConfig, LLMEngine, SamplingParams
@@ -60,6 +63,75 @@ def test_chunked_prefill_and_batching_equal_one_shot_generate(model, budget):
     for p, o in zip(prompts, outs):
         assert o.output_ids == reference(model, p, 6)
         assert o.finish_reason == "length"
+    assert_pool_empty(eng)
+
+
+# Tensor methods that hand a tensor's values to the host: on a GPU each one waits for every kernel queued so far.
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
+K3_DIR = Path(k3.__file__).parent
+
+
+def k3_call_site(frame) -> str | None:
+    """The innermost k3 frame of the stack as 'path:line', None when it lies in k3.ops or outside k3. k3.ops
+    is left out: its kernels are picked per device (the CPU references compute on the host by design; CUDA
+    runs fla and grouped GEMMs), while the model and serve code must never read back on any device."""
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if path.is_relative_to(K3_DIR):
+            rel = path.relative_to(K3_DIR)
+            return None if rel.parts[0] == "ops" else f"{rel}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def test_engine_steps_read_nothing_back_inside_the_forward(model, monkeypatch):
+    """Steps mixing decodes (at different context lengths) with several prefill chunks make no host read of
+    a tensor, nor a tensor from host data (a blocking copy on a GPU), inside model.model: the runner builds
+    the step's layout on the host first. The old per-layer `bool(one.any())`, `.nonzero()`, `.tolist()` and
+    `int(cu[r])` each count here. The tokens still equal one-shot `generate`."""
+    reads, active = [], [False]
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            if active[0] and (site := k3_call_site(sys._getframe(1))) is not None:
+                reads.append(f"{name} at {site}")
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    for name in ("tensor", "nonzero"):
+        monkeypatch.setattr(torch, name, counting(f"torch.{name}", getattr(torch, name)))
+    forward = model.model.forward
+
+    def watched_forward(*args, **kwargs):
+        active[0] = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            active[0] = False
+
+    monkeypatch.setattr(model.model, "forward", watched_forward)
+    eng = engine(model, max_batch_tokens=24, prefix_caching=False)
+    step_lens, run = [], eng.runner.run
+
+    def recording_run(seqs, lens, sample_rows):
+        step_lens.append(list(lens))
+        return run(seqs, lens, sample_rows)
+
+    monkeypatch.setattr(eng.runner, "run", recording_run)
+    early, late = [prompt(110, 3), prompt(111, 6)], [prompt(112, 15), prompt(113, 30)]
+    ids = [eng.add_request(p, SamplingParams(max_tokens=8, **GREEDY)) for p in early]
+    eng.step()  # the early prompts start first: later steps mix their decodes with the late prompts' chunks
+    ids += [eng.add_request(p, SamplingParams(max_tokens=4, **GREEDY)) for p in late]
+    final = {}
+    while eng.has_unfinished():
+        final.update((o.request_id, o.output_ids) for o in eng.step() if o.finished)
+    monkeypatch.undo()
+    assert any(sum(n == 1 for n in lens) >= 2 and sum(n > 1 for n in lens) >= 2 for lens in step_lens), step_lens
+    assert reads == [], sorted(set(reads))
+    for rid, p, n in zip(ids, early + late, [8, 8, 4, 4]):
+        assert final[rid] == reference(model, p, n)
     assert_pool_empty(eng)
 
 

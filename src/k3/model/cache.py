@@ -127,12 +127,58 @@ class BatchCacheView:
     """Decode state of S sequences of different lengths whose new tokens are flattened into one row [1, N].
 
     The storage lives elsewhere (k3.serve's paged pool and state slab); the mixers only call these hooks.
-    `cu_seqlens` [S+1] gives each sequence's slice of the flat row. A sequence with `T_s` new tokens and
-    `kv_len_s` tokens of context after this step holds its new tokens at positions kv_len_s − T_s … kv_len_s − 1.
+    A sequence with `T_s` new tokens and `kv_len_s` tokens of context after this step holds its new tokens at
+    positions kv_len_s − T_s … kv_len_s − 1.
+
+    The step's layout is known on the host when the view is built (`set_layout`), so the mixers never read a
+    device value back (each read waits for every kernel queued so far and stops the host running ahead).
+    Sequences split into decodes (T_s = 1: one recurrent step, batched absorbed attention) and prefill chunks
+    (T_s > 1: chunked KDA, SDPA per chunk). Layout attributes, host lists for shapes and loops, device
+    tensors (built once per step) for gathers:
+    - `kv_lens` [S] kv_len_s; `cu_host` [S+1] each sequence's slice of the flat row; `kv_len`, `cu_seqlens`:
+      the same on the device.
+    - `decode_rows`, `decode_rows_t`: the decoding sequences; `decode_tokens_t`: their tokens' flat positions;
+      `decode_max_len`: their longest kv_len (0 when none).
+    - `prefill_rows`, `prefill_rows_t`: the others, in order; `prefill_tokens_t`: their tokens' flat positions,
+      in order; `prefill_cu_seqlens`: offsets [P+1] of each chunk within those tokens.
+    `shared` keeps what layers derive from the layout alike (built by the first, reused by the rest);
+    `upload` sends host lists to the device without waiting for queued work.
     """
     num_layers: int
     seq_len: int = 0  # unused (sequences differ); kept so the model's bookkeeping works unchanged
-    cu_seqlens: torch.Tensor
+
+    def set_layout(self, lens: list[int], kv_lens: list[int], device) -> None:
+        """Fill the layout attributes from the host lengths (every T_s >= 1), with one copy to `device`."""
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        decode = [r for r, n in enumerate(lens) if n == 1]
+        prefill = [r for r, n in enumerate(lens) if n > 1]
+        prefill_cu = [0]
+        for r in prefill:
+            prefill_cu.append(prefill_cu[-1] + lens[r])
+        self.kv_lens, self.cu_host = list(kv_lens), cu
+        self.decode_rows, self.prefill_rows = decode, prefill
+        self.decode_max_len = max((kv_lens[r] for r in decode), default=0)
+        (self.cu_seqlens, self.kv_len, self.decode_rows_t, self.decode_tokens_t, self.prefill_rows_t,
+         self.prefill_tokens_t, self.prefill_cu_seqlens) = self.upload(
+            [cu, kv_lens, decode, [cu[r] for r in decode], prefill,
+             [t for r in prefill for t in range(cu[r], cu[r + 1])], prefill_cu], device)
+        self._shared = {}
+
+    @staticmethod
+    def upload(lists: list[list[int]], device) -> list[torch.Tensor]:
+        """int64 tensors on `device` holding the given host lists, sent in one copy. On CUDA it leaves from
+        pinned memory without blocking: a plain copy from pageable memory waits for every queued kernel."""
+        pinned = torch.device(device).type == "cuda"
+        flat = torch.tensor([v for xs in lists for v in xs], dtype=torch.long, pin_memory=pinned)
+        return list(flat.to(device, non_blocking=True).split([len(xs) for xs in lists]))
+
+    def shared(self, key, build):
+        """`build()` once per step: tensors derived from the layout alone, which every layer needs alike."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
 
     def kda_state(self, layer_idx: int) -> KDAState:
         """state [S, H, K, V] fp32 and conv tails [S, W−1, C] (zeros for fresh sequences)."""
@@ -145,9 +191,11 @@ class BatchCacheView:
         """Store the new tokens' latent [N, R] and k_extra [N, rope]."""
         raise NotImplementedError
 
-    def mla_context(self, layer_idx: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Whole context of the sequences `rows` [n]: latent [n, L, R], k_extra [n, L, rope] (padded to the
-        longest, L) and kv_len [n]; this step's tokens already included."""
+    def mla_context(self, layer_idx: int, rows: torch.Tensor,
+                    max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Whole context of the sequences `rows` [n] (device indices, e.g. `decode_rows_t` or a slice of
+        `prefill_rows_t`) whose longest kv_len is `max_len` (from `kv_lens`): latent [n, max_len, R] and
+        k_extra [n, max_len, rope] (padded past each row's kv_len), and kv_len [n]; this step's tokens included."""
         raise NotImplementedError
 
     def advance(self, n: int) -> None:

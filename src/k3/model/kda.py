@@ -21,33 +21,41 @@ def doc_ids_to_cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int64)
 
 
-def short_conv_varlen(x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor,
-                      cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`short_conv` over S sequences flattened into one row, each continuing from its own tail.
-
-    x: [N, C]; weight: [C, 1, W]; tails: [S, W−1, C]; cu_seqlens: [S+1] with every sequence non-empty.
-    Returns (y [N, C] in x's dtype, new tails [S, W−1, C] in the compute dtype).
-    """
-    N, C = x.shape
-    S, W = tails.shape[0], weight.shape[-1]
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+def short_conv_varlen_index(cu_seqlens: torch.Tensor, num_tokens: int,
+                            width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather indices for `short_conv_varlen` over S sequences (cu_seqlens [S+1], every one non-empty) of
+    `num_tokens` tokens in all: each token's window [N, W] and each sequence's new tail [S, W−1], as positions
+    in the buffer [tails (S·(W−1) rows) ; x (N rows)]. Computed on the device without reading it back."""
+    dev, S, W = cu_seqlens.device, cu_seqlens.numel() - 1, width
     lens = cu_seqlens.diff()
-    seg = torch.repeat_interleave(torch.arange(S, device=x.device), lens)
-    # One buffer holding every tail then every new input; each tap of each token is one gather from it.
-    buf = torch.cat([tails.to(dt).reshape(S * (W - 1), C), x.to(dt)])
+    seg = torch.repeat_interleave(lens, output_size=num_tokens)  # each token's sequence (sized: no sync)
 
     def index(seq, local):  # position `local` in [tail_s ; x_s] (tail occupies −(W−1)…−1)
         in_x = local >= 0
         return torch.where(in_x, S * (W - 1) + cu_seqlens[seq] + local.clamp(min=0),
                            seq * (W - 1) + (W - 1) + local.clamp(max=-1))
 
-    local = torch.arange(N, device=x.device) - cu_seqlens[seg]
-    taps = torch.arange(W, device=x.device) - (W - 1)  # reads x[t − (W−1) + j]
-    win = buf[index(seg[:, None], local[:, None] + taps)]  # [N, W, C]
-    y = torch.einsum("nwc,cw->nc", win, weight[:, 0, :].to(dt))
-    last = lens[:, None] + torch.arange(-(W - 1), 0, device=x.device)  # [S, W−1]
-    new_tails = buf[index(torch.arange(S, device=x.device)[:, None], last)]
-    return y.to(x.dtype), new_tails
+    local = torch.arange(num_tokens, device=dev) - cu_seqlens[seg]
+    taps = torch.arange(W, device=dev) - (W - 1)  # reads x[t − (W−1) + j]
+    last = lens[:, None] + torch.arange(-(W - 1), 0, device=dev)
+    return index(seg[:, None], local[:, None] + taps), index(torch.arange(S, device=dev)[:, None], last)
+
+
+def short_conv_varlen(x: torch.Tensor, weight: torch.Tensor, tails: torch.Tensor,
+                      index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv` over S sequences flattened into one row, each continuing from its own tail.
+
+    x: [N, C]; weight: [C, 1, W]; tails: [S, W−1, C]; index: `short_conv_varlen_index` of the layout.
+    Returns (y [N, C] in x's dtype, new tails [S, W−1, C] in the compute dtype).
+    """
+    C = x.shape[1]
+    S, W = tails.shape[0], weight.shape[-1]
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    window, tail = index
+    # One buffer holding every tail then every new input; each tap of each token is one gather from it.
+    buf = torch.cat([tails.to(dt).reshape(S * (W - 1), C), x.to(dt)])
+    y = torch.einsum("nwc,cw->nc", buf[window], weight[:, 0, :].to(dt))
+    return y.to(x.dtype), buf[tail]
 
 
 class ShortConv(nn.Module):
@@ -142,39 +150,37 @@ class KimiDeltaAttention(nn.Module):
         return o
 
     def _forward_varlen(self, x: torch.Tensor, cache: BatchCacheView) -> torch.Tensor:
-        """x: [1, N, D], S sequences laid out by cache.cu_seqlens; each continues from its own state.
-        One-token sequences (decodes) take the recurrent step, longer ones the chunked form, like K3Cache."""
+        """x: [1, N, D], S sequences laid out by the view; each continues from its own state. Decodes take the
+        recurrent step, prefill chunks the chunked form, like K3Cache. Shapes and rows come from the view's
+        host layout, so nothing is read back from the device."""
         N, H, K = x.shape[1], self.num_heads, self.head_dim
-        cu = cache.cu_seqlens
+        W = self.q_conv1d.weight.shape[-1]
+        conv_index = cache.shared(("short_conv", W), lambda: short_conv_varlen_index(cache.cu_seqlens, N, W))
         st = cache.kda_state(self.layer_idx)
         x2 = x[0]
-        q, tq = short_conv_varlen(self.q_proj(x2), self.q_conv1d.weight, st.conv_q, cu)
-        k, tk = short_conv_varlen(self.k_proj(x2), self.k_conv1d.weight, st.conv_k, cu)
-        v, tv = short_conv_varlen(self.v_proj(x2), self.v_conv1d.weight, st.conv_v, cu)
+        q, tq = short_conv_varlen(self.q_proj(x2), self.q_conv1d.weight, st.conv_q, conv_index)
+        k, tk = short_conv_varlen(self.k_proj(x2), self.k_conv1d.weight, st.conv_k, conv_index)
+        v, tv = short_conv_varlen(self.v_proj(x2), self.v_conv1d.weight, st.conv_v, conv_index)
         q = l2_norm(F.silu(q).view(N, H, K))
         k = l2_norm(F.silu(k).view(N, H, K))
         v = F.silu(v).view(N, H, K)
         beta = torch.sigmoid(self.b_proj(x2).float() if x.dtype != torch.float64 else self.b_proj(x2))
         g = kda_gate(self.f_b_proj(self.f_a_proj(x2)).view(N, H, K), self.A_log, self.dt_bias, self.lower_bound)
 
-        lens = cu.diff()
-        one = lens == 1
+        # Decodes and prefill chunks partition the sequences and the tokens: together they fill o and state.
         o = v.new_empty(N, H, K)
-        state = st.state.clone()
-        if bool(one.any()):  # decodes: a batch of single steps
-            rows = one.nonzero().flatten()
-            t = cu[:-1][rows]
+        state = torch.empty_like(st.state)
+        if cache.decode_rows:  # a batch of single steps
+            rows, t = cache.decode_rows_t, cache.decode_tokens_t
             od, sd = kda_recurrent(q[t, None], k[t, None], v[t, None], g[t, None], beta[t, None],
                                    initial_state=st.state[rows], output_final_state=True)
             o[t] = od[:, 0].to(o.dtype)
             state[rows] = sd.to(state.dtype)
-        if not bool(one.all()):  # prefill chunks: one packed row
-            rows = (~one).nonzero().flatten()
-            sub_lens = lens[rows]
-            t = torch.cat([torch.arange(int(cu[r]), int(cu[r + 1]), device=x.device) for r in rows.tolist()])
-            sub_cu = torch.cat([sub_lens.new_zeros(1), sub_lens.cumsum(0)])
+        if cache.prefill_rows:  # one packed row of chunks
+            rows, t = cache.prefill_rows_t, cache.prefill_tokens_t
             op, sp = kda_chunk(q[None, t], k[None, t], v[None, t], g[None, t], beta[None, t],
-                               initial_state=st.state[rows], output_final_state=True, cu_seqlens=sub_cu)
+                               initial_state=st.state[rows], output_final_state=True,
+                               cu_seqlens=cache.prefill_cu_seqlens)
             o[t] = op[0].to(o.dtype)
             state[rows] = sp.to(state.dtype)
         cache.set_kda_state(self.layer_idx, KDAState(state, tq, tk, tv))

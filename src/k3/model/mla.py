@@ -60,23 +60,19 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _attend_varlen(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
                        cache: BatchCacheView) -> torch.Tensor:
-        """q: [1, N, H, nope+rope] of S sequences laid out by cache.cu_seqlens → o [1, N, H, v_dim].
-        Decodes (one token) attend as one batch, each longer chunk on its own, so padding stays small."""
+        """q: [1, N, H, nope+rope] of S sequences laid out by the view → o [1, N, H, v_dim]. Decodes attend as
+        one batch, each prefill chunk on its own, so padding stays small; rows and lengths come from the view's
+        host layout, so nothing is read back from the device."""
         cache.mla_append(self.layer_idx, latent[0], k_extra[0])
-        cu = cache.cu_seqlens
-        lens = cu.diff()
         o = q.new_empty(q.shape[1], self.num_heads, self.v_dim)
-        one = lens == 1
-        if bool(one.any()):
-            rows = one.nonzero().flatten()
-            lat, kx, kv_len = cache.mla_context(self.layer_idx, rows)
-            t = cu[:-1][rows]
+        if cache.decode_rows:
+            t = cache.decode_tokens_t
+            lat, kx, kv_len = cache.mla_context(self.layer_idx, cache.decode_rows_t, cache.decode_max_len)
             o[t] = self.absorbed_attention(q[0, t, None], lat, kx, kv_len=kv_len)[:, 0]
-        for r in (~one).nonzero().flatten().tolist():
-            lat, kx, kv_len = cache.mla_context(self.layer_idx, torch.tensor([r], device=q.device))
-            a, b = int(cu[r]), int(cu[r + 1])
-            n = int(kv_len[0])
-            o[a:b] = self.expanded_attention(q[:, a:b], lat[:, :n], kx[:, :n])[0]
+        for i, r in enumerate(cache.prefill_rows):
+            lat, kx, _ = cache.mla_context(self.layer_idx, cache.prefill_rows_t[i:i + 1], cache.kv_lens[r])
+            a, b = cache.cu_host[r], cache.cu_host[r + 1]
+            o[a:b] = self.expanded_attention(q[:, a:b], lat, kx)[0]
         return o[None]
 
     def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,

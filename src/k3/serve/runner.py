@@ -10,22 +10,20 @@ from k3.serve.sequence import Sequence
 
 
 class PagedBatchView(BatchCacheView):
-    """S sequences' views into the pool: KDA state rows by slot, MLA latents by block table."""
+    """S sequences' views into the pool: KDA state rows by slot, MLA latents by block table. Everything the
+    step needs is built here from host lists and sent in one copy per group (see BatchCacheView.upload)."""
 
     def __init__(self, pool: CachePool, num_layers: int, seqs: list[Sequence], lens: list[int]):
         dev = pool.device
         self.pool, self.num_layers, self.seq_len = pool, num_layers, 0
-        self.slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        self.cu_seqlens = torch.cat([lens_t.new_zeros(1), lens_t.cumsum(0)])
-        self.kv_len = torch.tensor([s.num_computed + n for s, n in zip(seqs, lens)], dtype=torch.long, device=dev)
+        self.set_layout(lens, [s.num_computed + n for s, n in zip(seqs, lens)], dev)
         bs = pool.block_size
         width = max(len(s.block_table) for s in seqs)
-        self.block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                                         dtype=torch.long, device=dev)
-        pos = [p for s, n in zip(seqs, lens) for p in range(s.num_computed, s.num_computed + n)]
-        blk = [s.block_table[p // bs] for s, n in zip(seqs, lens) for p in range(s.num_computed, s.num_computed + n)]
-        self.slot_mapping = torch.tensor([b * bs + p % bs for b, p in zip(blk, pos)], dtype=torch.long, device=dev)
+        tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
+        slot_mapping = [s.block_table[p // bs] * bs + p % bs
+                        for s, n in zip(seqs, lens) for p in range(s.num_computed, s.num_computed + n)]
+        self.slots, tables_t, self.slot_mapping = self.upload([[s.slot for s in seqs], tables, slot_mapping], dev)
+        self.block_tables = tables_t.view(len(seqs), width)
 
     def kda_state(self, layer_idx: int) -> KDAState:
         conv = self.pool.conv[layer_idx][self.slots]  # [S, 3, W−1, C]
@@ -39,14 +37,12 @@ class PagedBatchView(BatchCacheView):
         kv = self.pool.kv[layer_idx]
         kv.view(-1, kv.shape[-1])[self.slot_mapping] = torch.cat([latent, k_extra], -1).to(kv.dtype)
 
-    def mla_context(self, layer_idx: int, rows: torch.Tensor):
+    def mla_context(self, layer_idx: int, rows: torch.Tensor, max_len: int):
         kv = self.pool.kv[layer_idx]
-        kv_len = self.kv_len[rows]
-        L = int(kv_len.max())
-        nb = -(-L // self.pool.block_size)
-        ctx = kv[self.block_tables[rows, :nb]].flatten(1, 2)[:, :L]  # [n, L, R + rope]
+        nb = -(-max_len // self.pool.block_size)
+        ctx = kv[self.block_tables[rows, :nb]].flatten(1, 2)[:, :max_len]  # [n, max_len, R + rope]
         R = self.pool.latent_dim
-        return ctx[..., :R], ctx[..., R:], kv_len
+        return ctx[..., :R], ctx[..., R:], self.kv_len[rows]
 
 
 class ModelRunner:
@@ -60,7 +56,9 @@ class ModelRunner:
         logits [len(sample_rows), vocab] of the rows that will sample. Does not advance num_computed."""
         ids = [t for s, n in zip(seqs, lens) for t in s.tokens[s.num_computed:s.num_computed + n]]
         view = PagedBatchView(self.pool, self.model.config.num_hidden_layers, seqs, lens)
-        ids_t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        last = [view.cu_host[r + 1] - 1 for r in sample_rows]  # each sampling row's last token
+        ids_t, last_t = view.upload([ids, last], self.device)
+        ids_t = ids_t[None]
         embeds = None
         if any(s.mm for s in seqs):  # splice image rows over the <|media_pad|> positions this chunk covers
             embeds = self.model.model.embed_tokens(ids_t)
@@ -73,5 +71,4 @@ class ModelRunner:
                         embeds[0, offset + a - lo:offset + b - lo] = rows[a - start:b - start].to(embeds.dtype)
                 offset += n
         h = self.model.model(ids_t, cache=view, inputs_embeds=embeds)
-        last = view.cu_seqlens[1:][torch.tensor(sample_rows, dtype=torch.long, device=self.device)] - 1
-        return self.model.lm_head(h[0, last])
+        return self.model.lm_head(h[0, last_t])
