@@ -77,19 +77,23 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [S, V], one row per sequence → (next token per row, logprobs per row or None)."""
+    """logits: [S, V], one row per sequence → (next token per row, logprobs per row or None).
+    Every row is sampled on the device first and read back together: one wait per step, not one per row."""
     logits = logits.float()
-    tokens = logits.argmax(-1).tolist()
+    picked = logits.argmax(-1)
     for i, p in enumerate(params):
         if not p.greedy:
-            tokens[i] = int(sample_next(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generators[i])[0])
-    logprobs: list[TokenLogprob | None] = [None] * len(params)
+            picked[i] = sample_next(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generators[i])[0]
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         lp = torch.log_softmax(logits[want], -1)
+        chosen = lp.gather(1, picked[want][:, None])[:, 0]
+        top = torch.topk(lp, max(params[i].logprobs for i in want), dim=-1)
+    tokens = picked.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(params)
+    if want:
+        chosen, top_ids, top_lps = chosen.tolist(), top.indices.tolist(), top.values.tolist()
         for row, i in enumerate(want):
             k = params[i].logprobs
-            top = torch.topk(lp[row], k) if k else None
-            logprobs[i] = TokenLogprob(tokens[i], float(lp[row, tokens[i]]),
-                                       list(zip(top.indices.tolist(), top.values.tolist())) if k else [])
+            logprobs[i] = TokenLogprob(tokens[i], chosen[row], list(zip(top_ids[row][:k], top_lps[row][:k])))
     return tokens, logprobs
