@@ -6,9 +6,13 @@ where N_active counts every matmul weight a token uses (all attention/KDA/MLP/sh
 projections, lm_head, and top_k/E of the routed experts; embeddings and norms excluded), and the second term
 is causal softmax attention (QKᵀ with d_qk, PV with d_v, half the T² square, x3 for fwd+bwd). KDA's chunked
 delta-rule arithmetic is not counted (it is O(T·H·C·d), a few % here), so the MFU slightly under-counts.
-Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick]
+--activation-checkpointing recomputes each decoder layer in backward (the FLOP formula, and so MFU, still counts
+one forward: the recomputation is overhead). A shape that runs out of memory prints an OOM row with the peak
+memory reached and the run goes on to the next shape.
+Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing]
 """
 import argparse
+import gc
 import os
 import sys
 import time
@@ -36,12 +40,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     a = ap.parse_args()
-    cfg = K3Config.preset("small" if not a.quick else "tiny")
+    preset = "small" if not a.quick else "tiny"
+    cfg = K3Config.preset(preset)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = K3ForCausalLM(cfg).to(torch.bfloat16)
     model.train()
+    model.model.gradient_checkpointing = a.activation_checkpointing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     n_act = active_params(model, cfg)
     H, dqk, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
@@ -57,16 +64,26 @@ def main():
             opt.zero_grad(set_to_none=True)
         t0 = time.time()
         torch.cuda.reset_peak_memory_stats()
-        ms = time_ms(step, warmup=2, reps=5)
-        tokens = B * T
-        flops = 6 * n_act * tokens + 3 * n_mla * 2 * 2 * B * H * (T * T / 2) * (dqk + dv) / 2
-        rows.append(dict(preset="small" if not a.quick else "tiny", B=B, T=T, step_ms=ms,
-                         tokens_per_s=tokens / ms * 1e3, TFLOPs=flops / ms * 1e-9,
-                         MFU=flops / (ms * 1e-3) / PEAK_BF16, peak_GiB=torch.cuda.max_memory_allocated() / 2 ** 30,
-                         active_params_M=n_act / 1e6, wall_s=time.time() - t0))
-        print(rows[-1], flush=True)
-    print(table(rows, ["preset", "B", "T", "step_ms", "tokens_per_s", "TFLOPs", "MFU", "peak_GiB", "active_params_M"]))
-    save("train" + ("_quick" if a.quick else ""), {"rows": rows})
+        row = dict(preset=preset, ckpt=a.activation_checkpointing, B=B, T=T, active_params_M=n_act / 1e6)
+        try:
+            ms = time_ms(step, warmup=2, reps=5)
+        except torch.OutOfMemoryError as e:
+            row.update(step_ms="OOM", error=str(e).splitlines()[0])
+        else:
+            tokens = B * T
+            flops = 6 * n_act * tokens + 3 * n_mla * 2 * 2 * B * H * (T * T / 2) * (dqk + dv) / 2
+            row.update(step_ms=ms, tokens_per_s=tokens / ms * 1e3, TFLOPs=flops / ms * 1e-9,
+                       MFU=flops / (ms * 1e-3) / PEAK_BF16)
+        row.update(peak_GiB=torch.cuda.max_memory_allocated() / 2 ** 30, wall_s=time.time() - t0)
+        rows.append(row)
+        print(row, flush=True)
+        # after an OOM the half-done step's gradients and cached blocks would crowd the next shape
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(table(rows, ["preset", "ckpt", "B", "T", "step_ms", "tokens_per_s", "TFLOPs", "MFU", "peak_GiB",
+                       "active_params_M"]))
+    save("train" + ("_quick" if a.quick else "") + ("_ckpt" if a.activation_checkpointing else ""), {"rows": rows})
 
 
 if __name__ == "__main__":

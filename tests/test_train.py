@@ -131,3 +131,30 @@ def test_generate_streams_from_a_trained_model(uninterrupted, capsys):
     cont = m.generate(ids, max_new_tokens=5, eos_token_id=t.tokenizer.eos_id)[0, len(ids):].tolist()
     cont = cont[: cont.index(t.tokenizer.eos_id)] if t.tokenizer.eos_id in cont else cont
     assert out == "ROMEO:" + t.tokenizer.decode(cont, skip_special_tokens=True) + "\n"
+
+
+def test_activation_checkpointing_trains_identically(tmp_path, uninterrupted):
+    """Recomputing every layer in backward changes neither the losses nor the balancer's statistics."""
+    full_losses, full = uninterrupted
+    t = Trainer(small_run(tmp_path, activation_checkpointing=True), log=lambda *a: None)
+    assert t.model.model.gradient_checkpointing
+    recs = [t.train_step() for _ in range(3)]
+    assert [r["loss"] for r in recs] == full_losses[:3]
+    assert [r["maxvio"] for r in recs] == [h["maxvio"] for h in full.history[:3]]
+
+
+def test_cli_activation_checkpointing_flag_reaches_the_trainer(tmp_path, monkeypatch):
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def trainer(cfg, log=print):
+        seen["cfg"] = cfg
+        raise Stop
+
+    monkeypatch.setattr(trainer_mod, "Trainer", trainer)
+    for flag, want in (([], False), (["--activation-checkpointing"], True)):
+        with pytest.raises(Stop):
+            main(["train", "--out", str(tmp_path), *flag])
+        assert seen["cfg"].activation_checkpointing is want

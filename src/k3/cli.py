@@ -102,7 +102,7 @@ def cmd_train(a) -> int:
                       grad_accum=a.grad_accum, lr=a.lr, optimizer=a.optimizer, balance=a.balance,
                       eval_every=a.eval_every, save_every=a.save_every, seed=a.seed, resume=a.resume,
                       device=a.device, warmup_steps=a.warmup_steps, qat=a.qat, dp=a.dp or 1, ep=a.ep, cp=a.cp,
-                      fsdp=a.fsdp)
+                      fsdp=a.fsdp, activation_checkpointing=a.activation_checkpointing)
     from k3.config import K3Config
     K3Config.preset(cfg.preset)  # unknown preset: fail before loading data
     s = Trainer(cfg).run()
@@ -396,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     t.add_argument("--qat", action="store_true",
                    help="quantization-aware training: MXFP4 routed-expert weights, MXFP8 expert activations")
+    t.add_argument("--activation-checkpointing", action="store_true",
+                   help="keep only each decoder layer's inputs and recompute the layer in backward "
+                        "(far less activation memory, about one more forward of compute)")
     t.add_argument("--nproc", type=_positive_int, default=1, help="processes to launch through torchrun")
     t.add_argument("--dp", type=_positive_int, default=None, help="data parallel size (default nproc / cp)")
     t.add_argument("--ep", type=_positive_int, default=1, help="expert parallel size (divides dp × cp and the experts)")

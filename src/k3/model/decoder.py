@@ -5,8 +5,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.model.attn_res import attn_res_mix
@@ -16,6 +16,7 @@ from k3.model.mla import MultiHeadLatentAttention
 from k3.model.mlp import SiTUMLP
 from k3.model.moe import LatentMoE
 from k3.model.norm import RMSNorm
+from k3.ops.cross_entropy import cross_entropy
 
 
 @dataclass
@@ -56,6 +57,8 @@ class K3Model(nn.Module):
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self.output_attn_res_norm = RMSNorm(D, config.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+        # Training forwards keep only each layer's inputs and recompute the layer in backward.
+        self.gradient_checkpointing = False
 
     def forward(self, input_ids, doc_ids=None, cache=None, mask=None, inputs_embeds=None) -> torch.Tensor:
         """SPEC §3.1's layer loop. Returns the final normed hidden states [B, T, D].
@@ -64,16 +67,53 @@ class K3Model(nn.Module):
         block = self.config.attn_res_block_size
         blocks: list[torch.Tensor] = []
         p = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        recompute = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for l, layer in enumerate(self.layers):
-            x = attn_res_mix(blocks + [p], layer.self_attention_res_norm, layer.self_attention_res_proj) if blocks else p
-            if l % block == 0:
+            starts_block = l % block == 0
+            if recompute:
+                p_next = _checkpointed_layer(layer, starts_block, p, blocks, doc_ids, mask)
+            else:
+                p_next = _layer_forward(layer, starts_block, p, blocks, doc_ids, mask, cache)
+            if starts_block:
                 blocks.append(p)
-                p = torch.zeros_like(p)
-            p = p + layer.self_attn(layer.input_layernorm(x), doc_ids=doc_ids, cache=cache)
-            m = attn_res_mix(blocks + [p], layer.mlp_res_norm, layer.mlp_res_proj)
-            p = p + layer.ffn(layer.post_attention_layernorm(m), mask)
+            p = p_next
         h = attn_res_mix(blocks + [p], self.output_attn_res_norm, self.output_attn_res_proj)
         return self.norm(h)
+
+
+def _layer_forward(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, blocks: list[torch.Tensor],
+                   doc_ids, mask, cache=None) -> torch.Tensor:
+    """One layer of SPEC §3.1's loop: the partial sum p after layer l. `blocks` is read, never changed; when
+    `starts_block` the caller appends the incoming p to it."""
+    x = attn_res_mix(blocks + [p], layer.self_attention_res_norm, layer.self_attention_res_proj) if blocks else p
+    if starts_block:
+        blocks = blocks + [p]
+        p = torch.zeros_like(p)
+    p = p + layer.self_attn(layer.input_layernorm(x), doc_ids=doc_ids, cache=cache)
+    m = attn_res_mix(blocks + [p], layer.mlp_res_norm, layer.mlp_res_proj)
+    return p + layer.ffn(layer.post_attention_layernorm(m), mask)
+
+
+def _checkpointed_layer(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, blocks: list[torch.Tensor],
+                        doc_ids, mask) -> torch.Tensor:
+    """`_layer_forward` keeping only its inputs; backward runs it again. The MoE router scores it records for
+    the load balancer are those of the forward: a recomputation restores whatever they were before it, so the
+    balancer sees each batch once whether it reads them before or after backward."""
+    moe = getattr(layer, "block_sparse_moe", None)
+    calls = 0
+
+    def run(p, *blocks):
+        nonlocal calls
+        calls += 1
+        if calls == 1 or moe is None:
+            return _layer_forward(layer, starts_block, p, list(blocks), doc_ids, mask)
+        kept = moe.last_scores, moe.last_mask
+        try:
+            return _layer_forward(layer, starts_block, p, list(blocks), doc_ids, mask)
+        finally:
+            moe.last_scores, moe.last_mask = kept
+
+    return checkpoint(run, p, *blocks, use_reentrant=False)
 
 
 def contiguous_segments(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -143,7 +183,7 @@ class K3ForCausalLM(nn.Module):
             cache.advance(input_ids.shape[1])
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+            loss = cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
         return K3Output(logits=logits, loss=loss)
 
     def _check_inputs(self, input_ids, doc_ids, cache, labels, mask):

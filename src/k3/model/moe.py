@@ -98,4 +98,6 @@ class LatentMoE(nn.Module):
         else:
             y = expert_situ_mlp(z[token], counts, e.w1, e.w3, e.w2, *self.betas)
         y = y * w.flatten()[order, None]
-        return torch.zeros_like(z).index_add_(0, token, y)
+        # back to [N, k] slot order and summed there: index_add_ would keep its [N·k, L] source for backward
+        slot = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))
+        return y[slot].view(N, k, -1).sum(1)

@@ -54,6 +54,7 @@ class TrainConfig:
     cp: int = 1
     fsdp: bool = False  # FSDP2: shard the non-expert parameters (and their optimizer state) over all ranks
     qat: bool = False  # MXFP4 expert weights / MXFP8 expert activations fake-quantized (k3.ops.mx_experts)
+    activation_checkpointing: bool = False  # keep each decoder layer's inputs only; recompute it in backward
 
     def validate(self) -> None:
         def need(cond, name, allowed):
@@ -119,6 +120,7 @@ class Trainer:
             vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
         self.model = K3ForCausalLM(self.model_config).to(self.device)
         self.model.reset_parameters(seed=cfg.seed)
+        self.model.model.gradient_checkpointing = cfg.activation_checkpointing
         if cfg.qat:
             from k3.ops.mx_experts import enable_qat
             enable_qat(self.model)
@@ -254,10 +256,10 @@ class Trainer:
         for _ in range(cfg.grad_accum):
             b = {k: v.to(self.device) for k, v in self.loader.next_batch().items()}
             with self.autocast or _null():
-                out = (self.dist or self.model)(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"])
-            (out.loss / cfg.grad_accum).backward()
+                loss = (self.dist or self.model)(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"]).loss
+            (loss / cfg.grad_accum).backward()  # the logits are not held here: backward frees them early
             self.balancer.observe()
-            loss_sum += float(out.loss.detach())
+            loss_sum += float(loss.detach())
             tokens += b["input_ids"].numel()
         if self.dist:
             self.dist.sync_gradients()
@@ -294,7 +296,8 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         self.log(f"k3 train: preset {cfg.preset} ({n_params / 1e6:.2f}M parameters), {self.device}, "
                  f"optimizer {cfg.optimizer}, balance {cfg.balance}, batch {cfg.batch_size}x{cfg.seq_len}"
-                 f"x{cfg.grad_accum}, {cfg.max_steps} steps{', QAT (MXFP4/MXFP8 experts)' if cfg.qat else ''}, out {self.out}")
+                 f"x{cfg.grad_accum}, {cfg.max_steps} steps{', QAT (MXFP4/MXFP8 experts)' if cfg.qat else ''}"
+                 f"{', activation checkpointing' if cfg.activation_checkpointing else ''}, out {self.out}")
         metrics_f = open(self.out / "metrics.jsonl" if not self.dist or self.dist.is_main else os.devnull, "a")
         start = time.perf_counter()
         stopped_early = False

@@ -1,0 +1,51 @@
+"""Mean token cross entropy over [N, V] logits without an fp32 copy of them (the training loss)."""
+import torch
+from torch.autograd.function import once_differentiable
+
+CHUNK_ELEMENTS = 1 << 26  # fp32 working set of one row chunk: 256 MiB
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """`F.cross_entropy(logits.float(), labels, ignore_index=ignore_index)` (float64 stays float64).
+
+    logits: [N, V]; labels: [N] int. The math runs in fp32 one row chunk at a time; backward keeps only the
+    logits themselves and one log-sum-exp per row, where F.cross_entropy keeps [N, V] fp32 log-probabilities.
+    """
+    return _CrossEntropy.apply(logits, labels, ignore_index)
+
+
+def _row_chunks(logits: torch.Tensor):
+    rows = max(1, CHUNK_ELEMENTS // max(logits.shape[1], 1))
+    return range(0, logits.shape[0], rows), rows
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index):
+        dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        valid = labels != ignore_index
+        target = torch.where(valid, labels, 0).long()
+        lse = torch.empty(logits.shape[0], dtype=dt, device=logits.device)
+        starts, rows = _row_chunks(logits)
+        for s in starts:
+            lse[s:s + rows] = torch.logsumexp(logits[s:s + rows].to(dt), dim=-1)
+        picked = logits.gather(1, target[:, None])[:, 0].to(dt)
+        count = valid.sum()
+        loss = torch.where(valid, lse - picked, 0).sum() / count  # no valid token: 0/0 = nan, like F.cross_entropy
+        ctx.save_for_backward(logits, target, valid, lse, count)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        logits, target, valid, lse, count = ctx.saved_tensors
+        # ∂loss/∂logits = (softmax − onehot(target)) · g / count on valid rows, zero on ignored ones
+        row_scale = torch.where(valid, grad_loss.to(lse.dtype) / count, 0)
+        grad = torch.empty_like(logits)
+        starts, rows = _row_chunks(logits)
+        for s in starts:
+            e = min(s + rows, logits.shape[0])
+            p = torch.exp(logits[s:e].to(lse.dtype) - lse[s:e, None])
+            p.scatter_add_(1, target[s:e, None], p.new_full((e - s, 1), -1.0))
+            grad[s:e] = (p * row_scale[s:e, None]).to(logits.dtype)
+        return grad, None, None
