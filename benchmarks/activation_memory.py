@@ -7,8 +7,9 @@ recomputation are counted as well (they are held by the checkpoint, not by a sav
 
 The CUDA training step takes paths a CPU lacks; by default the GPU kernels are stood in for, saving what they
 save: fla's chunk_kda (l2-normed q/k with their rstd, v, the gate input, beta logits and sigmoid, Aqk and Akk in
-the input dtype, no per-chunk state), the fused Triton SiTU-GLU of the routed experts (gate and up only) and
-MLA's CUDA SDPA call (v zero-padded to the qk head dim). The forward itself is computed by the references.
+the input dtype, no per-chunk state), the fused Triton SiTU-GLU of the routed experts, shared experts and dense
+MLP (gate and up only) and MLA's CUDA SDPA call (v zero-padded to the qk head dim). The forward itself is
+computed by the references.
 
 Per-token bytes do not depend on the batch or sequence length (no [T, T] tensor is saved), nor on the number
 of experts except the [tokens, experts] router scores, so the default is the `small` preset with 16 instead of
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 import k3.model.decoder as decoder_mod
 import k3.model.kda as kda_mod
 import k3.model.mla as mla_mod
+import k3.model.mlp as mlp_mod
 import k3.ops.grouped_mm as grouped_mm_mod
 from k3.config import K3Config
 from k3.model.decoder import K3ForCausalLM
@@ -162,12 +164,13 @@ def patched(obj, name, value):
 
 @contextlib.contextmanager
 def gpu_path_stand_ins():
-    """The CUDA step's KDA (fla), routed-expert SiTU (Triton) and MLA attention, as far as saved bytes go."""
+    """The CUDA step's KDA (fla), SiTU-GLU (Triton) and MLA attention, as far as saved bytes go."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(kda_mod, "fla_usable", lambda x, head_dim=None: True))
         stack.enter_context(patched(kda_mod, "fla_kda_gated", _fla_kda_gated_saves))
-        stack.enter_context(patched(grouped_mm_mod, "situ_glu_fast",
-                                    lambda g, u, b1=4.0, b2=25.0: _FusedSiTUSaves.apply(g, u, b1, b2)))
+        fused_situ = lambda g, u, b1=4.0, b2=25.0: _FusedSiTUSaves.apply(g, u, b1, b2)
+        for mod in (grouped_mm_mod, mlp_mod):
+            stack.enter_context(patched(mod, "situ_glu_fast", fused_situ))
         stack.enter_context(patched(mla_mod, "causal_attention", _cuda_mla_attention))
         yield
 

@@ -1,6 +1,7 @@
 """Causal depthwise short convolution with a carried tail (KDA's q/k/v convs), float32 weights and state."""
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
@@ -10,7 +11,19 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None 
     x: [B, T, C]; weight: [C, 1, W]; tail: [B, W−1, C], the previous W−1 inputs (zeros when None).
     doc_ids: [B, T] for packed rows; taps that reach into another document read zero.
     Returns (y [B, T, C] in x's dtype, new tail [B, W−1, C] in the compute dtype).
+    For backward only x (in its own dtype), the tail and doc_ids are kept; the fp32 padded input is rebuilt.
     """
+    return _ShortConv.apply(x, weight, tail, doc_ids)
+
+
+def short_conv_reference(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
+                         doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv` differentiated by autograd directly (keeps the fp32 padded input): the tests' reference."""
+    with torch.autocast(x.device.type, enabled=False):  # SPEC: the conv runs in fp32, also under bf16 autocast
+        return _short_conv_fp32(x, weight, tail, doc_ids)
+
+
+def _short_conv_fp32(x, weight, tail, doc_ids):
     B, T, C = x.shape
     W = weight.shape[-1]
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -27,3 +40,30 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None 
         same = (d == doc_ids.unsqueeze(-1)).to(dt)
         y = torch.einsum("btcw,cw,btw->btc", win, w[:, 0, :], same)
     return y.to(x.dtype), xp[:, xp.shape[1] - (W - 1):]
+
+
+class _ShortConv(torch.autograd.Function):
+    """Forward: `short_conv_reference`. Backward: the reference recomputed from the saved inputs and
+    differentiated by autograd, so gradients are the reference's own."""
+
+    @staticmethod
+    def forward(ctx, x, weight, tail, doc_ids):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight, tail, doc_ids)
+        y, new_tail = short_conv_reference(x, weight, tail, doc_ids)
+        return y, new_tail.clone()  # a copy, so a kept tail does not pin the whole padded input
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y, grad_tail):
+        x, weight, tail, doc_ids = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        pairs = [(i, g) for i, g in enumerate((grad_y, grad_tail)) if g is not None]
+        if not pairs:
+            return None, None, None, None
+        with torch.enable_grad():
+            leaves = [None if t is None else t.detach().requires_grad_(n) for t, n in zip((x, weight, tail), need)]
+            outs = short_conv_reference(leaves[0], leaves[1], leaves[2], doc_ids)
+            grads = list(torch.autograd.grad([outs[i] for i, _ in pairs], [t for t, n in zip(leaves, need) if n],
+                                             [g for _, g in pairs], allow_unused=True))
+        return *(grads.pop(0) if n else None for n in need), None

@@ -1,18 +1,59 @@
 """RMSNorm and per-head L2 normalisation, computed in float32 (float64 stays float64) and cast back."""
 import torch
+from torch.autograd.function import once_differentiable
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`w ⊙ x / sqrt(mean(x²) + eps)` over the last dim. x: [..., D], weight: [D]."""
+def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _scaled(xf: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    y = xf * rstd
+    return y if weight is None else y * weight.to(y.dtype)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`rms_norm` differentiated by autograd (keeps fp32 copies of x and y for backward): the tests' reference."""
     xf = x.to(_compute_dtype(x))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.to(y.dtype)
-    return y.to(x.dtype)
+    return _scaled(xf, _rstd(xf, eps), weight).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`w ⊙ x / sqrt(mean(x²) + eps)` over the last dim. x: [..., D], weight: [D].
+
+    Same ops in the same order as `rms_norm_reference`; backward keeps only x and the per-row rstd [..., 1].
+    """
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """With x̂ = x·r, r = rsqrt(mean(x²) + eps), y = x̂ ⊙ w and g = ∂L/∂y:
+    ∂L/∂w = Σ_rows g ⊙ x̂,  ∂L/∂x = r (g⊙w − x̂ · mean(g⊙w⊙x̂))."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(_compute_dtype(x))
+        rstd = _rstd(xf, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return _scaled(xf, rstd, weight).to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        x, weight, rstd = ctx.saved_tensors
+        g = grad_y.to(rstd.dtype)
+        xhat = x.to(rstd.dtype) * rstd
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            gw = g if weight is None else g * weight.to(g.dtype)
+            grad_x = (rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_w, None
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
