@@ -1,0 +1,39 @@
+#!/bin/sh
+# Every GPU benchmark and the GPU tests on one H200, in the order that pays for fla's Triton compilation once:
+# the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
+# the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
+#   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests decode prefill train moe vision serve pack
+#   (default: all but pack; pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ... to carry back)
+# Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
+# TRITON_CACHE_DIR defaults to ./.tcache: keep it between calls (and carry it) to skip recompiling.
+set -u
+OUT=${OUT:-gpu-results}
+export OUT TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache} PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src
+mkdir -p "$OUT" "$TRITON_CACHE_DIR"
+steps=${*:-kda tests decode prefill train moe vision serve}
+
+run() {  # run NAME SECONDS CMD...: time-limited, output to the terminal and $OUT/NAME.log
+    name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+    timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -30
+}
+
+for step in $steps; do
+    case $step in
+        kda) run kda 540 python3 benchmarks/bench_gpu_kda.py ;;
+        tests) run tests 480 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+        decode) run decode 180 python3 benchmarks/bench_gpu_decode.py ;;
+        prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
+        train) run train 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
+        moe) run moe 120 python3 benchmarks/bench_gpu_moe.py ;;
+        vision) run vision 120 python3 benchmarks/bench_gpu_vision.py ;;
+        serve) run serve 420 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \
+            --concurrency 1,8,32,64 --num-prompts 1 --prompts-per-concurrency 2 --turns 2 --input-len 256 \
+            --output-len 128 --memory-gib 16 --num-state-slots 512 --max-num-seqs 64 --max-batch-tokens 2048 \
+            --block-size 256 --match-unit 16 --json "$OUT/serve.json" ;;
+        pack) tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.tgz." && ls -l "$OUT"/tcache.tgz.* ;;
+        *) echo "unknown step $step" >&2; exit 2 ;;
+    esac
+done
