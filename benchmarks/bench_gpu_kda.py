@@ -8,7 +8,7 @@ Shapes (issue 6): B1 T8192 H96 D128 and B1 T32768 H32 D128. Rows:
   sdpa causal         F.scaled_dot_product_attention(is_causal=True), same B, T, H, D
   k3 reference        the plain-PyTorch chunked reference on the GPU (forward, first shape only)
 Hardware limit printed per shape: the bytes the op must move (inputs read once, output written once) over the
-copy bandwidth. Run: PYTHONPATH=src python benchmarks/bench_gpu_kda.py [--quick]
+copy bandwidth. Run: PYTHONPATH=src python benchmarks/bench_gpu_kda.py [--quick] [--shapes 32768x32] [--ops 'k3 gated,sdpa causal']
 """
 import argparse
 import os
@@ -71,8 +71,12 @@ def fwd_bwd(fn, args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default="8192x96,32768x32", help="TxH pairs (D=128), comma-separated")
+    ap.add_argument("--ops", default="", help="comma-separated subset of the rows' op names (default: all)")
     a = ap.parse_args()
-    shapes = [(8192, 96, 128), (32768, 32, 128)] if not a.quick else [(2048, 8, 128)]
+    shapes = [(int(t), int(h), 128) for t, h in (x.split("x") for x in a.shapes.split(","))]
+    shapes = shapes if not a.quick else [(2048, 8, 128)]
+    only = {o.strip() for o in a.ops.split(",") if o.strip()}
     reps = 10 if not a.quick else 2
     rows = []
     for T, H, D in shapes:
@@ -81,6 +85,8 @@ def main():
         floor_ms = floor_bytes / COPY_BW * 1e3
         sdpa_flops = 2 * 2 * H * D * T * T / 2  # QK^T and PV, causal half
         for name, (fn, args) in variants(x).items():
+            if only and name not in only:
+                continue
             with torch.no_grad():
                 f_ms = time_ms(lambda: fn(args), reps=reps)
             fb_ms = time_ms(fwd_bwd(fn, args), reps=reps)
@@ -90,7 +96,7 @@ def main():
                 row["TFLOPs_fwd"] = sdpa_flops / f_ms * 1e-9
             rows.append(row)
             print(row, flush=True)
-        if T == shapes[0][0]:
+        if T == shapes[0][0] and (not only or "k3 reference (torch)" in only):
             os.environ["K3_NO_FLA"] = "1"
             try:
                 with torch.no_grad():
