@@ -31,6 +31,7 @@ import k3.model.decoder as decoder_mod
 import k3.model.kda as kda_mod
 import k3.model.mla as mla_mod
 import k3.model.mlp as mlp_mod
+import k3.ops.cross_entropy as ce_mod
 import k3.ops.grouped_mm as grouped_mm_mod
 from k3.config import K3Config
 from k3.model.decoder import K3ForCausalLM
@@ -164,7 +165,7 @@ def patched(obj, name, value):
 
 @contextlib.contextmanager
 def gpu_path_stand_ins():
-    """The CUDA step's KDA (fla), SiTU-GLU (Triton) and MLA attention, as far as saved bytes go."""
+    """The CUDA step's KDA (fla), SiTU-GLU (Triton), MLA attention and loss, as far as saved bytes go."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(kda_mod, "fla_usable", lambda x, head_dim=None: True))
         stack.enter_context(patched(kda_mod, "fla_kda_gated", _fla_kda_gated_saves))
@@ -172,6 +173,7 @@ def gpu_path_stand_ins():
         for mod in (grouped_mm_mod, mlp_mod):
             stack.enter_context(patched(mod, "situ_glu_fast", fused_situ))
         stack.enter_context(patched(mla_mod, "causal_attention", _cuda_mla_attention))
+        stack.enter_context(patched(decoder_mod, "cross_entropy", ce_mod.chunked_cross_entropy))
         yield
 
 

@@ -1,5 +1,6 @@
 """Mean token cross entropy over [N, V] logits without an fp32 copy of them (the training loss)."""
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 CHUNK_ELEMENTS = 1 << 26  # fp32 working set of one row chunk: 256 MiB
@@ -7,10 +8,17 @@ CHUNK_ELEMENTS = 1 << 26  # fp32 working set of one row chunk: 256 MiB
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """`F.cross_entropy(logits.float(), labels, ignore_index=ignore_index)` (float64 stays float64).
+    logits: [N, V]; labels: [N] int. On CUDA through `chunked_cross_entropy` (memory is what runs short
+    there); elsewhere torch's fused kernel, which is faster on CPU."""
+    if logits.is_cuda:
+        return chunked_cross_entropy(logits, labels, ignore_index)
+    dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return F.cross_entropy(logits.to(dt), labels, ignore_index=ignore_index)
 
-    logits: [N, V]; labels: [N] int. The math runs in fp32 one row chunk at a time; backward keeps only the
-    logits themselves and one log-sum-exp per row, where F.cross_entropy keeps [N, V] fp32 log-probabilities.
-    """
+
+def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The same loss with the math in fp32 one row chunk at a time; backward keeps only the logits themselves
+    and one log-sum-exp per row, where F.cross_entropy keeps [N, V] fp32 log-probabilities."""
     return _CrossEntropy.apply(logits, labels, ignore_index)
 
 
