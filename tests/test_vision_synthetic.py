@@ -31,12 +31,34 @@ def test_rendered_image_shows_the_scene():
             x0 = 0 if o.side == "left" else syn.CELL
             cell = img[:, x0:x0 + syn.CELL]
             counts = {c: int((np.abs(cell - np.array(rgb)).max(-1) <= 25).sum()) for c, rgb in syn.COLOURS.items()}
-            assert max(counts, key=counts.get) == o.colour and counts[o.colour] >= 100
+            assert max(counts, key=counts.get) == o.colour and counts[o.colour] >= 40
             assert (np.abs(cell[:, :, None] - np.array(list(syn.COLOURS.values()))).max(-1) <= 25).any(-1).sum() \
                 == counts[o.colour]  # nothing else coloured in the object's cell
+            # the grey outline encloses the fill: its bounding box holds every fill pixel
+            fill = np.argwhere(np.abs(cell - np.array(syn.COLOURS[o.colour])).max(-1) <= 25)
+            outline = np.argwhere((cell == syn.OUTLINE).all(-1))
+            assert len(outline) >= 30
+            assert (outline.min(0) < fill.min(0)).all() and (outline.max(0) > fill.max(0)).all()
         digit_cell = img[:, 2 * syn.CELL:]
         assert (digit_cell.min(-1) > 200).sum() >= 2 * 10 * 3  # the digit's white segments (at least two of them)
         assert (img[:, :2 * syn.CELL].min(-1) > 200).sum() == 0  # and nothing white in the object cells
+
+
+def test_outline_is_the_same_whatever_the_fill_colour():
+    # the shape cue that lets a never-seen colour-shape pair be recognised: identical outline pixels for every colour
+    for shape in syn.SHAPES:
+        masks = []
+        for colour in syn.COLOURS:
+            scene = syn.Scene((syn.SceneObject(colour, shape, "left"), syn.SceneObject("red", "square", "right")), 3)
+            img = np.asarray(syn.render(scene, random.Random(5)))[:, :syn.CELL]
+            masks.append((img == syn.OUTLINE).all(-1))
+        assert masks[0].sum() >= 30 and all((m == masks[0]).all() for m in masks)
+    # and the shapes' outlines differ from one another
+    outlines = {}
+    for shape in syn.SHAPES:
+        scene = syn.Scene((syn.SceneObject("blue", shape, "left"), syn.SceneObject("red", "square", "right")), 3)
+        outlines[shape] = (np.asarray(syn.render(scene, random.Random(5)))[:, :syn.CELL] == syn.OUTLINE).all(-1)
+    assert all((outlines[a] != outlines[b]).any() for a in syn.SHAPES for b in syn.SHAPES if a < b)
 
 
 def test_training_rows_supervise_only_the_answers():

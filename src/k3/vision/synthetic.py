@@ -19,6 +19,10 @@ SIDES = ("left", "right")
 # only has to pick the right token, which a tiny text model learns in minutes on CPU.
 WIDTH, HEIGHT, CELL = 84, 28, 28
 BACKGROUND = (24, 24, 24)
+# Every object gets the same grey outline: a shape cue that does not depend on the fill colour. Without it the
+# tiny tower reads shape only through coloured pixels (a patch embedding of a filled shape is mask × colour),
+# learns one shape detector per colour seen in training, and cannot find a red circle it never saw.
+OUTLINE, OUTLINE_WIDTH = (150, 150, 150), 2
 # seven-segment layout: a top, b top-right, c bottom-right, d bottom, e bottom-left, f top-left, g middle
 _SEGMENTS = {0: "abcdef", 1: "bc", 2: "abged", 3: "abgcd", 4: "fgbc", 5: "afgcd", 6: "afgedc", 7: "abc",
              8: "abcdefg", 9: "abcdfg"}
@@ -58,7 +62,7 @@ def sample_scene(rng: random.Random, split: str) -> Scene:
 
 
 def render(scene: Scene, rng: random.Random):
-    """The scene as an 84×28 RGB PIL image (size, position and colour jittered)."""
+    """The scene as an 84×28 RGB PIL image (size, position and colour jittered; objects outlined in grey)."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (WIDTH, HEIGHT), BACKGROUND)
@@ -68,16 +72,18 @@ def render(scene: Scene, rng: random.Random):
         r = rng.randint(8, 11)
         cx, cy = x0 + CELL // 2 + rng.randint(-2, 2), CELL // 2 + rng.randint(-2, 2)
         colour = tuple(max(0, min(255, v + rng.randint(-20, 20))) for v in COLOURS[o.colour])
+        style = {"fill": colour, "outline": OUTLINE, "width": OUTLINE_WIDTH}
         if o.shape == "circle":
-            draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=colour)
+            draw.ellipse([cx - r, cy - r, cx + r, cy + r], **style)
         elif o.shape == "square":
-            draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=colour)
+            draw.rectangle([cx - r, cy - r, cx + r, cy + r], **style)
         elif o.shape == "triangle":
-            draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=colour)
-        else:
+            draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], **style)
+        else:  # one polygon, so the outline is the cross's boundary only
             t = max(3, r // 3)
-            draw.rectangle([cx - r, cy - t, cx + r, cy + t], fill=colour)
-            draw.rectangle([cx - t, cy - r, cx + t, cy + r], fill=colour)
+            draw.polygon([(cx - t, cy - r), (cx + t, cy - r), (cx + t, cy - t), (cx + r, cy - t), (cx + r, cy + t),
+                          (cx + t, cy + t), (cx + t, cy + r), (cx - t, cy + r), (cx - t, cy + t), (cx - r, cy + t),
+                          (cx - r, cy - t), (cx - t, cy - t)], **style)
     _draw_digit(draw, scene.digit, 2 * CELL + CELL // 2 + rng.randint(-4, 4), CELL // 2 + rng.randint(-2, 2))
     return img
 

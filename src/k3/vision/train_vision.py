@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from k3.balance import ExpertBalancer
 from k3.config import K3Config
 from k3.data import Tokenizer
+from k3.ops.cross_entropy import cross_entropy
 from k3.train.optim import build_optimizer
 from k3.vision import synthetic as syn
 from k3.vision.config import VisionConfig
@@ -183,7 +183,7 @@ def answer_loss(model: K3ForConditionalGeneration, batch: dict) -> torch.Tensor:
     """Mean cross-entropy over the answer tokens (equal to `model(..., labels=...).loss`, without the head
     over every prompt position)."""
     logits, targets = answer_logits(model, batch)
-    return F.cross_entropy(logits.float(), targets)
+    return cross_entropy(logits, targets)  # the model's own loss (fp64 stays fp64)
 
 
 def _scene_image(scene, rng, vcfg) -> ImageInput:
@@ -335,7 +335,7 @@ def run(cfg: VisionTrainConfig, log=print) -> dict:
             g["lr"] = lr * g["lr_scale"]
         logits, targets, rows = answer_logits(model, train_batch(rng, examples, cfg.batch_size,
                                                                   cfg.questions_per_image), return_rows=True)
-        loss = F.cross_entropy(logits.float(), targets)
+        loss = cross_entropy(logits, targets)
         shared = shared_row_fraction(rows.float())
         total = loss + cfg.centring_weight * shared if cfg.centring_weight > 0 else loss
         opt.zero_grad(set_to_none=True)
