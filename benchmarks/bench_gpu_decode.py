@@ -5,12 +5,13 @@ by a real 16-token prefill, then its MLA latents up to the context length are se
 length moved there (decode speed does not depend on their values; a real 32K x 64 prefill would only cost
 device time). Each timed step decodes one token per row at that context and advances the cache.
 Rows: "eager" = the model's forward per step; "graph" = k3.model.cuda_graph.GraphedDecodeStep (the path
-`generate` takes on CUDA).
+`generate` takes on CUDA); "graph+compile" = the same with the step compiled by torch.compile before capture
+(--compile; a failure is recorded as a row and the run goes on).
 Memory roofline per step = bytes that must be read: every dense weight once (embedding row only), the
 routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per MoE layer), lm_head,
 each KDA state read and written (fp32), each MLA layer's cached latent+k_extra read once. Fraction =
 (bytes / copy bandwidth measured in the same run) / measured step time. Target (issue 6): batch-1 >= 60%.
-Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick]
+Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile]
 """
 import argparse
 import os
@@ -59,6 +60,7 @@ def filled_cache(model, cfg, B, ctx):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also time the graph of a torch.compile'd step")
     a = ap.parse_args()
     ceil = measure_ceilings()
     copy_bw = ceil["copy_TBps"] * 1e12
@@ -84,7 +86,17 @@ def main():
                 cache = filled_cache(model, cfg, B, ctx)
                 graphed = GraphedDecodeStep(model, cache)
                 graph_ms = time_ms(lambda: graphed.step(tok), warmup=WARMUP, reps=REPS)
-            for mode, ms in (("eager", eager_ms), ("graph", graph_ms)):
+                timings = [("eager", eager_ms), ("graph", graph_ms)]
+                if a.compile:
+                    cache = graphed = None
+                    cache = filled_cache(model, cfg, B, ctx)
+                    try:
+                        graphed = GraphedDecodeStep(model, cache, compile=True)
+                        timings.append(("graph+compile", time_ms(lambda: graphed.step(tok), warmup=WARMUP, reps=REPS)))
+                    except Exception as e:  # noqa: BLE001 - record why and keep the other rows
+                        rows.append(dict(batch=B, context=ctx, mode=f"graph+compile failed: {type(e).__name__}: {e}"[:200]))
+                        print(rows[-1], flush=True)
+            for mode, ms in timings:
                 rows.append(dict(batch=B, context=ctx, mode=mode, step_ms=ms, tokens_per_s=B / ms * 1e3,
                                  bytes_MB=nbytes / 1e6, floor_ms=floor_ms, roofline_frac=floor_ms / ms))
                 print(rows[-1], flush=True)

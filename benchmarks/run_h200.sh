@@ -24,7 +24,7 @@ for step in $steps; do
     case $step in
         kda) run kda 540 python3 benchmarks/bench_gpu_kda.py ;;
         tests) run tests 480 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
-        decode) run decode 180 python3 benchmarks/bench_gpu_decode.py ;;
+        decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         train) run train 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
         moe) run moe 120 python3 benchmarks/bench_gpu_moe.py ;;

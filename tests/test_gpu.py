@@ -244,3 +244,26 @@ def test_chunked_prefill_bottom_right_sdpa_matches_reference():
         p = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
         ref = torch.einsum("bhts,bshv->bthv", p, v.float())
         assert rel_err(causal_attention(q, k, v, 0.1).float(), ref) < 2e-2
+
+
+def test_compiled_graphed_decode_matches_eager():
+    """torch.compile'd step captured in the graph (the benchmark's graph+compile row): same logits."""
+    from k3.config import K3Config
+    from k3.model.cuda_graph import GraphedDecodeStep
+    from k3.model.decoder import K3ForCausalLM
+    from k3.model.generate import chunked_prefill
+
+    torch.manual_seed(2)
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
+    B, T, n = 2, 24, 4
+    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device="cuda")
+    with torch.no_grad():
+        eager_cache, graph_cache = model.new_cache(B, T + n), model.new_cache(B, T + n)
+        chunked_prefill(model, ids[:, :T], eager_cache)
+        chunked_prefill(model, ids[:, :T], graph_cache)
+        step = GraphedDecodeStep(model, graph_cache, compile=True)
+        for t in range(T, T + n):
+            eager = model(ids[:, t:t + 1], cache=eager_cache).logits[:, 0].float()
+            assert rel_err(step.step(ids[:, t]).float(), eager) < 2e-2, t
+        assert graph_cache.seq_len == int(graph_cache.length) == T + n

@@ -16,7 +16,7 @@ class GraphedDecodeStep:
     from a CUDA graph captured at construction. The returned logits live in a static buffer that the next
     step overwrites."""
 
-    def __init__(self, model, cache: StaticCache, warmup: int = 2):
+    def __init__(self, model, cache: StaticCache, warmup: int = 2, compile: bool = False):
         if not isinstance(cache, StaticCache):
             raise TypeError(f"a graphed decode step needs a StaticCache, got {type(cache).__name__}")
         device = cache.length.device
@@ -24,19 +24,28 @@ class GraphedDecodeStep:
             raise ValueError(f"CUDA graphs need a CUDA cache, got device {device}")
         self.model, self.cache = model, cache
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
+        if compile:  # inductor fuses the elementwise chains (norms, AttnRes mixes, gates) before capture
+            core = torch.compile(model.model)
+
+            def forward(tokens):  # K3ForCausalLM.forward for one trusted token per row, without input checks
+                h = core(tokens, cache=cache)
+                cache.advance(1)
+                return model.lm_head(h[:, -1])
+        else:
+            forward = lambda tokens: model(tokens, cache=cache).logits[:, -1]  # noqa: E731
         saved = cache.kda_snapshot()
         # Warm up on a side stream (kernel autotuning, cuBLAS workspaces) as capture requires; these steps
         # write the cache, so it is restored afterwards (the MLA slot they wrote is rewritten by the next step).
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(warmup):
-                model(self.tokens, cache=cache)
+            for _ in range(warmup):  # the first also compiles, when asked
+                forward(self.tokens)
                 cache.restore(saved)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
-            self.logits = model(self.tokens, cache=cache).logits[:, -1]
+            self.logits = forward(self.tokens)
         cache.restore(saved)  # capture ran the host-side bookkeeping (seq_len) once without running kernels
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
