@@ -108,6 +108,8 @@ def test_static_cache_snapshot_restore_and_overflow():
     assert not torch.equal(kda.state, next(s for s in cache.layers if isinstance(s, KDAState)).state)
     with pytest.raises(ValueError, match="holds 8 tokens"):
         model(ids[:, :2], cache=cache)
+    with pytest.raises(ValueError, match="holds 1 rows"):
+        model(ids.expand(2, -1)[:, :1], cache=cache)
 
 
 @pytest.mark.parametrize("seed,T,chunk", [(15, 23, 6), (16, 16, 16), (17, 11, 1)])

@@ -205,6 +205,8 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(t.shape)}")
         if doc_ids is not None and cache is not None:
             raise ValueError("packed input (doc_ids) cannot be combined with a decode cache")
+        if getattr(cache, "batch", None) not in (None, input_ids.shape[0]):  # a StaticCache has a fixed batch
+            raise ValueError(f"the cache holds {cache.batch} rows, input_ids has {input_ids.shape[0]}")
         if cache is not None and cache.num_layers != self.config.num_hidden_layers:
             raise ValueError(f"cache has {cache.num_layers} layers, model has {self.config.num_hidden_layers}")
 
