@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import COPY_BW, save, table, time_ms  # noqa: E402
+from gpu_bench_util import COPY_BW, fwd_bwd, save, table, time_ms  # noqa: E402
 
 from k3.ops.kda import kda_chunk, kda_gate  # noqa: E402
 from k3.ops.kda_fla import fla_kda_gated  # noqa: E402
@@ -53,19 +53,6 @@ def variants(x):
         "sdpa causal": (lambda a: F.scaled_dot_product_attention(*a, is_causal=True),
                         [t.transpose(1, 2) for t in (x["q"], x["k"], x["v"])]),
     }
-
-
-def fwd_bwd(fn, args):
-    leaves = [a.detach().requires_grad_() for a in args]
-    do = None
-
-    def step():
-        nonlocal do
-        o = fn(leaves)
-        if do is None:
-            do = torch.randn_like(o)
-        torch.autograd.grad(o, leaves, do)
-    return step
 
 
 def main():

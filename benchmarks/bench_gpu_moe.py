@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import MATMUL_BF16, save, table, time_ms  # noqa: E402
+from gpu_bench_util import MATMUL_BF16, fwd_bwd, save, table, time_ms  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.moe import LatentMoE  # noqa: E402
@@ -71,17 +71,8 @@ def main():
                 try:
                     with torch.no_grad():
                         f_ms = time_ms(lambda: fn(inp))
-                    leaf = inp.detach().requires_grad_()
-                    params = [p for p in (moe.parameters() if fn is moe else e.parameters())]
-                    dy = None
-
-                    def step():
-                        nonlocal dy
-                        y = fn(leaf)
-                        if dy is None:
-                            dy = torch.randn_like(y)
-                        torch.autograd.grad(y, [leaf, *params], dy, allow_unused=True)
-                    fb_ms = time_ms(step)
+                    params = (moe if fn is moe else e).parameters()
+                    fb_ms = time_ms(fwd_bwd(lambda leaves: fn(leaves[0]), [inp], params))
                 finally:
                     if env:
                         del os.environ[env]

@@ -31,6 +31,22 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def fwd_bwd(fn, inputs: list, params=()):
+    """A step for time_ms: fn(leaves) and its backward into fresh leaves of `inputs` and `params`, against one
+    fixed random upstream gradient (drawn at the first call)."""
+    leaves = [a.detach().requires_grad_() for a in inputs]
+    wrt = leaves + list(params)
+    grad = None
+
+    def step():
+        nonlocal grad
+        out = fn(leaves)
+        if grad is None:
+            grad = torch.randn_like(out)
+        torch.autograd.grad(out, wrt, grad, allow_unused=True)
+    return step
+
+
 def measure_ceilings() -> dict:
     """Copy bandwidth (bytes read + written) and a bf16 8192^3 matmul rate on this card, now."""
     x = torch.randn(2 ** 30 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB

@@ -1,30 +1,13 @@
 """The control plane over HTTP on loopback: bearer token required, E2B-shaped lifecycle, exec and files
 through the client; with an unavailable backend, create fails with the backend's reason."""
-import socket
-import threading
-import time
-
 import httpx
 import pytest
-import uvicorn
 
 from k3.agentenv import get_backend
 from k3.agentenv.api import Backend
 from k3.agentenv.client import AgentEnvClient, ControlPlaneError
 from k3.agentenv.control_plane import create_control_plane
-
-
-def start(app):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", srv, th
+from k3.serve.local_server import local_server
 
 
 class Unavailable(Backend):
@@ -44,11 +27,9 @@ def plane(tmp_path_factory):
     tpl = tmp_path_factory.mktemp("tpl")
     (tpl / "hello.txt").write_text("hi")
     app = create_control_plane(b if ok else Unavailable(), {"hello": str(tpl)}, token="t0ken")
-    url, srv, th = start(app)
-    yield url, ok, reason
-    app.state.close_all()
-    srv.should_exit = True
-    th.join(10)
+    with local_server(app) as url:
+        yield url, ok, reason
+        app.state.close_all()
 
 
 def test_token_required(plane):

@@ -13,7 +13,7 @@ from k3.agentenv.rollout import (BUILTIN_TASKS, SCRIPTS, TOOLS, EnginePolicy, Ro
 from k3.data import Tokenizer
 from k3.serve import EngineConfig, LLMEngine
 from k3.serve.api import create_app
-from live_server import live_server
+from k3.serve.local_server import local_server
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def live_serve(tok, tiny):
     """`k3 serve`'s app on uvicorn, 127.0.0.1, a free port, in a thread (the tiny random model)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    with live_server(create_app(LLMEngine(tiny, tok, engine_cfg()), tok, "k3-tiny", api_key="k")) as url:
+    with local_server(create_app(LLMEngine(tiny, tok, engine_cfg()), tok, "k3-tiny", api_key="k")) as url:
         yield url
     torch.set_num_threads(n)
 

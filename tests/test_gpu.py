@@ -191,10 +191,11 @@ def test_model_fast_path_matches_reference_and_decode():
     assert grad is not None and torch.isfinite(grad).all()
 
 
-@pytest.mark.parametrize("use_fla", [True, False])
-def test_graphed_decode_matches_eager_and_full_forward(use_fla, monkeypatch):
+@pytest.mark.parametrize("use_fla,compile", [(True, False), (False, False), (True, True)])
+def test_graphed_decode_matches_eager_and_full_forward(use_fla, compile, monkeypatch):
     """One CUDA graph per decode step over a StaticCache: the same logits as eager decode of the same cache
-    and as the full forward (bf16 tolerance), and stream_generate's graphed tokens == its eager tokens."""
+    and as the full forward (bf16 tolerance), and stream_generate's graphed tokens == its eager tokens.
+    compile: the layer stack compiled by torch.compile before capture (the decode benchmark's graph+compile)."""
     from k3.config import K3Config
     from k3.model.cuda_graph import GraphedDecodeStep
     from k3.model.decoder import K3ForCausalLM
@@ -214,16 +215,18 @@ def test_graphed_decode_matches_eager_and_full_forward(use_fla, monkeypatch):
         eager_cache, graph_cache = model.new_cache(B, T + n), model.new_cache(B, T + n)
         chunked_prefill(model, ids[:, :T], eager_cache, 16)
         chunked_prefill(model, ids[:, :T], graph_cache, 16)
-        step = GraphedDecodeStep(model, graph_cache)
+        step = GraphedDecodeStep(model, graph_cache, compile=compile)
         for t in range(T, T + n):
             eager = model(ids[:, t:t + 1], cache=eager_cache).logits[:, 0].float()
             graphed = step.step(ids[:, t]).float()
             errs = (rel_err(graphed, eager), rel_err(eager, full[:, t]), rel_err(graphed, full[:, t]))
             print("step", t, "graph-eager %.4f eager-full %.4f graph-full %.4f" % errs)
-            assert errs[0] < 2e-2 and errs[2] < 3e-2, (t, errs)
+            assert errs[0] < 2e-2 and (compile or errs[2] < 3e-2), (t, errs)  # compiling re-rounds in bf16
         assert graph_cache.seq_len == int(graph_cache.length) == T + n
         with pytest.raises(ValueError, match="full"):
             step.step(ids[:, 0])
+    if compile:
+        return
     prompt = ids[:, :T]
     a = generate(model, prompt, max_new_tokens=8, cuda_graph=True)
     b = generate(model, prompt, max_new_tokens=8, cuda_graph=False)
@@ -245,25 +248,3 @@ def test_chunked_prefill_bottom_right_sdpa_matches_reference():
         ref = torch.einsum("bhts,bshv->bthv", p, v.float())
         assert rel_err(causal_attention(q, k, v, 0.1).float(), ref) < 2e-2
 
-
-def test_compiled_graphed_decode_matches_eager():
-    """torch.compile'd step captured in the graph (the benchmark's graph+compile row): same logits."""
-    from k3.config import K3Config
-    from k3.model.cuda_graph import GraphedDecodeStep
-    from k3.model.decoder import K3ForCausalLM
-    from k3.model.generate import chunked_prefill
-
-    torch.manual_seed(2)
-    cfg = K3Config.preset("tiny")
-    model = K3ForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
-    B, T, n = 2, 24, 4
-    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device="cuda")
-    with torch.no_grad():
-        eager_cache, graph_cache = model.new_cache(B, T + n), model.new_cache(B, T + n)
-        chunked_prefill(model, ids[:, :T], eager_cache)
-        chunked_prefill(model, ids[:, :T], graph_cache)
-        step = GraphedDecodeStep(model, graph_cache, compile=True)
-        for t in range(T, T + n):
-            eager = model(ids[:, t:t + 1], cache=eager_cache).logits[:, 0].float()
-            assert rel_err(step.step(ids[:, t]).float(), eager) < 2e-2, t
-        assert graph_cache.seq_len == int(graph_cache.length) == T + n

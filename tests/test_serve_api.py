@@ -15,7 +15,7 @@ from k3.data import Tokenizer
 from k3.serve import EngineConfig, LLMEngine
 from k3.serve.api import create_app
 from k3.serve.chat_template import ChatOutputParser, render_chat
-from live_server import live_server
+from k3.serve.local_server import local_server
 
 KEY, NAME = "test-key", "k3-tiny"
 
@@ -39,7 +39,7 @@ def server(model, tok):
     torch.set_num_threads(1)
     eng = LLMEngine(model, tok, EngineConfig(memory_bytes=32 << 20, block_size=16, match_unit=4, max_batch_tokens=256,
                                              max_num_seqs=32, max_model_len=200))
-    with live_server(create_app(eng, tok, NAME, api_key=KEY)) as url:
+    with local_server(create_app(eng, tok, NAME, api_key=KEY)) as url:
         yield url, eng
     torch.set_num_threads(n)
 

@@ -10,14 +10,13 @@ import asyncio
 import gc
 import json
 import random
-import socket
 import statistics
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from k3.serve.local_server import local_server
 
 
 @dataclass
@@ -179,28 +178,6 @@ def static_batch_baseline(model, tokenizer, num_prompts: int, batch_size: int, i
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextmanager
-def local_server(app):
-    """Serve an ASGI app in-process on a free 127.0.0.1 port; yields the base URL."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    while not server.started:
-        if not th.is_alive():
-            raise RuntimeError("the benchmark server failed to start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        th.join(30)
-        sock.close()
 
 
 def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, concurrency: int | None,
