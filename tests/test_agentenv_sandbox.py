@@ -281,7 +281,8 @@ def counter(s):
     return int(s.exec("cat /tmp/count 2>/dev/null || echo 0").text.strip() or 0)
 
 
-LOOP = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done"
+# written to a temporary name and renamed: a reader never sees the file truncated but not yet rewritten
+LOOP = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done"
 
 
 def start_counter(backend):
