@@ -2,8 +2,9 @@
 # Every GPU benchmark and the GPU tests on one H200, in the order that pays for fla's Triton compilation once:
 # the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
-#   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests decode prefill train moe vision serve pack
-#   (default: all but pack; pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ... to carry back)
+#   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests decode prefill train moe vision serve profile pack
+#   (default: all but profile and pack; pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ... to
+#   carry back; put them in .tpack/ and carry that: the script unpacks .tpack/tcache.tgz.* into an empty cache)
 # Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
 # TRITON_CACHE_DIR defaults to ./.tcache: keep it between calls (and carry it) to skip recompiling.
 set -u
@@ -11,6 +12,9 @@ OUT=${OUT:-gpu-results}
 export OUT TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache} PYTHONUNBUFFERED=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src
 mkdir -p "$OUT" "$TRITON_CACHE_DIR"
+if [ -z "$(ls -A "$TRITON_CACHE_DIR")" ] && ls .tpack/tcache.tgz.* >/dev/null 2>&1; then
+    cat .tpack/tcache.tgz.* | tar xzf - -C "$TRITON_CACHE_DIR"  # fla's compiled kernels and autotune choices
+fi
 steps=${*:-kda tests decode prefill train moe vision serve}
 
 run() {  # run NAME SECONDS CMD...: time-limited, output to the terminal and $OUT/NAME.log
@@ -26,6 +30,7 @@ for step in $steps; do
         tests) run tests 480 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
+        profile) run profile 240 python3 benchmarks/profile_gpu.py --compile ;;
         train) run train 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
         moe) run moe 120 python3 benchmarks/bench_gpu_moe.py ;;
         vision) run vision 120 python3 benchmarks/bench_gpu_vision.py ;;

@@ -135,6 +135,27 @@ def test_engine_steps_read_nothing_back_inside_the_forward(model, monkeypatch):
     assert_pool_empty(eng)
 
 
+def test_fixed_shape_decode_steps_equal_one_shot_generate(model):
+    """decode_graphs=True on a CPU runs every decode-only step through the fixed-shape path that CUDA graphs
+    replay on a GPU: rows padded to a power of two over the pool's scratch slot and block, block tables padded
+    to a power of two of blocks, all inputs in one static buffer. Requests of different lengths finish at
+    different steps (the batch shrinks) and contexts cross block edges: tokens still equal one-shot generate,
+    and the scratch rows leave no trace in the pool."""
+    lens, max_tokens = [3, 9, 17, 30, 2], [20, 5, 12, 25, 8]
+    prompts = [prompt(120 + i, n) for i, n in enumerate(lens)]
+    eng = engine(model, decode_graphs=True)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=n, **GREEDY)) for p, n in zip(prompts, max_tokens)]
+    final = {}
+    while eng.has_unfinished():
+        final.update((o.request_id, o.output_ids) for o in eng.step() if o.finished)
+    for rid, p, n in zip(ids, prompts, max_tokens):
+        assert final[rid] == reference(model, p, n)
+    shapes = set(eng.runner.graphs.entries)
+    assert {rows for rows, _ in shapes} >= {8, 4, 2, 1}, shapes  # 5 → 8 padded, down to 1 as requests end
+    assert len({width for _, width in shapes}) >= 2, shapes  # contexts grew past a block edge
+    assert_pool_empty(eng)
+
+
 @pytest.mark.parametrize("boundary", [4, 16, 28, 44])
 def test_prefix_hit_equals_cold_run(model, boundary):
     """Seed the cache with a prompt checkpointed at 4 (mid-block), 16 (block edge), 28 (mid-block) and 44 (end

@@ -4,6 +4,7 @@ from torch.autograd.function import once_differentiable
 
 from k3.model.norm import RMSNorm
 from k3.ops.norm import rms_norm
+from k3.ops.triton_dispatch import triton_module, use_triton
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Linear) -> torch.Tensor:
@@ -12,6 +13,9 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Line
     `norm` holds the key norm weight u, `proj` the pseudo-query w as a [1, D] weight. For backward only the
     sources themselves and two [n, B, T] statistics are kept (not fp32 copies of the [n, B, T, D] stack).
     """
+    x = sources[0]
+    if use_triton(x, "_attn_res_triton") and all(s.dtype == x.dtype and s.shape == x.shape for s in sources):
+        return _AttnResMixFused.apply(norm.weight, proj.weight, norm.eps, *sources)
     return _AttnResMix.apply(norm.weight, proj.weight, norm.eps, *sources)
 
 
@@ -62,4 +66,26 @@ class _AttnResMix(torch.autograd.Function):
             q += (coef * vf).flatten(0, -2).sum(0)
         du = (q * w[0].to(dt)).to(u.dtype)
         dw = (q * u.to(dt)).to(w.dtype)[None]
+        return du, dw, None, *grads
+
+
+class _AttnResMixFused(torch.autograd.Function):
+    """`_AttnResMix` through k3.ops._attn_res_triton: one read of each source forward, two backward. Keeps the
+    sources, the scores and one log-sum-exp per row."""
+
+    @staticmethod
+    def forward(ctx, u, w, eps, *sources):
+        kernels = triton_module("_attn_res_triton")
+        sources = tuple(s.contiguous() for s in sources)
+        out, scores, lse = kernels.mix_forward(u, w, eps, sources)
+        ctx.eps = eps
+        ctx.save_for_backward(u, w, scores, lse, *sources)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        u, w, scores, lse, *sources = ctx.saved_tensors
+        du, dw, grads = triton_module("_attn_res_triton").mix_backward(grad_out, u, w, ctx.eps, tuple(sources),
+                                                                      scores, lse)
         return du, dw, None, *grads

@@ -6,33 +6,22 @@ back to the reference.
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
 from k3.ops.situ import situ_glu
+from k3.ops.triton_dispatch import triton_module, use_triton
 
 __all__ = ["fused_situ_available", "fused_situ_glu", "situ_glu_fast"]
 
 _BLOCK = 2048
 
 
-@functools.lru_cache(maxsize=None)
 def _kernels():
-    try:
-        from k3.ops import _situ_triton
-    except Exception:
-        return None
-    return _situ_triton
+    return triton_module("_situ_triton")
 
 
 def fused_situ_available(x: torch.Tensor) -> bool:
-    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
-        return False
-    if os.environ.get("K3_NO_TRITON", "") not in ("", "0"):
-        return False
-    return _kernels() is not None
+    return use_triton(x, "_situ_triton")
 
 
 class _FusedSiTUGLU(torch.autograd.Function):

@@ -86,9 +86,14 @@ class CachePool:
         D = config.kv_lora_rank + config.qk_rope_head_dim
         H, K, W = la.num_heads, la.head_dim, la.short_conv_kernel_size
         nb, ns = capacity.num_blocks, capacity.num_slots
-        self.kv = {l: torch.zeros(nb, self.block_size, D, dtype=dtype, device=self.device) for l in self.mla_layers}
-        self.state = {l: torch.zeros(ns, H, K, K, dtype=torch.float32, device=self.device) for l in self.kda_layers}
-        self.conv = {l: torch.zeros(ns, 3, W - 1, H * K, dtype=torch.float32, device=self.device)
+        # One block and one slot past the allocatable ones: scratch that a fixed-shape decode step's padding rows
+        # read and write (k3.serve.runner.DecodeGraphs), never handed to a sequence.
+        self.scratch_block, self.scratch_slot = nb, ns
+        self.kv = {l: torch.zeros(nb + 1, self.block_size, D, dtype=dtype, device=self.device)
+                   for l in self.mla_layers}
+        self.state = {l: torch.zeros(ns + 1, H, K, K, dtype=torch.float32, device=self.device)
+                      for l in self.kda_layers}
+        self.conv = {l: torch.zeros(ns + 1, 3, W - 1, H * K, dtype=torch.float32, device=self.device)
                      for l in self.kda_layers}
         # blocks
         self.ref = [0] * nb

@@ -28,6 +28,7 @@ class EngineConfig:
     max_model_len: int | None = None    # prompt + max_tokens limit; default: what the pool holds
     prefix_caching: bool = True
     num_blocks: int | None = None       # exact block count (overrides the budget's share; tests, benchmarks)
+    decode_graphs: bool | None = None   # decode-only steps from CUDA graphs (default: on CUDA; see ModelRunner)
 
     def validate(self) -> None:
         for name in ("memory_bytes", "block_size", "match_unit", "max_batch_tokens", "max_num_seqs"):
@@ -58,7 +59,7 @@ class LLMEngine:
         self.pool = CachePool(model.config, self.capacity, config.match_unit, param.dtype, param.device,
                               config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, config.decode_graphs, config.max_num_seqs)
         self.metrics = metrics or Metrics()
         self.max_model_len = min(config.max_model_len or self.capacity.tokens, self.capacity.tokens)
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None

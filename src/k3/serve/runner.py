@@ -1,5 +1,6 @@
 """Runs one engine step through the model: flattens the scheduled chunks into one row [1, N] and lets the
-model's own KDA and MLA modules read and write the pool through a BatchCacheView."""
+model's own KDA and MLA modules read and write the pool through a BatchCacheView. Steps that only decode can
+instead replay a CUDA graph captured for their padded batch size and block-table width (DecodeGraphs)."""
 from __future__ import annotations
 
 import torch
@@ -45,15 +46,103 @@ class PagedBatchView(BatchCacheView):
         return ctx[..., :R], ctx[..., R:], self.kv_len[rows]
 
 
+class DecodeGraphView(PagedBatchView):
+    """A decode-only step of `rows` rows over block tables `width` blocks wide, its per-step inputs held in one
+    static device buffer that `load` overwrites: the same tensors every step, so a CUDA graph can replay it.
+    Rows past the real sequences read and write the pool's scratch slot and block, with a context of 1."""
+
+    def __init__(self, pool: CachePool, num_layers: int, rows: int, width: int):
+        self.pool, self.num_layers, self.seq_len = pool, num_layers, 0
+        self.rows, self.width = rows, width
+        self.set_layout([1] * rows, [width * pool.block_size] * rows, pool.device)  # decode_max_len = width blocks
+        pinned = pool.device.type == "cuda"
+        self.host = torch.zeros(rows * (4 + width), dtype=torch.long, pin_memory=pinned)
+        self.buf = torch.zeros_like(self.host, device=pool.device)
+        self.ids, self.kv_len, self.slots, self.slot_mapping = self.buf[:4 * rows].view(4, rows)
+        self.block_tables = self.buf[4 * rows:].view(rows, width)
+
+    def load(self, seqs: list[Sequence]) -> None:
+        """This step's token, length, slot, new-token position and block table of each sequence, one copy."""
+        pool, bs, rows, width = self.pool, self.pool.block_size, self.rows, self.width
+        host = self.host.view(-1)
+        pad = rows - len(seqs)
+        n = [s.num_computed for s in seqs]
+        cols = [[s.tokens[p] for s, p in zip(seqs, n)] + [0] * pad,
+                [p + 1 for p in n] + [1] * pad,
+                [s.slot for s in seqs] + [pool.scratch_slot] * pad,
+                [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, n)] + [pool.scratch_block * bs] * pad]
+        tables = [b for s in seqs for b in s.block_table + [pool.scratch_block] * (width - len(s.block_table))]
+        host.copy_(torch.tensor([v for c in cols for v in c] + tables + [pool.scratch_block] * (pad * width)))
+        self.buf.copy_(self.host, non_blocking=True)
+
+
+class DecodeGraphs:
+    """Decode-only steps replayed from CUDA graphs, one per (padded batch size, block-table width) and captured
+    on first use. Batch sizes pad up to a power of two and widths to a power of two of blocks, so few graphs
+    cover every step; a graph's attention reads its full width, at most twice what the longest row needs.
+    With capture=False (CPU) the same fixed-shape step runs eagerly: the path the tests compare."""
+
+    def __init__(self, model, pool: CachePool, max_rows: int, capture: bool):
+        self.model, self.pool, self.capture = model, pool, capture
+        self.max_rows = 1 << (max_rows - 1).bit_length()
+        self.entries: dict[tuple[int, int], tuple[DecodeGraphView, object, torch.Tensor]] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+
+    def _forward(self, view: DecodeGraphView) -> torch.Tensor:
+        h = self.model.model(view.ids[None], cache=view)
+        return self.model.lm_head(h[0])
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of one decode step of seqs (each feeding its next token)."""
+        rows = 1 << (len(seqs) - 1).bit_length()
+        width = 1 << (max(len(s.block_table) for s in seqs) - 1).bit_length()
+        entry = self.entries.get((rows, width))
+        if entry is None:
+            view = DecodeGraphView(self.pool, self.model.config.num_hidden_layers, rows, width)
+            view.load(seqs)
+            if not self.capture:
+                self.entries[rows, width] = (view, None, None)
+                return self._forward(view)[:len(seqs)]
+            # This step runs eagerly on a side stream (it is also the warm-up capture needs: autotuning, cuBLAS
+            # workspaces); capture then only records, so the pool is written once.
+            side = torch.cuda.Stream(self.pool.device)
+            side.wait_stream(torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(side):
+                logits = self._forward(view)
+            torch.cuda.current_stream(self.pool.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool):
+                out = self._forward(view)
+            self.entries[rows, width] = (view, graph, out)
+            return logits[:len(seqs)]
+        view, graph, out = entry
+        view.load(seqs)
+        if graph is None:
+            return self._forward(view)[:len(seqs)]
+        graph.replay()
+        return out[:len(seqs)]
+
+    def fits(self, seqs: list[Sequence], lens: list[int]) -> bool:
+        return len(seqs) <= self.max_rows and all(n == 1 for n in lens) and not any(s.mm for s in seqs)
+
+
 class ModelRunner:
-    def __init__(self, model, pool: CachePool):
+    def __init__(self, model, pool: CachePool, decode_graphs: bool | None = None, max_num_seqs: int = 64):
+        """decode_graphs: replay decode-only steps from CUDA graphs (default: on CUDA). On CPU, True runs the
+        same fixed-shape decode step eagerly (for tests)."""
         self.model, self.pool = model, pool
         self.device = next(model.parameters()).device
+        on_cuda = self.device.type == "cuda"
+        use = on_cuda if decode_graphs is None else decode_graphs
+        self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int]) -> torch.Tensor:
         """Feed seqs[i].tokens[num_computed : num_computed + lens[i]] for every i; return the last-token
         logits [len(sample_rows), vocab] of the rows that will sample. Does not advance num_computed."""
+        if self.graphs is not None and self.graphs.fits(seqs, lens):
+            logits = self.graphs.run(seqs)
+            return logits if len(sample_rows) == len(seqs) else logits[sample_rows]
         ids = [t for s, n in zip(seqs, lens) for t in s.tokens[s.num_computed:s.num_computed + n]]
         view = PagedBatchView(self.pool, self.model.config.num_hidden_layers, seqs, lens)
         last = [view.cu_host[r + 1] - 1 for r in sample_rows]  # each sampling row's last token

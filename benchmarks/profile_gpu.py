@@ -1,0 +1,94 @@
+"""Where the GPU time goes: torch.profiler tables for a training step and a decode step of `small` on one GPU.
+
+Not a benchmark (no peer, no limit): the question it answers is which kernels to work on next. For each case it
+prints the step's wall time, the summed kernel time, the number of kernels launched, and the top ops by self
+CUDA time. Decode is profiled without a CUDA graph (a graph hides its kernels from the profiler; the kernels
+are the same, only the launch gaps between them differ), eager and, with --compile, compiled.
+Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--rows 25]
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_gpu_decode import filled_cache  # noqa: E402
+from gpu_bench_util import save  # noqa: E402
+
+from k3.config import K3Config  # noqa: E402
+from k3.model.decoder import K3ForCausalLM  # noqa: E402
+
+
+def profiled(name: str, fn, rows: int, reps: int = 3) -> dict:
+    """Profile `reps` calls of fn after two warm-up calls; print and return the summary."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / reps
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_ms = sum(e.device_time for e in kernels) / 1e3 / reps
+    summary = dict(case=name, wall_ms=wall_ms, kernel_ms=kernel_ms, kernels=len(kernels) // reps)
+    print(f"\n== {name}: wall {wall_ms:.2f} ms/step, kernels {kernel_ms:.2f} ms/step, "
+          f"{len(kernels) // reps} kernels/step", flush=True)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+    print(table, flush=True)
+    summary["table"] = table
+    return summary
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="train,decode")
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--compile", action="store_true", help="also profile the compiled decode step")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=4096)
+    a = ap.parse_args()
+    cfg = K3Config.preset("small")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(cfg).to(torch.bfloat16)
+    out = []
+    if "train" in a.case:
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device="cuda")
+
+        def step():
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out.append(profiled(f"train B{a.batch}xT{a.seq}", step, a.rows, reps=2))
+        with torch.no_grad():
+            out.append(profiled(f"forward only B{a.batch}xT{a.seq}", lambda: model(ids), a.rows, reps=2))
+        del opt
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    if "decode" in a.case:
+        model.eval()
+        tok = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
+        with torch.no_grad():
+            cache = filled_cache(model, cfg, 1, 4096)
+            out.append(profiled("decode B1 ctx4096 eager", lambda: model(tok, cache=cache), a.rows))
+            if a.compile:
+                core = torch.compile(model.model)
+                cache = filled_cache(model, cfg, 1, 4096)
+
+                def compiled_step():
+                    h = core(tok, cache=cache)
+                    cache.advance(1)
+                    return model.lm_head(h[:, -1])
+                out.append(profiled("decode B1 ctx4096 compiled", compiled_step, a.rows))
+    save("profile", {"cases": out})
+
+
+if __name__ == "__main__":
+    main()

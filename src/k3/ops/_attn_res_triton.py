@@ -1,0 +1,124 @@
+"""Triton kernels for the Block AttnRes mix (imported only through k3.ops.triton_dispatch; needs triton).
+
+The mix `out = Σ_i softmax_i(r_i ⟨v_i, u⊙w⟩) · v_i`, r_i = rsqrt(mean(v_i²) + eps), reads each source once
+in the forward: the softmax is taken online over the sources (running max, running sum, running weighted sum
+in fp32 registers), so nothing of size [n, rows, D] is ever stacked or converted. The sources arrive as a tuple
+of tensors, so the n separate [B, T, D] blocks need no copy; each n compiles its own kernel.
+Backward is two passes over the sources: the first forms ∂L/∂a_i = ⟨g, v_i⟩ per row, the second every
+source's gradient and the per-program partial sums for ∂L/∂u and ∂L/∂w. Formulas: k3.model.attn_res.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, R, D, eps,
+                    N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok, col_ok = rows < R, cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    uw = tl.load(uw_ptr + cols, mask=col_ok, other=0.0)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for i in tl.static_range(N):
+        v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+        s = r * tl.sum(v * uw[None, :], axis=1)
+        tl.store(scores_ptr + i * R + rows, s, mask=row_ok)
+        m_new = tl.maximum(m, s)
+        alpha, p = tl.exp(m - m_new), tl.exp(s - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v
+        m = m_new
+    tl.store(out_ptr + offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
+
+
+@triton.jit
+def _mix_bwd_da_kernel(srcs, g_ptr, da_ptr, R, D,
+                       N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(N):
+        v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(da_ptr + i * R + rows, tl.sum(g * v, axis=1), mask=row_ok)
+
+
+@triton.jit
+def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog, iters,
+                    N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    uw = tl.load(uw_ptr + cols, mask=col_ok, other=0.0)
+    q = tl.zeros([BLOCK_D], tl.float32)
+    it = 0
+    while it < iters:  # a fixed grid of programs striding over the rows, so the q partials stay few
+        rows = (pid + it * nprog) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        t = tl.zeros([BLOCK_R], tl.float32)  # Σ_j a_j ∂L/∂a_j
+        for i in tl.static_range(N):
+            s = tl.load(scores_ptr + i * R + rows, mask=row_ok, other=0.0)
+            t += tl.exp(s - lse) * tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0)
+        for i in tl.static_range(N):
+            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            s = tl.load(scores_ptr + i * R + rows, mask=row_ok, other=0.0)
+            a = tl.exp(s - lse)
+            r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+            coef = a * (tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0) - t) * r
+            dv = a[:, None] * g + coef[:, None] * uw[None, :] - (coef * s * r / D)[:, None] * v
+            tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
+            q += tl.sum(tl.where(mask, coef[:, None] * v, 0.0), axis=0)
+        it += 1
+    tl.store(q_ptr + pid * D + cols, q, mask=col_ok)
+
+
+def _blocks(D: int) -> tuple[int, int]:
+    block_d = triton.next_power_of_2(D)
+    return max(1, min(16, 4096 // block_d)), block_d
+
+
+def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[torch.Tensor, ...]):
+    """(out like sources[0], scores [n, R] fp32, lse [R] fp32) for contiguous sources [..., D] of one dtype."""
+    D = sources[0].shape[-1]
+    R = sources[0].numel() // D
+    uw = u.float() * w.reshape(-1).float()
+    out = torch.empty_like(sources[0])
+    scores = torch.empty(len(sources), R, dtype=torch.float32, device=out.device)
+    lse = torch.empty(R, dtype=torch.float32, device=out.device)
+    block_r, block_d = _blocks(D)
+    _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse, R, D, eps,
+                                                N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
+    return out, scores, lse
+
+
+def mix_backward(grad_out, u, w, eps, sources, scores, lse):
+    """(∂L/∂u, ∂L/∂w [1, D], ∂L/∂sources) of `mix_forward` given ∂L/∂out."""
+    D = sources[0].shape[-1]
+    R = sources[0].numel() // D
+    g = grad_out.contiguous()
+    uw = u.float() * w.reshape(-1).float()
+    block_r, block_d = _blocks(D)
+    da = torch.empty_like(scores)
+    _mix_bwd_da_kernel[(triton.cdiv(R, block_r),)](tuple(sources), g, da, R, D,
+                                                   N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
+    grads = tuple(torch.empty_like(s) for s in sources)
+    tiles = triton.cdiv(R, block_r)
+    progs = min(tiles, 1024)
+    q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
+    _mix_bwd_kernel[(progs,)](tuple(sources), grads, g, uw, scores, lse, da, q, R, D, eps, progs, triton.cdiv(tiles, progs),
+                              N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
+    q = q.sum(0)
+    return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads

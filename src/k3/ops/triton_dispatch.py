@@ -1,0 +1,33 @@
+"""When k3's own Triton kernels run: CUDA tensors, triton importable, not switched off by K3_NO_TRITON=1.
+
+Kernel modules (`k3.ops._*_triton`) import triton at the top, so they are imported only through
+`triton_module`, which returns None where triton is missing (the CPU install). Tests may call a kernel module's
+functions on CPU tensors under TRITON_INTERPRET=1, where triton is installed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def triton_module(name: str) -> ModuleType | None:
+    """`k3.ops.<name>`, or None when it cannot be imported (no triton)."""
+    try:
+        return importlib.import_module(f"k3.ops.{name}")
+    except ImportError:
+        return None
+
+
+def use_triton(x: torch.Tensor, name: str) -> bool:
+    """Whether x should take the kernels of `k3.ops.<name>`: CUDA, a float dtype, triton there, not disabled,
+    and not inside torch.compile (inductor fuses the plain-PyTorch path itself)."""
+    if torch.compiler.is_compiling() or not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        return False
+    if os.environ.get("K3_NO_TRITON", "") not in ("", "0"):
+        return False
+    return triton_module(name) is not None
