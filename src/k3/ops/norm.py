@@ -2,6 +2,8 @@
 import torch
 from torch.autograd.function import once_differentiable
 
+from k3.ops.triton_dispatch import triton_module, use_triton
+
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -26,8 +28,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """`w ⊙ x / sqrt(mean(x²) + eps)` over the last dim. x: [..., D], weight: [D].
 
     Same ops in the same order as `rms_norm_reference`; backward keeps only x and the per-row rstd [..., 1].
+    On CUDA the Triton kernels of `k3.ops._norm_triton` do the same fp32 math in one pass each way (summed in
+    another order, so a rounding apart, not bit-identical).
     """
+    if _fused(x) and (weight is None or weight.shape == x.shape[-1:]):
+        return triton_module("_norm_triton").rms_norm(x, weight, eps)
     return _RMSNorm.apply(x, weight, eps)
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether x takes the Triton kernels: CUDA bf16/fp16/fp32 (see use_triton), non-empty, rows that fit."""
+    return use_triton(x, "_norm_triton") and x.numel() > 0 and x.shape[-1] <= triton_module("_norm_triton").MAX_D
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -57,6 +68,8 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`x / sqrt(sum(x²) + eps)` over the last dim (KDA's q/k normalisation)."""
+    """`x / sqrt(sum(x²) + eps)` over the last dim (KDA's q/k normalisation); fused on CUDA like `rms_norm`."""
+    if _fused(x):
+        return triton_module("_norm_triton").l2_norm(x, eps)
     xf = x.to(_compute_dtype(x))
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)

@@ -1,0 +1,156 @@
+"""Triton kernels for RMSNorm and L2 normalisation over the last dim (imported only through
+k3.ops.triton_dispatch; needs triton). Same contract as `k3.ops.norm.rms_norm` / `l2_norm` for bf16/fp16/fp32.
+
+One read of x and one write of y forward; one read of x and dy and one write of dx backward, all math in fp32
+registers. Backward keeps only x and the fp32 per-row rstd. Both norms are `x · rsqrt(Σx² / div + eps)`
+(div = D for RMSNorm, 1 for L2), so they share the kernels:
+  dx = rstd · (g⊙w − x̂ · Σ(g⊙w⊙x̂) / div),  dw = Σ_rows g ⊙ x̂.
+"""
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+MAX_D = 8192  # one row must fit in one program's registers (8 per thread at 32 warps); wider: the torch path
+_TILE = 4096  # elements per program tile: rows are batched up to this when D is small
+
+
+@triton.jit
+def _norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, D, div, eps,
+                     HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = rows < n_rows
+    col_mask = cols < D
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / div + eps)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, D, div,
+                     tiles_per_program, n_tiles,
+                     HAS_WEIGHT: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Each program walks `tiles_per_program` consecutive row tiles (fewer in the last program) and writes its
+    fp32 partial Σ g⊙x̂ to row `program_id` of dw_partial [num_programs, D]."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < D
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    tile = pid * tiles_per_program
+    end = tl.minimum(tile + tiles_per_program, n_tiles)
+    # a while loop: Triton's interpreter (the CPU tests) cannot run a `for` to a runtime bound under numpy 2.4
+    while tile < end:
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat = x * rstd[:, None]
+        if NEED_DW:
+            dw_acc += tl.sum(g * xhat, axis=0)
+        if NEED_DX:
+            if HAS_WEIGHT:
+                g = g * w[None, :]
+            c = tl.sum(g * xhat, axis=1) / div
+            dx = rstd[:, None] * (g - xhat * c[:, None])
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tile += 1
+    if NEED_DW:
+        tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, dw_acc, mask=col_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch_shape(n_rows: int, D: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps): whole rows per program, several when D is small; about 8 elements per
+    thread (ptxas for sm_90: backward then needs <= 64 registers per thread at 32 warps, ~110 at 16; with 16
+    elements per thread it needs ~180, and spills at D = 8192)."""
+    block_d = triton.next_power_of_2(D)
+    block_r = min(max(1, _TILE // block_d), triton.next_power_of_2(n_rows))
+    num_warps = min(32, max(4, block_r * block_d // 256))
+    return block_r, block_d, num_warps
+
+
+def _tiles_per_program(device: torch.device, n_tiles: int, num_warps: int) -> int:
+    """Backward's row tiles per program: a persistent grid just big enough to fill the GPU (32 warps per SM),
+    so the [programs, D] partial sums of dw stay small. The interpreter gets 3 programs, so the tests cover
+    several partials and a shorter last program."""
+    programs = _sm_count(device.index) * max(1, 32 // num_warps) if device.type == "cuda" else 3
+    return triton.cdiv(n_tiles, programs)
+
+
+def _on_device(t: torch.Tensor):
+    # triton launches on the current CUDA device; follow the tensor's
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+class _TritonNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, mean):
+        D = x.shape[-1]
+        x2d = x.reshape(-1, D).contiguous()
+        weight = None if weight is None else weight.contiguous()
+        n_rows = x2d.shape[0]
+        y = torch.empty_like(x2d)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        div = float(D) if mean else 1.0
+        block_r, block_d, num_warps = _launch_shape(n_rows, D)
+        with _on_device(x):
+            _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+                x2d, x2d if weight is None else weight, y, rstd, n_rows, D, div, float(eps),
+                HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        ctx.save_for_backward(x2d, weight, rstd)
+        ctx.x_shape, ctx.div = x.shape, div
+        return y.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        x2d, weight, rstd = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        n_rows, D = x2d.shape
+        dy = grad_y.reshape(n_rows, D).contiguous()
+        dx = torch.empty_like(x2d) if need_dx else None
+        block_r, block_d, num_warps = _launch_shape(n_rows, D)
+        n_tiles = triton.cdiv(n_rows, block_r)
+        tiles_per_program = _tiles_per_program(x2d.device, n_tiles, num_warps)
+        programs = triton.cdiv(n_tiles, tiles_per_program)
+        dw_partial = torch.empty(programs, D, dtype=torch.float32, device=x2d.device) if need_dw else None
+        with _on_device(x2d):
+            _norm_bwd_kernel[(programs,)](
+                x2d, x2d if weight is None else weight, rstd, dy, x2d if dx is None else dx,
+                rstd if dw_partial is None else dw_partial, n_rows, D, ctx.div, tiles_per_program, n_tiles,
+                HAS_WEIGHT=weight is not None, NEED_DX=need_dx, NEED_DW=need_dw,
+                BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        grad_x = dx.view(ctx.x_shape) if need_dx else None
+        grad_w = dw_partial.sum(0).to(weight.dtype) if need_dw else None
+        return grad_x, grad_w, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`w ⊙ x / sqrt(mean(x²) + eps)` over the last dim; x [..., D] with 0 < D ≤ MAX_D, weight [D] or None."""
+    return _TritonNorm.apply(x, weight, eps, True)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(sum(x²) + eps)` over the last dim; x [..., D] with 0 < D ≤ MAX_D."""
+    return _TritonNorm.apply(x, None, eps, False)
