@@ -61,6 +61,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also time the graph of a torch.compile'd step")
+    ap.add_argument("--contexts", default="4096,32768", help="comma-separated context lengths")
     a = ap.parse_args()
     ceil = measure_ceilings()
     copy_bw = ceil["copy_TBps"] * 1e12
@@ -73,7 +74,7 @@ def main():
     la = cfg.linear_attn_config
     n_kda, n_mla = cfg.num_hidden_layers - len(cfg.mla_layer_ids), len(cfg.mla_layer_ids)
     rows = []
-    for ctx in ([4096, 32768] if not a.quick else [512]):
+    for ctx in ([int(c) for c in a.contexts.split(",")] if not a.quick else [512]):
         for B in ([1, 8, 64] if not a.quick else [1, 4]):
             state_bytes = n_kda * B * la.num_heads * la.head_dim ** 2 * 4 * 2
             kv_bytes = n_mla * B * ctx * (R + rope) * 2

@@ -3,6 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from k3.ops.triton_dispatch import triton_module, use_triton
+
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
                doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -12,7 +14,10 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None 
     doc_ids: [B, T] for packed rows; taps that reach into another document read zero.
     Returns (y [B, T, C] in x's dtype, new tail [B, W−1, C] in the compute dtype).
     For backward only x (in its own dtype), the tail and doc_ids are kept; the fp32 padded input is rebuilt.
+    CUDA tensors take the Triton kernels of `k3.ops._conv_triton` where triton is there (same math, fp32 accumulate).
     """
+    if x.numel() and use_triton(x, "_conv_triton"):
+        return triton_module("_conv_triton").short_conv(x, weight, tail, doc_ids)
     return _ShortConv.apply(x, weight, tail, doc_ids)
 
 

@@ -1,4 +1,5 @@
-"""When k3's own Triton kernels run: CUDA tensors, triton importable, not switched off by K3_NO_TRITON=1.
+"""When k3's own Triton kernels run: CUDA tensors, triton importable, not switched off by K3_NO_TRITON
+(=1 for all, or a comma-separated list of kernel modules).
 
 Kernel modules (`k3.ops._*_triton`) import triton at the top, so they are imported only through
 `triton_module`, which returns None where triton is missing (the CPU install). Tests may call a kernel module's
@@ -28,6 +29,7 @@ def use_triton(x: torch.Tensor, name: str) -> bool:
     and not inside torch.compile (inductor fuses the plain-PyTorch path itself)."""
     if torch.compiler.is_compiling() or not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return False
-    if os.environ.get("K3_NO_TRITON", "") not in ("", "0"):
+    off = os.environ.get("K3_NO_TRITON", "")  # "1": all kernels off; or a comma list of modules ("_conv_triton")
+    if off == "1" or name in off.split(","):
         return False
     return triton_module(name) is not None

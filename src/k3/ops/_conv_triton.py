@@ -1,0 +1,211 @@
+"""Triton kernels for the causal depthwise short conv (imported only through k3.ops.triton_dispatch; needs triton).
+
+Same contract and math as `k3.ops.conv.short_conv_reference`: xp = [tail; x] in fp32, y[t] = Σ_j w[j] · xp[t + j],
+a tap j of token t used only where the (−1 left-padded) document id of row t − (W−1) + j equals token t's.
+One pass over x (forward) and over x and dy (backward) in [BLOCK_T, BLOCK_C] tiles; the W − 1 halo rows are
+re-read per tap (shifted loads that hit cache) instead of building the fp32 padded copy the torch path needs.
+"""
+import torch
+import triton
+import triton.language as tl
+
+# Sized by ptxas on sm_90 (bf16, C % 16 == 0): no spills; ~100 registers forward, ~140 backward at 4 warps.
+_FWD_BLOCK_T = 32
+_BWD_BLOCK_T = 16
+_BWD_TILES = 8  # tiles of _BWD_BLOCK_T rows per backward program: fewer fp32 grad_weight partials to sum
+_MAX_BLOCK_C = 128
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _tile(ptr, rows, offs_c, n_rows, C):
+    """fp32 [len(rows), BLOCK_C] of a row-major [n_rows, C] block at ptr, zero outside it."""
+    ok = ((rows >= 0) & (rows < n_rows))[:, None] & (offs_c < C)[None, :]
+    return tl.load(ptr + rows[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _xp_rows(x_b, tail_b, s0, s, offs_c, T, C, W: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """Rows s (starting at s0) of xp = [tail; x] of one batch as fp32 [len(s), BLOCK_C]: x for 0 <= s < T, the tail
+    for −(W−1) <= s < 0 (zeros without one), zero elsewhere."""
+    v = _tile(x_b, s, offs_c, T, C)
+    if HAS_TAIL:
+        if s0 < 0:  # only a row's first tile reaches into the tail
+            v += _tile(tail_b, s + (W - 1), offs_c, W - 1, C)
+    return v
+
+
+@triton.jit
+def _doc_rows(doc_b, s, T):
+    """Document ids of rows s, −1 left of the row (as the reference's padding) and past its end."""
+    return tl.load(doc_b + s, mask=(s >= 0) & (s < T), other=-1)
+
+
+@triton.jit
+def _weight(w_ptr, offs_c, C, W: tl.constexpr, j: tl.constexpr):
+    """Tap j's weights as a [1, BLOCK_C] row."""
+    return tl.load(w_ptr + offs_c * W + j, mask=offs_c < C, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, T, C,
+                          W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, TAIL_ROWS: tl.constexpr):
+    pid_t = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b = tl.program_id(2).to(tl.int64)  # per-batch base pointers: the in-tile offsets stay int32
+    x_b, tail_b, doc_b = x_ptr + b * T * C, tail_ptr + b * (W - 1) * C, doc_ptr + b * T
+    t0 = pid_t * BLOCK_T
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    if HAS_DOC:
+        doc_t = _doc_rows(doc_b, offs_t, T)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W):
+        s = offs_t - (W - 1) + j
+        v = _xp_rows(x_b, tail_b, t0 - (W - 1) + j, s, offs_c, T, C, W, HAS_TAIL)
+        if HAS_DOC:
+            v = tl.where((_doc_rows(doc_b, s, T) == doc_t)[:, None], v, 0.0)
+        acc += v * _weight(w_ptr, offs_c, C, W, j)
+    tl.store(y_ptr + b * T * C + offs_t[:, None] * C + offs_c[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_t < T)[:, None] & (offs_c < C)[None, :])
+    if pid_t == 0:  # new tail: the last W−1 rows of xp, tail rows included when T < W−1; no document mask
+        # (names differ from the tile's: a runtime branch may not rebind a variable with another shape)
+        r = tl.arange(0, TAIL_ROWS)
+        last_rows = _xp_rows(x_b, tail_b, T - (W - 1), T - (W - 1) + r, offs_c, T, C, W, HAS_TAIL)
+        tl.store(new_tail_ptr + b * (W - 1) * C + r[:, None] * C + offs_c[None, :], last_rows,
+                 mask=(r < W - 1)[:, None] & (offs_c < C)[None, :])
+
+
+@triton.jit
+def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_ptr, gw_part_ptr, gtail_ptr, T, C,
+                          W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr,
+                          HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr,
+                          NEED_GX: tl.constexpr, NEED_GW: tl.constexpr, NEED_GTAIL: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
+                          W_ROWS: tl.constexpr, TAIL_ROWS: tl.constexpr):
+    """dx for this program's TILES·BLOCK_T rows, their partial Σ_t dy[t] · xp[t + j] (masked) per tap into
+    gw_part[b, pid_t], and (program 0 along T) d tail. dy flows from y (HAS_GY) and from the new tail (HAS_GNT)."""
+    pid_t = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b = tl.program_id(2).to(tl.int64)  # per-batch base pointers: the in-tile offsets stay int32
+    x_b, tail_b, doc_b = x_ptr + b * T * C, tail_ptr + b * (W - 1) * C, doc_ptr + b * T
+    gy_b, gnt_b = gy_ptr + b * T * C, gnt_ptr + b * (W - 1) * C
+    c_ok = offs_c < C
+    taps = tl.arange(0, W_ROWS)
+    gw_acc = tl.zeros([W_ROWS, BLOCK_C], dtype=tl.float32)
+    for i in range(TILES):
+        t0 = (pid_t * TILES + i) * BLOCK_T
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        if HAS_DOC:
+            doc_t = _doc_rows(doc_b, offs_t, T)
+        if HAS_GY:
+            gy_t = _tile(gy_b, offs_t, offs_c, T, C)
+        if NEED_GX:
+            gx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            if HAS_GY:
+                gx += gy_t * _weight(w_ptr, offs_c, C, W, W - 1)  # the last tap reads the token's own row
+                for j in tl.static_range(W - 1):
+                    t = offs_t + (W - 1) - j  # the token whose tap j reads row offs_t
+                    g = _tile(gy_b, t, offs_c, T, C)
+                    if HAS_DOC:
+                        g = tl.where((_doc_rows(doc_b, t, T) == doc_t)[:, None], g, 0.0)
+                    gx += g * _weight(w_ptr, offs_c, C, W, j)
+            if HAS_GNT:  # rows T−(W−1)..T−1 are the new tail's rows 0..W−2
+                gx += _tile(gnt_b, offs_t - (T - (W - 1)), offs_c, W - 1, C)
+            tl.store(gx_ptr + b * T * C + offs_t[:, None] * C + offs_c[None, :], gx.to(gx_ptr.dtype.element_ty),
+                     mask=(offs_t < T)[:, None] & c_ok[None, :])
+        if NEED_GW:
+            for j in tl.static_range(W):
+                s = offs_t - (W - 1) + j
+                v = _xp_rows(x_b, tail_b, t0 - (W - 1) + j, s, offs_c, T, C, W, HAS_TAIL)
+                if HAS_DOC:
+                    v = tl.where((_doc_rows(doc_b, s, T) == doc_t)[:, None], v, 0.0)
+                gw_acc += tl.where((taps == j)[:, None], tl.sum(gy_t * v, axis=0)[None, :], 0.0)
+    if NEED_GW:
+        tl.store(gw_part_ptr + ((b * tl.num_programs(0) + pid_t) * W + taps)[:, None] * C + offs_c[None, :], gw_acc,
+                 mask=(taps < W)[:, None] & c_ok[None, :])
+    if NEED_GTAIL:
+        if pid_t == 0:  # tail row r is xp row r: read by token r − j through tap j, and is new-tail row r − T
+            # (names differ from the tiles': a runtime branch may not rebind a variable with another shape)
+            r = tl.arange(0, TAIL_ROWS)
+            gt = tl.zeros([TAIL_ROWS, BLOCK_C], dtype=tl.float32)
+            if HAS_GY:
+                for j in tl.static_range(W):
+                    reader = r - j  # (rows r >= W−1 are padding, never stored)
+                    g_r = _tile(gy_b, reader, offs_c, T, C)
+                    if HAS_DOC:  # the tail's padded document id is −1
+                        g_r = tl.where((_doc_rows(doc_b, reader, T) == -1)[:, None], g_r, 0.0)
+                    gt += g_r * _weight(w_ptr, offs_c, C, W, j)
+            if HAS_GNT:
+                gt += _tile(gnt_b, r - T, offs_c, W - 1, C)
+            tl.store(gtail_ptr + b * (W - 1) * C + r[:, None] * C + offs_c[None, :], gt.to(gtail_ptr.dtype.element_ty),
+                     mask=(r < W - 1)[:, None] & c_ok[None, :])
+
+
+def _block_c(C: int) -> int:
+    return min(_MAX_BLOCK_C, max(16, triton.next_power_of_2(C)))
+
+
+def _tail_rows(W: int) -> int:
+    return triton.next_power_of_2(max(W - 1, 1))
+
+
+class ShortConvTriton(torch.autograd.Function):
+    """`short_conv` with both passes in Triton; keeps x (its own dtype), weight, tail and doc_ids for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, tail, doc_ids):
+        ctx.set_materialize_grads(False)
+        B, T, C = x.shape
+        W = weight.shape[-1]
+        x, weight = x.contiguous(), weight.contiguous()
+        tail = None if tail is None else tail.contiguous()
+        doc_ids = None if doc_ids is None else doc_ids.contiguous()
+        y = torch.empty_like(x)
+        new_tail = torch.empty(B, W - 1, C, device=x.device, dtype=torch.float32)
+        BLOCK_C = _block_c(C)
+        grid = (triton.cdiv(T, _FWD_BLOCK_T), triton.cdiv(C, BLOCK_C), B)
+        short_conv_fwd_kernel[grid](
+            x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids, y, new_tail, T, C,
+            W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None,
+            BLOCK_T=_FWD_BLOCK_T, BLOCK_C=BLOCK_C, TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
+        ctx.save_for_backward(x, weight, tail, doc_ids)
+        return y, new_tail
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_new_tail):
+        x, weight, tail, doc_ids = ctx.saved_tensors
+        need_x, need_w, need_tail = ctx.needs_input_grad[:3]
+        need_w = need_w and grad_y is not None  # the new tail does not depend on the weight
+        need_tail = need_tail and tail is not None
+        if grad_y is None and grad_new_tail is None:
+            return None, None, None, None
+        B, T, C = x.shape
+        W = weight.shape[-1]
+        gy = None if grad_y is None else grad_y.contiguous()
+        gnt = None if grad_new_tail is None else grad_new_tail.contiguous()
+        gx = torch.empty_like(x) if need_x else None
+        gtail = torch.empty_like(tail) if need_tail else None
+        BLOCK_C = _block_c(C)
+        tiles = min(_BWD_TILES, triton.cdiv(T, _BWD_BLOCK_T))
+        n_t = triton.cdiv(T, _BWD_BLOCK_T * tiles)
+        gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32) if need_w else None
+        grid = (n_t, triton.cdiv(C, BLOCK_C), B)
+        short_conv_bwd_kernel[grid](
+            x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
+            x if gy is None else gy, x if gnt is None else gnt,
+            x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
+            W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, HAS_GY=gy is not None,
+            HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w, NEED_GTAIL=need_tail,
+            BLOCK_T=_BWD_BLOCK_T, BLOCK_C=BLOCK_C, TILES=tiles, W_ROWS=triton.next_power_of_2(W),
+            TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
+        gw = None
+        if need_w:
+            gw = gw_part.sum((0, 1)).t().unsqueeze(1).to(weight.dtype)  # [W, C] -> [C, 1, W]
+        return gx, gw, gtail, None
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
+               doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`k3.ops.conv.short_conv` in Triton: x [B, T, C] (T, C > 0) bf16/fp16/fp32, weight [C, 1, W]."""
+    return ShortConvTriton.apply(x, weight, tail, doc_ids)

@@ -1,0 +1,110 @@
+"""The Triton short conv (k3.ops._conv_triton) equals autograd through `short_conv_reference`: outputs, new tail
+and the gradients of x, weight and tail, with and without tail and documents. Without CUDA the kernels run on CPU
+under the Triton interpreter; skipped where triton is not installed."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+pytest.importorskip("triton")
+
+from k3.ops import _conv_triton  # noqa: E402
+from k3.ops.conv import short_conv, short_conv_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# fp32: the same sums of W products in another order; bf16: y and grad_x are that sum rounded to bf16 (an ulp apart)
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def conv_case(seed, B, T, C, W, dtype, with_tail, with_doc):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=g).to(dtype)
+    w = torch.randn(C, 1, W, generator=g)
+    tail = torch.randn(B, W - 1, C, generator=g) if with_tail else None
+    # random documents per row: sorted ids with gaps, so some documents are one token long
+    doc = torch.randint(0, max(T // 3, 2), (B, T), generator=g).sort(-1).values if with_doc else None
+    dy = torch.randn(B, T, C, generator=g).to(dtype)
+    dtail = torch.randn(B, W - 1, C, generator=g)
+    return tuple(None if t is None else t.to(DEVICE) for t in (x, w, tail, doc, dy, dtail))
+
+
+def run(fn, x, w, tail, doc, dy, dtail):
+    """fn's outputs and the gradients of ⟨y, dy⟩ (+ ⟨new_tail, dtail⟩ if dtail is given) for x, w (and tail)."""
+    leaves = [t if t is None else t.detach().clone().requires_grad_() for t in (x, w, tail)]
+    y, new_tail = fn(*leaves, doc)
+    pairs = [(y, dy)] + ([(new_tail, dtail)] if dtail is not None else [])
+    wanted = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs])
+    return (y, new_tail, *grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_tail,with_doc", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("seed,B,T,C,W", [(1, 2, 37, 96, 4), (2, 1, 3, 64, 4), (3, 3, 64, 200, 4),
+                                          (4, 2, 150, 40, 4), (5, 1, 1, 16, 4), (13, 1, 2, 64, 4), (6, 2, 9, 24, 2),
+                                          (10, 2, 11, 24, 3), (11, 1, 5, 16, 1)])
+def test_triton_short_conv_matches_the_reference(seed, B, T, C, W, dtype, with_tail, with_doc):
+    x, w, tail, doc, dy, dtail = conv_case(seed, B, T, C, W, dtype, with_tail, with_doc)
+    for grad_tail_out in (None, dtail):  # only y's gradient flows, then the new tail's too
+        got = run(_conv_triton.short_conv, x, w, tail, doc, dy, grad_tail_out)
+        want = run(short_conv_reference, x, w, tail, doc, dy, grad_tail_out)
+        assert len(got) == len(want) == 4 + with_tail
+        for name, a, b in zip(("y", "new_tail", "grad_x", "grad_weight", "grad_tail"), got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            tol = TOL[dtype] if name in ("y", "grad_x") else TOL[torch.float32]
+            if name == "grad_weight":  # a sum over B·T products of x's dtype: scale the tolerance with it
+                tol = dict(rtol=tol["rtol"], atol=tol["atol"] * (B * T) ** 0.5)
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_document_id_minus_one_reads_the_tail_like_the_reference():
+    """The reference pads document ids with −1 on the left, so a row starting in document −1 sees the tail."""
+    x, w, tail, doc, dy, dtail = conv_case(12, 2, 10, 32, 4, torch.float32, True, True)
+    doc = doc - doc[:, :1] - 1  # each row's first document is −1
+    got = run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail)
+    want = run(short_conv_reference, x, w, tail, doc, dy, dtail)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+    assert got[4].abs().min() > 0  # T > W-1: the tail's gradient comes through y's taps, so they did read it
+
+
+def test_only_the_new_tails_gradient_and_a_non_contiguous_input():
+    """grad of y None (only the new tail used): x gets the new tail's gradient in its last rows, the weight none."""
+    x, w, tail, _, _, dtail = conv_case(7, 2, 5, 48, 4, torch.float32, True, False)
+    x = x.transpose(0, 1).contiguous().transpose(0, 1)  # [B, T, C] view with B and T strides swapped
+    assert not x.is_contiguous()
+    results = []
+    for fn in (_conv_triton.short_conv, short_conv_reference):
+        xs, ws, ts = (t.detach().clone().requires_grad_() for t in (x, w, tail))
+        y, new_tail = fn(xs, ws, ts, None)
+        new_tail.backward(dtail)
+        results.append((y, new_tail, xs.grad, ts.grad, ws.grad))
+    (y, nt, gx, gt, gw), (y_ref, nt_ref, gx_ref, gt_ref, gw_ref) = results
+    for a, b in ((y, y_ref), (nt, nt_ref), (gx, gx_ref), (gt, gt_ref)):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+    assert gw is None and gw_ref is None
+    assert torch.equal(gx[:, :2], torch.zeros_like(gx[:, :2])) and torch.equal(gx[:, 2:], dtail)
+
+
+def test_new_tail_is_a_fresh_fp32_tensor_and_grads_skip_inputs_that_need_none():
+    x, w, tail, doc, dy, _ = conv_case(8, 2, 12, 32, 4, torch.bfloat16, True, True)
+    y, new_tail = _conv_triton.short_conv(x, w.requires_grad_(), tail, doc)
+    assert new_tail.dtype == torch.float32 and new_tail.untyped_storage().nbytes() == new_tail.nbytes
+    (gw,) = torch.autograd.grad(y, w, dy)  # x and tail need no gradient: the kernel writes only the weight's
+    (gw_ref,) = torch.autograd.grad(short_conv_reference(x, w, tail, doc)[0], w, dy)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the dispatch takes the kernels on CUDA only")
+def test_short_conv_dispatches_to_triton_on_cuda(monkeypatch):
+    monkeypatch.delenv("K3_NO_TRITON", raising=False)
+    calls = []
+    real = _conv_triton.short_conv
+    monkeypatch.setattr(_conv_triton, "short_conv", lambda *a: calls.append(1) or real(*a))
+    x, w, tail, doc, _, _ = conv_case(9, 2, 20, 64, 4, torch.bfloat16, True, True)
+    y, new_tail = short_conv(x, w, tail, doc)
+    y_ref, new_tail_ref = short_conv_reference(x, w, tail, doc)
+    assert calls and torch.equal(new_tail, new_tail_ref)
+    torch.testing.assert_close(y, y_ref, **TOL[torch.bfloat16])
