@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -141,6 +144,21 @@ async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurr
     return out
 
 
+def run_load_in_own_process(*args) -> dict:
+    """`run_load(*args)` in a separate Python process, as `vllm bench serve` runs apart from its server: in the
+    server's own process, parsing 64 clients' SSE streams would take the GIL from the engine and the HTTP layer
+    and show up as server latency. A fresh interpreter (not multiprocessing), so no caller needs a __main__
+    guard."""
+    code = ("import asyncio, json, sys\nfrom k3.serve.bench import run_load\n"
+            "print(json.dumps(asyncio.run(run_load(*json.load(sys.stdin)))))")
+    k3_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [k3_root, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, env=env)
+    if r.returncode:
+        raise RuntimeError(f"the load generator failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.splitlines()[-1])
+
+
 def requests_per_level(concurrency: int | None, num_prompts: int, per_concurrency: int) -> int:
     """Requests at one concurrency level: at least `num_prompts`, and `per_concurrency` per concurrent slot, so
     every level runs the same number of waves (multi-turn: per_concurrency / turns conversations per slot)."""
@@ -183,7 +201,8 @@ def _sync(device: torch.device) -> None:
 def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, concurrency: int | None,
                request_rate: float | None, input_len: int, output_len: int, turns: int, seed: int = 0,
                on_start=None) -> dict:
-    """One load run against a fresh engine (so a cold prefix cache) behind an in-process server → the summary,
+    """One load run against a fresh engine (so a cold prefix cache) behind an in-process server, loaded by
+clients in a process of their own → the summary,
     plus `problems`: failed requests, outputs of the wrong length, a pool not empty afterwards.
     on_start(engine): called once the engine exists (e.g. to print its capacity)."""
     from k3.serve.api import create_app
@@ -194,8 +213,8 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
         if on_start is not None:
             on_start(engine)
         with local_server(create_app(engine, tokenizer, "k3")) as url:
-            s = asyncio.run(run_load(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
-                                     output_len, turns, None, seed))
+            s = run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
+                                        output_len, turns, None, seed)
         blocks, slots = engine.pool.num_used_blocks, engine.pool.num_used_slots
         s["problems"] = [msg for bad, msg in (
             (s["failed"], f"{s['failed']} failed requests"),

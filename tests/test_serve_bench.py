@@ -1,0 +1,24 @@
+"""`k3 bench serve` end to end on a tiny random K3 (CPU): a real server, clients in their own process, both
+datasets and the static baseline. Its summaries must add up: every request answered with exactly
+--output-len tokens, first tokens before the ends, and the second chat turn served partly from the cache."""
+import json
+
+from k3.cli import main
+
+
+def test_bench_serve_runs_every_dataset_and_the_baseline(tmp_path):
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--preset", "tiny", "--concurrency", "2", "--num-prompts", "4",
+               "--prompts-per-concurrency", "2", "--input-len", "12", "--output-len", "5", "--turns", "2",
+               "--block-size", "16", "--match-unit", "4", "--json", str(out)])
+    assert rc == 0
+    rows = {r["run"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"engine random c=2", "engine multiturn c=2", "static generate batch=2"}
+    for name, r in rows.items():
+        assert r["requests"] == 4 and r["failed"] == 0 and r["wrong_length"] == 0 and r["problems"] == [], name
+        assert abs(r["out_tok_per_s"] * r["wall_s"] - 4 * 5) < 1e-6, name  # 4 requests x 5 tokens
+    for name in ("engine random c=2", "engine multiturn c=2"):
+        r = rows[name]
+        assert 0 < r["ttft_ms"]["mean"] < r["e2e_ms"]["mean"], name
+        assert r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["median"] > 0, name
+    assert rows["engine multiturn c=2"]["hit_rate"] > 0.2  # turn 2 resumes turn 1's checkpointed prefix
