@@ -2,9 +2,9 @@
 # Every GPU benchmark and the GPU tests on one H200, in the order that pays for fla's Triton compilation once:
 # the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
-#   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests kernels decode prefill train train-ckpt moe
-#   vision serve profile pack
-#   (default: all but kernels, train-ckpt, profile and pack; pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ... to
+#   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests kernels kbench decode prefill train
+#   train-ckpt moe vision serve profile pack
+#   (default: all but kernels, kbench, train-ckpt, profile and pack; pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ... to
 #   carry back; put them in .tpack/ and carry that: the script unpacks .tpack/tcache.tgz.* into an empty cache)
 # Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
 # TRITON_CACHE_DIR defaults to ./.tcache: keep it between calls (and carry it) to skip recompiling.
@@ -36,6 +36,7 @@ for step in $steps; do
         tests) run tests 480 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
+        kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;
         profile) run profile 240 python3 benchmarks/profile_gpu.py --compile ;;
         train) run train 240 python3 benchmarks/bench_gpu_train.py ;;
         train-ckpt) run train-ckpt 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;

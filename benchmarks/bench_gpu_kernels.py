@@ -1,0 +1,79 @@
+"""k3's own Triton kernels against the plain-PyTorch paths they replace, at `small`'s training shapes, bf16.
+
+Rows per op: "triton" = the kernel k3 dispatches to on CUDA; "torch" = the same call with the kernel switched
+off (K3_NO_TRITON=<module>; the conv kernel is opt-in, K3_TRITON_CONV=1). Forward and forward+backward
+(against one fixed random upstream gradient). Hardware limit per op: the bytes the forward must move (inputs
+read once, output written once) over the copy bandwidth measured in the same run.
+Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the AttnRes mix of 5 sources
+[B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps; SiTU-GLU [B·T, 6144].
+Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench_util import fwd_bwd, measure_ceilings, save, table, time_ms  # noqa: E402
+
+from k3.model.attn_res import attn_res_mix  # noqa: E402
+from k3.model.norm import RMSNorm  # noqa: E402
+from k3.ops.conv import short_conv  # noqa: E402
+from k3.ops.fused_situ import situ_glu_fast  # noqa: E402
+from k3.ops.norm import l2_norm, rms_norm  # noqa: E402
+
+
+def cases(B: int, T: int, device: str = "cuda"):
+    """name → (kernel module, fn(leaves), inputs, params, bytes the forward moves)."""
+    D, H, K, I = 1536, 12, 128, 6144
+    r = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+    x = r(B, T, D)
+    w = torch.ones(D, device=device, dtype=torch.bfloat16, requires_grad=True)
+    heads = r(B, T, H, K)
+    sources = [r(B, T, D) for _ in range(5)]
+    norm = RMSNorm(D, 1e-5).to(device)
+    proj = torch.nn.Linear(D, 1, bias=False).to(device)
+    conv_w = (torch.randn(D, 1, 4, device=device) * 0.5).requires_grad_()
+    gate, up = r(B * T, I), r(B * T, I)
+    n = B * T * D * 2
+    return {
+        "rms_norm": ("_norm_triton", lambda a: rms_norm(a[0], w, 1e-5), [x], [w], 2 * n),
+        "l2_norm": ("_norm_triton", lambda a: l2_norm(a[0]), [heads], [], 2 * n),
+        "attn_res_mix (5 sources)": ("_attn_res_triton", lambda a: attn_res_mix(list(a), norm, proj), sources,
+                                     list(norm.parameters()) + list(proj.parameters()), 6 * n),
+        "short_conv (4 taps)": ("_conv_triton", lambda a: short_conv(a[0], conv_w)[0], [x], [conv_w], 2 * n),
+        "situ_glu": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate, up], [], 3 * B * T * I * 2),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="8,4096", help="B,T")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    B, T = (2, 512) if a.quick else map(int, a.tokens.split(","))
+    bw = measure_ceilings()["copy_TBps"] * 1e12
+    rows = []
+    for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():
+        for impl in ("triton", "torch"):
+            env = {"K3_NO_TRITON": "" if impl == "triton" else module, "K3_TRITON_CONV": "1"}
+            old = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                with torch.no_grad():
+                    f_ms = time_ms(lambda: fn(inputs))
+                fb_ms = time_ms(fwd_bwd(fn, inputs, params))
+            finally:
+                for k, v in old.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            rows.append(dict(op=op, impl=impl, fwd_ms=f_ms, fwd_bwd_ms=fb_ms, floor_fwd_ms=nbytes / bw * 1e3,
+                             fwd_GBps=nbytes / f_ms * 1e-6))
+            print(rows[-1], flush=True)
+    print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(table(rows, ["op", "impl", "fwd_ms", "fwd_bwd_ms", "floor_fwd_ms", "fwd_GBps"]))
+    save("kernels" + ("_quick" if a.quick else ""), {"rows": rows, "B": B, "T": T})
+
+
+if __name__ == "__main__":
+    main()
