@@ -4,8 +4,9 @@
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests kernels kbench decode prefill train
 #   train-ckpt moe vision serve profile pack
-#   (default: all but kernels, kbench, train-ckpt, profile and pack; pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ... to
-#   carry back; put them in .tpack/ and carry that: the script unpacks .tpack/tcache.tgz.* into an empty cache)
+#   (default: all but kernels, kbench, train-ckpt, profile and pack). kernels = the Triton kernel tests and the
+#   GPU tests that need no new fla compile; pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ...
+#   to carry back: put them in .tpack/ and carry that; the script unpacks .tpack/tcache.tgz.* into an empty cache.
 # Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
 # TRITON_CACHE_DIR defaults to ./.tcache: keep it between calls (and carry it) to skip recompiling.
 # Without fla importable, the wheels in .whl/ (carried: the GPU machine has no network) go to /tmp/k3-site.
