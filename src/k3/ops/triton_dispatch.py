@@ -27,7 +27,9 @@ def triton_module(name: str) -> ModuleType | None:
 def use_triton(x: torch.Tensor, name: str) -> bool:
     """Whether x should take the kernels of `k3.ops.<name>`: CUDA, a float dtype, triton there, not disabled,
     and not inside torch.compile (inductor fuses the plain-PyTorch path itself)."""
-    if torch.compiler.is_compiling() or not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+    if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor):
+        return False
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return False
     off = os.environ.get("K3_NO_TRITON", "")  # "1": all kernels off; or a comma list of modules ("_conv_triton")
     if off == "1" or name in off.split(","):

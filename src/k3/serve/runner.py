@@ -58,13 +58,13 @@ class DecodeGraphView(PagedBatchView):
         pinned = pool.device.type == "cuda"
         self.host = torch.zeros(rows * (4 + width), dtype=torch.long, pin_memory=pinned)
         self.buf = torch.zeros_like(self.host, device=pool.device)
+        self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host` has run
         self.ids, self.kv_len, self.slots, self.slot_mapping = self.buf[:4 * rows].view(4, rows)
         self.block_tables = self.buf[4 * rows:].view(rows, width)
 
     def load(self, seqs: list[Sequence]) -> None:
         """This step's token, length, slot, new-token position and block table of each sequence, one copy."""
         pool, bs, rows, width = self.pool, self.pool.block_size, self.rows, self.width
-        host = self.host.view(-1)
         pad = rows - len(seqs)
         n = [s.num_computed for s in seqs]
         cols = [[s.tokens[p] for s, p in zip(seqs, n)] + [0] * pad,
@@ -72,8 +72,12 @@ class DecodeGraphView(PagedBatchView):
                 [s.slot for s in seqs] + [pool.scratch_slot] * pad,
                 [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, n)] + [pool.scratch_block * bs] * pad]
         tables = [b for s in seqs for b in s.block_table + [pool.scratch_block] * (width - len(s.block_table))]
-        host.copy_(torch.tensor([v for c in cols for v in c] + tables + [pool.scratch_block] * (pad * width)))
+        if self.copied is not None:  # the previous step's copy may still be queued: never overwrite its source
+            self.copied.synchronize()
+        self.host.copy_(torch.tensor([v for c in cols for v in c] + tables + [pool.scratch_block] * (pad * width)))
         self.buf.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
 
 class DecodeGraphs:
@@ -111,7 +115,8 @@ class DecodeGraphs:
                 logits = self._forward(view)
             torch.cuda.current_stream(self.pool.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool):
+            # thread_local: the server's other threads may touch CUDA while this one captures
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
                 out = self._forward(view)
             self.entries[rows, width] = (view, graph, out)
             return logits[:len(seqs)]
