@@ -1,8 +1,8 @@
 """k3's own Triton kernels against the plain-PyTorch paths they replace, at `small`'s training shapes, bf16.
 
 Rows per op: "triton" = the kernel k3 dispatches to on CUDA; "torch" = the same call with the kernel switched
-off (K3_NO_TRITON=<module>; the conv kernel is opt-in, K3_TRITON_CONV=1). Forward and forward+backward
-(against one fixed random upstream gradient). Hardware limit per op: the bytes the forward must move (inputs
+off (K3_NO_TRITON=<module>; opt-in kernels such as the conv are switched on with K3_TRITON=all). Forward and
+forward+backward (against one fixed random upstream gradient). Hardware limit per op: the bytes the forward must move (inputs
 read once, output written once) over the copy bandwidth measured in the same run.
 Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the AttnRes mix of 5 sources
 [B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps; SiTU-GLU [B·T, 6144].
@@ -57,7 +57,7 @@ def main():
     rows = []
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():
         for impl in ("triton", "torch"):
-            env = {"K3_NO_TRITON": "" if impl == "triton" else module, "K3_TRITON_CONV": "1"}
+            env = {"K3_NO_TRITON": "" if impl == "triton" else module, "K3_TRITON": "all"}
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:

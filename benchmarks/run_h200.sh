@@ -42,7 +42,8 @@ for step in $steps; do
         train) run train 240 python3 benchmarks/bench_gpu_train.py ;;
         train-ckpt) run train-ckpt 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
         kernels) run kernels 240 python3 -m pytest -q -p no:cacheprovider tests/test_attn_res_triton.py \
-            tests/test_norm_triton.py tests/test_conv_triton.py tests/test_gpu.py -k "not graphed and not chunk" ;;
+            tests/test_norm_triton.py tests/test_conv_triton.py tests/test_mla_decode_triton.py tests/test_gpu.py \
+            -k "not graphed and not chunk" ;;
         moe) run moe 120 python3 benchmarks/bench_gpu_moe.py ;;
         vision) run vision 120 python3 benchmarks/bench_gpu_vision.py ;;
         serve) run serve 420 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \

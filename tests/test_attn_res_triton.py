@@ -41,3 +41,22 @@ def test_fused_mix_matches_reference(n, B, T, D, dtype):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         err = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-6)
         assert err < tol, f"{name}: relative error {err:.2e}"
+
+
+def test_dispatch_switches(monkeypatch):
+    """use_triton: off on CPU tensors; on CUDA, K3_NO_TRITON turns all or listed kernels off, and the opt-in
+    kernels run only when named in K3_TRITON (or K3_TRITON=all)."""
+    from k3.ops import triton_dispatch as td
+
+    assert not td.use_triton(torch.zeros(2), "_attn_res_triton")
+    if not torch.cuda.is_available():
+        return
+    x = torch.zeros(2, device="cuda")
+    for env, on, want in [("", "", {"_attn_res_triton": True, "_conv_triton": False}),
+                          ("1", "all", {"_attn_res_triton": False, "_conv_triton": False}),
+                          ("_norm_triton", "_conv_triton", {"_attn_res_triton": True, "_norm_triton": False,
+                                                            "_conv_triton": True, "_mla_decode_triton": False}),
+                          ("", "all", {"_conv_triton": True, "_mla_decode_triton": True})]:
+        monkeypatch.setenv("K3_NO_TRITON", env)
+        monkeypatch.setenv("K3_TRITON", on)
+        assert {name: td.use_triton(x, name) for name in want} == want, (env, on)

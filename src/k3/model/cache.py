@@ -198,5 +198,11 @@ class BatchCacheView:
         k_extra [n, max_len, rope] (padded past each row's kv_len), and kv_len [n]; this step's tokens included."""
         raise NotImplementedError
 
+    def mla_paged(self, layer_idx: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The same context left in place for a kernel that walks block tables: the pool [num_blocks,
+        block_size, R + rope] (latent then k_extra), block tables [n, width] and kv_len [n] of `rows`; None
+        when the storage is not paged (the caller then uses `mla_context`)."""
+        return None
+
     def advance(self, n: int) -> None:
         self.seq_len += n

@@ -6,6 +6,7 @@ from k3.config import K3Config
 from k3.model.cache import BatchCacheView
 from k3.model.norm import RMSNorm
 from k3.ops.attention import causal_attention
+from k3.ops.triton_dispatch import triton_module, use_triton
 
 # SPEC §3.3 ⚠: the reference uses 1e-6 for q_a_layernorm / kv_a_layernorm (one port uses 1e-5).
 LORA_NORM_EPS = 1e-6
@@ -67,13 +68,31 @@ class MultiHeadLatentAttention(nn.Module):
         o = q.new_empty(q.shape[1], self.num_heads, self.v_dim)
         if cache.decode_rows:
             t = cache.decode_tokens_t
-            lat, kx, kv_len = cache.mla_context(self.layer_idx, cache.decode_rows_t, cache.decode_max_len)
-            o[t] = self.absorbed_attention(q[0, t, None], lat, kx, kv_len=kv_len)[:, 0]
+            paged = None
+            if use_triton(q, "_mla_decode_triton"):
+                paged = cache.mla_paged(self.layer_idx, cache.decode_rows_t)
+            if paged is not None:  # straight from the pool, without gathering each row's context first
+                o[t] = self.paged_absorbed_attention(q[0, t], *paged, max_len=cache.decode_max_len)
+            else:
+                lat, kx, kv_len = cache.mla_context(self.layer_idx, cache.decode_rows_t, cache.decode_max_len)
+                o[t] = self.absorbed_attention(q[0, t, None], lat, kx, kv_len=kv_len)[:, 0]
         for i, r in enumerate(cache.prefill_rows):
             lat, kx, _ = cache.mla_context(self.layer_idx, cache.prefill_rows_t[i:i + 1], cache.kv_lens[r])
             a, b = cache.cu_host[r], cache.cu_host[r + 1]
             o[a:b] = self.expanded_attention(q[:, a:b], lat, kx)[0]
         return o[None]
+
+    def paged_absorbed_attention(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, kv_len: torch.Tensor,
+                                 max_len: int) -> torch.Tensor:
+        """`absorbed_attention` of one new token per row (q [n, H, nope+rope]) over a paged pool (see
+        BatchCacheView.mla_paged), by k3.ops._mla_decode_triton. Returns [n, H, v_dim]."""
+        H = self.num_heads
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.kv_rank)
+        q_nope, q_extra = q.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.einsum("shn,hnr->shr", q_nope, w[:, :self.nope])
+        ctx = triton_module("_mla_decode_triton").paged_mla_decode(q_lat, q_extra, kv, tables, kv_len, max_len,
+                                                                    self.scale)
+        return torch.einsum("shr,hvr->shv", ctx.to(kv.dtype), w[:, self.nope:])
 
     def absorbed_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
                            kv_len: torch.Tensor | None = None) -> torch.Tensor:

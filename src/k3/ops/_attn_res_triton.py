@@ -118,7 +118,8 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse):
     tiles = triton.cdiv(R, block_r)
     progs = min(tiles, 1024)
     q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
-    _mix_bwd_kernel[(progs,)](tuple(sources), grads, g, uw, scores, lse, da, q, R, D, eps, progs, triton.cdiv(tiles, progs),
+    _mix_bwd_kernel[(progs,)](tuple(sources), grads, g, uw, scores, lse, da, q, R, D, eps, progs,
+                              triton.cdiv(tiles, progs),
                               N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
     q = q.sum(0)
     return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads

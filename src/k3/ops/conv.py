@@ -1,6 +1,4 @@
 """Causal depthwise short convolution with a carried tail (KDA's q/k/v convs), float32 weights and state."""
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -16,11 +14,11 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None 
     doc_ids: [B, T] for packed rows; taps that reach into another document read zero.
     Returns (y [B, T, C] in x's dtype, new tail [B, W−1, C] in the compute dtype).
     For backward only x (in its own dtype), the tail and doc_ids are kept; the fp32 padded input is rebuilt.
-    With K3_TRITON_CONV=1, CUDA tensors take the Triton kernels of `k3.ops._conv_triton` (same math, fp32
-    accumulate). They pass their tests on an H200 but are opt-in until their speed is measured: a training run
-    with them did not finish its first shape in the time the run without them took.
+    With K3_TRITON=_conv_triton (see k3.ops.triton_dispatch), CUDA tensors take the Triton kernels of
+    `k3.ops._conv_triton` (same math, fp32 accumulate). They pass their tests on an H200 but are opt-in until
+    their speed is measured.
     """
-    if x.numel() and os.environ.get("K3_TRITON_CONV") == "1" and use_triton(x, "_conv_triton"):
+    if x.numel() and use_triton(x, "_conv_triton"):
         return triton_module("_conv_triton").short_conv(x, weight, tail, doc_ids)
     return _ShortConv.apply(x, weight, tail, doc_ids)
 

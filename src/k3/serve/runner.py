@@ -45,6 +45,9 @@ class PagedBatchView(BatchCacheView):
         R = self.pool.latent_dim
         return ctx[..., :R], ctx[..., R:], self.kv_len[rows]
 
+    def mla_paged(self, layer_idx: int, rows: torch.Tensor):
+        return self.pool.kv[layer_idx], self.block_tables[rows], self.kv_len[rows]
+
 
 class DecodeGraphView(PagedBatchView):
     """A decode-only step of `rows` rows over block tables `width` blocks wide, its per-step inputs held in one
