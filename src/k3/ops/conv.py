@@ -41,11 +41,14 @@ def _short_conv_fp32(x, weight, tail, doc_ids):
     w = weight.to(dt)
     if doc_ids is None:
         y = F.conv1d(xp.transpose(1, 2), w, groups=C).transpose(1, 2)
-    else:
-        win = xp.unfold(1, W, 1)  # [B, T, C, W]; win[..., j] is x[t - (W-1) + j]
-        d = F.pad(doc_ids, (W - 1, 0), value=-1).unfold(1, W, 1)  # [B, T, W]
-        same = (d == doc_ids.unsqueeze(-1)).to(dt)
-        y = torch.einsum("btcw,cw,btw->btc", win, w[:, 0, :], same)
+    else:  # tap j is the padded input shifted by j, zeroed where it reaches into another document
+        # (contiguous slices: an einsum over the unfolded [B, T, C, W] window ran ~10x slower on CPU)
+        d = F.pad(doc_ids, (W - 1, 0), value=-1)  # [B, T+W-1]
+        y = None
+        for j in range(W):
+            same = (d[:, j:j + T] == doc_ids).to(dt).unsqueeze(-1)  # [B, T, 1]
+            tap = xp[:, j:j + T] * w[:, 0, j] * same
+            y = tap if y is None else y + tap
     return y.to(x.dtype), xp[:, xp.shape[1] - (W - 1):]
 
 
