@@ -11,6 +11,7 @@ Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--qui
 import argparse
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -58,15 +59,10 @@ def main():
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():
         for impl in ("triton", "torch"):
             env = {"K3_NO_TRITON": "" if impl == "triton" else module, "K3_TRITON": "all"}
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
+            with mock.patch.dict(os.environ, env):
                 with torch.no_grad():
                     f_ms = time_ms(lambda: fn(inputs))
                 fb_ms = time_ms(fwd_bwd(fn, inputs, params))
-            finally:
-                for k, v in old.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
             rows.append(dict(op=op, impl=impl, fwd_ms=f_ms, fwd_bwd_ms=fb_ms, floor_fwd_ms=nbytes / bw * 1e3,
                              fwd_GBps=nbytes / f_ms * 1e-6))
             print(rows[-1], flush=True)

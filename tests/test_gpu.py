@@ -279,7 +279,7 @@ def test_engine_decode_graphs_equal_eager_engine():
     assert outs[True] == outs[False]
 
 
-def test_triton_norm_and_attn_res_dispatch_match_reference():
+def test_triton_norm_and_attn_res_dispatch_match_reference(monkeypatch):
     """rms_norm and the AttnRes mix take k3's Triton kernels on CUDA: forward and backward match the
     plain-PyTorch paths (K3_NO_TRITON=1) at bf16 tolerance inside a whole model."""
     from k3.config import K3Config
@@ -295,14 +295,11 @@ def test_triton_norm_and_attn_res_dispatch_match_reference():
     ids = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
     results = []
     for off in ("0", "1"):
-        os.environ["K3_NO_TRITON"] = off
-        try:
-            model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(ids, labels=ids).loss
-            loss.backward()
-        finally:
-            os.environ.pop("K3_NO_TRITON")
+        monkeypatch.setenv("K3_NO_TRITON", off)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
         results.append((float(loss), {n: p.grad.float().clone() for n, p in model.named_parameters()
                                       if p.grad is not None and ("res_" in n or "norm" in n)}))
     (fast, g_fast), (ref, g_ref) = results

@@ -105,13 +105,12 @@ def _checkpointed_layer(layer: K3DecoderLayer, starts_block: bool, p: torch.Tens
     def run(p, *blocks):
         nonlocal calls
         calls += 1
-        if calls == 1 or moe is None:
-            return _layer_forward(layer, starts_block, p, list(blocks), doc_ids, mask)
-        kept = moe.last_scores, moe.last_mask
+        kept = (moe.last_scores, moe.last_mask) if moe is not None and calls > 1 else None
         try:
             return _layer_forward(layer, starts_block, p, list(blocks), doc_ids, mask)
         finally:
-            moe.last_scores, moe.last_mask = kept
+            if kept is not None:
+                moe.last_scores, moe.last_mask = kept
 
     return checkpoint(run, p, *blocks, use_reentrant=False)
 

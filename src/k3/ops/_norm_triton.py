@@ -7,12 +7,13 @@ registers. Backward keeps only x and the fp32 per-row rstd. Both norms are `x ·
   dx = rstd · (g⊙w − x̂ · Σ(g⊙w⊙x̂) / div),  dw = Σ_rows g ⊙ x̂.
 """
 import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
+
+from k3.ops.triton_dispatch import sm_count
 
 MAX_D = 8192  # one row must fit in one program's registers (8 per thread at 32 warps); wider: the torch path
 _TILE = 4096  # elements per program tile: rows are batched up to this when D is small
@@ -75,11 +76,6 @@ def _norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_r
         tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, dw_acc, mask=col_mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch_shape(n_rows: int, D: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps): whole rows per program, several when D is small; about 8 elements per
     thread (ptxas for sm_90: backward then needs <= 64 registers per thread at 32 warps, ~110 at 16; with 16
@@ -94,7 +90,7 @@ def _tiles_per_program(device: torch.device, n_tiles: int, num_warps: int) -> in
     """Backward's row tiles per program: a persistent grid just big enough to fill the GPU (32 warps per SM),
     so the [programs, D] partial sums of dw stay small. The interpreter gets 3 programs, so the tests cover
     several partials and a shorter last program."""
-    programs = _sm_count(device.index) * max(1, 32 // num_warps) if device.type == "cuda" else 3
+    programs = sm_count(device.index) * max(1, 32 // num_warps) if device.type == "cuda" else 3
     return triton.cdiv(n_tiles, programs)
 
 

@@ -16,10 +16,6 @@ __all__ = ["fused_situ_available", "fused_situ_glu", "situ_glu_fast"]
 _BLOCK = 2048
 
 
-def _kernels():
-    return triton_module("_situ_triton")
-
-
 def fused_situ_available(x: torch.Tensor) -> bool:
     return use_triton(x, "_situ_triton")
 
@@ -31,7 +27,7 @@ class _FusedSiTUGLU(torch.autograd.Function):
         h = torch.empty_like(gate)
         n = gate.numel()
         if n:
-            kern = _kernels()
+            kern = triton_module("_situ_triton")
             grid = (triton_cdiv(n, _BLOCK),)
             kern.situ_glu_fwd_kernel[grid](gate, up, h, n, float(beta_gate), float(beta_up), BLOCK=_BLOCK)
         ctx.save_for_backward(gate, up)
@@ -45,7 +41,7 @@ class _FusedSiTUGLU(torch.autograd.Function):
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n:
-            kern = _kernels()
+            kern = triton_module("_situ_triton")
             grid = (triton_cdiv(n, _BLOCK),)
             kern.situ_glu_bwd_kernel[grid](gate, up, dh, dg, du, n, *ctx.betas, BLOCK=_BLOCK)
         return dg, du, None, None

@@ -28,6 +28,12 @@ def triton_module(name: str) -> ModuleType | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device: how many programs fill it (grid sizing of the kernels)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def use_triton(x: torch.Tensor, name: str) -> bool:
     """Whether x should take the kernels of `k3.ops.<name>`: CUDA, a float dtype, triton there, not disabled,
     and not inside torch.compile (inductor fuses the plain-PyTorch path itself)."""

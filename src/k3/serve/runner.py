@@ -103,32 +103,36 @@ class DecodeGraphs:
         """Logits [len(seqs), vocab] of one decode step of seqs (each feeding its next token)."""
         rows = 1 << (len(seqs) - 1).bit_length()
         width = 1 << (max(len(s.block_table) for s in seqs) - 1).bit_length()
-        entry = self.entries.get((rows, width))
-        if entry is None:
-            view = DecodeGraphView(self.pool, self.model.config.num_hidden_layers, rows, width)
-            view.load(seqs)
-            if not self.capture:
-                self.entries[rows, width] = (view, None, None)
-                return self._forward(view)[:len(seqs)]
-            # This step runs eagerly on a side stream (it is also the warm-up capture needs: autotuning, cuBLAS
-            # workspaces); capture then only records, so the pool is written once.
-            side = torch.cuda.Stream(self.pool.device)
-            side.wait_stream(torch.cuda.current_stream(self.pool.device))
-            with torch.cuda.stream(side):
-                logits = self._forward(view)
-            torch.cuda.current_stream(self.pool.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the server's other threads may touch CUDA while this one captures
-            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                out = self._forward(view)
-            self.entries[rows, width] = (view, graph, out)
-            return logits[:len(seqs)]
-        view, graph, out = entry
+        key = (rows, width)
+        fresh = key not in self.entries
+        if fresh:
+            self.entries[key] = (DecodeGraphView(self.pool, self.model.config.num_hidden_layers, rows, width),
+                                 None, None)
+        view, graph, out = self.entries[key]
         view.load(seqs)
-        if graph is None:
-            return self._forward(view)[:len(seqs)]
-        graph.replay()
-        return out[:len(seqs)]
+        if graph is not None:
+            graph.replay()
+            return out[:len(seqs)]
+        if fresh and self.capture:
+            return self._capture(key, view)[:len(seqs)]
+        return self._forward(view)[:len(seqs)]
+
+    def _capture(self, key: tuple[int, int], view: DecodeGraphView) -> torch.Tensor:
+        """Run the loaded step eagerly on a side stream (it is also the warm-up capture needs: autotuning,
+        cuBLAS workspaces), then capture it; capture only records, so the pool is written once. Returns the
+        eager step's logits."""
+        device = self.pool.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            logits = self._forward(view)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the server's other threads may touch CUDA while this one captures
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+            out = self._forward(view)
+        self.entries[key] = (view, graph, out)
+        return logits
 
     def fits(self, seqs: list[Sequence], lens: list[int]) -> bool:
         return len(seqs) <= self.max_rows and all(n == 1 for n in lens) and not any(s.mm for s in seqs)
