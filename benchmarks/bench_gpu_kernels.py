@@ -1,7 +1,7 @@
 """k3's own Triton kernels against the plain-PyTorch paths they replace, at `small`'s training shapes, bf16.
 
 Rows per op: "triton" = the kernel k3 dispatches to on CUDA; "torch" = the same call with the kernel switched
-off (K3_NO_TRITON=<module>; opt-in kernels such as the conv are switched on with K3_TRITON=all). Forward and
+off (K3_NO_TRITON=<module>; opt-in kernels are switched on with K3_TRITON=all). Forward and
 forward+backward (against one fixed random upstream gradient). Hardware limit per op: the bytes the forward must move (inputs
 read once, output written once) over the copy bandwidth measured in the same run.
 Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the AttnRes mix of 5 sources

@@ -39,7 +39,6 @@ def active_params(model, cfg) -> int:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--compile", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     a = ap.parse_args()
     preset = "small" if not a.quick else "tiny"

@@ -4,7 +4,7 @@ Not a benchmark (no peer, no limit): the question it answers is which kernels to
 prints the step's wall time, the summed kernel time, the number of kernels launched, and the top ops by self
 CUDA time. Decode is profiled without a CUDA graph (a graph hides its kernels from the profiler; the kernels
 are the same, only the launch gaps between them differ), eager and, with --compile, compiled.
-Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--rows 25]
+Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--rows 25] [--stack 4]
 """
 import argparse
 import os
@@ -22,12 +22,13 @@ from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 
 
-def profiled(name: str, fn, rows: int, reps: int = 3) -> dict:
-    """Profile `reps` calls of fn after two warm-up calls; print and return the summary."""
+def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0) -> dict:
+    """Profile `reps` calls of fn after two warm-up calls; print and return the summary. stack > 0 also
+    prints the top ops grouped by that many frames of their Python call stack (which line launched them)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack > 0) as prof:
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -41,6 +42,11 @@ def profiled(name: str, fn, rows: int, reps: int = 3) -> dict:
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
     print(table, flush=True)
     summary["table"] = table
+    if stack:
+        by_line = prof.key_averages(group_by_stack_n=stack).table(
+            sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40, max_src_column_width=110)
+        print(by_line, flush=True)
+        summary["by_stack"] = by_line
     return summary
 
 
@@ -51,6 +57,7 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also profile the compiled decode step")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--stack", type=int, default=0, help="also group the training step's ops by N stack frames")
     a = ap.parse_args()
     cfg = K3Config.preset("small")
     torch.manual_seed(0)
@@ -66,7 +73,7 @@ def main():
             model(ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        out.append(profiled(f"train B{a.batch}xT{a.seq}", step, a.rows, reps=2))
+        out.append(profiled(f"train B{a.batch}xT{a.seq}", step, a.rows, reps=2, stack=a.stack))
         with torch.no_grad():
             out.append(profiled(f"forward only B{a.batch}xT{a.seq}", lambda: model(ids), a.rows, reps=2))
         del opt

@@ -52,10 +52,11 @@ def test_dispatch_switches(monkeypatch):
     if not torch.cuda.is_available():
         return
     x = torch.zeros(2, device="cuda")
-    for env, on, want in [("", "", {"_attn_res_triton": True, "_conv_triton": False}),
+    for env, on, want in [("", "", {"_attn_res_triton": True, "_conv_triton": True, "_mla_decode_triton": False}),
                           ("1", "all", {"_attn_res_triton": False, "_conv_triton": False}),
-                          ("_norm_triton", "_conv_triton", {"_attn_res_triton": True, "_norm_triton": False,
-                                                            "_conv_triton": True, "_mla_decode_triton": False}),
+                          ("_norm_triton,_conv_triton", "_mla_decode_triton",
+                           {"_attn_res_triton": True, "_norm_triton": False, "_conv_triton": False,
+                            "_mla_decode_triton": True}),
                           ("", "all", {"_conv_triton": True, "_mla_decode_triton": True})]:
         monkeypatch.setenv("K3_NO_TRITON", env)
         monkeypatch.setenv("K3_TRITON", on)

@@ -100,7 +100,7 @@ def test_new_tail_is_a_fresh_fp32_tensor_and_grads_skip_inputs_that_need_none():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the dispatch takes the kernels on CUDA only")
 def test_short_conv_dispatches_to_triton_on_cuda(monkeypatch):
     monkeypatch.delenv("K3_NO_TRITON", raising=False)
-    monkeypatch.setenv("K3_TRITON", "_conv_triton")
+    monkeypatch.delenv("K3_TRITON", raising=False)  # on by default
     calls = []
     real = _conv_triton.short_conv
     monkeypatch.setattr(_conv_triton, "short_conv", lambda *a: calls.append(1) or real(*a))

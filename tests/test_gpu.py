@@ -3,6 +3,7 @@
 Every test is marked `gpu` and skipped without CUDA; fla-backed tests also skip without fla (set
 K3_REQUIRE_FLA=1 to turn that skip into a failure on the GPU box). Importing this file needs no triton/fla.
 """
+import copy
 import os
 
 import pytest
@@ -113,6 +114,30 @@ def test_gated_op_matches_reference_composition():
 
 
 @needs_fla
+@pytest.mark.parametrize("shape,dtype", [((2, 77, 3, 128), torch.bfloat16), ((1, 300, 5, 64), torch.float32)])
+def test_output_gate_matches_reference(shape, dtype):
+    """fla's fused gated RMSNorm == k3's rms_norm(o) * sigmoid(g), forward and the gradients of o, g and w."""
+    from k3.ops.kda_fla import fla_output_gate
+    from k3.ops.norm import rms_norm_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(shape[1])
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    o, g, dy = r(*shape).to(dtype), (r(*shape) * 2).to(dtype), r(*shape)
+    w = 1 + 0.3 * r(shape[-1])
+    leaves = lambda: [t.detach().clone().requires_grad_() for t in (o, g, w)]
+    fast, ref = leaves(), [t.double() for t in leaves()]
+    for t in ref:
+        t.retain_grad()
+    y = fla_output_gate(*fast, eps=1e-5)
+    y_ref = rms_norm_reference(ref[0], ref[2], 1e-5) * torch.sigmoid(ref[1])
+    (y.float() * dy).sum().backward()
+    (y_ref * dy.double()).sum().backward()
+    assert y.dtype == dtype and rel_err(y, y_ref) < 1e-2
+    for name, a, b in zip(("o", "g", "w"), fast, ref):
+        assert rel_err(a.grad, b.grad) < 2e-2, name
+
+
+@needs_fla
 def test_chunk_backward_matches_reference():
     q, k, v, g, beta, h0 = kda_inputs(1, 192, 2, 128, 128, seed=4)
     leaves = [t.float().requires_grad_() for t in (q, k, v, g, beta)]
@@ -172,7 +197,11 @@ def test_model_fast_path_matches_reference_and_decode():
     with torch.no_grad():
         fast = model(ids).logits.float()
         ref = reference(model, ids).logits.float()
-        assert rel_err(fast, ref) < 2e-2
+        # bf16 rounds differently on the two paths (on the H200: 2.1% apart), so each is judged by its distance
+        # from the same model in fp32. fla's kernels keep bf16 intermediates, which the decode test measured at
+        # about twice the reference path's error, hence the factor 2.5.
+        truth = reference(copy.deepcopy(model).float(), ids).logits
+        assert rel_err(fast, truth) < 2.5 * rel_err(ref, truth) + 2e-3 and rel_err(fast, ref) < 5e-2
         # decode through the cache (fused recurrent kernel) reproduces the full forward's last logits
         cache = model.new_cache()
         model(ids[:, :-3], cache=cache)

@@ -230,3 +230,26 @@ def test_grouped_expert_mlp_matches_loop(seed, counts, D, I):
     for e, n in enumerate(counts):
         if n == 0:
             assert g_out[1][e].abs().max() == 0 and g_out[3][e].abs().max() == 0
+
+
+# ---- MoE row permutations ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed,N,k,L", [(0, 1, 1, 3), (1, 7, 2, 5), (2, 33, 4, 16), (3, 64, 8, 8)])
+def test_token_permutations_equal_indexing(seed, N, k, L):
+    """dispatch_rows / undo_permutation (gather backwards) equal plain indexing differentiated by autograd."""
+    from k3.ops.token_permute import dispatch_rows, inverse_permutation, undo_permutation
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.randint(0, 5, (N * k,), generator=g)
+    order = torch.argsort(experts, stable=True)
+    slot = inverse_permutation(order)
+    assert torch.equal(order[slot], torch.arange(N * k)) and torch.equal(slot[order], torch.arange(N * k))
+    z = torch.randn(N, L, generator=g, dtype=torch.float64)
+    scale = torch.randn(N * k, 1, generator=g, dtype=torch.float64)  # makes each of a token's copies count differently
+    dy = torch.randn(N * k, L, generator=g, dtype=torch.float64)
+    res = []
+    for fwd in (lambda z: (z[order // k] * scale)[slot], lambda z: undo_permutation(dispatch_rows(z, order, slot, k) * scale, order, slot)):
+        zz = z.clone().requires_grad_()
+        y = fwd(zz)
+        y.backward(dy)
+        res.append((y.detach(), zz.grad))
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-12, atol=1e-12)

@@ -8,7 +8,7 @@ from k3.model.cache import BatchCacheView, KDAState
 from k3.model.norm import RMSNorm
 from k3.ops.conv import short_conv
 from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
-from k3.ops.kda_fla import fla_kda_gated, fla_usable
+from k3.ops.kda_fla import fla_kda_gated, fla_output_gate, fla_usable
 from k3.ops.norm import l2_norm
 
 
@@ -105,7 +105,7 @@ class KimiDeltaAttention(nn.Module):
         v, tv = self.v_conv1d(self.v_proj(x), st and st.conv_v, doc_ids)
         if fla_usable(q, K):  # GPU: gate, q/k L2 norm and beta sigmoid fused into fla's kernels
             o = self._inner_fla(x, q, k, v, doc_ids, st, (tq, tk, tv), cache)
-            o = self.o_norm(o) * torch.sigmoid(self.g_proj(x).view(B, T, H, K).to(o.dtype))
+            o = fla_output_gate(o, self.g_proj(x).view(B, T, H, K), self.o_norm.weight, self.o_norm.eps)
             return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
         q = l2_norm(F.silu(q).view(B, T, H, K))
         k = l2_norm(F.silu(k).view(B, T, H, K))

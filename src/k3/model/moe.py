@@ -7,6 +7,7 @@ from k3.model.mlp import SiTUMLP
 from k3.model.norm import RMSNorm
 from k3.ops.grouped_mm import expert_situ_mlp
 from k3.ops.mx_experts import packed_expert_situ_mlp, qat_expert_situ_mlp
+from k3.ops.token_permute import dispatch_rows, inverse_permutation, undo_permutation
 
 
 class Router(nn.Module):
@@ -86,18 +87,18 @@ class LatentMoE(nn.Module):
         """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L]."""
         N, k = idx.shape
         flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        token = order // k
+        order = torch.argsort(flat, stable=True)  # the N·k (token, choice) slots sorted by expert
+        slot = inverse_permutation(order)
         # not bincount: on CUDA it reads the max back to the host, which stalls (and breaks graph capture)
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        x = dispatch_rows(z, order, slot, k)
         e = self.experts
         if e.packed:
-            y = packed_expert_situ_mlp(z[token], counts, e, *self.betas, quantize_activations=self.qat)
+            y = packed_expert_situ_mlp(x, counts, e, *self.betas, quantize_activations=self.qat)
         elif self.qat:
-            y = qat_expert_situ_mlp(z[token], counts, e.w1, e.w3, e.w2, *self.betas)
+            y = qat_expert_situ_mlp(x, counts, e.w1, e.w3, e.w2, *self.betas)
         else:
-            y = expert_situ_mlp(z[token], counts, e.w1, e.w3, e.w2, *self.betas)
-        y = y * w.flatten()[order, None]
-        # back to [N, k] slot order and summed there: index_add_ would keep its [N·k, L] source for backward
-        slot = torch.empty_like(order).scatter_(0, order, torch.arange(N * k, device=order.device))
-        return y[slot].view(N, k, -1).sum(1)
+            y = expert_situ_mlp(x, counts, e.w1, e.w3, e.w2, *self.betas)
+        # back to [N, k] slot order; the weighted sum over the k choices is one batched [1, k] @ [k, L] product
+        # (index_add_ would keep its [N·k, L] source for backward; a multiply then a sum is two passes)
+        return torch.bmm(w.unsqueeze(1), undo_permutation(y, order, slot).view(N, k, -1)).squeeze(1)

@@ -21,7 +21,8 @@ import os
 
 import torch
 
-__all__ = ["fla_available", "fla_usable", "fla_kda_chunk", "fla_kda_recurrent", "fla_kda_gated", "MIN_FLA_VERSION"]
+__all__ = ["fla_available", "fla_usable", "fla_kda_chunk", "fla_kda_recurrent", "fla_kda_gated", "fla_output_gate",
+           "MIN_FLA_VERSION"]
 
 MIN_FLA_VERSION = (0, 6, 0)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -161,3 +162,12 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
                              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=float(lower_bound),
                              state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, A_log=A, dt_bias=bias)
     return o.to(v.dtype), state
+
+
+def fla_output_gate(o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA's output gate `rms_norm(o, weight) ⊙ sigmoid(g)` through fla's fused gated RMSNorm: one kernel
+    forward and one backward, fp32 inside, o's dtype out (the plain path is a norm, a sigmoid and a multiply,
+    each a pass over [B, T, H, K] both ways). o, g: [..., K]; weight: [K] (fp32 in the checkpoint)."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(o, g.to(o.dtype), weight, None, activation="sigmoid", eps=eps)

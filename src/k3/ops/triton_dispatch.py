@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 
-OPT_IN = frozenset({"_conv_triton", "_mla_decode_triton"})
+OPT_IN = frozenset({"_mla_decode_triton"})
 
 
 @functools.lru_cache(maxsize=None)
