@@ -38,7 +38,7 @@ from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import MultiHeadLatentAttention
 from k3.model.moe import LatentMoE
 from k3.ops.kda import kda_chunk, kda_gate
-from k3.ops.norm import l2_norm
+from k3.ops.norm import l2_norm, rms_norm
 from k3.ops.situ import situ_glu
 
 COMPONENTS = ("AttnRes mixes", "KDA (projections, convs, gates, o_norm)", "KDA delta-rule core", "MLA",
@@ -133,6 +133,19 @@ def _fla_kda_gated_saves(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5
     return _FlaKDASaves.apply(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens), None
 
 
+class _FlaOutputGateSaves(torch.autograd.Function):
+    """fla's fused gated RMSNorm (`kda_fla.fla_output_gate`): keeps o, g and the per-row rstd."""
+
+    @staticmethod
+    def forward(ctx, o, g, weight, eps):
+        ctx.save_for_backward(o, g, o.new_empty(o.shape[:-1], dtype=torch.float32))
+        return (rms_norm(o, weight, eps) * torch.sigmoid(g.to(o.dtype))).to(o.dtype)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("a stand-in for measuring saved bytes only")
+
+
 class _FusedSiTUSaves(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, beta_gate, beta_up):
@@ -169,6 +182,7 @@ def gpu_path_stand_ins():
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(kda_mod, "fla_usable", lambda x, head_dim=None: True))
         stack.enter_context(patched(kda_mod, "fla_kda_gated", _fla_kda_gated_saves))
+        stack.enter_context(patched(kda_mod, "fla_output_gate", _FlaOutputGateSaves.apply))
         fused_situ = lambda g, u, b1=4.0, b2=25.0: _FusedSiTUSaves.apply(g, u, b1, b2)
         for mod in (grouped_mm_mod, mlp_mod):
             stack.enter_context(patched(mod, "situ_glu_fast", fused_situ))
