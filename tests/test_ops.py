@@ -235,8 +235,8 @@ def test_grouped_expert_mlp_matches_loop(seed, counts, D, I):
 # ---- MoE row permutations ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed,N,k,L", [(0, 1, 1, 3), (1, 7, 2, 5), (2, 33, 4, 16), (3, 64, 8, 8)])
 def test_token_permutations_equal_indexing(seed, N, k, L):
-    """dispatch_rows / undo_permutation (gather backwards) equal plain indexing differentiated by autograd."""
-    from k3.ops.token_permute import dispatch_rows, inverse_permutation, undo_permutation
+    """dispatch_rows / permute_rows (gather backwards) equal plain indexing differentiated by autograd."""
+    from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
     g = torch.Generator().manual_seed(seed)
     experts = torch.randint(0, 5, (N * k,), generator=g)
     order = torch.argsort(experts, stable=True)
@@ -246,7 +246,7 @@ def test_token_permutations_equal_indexing(seed, N, k, L):
     scale = torch.randn(N * k, 1, generator=g, dtype=torch.float64)  # makes each of a token's copies count differently
     dy = torch.randn(N * k, L, generator=g, dtype=torch.float64)
     res = []
-    for fwd in (lambda z: (z[order // k] * scale)[slot], lambda z: undo_permutation(dispatch_rows(z, order, slot, k) * scale, order, slot)):
+    for fwd in (lambda z: (z[order // k] * scale)[slot], lambda z: permute_rows(dispatch_rows(z, order, slot, k) * scale, slot, order)):
         zz = z.clone().requires_grad_()
         y = fwd(zz)
         y.backward(dy)

@@ -7,7 +7,7 @@ from k3.model.mlp import SiTUMLP
 from k3.model.norm import RMSNorm
 from k3.ops.grouped_mm import expert_situ_mlp
 from k3.ops.mx_experts import packed_expert_situ_mlp, qat_expert_situ_mlp
-from k3.ops.token_permute import dispatch_rows, inverse_permutation, undo_permutation
+from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
 
 
 class Router(nn.Module):
@@ -101,4 +101,4 @@ class LatentMoE(nn.Module):
             y = expert_situ_mlp(x, counts, e.w1, e.w3, e.w2, *self.betas)
         # back to [N, k] slot order; the weighted sum over the k choices is one batched [1, k] @ [k, L] product
         # (index_add_ would keep its [N·k, L] source for backward; a multiply then a sum is two passes)
-        return torch.bmm(w.unsqueeze(1), undo_permutation(y, order, slot).view(N, k, -1)).squeeze(1)
+        return torch.bmm(w.unsqueeze(1), permute_rows(y, slot, order).view(N, k, -1)).squeeze(1)

@@ -18,9 +18,9 @@ def dispatch_rows(z: torch.Tensor, order: torch.Tensor, slot: torch.Tensor, k: i
     return _Dispatch.apply(z, order, slot, k)
 
 
-def undo_permutation(y: torch.Tensor, order: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """Expert-order rows back to slot order: `y[slot]`; backward `grad[order]`."""
-    return _Permute.apply(y, slot, order)
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """`x[index]` for a permutation `index` whose inverse is given; backward `grad[inverse]`."""
+    return _Permute.apply(x, index, inverse)
 
 
 class _Dispatch(torch.autograd.Function):

@@ -15,6 +15,7 @@ from torch import nn
 
 from k3.model.moe import LatentMoE
 from k3.ops.grouped_mm import expert_situ_mlp
+from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
 from k3.parallel.comm import all_gather, all_to_all
 from k3.parallel.planner import ExpertPlan, plan_balanced, plan_plain
 
@@ -73,8 +74,8 @@ class ExpertParallelCombine:
         recv_splits = all_to_all(send_splits.to(dev), [1] * R, [1] * R, self.group).cpu().tolist()
         send_splits = send_splits.tolist()
 
-        token = send_slots // k
-        x_recv = all_to_all(z[token], recv_splits, send_splits, self.group)
+        unsend = inverse_permutation(send_slots)
+        x_recv = all_to_all(dispatch_rows(z, send_slots, unsend, k), recv_splits, send_splits, self.group)
         e_recv = all_to_all(flat[send_slots], recv_splits, send_splits, self.group)
 
         w1, w3, w2, table = self._weights(plan)
@@ -85,11 +86,12 @@ class ExpertParallelCombine:
         gemm = expert_situ_mlp
         if getattr(self.moe, "qat", False):  # MXFP4/MXFP8 fake-quant on the fetched weights too
             from k3.ops.mx_experts import qat_expert_situ_mlp as gemm
-        y = gemm(x_recv[by_row], torch.bincount(rows, minlength=table.numel()), w1, w3, w2, *self.moe.betas)
-        y = y[torch.argsort(by_row)]  # back to arrival order
-        y_back = all_to_all(y, send_splits, recv_splits, self.group)
-        y_back = y_back * w.flatten()[send_slots, None]
-        return torch.zeros_like(z).index_add(0, token, y_back)
+        arrival = inverse_permutation(by_row)
+        y = gemm(permute_rows(x_recv, by_row, arrival), torch.bincount(rows, minlength=table.numel()),
+                 w1, w3, w2, *self.moe.betas)
+        y_back = all_to_all(permute_rows(y, arrival, by_row), send_splits, recv_splits, self.group)
+        # as LatentMoE.combine_experts: back to [N, k] slot order, then one weighted sum over the k choices
+        return torch.bmm(w.unsqueeze(1), permute_rows(y_back, unsend, send_slots).view(N, k, -1)).squeeze(1)
 
     def _weights(self, plan: ExpertPlan):
         """Stacked (w1, w3, w2) for the local experts followed by this rank's replicas, and their global ids."""
