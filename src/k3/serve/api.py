@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import threading
 import time
 import uuid
+import weakref
 from contextlib import asynccontextmanager
 from typing import Any, Union
 
@@ -24,6 +26,49 @@ from k3.serve.sampling import SamplingParams
 
 MAX_N = 4
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still connected
+
+
+_CLIENT_GONE = object()
+
+
+async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
+    """Every DISCONNECT_POLL_S, check the client; once it has gone, tell the request's reader through its queue."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    queue.put_nowait(_CLIENT_GONE)
+
+
+class _LoopMailbox:
+    """Outputs from the engine thread to an event loop's request queues, with one wake-up of the loop per
+    burst (an engine step's outputs for every stream) instead of one `call_soon_threadsafe` per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock, self.items, self.scheduled = loop, threading.Lock(), [], False
+
+    def put(self, queue: asyncio.Queue, item) -> None:  # engine thread
+        with self.lock:
+            self.items.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # event loop
+        with self.lock:
+            items, self.items, self.scheduled = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox]" = weakref.WeakKeyDictionary()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> _LoopMailbox:
+    """The event loop's mailbox (one per loop: tests run apps on several loops)."""
+    box = _mailboxes.get(loop)
+    if box is None:
+        box = _mailboxes[loop] = _LoopMailbox(loop)
+    return box
 
 
 class APIError(Exception):
@@ -208,36 +253,32 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
     async def run_choices(request: Request, prompt, params: SamplingParams, n: int, checkpoint_at=None, images=None,
                           policy_version=None):
         """Submit n sequences; yield (choice index, RequestOutput) as they come; abort all on exit."""
-        loop = asyncio.get_running_loop()
+        box = mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue = asyncio.Queue()
         rid = uuid.uuid4().hex
         ids = [f"{rid}-{i}" for i in range(n)]
         for i, sub in enumerate(ids):
             p = params if n == 1 or params.seed is None else SamplingParams(**{**vars(params), "seed": params.seed + i})
-            runner.submit(prompt, p, sub, lambda out, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, out)),
+            runner.submit(prompt, p, sub, lambda out, i=i: box.put(queue, (i, out)),
                           checkpoint_at, images, policy_version)
         pending = set(range(n))
-        # Check the connection on a clock: a busy engine sends output every step, so waiting for a pause
-        # would let a plain (non-streaming) request whose client left run to max_tokens.
-        next_check = loop.time() + DISCONNECT_POLL_S
+        # The connection is checked on a clock by a task of its own: a busy engine sends output every step, so
+        # waiting for a pause would let a plain (non-streaming) request whose client left run to max_tokens; and
+        # a timeout on every queue read would cost a task and a timer per token.
+        watcher = asyncio.ensure_future(_watch_disconnect(request, queue))
         try:
             while pending:
-                wait = next_check - loop.time()
-                if wait <= 0:
-                    if await request.is_disconnected():
-                        return
-                    next_check = loop.time() + DISCONNECT_POLL_S
-                    continue
-                try:
-                    i, out = await asyncio.wait_for(queue.get(), timeout=wait)
-                except asyncio.TimeoutError:
-                    continue
+                item = await queue.get()
+                if item is _CLIENT_GONE:
+                    return
+                i, out = item
                 if out.finished:
                     pending.discard(i)
                     if out.finish_reason and out.finish_reason.startswith("error"):
                         raise APIError(500, out.finish_reason, type_="server_error")
                 yield i, out
         finally:
+            watcher.cancel()
             for i in pending:  # client gone (or error): cancel, freeing blocks and the state slot
                 runner.abort(ids[i])
 
