@@ -1,0 +1,106 @@
+"""Host (Python) cost per decode step of the serving engine, with and without the HTTP server in front of it.
+
+On a GPU a graphed decode step is a wait on the device; whatever the host does per step (scheduling, sampling
+bookkeeping, detokenising, SSE streaming to every client) adds to it, because the engine reads the sampled ids
+back each step. This measures that host work on any machine: the `tiny` engine on CPU with its decode graph's
+model call replaced by fixed logits and a sleep of --device-ms (the GIL is released, like a device sync).
+
+Rows: "engine alone" steps the engine directly (the peer: no HTTP); "engine + HTTP" serves the same requests
+through the real server to streaming clients in another process (`k3 bench serve`'s load generator). The limit is
+--device-ms, the step time if host work cost nothing. Only steps where every sequence decodes are counted.
+Run: OMP_NUM_THREADS=1 python benchmarks/bench_serve_host.py [--concurrency 64] [--device-ms 8.7] [--repeats 2]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from k3 import K3Config, K3ForCausalLM
+from k3.data import Tokenizer
+from k3.serve import EngineConfig, LLMEngine, SamplingParams
+from k3.serve import runner as runner_mod
+from k3.serve.api import create_app
+from k3.serve.bench import run_load_in_own_process
+from k3.serve.local_server import local_server
+
+
+def build_engine(c: int, device_ms: float) -> tuple[LLMEngine, list[float]]:
+    """A tiny engine whose decode steps cost `device_ms` of GIL-free waiting; returns it and its step periods."""
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM(cfg)
+    model.reset_parameters(seed=0)
+    bank = torch.randn(8, c, cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+    calls = [0]
+
+    def fake_forward(self, view):
+        calls[0] += 1
+        time.sleep(device_ms / 1e3)
+        return bank[calls[0] % len(bank), :view.rows]
+
+    runner_mod.DecodeGraphs._forward = fake_forward
+    engine = LLMEngine(model.eval(), Tokenizer.from_file(), EngineConfig(
+        memory_bytes=1 << 30, block_size=256, match_unit=16, max_batch_tokens=2048, max_num_seqs=c,
+        num_state_slots=4 * c, decode_graphs=True))
+    periods, last = [], [None]
+    step = engine.step
+
+    def timed_step():
+        full = (not engine.scheduler.waiting and len(engine.scheduler.running) == c
+                and all(not s.in_prefill for s in engine.scheduler.running))
+        now = time.perf_counter()
+        if full and last[0] is not None:
+            periods.append((now - last[0]) * 1e3)
+        last[0] = now if full else None
+        return step()
+
+    engine.step = timed_step
+    return engine, periods
+
+
+def engine_alone(c: int, device_ms: float, prompts: list[list[int]], out_len: int) -> list[float]:
+    engine, periods = build_engine(c, device_ms)
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, f"r{i}")
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            engine.step()
+    return periods
+
+
+def engine_http(c: int, device_ms: float, input_len: int, out_len: int) -> list[float]:
+    engine, periods = build_engine(c, device_ms)
+    with torch.inference_mode(), local_server(create_app(engine, engine.tokenizer, "k3")) as url:
+        s = run_load_in_own_process(url, "k3", "random", c, c, None, input_len, out_len, 1, None, 0)
+    if s["failed"] or s["wrong_length"]:
+        raise RuntimeError(f"the load failed: {s['failed']} failed, {s['wrong_length']} wrong length")
+    return periods
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--device-ms", type=float, default=8.7, help="the device's step (H200, small, batch 64: 8.7)")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (a.input_len,), generator=g).tolist() for _ in range(a.concurrency)]
+    rows = []
+    for name, run in (("engine alone", lambda: engine_alone(a.concurrency, a.device_ms, prompts, a.output_len)),
+                      ("engine + HTTP", lambda: engine_http(a.concurrency, a.device_ms, a.input_len, a.output_len))):
+        for r in range(a.repeats):
+            p = run()
+            rows.append((name, r, len(p), statistics.median(p), statistics.median(p) - a.device_ms))
+    print(f"c={a.concurrency}, device stand-in {a.device_ms} ms per step (the limit), tiny on CPU, 1 thread")
+    print("| run | repeat | full decode steps | step period median ms | host ms per step |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r, n, med, host in rows:
+        print(f"| {name} | {r} | {n} | {med:.2f} | {host:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
