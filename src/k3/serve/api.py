@@ -11,7 +11,6 @@ import secrets
 import threading
 import time
 import uuid
-import weakref
 from contextlib import asynccontextmanager
 from typing import Any, Union
 
@@ -58,17 +57,6 @@ class _LoopMailbox:
             items, self.items, self.scheduled = self.items, [], False
         for queue, item in items:
             queue.put_nowait(item)
-
-
-_mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox]" = weakref.WeakKeyDictionary()
-
-
-def mailbox(loop: asyncio.AbstractEventLoop) -> _LoopMailbox:
-    """The event loop's mailbox (one per loop: tests run apps on several loops)."""
-    box = _mailboxes.get(loop)
-    if box is None:
-        box = _mailboxes[loop] = _LoopMailbox(loop)
-    return box
 
 
 class APIError(Exception):
@@ -162,6 +150,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
 
     @asynccontextmanager
     async def lifespan(app):
+        app.state.mailbox = _LoopMailbox(asyncio.get_running_loop())  # the server's loop
         runner.start()
         try:
             yield
@@ -253,7 +242,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
     async def run_choices(request: Request, prompt, params: SamplingParams, n: int, checkpoint_at=None, images=None,
                           policy_version=None):
         """Submit n sequences; yield (choice index, RequestOutput) as they come; abort all on exit."""
-        box = mailbox(asyncio.get_running_loop())
+        box = app.state.mailbox
         queue: asyncio.Queue = asyncio.Queue()
         rid = uuid.uuid4().hex
         ids = [f"{rid}-{i}" for i in range(n)]
