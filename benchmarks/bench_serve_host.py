@@ -8,7 +8,10 @@ model call replaced by fixed logits and a sleep of --device-ms (the GIL is relea
 Rows: "engine alone" steps the engine directly (the peer: no HTTP); "engine + HTTP" serves the same requests
 through the real server to streaming clients in another process (`k3 bench serve`'s load generator). The limit is
 --device-ms, the step time if host work cost nothing. Only steps where every sequence decodes are counted.
+--sampler instead times one step's sampling of c rows (temperature 1, top-p 0.9, each request with its own
+generator): the engine's batched `sample_tokens` against the same sampler called row by row.
 Run: OMP_NUM_THREADS=1 python benchmarks/bench_serve_host.py [--concurrency 64] [--device-ms 8.7] [--repeats 2]
+     [--sampler --vocab 163840 --device cuda]
 """
 import argparse
 import statistics
@@ -18,8 +21,10 @@ import torch
 
 from k3 import K3Config, K3ForCausalLM
 from k3.data import Tokenizer
+from k3.model.generate import sample_rows
 from k3.serve import EngineConfig, LLMEngine, SamplingParams
 from k3.serve import runner as runner_mod
+from k3.serve.sampling import make_generator, sample_tokens
 from k3.serve.api import create_app
 from k3.serve.bench import run_load_in_own_process
 from k3.serve.local_server import local_server
@@ -78,6 +83,30 @@ def engine_http(c: int, device_ms: float, input_len: int, out_len: int) -> list[
     return periods
 
 
+def sampler_table(c: int, vocab: int, device: str, reps: int = 20) -> None:
+    """ms per step: one batched sample_tokens call against c calls of the same sampler on one row each."""
+    logits = torch.randn(c, vocab, generator=torch.Generator().manual_seed(0)).to(device)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(c)]
+    gens = [make_generator(p) for p in params]
+
+    def per_row():
+        for i, p in enumerate(params):
+            sample_rows(logits[i:i + 1], [p.temperature], [p.top_k], [p.top_p], torch.rand(1, generator=gens[i]))
+
+    print(f"sampling one step of {c} rows, vocab {vocab}, temperature 1, top-p 0.9, {device}")
+    print("| sampler | ms per step |\n|---|---:|")
+    for name, fn in (("batched sample_tokens (k3 engine)", lambda: sample_tokens(logits, params, gens)),
+                     ("row by row (the previous engine loop)", per_row)):
+        fn()
+        sync = torch.cuda.synchronize if logits.is_cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        print(f"| {name} | {(time.perf_counter() - t0) / reps * 1e3:.2f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, default=64)
@@ -85,8 +114,13 @@ def main():
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sampler", action="store_true", help="time the sampler alone (see the docstring)")
+    ap.add_argument("--vocab", type=int, default=163840, help="--sampler: vocabulary size")
+    ap.add_argument("--device", default="cpu", help="--sampler: where the logits live")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.sampler:
+        return sampler_table(a.concurrency, a.vocab, a.device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (a.input_len,), generator=g).tolist() for _ in range(a.concurrency)]
     rows = []

@@ -390,3 +390,22 @@ def test_requests_the_pool_cannot_hold_are_refused(model):
         eng.add_request(prompt(90, 30), SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="token ids"):
         eng.add_request([1, 99999], SamplingParams(max_tokens=1))
+
+
+def test_each_output_keeps_the_ids_of_its_own_step(model):
+    """RequestOutput.output_ids is a window on the growing token list (no copy per token): every step's output
+    still reads exactly the ids generated up to that step, and reads like a list."""
+    p = prompt(70, 10)
+    eng = engine(model)
+    eng.add_request(p, SamplingParams(max_tokens=6, **GREEDY))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    final = outs[-1].output_ids
+    assert final == reference(model, p, 6) and len(outs) == 6
+    for n, o in enumerate(outs, 1):
+        ids = o.output_ids
+        assert len(ids) == n and list(ids) == final[:n] and ids == final[:n] and ids[-1] == o.new_token_ids[0]
+        assert ids[-n] == final[0] and ids[1:] == final[1:n] and repr(ids) == repr(final[:n])
+    with pytest.raises(IndexError):
+        outs[0].output_ids[1]

@@ -13,18 +13,43 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
         raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, -1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, -1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    B = logits.shape[0]
+    u = torch.rand(B, generator=generator, device=generator.device if generator is not None else logits.device)
+    return sample_rows(logits, [temperature] * B, [top_k] * B, [top_p] * B, u)
+
+
+def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+                u: torch.Tensor) -> torch.Tensor:
+    """Sample each row of logits [B, V] with its own temperature (> 0), top-k (0 = off) and top-p, given one
+    uniform number u[b] in [0, 1) per row: the token whose interval of the filtered distribution's CDF (in
+    vocabulary order) holds u.
+
+    The filter: softmax(logits / temperature); keep the k most likely tokens; of those, keep the smallest
+    most-likely-first prefix whose mass reaches top_p; renormalise. A row's token depends only on its logits,
+    its parameters and its u, so a request that draws u from its own generator samples the same tokens in
+    any batch. Settings are host lists (no device sync); the work is a few batched kernels for any number
+    of rows, where a per-row sampler launches its kernels once per row."""
+    V = logits.shape[-1]
+    dev = logits.device
+    z = logits.float() / torch.tensor(temperature, device=dev, dtype=torch.float32)[:, None]
+    probs = torch.softmax(z, -1)
+    if any(0 < k < V for k in top_k) or any(p < 1 for p in top_p):  # the filters rank the tokens by likelihood
+        ranked, order = torch.sort(z, descending=True, dim=-1)
+        k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)
+        ranked = ranked.masked_fill(torch.arange(V, device=dev) >= k[:, None], float("-inf"))
+        p_ranked = torch.softmax(ranked, -1)
+        mass = torch.tensor([p if p < 1 else float("inf") for p in top_p], device=dev)  # 1: no cut, even rounded
+        keep = p_ranked.cumsum(-1) - p_ranked <= mass[:, None]
+        keep &= p_ranked > 0
+        # the CDF below stays in vocabulary order whatever the filters: a row samples the same token for the
+        # same u whether or not its batch mates needed the ranking
+        probs = probs * torch.zeros_like(keep).scatter(1, order, keep)
+    cdf = probs.cumsum(-1)
+    threshold = u.to(dev, torch.float32)[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, threshold, right=True)[:, 0]  # the first token whose CDF passes u
+    # u·total can round up to the total: fall back to the last token that has any mass
+    last = V - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(idx, last)
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from k3.serve.metrics import Metrics
 from k3.serve.runner import ModelRunner
 from k3.serve.sampling import SamplingParams, make_generator, sample_tokens
 from k3.serve.scheduler import Scheduler
-from k3.serve.sequence import RequestOutput, Sequence, Status
+from k3.serve.sequence import OutputIds, RequestOutput, Sequence, Status
 
 
 @dataclass
@@ -108,7 +108,7 @@ class LLMEngine:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
         if images:
             seq.mm = self._encode_images(prompt, images)
-        seq.generator = make_generator(params, self.pool.device)
+        seq.generator = make_generator(params)
         seq.decoder = self.tokenizer.decode_stream(skip_special_tokens=True) if self.tokenizer else None
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -197,7 +197,7 @@ class LLMEngine:
             reason = "stop"
         elif p.stop and self._cut_at_stop_string(seq):
             reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+        elif seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self._finish(seq, reason, now)
@@ -206,8 +206,9 @@ class LLMEngine:
         upto = max(seq.text_sent, len(seq.output_text) - hold)
         new_text = seq.output_text[seq.text_sent:upto]
         seq.text_sent = upto
-        return RequestOutput(seq.request_id, [tok], new_text, [lp] if lp is not None else [], seq.output_ids,
-                             seq.output_text, seq.finished, seq.finish_reason, seq.prompt_len, seq.cache)
+        return RequestOutput(seq.request_id, [tok], new_text, [lp] if lp is not None else [],
+                             OutputIds(seq.tokens, seq.prompt_len, len(seq.tokens)), seq.output_text, seq.finished,
+                             seq.finish_reason, seq.prompt_len, seq.cache)
 
     def _cut_at_stop_string(self, seq: Sequence) -> bool:
         text = seq.output_text

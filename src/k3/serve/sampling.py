@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3.model.generate import sample_next
+from k3.model.generate import sample_rows
 
 MAX_LOGPROBS = 20
 
@@ -68,22 +68,26 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # [(token id, logprob)], best first
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's own random stream, on the host: one uniform number per sampled token (see sample_rows)."""
     if params.greedy:
         return None
     seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-    return torch.Generator(device=device).manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [S, V], one row per sequence → (next token per row, logprobs per row or None).
-    Every row is sampled on the device first and read back together: one wait per step, not one per row."""
+    The sampled rows go through one batched `sample_rows`, each with a uniform number from its own generator;
+    everything is read back together: one wait per step, not one per row."""
     logits = logits.float()
     picked = logits.argmax(-1)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            picked[i] = sample_next(logits[i:i + 1], p.temperature, p.top_k, p.top_p, generators[i])[0]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])
+        picked[rows] = sample_rows(logits[rows], [params[i].temperature for i in rows],
+                                   [params[i].top_k for i in rows], [params[i].top_p for i in rows], u)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         lp = torch.log_softmax(logits[want], -1)
