@@ -3,9 +3,11 @@
 # the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests kernels kbench decode prefill train
-#   train-ckpt moe vision serve profile pack
+#   train-ckpt moe vision serve serve64 sampler profile pack
 #   (default: all but kernels, kbench, train-ckpt, profile and pack). kernels = the Triton kernel tests and the
-#   GPU tests that need no new fla compile; pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ...
+#   GPU tests that need no new fla compile; serve64 = the serving bench at 64 streams only (set K3_TRITON to time
+#   opt-in kernels); sampler = the batched sampler against a per-row loop on the GPU;
+#   pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ...
 #   to carry back: put them in .tpack/ and carry that; the script unpacks .tpack/tcache.tgz.* into an empty cache.
 # Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
 # TRITON_CACHE_DIR defaults to ./.tcache: keep it between calls (and carry it) to skip recompiling.
@@ -28,24 +30,30 @@ run() {  # run NAME SECONDS CMD...: time-limited, output to the terminal and $OU
     name=$1 limit=$2
     shift 2
     echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
-    timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -30
+    # SIGINT first: pytest still prints its failures and summary, a benchmark keeps the rows it saved
+    timeout -s INT -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -30
 }
 
 for step in $steps; do
     case $step in
         kda) run kda 540 python3 benchmarks/bench_gpu_kda.py ;;
-        tests) run tests 480 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+        tests) run tests 480 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;
         profile) run profile 240 python3 benchmarks/profile_gpu.py --compile ;;
         train) run train 240 python3 benchmarks/bench_gpu_train.py ;;
         train-ckpt) run train-ckpt 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
-        kernels) run kernels 240 python3 -m pytest -q -p no:cacheprovider tests/test_attn_res_triton.py \
+        kernels) run kernels 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_attn_res_triton.py \
             tests/test_norm_triton.py tests/test_conv_triton.py tests/test_mla_decode_triton.py tests/test_gpu.py \
             -k "not graphed and not chunk" ;;
         moe) run moe 120 python3 benchmarks/bench_gpu_moe.py ;;
         vision) run vision 120 python3 benchmarks/bench_gpu_vision.py ;;
+        sampler) run sampler 60 python3 benchmarks/bench_serve_host.py --sampler --device cuda ;;
+        serve64) run serve64 240 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \
+            --concurrency 64 --num-prompts 1 --prompts-per-concurrency 2 --turns 2 --input-len 256 \
+            --output-len 128 --memory-gib 16 --num-state-slots 512 --max-num-seqs 64 --max-batch-tokens 2048 \
+            --block-size 256 --match-unit 16 --json "$OUT/serve64.json" ;;
         serve) run serve 420 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \
             --concurrency 1,8,32,64 --num-prompts 1 --prompts-per-concurrency 2 --turns 2 --input-len 256 \
             --output-len 128 --memory-gib 16 --num-state-slots 512 --max-num-seqs 64 --max-batch-tokens 2048 \
