@@ -106,8 +106,9 @@ class Sequence:
 
 class OutputIds(SequenceABC):
     """A request's output ids as of one step: a window on its token list, which only ever grows by appending.
-    Copying the ids into every step's output would cost O(n) per token, O(n²) per request (seconds per step
-    at 64 streams of 32K tokens); reading them (iteration, slicing, `list()`, `==` with a list) costs as a list."""
+    Copying the ids into every step's output costs O(n) per token, O(n²) per request (~0.7 ms per step at 64
+    streams of 2K tokens, ~11 ms at 32K); reading them (iteration, slicing, `list()`, `==` with a list) costs
+    what reading a list does."""
     __slots__ = ("_tokens", "_start", "_end")
 
     def __init__(self, tokens: list[int], start: int, end: int):
