@@ -409,3 +409,28 @@ def test_each_output_keeps_the_ids_of_its_own_step(model):
         assert ids[-n] == final[0] and ids[1:] == final[1:n] and repr(ids) == repr(final[:n])
     with pytest.raises(IndexError):
         outs[0].output_ids[1]
+
+
+def test_a_steps_checkpoints_are_copied_together_and_exactly(model):
+    """Sequences that reach a match boundary on the same step get their KDA checkpoints in one flush (one copy
+    per layer), and each checkpoint slot then holds exactly its sequence's state; outputs stay the reference's."""
+    eng = engine(model)
+    flushes, real = [], eng.pool.flush_checkpoint_copies
+
+    def spy():
+        pool, pending = eng.pool, dict(eng.pool.pending_copies)
+        before = {s: [(pool.state[l][s].clone(), pool.conv[l][s].clone()) for l in pool.kda_layers]
+                  for s in pending.values()}
+        real()
+        now = lambda slot: [(pool.state[l][slot], pool.conv[l][slot]) for l in pool.kda_layers]  # noqa: E731
+        same = lambda a, b: all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))  # noqa: E731
+        # each checkpoint holds its source's state, and the sources are untouched
+        exact = all(same(now(d), before[s]) and same(now(s), before[s]) for d, s in pending.items())
+        flushes.append((len(pending), exact))
+    eng.pool.flush_checkpoint_copies = spy
+    prompts = [prompt(80 + i, 8) for i in range(4)]  # equal lengths: the four reach each boundary together
+    outs = eng.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True, **GREEDY))
+    assert [o.output_ids for o in outs] == [reference(model, p, 9) for p in prompts]
+    assert all(exact for _, exact in flushes) and max(n for n, _ in flushes) == 4
+    assert not eng.pool.pending_copies
+    assert_pool_empty(eng)

@@ -103,6 +103,9 @@ class CachePool:
         # state slots and checkpoints
         self.free_slots = list(range(ns - 1, -1, -1))
         self.checkpoints: OrderedDict[int, int] = OrderedDict()  # boundary hash -> slot, LRU oldest first
+        # checkpoint slot -> the sequence slot it copies, until flush_checkpoint_copies (one copy per layer for
+        # a whole step's checkpoints, not one per sequence and layer)
+        self.pending_copies: dict[int, int] = {}
         self.evicted_checkpoints: OrderedDict[int, None] = OrderedDict()  # remembered to explain misses
         self.stats = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, "hits": 0, "evicted_blocks": 0,
                       "evicted_checkpoints": 0, "swaps_out": 0, "swaps_in": 0}
@@ -176,11 +179,13 @@ class CachePool:
         return bool(self.free_slots) or bool(self.checkpoints)
 
     def _zero_slot(self, slot: int) -> None:
+        self.flush_checkpoint_copies()
         for l in self.kda_layers:
             self.state[l][slot].zero_()
             self.conv[l][slot].zero_()
 
     def _copy_slot(self, src: int, dst: int) -> None:
+        self.flush_checkpoint_copies()
         for l in self.kda_layers:
             self.state[l][dst].copy_(self.state[l][src])
             self.conv[l][dst].copy_(self.conv[l][src])
@@ -315,10 +320,24 @@ class CachePool:
         slot = self._alloc_slot()
         if slot is None:
             return None
-        self._copy_slot(seq.slot, slot)
+        self.pending_copies[slot] = seq.slot
         self.checkpoints[h] = slot
         self.evicted_checkpoints.pop(h, None)
         return h
+
+    def flush_checkpoint_copies(self) -> None:
+        """Copy the states of the checkpoints saved since the last flush, all at once. The engine flushes after
+        a step's checkpoints, before anything writes a sequence's slot again; every other slot copy, zeroing
+        and swap flushes first too. Sources are running sequences' slots and targets fresh checkpoint slots,
+        so no copy reads another's target."""
+        if not self.pending_copies:
+            return
+        dst = torch.tensor(list(self.pending_copies), dtype=torch.long, device=self.device)
+        src = torch.tensor(list(self.pending_copies.values()), dtype=torch.long, device=self.device)
+        self.pending_copies.clear()
+        for l in self.kda_layers:
+            self.state[l][dst] = self.state[l][src]
+            self.conv[l][dst] = self.conv[l][src]
 
     def drop_checkpoint(self, h: int) -> None:
         slot = self.checkpoints.pop(h, None)
@@ -337,6 +356,7 @@ class CachePool:
 
     def swap_out(self, seq: Sequence) -> None:
         """Copy seq's state and latents to host memory and free its device memory (preemption)."""
+        self.flush_checkpoint_copies()
         pin = self.device.type == "cuda"
         host = {"state": {}, "conv": {}, "kv": {}}
         idx = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
@@ -355,6 +375,7 @@ class CachePool:
         need = self.blocks_for(seq.num_computed + extra_tokens)
         if need > len(self.free_blocks) or not self.can_take_slot():
             return False
+        self.flush_checkpoint_copies()
         seq.slot = self._alloc_slot()
         n_old = len(seq.host_copy["kv"][self.mla_layers[0]]) if self.mla_layers else 0
         seq.block_table = [self._alloc_block() for _ in range(need)]

@@ -160,6 +160,7 @@ class LLMEngine:
             s.num_computed += n
             self.pool.register_computed(s)
             self._maybe_checkpoint(s, decoding)
+        self.pool.flush_checkpoint_copies()  # before a finishing sequence frees its slot
         outputs = []
         if sampling:
             chosen = [seqs[i] for i in sampling]
