@@ -88,10 +88,6 @@ class Sequence:
         return len(self.prompt)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
-
-    @property
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len
 
