@@ -93,12 +93,12 @@ def sampler_table(c: int, vocab: int, device: str, reps: int = 20) -> None:
         for i, p in enumerate(params):
             sample_rows(logits[i:i + 1], [p.temperature], [p.top_k], [p.top_p], torch.rand(1, generator=gens[i]))
 
+    sync = torch.cuda.synchronize if logits.is_cuda else (lambda: None)
     print(f"sampling one step of {c} rows, vocab {vocab}, temperature 1, top-p 0.9, {device}")
     print("| sampler | ms per step |\n|---|---:|")
     for name, fn in (("batched sample_tokens (k3 engine)", lambda: sample_tokens(logits, params, gens)),
                      ("row by row (the previous engine loop)", per_row)):
         fn()
-        sync = torch.cuda.synchronize if logits.is_cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()
         for _ in range(reps):

@@ -68,13 +68,12 @@ class MultiHeadLatentAttention(nn.Module):
         o = q.new_empty(q.shape[1], self.num_heads, self.v_dim)
         if cache.decode_rows:
             t = cache.decode_tokens_t
-            paged = None
-            if use_triton(q, "_mla_decode_triton"):
-                paged = cache.mla_paged(self.layer_idx, cache.decode_rows_t)
+            rows = cache.decode_rows_t
+            paged = cache.mla_paged(self.layer_idx, rows) if use_triton(q, "_mla_decode_triton") else None
             if paged is not None:  # straight from the pool, without gathering each row's context first
                 o[t] = self.paged_absorbed_attention(q[0, t], *paged, max_len=cache.decode_max_len)
             else:
-                lat, kx, kv_len = cache.mla_context(self.layer_idx, cache.decode_rows_t, cache.decode_max_len)
+                lat, kx, kv_len = cache.mla_context(self.layer_idx, rows, cache.decode_max_len)
                 o[t] = self.absorbed_attention(q[0, t, None], lat, kx, kv_len=kv_len)[:, 0]
         for i, r in enumerate(cache.prefill_rows):
             lat, kx, _ = cache.mla_context(self.layer_idx, cache.prefill_rows_t[i:i + 1], cache.kv_lens[r])

@@ -202,8 +202,8 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
                request_rate: float | None, input_len: int, output_len: int, turns: int, seed: int = 0,
                on_start=None) -> dict:
     """One load run against a fresh engine (so a cold prefix cache) behind an in-process server, loaded by
-clients in a process of their own → the summary,
-    plus `problems`: failed requests, outputs of the wrong length, a pool not empty afterwards.
+    clients in a process of their own → the summary, plus `problems`: failed requests, outputs of the wrong
+    length, a pool not empty afterwards.
     on_start(engine): called once the engine exists (e.g. to print its capacity)."""
     from k3.serve.api import create_app
     from k3.serve.engine import LLMEngine
