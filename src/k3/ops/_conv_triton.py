@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Sized by ptxas on sm_90 (bf16, C % 16 == 0): no spills; ~100 registers forward, ~140 backward at 4 warps.
+# Sized by ptxas on sm_90 (bf16, C % 16 == 0): no spills; ~100 registers forward, 160 backward at 4 warps
+# (219 with a tail and its gradient).
 _FWD_BLOCK_T = 32
 _BWD_BLOCK_T = 16
 _BWD_TILES = 8  # tiles of _BWD_BLOCK_T rows per backward program: fewer fp32 grad_weight partials to sum
@@ -92,7 +93,9 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
     gy_b, gnt_b = gy_ptr + b * T * C, gnt_ptr + b * (W - 1) * C
     c_ok = offs_c < C
     taps = tl.arange(0, W_ROWS)
-    gw_acc = tl.zeros([W_ROWS, BLOCK_C], dtype=tl.float32)
+    # per tap, the products dy[t] · xp[t + j] of every row this program sees, summed over rows once at the end
+    # (a cross-thread reduction per tap and tile would cost a shared-memory round trip each)
+    gw_acc = tl.zeros([W_ROWS, BLOCK_T, BLOCK_C], dtype=tl.float32)
     for i in range(TILES):
         t0 = (pid_t * TILES + i) * BLOCK_T
         offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -120,10 +123,10 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
                 v = _xp_rows(x_b, tail_b, t0 - (W - 1) + j, s, offs_c, T, C, W, HAS_TAIL)
                 if HAS_DOC:
                     v = tl.where((_doc_rows(doc_b, s, T) == doc_t)[:, None], v, 0.0)
-                gw_acc += tl.where((taps == j)[:, None], tl.sum(gy_t * v, axis=0)[None, :], 0.0)
+                gw_acc += tl.where((taps == j)[:, None, None], (gy_t * v)[None, :, :], 0.0)
     if NEED_GW:
-        tl.store(gw_part_ptr + ((b * tl.num_programs(0) + pid_t) * W + taps)[:, None] * C + offs_c[None, :], gw_acc,
-                 mask=(taps < W)[:, None] & c_ok[None, :])
+        tl.store(gw_part_ptr + ((b * tl.num_programs(0) + pid_t) * W + taps)[:, None] * C + offs_c[None, :],
+                 tl.sum(gw_acc, axis=1), mask=(taps < W)[:, None] & c_ok[None, :])
     if NEED_GTAIL:
         if pid_t == 0:  # tail row r is xp row r: read by token r − j through tap j, and is new-tail row r − T
             # (names differ from the tiles': a runtime branch may not rebind a variable with another shape)
