@@ -4,11 +4,12 @@
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests kernels kbench decode prefill train
 #   train-ckpt moe vision serve serve64 sampler profile pack
-#   (default: all but kernels, kbench, train-ckpt, profile and pack). kernels = the Triton kernel tests and the
+#   (default: all but kernels, kbench, train-ckpt, profile and pack). tests = every GPU test (k3's Triton kernel
+#   tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve64 = the serving bench at 64 streams only (set K3_TRITON to time
 #   opt-in kernels); sampler = the batched sampler against a per-row loop on the GPU;
 #   pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ...
-#   to carry back: put them in .tpack/ and carry that; the script unpacks .tpack/tcache.tgz.* into an empty cache.
+#   to carry back: put them in .tpack/ and carry that; the script merges .tpack/tcache.tgz.* into the cache.
 # Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
 # TRITON_CACHE_DIR defaults to ./.tcache: keep it between calls (and carry it) to skip recompiling.
 # Without fla importable, the wheels in .whl/ (carried: the GPU machine has no network) go to /tmp/k3-site.
@@ -21,7 +22,7 @@ if ! python3 -c "import fla" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then 
     export PYTHONPATH=/tmp/k3-site:$PYTHONPATH
 fi
 mkdir -p "$OUT" "$TRITON_CACHE_DIR"
-if [ -z "$(ls -A "$TRITON_CACHE_DIR")" ] && ls .tpack/tcache.tgz.* >/dev/null 2>&1; then
+if ls .tpack/tcache.tgz.* >/dev/null 2>&1; then  # merged in: entries are content-addressed
     cat .tpack/tcache.tgz.* | tar xzf - -C "$TRITON_CACHE_DIR"  # fla's compiled kernels and autotune choices
 fi
 steps=${*:-kda tests decode prefill train moe vision serve}
@@ -37,7 +38,11 @@ run() {  # run NAME SECONDS CMD...: time-limited, output to the terminal and $OU
 for step in $steps; do
     case $step in
         kda) run kda 540 python3 benchmarks/bench_gpu_kda.py ;;
-        tests) run tests 480 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu.py ;;
+        # 4 processes: fla compiles its kernels for minutes, on the CPU, and the tests share one GPU well
+        tests) xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
+            run tests 480 python3 -m pytest -q -rA -p no:cacheprovider $xdist tests/test_gpu.py \
+                tests/test_mla_decode_triton.py tests/test_attn_res_triton.py tests/test_norm_triton.py \
+                tests/test_conv_triton.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;
@@ -58,7 +63,9 @@ for step in $steps; do
             --concurrency 1,8,32,64 --num-prompts 1 --prompts-per-concurrency 2 --turns 2 --input-len 256 \
             --output-len 128 --memory-gib 16 --num-state-slots 512 --max-num-seqs 64 --max-batch-tokens 2048 \
             --block-size 256 --match-unit 16 --json "$OUT/serve.json" ;;
-        pack) tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m - "$OUT/tcache.tgz." && ls -l "$OUT"/tcache.tgz.* ;;
+        # Triton loads a cached kernel from its .json and .cubin (and the launcher .so): the IR stages are left out
+        pack) tar czf - -C "$TRITON_CACHE_DIR" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' \
+            --exclude='*.ptx' --exclude='*.source' . | split -b 15m - "$OUT/tcache.tgz." && ls -l "$OUT"/tcache.tgz.* ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac
 done

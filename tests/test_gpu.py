@@ -309,8 +309,10 @@ def test_engine_decode_graphs_equal_eager_engine():
 
 
 def test_triton_norm_and_attn_res_dispatch_match_reference(monkeypatch):
-    """rms_norm and the AttnRes mix take k3's Triton kernels on CUDA: forward and backward match the
-    plain-PyTorch paths (K3_NO_TRITON=1) at bf16 tolerance inside a whole model."""
+    """rms_norm and the AttnRes mix take k3's Triton kernels on CUDA: under bf16 autocast, the loss and the
+    norm and AttnRes gradients of a whole model are as close to the fp32 model's as the plain-PyTorch paths'
+    (K3_NO_TRITON=1) are. bf16 puts both ~5% from each other in the first layer's gradients, so each path is
+    judged by its distance from fp32, not by their distance from each other."""
     from k3.config import K3Config
     from k3.model.decoder import K3ForCausalLM
 
@@ -322,17 +324,17 @@ def test_triton_norm_and_attn_res_dispatch_match_reference(monkeypatch):
             if name.endswith("res_proj.weight"):
                 p.normal_(0, 0.2)
     ids = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
-    results = []
-    for off in ("0", "1"):
+    results = {}
+    for run, off, bf16 in (("fast", "0", True), ("ref", "1", True), ("truth", "1", False)):
         monkeypatch.setenv("K3_NO_TRITON", off)
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             loss = model(ids, labels=ids).loss
         loss.backward()
-        results.append((float(loss), {n: p.grad.float().clone() for n, p in model.named_parameters()
-                                      if p.grad is not None and ("res_" in n or "norm" in n)}))
-    (fast, g_fast), (ref, g_ref) = results
-    assert abs(fast - ref) < 1e-2 * ref
-    assert g_fast.keys() == g_ref.keys() and len(g_ref) > 10
+        results[run] = (float(loss.detach()), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                               if p.grad is not None and ("res_" in n or "norm" in n)})
+    (fast, g_fast), (ref, g_ref), (truth, g_truth) = results["fast"], results["ref"], results["truth"]
+    assert abs(fast - truth) < 2 * abs(ref - truth) + 1e-3 * truth
+    assert g_fast.keys() == g_ref.keys() == g_truth.keys() and len(g_ref) > 10
     for n in g_ref:
-        assert rel_err(g_fast[n], g_ref[n]) < 5e-2, n
+        assert rel_err(g_fast[n], g_truth[n]) < 2 * rel_err(g_ref[n], g_truth[n]) + 1e-3, n

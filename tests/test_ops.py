@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from k3.ops.attention import causal_attention
 from k3.ops.conv import short_conv
-from k3.ops.grouped_mm import expert_situ_mlp_grouped, expert_situ_mlp_loop
+from k3.ops.grouped_mm import expert_situ_mlp_grouped, expert_situ_mlp_loop, expert_situ_mlp_rows
 from k3.ops.norm import rms_norm
 from k3.ops.situ import situ_glu
 
@@ -214,6 +214,9 @@ def test_grouped_expert_mlp_matches_loop(seed, counts, D, I):
     ref = expert_situ_mlp_loop(x, counts, w1, w3, w2)
     out = expert_situ_mlp_grouped(x, torch.tensor(counts), w1, w3, w2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the graph-capturable path (weights gathered per row), in float64
+    rows = expert_situ_mlp_rows(x.double(), torch.tensor(counts), w1.double(), w3.double(), w2.double())
+    torch.testing.assert_close(rows, ref.double(), rtol=1e-5, atol=1e-5)
     # the loop itself against a per-row formula, so that both paths are pinned to the definition
     e_of_row = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
     for r in range(S):
