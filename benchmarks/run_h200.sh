@@ -38,9 +38,10 @@ run() {  # run NAME SECONDS CMD...: time-limited, output to the terminal and $OU
 for step in $steps; do
     case $step in
         kda) run kda 540 python3 benchmarks/bench_gpu_kda.py ;;
-        # 4 processes: fla compiles its kernels for minutes, on the CPU, and the tests share one GPU well
+        # 4 processes: fla compiles its kernels for minutes, on the CPU, and the tests share one GPU well. -v: a
+        # run cut by its limit may die in a compile before pytest prints a summary; the log still names each result
         tests) xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-            run tests 480 python3 -m pytest -q -rA -p no:cacheprovider $xdist tests/test_gpu.py \
+            run tests 480 python3 -m pytest -v -rfE -p no:cacheprovider $xdist tests/test_gpu.py \
                 tests/test_mla_decode_triton.py tests/test_attn_res_triton.py tests/test_norm_triton.py \
                 tests/test_conv_triton.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
