@@ -8,6 +8,8 @@
 #   tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve64 = the serving bench at 64 streams only (set K3_TRITON to time
 #   opt-in kernels); sampler = the batched sampler against a per-row loop on the GPU;
+#   kbench-ab = k3's kernel bench alternating main, $AB_SRC, main, $AB_SRC (AB_SRC: another tree's src/, e.g.
+#   `mkdir ab && git archive BRANCH src | tar x -C ab` carried, AB_SRC=$PWD/ab/src);
 #   pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ...
 #   to carry back: put them in .tpack/ and carry that; the script merges .tpack/tcache.tgz.* into the cache.
 # Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
@@ -47,6 +49,11 @@ for step in $steps; do
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;
+        kbench-ab) for i in 1 2; do  # alternating, so that a drift of the card's speed hits both sides
+                (OUT=$OUT/main$i && mkdir -p "$OUT" && run kbench 120 python3 benchmarks/bench_gpu_kernels.py)
+                (OUT=$OUT/ab$i PYTHONPATH=$AB_SRC:$PYTHONPATH && mkdir -p "$OUT" &&
+                    run kbench 120 python3 benchmarks/bench_gpu_kernels.py)
+            done ;;
         profile) run profile 240 python3 benchmarks/profile_gpu.py --compile ;;
         train) run train 240 python3 benchmarks/bench_gpu_train.py ;;
         train-ckpt) run train-ckpt 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
