@@ -42,7 +42,7 @@ def variants(x):
 
     H = x["q"].shape[2]
     return {
-        "k3 kda_chunk": (lambda a: kda_chunk(*a)[0], [x["q"], x["k"], x["v"], x["g"], x["beta"]]),
+        "k3 kda_chunk": (lambda a: kda_chunk(*a, gate_lower_bound=-5.0)[0], [x["q"], x["k"], x["v"], x["g"], x["beta"]]),
         "fla chunk_kda": (lambda a: chunk_kda(*a, safe_gate=True)[0], [x["q"], x["k"], x["v"], x["g"], x["beta"]]),
         "k3 gated": (lambda a: fla_kda_gated(*a, x["A_log"], x["dt_bias"], -5.0)[0],
                      [x["raw_q"], x["raw_k"], x["v"], x["f"], x["b_logits"]]),

@@ -59,6 +59,29 @@ def test_triton_short_conv_matches_the_reference(seed, B, T, C, W, dtype, with_t
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("with_tail,with_doc", [(False, False), (True, True)])
+def test_int64_offsets_give_the_same_result(monkeypatch, with_tail, with_doc):
+    """Rows with T · C >= 2^31 index in int64 (the int32 offsets would wrap past 2 GiB elements); that path,
+    forced on a small shape, equals the reference like the int32 one."""
+    monkeypatch.setattr(_conv_triton, "_WIDE_FROM", 0)
+    assert _conv_triton._wide(3, 16)
+    x, w, tail, doc, dy, dtail = conv_case(7, 2, 45, 48, 4, torch.float32, with_tail, with_doc)
+    for a, b in zip(run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail),
+                    run(short_conv_reference, x, w, tail, doc, dy, dtail)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_double_backward_is_refused():
+    """The kernels' gradients are not differentiable: a second derivative through them must fail loudly, not
+    count the conv's part as a constant (here the x² term alone would make the call succeed)."""
+    x, w, *_ = conv_case(8, 1, 9, 16, 4, torch.float32, False, False)
+    x = x.detach().requires_grad_()
+    y, _ = _conv_triton.short_conv(x, w, None, None)
+    (gx,) = torch.autograd.grad((y * y).sum() + (x * x).sum(), x, create_graph=True)  # ∂L/∂y = 2y needs grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
+
+
 def test_document_id_minus_one_reads_the_tail_like_the_reference():
     """The reference pads document ids with −1 on the left, so a row starting in document −1 sees the tail."""
     x, w, tail, doc, dy, dtail = conv_case(12, 2, 10, 32, 4, torch.float32, True, True)

@@ -44,13 +44,13 @@ def reference(fn, *args, **kwargs):
             os.environ["K3_NO_FLA"] = old
 
 
-def kda_inputs(B, T, H, K, V, seed, dtype=torch.bfloat16, n_states=None):
+def kda_inputs(B, T, H, K, V, seed, dtype=torch.bfloat16, n_states=None, lower_bound=-5.0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
     q = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
     k = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
     v = r(B, T, H, V).to(dtype)
-    g = kda_gate(r(B, T, H, K), r(H) * 0.5, r(H * K), -5.0)  # fp32, spread over (-5, 0)
+    g = kda_gate(r(B, T, H, K), r(H) * 0.5, r(H * K), lower_bound)  # fp32, spread over (lower_bound, 0)
     beta = torch.rand(B, T, H, generator=gen, device="cuda").to(dtype)
     # a non-symmetric state with distinct K and V sizes: a [K, V] / [V, K] mix-up cannot pass
     h0 = r(n_states or B, H, K, V) * 0.1
@@ -65,13 +65,26 @@ def test_fla_required_when_asked():
 @needs_fla
 @pytest.mark.parametrize("K,V,T", [(128, 128, 300), (64, 128, 129)])
 def test_chunk_dispatch_matches_reference(K, V, T):
+    """Through fla's general kernels (no bound given) and its safe-gate kernels (gates bounded by -5)."""
     q, k, v, g, beta, h0 = kda_inputs(2, T, 3, K, V, seed=K + T)
+    o_ref, s_ref = reference(kda_chunk, q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
+                             output_final_state=True)
+    for bound in (None, -5.0):
+        o, s = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, gate_lower_bound=bound)
+        assert o.dtype == v.dtype and s.shape == (2, 3, K, V) and s.dtype == torch.float32
+        assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-2, bound
+
+
+@needs_fla
+def test_chunk_dispatch_gates_below_minus_5():
+    """Gates from a bound of -8 (the config allows any bound < 0): kda_chunk without a bound stays off fla's
+    safe-gate kernels, whose exp factors overflow there, and matches the reference."""
+    q, k, v, g, beta, h0 = kda_inputs(1, 256, 2, 128, 128, seed=9, lower_bound=-8.0)
+    assert float(g.min()) < -6
     o, s = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o_ref, s_ref = reference(kda_chunk, q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
                              output_final_state=True)
-    assert o.dtype == v.dtype and s.shape == (2, 3, K, V) and s.dtype == torch.float32
-    assert rel_err(o, o_ref) < 1e-2
-    assert rel_err(s, s_ref) < 1e-2
+    assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-2
 
 
 @needs_fla

@@ -14,7 +14,8 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Line
     sources themselves and two [n, B, T] statistics are kept (not fp32 copies of the [n, B, T, D] stack).
     """
     x = sources[0]
-    if use_triton(x, "_attn_res_triton") and all(s.dtype == x.dtype and s.shape == x.shape for s in sources):
+    if x.numel() and use_triton(x, "_attn_res_triton") and all(s.dtype == x.dtype and s.shape == x.shape
+                                                                 for s in sources):
         return _AttnResMixFused.apply(norm.weight, proj.weight, norm.eps, *sources)
     return _AttnResMix.apply(norm.weight, proj.weight, norm.eps, *sources)
 

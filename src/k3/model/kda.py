@@ -103,7 +103,8 @@ class KimiDeltaAttention(nn.Module):
         q, tq = self.q_conv1d(self.q_proj(x), st and st.conv_q, doc_ids)
         k, tk = self.k_conv1d(self.k_proj(x), st and st.conv_k, doc_ids)
         v, tv = self.v_conv1d(self.v_proj(x), st and st.conv_v, doc_ids)
-        if fla_usable(q, K):  # GPU: gate, q/k L2 norm and beta sigmoid fused into fla's kernels
+        # GPU: gate, q/k L2 norm and beta sigmoid fused into fla's kernels, whose gate needs a bound >= -5
+        if fla_usable(q, K) and self.lower_bound >= -5.0:
             o = self._inner_fla(x, q, k, v, doc_ids, st, (tq, tk, tv), cache)
             o = fla_output_gate(o, self.g_proj(x).view(B, T, H, K), self.o_norm.weight, self.o_norm.eps)
             return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
@@ -116,7 +117,8 @@ class KimiDeltaAttention(nn.Module):
         if doc_ids is not None:  # packed rows: one flat batch of documents
             cu = doc_ids_to_cu_seqlens(doc_ids)
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
-            o, _ = kda_chunk(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=cu)
+            o, _ = kda_chunk(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=cu,
+                             gate_lower_bound=self.lower_bound)
             o = o.view(B, T, H, K)
         else:
             init = st.state if st is not None else None
@@ -180,7 +182,7 @@ class KimiDeltaAttention(nn.Module):
             rows, t = cache.prefill_rows_t, cache.prefill_tokens_t
             op, sp = kda_chunk(q[None, t], k[None, t], v[None, t], g[None, t], beta[None, t],
                                initial_state=st.state[rows], output_final_state=True,
-                               cu_seqlens=cache.prefill_cu_seqlens)
+                               cu_seqlens=cache.prefill_cu_seqlens, gate_lower_bound=self.lower_bound)
             o[t] = op[0].to(o.dtype)
             state[rows] = sp.to(state.dtype)
         cache.set_kda_state(self.layer_idx, KDAState(state, tq, tk, tv))

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops.triton_dispatch import on_device
+
 
 @triton.jit
 def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, R, D, eps,
@@ -99,8 +101,9 @@ def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[tor
     scores = torch.empty(len(sources), R, dtype=torch.float32, device=out.device)
     lse = torch.empty(R, dtype=torch.float32, device=out.device)
     block_r, block_d = _blocks(D)
-    _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse, R, D, eps,
-                                                N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
+    with on_device(out):
+        _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse, R, D, eps,
+                                                    N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
     return out, scores, lse
 
 
@@ -112,14 +115,14 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse):
     uw = u.float() * w.reshape(-1).float()
     block_r, block_d = _blocks(D)
     da = torch.empty_like(scores)
-    _mix_bwd_da_kernel[(triton.cdiv(R, block_r),)](tuple(sources), g, da, R, D,
-                                                   N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
     grads = tuple(torch.empty_like(s) for s in sources)
     tiles = triton.cdiv(R, block_r)
     progs = min(tiles, 1024)
     q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
-    _mix_bwd_kernel[(progs,)](tuple(sources), grads, g, uw, scores, lse, da, q, R, D, eps, progs,
-                              triton.cdiv(tiles, progs),
-                              N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
+    with on_device(g):
+        _mix_bwd_da_kernel[(tiles,)](tuple(sources), g, da, R, D, N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
+        _mix_bwd_kernel[(progs,)](tuple(sources), grads, g, uw, scores, lse, da, q, R, D, eps, progs,
+                                  triton.cdiv(tiles, progs),
+                                  N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
     q = q.sum(0)
     return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads

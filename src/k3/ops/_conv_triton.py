@@ -8,6 +8,9 @@ re-read per tap (shifted loads that hit cache) instead of building the fp32 padd
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from k3.ops.triton_dispatch import on_device
 
 # Sized by ptxas on sm_90 (bf16, C % 16 == 0): no spills; ~100 registers forward, 160 backward at 4 warps
 # (219 with a tail and its gradient).
@@ -19,20 +22,28 @@ _NUM_WARPS = 4
 
 
 @triton.jit
-def _tile(ptr, rows, offs_c, n_rows, C):
-    """fp32 [len(rows), BLOCK_C] of a row-major [n_rows, C] block at ptr, zero outside it."""
-    ok = ((rows >= 0) & (rows < n_rows))[:, None] & (offs_c < C)[None, :]
-    return tl.load(ptr + rows[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
+def _offsets(rows, offs_c, C, WIDE: tl.constexpr):
+    """rows · C + cols, in int64 when one batch row's T · C can pass 2^31 (WIDE)."""
+    if WIDE:
+        rows = rows.to(tl.int64)
+    return rows[:, None] * C + offs_c[None, :]
 
 
 @triton.jit
-def _xp_rows(x_b, tail_b, s0, s, offs_c, T, C, W: tl.constexpr, HAS_TAIL: tl.constexpr):
+def _tile(ptr, rows, offs_c, n_rows, C, WIDE: tl.constexpr):
+    """fp32 [len(rows), BLOCK_C] of a row-major [n_rows, C] block at ptr, zero outside it."""
+    ok = ((rows >= 0) & (rows < n_rows))[:, None] & (offs_c < C)[None, :]
+    return tl.load(ptr + _offsets(rows, offs_c, C, WIDE), mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _xp_rows(x_b, tail_b, s0, s, offs_c, T, C, W: tl.constexpr, HAS_TAIL: tl.constexpr, WIDE: tl.constexpr):
     """Rows s (starting at s0) of xp = [tail; x] of one batch as fp32 [len(s), BLOCK_C]: x for 0 <= s < T, the tail
     for −(W−1) <= s < 0 (zeros without one), zero elsewhere."""
-    v = _tile(x_b, s, offs_c, T, C)
+    v = _tile(x_b, s, offs_c, T, C, WIDE)
     if HAS_TAIL:
         if s0 < 0:  # only a row's first tile reaches into the tail
-            v += _tile(tail_b, s + (W - 1), offs_c, W - 1, C)
+            v += _tile(tail_b, s + (W - 1), offs_c, W - 1, C, False)
     return v
 
 
@@ -50,11 +61,11 @@ def _weight(w_ptr, offs_c, C, W: tl.constexpr, j: tl.constexpr):
 
 @triton.jit
 def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, T, C,
-                          W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr,
+                          W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, WIDE: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, TAIL_ROWS: tl.constexpr):
     pid_t = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    b = tl.program_id(2).to(tl.int64)  # per-batch base pointers: the in-tile offsets stay int32
+    b = tl.program_id(2).to(tl.int64)  # per-batch base pointers: in-row offsets are int32 unless WIDE
     x_b, tail_b, doc_b = x_ptr + b * T * C, tail_ptr + b * (W - 1) * C, doc_ptr + b * T
     t0 = pid_t * BLOCK_T
     offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -63,23 +74,23 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, 
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(W):
         s = offs_t - (W - 1) + j
-        v = _xp_rows(x_b, tail_b, t0 - (W - 1) + j, s, offs_c, T, C, W, HAS_TAIL)
+        v = _xp_rows(x_b, tail_b, t0 - (W - 1) + j, s, offs_c, T, C, W, HAS_TAIL, WIDE)
         if HAS_DOC:
             v = tl.where((_doc_rows(doc_b, s, T) == doc_t)[:, None], v, 0.0)
         acc += v * _weight(w_ptr, offs_c, C, W, j)
-    tl.store(y_ptr + b * T * C + offs_t[:, None] * C + offs_c[None, :], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + b * T * C + _offsets(offs_t, offs_c, C, WIDE), acc.to(y_ptr.dtype.element_ty),
              mask=(offs_t < T)[:, None] & (offs_c < C)[None, :])
     if pid_t == 0:  # new tail: the last W−1 rows of xp, tail rows included when T < W−1; no document mask
         # (names differ from the tile's: a runtime branch may not rebind a variable with another shape)
         r = tl.arange(0, TAIL_ROWS)
-        last_rows = _xp_rows(x_b, tail_b, T - (W - 1), T - (W - 1) + r, offs_c, T, C, W, HAS_TAIL)
+        last_rows = _xp_rows(x_b, tail_b, T - (W - 1), T - (W - 1) + r, offs_c, T, C, W, HAS_TAIL, WIDE)
         tl.store(new_tail_ptr + b * (W - 1) * C + r[:, None] * C + offs_c[None, :], last_rows,
                  mask=(r < W - 1)[:, None] & (offs_c < C)[None, :])
 
 
 @triton.jit
 def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_ptr, gw_part_ptr, gtail_ptr, T, C,
-                          W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr,
+                          W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, WIDE: tl.constexpr,
                           HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr,
                           NEED_GX: tl.constexpr, NEED_GW: tl.constexpr, NEED_GTAIL: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
@@ -88,7 +99,7 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
     gw_part[b, pid_t], and (program 0 along T) d tail. dy flows from y (HAS_GY) and from the new tail (HAS_GNT)."""
     pid_t = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    b = tl.program_id(2).to(tl.int64)  # per-batch base pointers: the in-tile offsets stay int32
+    b = tl.program_id(2).to(tl.int64)  # per-batch base pointers: in-row offsets are int32 unless WIDE
     x_b, tail_b, doc_b = x_ptr + b * T * C, tail_ptr + b * (W - 1) * C, doc_ptr + b * T
     gy_b, gnt_b = gy_ptr + b * T * C, gnt_ptr + b * (W - 1) * C
     c_ok = offs_c < C
@@ -102,25 +113,25 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
         if HAS_DOC:
             doc_t = _doc_rows(doc_b, offs_t, T)
         if HAS_GY:
-            gy_t = _tile(gy_b, offs_t, offs_c, T, C)
+            gy_t = _tile(gy_b, offs_t, offs_c, T, C, WIDE)
         if NEED_GX:
             gx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
             if HAS_GY:
                 gx += gy_t * _weight(w_ptr, offs_c, C, W, W - 1)  # the last tap reads the token's own row
                 for j in tl.static_range(W - 1):
                     t = offs_t + (W - 1) - j  # the token whose tap j reads row offs_t
-                    g = _tile(gy_b, t, offs_c, T, C)
+                    g = _tile(gy_b, t, offs_c, T, C, WIDE)
                     if HAS_DOC:
                         g = tl.where((_doc_rows(doc_b, t, T) == doc_t)[:, None], g, 0.0)
                     gx += g * _weight(w_ptr, offs_c, C, W, j)
             if HAS_GNT:  # rows T−(W−1)..T−1 are the new tail's rows 0..W−2
-                gx += _tile(gnt_b, offs_t - (T - (W - 1)), offs_c, W - 1, C)
-            tl.store(gx_ptr + b * T * C + offs_t[:, None] * C + offs_c[None, :], gx.to(gx_ptr.dtype.element_ty),
+                gx += _tile(gnt_b, offs_t - (T - (W - 1)), offs_c, W - 1, C, False)
+            tl.store(gx_ptr + b * T * C + _offsets(offs_t, offs_c, C, WIDE), gx.to(gx_ptr.dtype.element_ty),
                      mask=(offs_t < T)[:, None] & c_ok[None, :])
         if NEED_GW:
             for j in tl.static_range(W):
                 s = offs_t - (W - 1) + j
-                v = _xp_rows(x_b, tail_b, t0 - (W - 1) + j, s, offs_c, T, C, W, HAS_TAIL)
+                v = _xp_rows(x_b, tail_b, t0 - (W - 1) + j, s, offs_c, T, C, W, HAS_TAIL, WIDE)
                 if HAS_DOC:
                     v = tl.where((_doc_rows(doc_b, s, T) == doc_t)[:, None], v, 0.0)
                 gw_acc += tl.where((taps == j)[:, None, None], (gy_t * v)[None, :, :], 0.0)
@@ -135,14 +146,21 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
             if HAS_GY:
                 for j in tl.static_range(W):
                     reader = r - j  # (rows r >= W−1 are padding, never stored)
-                    g_r = _tile(gy_b, reader, offs_c, T, C)
+                    g_r = _tile(gy_b, reader, offs_c, T, C, False)
                     if HAS_DOC:  # the tail's padded document id is −1
                         g_r = tl.where((_doc_rows(doc_b, reader, T) == -1)[:, None], g_r, 0.0)
                     gt += g_r * _weight(w_ptr, offs_c, C, W, j)
             if HAS_GNT:
-                gt += _tile(gnt_b, r - T, offs_c, W - 1, C)
+                gt += _tile(gnt_b, r - T, offs_c, W - 1, C, False)
             tl.store(gtail_ptr + b * (W - 1) * C + r[:, None] * C + offs_c[None, :], gt.to(gtail_ptr.dtype.element_ty),
                      mask=(r < W - 1)[:, None] & c_ok[None, :])
+
+
+_WIDE_FROM = 2 ** 31  # T · C from which in-row offsets need int64 (a name, so that tests can lower it)
+
+
+def _wide(T: int, C: int) -> bool:
+    return T * C + C >= _WIDE_FROM  # + C: the halo and masked rows index up to a row past the end
 
 
 def _block_c(C: int) -> int:
@@ -168,14 +186,16 @@ class ShortConvTriton(torch.autograd.Function):
         new_tail = torch.empty(B, W - 1, C, device=x.device, dtype=torch.float32)
         BLOCK_C = _block_c(C)
         grid = (triton.cdiv(T, _FWD_BLOCK_T), triton.cdiv(C, BLOCK_C), B)
-        short_conv_fwd_kernel[grid](
-            x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids, y, new_tail, T, C,
-            W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None,
-            BLOCK_T=_FWD_BLOCK_T, BLOCK_C=BLOCK_C, TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
+        with on_device(x):
+            short_conv_fwd_kernel[grid](
+                x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids, y, new_tail, T, C,
+                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C),
+                BLOCK_T=_FWD_BLOCK_T, BLOCK_C=BLOCK_C, TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
         ctx.save_for_backward(x, weight, tail, doc_ids)
         return y, new_tail
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients are not themselves differentiable
     def backward(ctx, grad_y, grad_new_tail):
         x, weight, tail, doc_ids = ctx.saved_tensors
         need_x, need_w, need_tail = ctx.needs_input_grad[:3]
@@ -194,14 +214,15 @@ class ShortConvTriton(torch.autograd.Function):
         n_t = triton.cdiv(T, _BWD_BLOCK_T * tiles)
         gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32) if need_w else None
         grid = (n_t, triton.cdiv(C, BLOCK_C), B)
-        short_conv_bwd_kernel[grid](
-            x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
-            x if gy is None else gy, x if gnt is None else gnt,
-            x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
-            W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, HAS_GY=gy is not None,
-            HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w, NEED_GTAIL=need_tail,
-            BLOCK_T=_BWD_BLOCK_T, BLOCK_C=BLOCK_C, TILES=tiles, W_ROWS=triton.next_power_of_2(W),
-            TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
+        with on_device(x):
+            short_conv_bwd_kernel[grid](
+                x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
+                x if gy is None else gy, x if gnt is None else gnt,
+                x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
+                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, HAS_GY=gy is not None,
+                HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w, NEED_GTAIL=need_tail, WIDE=_wide(T, C),
+                BLOCK_T=_BWD_BLOCK_T, BLOCK_C=BLOCK_C, TILES=tiles, W_ROWS=triton.next_power_of_2(W),
+                TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
         gw = None
         if need_w:
             gw = gw_part.sum((0, 1)).t().unsqueeze(1).to(weight.dtype)  # [W, C] -> [C, 1, W]

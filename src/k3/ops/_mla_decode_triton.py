@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_dispatch import sm_count
+from k3.ops.triton_dispatch import on_device, sm_count
 
 
 @triton.jit
@@ -81,9 +81,10 @@ def paged_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor
     l = torch.empty_like(m)
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"
     block_r = max(16, triton.next_power_of_2(R))
-    _paged_decode_kernel[(S, head_blocks, splits)](
-        q_lat, q_rope, kv, tables, kv_len, acc, m, l, H, R, E, tables.shape[1], block_size, scale, split_len,
-        splits, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_N=block_n,
-        PRECISION=precision, num_warps=8 if block_r >= 256 else 4)  # 4 warps spill at R = 256 (ptxas, sm_90)
+    with on_device(q_lat):
+        _paged_decode_kernel[(S, head_blocks, splits)](
+            q_lat, q_rope, kv, tables, kv_len, acc, m, l, H, R, E, tables.shape[1], block_size, scale, split_len,
+            splits, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_N=block_n,
+            PRECISION=precision, num_warps=8 if block_r >= 256 else 4)  # 4 warps spill at R = 256 (ptxas, sm_90)
     w = torch.exp(m - m.amax(1, keepdim=True))  # a split past kv_len has m = −inf and weighs 0
     return (acc * w[..., None]).sum(1) / (l * w).sum(1)[..., None]

@@ -6,14 +6,12 @@ registers. Backward keeps only x and the fp32 per-row rstd. Both norms are `x ·
 (div = D for RMSNorm, 1 for L2), so they share the kernels:
   dx = rstd · (g⊙w − x̂ · Σ(g⊙w⊙x̂) / div),  dw = Σ_rows g ⊙ x̂.
 """
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from k3.ops.triton_dispatch import sm_count
+from k3.ops.triton_dispatch import on_device, sm_count
 
 MAX_D = 8192  # one row must fit in one program's registers (8 per thread at 32 warps); wider: the torch path
 _TILE = 4096  # elements per program tile: rows are batched up to this when D is small
@@ -94,11 +92,6 @@ def _tiles_per_program(device: torch.device, n_tiles: int, num_warps: int) -> in
     return triton.cdiv(n_tiles, programs)
 
 
-def _on_device(t: torch.Tensor):
-    # triton launches on the current CUDA device; follow the tensor's
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 class _TritonNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, mean):
@@ -110,7 +103,7 @@ class _TritonNorm(torch.autograd.Function):
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         div = float(D) if mean else 1.0
         block_r, block_d, num_warps = _launch_shape(n_rows, D)
-        with _on_device(x):
+        with on_device(x):
             _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
                 x2d, x2d if weight is None else weight, y, rstd, n_rows, D, div, float(eps),
                 HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
@@ -131,7 +124,7 @@ class _TritonNorm(torch.autograd.Function):
         tiles_per_program = _tiles_per_program(x2d.device, n_tiles, num_warps)
         programs = triton.cdiv(n_tiles, tiles_per_program)
         dw_partial = torch.empty(programs, D, dtype=torch.float32, device=x2d.device) if need_dw else None
-        with _on_device(x2d):
+        with on_device(x2d):
             _norm_bwd_kernel[(programs,)](
                 x2d, x2d if weight is None else weight, rstd, dy, x2d if dx is None else dx,
                 rstd if dw_partial is None else dw_partial, n_rows, D, ctx.div, tiles_per_program, n_tiles,

@@ -7,9 +7,10 @@ back to the reference.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from k3.ops.situ import situ_glu
-from k3.ops.triton_dispatch import triton_module, use_triton
+from k3.ops.triton_dispatch import on_device, triton_module, use_triton
 
 __all__ = ["fused_situ_available", "fused_situ_glu", "situ_glu_fast"]
 
@@ -28,13 +29,15 @@ class _FusedSiTUGLU(torch.autograd.Function):
         n = gate.numel()
         if n:
             kern = triton_module("_situ_triton")
-            grid = (triton_cdiv(n, _BLOCK),)
-            kern.situ_glu_fwd_kernel[grid](gate, up, h, n, float(beta_gate), float(beta_up), BLOCK=_BLOCK)
+            with on_device(gate):
+                kern.situ_glu_fwd_kernel[(triton_cdiv(n, _BLOCK),)](gate, up, h, n, float(beta_gate),
+                                                                    float(beta_up), BLOCK=_BLOCK)
         ctx.save_for_backward(gate, up)
         ctx.betas = (float(beta_gate), float(beta_up))
         return h
 
     @staticmethod
+    @once_differentiable  # the kernel's gradients are not themselves differentiable
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
         dh = dh.contiguous()
@@ -42,8 +45,9 @@ class _FusedSiTUGLU(torch.autograd.Function):
         n = gate.numel()
         if n:
             kern = triton_module("_situ_triton")
-            grid = (triton_cdiv(n, _BLOCK),)
-            kern.situ_glu_bwd_kernel[grid](gate, up, dh, dg, du, n, *ctx.betas, BLOCK=_BLOCK)
+            with on_device(gate):
+                kern.situ_glu_bwd_kernel[(triton_cdiv(n, _BLOCK),)](gate, up, dh, dg, du, n, *ctx.betas,
+                                                                    BLOCK=_BLOCK)
         return dg, du, None, None
 
 

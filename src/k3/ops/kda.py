@@ -310,6 +310,7 @@ def kda_chunk(
     output_final_state: bool = False,
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
+    gate_lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA chunkwise-parallel: same contract and result as kda_recurrent, one state update per chunk.
 
@@ -324,11 +325,13 @@ def kda_chunk(
     o = scale ((e^G * Q) S0 + A_qk u) and S1 = M S0 + R with M = Diag(e^G_last) - (e^{G_last-G} * K)^T W_k,
     R = (e^{G_last-G} * K)^T W_v. Everything except S1 = M S0 + R (one matmul per chunk) is batched over
     all chunks; no factor exp(+G) is ever formed (see _decayed_scores), so gates down to -5 are stable
-    in float32. Requires g <= 0.
+    in float32. Requires g <= 0. gate_lower_bound: a bound the caller guarantees g >= (kda_gate's); at -5 or
+    above, fla's faster safe-gate kernels may be used on CUDA, which are wrong for gates below -5.
     """
     if chunk_size == 64 and _take_fla_path(q, k, v, g, beta):
         from k3.ops.kda_fla import fla_kda_chunk
-        return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        safe = gate_lower_bound is not None and gate_lower_bound >= -5.0
+        return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, safe)
     B, T, H, K, V, bounds = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")

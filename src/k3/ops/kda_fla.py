@@ -90,18 +90,19 @@ def _state(initial_state):
 
 
 def fla_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None):
-    """`kda_chunk` through fla's chunk_kda. q, k: [B, T, H, K] (L2-normalised); g: [B, T, H, K] log-decay in
-    [-5, 0); v: [B, T, H, V]; beta: [B, T, H] in (0, 1); initial_state: [N, H, K, V] fp32 (K-first).
-    Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None)."""
+                  cu_seqlens=None, safe_gate=False):
+    """`kda_chunk` through fla's chunk_kda. q, k: [B, T, H, K] (L2-normalised); g: [B, T, H, K] log-decay
+    <= 0, and >= -5 when safe_gate; v: [B, T, H, V]; beta: [B, T, H] in (0, 1); initial_state: [N, H, K, V]
+    fp32 (K-first). Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None)."""
     from fla.ops.kda import chunk_kda
 
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     cu, cu_cpu = _cu(cu_seqlens, q.device)
-    # safe_gate: fla's M=16 tensor-core path for gates bounded below by -5, which kda_gate guarantees.
-    o, state = chunk_kda(q, k, v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
+    # safe_gate: fla's M=16 tensor-core path, for gates bounded below by -5 (kda_gate's at lower_bound >= -5);
+    # its exp factors overflow for lower gates, so only the caller, who knows the bound, may ask for it
+    o, state = chunk_kda(q, k.to(q.dtype), v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
                          initial_state=_state(initial_state), output_final_state=output_final_state,
-                         safe_gate=True, state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+                         safe_gate=safe_gate, state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
     return o.to(v.dtype), state
 
 
@@ -111,13 +112,13 @@ def fla_kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_f
     kernel, which computes the same function and has a backward. Layouts as `fla_kda_chunk`."""
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
-    if needs_grad:
+    if needs_grad:  # general gates: the recurrent contract has no bound below
         return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     from fla.ops.kda import fused_recurrent_kda
 
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     cu, _ = _cu(cu_seqlens, q.device)
-    o, state = fused_recurrent_kda(q, k, v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
+    o, state = fused_recurrent_kda(q, k.to(q.dtype), v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
                                    initial_state=_state(initial_state), output_final_state=output_final_state,
                                    state_v_first=False, cu_seqlens=cu)
     return o.to(v.dtype), state
@@ -145,6 +146,8 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
         t is not None and t.requires_grad for t in (q, k, v, f, beta_logits, A_log, dt_bias, initial_state))
     if recurrent is None:
         recurrent = T == 1 and not needs_grad
+    if recurrent and needs_grad:
+        raise ValueError("fla's fused recurrent kernel has no backward: recurrent=True needs inputs without grad")
     if recurrent:
         from fla.ops.kda import fused_recurrent_kda
 

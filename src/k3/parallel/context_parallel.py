@@ -147,7 +147,8 @@ class ContextParallelKDA:
         if seg is None:
             init = torch.zeros(B, H, K, V + K, dtype=sdt, device=x.device)
             init[..., V:] = eye
-            o_aug, final = kda_chunk(q, k, v_aug, g, beta, initial_state=init, output_final_state=True)
+            o_aug, final = kda_chunk(q, k, v_aug, g, beta, initial_state=init, output_final_state=True,
+                                     gate_lower_bound=m.lower_bound)
             summary = final
         else:
             cu = doc_ids_to_cu_seqlens(seg)
@@ -159,7 +160,7 @@ class ContextParallelKDA:
             init[row_first[continues], :, :, V:] = eye
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
             o_aug, final = kda_chunk(flat(q), flat(k), flat(v_aug), flat(g), flat(beta), initial_state=init,
-                                     output_final_state=True, cu_seqlens=cu)
+                                     output_final_state=True, cu_seqlens=cu, gate_lower_bound=m.lower_bound)
             o_aug = o_aug.view(B, T, H, V + K)
             summary = final[row_last]
         s_in = _incoming_state(all_gather(summary[None], cp.group), cp.rank, V)  # [B, H, K, V]
