@@ -454,3 +454,19 @@ def test_sample_rows_draws_from_the_filtered_distribution(seed):
     batched = sample_rows(logits, temps, ks, ps, u4)
     alone = torch.cat([sample_rows(logits[r:r + 1], temps[r:r + 1], ks[r:r + 1], ps[r:r + 1], u4[r:r + 1]) for r in range(4)])
     assert torch.equal(batched, alone)
+
+
+def test_sample_rows_never_picks_a_filtered_token_under_a_drifting_cumsum(monkeypatch):
+    """A GPU's cumsum is a tree scan: a filtered (zero-probability) token's running sum may sit a rounding step
+    above the last kept token's. Emulated here by lifting every odd position's running sum by 1e-4: no u may
+    then land on a filtered token."""
+    from k3.model.generate import sample_rows
+    real = torch.Tensor.cumsum
+    monkeypatch.setattr(torch.Tensor, "cumsum", lambda t, dim: real(t, dim) + 1e-4 * (torch.arange(t.shape[dim]) % 2))
+    g = torch.Generator().manual_seed(3)
+    V, N = 64, 20000
+    logits = torch.randn(V, generator=g) * 2
+    u = (torch.arange(N, dtype=torch.float64) + 0.5) / N
+    toks = sample_rows(logits.expand(N, V), [1.0] * N, [7] * N, [1.0] * N, u)
+    kept = torch.topk(logits, 7).indices
+    assert torch.isin(toks, kept).all()

@@ -11,6 +11,14 @@ import torch
 from k3.model.cache import StaticCache
 
 
+def graph_blocker(model) -> str | None:
+    """Why the model's decode step cannot be captured in a CUDA graph, or None when it can: packed MXFP4
+    experts dequantize expert by expert after reading the expert counts on the host."""
+    if any(getattr(m, "packed", False) for m in model.modules()):
+        return "packed MXFP4 experts read their expert counts on the host (no CUDA graph can hold that)"
+    return None
+
+
 class GraphedDecodeStep:
     """`step(tokens [B]) -> logits [B, V]`: the model's forward of one token per row over `cache`, replayed
     from a CUDA graph captured at construction. The returned logits live in a static buffer that the next
@@ -22,7 +30,14 @@ class GraphedDecodeStep:
         device = cache.length.device
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA cache, got device {device}")
-        self.model, self.cache = model, cache
+        if (reason := graph_blocker(model)) is not None:
+            raise ValueError(f"cannot capture this model's decode step: {reason}")
+        self.model, self.cache, self.device = model, cache, device
+        with torch.cuda.device(device):  # kernels, streams and the graph on the cache's device, not device 0
+            self._capture(warmup, compile)
+
+    def _capture(self, warmup: int, compile: bool) -> None:
+        model, cache, device = self.model, self.cache, self.device
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
         if compile:  # inductor fuses the elementwise chains (norms, AttnRes mixes, gates) before capture
             core = torch.compile(model.model)
@@ -44,7 +59,7 @@ class GraphedDecodeStep:
                 cache.restore(saved)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
+        with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device)), torch.no_grad():
             self.logits = forward(self.tokens)
         cache.restore(saved)  # capture ran the host-side bookkeeping (seq_len) once without running kernels
 
@@ -53,6 +68,7 @@ class GraphedDecodeStep:
         if cache.seq_len + 1 > cache.max_len:
             raise ValueError(f"StaticCache holds {cache.max_len} tokens and is full")
         self.tokens.copy_(tokens.reshape(cache.batch, 1))
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
         cache.seq_len += 1  # the graph advanced the device length; keep the host's copy in step
         return self.logits

@@ -5,6 +5,8 @@ from typing import Iterator
 
 import torch
 
+from k3.model.cuda_graph import GraphedDecodeStep, graph_blocker
+
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
@@ -44,7 +46,9 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
         # the CDF below stays in vocabulary order whatever the filters: a row samples the same token for the
         # same u whether or not its batch mates needed the ranking
         probs = probs * torch.zeros_like(keep).scatter(1, order, keep)
-    cdf = probs.cumsum(-1)
+    # flat across filtered tokens by construction: a GPU's cumsum is a tree scan, whose rounding can lift a
+    # zero-probability token's running sum a few ulps above the last kept token's, where a threshold may fall
+    cdf = torch.where(probs > 0, probs.cumsum(-1), 0).cummax(-1).values
     threshold = u.to(dev, torch.float32)[:, None] * cdf[:, -1:]
     idx = torch.searchsorted(cdf, threshold, right=True)[:, 0]  # the first token whose CDF passes u
     # u·total can round up to the total: fall back to the last token that has any mass
@@ -84,9 +88,12 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    graphed = device.type == "cuda" if cuda_graph is None else cuda_graph
+    blocker = graph_blocker(model) if device.type == "cuda" else None
+    graphed = (device.type == "cuda" and blocker is None) if cuda_graph is None else cuda_graph
     if graphed and device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
+    if graphed and blocker is not None:
+        raise ValueError(f"cuda_graph=True, but {blocker}")
     was_training = model.training
     model.eval()
     try:
@@ -97,7 +104,6 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
         else:
             logits = chunked_prefill(model, input_ids, cache, prefill_chunk)
         if graphed and max_new_tokens > 1:
-            from k3.model.cuda_graph import GraphedDecodeStep
             decode = GraphedDecodeStep(model, cache).step
         else:
             decode = lambda tok: model(tok[:, None], cache=cache).logits[:, -1]  # noqa: E731

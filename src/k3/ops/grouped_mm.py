@@ -30,15 +30,27 @@ def expert_situ_mlp_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Ten
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
 
+def rows_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-expert `x_e @ W_e^T` (x [S, in] sorted by expert, w [E, out, in]) with each row's expert weights
+    gathered: no step reads `counts` on the host, so it can be captured in a CUDA graph. Memory grows as
+    rows × expert size: for decode-sized batches."""
+    eid = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
+                                  output_size=x.shape[0])  # output_size: no host sync
+    return torch.bmm(w[eid], x[:, :, None])[..., 0]
+
+
 def expert_situ_mlp_rows(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                          w2: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
-    """Same contract, each row multiplied by its own expert's gathered weights: no step reads `counts` on the
-    host, so it can be captured in a CUDA graph. Memory grows as rows × expert size: for decode-sized batches."""
-    experts = torch.arange(len(counts), device=x.device)
-    eid = torch.repeat_interleave(experts, counts, output_size=x.shape[0])  # output_size: no host sync
-    col = x[:, :, None]
-    h = situ_glu(torch.bmm(w1[eid], col), torch.bmm(w3[eid], col), beta_gate, beta_up)
-    return torch.bmm(w2[eid], h)[..., 0]
+    """Same contract as the loop through `rows_linear`: capturable in a CUDA graph."""
+    h = situ_glu(rows_linear(x, counts, w1), rows_linear(x, counts, w3), beta_gate, beta_up)
+    return rows_linear(h, counts, w2)
+
+
+def host_offsets_forbidden(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """True while a CUDA graph captures and `_grouped_mm` could not take x: its kernel takes aligned bf16 only,
+    and its fallback for other dtypes, like the loop, reads the offsets on the host, which capture forbids."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing() and not (
+        x.dtype == torch.bfloat16 and grouped_mm_supported(x, *weights))
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -53,9 +65,7 @@ def expert_situ_mlp(x, counts: torch.Tensor, w1, w3, w2, beta_gate=4.0, beta_up=
     """Dispatch: grouped GEMM where supported, else the per-expert loop."""
     if w1.dtype != x.dtype:  # autocast does not cover _grouped_mm: bf16 activations meet fp32 master weights
         w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
-    if x.is_cuda and x.dtype != torch.bfloat16 and torch.cuda.is_current_stream_capturing():
-        # _grouped_mm's kernel is bf16-only; its fallback for other dtypes copies the offsets to the host,
-        # which CUDA-graph capture forbids (the fp32 engine's decode graphs)
+    if host_offsets_forbidden(x, w1, w2):  # e.g. the fp32 engine's decode graphs
         return expert_situ_mlp_rows(x, counts, w1, w3, w2, beta_gate, beta_up)
     if grouped_mm_supported(x, w1, w2) and x.shape[0] > 0:
         return expert_situ_mlp_grouped(x, counts, w1, w3, w2, beta_gate, beta_up)

@@ -5,7 +5,8 @@ expert e, `y = W2_e SiTU(W1_e x, W3_e x)` with weights in checkpoint `[out, in]`
 """
 import torch
 
-from k3.ops.grouped_mm import grouped_mm_supported
+from k3.ops import grouped_mm
+from k3.ops.grouped_mm import grouped_mm_supported, rows_linear
 from k3.ops.mx import BLOCK, mxfp4_fake_quant, mxfp4_pack, mxfp4_unpack, mxfp8_fake_quant
 from k3.ops.situ import situ_glu
 
@@ -14,6 +15,8 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 def grouped_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-expert `x_e @ W_e^T`. x: [S, in] sorted by expert; counts: [E] int; w: [E, out, in] → [S, out]."""
+    if grouped_mm.host_offsets_forbidden(x, w):  # a CUDA graph capturing QAT experts outside aligned bf16
+        return rows_linear(x, counts, w)
     if x.shape[0] and grouped_mm_supported(x, w):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.cumsum(counts, 0).to(torch.int32))
     parts = [xe @ we.t() for xe, we in zip(x.split(counts.tolist()), w)]
@@ -35,6 +38,9 @@ def packed_expert_situ_mlp(x, counts: torch.Tensor, experts, beta_gate=4.0, beta
     expert's three matrices at a time, so the float copy never exceeds one expert). x: [S, L] → [S, L].
 
     quantize_activations: MXFP8-quantize the GEMM inputs as QAT does (emulated MXFP4 x MXFP8 inference)."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("packed MXFP4 experts read their expert counts on the host and cannot be captured in a "
+                           "CUDA graph (decode graphs are off for such models: k3.model.cuda_graph.graph_blocker)")
     act = mxfp8_fake_quant if quantize_activations else (lambda t: t)
     out = x.new_empty(x.shape[0], experts.w2_packed.shape[1])
     start = 0

@@ -3,9 +3,12 @@ model's own KDA and MLA modules read and write the pool through a BatchCacheView
 instead replay a CUDA graph captured for their padded batch size and block-table width (DecodeGraphs)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from k3.model.cache import BatchCacheView, KDAState
+from k3.model.cuda_graph import graph_blocker
 from k3.serve.block_pool import CachePool
 from k3.serve.sequence import Sequence
 
@@ -128,8 +131,10 @@ class DecodeGraphs:
             logits = self._forward(view)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the server's other threads may touch CUDA while this one captures
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+        # thread_local: the server's other threads may touch CUDA while this one captures; a capture stream of
+        # the pool's device (the graph's default capture stream belongs to whichever device first made it)
+        with torch.cuda.graph(graph, pool=self.mempool, stream=torch.cuda.Stream(device),
+                              capture_error_mode="thread_local"):
             out = self._forward(view)
         self.entries[key] = (view, graph, out)
         return logits
@@ -145,13 +150,22 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
-        use = on_cuda if decode_graphs is None else decode_graphs
+        blocker = graph_blocker(model) if on_cuda else None
+        if decode_graphs and blocker is not None:
+            raise ValueError(f"decode_graphs=True, but {blocker}")
+        use = (on_cuda and blocker is None) if decode_graphs is None else decode_graphs
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int]) -> torch.Tensor:
         """Feed seqs[i].tokens[num_computed : num_computed + lens[i]] for every i; return the last-token
         logits [len(sample_rows), vocab] of the rows that will sample. Does not advance num_computed."""
+        # the model's device is made current: the engine's own thread starts on device 0, and Triton kernels,
+        # new streams, events and graphs all follow the current device, not their tensors'
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._run(seqs, lens, sample_rows)
+
+    def _run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(seqs, lens):
             logits = self.graphs.run(seqs)
             return logits if len(sample_rows) == len(seqs) else logits[sample_rows]
