@@ -86,6 +86,16 @@ def test_chunked_prefill_splitting_an_image_equals_reference(vlm, tok):
     assert eng.generate([ids], GREEDY, images=[[im]])[0].output_ids == reference(vlm, ids, im, 5)
 
 
+def test_fixed_shape_decode_steps_with_an_image_equal_reference(vlm, tok):
+    """decode_graphs=True (the CPU runs the graphs' fixed-shape step eagerly) with one-token steps: the prompt's
+    one-token chunks, image rows among them, stay on the eager path that splices the image in; the decode steps
+    after it take the fixed-shape path; the tokens equal the reference's."""
+    ids, im = request(tok, 5)
+    eng = engine(vlm, tok, max_batch_tokens=1, prefix_caching=False, decode_graphs=True)
+    assert eng.generate([ids], GREEDY, images=[[im]])[0].output_ids == reference(vlm, ids, im, 5)
+    assert eng.runner.graphs.entries  # the decodes went through it
+
+
 def test_engine_refuses_mismatched_images(vlm, tok):
     ids, im = request(tok, 4)
     eng = engine(vlm, tok)

@@ -140,7 +140,9 @@ class DecodeGraphs:
         return logits
 
     def fits(self, seqs: list[Sequence], lens: list[int]) -> bool:
-        return len(seqs) <= self.max_rows and all(n == 1 for n in lens) and not any(s.mm for s in seqs)
+        """One token per sequence, none of them from a prompt with images (their rows are spliced in eagerly)."""
+        return len(seqs) <= self.max_rows and all(n == 1 for n in lens) and \
+            not any(s.mm and s.in_prefill for s in seqs)
 
 
 class ModelRunner:
