@@ -268,6 +268,23 @@ def test_graph_capture_paths_match_the_loop(monkeypatch):
     assert "packed MXFP4" in graph_blocker(model)
 
 
+def test_kernel_device_context_keeps_no_tensor_alive():
+    """`on_device` runs around every Triton launch: it must not hold on to its tensor (a cache keyed by the
+    tensor would keep every activation of every step alive)."""
+    import gc
+    import weakref
+
+    from k3.ops.triton_dispatch import on_device
+
+    t = torch.randn(4)
+    ref = weakref.ref(t)
+    with on_device(t):
+        pass
+    del t
+    gc.collect()
+    assert ref() is None
+
+
 # ---- MoE row permutations ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed,N,k,L", [(0, 1, 1, 3), (1, 7, 2, 5), (2, 33, 4, 16), (3, 64, 8, 8)])
 def test_token_permutations_equal_indexing(seed, N, k, L):

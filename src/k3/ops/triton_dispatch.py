@@ -29,13 +29,13 @@ def triton_module(name: str) -> ModuleType | None:
         return None
 
 
-@functools.lru_cache(maxsize=None)
 def on_device(t: torch.Tensor):
     """A context on t's CUDA device: Triton launches on the current device, which need not be t's
     (a model on cuda:1, or the engine's own thread, where the current device is 0)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+@functools.lru_cache(maxsize=None)
 def sm_count(device_index: int | None) -> int:
     """Streaming multiprocessors of a CUDA device: how many programs fill it (grid sizing of the kernels)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
