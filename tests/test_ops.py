@@ -268,6 +268,28 @@ def test_graph_capture_paths_match_the_loop(monkeypatch):
     assert "packed MXFP4" in graph_blocker(model)
 
 
+def test_qat_experts_take_bf16_activations_with_fp32_weights():
+    """Under bf16 autocast the QAT experts meet bf16 activations and fp32 (fake-quantized) master weights, which
+    `_grouped_mm` does not cast by itself: the result is the fp32 one to bf16 accuracy, gradients reach the
+    fp32 weights."""
+    from k3.ops.mx_experts import qat_expert_situ_mlp
+
+    g = gen(31)
+    counts = torch.tensor([5, 0, 11, 3])
+    E, S, L, I = 4, 19, 64, 32
+    x = torch.randn(S, L, generator=g)
+    w1, w3 = ((torch.randn(E, I, L, generator=g) * 0.2).requires_grad_() for _ in range(2))
+    w2 = (torch.randn(E, L, I, generator=g) * 0.2).requires_grad_()
+    x = x.bfloat16()
+    ref = qat_expert_situ_mlp(x.float(), counts, w1, w3, w2)
+    out = qat_expert_situ_mlp(x, counts, w1, w3, w2)
+    assert out.dtype == torch.bfloat16
+    # bf16 GEMMs, and the MXFP8 codes of the hidden activations that this rounding moves across a step
+    assert (out.float() - ref).norm() / ref.norm() < 3e-2
+    out.float().sum().backward()
+    assert w1.grad is not None and w1.grad.dtype == torch.float32 and w1.grad.abs().sum() > 0
+
+
 def test_kernel_device_context_keeps_no_tensor_alive():
     """`on_device` runs around every Triton launch: it must not hold on to its tensor (a cache keyed by the
     tensor would keep every activation of every step alive)."""

@@ -15,6 +15,8 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 def grouped_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-expert `x_e @ W_e^T`. x: [S, in] sorted by expert; counts: [E] int; w: [E, out, in] → [S, out]."""
+    if w.dtype != x.dtype:  # autocast does not cover _grouped_mm: bf16 activations meet fp32 (fake-quant) weights
+        w = w.to(x.dtype)  # exact for MXFP4 values; the cast passes the straight-through gradient on
     if grouped_mm.host_offsets_forbidden(x, w):  # a CUDA graph capturing QAT experts outside aligned bf16
         return rows_linear(x, counts, w)
     if x.shape[0] and grouped_mm_supported(x, w):

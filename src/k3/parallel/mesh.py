@@ -40,12 +40,14 @@ class ParallelDims:
         return self
 
 
-def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
+def init_distributed(timeout_s: float = 300.0, device_type: str | None = None) -> tuple[int, int]:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment):
-    NCCL on GPU, gloo on CPU. Returns (rank, world_size)."""
+    NCCL for CUDA tensors (and this rank's GPU, LOCAL_RANK, made current), gloo for CPU ones. device_type:
+    where the run's tensors live (default: CUDA when there is a GPU). Returns (rank, world_size)."""
     if not dist.is_initialized():
         from datetime import timedelta
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        on_gpu = torch.cuda.is_available() if device_type is None else device_type == "cuda"
+        backend = "nccl" if on_gpu else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

@@ -103,7 +103,8 @@ def clip_grad_norm_(runner: ParallelK3, max_norm: float) -> float:
     """Global gradient norm over every rank's parameters (replicated counted once, FSDP shards summed over
     all ranks, expert shards over their EP group), then the same clip on every rank. Returns the norm."""
     dev = next(runner.model.parameters()).device  # NCCL reduces device tensors only
-    rep, world, experts = 0.0, torch.zeros(1, dtype=torch.float64, device=dev), torch.zeros(1, dtype=torch.float64, device=dev)
+    # three device accumulators, read once at the end (a float() per parameter would sync the GPU each time)
+    rep, world, experts = (torch.zeros(1, dtype=torch.float64, device=dev) for _ in range(3))
     grads = []
     for n, p in runner.model.named_parameters():
         if p.grad is None:
@@ -116,10 +117,10 @@ def clip_grad_norm_(runner: ParallelK3, max_norm: float) -> float:
         elif _is_dtensor(p.grad):
             world += sq
         else:
-            rep += float(sq)
+            rep += sq
     dist.all_reduce(world)
     dist.all_reduce(experts, group=runner.mesh.ep_group)
-    total = (rep + float(world) + float(experts)) ** 0.5
+    total = float(rep + world + experts) ** 0.5
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:
         for g in grads:

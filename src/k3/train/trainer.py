@@ -92,8 +92,9 @@ def set_rng_state(s: dict) -> None:
     torch.set_rng_state(s["torch"])
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+    if "cuda" in s and torch.cuda.is_available():  # as many GPUs as both runs see (the count may differ)
+        for i, state in enumerate(s["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, i)
 
 
 class Trainer:
@@ -116,6 +117,13 @@ class Trainer:
         self.loader = PackedLoader(self.train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, tok.bos_id, tok.eos_id, tok.pad_id)
         self.val_batches = eval_batches(self.val_ids, cfg.seq_len, cfg.batch_size, tok.bos_id, tok.eos_id, tok.pad_id)
 
+        if cfg.dp * cfg.cp > 1 or cfg.ep > 1:
+            # join the process group before placing the model: on GPUs it makes this rank's device
+            # (LOCAL_RANK) current, and "cuda" without an index would put every rank's model on GPU 0
+            from k3.parallel.mesh import init_distributed
+            init_distributed(device_type=self.device.type)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = K3Config.preset(cfg.preset).replace(
             vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
         self.model = K3ForCausalLM(self.model_config).to(self.device)
@@ -193,14 +201,15 @@ class Trainer:
         from k3.checkpoint.hf import load_pretrained
 
         loaded = load_pretrained(path, device=self.device)
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        # map_location: a GPU run's optimizer state resumes on a CPU-only host too; load_state_dict moves it
+        state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
         saved, now = state.get("layout"), self.dist.layout if self.dist else None
         if saved != now:
             raise ValueError(f"--resume: {path} was written by a run with layout {saved or 'single process'}; "
                              f"resume it with the same --nproc/--dp/--ep/--cp/--fsdp (this run: {now or 'single process'})")
         if self.dist:  # the full model into this rank's shards; this rank's own optimizer state and RNG
             self.dist.load_full_state_dict(loaded.state_dict())
-            mine = torch.load(path / f"rank_{self.dist.rank:05d}.pt", weights_only=False)
+            mine = torch.load(path / f"rank_{self.dist.rank:05d}.pt", weights_only=False, map_location="cpu")
             self.dist.load_optimizer_state(self.optimizer, mine["optimizer"])
             set_rng_state(mine["rng"])
         else:
@@ -237,8 +246,10 @@ class Trainer:
         if self.dist and self.cfg.cp > 1:
             return "(no sample: decoding does not run under context parallelism)"
         ids = self.tokenizer.encode(self.cfg.sample_prompt, add_bos=True)
+        # no CUDA graph under several processes: the expert-parallel step's collectives cannot be captured
         out = self.model.generate(ids, max_new_tokens=max_new_tokens or self.cfg.sample_tokens, temperature=0.8,
-                                  top_k=50, seed=seed, eos_token_id=self.tokenizer.eos_id)
+                                  top_k=50, seed=seed, eos_token_id=self.tokenizer.eos_id,
+                                  cuda_graph=False if self.dist else None)
         return self.tokenizer.decode(out[0].tolist(), skip_special_tokens=True)
 
     def unigram_baseline(self) -> float:
