@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from k3.model.kda import KimiDeltaAttention, doc_ids_to_cu_seqlens
 from k3.model.mla import MultiHeadLatentAttention
+from k3.ops.attention import causal_attention
 from k3.ops.conv import short_conv
 from k3.ops.kda import kda_chunk, kda_gate
 from k3.ops.norm import l2_norm
@@ -191,12 +192,14 @@ class ContextParallelMLA:
         k_nope, v = m.kv_b_proj(latent).view(B, S, H, m.nope + m.v_dim).split([m.nope, m.v_dim], -1)
         k = torch.cat([k_nope, k_extra[:, :, None, :].expand(B, S, H, m.rope)], dim=-1)
         start = cp.bounds[cp.rank][0]
-        mask = torch.arange(S, device=x.device)[None, :] <= torch.arange(start, start + T, device=x.device)[:, None]
-        mask = mask[None].expand(B, T, S)
-        if cp.segments is not None:
-            mask = mask & (cp.local_segments[:, :, None] == cp.segments[:, None, :])
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask[:, None], scale=m.scale).transpose(1, 2)
+        if cp.segments is None:  # the shard's T queries end the first start + T keys: bottom-right causal, no
+            # mask to build ([B, T, S] would take GBs at long context) and the fused kernels on CUDA
+            o = causal_attention(q, k[:, :start + T], v[:, :start + T], m.scale)
+        else:
+            mask = torch.arange(S, device=x.device)[None, :] <= torch.arange(start, start + T, device=x.device)[:, None]
+            mask = mask[None] & (cp.local_segments[:, :, None] == cp.segments[:, None, :])
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=mask[:, None], scale=m.scale).transpose(1, 2)
         o = o.reshape(B, T, H * m.v_dim) * torch.sigmoid(m.g_proj(x))
         return m.o_proj(o)
 
