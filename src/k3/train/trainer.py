@@ -200,7 +200,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         from k3.checkpoint.hf import load_pretrained
 
-        loaded = load_pretrained(path, device=self.device)
+        loaded = load_pretrained(path, device="cpu")  # host memory: beside the training model, a second GPU copy
         # map_location: a GPU run's optimizer state resumes on a CPU-only host too; load_state_dict moves it
         state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
         saved, now = state.get("layout"), self.dist.layout if self.dist else None
