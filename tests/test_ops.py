@@ -240,7 +240,7 @@ def test_graph_capture_paths_match_the_loop(monkeypatch):
     experts take the per-row gathered-weight path: same result as the loop. The capture is emulated on CPU by
     forcing the predicate; a plain model can be captured, one with packed MXFP4 experts cannot."""
     from k3 import K3Config, K3ForCausalLM
-    from k3.model.cuda_graph import graph_blocker
+    from k3.model.cuda_graph import graph_blocker, wants_graphs
     from k3.ops import grouped_mm, mx_experts
 
     g = gen(21)
@@ -261,11 +261,16 @@ def test_graph_capture_paths_match_the_loop(monkeypatch):
     torch.testing.assert_close(mx_experts.grouped_linear(x, torch.tensor(counts), w1), loop)
     assert len(calls) == 4
     model = K3ForCausalLM(K3Config.preset("tiny"))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert graph_blocker(model) is None
+    assert wants_graphs(model, cuda, None) and not wants_graphs(model, cpu, None) and wants_graphs(model, cpu, True)
     for m in model.modules():
         if hasattr(m, "packed") and hasattr(m, "w1"):
             mx_experts.pack_experts_(m)
     assert "packed MXFP4" in graph_blocker(model)
+    assert not wants_graphs(model, cuda, None)  # the engine's and generate's default: eager decode
+    with pytest.raises(ValueError, match="packed MXFP4"):
+        wants_graphs(model, cuda, True)
 
 
 def test_qat_experts_take_bf16_activations_with_fp32_weights():

@@ -19,6 +19,15 @@ def graph_blocker(model) -> str | None:
     return None
 
 
+def wants_graphs(model, device: torch.device, requested: bool | None) -> bool:
+    """Whether to decode through CUDA graphs: as `requested`, by default on CUDA where the model allows; asking
+    for them where `graph_blocker` objects raises."""
+    blocker = graph_blocker(model) if device.type == "cuda" else None
+    if requested and blocker is not None:
+        raise ValueError(f"CUDA graphs were asked for, but {blocker}")
+    return (device.type == "cuda" and blocker is None) if requested is None else requested
+
+
 class GraphedDecodeStep:
     """`step(tokens [B]) -> logits [B, V]`: the model's forward of one token per row over `cache`, replayed
     from a CUDA graph captured at construction. The returned logits live in a static buffer that the next

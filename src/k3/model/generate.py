@@ -5,7 +5,7 @@ from typing import Iterator
 
 import torch
 
-from k3.model.cuda_graph import GraphedDecodeStep, graph_blocker
+from k3.model.cuda_graph import GraphedDecodeStep, wants_graphs
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -88,12 +88,9 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    blocker = graph_blocker(model) if device.type == "cuda" else None
-    graphed = (device.type == "cuda" and blocker is None) if cuda_graph is None else cuda_graph
+    graphed = wants_graphs(model, device, cuda_graph)
     if graphed and device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
-    if graphed and blocker is not None:
-        raise ValueError(f"cuda_graph=True, but {blocker}")
     was_training = model.training
     model.eval()
     try:

@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 from k3.model.cache import BatchCacheView, KDAState
-from k3.model.cuda_graph import graph_blocker
+from k3.model.cuda_graph import wants_graphs
 from k3.serve.block_pool import CachePool
 from k3.serve.sequence import Sequence
 
@@ -140,7 +140,7 @@ class DecodeGraphs:
         return logits
 
     def fits(self, seqs: list[Sequence], lens: list[int]) -> bool:
-        """One token per sequence, none of them from a prompt with images (their rows are spliced in eagerly)."""
+        """One token per sequence, none of them inside a prompt with images (image rows are spliced in eagerly)."""
         return len(seqs) <= self.max_rows and all(n == 1 for n in lens) and \
             not any(s.mm and s.in_prefill for s in seqs)
 
@@ -152,10 +152,7 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.device = next(model.parameters()).device
         on_cuda = self.device.type == "cuda"
-        blocker = graph_blocker(model) if on_cuda else None
-        if decode_graphs and blocker is not None:
-            raise ValueError(f"decode_graphs=True, but {blocker}")
-        use = (on_cuda and blocker is None) if decode_graphs is None else decode_graphs
+        use = wants_graphs(model, self.device, decode_graphs)
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
 
     @torch.inference_mode()
