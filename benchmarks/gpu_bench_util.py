@@ -15,8 +15,10 @@ PEAK_BF16 = 989e12  # dense bf16 datasheet figure the MFU targets use
 MATMUL_BF16 = 790e12  # measured 8192^3 bf16 matmul (SPEC §6)
 
 
-def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
-    """Median milliseconds of fn() over reps, timed with CUDA events after warmup calls."""
+def time_ms(fn, warmup: int = 3, reps: int = 10, inner: int = 1) -> float:
+    """Median milliseconds of fn() over reps, timed with CUDA events after warmup calls. inner: calls per event
+    pair, back to back: the GPU starts idle at each pair's first event, so one call alone also counts its own
+    host-side launch (10-40 µs, a visible share of a 0.1 ms kernel)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -24,10 +26,11 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(inner):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / inner)
     return statistics.median(times)
 
 
