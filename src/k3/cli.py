@@ -353,10 +353,11 @@ def cmd_bench_serve(a) -> int:
             n = bench.requests_per_level(level, a.num_prompts, a.prompts_per_concurrency)
             for dataset in datasets:
                 s = bench.run_engine(model, tokenizer, engine_config, dataset, n, level, a.request_rate, a.input_len,
-                                     a.output_len, a.turns, a.seed)
+                                     a.output_len, a.turns, a.seed, warmup=True)
                 record(f"engine {dataset} c={level}" if level else f"engine {dataset} rate={a.request_rate}/s", s)
             if a.baseline and level:
-                s = bench.static_batch_baseline(model, tokenizer, n, level, a.input_len, a.output_len, a.seed)
+                s = bench.static_batch_baseline(model, tokenizer, n, level, a.input_len, a.output_len, a.seed,
+                                                warmup=True)
                 record(f"static generate batch={level}", s)
     print()
     print(bench.format_table(rows))

@@ -166,14 +166,17 @@ def requests_per_level(concurrency: int | None, num_prompts: int, per_concurrenc
 
 
 def static_batch_baseline(model, tokenizer, num_prompts: int, batch_size: int, input_len: int, output_len: int,
-                          seed: int = 0) -> dict:
+                          seed: int = 0, warmup: bool = False) -> dict:
     """What one writes without an engine: `generate` over fixed batches of equal-length prompts, on the model's
-    device (no EOS: every row must get exactly output_len tokens, else it is listed in `problems`)."""
+    device (no EOS: every row must get exactly output_len tokens, else it is listed in `problems`).
+    warmup: one untimed batch of the same shape first (kernel autotuning for this batch size)."""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)  # drawn on the host: the same prompts on every device
     lo = len(tokenizer.special_tokens)
     prompts = torch.randint(lo, model.config.vocab_size, (num_prompts, input_len), generator=g).to(device)
     lat, wrong = [], 0
+    if warmup:
+        model.generate(prompts[:batch_size], max_new_tokens=min(output_len, 2))
     _sync(device)
     t0 = time.perf_counter()
     for i in range(0, num_prompts, batch_size):
@@ -200,11 +203,13 @@ def _sync(device: torch.device) -> None:
 
 def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, concurrency: int | None,
                request_rate: float | None, input_len: int, output_len: int, turns: int, seed: int = 0,
-               on_start=None) -> dict:
+               on_start=None, warmup: bool = False) -> dict:
     """One load run against a fresh engine (so a cold prefix cache) behind an in-process server, loaded by
     clients in a process of their own → the summary, plus `problems`: failed requests, outputs of the wrong
     length, a pool not empty afterwards.
-    on_start(engine): called once the engine exists (e.g. to print its capacity)."""
+    on_start(engine): called once the engine exists (e.g. to print its capacity).
+    warmup: first one untimed wave of other prompts at the same concurrency and lengths, so that the timed run
+    does not pay the engine's first uses (a CUDA graph captured per batch-size bucket, kernel autotuning)."""
     from k3.serve.api import create_app
     from k3.serve.engine import LLMEngine
 
@@ -213,6 +218,9 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
         if on_start is not None:
             on_start(engine)
         with local_server(create_app(engine, tokenizer, "k3")) as url:
+            if warmup and concurrency:  # other random prompts (another seed): nothing for the timed run to hit
+                run_load_in_own_process(url, "k3", dataset, concurrency * turns, concurrency, None, input_len,
+                                        output_len, turns, None, seed + 104729)
             s = run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                         output_len, turns, None, seed)
         blocks, slots = engine.pool.num_used_blocks, engine.pool.num_used_slots
