@@ -5,6 +5,9 @@ prompt is shorter), the LM head on the last position only. Chunking bounds the a
 memory grows only with the cache (MLA latents, 4 of 16 layers). Stops before a length whose predicted time
 (quadratic extrapolation, pessimistic) exceeds --budget-s.
 Target (issue 6): a 1M-token prefill completes on one H200, with a near-linear time curve.
+Compute floor: (2 · N_active · T + Σ_MLA H · T² · (d_qk + d_v)) FLOP over the matmul rate measured in the same
+run (N_active without the LM head, which sees one position; causal attention is half the T² square, 2 FLOP a
+multiply-add; KDA's own arithmetic left out).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_prefill.py [--quick] [--budget-s 240] [--chunk 65536]
 """
 import argparse
@@ -15,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import save, table  # noqa: E402
+from gpu_bench_util import active_params, measure_ceilings, save, table  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
@@ -33,6 +36,10 @@ def main():
     with torch.device("cuda"):
         model = K3ForCausalLM(cfg).to(torch.bfloat16).eval()
     lengths = [8192, 32768, 131072, 262144, 524288, 1048576] if not a.quick else [1024, 4096]
+    rate = measure_ceilings()["matmul_TFLOPs"] * 1e12
+    n_act = active_params(model, cfg, skip=("lm_head",))
+    n_mla = len(cfg.linear_attn_config.full_attn_layers)
+    attn_per_t2 = n_mla * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     rows, last = [], None
     for T in lengths:
         if last is not None:
@@ -54,14 +61,16 @@ def main():
                     torch.cuda.synchronize()
                     sec = time.perf_counter() - t0
             assert torch.isfinite(logits).all()
-            rows.append(dict(tokens=T, status="ok", seconds=sec, tokens_per_s=T / sec,
+            floor_s = (2 * n_act * T + attn_per_t2 * T * T) / rate
+            rows.append(dict(tokens=T, status="ok", seconds=sec, tokens_per_s=T / sec, floor_s=floor_s,
                              peak_GiB=torch.cuda.max_memory_allocated() / 2 ** 30, cache_GiB=cache.nbytes() / 2 ** 30))
             last = (T, sec)
         except torch.OutOfMemoryError:
             rows.append(dict(tokens=T, status="OOM", peak_GiB=torch.cuda.max_memory_allocated() / 2 ** 30))
         print(rows[-1], flush=True)
         cache = logits = None
-    print(table(rows, ["tokens", "status", "seconds", "tokens_per_s", "peak_GiB", "cache_GiB"]))
+    print(f"matmul rate {rate / 1e12:.0f} TFLOP/s, N_active {n_act / 1e6:.1f}M (without the LM head)")
+    print(table(rows, ["tokens", "status", "seconds", "floor_s", "tokens_per_s", "peak_GiB", "cache_GiB"]))
     save("prefill" + ("_quick" if a.quick else ""), {"rows": rows})
 
 

@@ -20,20 +20,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import PEAK_BF16, save, table, time_ms  # noqa: E402
+from gpu_bench_util import PEAK_BF16, active_params, save, table, time_ms  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
-
-
-def active_params(model, cfg) -> int:
-    n = 0
-    for name, p in model.named_parameters():
-        if p.dim() < 2 or "embed_tokens" in name:
-            continue
-        frac = cfg.num_experts_per_token / cfg.num_experts if ".experts.w" in name else 1.0
-        n += p.numel() * frac
-    return int(n)
 
 
 def main():

@@ -34,6 +34,18 @@ def time_ms(fn, warmup: int = 3, reps: int = 10, inner: int = 1) -> float:
     return statistics.median(times)
 
 
+def active_params(model, cfg, skip: tuple[str, ...] = ()) -> int:
+    """Matmul weights one token uses: every 2-D weight but the embedding (and names containing `skip`), the
+    routed experts' at top_k / num_experts."""
+    n = 0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "embed_tokens" in name or any(s in name for s in skip):
+            continue
+        frac = cfg.num_experts_per_token / cfg.num_experts if ".experts.w" in name else 1.0
+        n += p.numel() * frac
+    return int(n)
+
+
 def fwd_bwd(fn, inputs: list, params=()):
     """A step for time_ms: fn(leaves) and its backward into fresh leaves of `inputs` and `params`, against one
     fixed random upstream gradient (drawn at the first call)."""
