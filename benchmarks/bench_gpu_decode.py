@@ -9,7 +9,8 @@ Rows: "eager" = the model's forward per step; "graph" = k3.model.cuda_graph.Grap
 (--compile; a failure is recorded as a row and the run goes on).
 Memory roofline per step = bytes that must be read: every dense weight once (embedding row only), the
 routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per MoE layer), lm_head,
-each KDA state read and written (fp32), each MLA layer's cached latent+k_extra read once. Fraction =
+each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer's cached latent+k_extra read
+once. Fraction =
 (bytes / copy bandwidth measured in the same run) / measured step time. Target (issue 6): batch-1 >= 60%.
 Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile]
 """
@@ -76,7 +77,8 @@ def main():
     rows = []
     for ctx in ([int(c) for c in a.contexts.split(",")] if not a.quick else [512]):
         for B in ([1, 8, 64] if not a.quick else [1, 4]):
-            state_bytes = n_kda * B * la.num_heads * la.head_dim ** 2 * 4 * 2
+            tails = 3 * (la.short_conv_kernel_size - 1) * la.num_heads * la.head_dim  # q, k, v conv tails
+            state_bytes = n_kda * B * (la.num_heads * la.head_dim ** 2 + tails) * 4 * 2
             kv_bytes = n_mla * B * ctx * (R + rope) * 2
             nbytes = weight_bytes(model, cfg, B) + state_bytes + kv_bytes
             floor_ms = nbytes / copy_bw * 1e3
