@@ -45,7 +45,7 @@ for step in $steps; do
         tests) xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
             run tests 480 python3 -m pytest -v -rfE -p no:cacheprovider $xdist tests/test_gpu.py \
                 tests/test_mla_decode_triton.py tests/test_attn_res_triton.py tests/test_norm_triton.py \
-                tests/test_conv_triton.py ;;
+                tests/test_conv_triton.py tests/test_situ_triton.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;
@@ -57,7 +57,7 @@ for step in $steps; do
         profile) run profile 240 python3 benchmarks/profile_gpu.py --compile ;;
         train) run train 240 python3 benchmarks/bench_gpu_train.py ;;
         train-ckpt) run train-ckpt 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
-        kernels) run kernels 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_attn_res_triton.py \
+        kernels) run kernels 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_attn_res_triton.py tests/test_situ_triton.py \
             tests/test_norm_triton.py tests/test_conv_triton.py tests/test_mla_decode_triton.py tests/test_gpu.py \
             -k "not graphed and not chunk" ;;
         moe) run moe 120 python3 benchmarks/bench_gpu_moe.py ;;
