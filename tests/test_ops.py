@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from k3.ops.attention import causal_attention
 from k3.ops.conv import short_conv
-from k3.ops.grouped_mm import expert_situ_mlp_grouped, expert_situ_mlp_loop, expert_situ_mlp_rows
+from k3.ops import grouped_mm
+from k3.ops.grouped_mm import expert_situ_mlp, expert_situ_mlp_grouped, expert_situ_mlp_loop
 from k3.ops.norm import rms_norm
 from k3.ops.situ import situ_glu
 
@@ -204,7 +205,7 @@ def test_causal_attention_doc_ids_equal_separate_runs(seed, lengths):
     (42, [1, 1, 1, 1, 1, 1, 1, 1], 32, 16),
     (43, [20, 0], 12, 4),
 ])
-def test_grouped_expert_mlp_matches_loop(seed, counts, D, I):
+def test_grouped_expert_mlp_matches_loop(seed, counts, D, I, monkeypatch):
     g = gen(seed)
     E, S = len(counts), sum(counts)
     x = torch.randn(S, D, generator=g, requires_grad=True)
@@ -214,8 +215,10 @@ def test_grouped_expert_mlp_matches_loop(seed, counts, D, I):
     ref = expert_situ_mlp_loop(x, counts, w1, w3, w2)
     out = expert_situ_mlp_grouped(x, torch.tensor(counts), w1, w3, w2)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    # the graph-capturable path (weights gathered per row), in float64
-    rows = expert_situ_mlp_rows(x.double(), torch.tensor(counts), w1.double(), w3.double(), w2.double())
+    # the graph-capturable path (weights gathered per row, taken while a capture forbids host reads), float64
+    with monkeypatch.context() as m:
+        m.setattr(grouped_mm, "host_offsets_forbidden", lambda *a: True)
+        rows = expert_situ_mlp(x.double(), torch.tensor(counts), w1.double(), w3.double(), w2.double())
     torch.testing.assert_close(rows, ref.double(), rtol=1e-5, atol=1e-5)
     # the loop itself against a per-row formula, so that both paths are pinned to the definition
     e_of_row = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
@@ -241,7 +244,7 @@ def test_graph_capture_paths_match_the_loop(monkeypatch):
     forcing the predicate; a plain model can be captured, one with packed MXFP4 experts cannot."""
     from k3 import K3Config, K3ForCausalLM
     from k3.model.cuda_graph import graph_blocker, wants_graphs
-    from k3.ops import grouped_mm, mx_experts
+    from k3.ops import mx_experts
 
     g = gen(21)
     counts = [3, 0, 5, 1]
@@ -254,7 +257,6 @@ def test_graph_capture_paths_match_the_loop(monkeypatch):
     real_rows = grouped_mm.rows_linear
     monkeypatch.setattr(grouped_mm, "host_offsets_forbidden", lambda *a: True)
     monkeypatch.setattr(grouped_mm, "rows_linear", lambda *a: calls.append(1) or real_rows(*a))
-    monkeypatch.setattr(mx_experts, "rows_linear", grouped_mm.rows_linear)
     torch.testing.assert_close(grouped_mm.expert_situ_mlp(x, torch.tensor(counts), w1, w3, w2), ref)
     assert len(calls) == 3
     loop = torch.cat([x[a:b] @ w1[e].t() for e, (a, b) in enumerate(zip([0, 3, 3, 8], [3, 3, 8, 9]))])
@@ -333,3 +335,11 @@ def test_token_permutations_equal_indexing(seed, N, k, L):
         res.append((y.detach(), zz.grad))
     torch.testing.assert_close(res[1][0], res[0][0], rtol=0, atol=0)
     torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-12, atol=1e-12)
+
+
+def test_safe_gate_bound_decides_the_fla_kernels():
+    """fla's safe-gate kernels take gates bounded in [-5, 0) only; without a known bound, never."""
+    from k3.ops.kda_fla import safe_gate_ok
+
+    assert safe_gate_ok(-5.0) and safe_gate_ok(-1.0)
+    assert not safe_gate_ok(-5.01) and not safe_gate_ok(-8) and not safe_gate_ok(None) and not safe_gate_ok(0.0)

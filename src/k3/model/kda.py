@@ -8,7 +8,7 @@ from k3.model.cache import BatchCacheView, KDAState
 from k3.model.norm import RMSNorm
 from k3.ops.conv import short_conv
 from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
-from k3.ops.kda_fla import fla_kda_gated, fla_output_gate, fla_usable
+from k3.ops.kda_fla import fla_kda_gated, fla_output_gate, fla_usable, safe_gate_ok
 from k3.ops.norm import l2_norm
 
 
@@ -103,8 +103,8 @@ class KimiDeltaAttention(nn.Module):
         q, tq = self.q_conv1d(self.q_proj(x), st and st.conv_q, doc_ids)
         k, tk = self.k_conv1d(self.k_proj(x), st and st.conv_k, doc_ids)
         v, tv = self.v_conv1d(self.v_proj(x), st and st.conv_v, doc_ids)
-        # GPU: gate, q/k L2 norm and beta sigmoid fused into fla's kernels, whose gate needs a bound >= -5
-        if fla_usable(q, K) and self.lower_bound >= -5.0:
+        # GPU: gate, q/k L2 norm and beta sigmoid fused into fla's kernels (their gate needs safe_gate_ok)
+        if fla_usable(q, K) and safe_gate_ok(self.lower_bound):
             o = self._inner_fla(x, q, k, v, doc_ids, st, (tq, tk, tv), cache)
             o = fla_output_gate(o, self.g_proj(x).view(B, T, H, K), self.o_norm.weight, self.o_norm.eps)
             return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))

@@ -20,6 +20,43 @@ def expert_situ_mlp_loop(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """`_grouped_mm` takes fp32/bf16/fp16 with 16-byte aligned rows; float64 (tests) uses the loop."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    align = 16 // x.element_size()
+    return all(d % align == 0 for w in weights for d in w.shape[1:])
+
+
+def host_offsets_forbidden(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """True while a CUDA graph captures and `_grouped_mm` could not take x: its kernel takes aligned bf16 only,
+    and its fallback for other dtypes, like the loop, reads the offsets on the host, which capture forbids."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing() and not (
+        x.dtype == torch.bfloat16 and grouped_mm_supported(x, *weights))
+
+
+def rows_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-expert `x_e @ W_e^T` with each row's expert weights gathered: no step reads `counts` on the host, so
+    it can be captured in a CUDA graph. Memory grows as rows × expert size: for decode-sized batches."""
+    eid = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
+                                  output_size=x.shape[0])  # output_size: no host sync
+    return torch.bmm(w[eid], x[:, :, None])[..., 0]
+
+
+def grouped_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-expert `x_e @ W_e^T`. x: [S, in] sorted by expert; counts: [E] int; w: [E, out, in] → [S, out].
+    One `_grouped_mm` where it can run; per-row gathered weights while a CUDA graph captures what it cannot
+    take; else a loop over the experts."""
+    if w.dtype != x.dtype:  # autocast does not cover _grouped_mm: bf16 activations meet fp32 master weights
+        w = w.to(x.dtype)
+    if host_offsets_forbidden(x, w):
+        return rows_linear(x, counts, w)
+    if x.shape[0] and grouped_mm_supported(x, w):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.cumsum(counts, 0).to(torch.int32))
+    parts = [xe @ we.t() for xe, we in zip(x.split(counts.tolist()), w)]
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
+
+
 def expert_situ_mlp_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                             w2: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
     """Same contract as the loop, with one `torch._grouped_mm` per projection. counts: [E] int tensor."""
@@ -30,43 +67,12 @@ def expert_situ_mlp_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Ten
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
 
-def rows_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per-expert `x_e @ W_e^T` (x [S, in] sorted by expert, w [E, out, in]) with each row's expert weights
-    gathered: no step reads `counts` on the host, so it can be captured in a CUDA graph. Memory grows as
-    rows × expert size: for decode-sized batches."""
-    eid = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
-                                  output_size=x.shape[0])  # output_size: no host sync
-    return torch.bmm(w[eid], x[:, :, None])[..., 0]
-
-
-def expert_situ_mlp_rows(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                         w2: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
-    """Same contract as the loop through `rows_linear`: capturable in a CUDA graph."""
-    h = situ_glu(rows_linear(x, counts, w1), rows_linear(x, counts, w3), beta_gate, beta_up)
-    return rows_linear(h, counts, w2)
-
-
-def host_offsets_forbidden(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """True while a CUDA graph captures and `_grouped_mm` could not take x: its kernel takes aligned bf16 only,
-    and its fallback for other dtypes, like the loop, reads the offsets on the host, which capture forbids."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing() and not (
-        x.dtype == torch.bfloat16 and grouped_mm_supported(x, *weights))
-
-
-def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """`_grouped_mm` takes fp32/bf16/fp16 with 16-byte aligned rows; float64 (tests) uses the loop."""
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    align = 16 // x.element_size()
-    return all(d % align == 0 for w in weights for d in w.shape[1:])
-
-
 def expert_situ_mlp(x, counts: torch.Tensor, w1, w3, w2, beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
-    """Dispatch: grouped GEMM where supported, else the per-expert loop."""
+    """Dispatch: the three grouped GEMMs on one set of offsets where `_grouped_mm` takes them, else the same
+    products through `grouped_linear` (per-row weights in a CUDA-graph capture, a loop over experts elsewhere)."""
     if w1.dtype != x.dtype:  # autocast does not cover _grouped_mm: bf16 activations meet fp32 master weights
         w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
-    if host_offsets_forbidden(x, w1, w2):  # e.g. the fp32 engine's decode graphs
-        return expert_situ_mlp_rows(x, counts, w1, w3, w2, beta_gate, beta_up)
-    if grouped_mm_supported(x, w1, w2) and x.shape[0] > 0:
+    if x.shape[0] and grouped_mm_supported(x, w1, w2) and not host_offsets_forbidden(x, w1, w2):
         return expert_situ_mlp_grouped(x, counts, w1, w3, w2, beta_gate, beta_up)
-    return expert_situ_mlp_loop(x, counts.tolist(), w1, w3, w2, beta_gate, beta_up)
+    h = situ_glu_fast(grouped_linear(x, counts, w1), grouped_linear(x, counts, w3), beta_gate, beta_up)
+    return grouped_linear(h, counts, w2)

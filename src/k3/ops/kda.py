@@ -16,7 +16,7 @@ from numbers import Real
 
 import torch
 
-from k3.ops.kda_fla import fla_usable
+from k3.ops.kda_fla import fla_usable, safe_gate_ok
 
 __all__ = ["kda_gate", "kda_recurrent", "kda_chunk"]
 
@@ -330,8 +330,8 @@ def kda_chunk(
     """
     if chunk_size == 64 and _take_fla_path(q, k, v, g, beta):
         from k3.ops.kda_fla import fla_kda_chunk
-        safe = gate_lower_bound is not None and gate_lower_bound >= -5.0
-        return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, safe)
+        return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                             safe_gate_ok(gate_lower_bound))
     B, T, H, K, V, bounds = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")

@@ -22,9 +22,17 @@ import os
 import torch
 
 __all__ = ["fla_available", "fla_usable", "fla_kda_chunk", "fla_kda_recurrent", "fla_kda_gated", "fla_output_gate",
-           "MIN_FLA_VERSION"]
+           "safe_gate_ok", "SAFE_GATE_BOUND", "MIN_FLA_VERSION"]
 
 MIN_FLA_VERSION = (0, 6, 0)
+SAFE_GATE_BOUND = -5.0  # fla's safe-gate kernels (M=16 tensor cores) need every gate >= this; lower ones overflow
+
+
+def safe_gate_ok(lower_bound: float | None) -> bool:
+    """Whether gates known to lie in [lower_bound, 0) may take fla's safe-gate kernels (None: no bound known)."""
+    return lower_bound is not None and SAFE_GATE_BOUND <= float(lower_bound) < 0.0
+
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -98,8 +106,7 @@ def fla_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final
 
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     cu, cu_cpu = _cu(cu_seqlens, q.device)
-    # safe_gate: fla's M=16 tensor-core path, for gates bounded below by -5 (kda_gate's at lower_bound >= -5);
-    # its exp factors overflow for lower gates, so only the caller, who knows the bound, may ask for it
+    # safe_gate (see SAFE_GATE_BOUND): only the caller, who knows the gates' bound, may ask for it
     o, state = chunk_kda(q, k.to(q.dtype), v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
                          initial_state=_state(initial_state), output_final_state=output_final_state,
                          safe_gate=safe_gate, state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
@@ -136,8 +143,8 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
     """
     B, T, H, K = q.shape
     _check_shapes(q, k, v, f, beta_logits, initial_state, cu_seqlens)
-    if not (-5.0 <= float(lower_bound) < 0.0):
-        raise ValueError(f"lower_bound must be in [-5, 0) for fla's safe gate, got {lower_bound!r}")
+    if not safe_gate_ok(lower_bound):
+        raise ValueError(f"lower_bound must be in [{SAFE_GATE_BOUND}, 0) for fla's safe gate, got {lower_bound!r}")
     A = A_log[:H].float().contiguous()
     bias = dt_bias.reshape(H * K).float().contiguous()
     cu, cu_cpu = _cu(cu_seqlens, q.device)

@@ -5,24 +5,11 @@ expert e, `y = W2_e SiTU(W1_e x, W3_e x)` with weights in checkpoint `[out, in]`
 """
 import torch
 
-from k3.ops import grouped_mm
-from k3.ops.grouped_mm import grouped_mm_supported, rows_linear
+from k3.ops.grouped_mm import grouped_linear
 from k3.ops.mx import BLOCK, mxfp4_fake_quant, mxfp4_pack, mxfp4_unpack, mxfp8_fake_quant
 from k3.ops.situ import situ_glu
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
-
-
-def grouped_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per-expert `x_e @ W_e^T`. x: [S, in] sorted by expert; counts: [E] int; w: [E, out, in] → [S, out]."""
-    if w.dtype != x.dtype:  # autocast does not cover _grouped_mm: bf16 activations meet fp32 (fake-quant) weights
-        w = w.to(x.dtype)  # exact for MXFP4 values; the cast passes the straight-through gradient on
-    if grouped_mm.host_offsets_forbidden(x, w):  # a CUDA graph capturing QAT experts outside aligned bf16
-        return rows_linear(x, counts, w)
-    if x.shape[0] and grouped_mm_supported(x, w):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.cumsum(counts, 0).to(torch.int32))
-    parts = [xe @ we.t() for xe, we in zip(x.split(counts.tolist()), w)]
-    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
 
 
 def qat_expert_situ_mlp(x, counts, w1, w3, w2, beta_gate=4.0, beta_up=25.0) -> torch.Tensor:

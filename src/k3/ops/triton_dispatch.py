@@ -29,10 +29,12 @@ def triton_module(name: str) -> ModuleType | None:
         return None
 
 
-def on_device(t: torch.Tensor):
-    """A context on t's CUDA device: Triton launches on the current device, which need not be t's
-    (a model on cuda:1, or the engine's own thread, where the current device is 0)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+def on_device(t: torch.Tensor | torch.device):
+    """A context on the CUDA device of t (a tensor or a device); nothing on the CPU. Triton kernels, new streams,
+    events and graphs follow the current device, which need not be t's (a model on cuda:1, or the engine's own
+    thread, where the current device is 0)."""
+    device = t if isinstance(t, torch.device) else t.device
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @functools.lru_cache(maxsize=None)

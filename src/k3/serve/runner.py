@@ -3,12 +3,11 @@ model's own KDA and MLA modules read and write the pool through a BatchCacheView
 instead replay a CUDA graph captured for their padded batch size and block-table width (DecodeGraphs)."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from k3.model.cache import BatchCacheView, KDAState
 from k3.model.cuda_graph import wants_graphs
+from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
 from k3.serve.sequence import Sequence
 
@@ -159,9 +158,7 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int]) -> torch.Tensor:
         """Feed seqs[i].tokens[num_computed : num_computed + lens[i]] for every i; return the last-token
         logits [len(sample_rows), vocab] of the rows that will sample. Does not advance num_computed."""
-        # the model's device is made current: the engine's own thread starts on device 0, and Triton kernels,
-        # new streams, events and graphs all follow the current device, not their tensors'
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+        with on_device(self.device):  # the engine's own thread starts on device 0
             return self._run(seqs, lens, sample_rows)
 
     def _run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int]) -> torch.Tensor:
