@@ -83,11 +83,14 @@ def environment() -> dict:
             env[mod] = __import__(mod).__version__
         except Exception:
             env[mod] = None
+    # K3_COMMIT first: a copied tree's .git may not be the one its files came from (the device tool's is not)
+    env["commit"] = os.environ.get("K3_COMMIT", "")
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True, timeout=5).stdout.strip() or os.environ.get("K3_COMMIT", "?")
+        env["commit"] = env["commit"] or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                        capture_output=True, text=True, timeout=5).stdout.strip()
     except Exception:
-        env["commit"] = os.environ.get("K3_COMMIT", "?")
+        pass
+    env["commit"] = env["commit"] or "?"
     return env
 
 

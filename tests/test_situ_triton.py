@@ -73,3 +73,22 @@ def test_exp_holds_two_ulp_over_the_whole_fp32_range():
     assert (y.cpu()[want > torch.finfo(torch.float32).max] == float("inf")).all()
     assert (y.cpu()[want < 2.0 ** -150] == 0).all()  # past half the smallest subnormal: 0, not garbage bits
     assert ((y.cpu() >= 0) & (y.cpu() <= torch.finfo(torch.float32).tiny))[want < 2.0 ** -126].all()
+
+
+def test_bf16_kernels_round_like_the_reference():
+    """bf16 results take tl.exp (EXACT off): each element of h, dgate and dup within bf16 rounding of float64's."""
+    g = torch.Generator().manual_seed(5)
+    gate, up = torch.randn(2, 777, generator=g, dtype=torch.float64) * 6, torch.randn(2, 777, generator=g,
+                                                                                       dtype=torch.float64) * 40
+    gate, up = gate.bfloat16().double(), up.bfloat16().double()  # the inputs the kernels see, exactly
+    dh = torch.randn(2, 777, generator=g, dtype=torch.float64).bfloat16().double()
+    gate.requires_grad_(), up.requires_grad_()
+    ref = situ_glu(gate, up)
+    want = (ref, *torch.autograd.grad(ref, (gate, up), dh))
+    g16, u16 = (t.detach().bfloat16().to(DEVICE).requires_grad_() for t in (gate, up))
+    h = fused_situ_glu(g16, u16)
+    got = (h, *torch.autograd.grad(h, (g16, u16), dh.bfloat16().to(DEVICE)))
+    for name, x, y in zip(("h", "dgate", "dup"), got, want):
+        assert x.dtype == torch.bfloat16, name
+        err = (x.double().cpu() - y.detach()).abs()
+        assert (err <= 2 ** -7 * y.detach().abs() + 1e-6 * y.detach().abs().max()).all(), name

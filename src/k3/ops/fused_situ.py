@@ -31,7 +31,8 @@ class _FusedSiTUGLU(torch.autograd.Function):
             kern = triton_module("_situ_triton")
             with on_device(gate):
                 kern.situ_glu_fwd_kernel[(triton_cdiv(n, _BLOCK),)](gate, up, h, n, float(beta_gate),
-                                                                    float(beta_up), BLOCK=_BLOCK)
+                                                                    float(beta_up), BLOCK=_BLOCK,
+                                                                    EXACT=h.dtype == torch.float32)
         ctx.save_for_backward(gate, up)
         ctx.betas = (float(beta_gate), float(beta_up))
         return h
@@ -47,7 +48,7 @@ class _FusedSiTUGLU(torch.autograd.Function):
             kern = triton_module("_situ_triton")
             with on_device(gate):
                 kern.situ_glu_bwd_kernel[(triton_cdiv(n, _BLOCK),)](gate, up, dh, dg, du, n, *ctx.betas,
-                                                                    BLOCK=_BLOCK)
+                                                                    BLOCK=_BLOCK, EXACT=dg.dtype == torch.float32)
         return dg, du, None, None
 
 
