@@ -5,7 +5,8 @@ off (K3_NO_TRITON=<module>; opt-in kernels are switched on with K3_TRITON=all). 
 forward+backward (against one fixed random upstream gradient). Hardware limit per op: the bytes the forward must move (inputs
 read once, output written once) over the copy bandwidth measured in the same run.
 Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the AttnRes mix of 5 sources
-[B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps; SiTU-GLU [B·T, 6144].
+[B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps; SiTU-GLU [B·T, 6144]
+(also in fp32).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick]
 """
 import argparse
@@ -45,6 +46,9 @@ def cases(B: int, T: int, device: str = "cuda"):
                                      list(norm.parameters()) + list(proj.parameters()), 6 * n),
         "short_conv (4 taps)": ("_conv_triton", lambda a: short_conv(a[0], conv_w)[0], [x], [conv_w], 2 * n),
         "situ_glu": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate, up], [], 3 * B * T * I * 2),
+        # fp32 results take the kernels' exact exp (k3.ops._situ_triton._exp): what that precision costs
+        "situ_glu fp32": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate.float(), up.float()], [],
+                          3 * B * T * I * 4),
     }
 
 

@@ -24,28 +24,36 @@ def _exp(x):
 
 
 @triton.jit
-def _sigmoid(x, EXACT: tl.constexpr):
-    # EXACT (fp32 results) pays ~15 more instructions per exp, which makes the kernels compute-bound (2.7x slower
-    # fwd+bwd on the H200); bf16 and fp16 results round away far more than tl.exp's error
+def _exp_nonpositive(x, EXACT: tl.constexpr):
+    # EXACT (fp32 results) costs ~15 instructions more per exp; bf16 and fp16 results round away far more than
+    # tl.exp's error (below 2^-9 relative for |x| < 2^15)
     if EXACT:
-        return 1.0 / (1.0 + _exp(-x))
+        return _exp(x)
     else:
-        return tl.sigmoid(x)
+        return tl.exp(x)
 
 
 @triton.jit
-def _tanh(x, EXACT: tl.constexpr):
-    # 2 sigmoid(2x) - 1 saturates cleanly at +-1 for large |x| but cancels near 0 (all digits lost at
-    # |x| ~ 1e-7 in fp32); below |x| = 1/8 the odd series to x^9, whose next term is < 1e-9 · |x|, is exact
-    # to fp32 rounding
+def _sigmoid_pair(x, EXACT: tl.constexpr):
+    # σ(x) and σ(−x) = 1 − σ(x) from one exp of −|x| (which never overflows) and one division: each keeps its
+    # relative precision in the tail where it is e^−|x|, and 1 − σ never cancels
+    e = _exp_nonpositive(-tl.abs(x), EXACT)
+    d = 1.0 / (1.0 + e)
+    return tl.where(x >= 0, d, e * d), tl.where(x >= 0, e * d, d)
+
+
+@triton.jit
+def _tanh_sech2(x, EXACT: tl.constexpr):
+    # tanh(x) and sech²(x) = 1 − tanh²(x) from one exp of −2|x| and one division, so that the backward needs
+    # three exps, not eight. (1 − e)/(1 + e) cancels near 0 (all digits lost at |x| ~ 1e-7 in fp32): below
+    # |x| = 1/8 the odd series to x^9, whose next term is < 1e-9 · |x|, is exact to fp32 rounding. sech² as
+    # 4e/(1 + e)² keeps its relative precision where 1 − tanh² rounds to 0
+    e = _exp_nonpositive(-2.0 * tl.abs(x), EXACT)
+    d = 1.0 / (1.0 + e)
     x2 = x * x
     series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
-    return tl.where(tl.abs(x) < 0.125, series, 2.0 * _sigmoid(2.0 * x, EXACT) - 1.0)
-
-
-@triton.jit
-def _sech2(x, EXACT: tl.constexpr):
-    return 4.0 * _sigmoid(2.0 * x, EXACT) * _sigmoid(-2.0 * x, EXACT)
+    tanh = tl.where(tl.abs(x) < 0.125, series, tl.where(x >= 0, 1.0, -1.0) * ((1.0 - e) * d))
+    return tanh, 4.0 * e * d * d
 
 
 @triton.jit
@@ -54,8 +62,11 @@ def situ_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, beta_gate, beta_up, BLOCK: tl.co
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    a = beta_gate * _tanh(g / beta_gate, EXACT) * _sigmoid(g, EXACT)
-    b = beta_up * _tanh(u / beta_up, EXACT)
+    t1, _ = _tanh_sech2(g / beta_gate, EXACT)
+    s, _ = _sigmoid_pair(g, EXACT)
+    t2, _ = _tanh_sech2(u / beta_up, EXACT)
+    a = beta_gate * t1 * s
+    b = beta_up * t2
     tl.store(h_ptr + offs, (a * b).to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -67,14 +78,13 @@ def situ_glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, n, beta_gate, beta
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    t1 = _tanh(g / beta_gate, EXACT)
-    s = _sigmoid(g, EXACT)
-    t2 = _tanh(u / beta_up, EXACT)
+    t1, sech2_g = _tanh_sech2(g / beta_gate, EXACT)
+    s, s_neg = _sigmoid_pair(g, EXACT)
+    t2, db = _tanh_sech2(u / beta_up, EXACT)
     a = beta_gate * t1 * s
     b = beta_up * t2
-    # 1 − tanh²(x) = 4 σ(2x) σ(−2x) and 1 − σ(g) = σ(−g): no cancellation where tanh and σ saturate, so the
-    # derivatives keep their relative precision out in the tails (1 − t² and 1 − s round to 0 there)
-    da = _sech2(g / beta_gate, EXACT) * s + beta_gate * t1 * s * _sigmoid(-g, EXACT)
-    db = _sech2(u / beta_up, EXACT)
+    # sech² and σ(−g) rather than 1 − t² and 1 − s: the derivatives keep their relative precision out in the
+    # tails, where those differences round to 0
+    da = sech2_g * s + beta_gate * t1 * s * s_neg
     tl.store(dg_ptr + offs, (dh * b * da).to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + offs, (dh * a * db).to(du_ptr.dtype.element_ty), mask=mask)
