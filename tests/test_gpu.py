@@ -88,6 +88,21 @@ def test_chunk_dispatch_gates_below_minus_5():
 
 
 @needs_fla
+def test_fp32_kda_keeps_fp32_accuracy():
+    """fp32 inputs stay off fla's kernels, which round their dots to TF32 (~1e-3), unless TF32 is allowed:
+    kda_chunk and kda_recurrent in fp32 equal the float64 reference to fp32 accuracy."""
+    from k3.ops.kda_fla import fla_usable
+
+    q, k, v, g, beta, h0 = kda_inputs(1, 200, 2, 128, 128, seed=11, dtype=torch.float32)
+    assert not fla_usable(q)
+    want = reference(kda_chunk, *(t.double() for t in (q, k, v, g, beta)), initial_state=h0.double(),
+                     output_final_state=True)
+    for op in (kda_chunk, kda_recurrent):
+        o, s = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert rel_err(o, want[0]) < 1e-5 and rel_err(s, want[1]) < 1e-5, op.__name__
+
+
+@needs_fla
 def test_recurrent_dispatch_decode_and_varlen():
     q, k, v, g, beta, h0 = kda_inputs(3, 1, 4, 128, 128, seed=1)
     o, s = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)

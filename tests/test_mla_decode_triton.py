@@ -58,9 +58,6 @@ def test_engine_decodes_through_the_paged_kernel(monkeypatch, decode_graphs):
     from k3 import K3Config, K3ForCausalLM
     from k3.serve import EngineConfig, LLMEngine, SamplingParams
 
-    # KDA on the reference, here and in the full forward: fla's fp32 chunk kernels round their dots to TF32
-    # (~1e-3), which is not the kernel under test (tests/test_gpu.py holds fla to its own tolerances)
-    monkeypatch.setenv("K3_NO_FLA", "1")
     real_use, real_decode, calls = mla.use_triton, _mla_decode_triton.paged_mla_decode, []
     monkeypatch.setattr(mla, "use_triton", lambda x, name: name == "_mla_decode_triton" or real_use(x, name))
     monkeypatch.setattr(_mla_decode_triton, "paged_mla_decode", lambda *a: calls.append(1) or real_decode(*a))

@@ -337,6 +337,27 @@ def test_token_permutations_equal_indexing(seed, N, k, L):
     torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-12, atol=1e-12)
 
 
+def test_fp32_takes_fla_only_where_tf32_is_allowed():
+    """fla's CUDA kernels compute fp32 dots in TF32: fp32 tensors go there only after the user allowed TF32 for
+    fp32 matmuls, through either of torch's APIs; bf16 needs no permission."""
+    from k3.ops.kda_fla import fp32_allowed
+
+    matmul = torch.backends.cuda.matmul
+    assert matmul.fp32_precision == "none" and not fp32_allowed()  # torch's default: IEEE fp32
+    try:
+        matmul.fp32_precision = "tf32"
+        assert fp32_allowed()
+        matmul.fp32_precision = "ieee"
+        assert not fp32_allowed()
+        matmul.fp32_precision = "none"
+        torch.set_float32_matmul_precision("high")  # the legacy API
+        assert fp32_allowed()
+    finally:  # both APIs back to their defaults, so that no later test sees a mix
+        torch.set_float32_matmul_precision("highest")
+        matmul.fp32_precision = "none"
+    assert not fp32_allowed() and torch.get_float32_matmul_precision() == "highest"
+
+
 def test_safe_gate_bound_decides_the_fla_kernels():
     """fla's safe-gate kernels take gates bounded in [-5, 0) only; without a known bound, never."""
     from k3.ops.kda_fla import safe_gate_ok

@@ -1,7 +1,8 @@
 """KDA on CUDA through flash-linear-attention (fla >= 0.6.0): the GPU dispatch beside k3.ops.kda's references.
 
 fla is imported lazily, so importing this module needs neither triton nor fla; `fla_usable(x)` says whether a
-tensor can take the fla path (CUDA, bf16/fp16/fp32, fla importable, K <= 256, not disabled by K3_NO_FLA=1).
+tensor can take the fla path (CUDA, bf16/fp16, or fp32 where TF32 is allowed, fla importable, K <= 256, not
+disabled by K3_NO_FLA=1).
 
 State layout: fla's default, K-first `[N, H, K, V]` in float32 (`state_v_first=False`), the same as the
 references'. fla 0.5.x had a causality bug in the safe-gate path, so older versions are refused.
@@ -22,7 +23,7 @@ import os
 import torch
 
 __all__ = ["fla_available", "fla_usable", "fla_kda_chunk", "fla_kda_recurrent", "fla_kda_gated", "fla_output_gate",
-           "safe_gate_ok", "SAFE_GATE_BOUND", "MIN_FLA_VERSION"]
+           "fp32_allowed", "safe_gate_ok", "SAFE_GATE_BOUND", "MIN_FLA_VERSION"]
 
 MIN_FLA_VERSION = (0, 6, 0)
 SAFE_GATE_BOUND = -5.0  # fla's safe-gate kernels (M=16 tensor cores) need every gate >= this; lower ones overflow
@@ -56,9 +57,22 @@ def fla_available() -> bool:
     return _version_tuple(version) >= MIN_FLA_VERSION
 
 
+def fp32_allowed() -> bool:
+    """Whether fp32 tensors may take fla: only where the user allowed TF32 for fp32 matmuls (e.g.
+    `torch.backends.cuda.matmul.fp32_precision = "tf32"`). fla's CUDA kernels leave `tl.dot` at its default,
+    TF32 on Ampere and later (~1e-3 relative), while torch's fp32 default is IEEE: an fp32 model keeps fp32
+    accuracy on the references unless it asked for TF32."""
+    try:  # the new API reads whichever API set it; the legacy reads raise after a new-API set
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
+    except AttributeError:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 def fla_usable(x: torch.Tensor, head_dim: int | None = None) -> bool:
     """Whether x (a q-like tensor) can take the fla path. CPU tensors never do."""
     if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in _DTYPES):
+        return False
+    if x.dtype == torch.float32 and not fp32_allowed():
         return False
     if os.environ.get("K3_NO_FLA", "") not in ("", "0"):
         return False
