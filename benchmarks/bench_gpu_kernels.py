@@ -46,7 +46,7 @@ def cases(B: int, T: int, device: str = "cuda"):
                                      list(norm.parameters()) + list(proj.parameters()), 6 * n),
         "short_conv (4 taps)": ("_conv_triton", lambda a: short_conv(a[0], conv_w)[0], [x], [conv_w], 2 * n),
         "situ_glu": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate, up], [], 3 * B * T * I * 2),
-        # fp32 results take the kernels' exact exp (k3.ops._situ_triton._exp): what that precision costs
+        # fp32 results take the kernels' exact exp (k3.ops._situ_triton._exp_exact): what that precision costs
         "situ_glu fp32": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate.float(), up.float()], [],
                           3 * B * T * I * 4),
     }

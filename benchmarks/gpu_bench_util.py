@@ -84,13 +84,14 @@ def environment() -> dict:
         except Exception:
             env[mod] = None
     # K3_COMMIT first: a copied tree's .git may not be the one its files came from (the device tool's is not)
-    env["commit"] = os.environ.get("K3_COMMIT", "")
-    try:
-        env["commit"] = env["commit"] or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                        capture_output=True, text=True, timeout=5).stdout.strip()
-    except Exception:
-        pass
-    env["commit"] = env["commit"] or "?"
+    commit = os.environ.get("K3_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    timeout=5).stdout.strip()
+        except Exception:
+            commit = None
+    env["commit"] = commit or "?"
     return env
 
 
