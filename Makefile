@@ -1,12 +1,31 @@
-# The two commands of the README: `make run` (the main job) and `make test` (the test suite).
-.PHONY: run test
+# The two commands of the README: `make run` (the main job) and `make test` (the test suite). Both install from
+# the committed lock (requirements-lock.txt, resolved by pip-tools for CPython 3.11 on Linux with the CPU torch
+# wheel), so every day's fresh machine gets the same versions; pyproject.toml keeps the loose ranges for library
+# users. `make lock` adds new dependencies to the lock, `make lock UPGRADE=1` moves every pin to the newest release
+# the ranges allow (on purpose, never by accident); `make test-latest` runs the suite against those newest releases
+# in a separate environment, to see drift before a refresh (it is not part of CI).
+.PHONY: run test test-latest lock
+
+LOCK := requirements-lock.txt
 
 run:
-	pip install torch==2.13.0 -e .
+	pip install -c $(LOCK) torch==2.13.0 -e .
 	k3 train
 	k3 generate --model runs/tiny/model --prompt "ROMEO:"
 
 test:
 	sh scripts/install-system-deps.sh
-	pip install torch==2.13.0 -e '.[dev]'
+	pip install -c $(LOCK) torch==2.13.0 -e '.[dev]'
 	python -m pytest -q
+
+test-latest:
+	python -m venv .venv-latest
+	.venv-latest/bin/pip install --upgrade --upgrade-strategy eager torch==2.13.0 -e '.[dev]'
+	.venv-latest/bin/python -m pytest -q
+
+lock:
+	pip install pip-tools
+	pip-compile $(if $(UPGRADE),--upgrade) --extra dev --extra serve --strip-extras --no-emit-index-url \
+		--no-emit-find-links --output-file $(LOCK) pyproject.toml
+	# the CPU wheel's local label (+cpu) would tie the lock to that wheel: the README's commands ask for torch==2.13.0
+	sed -i 's/^torch==\([0-9.]*\)+[a-z0-9]*$$/torch==\1/' $(LOCK)

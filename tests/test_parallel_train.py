@@ -101,9 +101,14 @@ def test_fsdp_follows_single_process(setup):
     assert [res["ep"]["sharded"] for res in results] == [0, 0]
     want = [h["loss"] for h in single.history]
     assert want[-1] < want[0]  # learning, so the curve comparison means something
+    want_val = [h.get("val_loss") for h in single.history]  # None on steps without an evaluation
+    assert any(v is not None for v in want_val)
     for res in results:
         assert res["fsdp"]["losses"] == pytest.approx(want, rel=1e-5)
-        assert res["fsdp"]["val"] == pytest.approx([h.get("val_loss") for h in single.history], rel=1e-5)
+        # approx over a list holding None fails on pytest >= 9.2: compare where evaluations ran, then their values
+        assert [v is None for v in res["fsdp"]["val"]] == [v is None for v in want_val]
+        got = [v for v in res["fsdp"]["val"] if v is not None]
+        assert got == pytest.approx([v for v in want_val if v is not None], rel=1e-5)
     # an odd batch is padded with ignored rows: the same summed loss and token count as one process
     b = odd_batch(single)
     with torch.no_grad():
