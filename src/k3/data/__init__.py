@@ -1,4 +1,5 @@
-"""Data for k3's small training runs: the bundled Shakespeare corpus, its BPE tokenizer and row packing."""
+"""Data for k3's small training runs: the bundled Shakespeare corpus, its BPE tokenizer and row packing; the released
+tokenizer files and K3's chat markup (`load_tokenizer(path).apply_chat_template(...)`)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -6,7 +7,8 @@ from typing import Sequence
 from k3.data.corpus import CorpusError, Document, load_corpus, split_documents
 from k3.data.packing import IGNORE_INDEX, PackedLoader, eval_batches
 from k3.data.stats import unigram_cross_entropy, unigram_entropy
-from k3.data.tokenizer import SPECIAL_TOKENS, StreamDecoder, Tokenizer, TokenizerError
+from k3.data.tokenizer import (SPECIAL_TOKENS, ChatTokenizerMixin, StreamDecoder, Tokenizer, TokenizerError,
+                               load_tokenizer)
 
 
 def load_token_docs(tokenizer: Tokenizer, docs: Sequence[Document]) -> list[list[int]]:
@@ -16,7 +18,7 @@ def load_token_docs(tokenizer: Tokenizer, docs: Sequence[Document]) -> list[list
 
 __all__ = [
     "CorpusError", "Document", "load_corpus", "split_documents",
-    "Tokenizer", "TokenizerError", "StreamDecoder", "SPECIAL_TOKENS",
+    "Tokenizer", "TokenizerError", "StreamDecoder", "SPECIAL_TOKENS", "load_tokenizer", "ChatTokenizerMixin",
     "PackedLoader", "eval_batches", "IGNORE_INDEX",
     "unigram_cross_entropy", "unigram_entropy", "load_token_docs",
 ]

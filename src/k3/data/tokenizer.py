@@ -5,6 +5,7 @@ tokens are single ids and are never produced by ordinary bytes except when their
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -21,6 +22,8 @@ SPECIAL_TOKENS = (
     "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>",
 )
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]
+END_OF_TURN_TOKEN = "<|end_of_msg|>"  # config.json's eos_token_id: a chat turn ends here
+DOCUMENT_END_TOKEN = "[EOS]"  # the released vocabulary's document end (the bundled BPE ends documents with <|end_of_msg|>)
 
 # Where long texts may be cut before encoding without changing the result: between "X\n" and "Y" with X
 # and Y not whitespace. The GPT-2 split pattern of the ByteLevel pre-tokeniser always ends a piece
@@ -33,11 +36,62 @@ class TokenizerError(ValueError):
     """The tokenizer file exists but is not a usable k3 tokenizer."""
 
 
-class Tokenizer:
+class ChatTokenizerMixin:
+    """The Hugging Face-shaped surface shared by k3's tokenizers (the bundled BPE and the released tiktoken files).
+
+    A tokenizer provides `special_tokens` ({text: id}), `bos_id`, `pad_id`, `encode` (special-token text becomes
+    its id, as in Hugging Face), `encode_text` (never: text is text), `decode`, `decode_stream` and `token_to_id`.
+    """
+
+    @property
+    def eos_token_id(self) -> int:
+        """`<|end_of_msg|>`, where a chat turn ends: config.json's eos_token_id."""
+        return self.special_tokens[END_OF_TURN_TOKEN]
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.bos_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.pad_id
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Ids that end generation: the end of a turn and, where the vocabulary has it, `[EOS]` (document end)."""
+        return sorted({self.special_tokens[t] for t in (END_OF_TURN_TOKEN, DOCUMENT_END_TOKEN) if t in self.special_tokens})
+
+    def convert_tokens_to_ids(self, tokens):
+        """Id of a token (a special token's text or a vocabulary entry), or a list of ids for a list."""
+        if isinstance(tokens, str):
+            return self.special_tokens[tokens] if tokens in self.special_tokens else self.token_to_id(tokens)
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = False, tokenize: bool = True,
+                            thinking: bool = True, thinking_effort=None, tool_choice=None, response_format=None,
+                            return_dict: bool = False, media=None):
+        """OpenAI-format messages in K3's XTML markup (SPEC §1.2): the exact string (tokenize=False), or its ids,
+        in which only the renderer's markers are special ids; return_dict gives {"input_ids", "attention_mask"}.
+        Raises ValueError naming the bad field."""
+        from k3.data.chat_template import parts_to_ids, parts_to_text, render_parts
+
+        parts, _ = render_parts(messages, tools=tools, add_generation_prompt=add_generation_prompt, thinking=thinking,
+                                thinking_effort=thinking_effort, tool_choice=tool_choice,
+                                response_format=response_format, media=media)
+        if not tokenize:
+            return parts_to_text(parts, self)
+        ids = parts_to_ids(parts, self)[0]
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
+
+
+class Tokenizer(ChatTokenizerMixin):
     """Thin wrapper over a `tokenizers.Tokenizer` that knows k3's special tokens."""
 
     def __init__(self, backend: HFTokenizer, source: str = "<in memory>"):
         self._backend = backend
+        # A twin that splits special-token text like any text: what encode_text uses for user-supplied text.
+        self._text_backend = HFTokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
         self._source = source
         specials = {}
         for name in SPECIAL_TOKENS:
@@ -62,6 +116,25 @@ class Tokenizer:
         except Exception as err:  # the Rust side raises a bare Exception for any parse failure
             raise TokenizerError(f"tokenizer file {path} could not be parsed: {err}") from err
         return cls(backend, source=str(path))
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write `tokenizer.json` and a `tokenizer_config.json` naming the tokenizer class and its special tokens,
+        so that Hugging Face transformers (AutoTokenizer) and llama.cpp's converter load the directory as it is."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(directory / "tokenizer.json"))
+        added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                          "special": True} for t, i in self._special_tokens.items()}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
+            "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)],
+            "added_tokens_decoder": added,
+            "add_bos_token": False, "add_eos_token": False,  # the chat markup adds no BOS (SPEC §1.2)
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 1048576,
+        }
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
     # --- vocabulary -------------------------------------------------------------------------------
     @property
@@ -133,6 +206,13 @@ class Tokenizer:
             cursor += count
         return results
 
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of `text` as plain text: a special token's spelling is encoded like any other text."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        encode = getattr(self._text_backend, "encode_batch_fast", self._text_backend.encode_batch)
+        return [i for e in encode(_cut_at_safe_points(text, _CHUNK_CHARS), add_special_tokens=False) for i in e.ids]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (a list, or any iterable of ints such as a 1-D tensor)."""
         ids = [int(i) for i in ids]
@@ -150,6 +230,24 @@ class Tokenizer:
         bad = [i for i in ids if not 0 <= i < self._vocab_size]
         if bad:
             raise ValueError(f"token ids must be in [0, {self._vocab_size}), got {bad[:5]}")
+
+
+def load_tokenizer(path: str | Path | None = None):
+    """k3's one way in to a tokenizer: None → the bundled BPE; a `tokenizer.json` file, or a directory holding the
+    released `tiktoken.model` + `tokenizer_config.json` (preferred when both are there) or a `tokenizer.json`.
+    Both kinds have the same surface (ChatTokenizerMixin): encode, decode, apply_chat_template, eos_token_id, …"""
+    if path is None:
+        return Tokenizer.from_file()
+    path = Path(path)
+    if path.is_dir():
+        from k3.data.tiktoken_loader import has_tiktoken_files, load_tiktoken_tokenizer
+        if has_tiktoken_files(path):
+            return load_tiktoken_tokenizer(path)
+        if (path / "tokenizer.json").is_file():
+            return Tokenizer.from_file(path / "tokenizer.json")
+        raise FileNotFoundError(f"tokenizer directory {path} has neither tiktoken.model + tokenizer_config.json "
+                                f"nor tokenizer.json")
+    return Tokenizer.from_file(path)
 
 
 def _cut_at_safe_points(text: str, chunk_chars: int) -> list[str]:
