@@ -3,13 +3,15 @@ hidden tests that exist only in the grader sandbox); parked-and-resumed trajecto
 ones token for token (scripted policy with tool outputs; the tiny K3 greedy through the serving engine); a new
 policy version never hits a cache entry of an older one."""
 
+import time
+
 import pytest
 import torch
 
 from k3 import K3Config, K3ForCausalLM
 from k3.agentenv import get_backend
 from k3.agentenv.rollout import (BUILTIN_TASKS, SCRIPTS, TOOLS, EnginePolicy, RolloutRunner, ScriptedPolicy,
-                                 ServePolicy, tool_call_text)
+                                 ServePolicy, Task, python_test, tool_call_text)
 from k3.data import Tokenizer
 from k3.serve import EngineConfig, LLMEngine
 from k3.serve.api import create_app
@@ -63,6 +65,81 @@ def test_wrong_fix_gets_zero(backend, tok):
     try:
         runner.run([traj], ScriptedPolicy(tok, bad))
         assert runner.grade(traj) == 0.0
+    finally:
+        runner.close(traj)
+
+
+# Reward hacks: each plants something in the agent's workspace with the bug left unfixed; the naive way to
+# run the hidden test is shown to pass (the hack is real), and grade() must still give 0.0.
+HACKS = {
+    # imported by every interpreter that has HOME=/workspace and the user site on
+    "usercustomize": ("d=$(HOME=/workspace python3 -m site --user-site) && mkdir -p $d && "
+                      "echo 'import os; os._exit(0)' > $d/usercustomize.py",
+                      "echo 'raise SystemExit(1)' > x.py && HOME=/workspace python3 x.py"),
+    # a .pth in the user site runs code at start-up too
+    "user .pth": ("d=$(HOME=/workspace python3 -m site --user-site) && mkdir -p $d && "
+                  "echo 'import os; os._exit(0)' > $d/zz.pth",
+                  "echo 'raise SystemExit(1)' > x.py && HOME=/workspace python3 x.py"),
+    # the hidden test written through the agent's symlink lands in /dev/null; running the link runs nothing
+    "symlink to /dev/null": ("ln -s /dev/null test_hidden.py", "echo 'assert 0' > test_hidden.py && python3 test_hidden.py"),
+    # python3 DIR runs DIR/__main__.py: a directory named like the test
+    "directory with __main__": ("mkdir test_hidden.py && echo 'pass' > test_hidden.py/__main__.py",
+                                "python3 test_hidden.py"),
+    # a stdlib module the hidden test imports, shadowed from the workspace
+    "shadowed stdlib": ("echo 'import os; os._exit(0)' > fractions.py",
+                        "printf 'import fractions\\nassert 0\\n' > test_hidden.py && python3 test_hidden.py"),
+}
+# fix_add whose hidden test also imports a standard-library module
+FIX_ADD_STDLIB = Task("fix_add", BUILTIN_TASKS["fix_add"].prompt, BUILTIN_TASKS["fix_add"].files,
+                      {"test_hidden.py": "import fractions\nfrom app import add\nassert add(2, 3) == 5\n"},
+                      python_test("test_hidden.py"))
+
+
+@pytest.mark.parametrize("hack", list(HACKS))
+def test_reward_hack_without_the_fix_gets_zero(backend, tok, hack):
+    plant, naive = HACKS[hack]
+    runner = RolloutRunner(backend, tok)
+    traj = runner.start(FIX_ADD_STDLIB)
+    try:
+        r = traj.sandbox.exec(plant)
+        assert r.exit_code == 0, r
+        snap = traj.sandbox.snapshot("fs")
+        try:
+            with backend.restore(snap) as probe:  # the hack works on a naive grader
+                assert probe.exec(naive).exit_code == 0, hack
+        finally:
+            backend.delete_snapshot(snap)
+        assert runner.grade(traj) == 0.0
+        traj.sandbox.exec("rm -rf .local test_hidden.py fractions.py x.py")
+        traj.sandbox.write_file("app.py", b"def add(a, b):\n    return a + b\n")
+        assert runner.grade(traj) == 1.0  # and the grader still grades: the real fix passes
+    finally:
+        runner.close(traj)
+
+
+def test_fifo_named_like_the_hidden_test_neither_hangs_nor_passes(backend, tok):
+    runner = RolloutRunner(backend, tok)
+    traj = runner.start(BUILTIN_TASKS["fix_add"])
+    try:
+        assert traj.sandbox.exec("mkfifo test_hidden.py").exit_code == 0
+        t0 = time.monotonic()
+        assert runner.grade(traj) == 0.0
+        assert time.monotonic() - t0 < 10
+    finally:
+        runner.close(traj)
+
+
+def test_symlinked_parent_of_a_hidden_test_is_replaced_not_followed(backend, tok):
+    task = Task("nested", "", {"app.py": "def add(a, b):\n    return a - b\n"},
+                {"tests/test_hidden.py": "from app import add\nassert add(2, 3) == 5\n"},
+                python_test("tests/test_hidden.py"))
+    runner = RolloutRunner(backend, tok)
+    traj = runner.start(task)
+    try:
+        # the agent points tests/ at a directory of its own holding a passing file of the same name
+        traj.sandbox.exec("mkdir decoy && echo pass > decoy/test_hidden.py && ln -s decoy tests")
+        assert runner.grade(traj) == 0.0
+        assert traj.sandbox.read_file("decoy/test_hidden.py") == b"pass\n"
     finally:
         runner.close(traj)
 

@@ -12,6 +12,10 @@ class SandboxError(RuntimeError):
     """An operation on a sandbox failed (the sandbox is closed, the guest died, a path is refused...)."""
 
 
+class SandboxTimeout(SandboxError):
+    """The guest agent did not answer in time (the sandbox may be frozen by its TTL, or its agent wedged)."""
+
+
 class BackendUnavailable(SandboxError):
     """The backend cannot run on this machine; the message starts with 'backend unavailable: '."""
 
@@ -64,9 +68,7 @@ class SandboxSpec:
         if not isinstance(self.limits, Limits):
             raise TypeError(f"SandboxSpec.limits must be a Limits, got {type(self.limits).__name__}")
         self.limits.validate()
-        if not isinstance(self.env, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k
-                                                      for k, v in self.env.items()):
-            raise ValueError("SandboxSpec.env must map names (no '=') to string values")
+        check_env(self.env, "SandboxSpec.env")
         if self.network != "none":
             raise ValueError(f"SandboxSpec.network: only 'none' is offered (private loopback), got {self.network!r}")
         if self.ttl is not None and not self.ttl > 0:
@@ -104,6 +106,30 @@ class Snapshot:
     level: str = "fs"
     image: str | None = None
     created: float = field(default_factory=time.time)
+    ref: str | None = None  # the name this snapshot holds its layers under (released by delete_snapshot)
+
+
+MAX_ENV_ENTRY = (128 << 10) - 1  # Linux's MAX_ARG_STRLEN: a longer NAME=value makes every execve fail (E2BIG)
+MAX_ENV_BYTES = 256 << 10        # all entries together, well inside ARG_MAX with room for argv
+
+
+def check_env(env, what: str = "env") -> None:
+    """Names without '=' or NUL, string values without NUL, each NAME=value and the whole set small enough
+    that execve accepts it (otherwise every command in the sandbox would fail)."""
+    if not isinstance(env, dict):
+        raise ValueError(f"{what} must be a dict of names to strings, got {type(env).__name__}")
+    total = 0
+    for k, v in env.items():
+        if not isinstance(k, str) or not k or "=" in k or "\0" in k:
+            raise ValueError(f"{what}: bad variable name {k!r} (non-empty, no '=' or NUL)")
+        if not isinstance(v, str) or "\0" in v:
+            raise ValueError(f"{what}[{k!r}] must be a string without NUL bytes")
+        size = len(k.encode()) + 1 + len(v.encode())
+        if size > MAX_ENV_ENTRY:
+            raise ValueError(f"{what}[{k!r}] is {size} bytes; at most {MAX_ENV_ENTRY} per NAME=value")
+        total += size + 1
+    if total > MAX_ENV_BYTES:
+        raise ValueError(f"{what} totals {total} bytes; at most {MAX_ENV_BYTES}")
 
 
 def check_argv_or_cmd(cmd) -> list[str]:
@@ -143,7 +169,9 @@ class Sandbox:
     def read_file(self, path: str) -> bytes:
         raise NotImplementedError
 
-    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    def write_file(self, path: str, data: bytes, mode: int = 0o644, *, fresh: bool = False) -> None:
+        """Write a regular file (anything else at `path` is refused). `fresh`: create it anew, reached without
+        following any symlink; whatever the sandbox left under that name is removed first."""
         raise NotImplementedError
 
     def list_dir(self, path: str = "/workspace") -> list[dict]:

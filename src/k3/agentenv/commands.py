@@ -14,7 +14,11 @@ def _template(s: str) -> tuple[str, str]:
 
 
 def cmd_serve(a) -> int:
+    from k3.agentenv import get_backend
     from k3.agentenv.control_plane import serve
+    from k3.cli import check_listen_address
+    get_backend(a.backend).require()  # a missing runsc / firecracker: one line, before anything starts
+    check_listen_address(a.host, a.port)
     serve(a.backend, a.host, a.port, dict(a.template or []), a.token)
     return 0
 
@@ -38,12 +42,13 @@ def cmd_run(a) -> int:
 
 
 def add_agentenv_parser(sub) -> None:
+    from k3.cli import tcp_port
     ae = sub.add_parser("agentenv", help="isolated sandboxes for agent rollouts (control plane, one-off runs)")
     asub = ae.add_subparsers(dest="agentenv", required=True)
     s = asub.add_parser("serve", help="E2B-shaped control plane on loopback with a bearer token")
     s.add_argument("--backend", default="bwrap", choices=["bwrap", "gvisor", "firecracker"])
     s.add_argument("--host", default="127.0.0.1", help="loopback only")
-    s.add_argument("--port", type=int, default=49982)
+    s.add_argument("--port", type=tcp_port, default=49982)
     s.add_argument("--token", default=None, help="bearer token (default: generated and printed)")
     s.add_argument("--template", action="append", type=_template, metavar="NAME=DIR")
     s.set_defaults(func=cmd_serve)

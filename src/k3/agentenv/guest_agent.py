@@ -1,15 +1,21 @@
-"""The guest agent: runs inside a sandbox with the system Python, standard library only. It reads one JSON
-request per line on stdin and answers one JSON line on stdout: exec (with timeout, output cap and rlimits),
-background spawn/poll/kill, read/write/list files and tar up/download. Paths resolve inside the sandbox's own
-mount namespace, so a symlink can only ever point at something the sandbox already sees.
+"""The guest agent: runs inside a sandbox with the system Python, standard library only. Its first stdin line
+is its configuration (limits, env: secrets never reach a command line); then it reads one JSON request per
+line and answers one JSON line on stdout, echoing the request's nonce: exec (with timeout, output cap and
+rlimits), background spawn/poll/kill, read/write/list files and tar up/download. Paths resolve inside the
+sandbox's own mount namespace, so a symlink can only ever point at something the sandbox already sees; the
+files API opens only regular files, without blocking (a FIFO cannot wedge it). The agent makes itself
+non-dumpable first, so the commands it starts cannot ptrace it, read its memory or take its descriptors.
 `--oneshot` serves a single request and exits (backends that start a process per call)."""
 import base64
+import errno
 import io
 import json
 import os
 import resource
 import selectors
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tarfile
@@ -19,6 +25,8 @@ WORKDIR = "/workspace"
 CONFIG = {"cpu_seconds": 60, "file_bytes": 64 << 20, "open_files": 256, "output_bytes": 1 << 20,
           "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKDIR, "LANG": "C.UTF-8"}}
 BACKGROUND = {}  # handle -> dict(proc, out, err, done)
+MAX_TAR_BYTES = 256 << 20  # the largest tar download (the host caps its answer line to match)
+PR_SET_DUMPABLE = 4
 
 
 def b64(data):
@@ -26,7 +34,66 @@ def b64(data):
 
 
 def unb64(s):
-    return base64.b64decode(s.encode("ascii")) if s else b""
+    return base64.b64decode(s.encode("ascii"), validate=True) if s else b""
+
+
+def make_undumpable():
+    """No ptrace, /proc/<pid>/{mem,fd} or pidfd_getfd on this process for anything without CAP_SYS_PTRACE,
+    i.e. for every command it starts (they get their own dumpable flag back at execve)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
+def open_regular(path, flags, mode=0o644):
+    """Open `path` only if it is a regular file; non-blocking, so a FIFO or device returns at once."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_entry(name, dir_fd):
+    """Remove whatever `name` is in `dir_fd` (file, symlink, FIFO, socket, or a whole directory tree)."""
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def create_fresh(path, mode):
+    """A new regular file at `path`, reached without following any symlink: whatever the sandbox put there
+    (a symlink to /dev/null, a FIFO, a directory, a symlinked parent) is replaced, never written through."""
+    parts = [p for p in path.split("/") if p]
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", flags)
+    try:
+        for name in parts[:-1]:
+            try:
+                nfd = os.open(name, flags, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):  # missing, not a dir, a symlink
+                    raise
+                remove_entry(name, fd)
+                os.mkdir(name, 0o755, dir_fd=fd)
+                nfd = os.open(name, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        remove_entry(parts[-1], fd)
+        return os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                       dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def resolve(path):
@@ -197,20 +264,25 @@ def op_kill(req):
 
 
 def op_read(req):
-    with open(resolve(req["path"]), "rb") as f:
-        data = f.read(int(req.get("max_bytes") or (64 << 20)) + 1)
-    if len(data) > int(req.get("max_bytes") or (64 << 20)):
-        raise ValueError("file larger than max_bytes")
+    limit = int(req.get("max_bytes") or (64 << 20))
+    with os.fdopen(open_regular(resolve(req["path"]), os.O_RDONLY), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"file larger than max_bytes={limit}")
     return {"data": b64(data)}
 
 
 def op_write(req):
     path = resolve(req["path"])
-    if req.get("parents", True):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, int(req.get("mode") or 0o644))
+    data, mode = unb64(req.get("data")), int(req.get("mode") or 0o644) & 0o777
+    if req.get("fresh"):
+        fd = create_fresh(path, mode)
+    else:
+        if req.get("parents", True):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
-        f.write(unb64(req.get("data")))
+        f.write(data)
     return {}
 
 
@@ -231,6 +303,8 @@ def op_tar_get(req):
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
         tf.add(path, arcname=".")
+    if buf.tell() > MAX_TAR_BYTES:
+        raise ValueError(f"tar of {path} is larger than {MAX_TAR_BYTES} bytes")
     return {"data": b64(buf.getvalue())}
 
 
@@ -245,6 +319,9 @@ def op_tar_put(req):
                 raise ValueError(f"refused tar member {m.name!r} (absolute, '..' or special file)")
             m.mode &= 0o777  # no setuid bits from outside
             members.append(m)
+            target = os.path.join(dest, name)
+            if not m.isdir() and os.path.lexists(target) and not os.path.isdir(target):
+                os.unlink(target)  # a FIFO or symlink named like a member is replaced, not opened
         tf.extractall(dest, members=members)
     return {}
 
@@ -261,7 +338,8 @@ def handle(line):
         res["ok"] = True
     except Exception as e:  # every failure goes back to the host as an answer, never kills the agent
         res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    res["rid"] = req.get("rid") if isinstance(req, dict) else None  # lets the host drop a stale answer (one that arrived after it gave up)
+    # the host drops answers without its current nonce (late ones to calls it gave up on)
+    res["nonce"] = req.get("nonce") if isinstance(req, dict) else None
     return json.dumps(res) + "\n"
 
 
@@ -305,19 +383,19 @@ def deny_namespaces():
 
 
 def main():
-    if len(sys.argv) > 1 and sys.argv[1].startswith("{"):
-        CONFIG.update(json.loads(sys.argv[1]))
+    make_undumpable()  # before anything else: fail closed (the agent exits) if it cannot
+    inp = sys.stdin.buffer
+    CONFIG.update(json.loads(inp.readline()))
     if CONFIG.get("deny_namespaces"):
         deny_namespaces()  # before any request: fail closed (the agent exits) if it cannot be installed
     if "--oneshot" in sys.argv:
-        sys.stdout.write(handle(sys.stdin.readline()))
+        sys.stdout.write(handle(inp.readline()))
         sys.stdout.flush()
         return
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     out = sys.stdout
     out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     out.flush()
-    inp = sys.stdin.buffer
     while True:
         line = inp.readline()
         if not line:

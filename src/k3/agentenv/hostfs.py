@@ -1,8 +1,11 @@
 """Host-side filesystem plumbing shared by the backends: the state directory, sealed (read-only, shared)
-template layers with git history stripped, sized tmpfs disks, overlay mounts, owner records and sweeping."""
+template layers with git history and set-id bits stripped, reference-counted so a layer goes with its last
+user, sized tmpfs disks and overlay mounts (nosuid, nodev), owner records and sweeping."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import json
 import os
@@ -14,6 +17,8 @@ from pathlib import Path
 SANDBOX_UID = int(os.environ.get("K3_AGENTENV_UID", "61000"))  # host uid every sandbox runs as (unprivileged)
 INSIDE_UID = 1000  # what the sandbox sees
 MNT_DETACH = 2
+MS_NOSUID, MS_NODEV = 2, 4
+SANDBOX_MOUNT_FLAGS = MS_NOSUID | MS_NODEV  # a set-id file a sandbox leaves is inert through its host path
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -86,9 +91,103 @@ def tree_fingerprint(path: Path) -> str:
     return h.hexdigest()[:24]
 
 
-def seal_template(template: str | Path | None, root: Path, strip_git: bool = True) -> Path:
+def strip_setid(tree: Path) -> None:
+    """Clear setuid/setgid bits below `tree` (a layer being sealed, which nothing else touches yet)."""
+    for dirpath, dirnames, filenames in os.walk(tree):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            if st.st_mode & 0o6000 and not os.path.islink(p):
+                os.chmod(p, st.st_mode & 0o1777)
+
+
+# ---- reference-counted layers ----------------------------------------------------------------------------
+# A layer's users (sandboxes, snapshots) each hold a marker file layers/.users/<layer>/<user> naming their
+# owning process. Releasing the last live marker deletes the layer. All under one flock, across processes.
+def _users(layer: Path) -> Path:
+    return layer.parent / ".users" / layer.name
+
+
+@contextlib.contextmanager
+def layers_locked(root: Path):
+    (root / "layers").mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / "layers" / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _owner_record() -> str:
+    return json.dumps({"pid": os.getpid(), "start": proc_start_time(os.getpid())})
+
+
+def _marker_alive(marker: Path) -> bool:
+    try:
+        rec = json.loads(marker.read_text())
+        return proc_start_time(rec["pid"]) == rec["start"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _acquire_locked(layers, user: str) -> None:
+    for layer in map(Path, layers):
+        if layer.name == "empty":
+            continue
+        if not layer.is_dir():
+            raise FileNotFoundError(f"layer {layer.name} is gone (its snapshot was deleted)")
+        _users(layer).mkdir(parents=True, exist_ok=True)
+        (_users(layer) / user).write_text(_owner_record())
+
+
+def acquire_layers(root: Path, layers, user: str) -> None:
+    """Mark `user` as a user of every layer (idempotent). FileNotFoundError if one is already gone."""
+    with layers_locked(root):
+        _acquire_locked(layers, user)
+
+
+def _collect_locked(layer: Path) -> bool:
+    """Delete `layer` if it is tracked and none of its markers has a live owner. True if it was deleted."""
+    users = _users(layer)
+    if layer.name == "empty" or not users.is_dir():  # untracked: not ours to judge
+        return False
+    markers = list(users.iterdir())
+    if any(_marker_alive(m) for m in markers):
+        return False
+    remove_tree(layer)
+    shutil.rmtree(users, ignore_errors=True)
+    return True
+
+
+def release_layers(root: Path, layers, user: str) -> None:
+    """Drop `user`'s mark on each layer; a layer left without live users is deleted."""
+    with layers_locked(root):
+        for layer in map(Path, layers):
+            with contextlib.suppress(FileNotFoundError):
+                (_users(layer) / user).unlink()
+            _collect_locked(layer)
+
+
+def collect_layers(root: Path) -> int:
+    """Delete every tracked layer whose users are all gone (their processes died). Returns how many."""
+    n = 0
+    with layers_locked(root):
+        users = root / "layers" / ".users"
+        for d in sorted(users.iterdir()) if users.is_dir() else []:
+            n += _collect_locked(root / "layers" / d.name)
+    return n
+
+
+def layer_users(layer: str | Path) -> list[str]:
+    users = _users(Path(layer))
+    return sorted(p.name for p in users.iterdir()) if users.is_dir() else []
+
+
+def seal_template(template: str | Path | None, root: Path, user: str, strip_git: bool = True) -> Path:
     """A read-only shared copy of the template owned by the sandbox uid, `.git` removed so a repository's
-    future history cannot be read. Cached by content fingerprint; built atomically (tmp dir + rename)."""
+    future history cannot be read, set-id bits cleared. Cached by content fingerprint while in use (held by
+    `user` on return); built atomically (tmp dir + rename)."""
     if template is None:
         layer = root / "layers" / "empty"
         layer.mkdir(exist_ok=True)
@@ -96,25 +195,41 @@ def seal_template(template: str | Path | None, root: Path, strip_git: bool = Tru
         return layer
     src = Path(template)
     layer = root / "layers" / f"tpl-{tree_fingerprint(src)}{'-nogit' if strip_git else ''}"
-    if layer.is_dir():
-        return layer
+    with layers_locked(root):
+        if layer.is_dir():
+            _acquire_locked([layer], user)
+            return layer
     tmp = root / "layers" / f".building-{os.getpid()}-{time.monotonic_ns()}"
     ignore = shutil.ignore_patterns(".git") if strip_git else None
-    shutil.copytree(src, tmp, symlinks=True, ignore=ignore)
-    subprocess.run(["chown", "-R", "-h", f"{SANDBOX_UID}:{SANDBOX_UID}", str(tmp)], check=True)
     try:
-        tmp.rename(layer)
-    except OSError:  # someone else sealed it first
+        shutil.copytree(src, tmp, symlinks=True, ignore=ignore)
+        strip_setid(tmp)
+        subprocess.run(["chown", "-R", "-h", f"{SANDBOX_UID}:{SANDBOX_UID}", str(tmp)], check=True)
+        with layers_locked(root):
+            if layer.is_dir():  # someone else sealed it first
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.rename(layer)
+            _acquire_locked([layer], user)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return layer
 
 
-def seal_upper(upper: Path, root: Path, name: str) -> Path:
-    """Copy a sandbox's overlay upper dir (whiteouts and opaque-dir xattrs included) into a sealed layer."""
+def seal_upper(upper: Path, root: Path, name: str, user: str) -> Path:
+    """Copy a sandbox's overlay upper dir (whiteouts and opaque-dir xattrs included) into a sealed layer
+    held by `user`, with set-id bits cleared."""
     dst = root / "layers" / name
     tmp = dst.with_name("." + name)
-    subprocess.run(["cp", "-a", "--", str(upper), str(tmp)], check=True)
-    tmp.rename(dst)
+    try:
+        subprocess.run(["cp", "-a", "--", str(upper), str(tmp)], check=True, capture_output=True)
+        strip_setid(tmp)
+        with layers_locked(root):
+            tmp.rename(dst)
+            _acquire_locked([dst], user)
+    except (OSError, subprocess.CalledProcessError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(f"cannot seal {upper} as layer {name}: {e}") from e
     return dst
 
 

@@ -37,6 +37,19 @@ TOOL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 MAX_TOOL_OUTPUT = 2000  # characters of a tool result fed back to the model
 
 
+def python_test(script: str) -> str:
+    """A test command that runs `script` in a clean interpreter: isolated mode (-I: no PYTHON* variables, no
+    user site-packages, no script directory first on sys.path), the workspace appended after the standard
+    library (the agent's files can be imported but cannot shadow a stdlib module the test uses)."""
+    boot = f"import runpy, sys; sys.path.append('/workspace'); runpy.run_path({script!r}, run_name='__main__')"
+    return f'python3 -I -c "{boot}"'
+
+
+# the grader's environment: an empty HOME the agent never wrote to, and no user site even for commands
+# that are not `python3 -I`
+GRADER_ENV = {"HOME": "/tmp/grader-home", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
 @dataclass
 class Task:
     name: str
@@ -50,11 +63,11 @@ BUILTIN_TASKS = {
     "fix_add": Task("fix_add", "Fix add() in app.py so the tests pass, then submit.",
                     {"app.py": "def add(a, b):\n    return a - b\n"},
                     {"test_hidden.py": "from app import add\nassert add(2, 3) == 5\nassert add(-1, 1) == 0\n"},
-                    "python3 test_hidden.py"),
+                    python_test("test_hidden.py")),
     "fix_greet": Task("fix_greet", "Make greet('x') return 'hello x', then submit.",
                       {"greet.py": "def greet(name):\n    return 'hi ' + name\n"},
                       {"test_hidden.py": "from greet import greet\nassert greet('x') == 'hello x'\n"},
-                      "python3 test_hidden.py"),
+                      python_test("test_hidden.py")),
 }
 
 
@@ -320,18 +333,22 @@ class RolloutRunner:
         traj.status = "running"
 
     def grade(self, traj: Trajectory) -> float:
-        """Copy the agent's workspace into a fresh grader sandbox, add the hidden tests there, run them."""
+        """Copy the agent's workspace into a fresh grader sandbox (no process of the agent's runs there), add
+        the hidden tests as new files (whatever the agent left under their names, a symlink, FIFO or
+        directory, is replaced, never followed), run the test command with GRADER_ENV."""
         snap = traj.sandbox.snapshot("fs")
-        grader = self.backend.restore(snap)
+        try:
+            grader = self.backend.restore(snap)
+        finally:
+            if hasattr(self.backend, "delete_snapshot"):
+                self.backend.delete_snapshot(snap)  # the grader holds the layers it needs
         try:
             for name, text in traj.task.hidden_tests.items():
-                grader.write_file(name, text.encode())
-            r = grader.exec(traj.task.test_cmd, timeout=30)
+                grader.write_file(name, text.encode(), fresh=True)
+            r = grader.exec(traj.task.test_cmd, env=GRADER_ENV, timeout=30)
             traj.reward = 1.0 if r.ok else 0.0
         finally:
             grader.close()
-            if hasattr(self.backend, "delete_snapshot"):
-                self.backend.delete_snapshot(snap)
         return traj.reward
 
     def close(self, traj: Trajectory) -> None:

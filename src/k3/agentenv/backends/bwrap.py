@@ -1,13 +1,13 @@
 """The default backend: Debian's bubblewrap, run as an unprivileged host uid, with every namespace unshared
 (user, pid, net, ipc, uts, cgroup), no further user namespaces, read-only /usr, a minimal /etc, an overlay
 workspace over a sealed shared template on a sized tmpfs (disk limit), cgroups nested under our own for
-memory, pids, CPU bandwidth and the freezer (pause), and the stdlib guest agent speaking JSON lines on a pipe."""
+memory, pids, CPU bandwidth and the freezer (pause), and the stdlib guest agent speaking JSON lines on a pipe
+(its configuration, env secrets included, goes down that pipe, never on a command line). Mounts are nosuid,
+nodev; snapshot layers are reference-counted and go with their last user."""
 from __future__ import annotations
 
-import base64
 import json
 import os
-import select
 import shutil
 import subprocess
 import threading
@@ -15,9 +15,9 @@ import time
 import uuid
 from pathlib import Path
 
-from k3.agentenv import cgroups, hostfs
-from k3.agentenv.api import (Backend, ExecResult, Sandbox, SandboxError, SandboxSpec, Snapshot,
-                             check_argv_or_cmd)
+from k3.agentenv import cgroups, channel, hostfs
+from k3.agentenv.api import (Backend, ExecResult, Sandbox, SandboxError, SandboxSpec, SandboxTimeout, Snapshot,
+                             check_argv_or_cmd, check_env)
 
 AGENT_START_TIMEOUT = 10.0
 _sweep_done: set[str] = set()
@@ -77,8 +77,13 @@ class BwrapBackend(Backend):
         spec = spec or SandboxSpec()
         spec.validate()
         self._setup()
-        base = hostfs.seal_template(spec.template, self.root, self.strip_git)
-        return BwrapSandbox(self, spec, [str(base)])
+        sid = new_id()
+        base = hostfs.seal_template(spec.template, self.root, sid, self.strip_git)
+        try:
+            return BwrapSandbox(self, spec, [str(base)], sid)
+        except BaseException:
+            hostfs.release_layers(self.root, [base], sid)
+            raise
 
     def restore(self, snap: Snapshot) -> "BwrapSandbox":
         if snap.backend != self.name:
@@ -87,9 +92,9 @@ class BwrapBackend(Backend):
         return BwrapSandbox(self, snap.spec, list(snap.layers))
 
     def delete_snapshot(self, snap: Snapshot) -> None:
-        """Remove a snapshot's own (newest) layer; sandboxes already restored from it keep their mounts."""
-        if snap.layers and Path(snap.layers[0]).name.startswith("snap-"):
-            shutil.rmtree(snap.layers[0], ignore_errors=True)
+        """Release the snapshot's hold on its layers: each goes once its last sandbox closes too."""
+        if snap.ref:
+            hostfs.release_layers(self.root, snap.layers, snap.ref)
 
     def sweep(self) -> int:
         """Reclaim sandboxes whose owning process is gone: kill their cgroups, unmount, delete."""
@@ -97,6 +102,7 @@ class BwrapBackend(Backend):
         for d in sorted((self.root / "sb").glob("*")):
             if hostfs.owner_alive(d) or (not (d / "owner.json").exists() and time.time() - d.stat().st_mtime < 30):
                 continue
+            rec = {}
             try:
                 rec = json.loads((d / "owner.json").read_text())
                 cg = cgroups.SandboxCgroup(rec["cgroup_name"], rec["cgroup_version"], rec["cgroup_dirs"])
@@ -104,16 +110,26 @@ class BwrapBackend(Backend):
             except (OSError, ValueError, KeyError):
                 pass
             hostfs.remove_tree(d)
+            hostfs.release_layers(self.root, rec.get("layers", []), d.name)
             n += 1
+        hostfs.collect_layers(self.root)  # e.g. snapshots held by a process that died
         return n
+
+
+def new_id() -> str:
+    return "sb-" + uuid.uuid4().hex[:12]
 
 
 class BwrapSandbox(Sandbox):
     backend_name = "bwrap"
 
-    def __init__(self, backend: BwrapBackend, spec: SandboxSpec, layers: list[str]):
+    def __init__(self, backend: BwrapBackend, spec: SandboxSpec, layers: list[str], sid: str | None = None):
         self.backend, self.spec, self.layers = backend, spec, list(layers)
-        self.id = "sb-" + uuid.uuid4().hex[:12]
+        self.id = sid or new_id()
+        try:  # before anything else: a snapshot deleted meanwhile fails here, with nothing to undo
+            hostfs.acquire_layers(backend.root, self.layers, self.id)
+        except FileNotFoundError as e:
+            raise SandboxError(f"cannot start {self.id}: {e}") from None
         self.state = "creating"
         self._lock = threading.RLock()
         self._close_lock = threading.Lock()
@@ -124,7 +140,7 @@ class BwrapSandbox(Sandbox):
         os.chmod(self.dir, 0o711)  # the sandbox uid must traverse to its bind sources; nothing else is readable
         self.cg = cgroups.SandboxCgroup("k3ae-" + self.id, backend._cg_version)
         hostfs.write_owner(self.dir, {"cgroup_name": self.cg.name, "cgroup_version": self.cg.version,
-                                      "cgroup_dirs": [str(d) for d in self.cg.dirs]})
+                                      "cgroup_dirs": [str(d) for d in self.cg.dirs], "layers": self.layers})
         try:
             self._start()
         except BaseException:
@@ -138,14 +154,16 @@ class BwrapSandbox(Sandbox):
         disk, ws = self.dir / "disk", self.dir / "ws"
         disk.mkdir()
         ws.mkdir()
-        hostfs.mount("tmpfs", disk, "tmpfs", f"size={lim.disk_bytes},mode=0700,nr_inodes=65536")
+        hostfs.mount("tmpfs", disk, "tmpfs", f"size={lim.disk_bytes},mode=0700,nr_inodes=65536",
+                     hostfs.SANDBOX_MOUNT_FLAGS)
         upper, work, scratch = disk / "upper", disk / "work", disk / "scratch"
         for p in (upper, work, scratch):
             p.mkdir()
             os.chown(p, hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
         os.chmod(disk, 0o755)
         os.chmod(scratch, 0o1777)
-        hostfs.mount("overlay", ws, "overlay", f"lowerdir={':'.join(self.layers)},upperdir={upper},workdir={work}")
+        hostfs.mount("overlay", ws, "overlay", f"lowerdir={':'.join(self.layers)},upperdir={upper},workdir={work}",
+                     hostfs.SANDBOX_MOUNT_FLAGS)
         self.upper = upper
         self.cg.create(lim.memory_bytes, lim.pids, lim.cpus)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8", "USER": "user",
@@ -161,7 +179,7 @@ class BwrapSandbox(Sandbox):
                  "--bind", str(scratch), "/tmp", "--bind", str(ws), "/workspace",
                  "--ro-bind", str(root / "agent"), "/.k3agent", "--remount-ro", "/", "--chdir", "/workspace",
                  "--setenv", "PATH", env["PATH"], "--setenv", "HOME", "/workspace",
-                 "/usr/bin/python3", "-I", "-S", "/.k3agent/guest_agent.py", json.dumps(cfg)]
+                 "/usr/bin/python3", "-I", "-S", "/.k3agent/guest_agent.py"]
         # Join our cgroups as root, then drop to the sandbox uid and exec bwrap (no preexec_fn: threads).
         script = ('for f in $K3_CG_PROCS; do echo $$ > "$f" || exit 97; done; '
                   f'exec setpriv --reuid={hostfs.SANDBOX_UID} --regid={hostfs.SANDBOX_UID} --clear-groups -- "$@"')
@@ -169,31 +187,39 @@ class BwrapSandbox(Sandbox):
         self.proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *bwrap], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._stderr, close_fds=True,
                                      env={"K3_CG_PROCS": " ".join(self.cg.procs_files()), "PATH": "/usr/bin:/bin"})
-        self._buf = b""
-        hello = self._read_line(time.monotonic() + AGENT_START_TIMEOUT)
-        if not hello.get("ready"):
-            raise SandboxError(f"guest agent did not start: {hello}")
+        self._reader = channel.LineReader(self.proc.stdout.fileno(), 1 << 16, self._exit_reason)
+        self._send((json.dumps(cfg) + "\n").encode())
+        hello = self._reader.read_line(time.monotonic() + AGENT_START_TIMEOUT)
+        try:
+            ready = json.loads(hello).get("ready") is True
+        except (ValueError, AttributeError):
+            ready = False
+        if not ready:
+            raise SandboxError(f"guest agent did not start: {hello[:300]!r}")
         self.state = "running"
 
     # ---- transport -----------------------------------------------------------------------------------
-    def _read_line(self, deadline: float) -> dict:
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            if self.state == "paused":
-                raise TimeoutError("sandbox was paused (TTL) while waiting")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("guest agent did not answer in time")
-            r, _, _ = select.select([fd], [], [], min(left, 0.5))
-            if r:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    err = (self.dir / "stderr.log").read_bytes()[-500:].decode(errors="replace") \
-                        if (self.dir / "stderr.log").exists() else ""
-                    raise SandboxError(f"guest agent exited (sandbox {self.id}): {err.strip()}")
-                self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+    def _exit_reason(self) -> str:
+        log = self.dir / "stderr.log"
+        err = log.read_bytes()[-500:].decode(errors="replace").strip() if log.exists() else ""
+        return f" (sandbox {self.id}): {err}"
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # a broken pipe, or the pipe closed under us by close()
+            raise SandboxError(f"guest agent of {self.id} is gone") from None
+
+    def _stop_if_paused(self) -> None:
+        if self.state == "paused":
+            raise SandboxTimeout(f"sandbox {self.id} was paused (TTL) while waiting")
+
+    def _answer_cap(self, op: str, req: dict) -> int:
+        lim = self.spec.limits
+        payload = {"exec": 2 * lim.output_bytes, "poll": 2 * lim.output_bytes, "read": req.get("max_bytes", 64 << 20),
+                   "tar_get": channel.MAX_TAR_BYTES}.get(op, 0)
+        return channel.max_answer_bytes(payload)
 
     def _call(self, op: str, wait: float = 30.0, **req) -> dict:
         with self._lock:
@@ -201,19 +227,21 @@ class BwrapSandbox(Sandbox):
                 raise SandboxError(f"sandbox {self.id} is closed")
             if self.state == "paused":
                 raise SandboxError(f"sandbox {self.id} is paused; resume() it first")
-            self._rid = getattr(self, "_rid", 0) + 1
-            try:
-                self.proc.stdin.write((json.dumps({"op": op, "rid": self._rid, **req}) + "\n").encode())
-                self.proc.stdin.flush()
-            except BrokenPipeError:
-                raise SandboxError(f"guest agent of {self.id} is gone") from None
+            line, nonce = channel.new_request(op, **req)
+            self._send(line)
             deadline = time.monotonic() + wait
-            res = self._read_line(deadline)
-            while res.get("rid") != self._rid:  # a late answer to a call we already gave up on
-                res = self._read_line(deadline)
-        if not res.pop("ok", False):
-            raise SandboxError(f"{op} failed in sandbox: {res.get('error')}")
-        return res
+            self._reader.max_line = self._answer_cap(op, req)
+            while True:  # answers with another nonce are late ones to calls we already gave up on
+                try:
+                    res = channel.parse_answer(self._reader.read_line(deadline, self._stop_if_paused), op, nonce)
+                except SandboxTimeout:
+                    raise
+                except SandboxError as e:
+                    if "channel closed" in str(e):  # an oversized answer: the channel cannot be trusted again
+                        self.close()
+                    raise
+                if res is not None:
+                    return res
 
     # ---- exec and files ------------------------------------------------------------------------------
     def exec(self, cmd, *, cwd="/workspace", env=None, stdin=b"", timeout=None) -> ExecResult:
@@ -221,41 +249,43 @@ class BwrapSandbox(Sandbox):
         timeout = float(timeout if timeout is not None else self.spec.limits.exec_timeout)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        check_env(env or {}, "env")
         try:
             r = self._call("exec", wait=timeout + 10, argv=argv, cwd=cwd, env=env or {}, timeout=timeout,
-                           stdin=base64.b64encode(stdin).decode())
-        except TimeoutError:  # the agent itself stopped answering (e.g. the TTL froze the sandbox)
+                           stdin=channel.b64(stdin))
+        except SandboxTimeout:  # the agent itself stopped answering (e.g. the TTL froze the sandbox)
             return ExecResult(b"", b"sandbox stopped answering", None, None, True, False, timeout)
-        return ExecResult(base64.b64decode(r["stdout"]), base64.b64decode(r["stderr"]), r["exit_code"], r["signal"],
+        return ExecResult(channel.b64field(r, "stdout"), channel.b64field(r, "stderr"), r["exit_code"], r["signal"],
                           r["timed_out"], r["truncated"], r["duration"])
 
     def spawn(self, cmd, *, cwd="/workspace", env=None) -> str:
+        check_env(env or {}, "env")
         return self._call("spawn", argv=check_argv_or_cmd(cmd), cwd=cwd, env=env or {})["handle"]
 
     def poll(self, handle: str) -> dict:
         r = self._call("poll", handle=handle)
-        r["stdout"], r["stderr"] = base64.b64decode(r["stdout"]), base64.b64decode(r["stderr"])
+        r["stdout"], r["stderr"] = channel.b64field(r, "stdout"), channel.b64field(r, "stderr")
         return r
 
     def kill_process(self, handle: str) -> None:
         self._call("kill", handle=handle)
 
     def read_file(self, path: str) -> bytes:
-        return base64.b64decode(self._call("read", path=path)["data"])
+        return channel.b64field(self._call("read", path=path), "data")
 
-    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    def write_file(self, path: str, data: bytes, mode: int = 0o644, *, fresh: bool = False) -> None:
         if not isinstance(data, (bytes, bytearray)):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
-        self._call("write", path=path, data=base64.b64encode(data).decode(), mode=mode)
+        self._call("write", path=path, data=channel.b64(data), mode=mode, fresh=fresh)
 
     def list_dir(self, path: str = "/workspace") -> list[dict]:
         return self._call("list", path=path)["entries"]
 
     def download_tar(self, path: str = "/workspace") -> bytes:
-        return base64.b64decode(self._call("tar_get", wait=60, path=path)["data"])
+        return channel.b64field(self._call("tar_get", wait=60, path=path), "data")
 
     def upload_tar(self, data: bytes, dest: str = "/workspace") -> None:
-        self._call("tar_put", wait=60, data=base64.b64encode(data).decode(), dest=dest)
+        self._call("tar_put", wait=60, data=channel.b64(data), dest=dest)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def pause(self) -> None:
@@ -283,18 +313,32 @@ class BwrapSandbox(Sandbox):
             was_paused = self.state == "paused"
             if not was_paused:
                 self.cg.freeze()  # a consistent tree: nothing writes while we copy
+            ref = f"snapref-{uuid.uuid4().hex[:12]}"
             try:
-                layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}")
+                layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}", ref)
+                hostfs.acquire_layers(self.backend.root, self.layers, ref)
+            except OSError as e:
+                raise SandboxError(f"snapshot of {self.id} failed: {e}") from None
             finally:
                 if not was_paused:
                     self.cg.thaw()
-        return Snapshot("bwrap", self.spec, (str(layer), *self.layers), "fs")
+        return Snapshot("bwrap", self.spec, (str(layer), *self.layers), "fs", ref=ref)
 
     def fork(self, n: int) -> list["BwrapSandbox"]:
         if not isinstance(n, int) or not 1 <= n <= 16:
             raise ValueError(f"n must be an integer in [1, 16], got {n!r}")
         snap = self.snapshot("fs")
-        return [self.backend.restore(snap) for _ in range(n)]
+        kids: list[BwrapSandbox] = []
+        try:
+            for _ in range(n):
+                kids.append(self.backend.restore(snap))
+        except BaseException:
+            for k in kids:
+                k.close()
+            raise
+        finally:  # the children hold the layers now; the snapshot itself is nobody's
+            self.backend.delete_snapshot(snap)
+        return kids
 
     def set_ttl(self, ttl: float | None) -> None:
         if self._timer is not None:
@@ -349,4 +393,5 @@ class BwrapSandbox(Sandbox):
             self._stderr.close()
         self.cg.remove()
         hostfs.remove_tree(self.dir)
+        hostfs.release_layers(self.backend.root, self.layers, self.id)
         self.state = "closed"

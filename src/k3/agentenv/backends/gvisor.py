@@ -1,9 +1,10 @@
 """gVisor backend: Debian's `runsc` with an OCI bundle (minimal rootfs, read-only /usr, bind-mounted workspace
 on a sized tmpfs, `--network=none`), one `runsc exec` of the guest agent per call, `runsc pause/resume`, full
-snapshots with process state through `runsc checkpoint`/`restore`, and fork by restoring one image n times."""
+snapshots with process state through `runsc checkpoint`/`restore`, and fork by restoring one image n times.
+A sandbox copies its layers in at start, so only snapshots hold layers (and images); each `runsc exec` of the
+guest agent gets its configuration and request on stdin and may print at most its answer's cap."""
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
@@ -12,8 +13,9 @@ import threading
 import uuid
 from pathlib import Path
 
-from k3.agentenv import cgroups, hostfs
-from k3.agentenv.api import Backend, ExecResult, Sandbox, SandboxError, SandboxSpec, Snapshot, check_argv_or_cmd
+from k3.agentenv import cgroups, channel, hostfs
+from k3.agentenv.api import (Backend, ExecResult, Sandbox, SandboxError, SandboxSpec, Snapshot, check_argv_or_cmd,
+                             check_env)
 
 _avail: dict[str, tuple[bool, str]] = {}
 RUNSC_MEMORY_OVERHEAD = 160 << 20  # sentry + gofer resident memory besides the guest's own pages
@@ -80,14 +82,26 @@ class GVisorBackend(Backend):
         spec.validate()
         self.require()
         hostfs.ensure_state(self.root)
-        base = hostfs.seal_template(spec.template, self.root)
-        return GVisorSandbox(self, spec, [str(base)], image=None)
+        ref = "tplref-" + uuid.uuid4().hex[:12]
+        base = hostfs.seal_template(spec.template, self.root, ref)
+        try:  # the sandbox copies the template in at start: the hold ends right after
+            return GVisorSandbox(self, spec, [str(base)], image=None)
+        finally:
+            hostfs.release_layers(self.root, [base], ref)
 
     def restore(self, snap: Snapshot) -> "GVisorSandbox":
         if snap.backend != self.name:
             raise ValueError(f"snapshot is from backend {snap.backend!r}, not {self.name!r}")
         self.require()
+        missing = [p for p in (*snap.layers, *([snap.image] if snap.image else [])) if not Path(p).is_dir()]
+        if missing:
+            raise SandboxError(f"snapshot was deleted: {missing[0]} is gone")
         return GVisorSandbox(self, snap.spec, list(snap.layers), image=snap.image)
+
+    def delete_snapshot(self, snap: Snapshot) -> None:
+        """Release the snapshot's layers and process image (deleted unless another holder remains)."""
+        if snap.ref:
+            hostfs.release_layers(self.root, [*snap.layers, *([snap.image] if snap.image else [])], snap.ref)
 
     def sweep(self) -> int:
         n = 0
@@ -102,6 +116,7 @@ class GVisorBackend(Backend):
                 pass
             hostfs.remove_tree(d)
             n += 1
+        hostfs.collect_layers(self.root)
         return n
 
 
@@ -127,7 +142,7 @@ class GVisorSandbox(Sandbox):
             raise
         self.set_ttl(spec.ttl)
 
-    def _runsc(self, *args, timeout=60, check=True, detached=False, **kw) -> subprocess.CompletedProcess:
+    def _runsc(self, *args, timeout=60, check=True, detached=False) -> subprocess.CompletedProcess:
         if detached:  # the container keeps the fds it inherits: give it a log file, not our pipes
             # runsc joins the sandbox's cgroup first, so its sandbox and gofer children start inside it
             # (a shell, not preexec_fn: this process has threads)
@@ -138,8 +153,8 @@ class GVisorSandbox(Sandbox):
                                    env={**os.environ, "K3_CG_PROCS": " ".join(self.cg.procs_files())})
             err = (self.dir / "runsc.log").read_bytes()
         else:
-            r = subprocess.run([*_runsc_base(self.dir / "state"), *args], capture_output=True, timeout=timeout, **kw)
-            err = r.stderr
+            rc, out, err = channel.run_capped([*_runsc_base(self.dir / "state"), *args], b"", timeout, 1 << 20)
+            r = subprocess.CompletedProcess(args, rc, out, err)
         if check and r.returncode != 0:
             raise SandboxError(f"runsc {args[0]} failed: {err.decode(errors='replace')[-400:].strip()}")
         return r
@@ -153,13 +168,14 @@ class GVisorSandbox(Sandbox):
         disk, ws, rootfs = self.dir / "disk", self.dir / "ws", self.dir / "rootfs"
         for p in (disk, ws, rootfs):
             p.mkdir()
-        hostfs.mount("tmpfs", disk, "tmpfs", f"size={lim.disk_bytes},mode=0755")
+        hostfs.mount("tmpfs", disk, "tmpfs", f"size={lim.disk_bytes},mode=0755", hostfs.SANDBOX_MOUNT_FLAGS)
         # gVisor's gofer serves the workspace from a plain directory: the layers are copied into it.
         upper = disk / "ws"
         upper.mkdir()
         for layer in reversed(self.layers):  # oldest first; newer layers overwrite
             subprocess.run(["cp", "-a", "--", f"{layer}/.", str(upper)], check=True)
         subprocess.run(["find", str(upper), "-type", "c", "-delete"], check=True)  # overlay whiteouts
+        hostfs.strip_setid(upper)
         os.chown(upper, hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
         for name in ("bin", "lib", "lib64", "sbin"):
             os.symlink(f"usr/{name}", rootfs / name)
@@ -187,13 +203,16 @@ class GVisorSandbox(Sandbox):
                 {"destination": "/usr", "type": "bind", "source": "/usr", "options": ro},
                 {"destination": "/etc", "type": "bind", "source": str(root / "etc"), "options": ro},
                 {"destination": "/.k3agent", "type": "bind", "source": str(root / "agent"), "options": ro},
-                {"destination": "/workspace", "type": "bind", "source": str(upper), "options": ["rw", "rbind"]},
+                {"destination": "/workspace", "type": "bind", "source": str(upper),
+                 "options": ["rw", "rbind", "nosuid", "nodev"]},
             ],
             "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
                       "resources": {"memory": {"limit": lim.memory_bytes}, "pids": {"limit": lim.pids}},
                       "seccomp": _seccomp()},
         }
-        (self.dir / "config.json").write_text(json.dumps(config))
+        fd = os.open(self.dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # env secrets
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(config))
         if image is None:
             self._runsc("run", "--bundle", str(self.dir), "-detach", self.id, detached=True)
         else:
@@ -201,45 +220,53 @@ class GVisorSandbox(Sandbox):
         self.upper = upper
         self.state = "running"
 
-    def _agent(self, req: dict, wait: float = 60) -> dict:
+    def _agent(self, op: str, wait: float = 60, **fields) -> dict:
         with self._lock:
             if self.state != "running":
                 raise SandboxError(f"sandbox {self.id} is {self.state}")
-            r = self._runsc("exec", "--user", f"{hostfs.SANDBOX_UID}:{hostfs.SANDBOX_UID}", self.id,
-                            "/usr/bin/python3", "-I", "-S", "/.k3agent/guest_agent.py", json.dumps(self.cfg),
-                            "--oneshot", input=(json.dumps(req) + "\n").encode(), timeout=wait, check=False)
-        try:
-            res = json.loads(r.stdout.decode().strip().splitlines()[-1])
-        except (ValueError, IndexError):
+            line, nonce = channel.new_request(op, **fields)
+            lim = self.spec.limits
+            payload = {"exec": 2 * lim.output_bytes, "read": 64 << 20, "tar_get": channel.MAX_TAR_BYTES}.get(op, 0)
+            try:
+                rc, out, err = channel.run_capped(
+                    [*_runsc_base(self.dir / "state"), "exec", "--user", f"{hostfs.SANDBOX_UID}:{hostfs.SANDBOX_UID}",
+                     self.id, "/usr/bin/python3", "-I", "-S", "/.k3agent/guest_agent.py", "--oneshot"],
+                    (json.dumps(self.cfg) + "\n").encode() + line, wait, channel.max_answer_bytes(payload))
+            except OSError as e:
+                raise SandboxError(f"runsc exec failed: {e}") from None
+        lines = out.strip().splitlines()
+        if not lines:
             gone = "" if self.alive() else "the sandbox is gone (killed, e.g. by its host memory limit); "
-            raise SandboxError(f"guest agent gave no answer: {gone}{r.stderr.decode()[-300:]}") from None
-        if not res.pop("ok", False):
-            raise SandboxError(f"{req['op']} failed in sandbox: {res.get('error')}")
+            raise SandboxError(f"guest agent gave no answer: {gone}{err.decode(errors='replace')[-300:]}")
+        res = channel.parse_answer(lines[-1], op, nonce)
+        if res is None:
+            raise SandboxError(f"guest agent's answer to {op} does not carry this call's nonce")
         return res
 
     def exec(self, cmd, *, cwd="/workspace", env=None, stdin=b"", timeout=None) -> ExecResult:
         timeout = float(timeout if timeout is not None else self.spec.limits.exec_timeout)
-        r = self._agent({"op": "exec", "argv": check_argv_or_cmd(cmd), "cwd": cwd, "env": env or {},
-                         "timeout": timeout, "stdin": base64.b64encode(stdin).decode()}, wait=timeout + 30)
-        return ExecResult(base64.b64decode(r["stdout"]), base64.b64decode(r["stderr"]), r["exit_code"], r["signal"],
+        check_env(env or {}, "env")
+        r = self._agent("exec", wait=timeout + 30, argv=check_argv_or_cmd(cmd), cwd=cwd, env=env or {},
+                        timeout=timeout, stdin=channel.b64(stdin))
+        return ExecResult(channel.b64field(r, "stdout"), channel.b64field(r, "stderr"), r["exit_code"], r["signal"],
                           r["timed_out"], r["truncated"], r["duration"])
 
     def read_file(self, path: str) -> bytes:
-        return base64.b64decode(self._agent({"op": "read", "path": path})["data"])
+        return channel.b64field(self._agent("read", path=path), "data")
 
-    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    def write_file(self, path: str, data: bytes, mode: int = 0o644, *, fresh: bool = False) -> None:
         if not isinstance(data, (bytes, bytearray)):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
-        self._agent({"op": "write", "path": path, "data": base64.b64encode(data).decode(), "mode": mode})
+        self._agent("write", path=path, data=channel.b64(data), mode=mode, fresh=fresh)
 
     def list_dir(self, path: str = "/workspace") -> list[dict]:
-        return self._agent({"op": "list", "path": path})["entries"]
+        return self._agent("list", path=path)["entries"]
 
     def download_tar(self, path: str = "/workspace") -> bytes:
-        return base64.b64decode(self._agent({"op": "tar_get", "path": path})["data"])
+        return channel.b64field(self._agent("tar_get", path=path), "data")
 
     def upload_tar(self, data: bytes, dest: str = "/workspace") -> None:
-        self._agent({"op": "tar_put", "data": base64.b64encode(data).decode(), "dest": dest})
+        self._agent("tar_put", data=channel.b64(data), dest=dest)
 
     def pause(self) -> None:
         with self._lock:
@@ -260,35 +287,45 @@ class GVisorSandbox(Sandbox):
             raise ValueError(f"level must be 'fs' or 'full', got {level!r}")
         with self._lock:
             was_paused = self.state == "paused"
+            ref = f"snapref-{uuid.uuid4().hex[:12]}"
             if level == "fs":
                 if not was_paused:
                     self._runsc("pause", self.id)
                 try:
-                    layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}")
+                    layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}", ref)
                 finally:
                     if not was_paused:
                         self._runsc("resume", self.id)
-                return Snapshot("gvisor", self.spec, (str(layer),), "fs")
-            layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}")
+                return Snapshot("gvisor", self.spec, (str(layer),), "fs", ref=ref)
             image = self.backend.root / "layers" / f"img-{uuid.uuid4().hex[:12]}"
             image.mkdir()
-            # checkpoint then copy the workspace again: the image must match the files it had open
+            hostfs.acquire_layers(self.backend.root, [image], ref)
+            # checkpoint, then copy the workspace: the image must match the files it had open
             self._runsc("checkpoint", "--image-path", str(image), self.id, timeout=120)
-            shutil.rmtree(layer)
-            layer = hostfs.seal_upper(self.upper, self.backend.root, layer.name)
+            layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}", ref)
             self._runsc("delete", "-force", self.id, check=False)
             self._runsc("restore", "--image-path", str(image), "--bundle", str(self.dir), "-detach", self.id,
                         detached=True, timeout=120)
             self.state = "running"
             if was_paused:
                 self.pause()
-            return Snapshot("gvisor", self.spec, (str(layer),), "full", str(image))
+            return Snapshot("gvisor", self.spec, (str(layer),), "full", str(image), ref=ref)
 
     def fork(self, n: int) -> list["GVisorSandbox"]:
         if not isinstance(n, int) or not 1 <= n <= 16:
             raise ValueError(f"n must be an integer in [1, 16], got {n!r}")
         snap = self.snapshot("full")
-        return [self.backend.restore(snap) for _ in range(n)]
+        kids: list[GVisorSandbox] = []
+        try:
+            for _ in range(n):
+                kids.append(self.backend.restore(snap))
+        except BaseException:
+            for k in kids:
+                k.close()
+            raise
+        finally:  # each child copied what it needs at start
+            self.backend.delete_snapshot(snap)
+        return kids
 
     def set_ttl(self, ttl: float | None) -> None:
         if self._timer is not None:
@@ -316,7 +353,7 @@ class GVisorSandbox(Sandbox):
         self.state = "closing"
         try:
             self._runsc("delete", "-force", self.id, check=False, timeout=30)
-        except (OSError, subprocess.SubprocessError):
+        except (OSError, subprocess.SubprocessError, SandboxError):
             pass
         if self._cg_made:
             self.cg.remove()  # also whatever runsc left behind (a sandbox process whose delete failed)
@@ -331,7 +368,7 @@ class GVisorSandbox(Sandbox):
         try:
             r = self._runsc("state", self.id, check=False, timeout=30)
             return json.loads(r.stdout or b"{}").get("status") in ("running", "paused")
-        except (OSError, ValueError, subprocess.SubprocessError):
+        except (OSError, ValueError, subprocess.SubprocessError, SandboxError):
             return False
 
     def memory_usage(self) -> int:
