@@ -133,14 +133,51 @@ def test_edge_scales_and_all_zero_blocks():
     assert sc[2, 0] == 254 and torch.equal(out[2, :32], torch.full((32,), 6 * 2.0 ** 127, dtype=torch.float64))
     assert sc[3, 0] == 0 and out[3, 5] == rows[3, 5]
     assert sc[4, 0] == 126
-    # all-zero blocks: zero bytes and scale byte 0 (log2(0) = -inf clamps to -127)
-    assert torch.equal(packed[5], torch.zeros(32, dtype=torch.uint8)) and sc[5].tolist() == [0, 0]
+    # all-zero blocks: zero bytes and, by the released tooling's rule (SPEC §4), scale byte 127
+    assert torch.equal(packed[5], torch.zeros(32, dtype=torch.uint8)) and sc[5].tolist() == [127, 127]
+    assert mxfp4_pack(rows, rule="floor")[1][5].tolist() == [0, 0]  # the OCP rule: log2(0) = -inf clamps to -127
     assert torch.equal(packed[0, 16:], torch.full((16,), 0xFF, dtype=torch.uint8))  # -6: code 15 twice a byte
+
+
+def test_released_rule_ties_go_to_the_smaller_magnitude_and_keep_negative_zero_signs():
+    """SPEC §4: a value moves up past a midpoint only when strictly greater; a negative value that rounds to zero
+    keeps its sign bit; an all-zero block has scale byte 127. Expected bytes are written out by hand."""
+    # block max 6 → exponent ceil(log2(6/6)) = 0, scale byte 127: the values below are already on the code scale
+    block = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,  # every midpoint: down to codes 0, 1, 2, 3, 4, 5, 6
+             -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0,  # the same with the sign bit (8): 8 ... 14, 8
+             0.2500001, 0.7500001, 3.5000005, -5.000001,  # just above a midpoint: up to codes 1, 2, 6, 15
+             -1e-9, 0.0, 0.5, -6.0] + [0.0] * 8  # a negative that rounds to 0 keeps its sign: 8
+    w = torch.tensor([block, [x * 2.0 ** 10 for x in block]], dtype=torch.float64)  # ×2^10: scale byte 137
+    w = torch.cat([w, torch.zeros(2, 32, dtype=torch.float64)], 1)
+    w[1, 32:] = -0.0  # an all-zero block of negative zeros: scale 127, sign bits kept
+    packed, sc = mxfp4_pack(w)
+    codes = [7, 0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 8, 1, 2, 6, 15, 8, 0, 1, 15] + [0] * 8
+    want = [codes[2 * j] | codes[2 * j + 1] << 4 for j in range(16)]
+    assert want[:8] == [0x07, 0x21, 0x43, 0x65, 0x98, 0xBA, 0xDC, 0x8E]  # the hand-packed bytes
+    assert packed[0, :16].tolist() == want and packed[1, :16].tolist() == want
+    assert packed[0, 16:].tolist() == [0] * 16 and packed[1, 16:].tolist() == [0x88] * 16
+    assert sc.tolist() == [[127, 127], [137, 127]]
+    # QAT's fake-quant takes the same decisions as the packed bytes `k3 convert` writes
+    assert torch.equal(mxfp4_quantize_dequantize(w), mxfp4_unpack(packed, sc, torch.float64))
+    assert torch.equal(torch.signbit(mxfp4_quantize_dequantize(w)), torch.signbit(mxfp4_unpack(packed, sc, torch.float64)))
+
+
+def test_compressed_tensors_cast_rounds_midpoints_to_even_where_spec_rounds_down():
+    """compressed-tensors' own E2M1 cast takes ties to even; the released tooling (SPEC §4, which k3 follows) takes
+    them to the smaller magnitude. They differ exactly at the midpoints 0.75, 1.75 and 3.5."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (pip install k3[dev])")
+    from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    theirs = cast_to_fp4(mids.clone()).tolist()
+    ours = e2m1_decode(e2m1_encode(mids, ties="down")).tolist()
+    assert theirs == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0] == e2m1_decode(e2m1_encode(mids)).tolist()
+    assert ours == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
 
 
 def test_floor_rule_agrees_with_ceil_when_mantissa_at_most_1_5_else_saturates():
     k = torch.arange(-10, 10, dtype=torch.float64)
-    for mant, same in ((1.0, True), (1.25, True), (1.5, True), (1.75, False)):
+    for mant, same in ((1.0, True), (1.25, True), (1.5, True), (1.8, False)):  # 1.75: a tie, rounded down to the same
         w = torch.zeros(20, 32, dtype=torch.float64)
         w[:, 0] = mant * torch.exp2(k)
         w[:, 1] = -0.3 * torch.exp2(k)

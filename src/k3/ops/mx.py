@@ -10,10 +10,13 @@ Encoding rules (decoding is the same for all of them):
     amax <= 6 * 2^e, i.e. ceil(log2(amax / 6)), so no element ever needs saturating;
     `rule="floor"` (the OCP MX spec, the default for MXFP8): floor(log2(amax)) - emax_elem (2 for E2M1,
     8 for E4M3), elements beyond the format's maximum saturate to it;
-    the exponent is clamped to [-127, 127]; an all-zero block gets e = -127 (scale byte 0).
-  * elements: round to nearest, ties to the even code (the IEEE rule, what a hardware cast does). For E2M1
-    that puts the midpoints 0.25, 1.25, 2.5, 5 down and 0.75, 1.75, 3.5 up. Zero magnitudes are written as
-    +0 (code 0), so all-zero blocks pack to zero bytes.
+    the exponent is clamped to [-127, 127]; `shared_exponent` gives an all-zero block e = -127 (scale byte 0).
+  * MXFP4 elements with `rule="ceil"` follow the released tooling exactly (SPEC §4, so that `k3 convert` and QAT
+    write its bytes): round to nearest, an exact midpoint goes to the smaller magnitude, a negative value that
+    rounds to zero keeps its sign bit (code 8), and an all-zero block gets scale byte 127 (2^0).
+    With `rule="floor"` (and for the bare `e2m1_encode` default): ties to the even code (the IEEE rule, what a
+    hardware cast does: the midpoints 0.25, 1.25, 2.5, 5 go down and 0.75, 1.75, 3.5 up), zero magnitudes are
+    written as +0 (code 0), and an all-zero block gets scale byte 0, so it packs to zero bytes.
 The exponent comes from `torch.frexp` (exact), scales are built from float32 exponent bits, and nibbles are
 packed here: `.to(torch.float8_e8m0fnu)` rounds instead of flooring and fp4 has no cast kernel (SPEC §4).
 """
@@ -28,6 +31,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring E2M1 magnitudes: crossing threshold i moves from code i to code i + 1.
 _E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _RULES = ("ceil", "floor")
+_TIES = ("even", "down")
 
 
 def _e8m0_table() -> torch.Tensor:
@@ -90,16 +94,34 @@ def _blocks(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # ---- E2M1 ----------------------------------------------------------------------------------------------------
-def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Already-scaled values → E2M1 codes (uint8 in 0..15, same shape). Round to nearest, ties to the even
-    code; |x| > 6 saturates to ±6; zero magnitudes get code 0 (never -0)."""
+def e2m1_encode(x: torch.Tensor, ties: str = "even") -> torch.Tensor:
+    """Already-scaled values → E2M1 codes (uint8 in 0..15, same shape); |x| > 6 saturates to ±6.
+
+    ties="even": round to nearest, ties to the even code, zero magnitudes get code 0 (never -0).
+    ties="down": the released tooling's rule: a value moves up past a midpoint only when strictly greater, and
+    the sign bit is kept on values that round to zero (SPEC §4)."""
+    if ties not in _TIES:
+        raise ValueError(f"ties must be one of {_TIES}, got {ties!r}")
     mag = x.abs().clamp(max=E2M1_MAX)
     th = torch.tensor(_E2M1_THRESHOLDS, dtype=mag.dtype, device=mag.device)
     down = torch.bucketize(mag, th, right=False)  # ties resolve to the lower code
+    if ties == "down":
+        return down.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
     up = torch.bucketize(mag, th, right=True)  # ties resolve to the upper code
     code = torch.where((up != down) & (down % 2 == 1), up, down).to(torch.uint8)
     sign = (torch.signbit(x) & (code != 0)).to(torch.uint8) << 3
     return code | sign
+
+
+def _mxfp4_exponent(xb: torch.Tensor, rule: str) -> torch.Tensor:
+    """Each block's exponent; under the released rule ("ceil") an all-zero block takes 0 (scale byte 127)."""
+    amax = xb.abs().amax(-1)
+    e = shared_exponent(amax, E2M1_MAX, rule)
+    return torch.where(amax > 0, e, torch.zeros_like(e)) if rule == "ceil" else e
+
+
+def _mxfp4_ties(rule: str) -> str:
+    return "down" if rule == "ceil" else "even"
 
 
 def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -118,9 +140,9 @@ def mxfp4_pack(w: torch.Tensor, rule: str = "ceil") -> tuple[torch.Tensor, torch
     xb = _blocks(w.detach().to(_work_dtype(w)), "mxfp4_pack(w)")
     if not torch.isfinite(xb).all():
         raise ValueError("mxfp4_pack(w): w holds NaN or inf, which MXFP4 cannot encode")
-    e = shared_exponent(xb.abs().amax(-1), E2M1_MAX, rule)
+    e = _mxfp4_exponent(xb, rule)
     # x * 2^-e is exact (a power of two), so rounding decisions are made on the true quotient.
-    codes = e2m1_encode(xb * _pow2(-e).to(xb.dtype)[..., None]).reshape(w.shape)
+    codes = e2m1_encode(xb * _pow2(-e).to(xb.dtype)[..., None], _mxfp4_ties(rule)).reshape(w.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.contiguous(), (e + 127).to(torch.uint8)
 
@@ -146,8 +168,8 @@ def mxfp4_quantize_dequantize(w: torch.Tensor, rule: str = "ceil") -> torch.Tens
     """The MXFP4 round trip without packing: equals `mxfp4_unpack(*mxfp4_pack(w))` in w's dtype. w: [..., in]."""
     work = _work_dtype(w)
     xb = _blocks(w.to(work), "mxfp4 fake-quant")
-    scale = _pow2(shared_exponent(xb.abs().amax(-1), E2M1_MAX, rule)).to(work)[..., None]
-    q = e2m1_decode(e2m1_encode(xb / scale), work) * scale
+    scale = _pow2(_mxfp4_exponent(xb, rule)).to(work)[..., None]
+    q = e2m1_decode(e2m1_encode(xb / scale, _mxfp4_ties(rule)), work) * scale
     return q.reshape(w.shape).to(w.dtype)
 
 
