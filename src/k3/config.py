@@ -71,9 +71,9 @@ class K3Config:
     max_position_embeddings: int = 1048576
     attn_res_block_size: int = 12
     tie_word_embeddings: bool = False
-    bos_token_id: int = 163584
-    eos_token_id: int = 163586
-    pad_token_id: int = 163839
+    bos_token_id: int | None = 163584
+    eos_token_id: int | list[int] | None = 163586  # where generation stops (a list: any of them)
+    pad_token_id: int | None = 163839
     dtype: str = "bfloat16"
     initializer_range: float = 0.02
     linear_attn_config: LinearAttnConfig = field(default_factory=LinearAttnConfig)
@@ -87,6 +87,9 @@ class K3Config:
             la = dict(self.linear_attn_config)
             self._la_extra = {k: v for k, v in la.items() if k not in known}
             self.linear_attn_config = LinearAttnConfig(**{k: v for k, v in la.items() if k in known})
+        elif not isinstance(self.linear_attn_config, LinearAttnConfig):
+            raise ConfigError(f"invalid config field linear_attn_config={self.linear_attn_config!r}: must be an "
+                              f"object with {', '.join(f.name for f in fields(LinearAttnConfig))}")
         self.validate()
 
     # ---- derived quantities -------------------------------------------------------------------------
@@ -128,6 +131,30 @@ class K3Config:
         for name in ("activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps", "routed_scaling_factor",
                      "linear_attn_config.gate_lower_bound"):
             need(_is_real(getattr_path(self, name)), name, "must be a finite number")
+        # JSON has no int/bool confusion, but "true" (a string) is truthy: every flag must be a real boolean
+        for name in ("latent_moe_use_norm", "moe_renormalize", "use_grouped_topk", "mla_use_nope",
+                     "mla_use_output_gate", "tie_word_embeddings", "linear_attn_config.use_full_rank_gate"):
+            need(isinstance(getattr_path(self, name), bool), name, "must be true or false (a JSON boolean, not a string)")
+        need(_is_int(self.max_position_embeddings) and self.max_position_embeddings > 0, "max_position_embeddings",
+             "must be a positive integer")
+        need(_is_real(self.initializer_range) and self.initializer_range > 0, "initializer_range", "must be a number > 0")
+        need(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
+        need(self.model_type == "kimi_linear", "model_type", "'kimi_linear' (the text_config of a kimi_k3 model)")
+        need(isinstance(self.architectures, list) and all(isinstance(a, str) for a in self.architectures),
+             "architectures", "a list of class names")
+        need(not self.tie_word_embeddings, "tie_word_embeddings",
+             "only false is supported: K3 keeps lm_head separate from embed_tokens")
+        need(self.mla_use_output_gate, "mla_use_output_gate", "only true (K3's MLA has a sigmoid output gate) is supported")
+        for name in ("bos_token_id", "pad_token_id"):
+            tid = getattr(self, name)
+            need(tid is None or (_is_int(tid) and 0 <= tid < self.vocab_size), name,
+                 f"a token id in [0, vocab_size={self.vocab_size}) or null")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        need(eos == [None] or (eos and all(_is_int(t) and 0 <= t < self.vocab_size for t in eos)), "eos_token_id",
+             f"a token id (or a list of them) in [0, vocab_size={self.vocab_size}) or null")
+        q = self.quantization_config
+        need(q is None or (isinstance(q, dict) and q.get("format") == "mxfp4-pack-quantized"), "quantization_config",
+             "absent/null (unquantized) or compressed-tensors with format 'mxfp4-pack-quantized' (MXFP4 experts)")
         need(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
              f"must be <= num_experts ({self.num_experts})")
         need(self.num_key_value_heads == self.num_attention_heads, "num_key_value_heads",
@@ -173,9 +200,28 @@ class K3Config:
         """Accepts a bare text config or a top-level K3 config holding `text_config`."""
         if not isinstance(d, dict):
             raise ConfigError(f"a config must be a JSON object, got {type(d).__name__}")
+        where = ""
         if "text_config" in d:
-            d = d["text_config"]
+            top, d, where = d, d["text_config"], "text_config."
+            if not isinstance(d, dict):
+                raise ConfigError(f"invalid config field text_config={d!r}: must be an object")
+            d = dict(d)
+            for name in _SHARED_TOP_LEVEL:  # the released config repeats these at both levels
+                if name in top and name in d and top[name] != d[name]:
+                    raise ConfigError(f"config field {name} is {top[name]!r} at the top level but {d[name]!r} in "
+                                      f"text_config; make them agree")
+                if name in top and name not in d:
+                    d[name] = top[name]
+        if "dtype" not in d and "torch_dtype" in d:  # the name transformers used before 4.56
+            d["dtype"] = d["torch_dtype"]
         known = {f.name for f in fields(cls)} - {"extra"}
+        missing = [k for k in sorted(known - _OPTIONAL) if k not in d]
+        la = d.get("linear_attn_config")
+        if isinstance(la, dict):
+            missing += [f"linear_attn_config.{f.name}" for f in fields(LinearAttnConfig) if f.name not in la]
+        if missing:
+            raise ConfigError(f"config is missing field{'s' * (len(missing) > 1)} "
+                              f"{', '.join(where + m for m in missing)} (k3 takes no model size from defaults)")
         kwargs = {k: v for k, v in d.items() if k in known}
         extra = {k: v for k, v in d.items() if k not in known}
         try:
@@ -238,6 +284,14 @@ class K3Config:
             return _scaled(num_layers=16, hidden=1536, heads=12, head_dim=128, vocab=32768, dense_inter=6144,
                            experts=64, topk=8, expert_inter=512, q_lora=384, kv_lora=256, rope=64, block=4)
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(cls.PRESETS)}")
+
+
+# The float dtypes a checkpoint's weights may be stored in (config field `dtype`).
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+# Fields a config.json may leave out: none of them sets a size, and their defaults hold for any K3-shaped model.
+_OPTIONAL = frozenset({"model_type", "architectures", "quantization_config", "initializer_range", "tie_word_embeddings"})
+# Fields the released top level repeats beside text_config.
+_SHARED_TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "dtype")
 
 
 def _is_int(v) -> bool:

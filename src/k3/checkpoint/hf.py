@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from k3.checkpoint.names import PREFIX, VISION_PREFIXES, a_log_len, is_f32, parse_name
 from k3.checkpoint.plan import ST_DTYPES, TensorSpec, check_experts_format, expert_stacks, group_into_shards, iter_plan
-from k3.config import K3Config
+from k3.config import DTYPES, K3Config
+from k3.memory import check_fits
 from k3.ops.mx import BLOCK, mxfp4_pack, mxfp4_unpack
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -160,7 +161,7 @@ def open_shard(f: Path):
         raise CheckpointError(f"cannot read shard {f}: {e}") from None
 
 
-def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None, packed_experts: bool = False,
+def load_pretrained(path, device="cpu", dtype: torch.dtype | str | None = None, packed_experts: bool = False,
                     stats: dict | None = None):
     """Builds the model on the meta device, then streams the shards into it one at a time.
 
@@ -177,17 +178,21 @@ def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None, packed
 
     path = Path(path)
     config = K3Config.from_pretrained(path)
+    dtype = resolve_dtype(dtype, config)
+    device = torch.device(device)
     with torch.device("meta"):
         model = K3ForCausalLM(config, init=False)
     if packed_experts:
         for m in model.modules():
             if hasattr(m, "w1") and hasattr(m, "packed"):
                 pack_experts_(m, empty=True)
-    model.to_empty(device=device)
     if dtype is not None:
         for n, p in model.named_parameters():
             if not is_f32(n):
                 p.data = p.data.to(dtype)
+    need = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    check_fits(f"loading {path} ({sum(p.numel() for p in model.parameters()):,} parameters)", need, device)
+    model.to_empty(device=device)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     stacks = expert_stacks(config)
     seen: dict[str, set] = {n: set() for n in targets if n not in stacks and not n.endswith(("_packed", "_scale"))}
@@ -281,6 +286,19 @@ def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None, packed
         stats.update(peak_live_bytes=live.peak, largest_shard_bytes=largest, skipped_vision=skipped_vision)
     model.eval()
     return model
+
+
+def resolve_dtype(dtype, config: K3Config) -> torch.dtype | None:
+    """from_pretrained's dtype: a torch float dtype, its name ("bfloat16", "torch.float16"), "auto" (the
+    config's `dtype`) or None (float32); anything else is a ValueError naming the choices."""
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str):
+        name = config.dtype if dtype == "auto" else dtype.removeprefix("torch.")
+        if name in DTYPES:
+            return getattr(torch, name)
+    raise ValueError(f"dtype={dtype!r}: expected a torch float dtype, one of {', '.join(DTYPES)}, 'auto' (the "
+                     f"config's dtype) or None (float32)")
 
 
 def _read(handle, f: Path, raw: str) -> torch.Tensor:

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
+from k3.memory import check_fits
 from k3.model.attn_res import attn_res_mix
 from k3.model.cache import K3Cache, StaticCache
 from k3.model.kda import KimiDeltaAttention
@@ -130,11 +131,53 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         if not isinstance(config, K3Config):
             raise TypeError(f"config must be a K3Config, got {type(config).__name__}")
+        device = torch.get_default_device()
+        if device.type != "meta":  # refuse a model that cannot fit before allocating any of it
+            check_fits(f"K3ForCausalLM: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+                       f"{config.vocab_size}: {K3ForCausalLM.parameter_count(config):,} parameters in "
+                       f"{str(torch.get_default_dtype()).removeprefix('torch.')}",
+                       K3ForCausalLM.parameter_bytes(config, torch.get_default_dtype()), device)
         self.config = config
         self.model = K3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if init and not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
+
+    # ---- Hugging Face-shaped introspection ------------------------------------------------------------
+    @staticmethod
+    def parameter_count(config: K3Config) -> int:
+        """Parameters of a model of this config (counted on the meta device: nothing is allocated)."""
+        with torch.device("meta"):
+            return sum(p.numel() for p in K3ForCausalLM(config, init=False).parameters())
+
+    @staticmethod
+    def parameter_bytes(config: K3Config, dtype: torch.dtype) -> int:
+        """Bytes of a model of this config with float parameters in `dtype` (plus its buffers), unallocated."""
+        with torch.device("meta"):
+            m = K3ForCausalLM(config, init=False)
+        size = torch.empty((), dtype=dtype, device="meta").element_size()
+        return sum(p.numel() * (size if p.is_floating_point() else p.element_size()) for p in m.parameters()) + \
+            sum(b.numel() * b.element_size() for b in m.buffers())
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """As in transformers: all parameters, or only those requiring grad, optionally without the token
+        embedding (the LM head is a matmul and is counted)."""
+        skip = {id(self.model.embed_tokens.weight)} if exclude_embeddings else set()
+        return sum(p.numel() for p in self.parameters()
+                   if id(p) not in skip and (p.requires_grad or not only_trainable))
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the parameters (a model is on one device; parallel wrappers shard it from outside)."""
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float dtype of the weights; the few tensors the release keeps in F32 (A_log, dt_bias, router
+        bias, ...) stay float32 under a bf16 model and do not count."""
+        from k3.checkpoint.names import is_f32
+        return next((p.dtype for n, p in self.named_parameters() if p.is_floating_point() and not is_f32(n)),
+                    self.model.embed_tokens.weight.dtype)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
@@ -227,6 +270,21 @@ class K3ForCausalLM(nn.Module):
         save_pretrained(self, path, dtype=dtype, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "K3ForCausalLM":
+    def from_pretrained(cls, path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+                        **kwargs) -> "K3ForCausalLM":
+        """Load a checkpoint directory. dtype: a torch dtype or its name ("bfloat16"), "auto" for the config's
+        `dtype`, None for float32 (the F32 tensors of the release stay float32 in every case). `torch_dtype`
+        is accepted as transformers' older name of `dtype`; `packed_experts=True` keeps MXFP4 experts packed."""
         from k3.checkpoint.hf import load_pretrained
-        return load_pretrained(path, device=device, dtype=dtype)
+        if "torch_dtype" in kwargs:
+            if dtype is not None:
+                raise TypeError("from_pretrained: give dtype or torch_dtype, not both")
+            dtype = kwargs.pop("torch_dtype")
+        if "device_map" in kwargs:
+            raise TypeError("from_pretrained: device_map is not supported; pass device='cuda:0' (a model lives on "
+                            "one device; k3.parallel shards it)")
+        unknown = sorted(set(kwargs) - {"packed_experts", "stats"})
+        if unknown:
+            raise TypeError(f"from_pretrained got unexpected keyword argument(s) {', '.join(unknown)}; it takes "
+                            f"device, dtype, packed_experts, stats")
+        return load_pretrained(path, device=device, dtype=dtype, **kwargs)

@@ -1,10 +1,13 @@
 """Incremental generation over the explicit cache: prefill once, then one token per step."""
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Iterator
 
 import torch
 
+from k3.memory import check_fits
 from k3.model.cuda_graph import GraphedDecodeStep, wants_graphs
 
 
@@ -56,36 +59,149 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
     return torch.minimum(idx, last)
 
 
+# What one prefill chunk's activations may take on CPU (on a GPU: a quarter of its free memory, at least this).
+PREFILL_BUDGET_BYTES = 512 * 2**20
+# Activation bytes per prompt token of a chunk, in hidden-size widths of the model's dtype: the working set of a
+# layer (norms, AttnRes sources, projections, MoE rows); measured ~78 on `tiny` (40 KB/token at hidden 128, fp32).
+_WIDTHS_PER_TOKEN = 96
+# CPU SDPA materialises fp32 scores for the chunk's queries × the whole context: ~2.3 copies measured on `tiny`.
+_SCORE_COPIES = 3
+
+
+def prefill_budget(device: torch.device) -> int:
+    """Bytes one prefill chunk's activations may take on `device`."""
+    if device.type == "cuda":
+        return max(PREFILL_BUDGET_BYTES, torch.cuda.mem_get_info(device)[0] // 4)
+    return PREFILL_BUDGET_BYTES
+
+
+def _chunk_costs(config, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[int, int, int]:
+    """Estimated bytes of a prefill chunk of c tokens ending at context length S: c·per_token + S·per_key
+    + c·S·per_pair. per_key: an MLA layer expands the whole cached context into K and V for the chunk;
+    per_pair: the attention scores, which CPU SDPA materialises (a GPU's fused kernels do not)."""
+    elt = torch.empty((), dtype=dtype, device="meta").element_size()
+    per_token = batch * elt * _WIDTHS_PER_TOKEN * config.hidden_size
+    if not config.mla_layer_ids:
+        return per_token, 0, 0
+    H, dk, dv = config.num_attention_heads, config.qk_head_dim, config.v_head_dim
+    per_key = batch * elt * H * (2 * dk + dv)  # kv_b_proj's K_nope and V, then K with its shared rope part
+    per_pair = 0 if device.type == "cuda" else batch * 4 * H * _SCORE_COPIES
+    return per_token, per_key, per_pair
+
+
+def prefill_chunk_sizes(config, batch: int, prompt_len: int, device: torch.device, dtype: torch.dtype,
+                        budget: int | None = None, start: int = 0) -> list[int]:
+    """The "auto" prefill schedule: each chunk as long as fits `budget` bytes of activations (default
+    `prefill_budget(device)`), so chunks shrink as the context grows. A chunk of one token takes the decode
+    path (no K/V expansion, no score matrix), so even a context whose expansion alone exceeds the budget
+    goes on, a token at a time. `start`: tokens already in the cache."""
+    budget = prefill_budget(device) if budget is None else budget
+    per_token, per_key, per_pair = _chunk_costs(config, batch, device, dtype)
+    cost = lambda c, pos: c * per_token + (pos + c) * per_key + c * (pos + c) * per_pair  # noqa: E731
+    sizes, pos, end = [], start, start + prompt_len
+    while pos < end:
+        # the largest c with per_pair·c² + (per_token + per_key + per_pair·pos)·c + pos·per_key − budget <= 0
+        b, c0 = per_token + per_key + per_pair * pos, pos * per_key - budget
+        c = (-c0 / b if per_pair == 0 else (-b + math.sqrt(b * b - 4 * per_pair * c0)) / (2 * per_pair)) if c0 < 0 else 0
+        c = min(int(c), end - pos)
+        while c > 1 and cost(c, pos) > budget:  # float rounding of the root
+            c -= 1
+        sizes.append(max(c, 1))
+        pos += sizes[-1]
+    return sizes
+
+
+def prefill_memory(config, batch: int, total_len: int, device: torch.device, dtype: torch.dtype,
+                   budget: int | None = None) -> int:
+    """Bytes a generation of `total_len` tokens needs beyond the weights: the cache at full length (MLA
+    latents, growing by copy, so one layer's twice; KDA states), plus one prefill chunk's budget."""
+    elt = torch.empty((), dtype=dtype, device="meta").element_size()
+    la = config.linear_attn_config
+    n_mla = len(config.mla_layer_ids)
+    mla_layer = batch * total_len * (config.kv_lora_rank + config.qk_rope_head_dim) * elt
+    kda = (config.num_hidden_layers - n_mla) * batch * la.num_heads * la.head_dim * (
+        la.head_dim + 3 * (la.short_conv_kernel_size - 1)) * 4
+    return (n_mla + (n_mla > 0)) * mla_layer + kda + (prefill_budget(device) if budget is None else budget)
+
+
 @torch.no_grad()
-def chunked_prefill(model, input_ids: torch.Tensor, cache, chunk_size: int | None = None) -> torch.Tensor:
-    """Feed the prompt [B, T] through `cache`, `chunk_size` tokens at a time (all at once when None), and
-    return the last position's logits [B, V]. Chunks bound the activation memory, so a long prompt is
-    limited by its cache alone; the result equals one pass over the whole prompt."""
+def chunked_prefill(model, input_ids: torch.Tensor, cache, chunk_size: int | str | None = "auto") -> torch.Tensor:
+    """Feed the prompt [B, T] through `cache` in chunks and return the last position's logits [B, V].
+    chunk_size: "auto" (`prefill_chunk_sizes`: as long as fits the activation budget), an int (that many
+    tokens a chunk) or None (one pass). Chunks bound the activation memory, so a long prompt is limited by
+    its cache alone; the result equals one pass over the whole prompt."""
     T = input_ids.shape[1]
-    if chunk_size is not None and chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    step = chunk_size or T
-    for start in range(0, T, step):
-        logits = model(input_ids[:, start:start + step], cache=cache, logits_to_keep=1).logits[:, -1]
+    if chunk_size == "auto":
+        w = model.model.embed_tokens.weight
+        sizes = prefill_chunk_sizes(model.config, input_ids.shape[0], T, w.device, w.dtype, start=cache.seq_len)
+    elif chunk_size is None:
+        sizes = [T]
+    elif isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0:
+        sizes = [min(chunk_size, T - s) for s in range(0, T, chunk_size)]
+    else:
+        raise ValueError(f"chunk_size must be a positive int, 'auto' or None, got {chunk_size!r}")
+    start = 0
+    for n in sizes:
+        logits = model(input_ids[:, start:start + n], cache=cache, logits_to_keep=1).logits[:, -1]
+        start += n
     return logits
+
+
+def _as_batch(input_ids) -> tuple[torch.Tensor, bool]:
+    """[B, T] ids from a list, a list of lists, a 1-D or a 2-D tensor; True when the input was one 1-D row."""
+    if isinstance(input_ids, list):
+        return torch.tensor([input_ids] if input_ids and isinstance(input_ids[0], int) else input_ids), False
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
+        return input_ids[None], True
+    return input_ids, False
+
+
+def _eos_ids(model, eos_token_id) -> list[int]:
+    """The ids that end a row: `eos_token_id` ("config": the model config's; None: never stop early)."""
+    if isinstance(eos_token_id, str) and eos_token_id == "config":
+        eos_token_id = model.config.eos_token_id
+    if eos_token_id is None:
+        return []
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"eos_token_id must be an int, a list of ints, None or 'config', got {eos_token_id!r}")
+    return list(ids)
 
 
 @torch.no_grad()
 def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                    eos_token_id: int | None = None, prefill=None, prefill_chunk: int | None = 65536,
-                    cuda_graph: bool | None = None) -> Iterator[torch.Tensor]:
+                    eos_token_id: int | list[int] | str | None = "config", prefill=None,
+                    prefill_chunk: int | str | None = "auto", cuda_graph: bool | None = None) -> Iterator[torch.Tensor]:
     """Yields the next token [B] for each step; stops after max_new_tokens or when every row emitted EOS.
 
+    input_ids: [B, T] (or one row: a 1-D tensor or a list of ints). eos_token_id: the id(s) that end a row;
+    "config" (default) takes the model config's, None never stops early. A prompt longer than the config's
+    max_position_embeddings is a ValueError; a generation that would run past it stops there, with a warning.
     prefill(input_ids, cache) -> logits [B, T, V] replaces the prompt's forward (e.g. to splice in images).
-    prefill_chunk: feed the prompt this many tokens at a time (bounds prefill memory; None = one pass).
-    cuda_graph: decode from a preallocated cache through one captured CUDA graph per token (default: on
-    CUDA devices); False keeps the eager, growing cache."""
-    if isinstance(input_ids, list):
-        input_ids = torch.tensor([input_ids] if input_ids and isinstance(input_ids[0], int) else input_ids)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    prefill_chunk: "auto" (default) feeds the prompt in chunks sized to a memory budget (`prefill_chunk_sizes`);
+    an int, that many tokens at a time; None, one pass. cuda_graph: decode from a preallocated cache through
+    one captured CUDA graph per token (default: on CUDA devices); False keeps the eager, growing cache."""
+    input_ids, _ = _as_batch(input_ids)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a non-empty [batch, seq] or [seq] tensor (or a list of ids), got {shape}")
+    eos = _eos_ids(model, eos_token_id)
+    B, T = input_ids.shape
+    limit = model.config.max_position_embeddings
+    if T > limit:
+        raise ValueError(f"the prompt has {T:,} tokens; the model's max_position_embeddings is {limit:,}: "
+                         f"shorten the prompt")
+    if T + max_new_tokens > limit:
+        warnings.warn(f"generating at most {limit - T:,} of max_new_tokens={max_new_tokens:,} tokens: the model's "
+                      f"max_position_embeddings is {limit:,} and the prompt has {T:,}", stacklevel=2)
+        max_new_tokens = limit - T
     device = next(model.parameters()).device
+    w = model.model.embed_tokens.weight
+    check_fits(f"generating {T:,} + {max_new_tokens:,} tokens x {B} rows (cache and one prefill chunk)",
+               prefill_memory(model.config, B, T + max_new_tokens, device, w.dtype), device)
     input_ids = input_ids.to(device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     graphed = wants_graphs(model, device, cuda_graph)
@@ -94,7 +210,6 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     was_training = model.training
     model.eval()
     try:
-        B, T = input_ids.shape
         cache = model.new_cache(B, T + max_new_tokens) if graphed else model.new_cache()
         if prefill is not None:
             logits = prefill(input_ids, cache)[:, -1]
@@ -105,13 +220,14 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
         else:
             decode = lambda tok: model(tok[:, None], cache=cache).logits[:, -1]  # noqa: E731
         done = torch.zeros(B, dtype=torch.bool, device=device)
+        eos_t = torch.tensor(eos, dtype=torch.long, device=device)
         for i in range(max_new_tokens):
             tok = sample_next(logits, temperature, top_k, top_p, gen)
-            if eos_token_id is not None:
-                tok = torch.where(done, torch.full_like(tok, eos_token_id), tok)
-                done |= tok == eos_token_id
+            if eos:  # a finished row repeats its first EOS id
+                tok = torch.where(done, torch.full_like(tok, eos[0]), tok)
+                done |= torch.isin(tok, eos_t)
             yield tok
-            if i == max_new_tokens - 1 or (eos_token_id is not None and bool(done.all())):
+            if i == max_new_tokens - 1 or (eos and bool(done.all())):
                 break
             logits = decode(tok)
     finally:
@@ -119,9 +235,10 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
 
 
 def generate(model, input_ids, max_new_tokens: int = 64, **kwargs) -> torch.Tensor:
-    """Returns [B, T + n]: the prompt followed by the generated tokens."""
-    if isinstance(input_ids, list):
-        input_ids = torch.tensor([input_ids] if input_ids and isinstance(input_ids[0], int) else input_ids)
-    toks = list(stream_generate(model, input_ids, max_new_tokens, **kwargs))
-    out = torch.stack(toks, dim=1) if toks else input_ids.new_zeros(input_ids.shape[0], 0)
-    return torch.cat([input_ids, out.to(input_ids.device)], dim=1)
+    """Returns the prompt followed by the generated tokens: [B, T + n] (a 1-D prompt gives [T + n]); n is
+    shorter than max_new_tokens when every row stopped at EOS. Keywords as in `stream_generate`."""
+    batch, one_row = _as_batch(input_ids)
+    toks = list(stream_generate(model, batch, max_new_tokens, **kwargs))
+    out = torch.stack(toks, dim=1) if toks else batch.new_zeros(batch.shape[0], 0)
+    full = torch.cat([batch, out.to(batch.device)], dim=1)
+    return full[0] if one_row else full
