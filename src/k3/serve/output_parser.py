@@ -167,6 +167,10 @@ class OutputParser:
         self._decoder = self._tok.decode_stream(skip_special_tokens=True)
         self._outside = []
 
+    def _add_content(self, piece: str) -> None:
+        self._content.append(piece)
+        self._delta.content += piece
+
     # ---- tags ------------------------------------------------------------------------------------------------
     def _tag(self, kind: str, header: str) -> None:
         name = header.split(" ", 1)[0].strip()
