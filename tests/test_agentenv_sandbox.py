@@ -5,6 +5,7 @@ import hashlib
 import io
 import os
 import socket
+import subprocess
 import tarfile
 import threading
 import time
@@ -15,6 +16,19 @@ from k3.agentenv import Limits, SandboxError, SandboxSpec, get_backend
 from k3.agentenv import hostfs
 
 BACKENDS = ["bwrap", "gvisor", "firecracker"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftovers():
+    """After the module: no sandbox directory, mount, layer hold, cgroup or sandbox-uid process is left."""
+    yield
+    left = []
+    for _ in range(50):  # a TTL timer's close may still be finishing
+        left = hostfs.leftovers()
+        if not left:
+            break
+        time.sleep(0.1)
+    assert left == []
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -348,6 +362,7 @@ def test_snapshot_restore_identical_tree(backend, template):
             assert "README" not in {e["name"] for e in r.list_dir()}
         finally:
             r.close()
+            backend.delete_snapshot(snap)
     finally:
         s.close()
 
@@ -388,6 +403,7 @@ def test_gvisor_full_restore_keeps_process_state(backend):
             assert counter(r) > c  # and the loop itself is running again
         finally:
             r.close()
+            backend.delete_snapshot(snap)
         assert at_snap > 0
     finally:
         s.close()
@@ -419,3 +435,177 @@ def test_bad_arguments_are_clear(backend):
     with backend.create(SandboxSpec()) as s:
         with pytest.raises(ValueError, match="cmd"):
             s.exec([])
+
+
+# ---- the guest agent's channel and the files API under attack ------------------------------------------
+HIJACK = r'''
+import ctypes, json, os, socket, stat, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def cmdline(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""
+def attempts(pid):
+    """Ways a same-uid process reaches another's state and descriptors (and what it got through them)."""
+    out, got = {}, []
+    pidfd = libc.syscall(434, pid, 0)  # pidfd_open
+    fds = [libc.syscall(438, pidfd, n, 0) for n in range(16)] if pidfd >= 0 else []  # pidfd_getfd
+    got += [os.fstat(fd).st_mode for fd in fds if fd >= 0]
+    out["pidfd_getfd"] = any(fd >= 0 for fd in fds)
+    try:
+        got += [os.stat(f"/proc/{pid}/fd/{n}").st_mode for n in os.listdir(f"/proc/{pid}/fd")]
+        out["proc_fd"] = True
+    except OSError:
+        out["proc_fd"] = False
+    try:
+        os.close(os.open(f"/proc/{pid}/mem", os.O_RDONLY))
+        out["mem"] = True
+    except OSError:
+        out["mem"] = False
+    out["ptrace"] = libc.ptrace(16, pid, None, None) == 0  # PTRACE_ATTACH (last: it stops the target)
+    if out["ptrace"]:
+        libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+    out["channels"] = sum(1 for m in got if stat.S_ISFIFO(m) or stat.S_ISSOCK(m))
+    return out
+pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+agent = [p for p in pids if cmdline(p).startswith(b"/usr/bin/python3") and b"guest_agent" in cmdline(p)]
+init = [p for p in pids if cmdline(p).startswith(b"bwrap")]
+own = subprocess.Popen(["sleep", "30"], stdout=subprocess.PIPE)  # a same-uid process that IS open to it
+res = {"agent": attempts(agent[0]), "init": [attempts(p) for p in init], "control": attempts(own.pid)}
+try:
+    socket.socket(socket.AF_UNIX).connect("/.k3chan/agent.sock")
+    res["connect"] = True
+except OSError:
+    res["connect"] = False
+print(json.dumps(res))
+own.kill()
+'''
+
+
+def test_commands_cannot_reach_the_agents_channel(sb):
+    import json
+    r = sb.exec(["python3", "-c", HIJACK])
+    assert r.exit_code == 0, r
+    res = json.loads(r.stdout)
+    ctl = res["control"]
+    assert ctl["pidfd_getfd"] and ctl["proc_fd"] and ctl["mem"] and ctl["ptrace"] and ctl["channels"] >= 1, res
+    agent = res["agent"]  # the methods work on an ordinary process of the same uid, none on the agent
+    assert not (agent["pidfd_getfd"] or agent["proc_fd"] or agent["mem"] or agent["ptrace"]), res
+    assert all(i["channels"] == 0 for i in res["init"]), res  # bwrap's init holds no pipe or socket of ours
+    assert not res["connect"], res  # and nobody listens for a second agent
+    assert sb.exec("echo genuine").stdout == b"genuine\n" and sb.read_file("README") == b"template\n"
+
+
+def test_fifo_or_device_through_files_api_fails_fast_and_sandbox_lives(sb):
+    assert sb.exec("mkfifo /workspace/pipe /tmp/pipe && ln -s /workspace/pipe /workspace/pipelink").exit_code == 0
+    try:
+        t0 = time.monotonic()
+        for path in ("pipe", "/tmp/pipe", "pipelink", "/dev/zero", "/dev/null"):
+            with pytest.raises(SandboxError, match="regular file"):
+                sb.read_file(path)
+        for path in ("pipe", "pipelink", "/dev/null"):
+            with pytest.raises(SandboxError):
+                sb.write_file(path, b"x")
+        reader = sb.spawn("cat /workspace/pipe > /dev/null")  # with a reader waiting the open succeeds...
+        time.sleep(0.3)
+        with pytest.raises(SandboxError, match="regular file"):
+            sb.write_file("pipe", b"x")  # ...but a FIFO is still refused
+        sb.kill_process(reader)
+        assert time.monotonic() - t0 < 5
+        assert sb.exec("echo alive").stdout == b"alive\n"
+    finally:
+        sb.exec("rm -f /workspace/pipe /tmp/pipe /workspace/pipelink")
+
+
+def test_setuid_file_left_in_a_sandbox_is_inert_on_the_host(backend, tmp_path):
+    need(backend, "bwrap")
+    s = backend.create(SandboxSpec())
+    try:
+        assert s.exec("cp /usr/bin/id ./id && chmod 4755 ./id && ls -l ./id").stdout.startswith(b"-rws")
+        host_copy = s.dir / "disk" / "upper" / "id"
+        assert os.stat(host_copy).st_mode & 0o4000  # the bit is there, on a host path any local user can reach
+        for m in hostfs.mounts_under(s.dir):
+            opts = [line.split()[3] for line in open("/proc/self/mounts") if line.split()[1] == m][0].split(",")
+            assert "nosuid" in opts and "nodev" in opts, (m, opts)
+        snap = s.snapshot("fs")
+        try:
+            sealed = os.path.join(snap.layers[0], "id")
+            assert not os.stat(sealed).st_mode & 0o6000
+            for path in (host_copy, sealed):  # a local user runs it through its host path
+                r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(path), "-u"],
+                                   capture_output=True, text=True, timeout=10)
+                assert r.stdout.strip() == "65534", (path, r)  # not the sandbox uid
+        finally:
+            backend.delete_snapshot(snap)
+    finally:
+        s.close()
+
+
+def _tree_bytes(paths) -> int:
+    total = 0
+    for p in paths:
+        for dirpath, _, files in os.walk(p):
+            total += sum(os.lstat(os.path.join(dirpath, f)).st_size for f in files)
+    return total
+
+
+def test_fork_and_snapshot_layers_go_with_their_last_user(backend, tmp_path):
+    need(backend, "bwrap")
+    (tmp_path / "tpl.txt").write_text("a template only this test uses\n")
+    s = backend.create(SandboxSpec(template=tmp_path))
+    s.exec("head -c 3000000 /dev/urandom > blob")
+    kids = s.fork(3)
+    kid_layers = {p for k in kids for p in k.layers if os.path.basename(p) != "empty"}
+    snap = s.snapshot("fs")
+    layers = kid_layers | set(snap.layers) - {str(hostfs.state_root() / "layers" / "empty")}
+    assert _tree_bytes(layers) >= 2 * 3000000  # the fork's layer and the snapshot's both hold the blob
+    s.close()
+    blobs = [k.read_file("blob") for k in kids]  # still readable after the parent closed
+    assert len(blobs[0]) == 3000000 and blobs.count(blobs[0]) == 3
+    for k in kids:
+        k.close()
+    assert _tree_bytes(kid_layers - set(snap.layers)) == 0  # the fork's layer went with the last child
+    assert all(os.path.isdir(p) for p in snap.layers)  # the snapshot still holds its own (and the template)
+    r = backend.restore(snap)
+    assert len(r.read_file("blob")) == 3000000
+    backend.delete_snapshot(snap)
+    assert r.exec("wc -c < blob").text.strip() == "3000000"  # a restored sandbox keeps its layers meanwhile
+    r.close()
+    assert _tree_bytes(layers) == 0 and not any(os.path.exists(p) for p in layers)
+    with pytest.raises(SandboxError, match="gone"):
+        backend.restore(snap)  # a deleted snapshot cannot come back half-way
+
+
+def test_env_secrets_never_on_a_command_line(backend):
+    need(backend, "bwrap", "gvisor")
+    secret = "tok-" + os.urandom(12).hex()
+    with backend.create(SandboxSpec(env={"API_KEY": secret})) as s:
+        assert s.exec("echo $API_KEY").text.strip() == secret  # the sandbox has it...
+        seen = []
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    seen.append(open(f"/proc/{p}/cmdline", "rb").read())
+                except OSError:
+                    pass
+        assert seen and not any(secret.encode() in c for c in seen)  # ...no process's argv on the host does
+
+
+@pytest.mark.parametrize("env, match", [({"A": "x\0y"}, "NUL"), ({"A\0B": "x"}, "name"),
+                                        ({"BIG": "x" * (4 << 20)}, "bytes"),
+                                        ({f"V{i}": "x" * 100_000 for i in range(4)}, "totals")])
+def test_bad_env_refused_before_anything_starts(backend, env, match):
+    need(backend, "bwrap")
+    before = set(os.listdir(hostfs.state_root() / "sb"))
+    with pytest.raises(ValueError, match=match):
+        backend.create(SandboxSpec(env=env))
+    assert set(os.listdir(hostfs.state_root() / "sb")) <= before | set()
+
+
+def test_exec_env_checked(sb):
+    with pytest.raises(ValueError, match="NUL"):
+        sb.exec("true", env={"A": "b\0c"})
+    assert sb.exec("echo $A", env={"A": "ok"}).stdout == b"ok\n"
+

@@ -110,7 +110,12 @@ class LineReader:
             finally:
                 sel.close()
             if ready:
-                chunk = os.read(self.fd, min(1 << 20, self.max_line + 1 - len(self.buf)))
+                try:
+                    chunk = os.read(self.fd, min(1 << 20, self.max_line + 1 - len(self.buf)))
+                except BlockingIOError:
+                    continue
+                except OSError as e:
+                    raise SandboxError(f"guest agent channel failed: {e}") from None
                 if not chunk:
                     raise SandboxError(f"guest agent exited{self.describe_exit()}")
                 self.buf += chunk

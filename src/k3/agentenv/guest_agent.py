@@ -15,6 +15,7 @@ import resource
 import selectors
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -384,16 +385,20 @@ def deny_namespaces():
 
 def main():
     make_undumpable()  # before anything else: fail closed (the agent exits) if it cannot
-    inp = sys.stdin.buffer
+    if "--connect" in sys.argv:  # the host's one-time socket: a channel no other process in the box holds
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(sys.argv[sys.argv.index("--connect") + 1])
+        inp, out = conn.makefile("rb"), conn.makefile("w", encoding="utf-8")
+    else:
+        inp, out = sys.stdin.buffer, sys.stdout
     CONFIG.update(json.loads(inp.readline()))
     if CONFIG.get("deny_namespaces"):
         deny_namespaces()  # before any request: fail closed (the agent exits) if it cannot be installed
     if "--oneshot" in sys.argv:
-        sys.stdout.write(handle(inp.readline()))
-        sys.stdout.flush()
+        out.write(handle(inp.readline()))
+        out.flush()
         return
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    out = sys.stdout
     out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     out.flush()
     while True:

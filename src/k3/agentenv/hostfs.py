@@ -257,3 +257,53 @@ def remove_tree(d: Path) -> None:
     for m in sorted(mounts_under(d), key=len, reverse=True):
         umount(m)
     shutil.rmtree(d, ignore_errors=True)
+
+
+def leftovers(root: Path | None = None, pid: int | None = None) -> list[str]:
+    """What sandboxes of process `pid` (default: this one) left behind once all were closed: sandbox
+    directories, mounts, layer holds; and, from any process, sandbox cgroups without a sandbox directory
+    and sandbox-uid processes outside every live sandbox's cgroup. Empty when nothing leaked."""
+    from k3.agentenv import cgroups
+    root, pid = root or state_root(), pid or os.getpid()
+    out = []
+    live = set()
+    for kind in ("sb", "gv"):
+        for d in sorted((root / kind).glob("*")):
+            live.add(d.name)
+            try:
+                owner = json.loads((d / "owner.json").read_text())["pid"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if owner == pid:
+                out.append(f"sandbox directory {d}")
+    for m in mounts_under(root):
+        parts = Path(m).relative_to(root).parts
+        if len(parts) < 2 or parts[0] not in ("sb", "gv") or parts[1] not in live:
+            out.append(f"mount {m}")
+    users = root / "layers" / ".users"
+    for marker in sorted(users.glob("*/*")) if users.is_dir() else []:
+        try:
+            if json.loads(marker.read_text())["pid"] == pid:
+                out.append(f"layer {marker.parent.name} held by {marker.name}")
+        except (OSError, ValueError, KeyError):
+            pass
+    version = cgroups.detect()[0]
+    own = cgroups.own_cgroups() if version else {}
+    bases = ([cgroups.CG_ROOT / c / own[c].lstrip("/") for c in cgroups.V1_CONTROLLERS] if version == "v1" else
+             [cgroups.CG_ROOT / own[""].lstrip("/")] if version == "v2" else [])
+    for base in bases:
+        for g in sorted(base.glob("k3*-*")):
+            if g.is_dir() and g.name.split("-", 1)[1] not in live:
+                out.append(f"cgroup {g}")
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            status = (p / "status").read_text()
+            uid = int(status.split("\nUid:")[1].split()[0])
+            groups = (p / "cgroup").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        if "\nState:\tZ" in status:  # a zombie holds nothing; its parent (init, for bwrap's) reaps it
+            continue
+        if uid == SANDBOX_UID and not any(f"-{n}" in groups for n in live):
+            out.append(f"process {p.name} of the sandbox uid outside every live sandbox")
+    return out

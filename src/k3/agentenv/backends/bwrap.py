@@ -2,13 +2,16 @@
 (user, pid, net, ipc, uts, cgroup), no further user namespaces, read-only /usr, a minimal /etc, an overlay
 workspace over a sealed shared template on a sized tmpfs (disk limit), cgroups nested under our own for
 memory, pids, CPU bandwidth and the freezer (pause), and the stdlib guest agent speaking JSON lines on a pipe
-(its configuration, env secrets included, goes down that pipe, never on a command line). Mounts are nosuid,
+over a Unix socket it connects to once at start (the host then stops listening): no other process in the
+sandbox, bwrap's own init included, holds a descriptor of that channel. Its configuration, env secrets
+included, goes down that socket, never on a command line. Mounts are nosuid,
 nodev; snapshot layers are reference-counted and go with their last user."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -20,6 +23,7 @@ from k3.agentenv.api import (Backend, ExecResult, Sandbox, SandboxError, Sandbox
                              check_argv_or_cmd, check_env)
 
 AGENT_START_TIMEOUT = 10.0
+SEND_TIMEOUT = 60.0  # a request the agent does not take in this long means it is wedged
 _sweep_done: set[str] = set()
 _avail_cache: dict[str, tuple[bool, str]] = {}
 
@@ -162,6 +166,9 @@ class BwrapSandbox(Sandbox):
             os.chown(p, hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
         os.chmod(disk, 0o755)
         os.chmod(scratch, 0o1777)
+        chan = self.dir / "chan"
+        chan.mkdir(mode=0o700)
+        os.chown(chan, hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
         hostfs.mount("overlay", ws, "overlay", f"lowerdir={':'.join(self.layers)},upperdir={upper},workdir={work}",
                      hostfs.SANDBOX_MOUNT_FLAGS)
         self.upper = upper
@@ -177,17 +184,27 @@ class BwrapSandbox(Sandbox):
                  "--symlink", "usr/sbin", "/sbin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
                  "--ro-bind", str(root / "etc"), "/etc", "--proc", "/proc", "--dev", "/dev",
                  "--bind", str(scratch), "/tmp", "--bind", str(ws), "/workspace",
-                 "--ro-bind", str(root / "agent"), "/.k3agent", "--remount-ro", "/", "--chdir", "/workspace",
+                 "--ro-bind", str(root / "agent"), "/.k3agent", "--ro-bind", str(chan), "/.k3chan",
+                 "--remount-ro", "/", "--chdir", "/workspace",
                  "--setenv", "PATH", env["PATH"], "--setenv", "HOME", "/workspace",
-                 "/usr/bin/python3", "-I", "-S", "/.k3agent/guest_agent.py"]
+                 "/usr/bin/python3", "-I", "-S", "/.k3agent/guest_agent.py", "--connect", "/.k3chan/agent.sock"]
         # Join our cgroups as root, then drop to the sandbox uid and exec bwrap (no preexec_fn: threads).
         script = ('for f in $K3_CG_PROCS; do echo $$ > "$f" || exit 97; done; '
                   f'exec setpriv --reuid={hostfs.SANDBOX_UID} --regid={hostfs.SANDBOX_UID} --clear-groups -- "$@"')
         self._stderr = open(self.dir / "stderr.log", "wb")
-        self.proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *bwrap], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, close_fds=True,
-                                     env={"K3_CG_PROCS": " ".join(self.cg.procs_files()), "PATH": "/usr/bin:/bin"})
-        self._reader = channel.LineReader(self.proc.stdout.fileno(), 1 << 16, self._exit_reason)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(chan / "agent.sock"))
+            os.chown(chan / "agent.sock", hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
+            listener.listen(1)
+            self.proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *bwrap], stdin=subprocess.DEVNULL,
+                                         stdout=self._stderr, stderr=self._stderr, close_fds=True,
+                                         env={"K3_CG_PROCS": " ".join(self.cg.procs_files()), "PATH": "/usr/bin:/bin"})
+            self._conn = self._accept_agent(listener)
+        finally:  # one connection ever: a command started later finds nobody listening
+            listener.close()
+            (chan / "agent.sock").unlink(missing_ok=True)
+        self._reader = channel.LineReader(self._conn.fileno(), 1 << 16, self._exit_reason)
         self._send((json.dumps(cfg) + "\n").encode())
         hello = self._reader.read_line(time.monotonic() + AGENT_START_TIMEOUT)
         try:
@@ -204,11 +221,25 @@ class BwrapSandbox(Sandbox):
         err = log.read_bytes()[-500:].decode(errors="replace").strip() if log.exists() else ""
         return f" (sandbox {self.id}): {err}"
 
+    def _accept_agent(self, listener: socket.socket) -> socket.socket:
+        deadline = time.monotonic() + AGENT_START_TIMEOUT
+        listener.settimeout(0.2)
+        while True:
+            try:
+                conn, _ = listener.accept()
+                break
+            except socket.timeout:
+                if self.proc.poll() is not None:
+                    raise SandboxError(f"sandbox exited before its agent connected{self._exit_reason()}") from None
+                if time.monotonic() > deadline:
+                    raise SandboxError(f"guest agent of {self.id} did not connect in time") from None
+        conn.settimeout(SEND_TIMEOUT)  # sends only; answers are read with select
+        return conn
+
     def _send(self, data: bytes) -> None:
         try:
-            self.proc.stdin.write(data)
-            self.proc.stdin.flush()
-        except (OSError, ValueError):  # a broken pipe, or the pipe closed under us by close()
+            self._conn.sendall(data)
+        except (OSError, ValueError):  # the agent died, stopped reading, or close() shut the socket
             raise SandboxError(f"guest agent of {self.id} is gone") from None
 
     def _stop_if_paused(self) -> None:
@@ -384,11 +415,9 @@ class BwrapSandbox(Sandbox):
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-            for f in (proc.stdin, proc.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
+            conn = getattr(self, "_conn", None)
+            if conn is not None:
+                conn.close()
         if getattr(self, "_stderr", None):
             self._stderr.close()
         self.cg.remove()
