@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,19 +54,23 @@ def test_interrupted_save_is_never_resumed(tmp_path, monkeypatch):
     t = Trainer(small_run(tmp_path), log=lambda *a: None)
     t.train_step()
     good = t.save_checkpoint()
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
     t.train_step()
+    written = []
 
-    def killed(*a, **k):  # the process dies while writing trainer_state.pt of the second checkpoint
-        raise KeyboardInterrupt("simulated kill")
+    def interrupted(obj, f, *a, **k):  # Ctrl-C while trainer_state.pt of the second checkpoint is written
+        written.append(Path(f).parent)
+        raise KeyboardInterrupt("simulated Ctrl-C")
 
-    monkeypatch.setattr(trainer_mod.torch, "save", killed)
+    monkeypatch.setattr(trainer_mod.torch, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
         t.save_checkpoint()
     monkeypatch.undo()
-    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir()]
-    assert any(name.startswith(".tmp-") for name in leftovers)  # the half-written save exists...
-    assert t.latest_checkpoint() == good  # ...but is never what --resume picks
-    r = Trainer(small_run(tmp_path, resume=True, max_steps=2), log=lambda *a: None)
+    assert written and written[0].name.startswith(".tmp-step_000002")  # the save had begun...
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]  # ...and left nothing
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before  # the previous checkpoint is untouched
+    assert t.latest_checkpoint() == good
+    r = Trainer(small_run(tmp_path, resume=True), log=lambda *a: None)
     r.load_checkpoint(r.latest_checkpoint())
     assert r.step == 1
 
@@ -97,15 +102,16 @@ def test_bad_hyperparameters_fail_clearly(tmp_path, capsys, args, needle):
 
 
 def test_missing_and_corrupt_files_fail_clearly(tmp_path, capsys):
-    assert main(["train", "--out", str(tmp_path), "--corpus", str(tmp_path / "nope.jsonl.xz")]) == 2
+    out = str(tmp_path / "run")  # a directory of its own: a fresh run refuses one holding the inputs
+    assert main(["train", "--out", out, "--corpus", str(tmp_path / "nope.jsonl.xz")]) == 2
     assert "nope.jsonl.xz" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl.xz"
     bad.write_bytes(b"not xz at all")
-    assert main(["train", "--out", str(tmp_path), "--corpus", str(bad)]) == 2
+    assert main(["train", "--out", out, "--corpus", str(bad)]) == 2
     assert "bad.jsonl.xz" in capsys.readouterr().err
     tok = tmp_path / "tok.json"
     tok.write_text("{ broken")
-    assert main(["train", "--out", str(tmp_path), "--tokenizer", str(tok)]) == 2
+    assert main(["train", "--out", out, "--tokenizer", str(tok)]) == 2
     assert "tok.json" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "fresh"), "--resume"]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
@@ -149,7 +155,7 @@ def test_cli_activation_checkpointing_flag_reaches_the_trainer(tmp_path, monkeyp
 
     seen = {}
 
-    def trainer(cfg, log=print):
+    def trainer(cfg, **kw):
         seen["cfg"] = cfg
         raise Stop
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -114,11 +115,33 @@ def verify_checkpoint(path) -> dict:
 def convert_checkpoint(src, dst, experts: str, max_shard_bytes: int = 5 * 2**30) -> dict:
     """Rewrites checkpoint `src` into `dst` with routed experts as "mxfp4" or "bf16", streaming: only the
     tensors of one output shard exist at a time. Other tensors are copied in the config's dtype; vision
-    tensors are dropped (k3 is a text model). Returns `verify_checkpoint(dst)`."""
+    tensors are dropped (k3 is a text model). Returns `verify_checkpoint(dst)`.
+    `dst` must be missing or empty: the checkpoint is written beside it and renamed into place when whole, so a
+    failed or interrupted convert leaves no partial model (and never a mix with files that were there)."""
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise ValueError("convert: OUT must differ from IN")
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError(f"OUT {dst} is a file, not a directory")
+    if dst.is_dir() and any(dst.iterdir()):
+        raise CheckpointError(f"OUT {dst} is not empty: give a new directory (convert never writes over files)")
     config = K3Config.from_pretrained(src)
+    tmp = dst.with_name(f".{dst.name}.tmp-convert-{os.getpid()}")
+    try:
+        _write_converted(src, tmp, config, experts, max_shard_bytes)
+        if dst.is_dir():
+            dst.rmdir()  # empty (checked above); fails, keeping both, if something appeared there meanwhile
+        os.replace(tmp, dst)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, SafetensorError)):  # a full disk, an unwritable parent
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+            raise CheckpointError(f"writing OUT {dst} failed: {reason}; its partial files were removed") from None
+        raise
+    return verify_checkpoint(dst)
+
+
+def _write_converted(src: Path, dst: Path, config: K3Config, experts: str, max_shard_bytes: int) -> None:
     float_dtype = config_float_dtype(config)
     heads = read_headers(src)
     plan = list(iter_plan(config, experts, float_dtype))
@@ -150,13 +173,12 @@ def convert_checkpoint(src, dst, experts: str, max_shard_bytes: int = 5 * 2**30)
         return packed if spec.kind == "weight_packed" else scale
 
     groups = group_into_shards(plan, max_shard_bytes)
-    dst.mkdir(parents=True, exist_ok=True)
+    dst.mkdir(parents=True)
     weight_map, total = {}, 0
     for i, specs in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {s.name: produce(s) for s in specs}
-        save_file(tensors, str(dst / (fname + ".tmp")), metadata={"format": "pt"})
-        os.replace(dst / (fname + ".tmp"), dst / fname)
+        save_file(tensors, str(dst / fname), metadata={"format": "pt"})  # the whole directory is the temporary
         weight_map |= {s.name: fname for s in specs}
         total += sum(s.nbytes for s in specs)
         del tensors
@@ -167,7 +189,6 @@ def convert_checkpoint(src, dst, experts: str, max_shard_bytes: int = 5 * 2**30)
     for extra in ("tiktoken.model", "tokenizer_config.json", "tokenizer.json"):
         if (src / extra).is_file():
             (dst / extra).write_bytes((src / extra).read_bytes())
-    return verify_checkpoint(dst)
 
 
 def _numel(shape) -> int:

@@ -6,26 +6,33 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from k3.balance import ExpertBalancer
-from k3.config import K3Config
+from k3.config import ConfigError, K3Config
+from k3.cpu_threads import ThreadGovernor
 from k3.data import PackedLoader, Tokenizer, eval_batches, load_corpus, load_token_docs, split_documents
 from k3.data.stats import unigram_cross_entropy
 from k3.model.decoder import K3ForCausalLM
+from k3.checkpoint.hf import CheckpointError
 from k3.train.optim import build_optimizer
+from k3.train.run_dir import (RunDirError, check_resume_config, check_run_dir, clear_previous_run,
+                              complete_checkpoints, default_run_dir, read_trainer_state, remove_stale_temporaries,
+                              saved_train_config)
 from k3.train.schedule import apply_lr, wsd_multiplier
 
 
 @dataclass
 class TrainConfig:
     preset: str = "tiny"
-    out: str = "runs/tiny"
+    out: str | None = None  # None: runs/<preset>
     corpus: str | None = None  # None: the bundled Shakespeare
     tokenizer: str | None = None  # None: the bundled BPE
     max_steps: int = 300
@@ -48,13 +55,18 @@ class TrainConfig:
     sample_prompt: str = "KING HENRY:"
     sample_tokens: int = 48
     device: str = "auto"
-    resume: bool = False
+    resume: bool = False  # continue the run in `out` from its newest good checkpoint
+    overwrite: bool = False  # a fresh run may replace the previous run in `out` (never other files)
     dp: int = 1  # k3.parallel: data × context parallel ranks (torchrun), experts sharded over ep of them
     ep: int = 1
     cp: int = 1
     fsdp: bool = False  # FSDP2: shard the non-expert parameters (and their optimizer state) over all ranks
     qat: bool = False  # MXFP4 expert weights / MXFP8 expert activations fake-quantized (k3.ops.mx_experts)
     activation_checkpointing: bool = False  # keep each decoder layer's inputs only; recompute it in backward
+
+    def __post_init__(self):
+        if self.out is None:
+            self.out = default_run_dir(self.preset)
 
     def validate(self) -> None:
         def need(cond, name, allowed):
@@ -100,11 +112,18 @@ def set_rng_state(s: dict) -> None:
 class Trainer:
     """Owns the data, model, optimizer, balancer and checkpoints of one run directory."""
 
-    def __init__(self, cfg: TrainConfig, log=print):
+    def __init__(self, cfg: TrainConfig, log=print, warn=None):
         cfg.validate()
         self.cfg, self.log = cfg, log
+        self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr, flush=True))
         self.out = Path(cfg.out)
+        # before any rank can write (they all meet in init_distributed below), and before the data is loaded
+        check_run_dir(self.out, resume=cfg.resume, overwrite=cfg.overwrite)
+        if cfg.resume:
+            check_resume_config(asdict(cfg), saved_train_config(self.out, warn=lambda m: None), self.out)
         self.device = pick_device(cfg.device)
+        # CPU threads sized to the cores other processes leave free, re-chosen each step (k3.cpu_threads)
+        self.cpu_threads = ThreadGovernor() if self.device.type == "cpu" else None
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -137,7 +156,7 @@ class Trainer:
             from k3.parallel.training import DistributedTraining
             self.dist = DistributedTraining(self.model, cfg.dp, cfg.ep, cfg.cp, cfg.seq_len, fsdp=cfg.fsdp)
             if not self.dist.is_main:
-                self.log = lambda *a, **k: None
+                self.log = self.warn = lambda *a, **k: None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.balancer = ExpertBalancer(self.model, mode=cfg.balance,
                                        all_reduce=self.dist.all_reduce_counts if self.dist else None)
@@ -151,13 +170,34 @@ class Trainer:
         return self.out / "checkpoints"
 
     def save_checkpoint(self) -> Path:
-        """Writes checkpoints/step_N atomically: a temporary directory renamed into place, then `latest`."""
+        """Writes checkpoints/step_N atomically: a temporary directory renamed into place, then `latest`.
+        A save that fails (a full disk) or is interrupted (Ctrl-C) removes its temporary directory and leaves
+        the previous checkpoint as it was; a failure to write is a RunDirError saying so."""
         final = self.ckpt_root / f"step_{self.step:06d}"
+        tmp = self.ckpt_root / f".tmp-step_{self.step:06d}-{'dist' if self.dist else os.getpid()}"
+        try:
+            return self._save_checkpoint(final, tmp)
+        except BaseException as e:
+            if not self.dist or self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, (OSError, RuntimeError, SafetensorError)):  # torch's own writer raises RuntimeError
+                raise RunDirError(self._save_failure(final, e)) from None
+            raise
+
+    def _save_failure(self, final: Path, e: BaseException) -> str:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+        try:
+            free = f"{shutil.disk_usage(self.ckpt_root).free / 2**20:.0f} MiB free there"
+        except OSError:
+            free = "free space unknown"
+        done = complete_checkpoints(self.ckpt_root) if self.ckpt_root.is_dir() else []
+        kept = f"the previous checkpoint {done[0]} is intact" if done else "no earlier checkpoint exists"
+        return f"saving checkpoint {final} failed: {reason} ({free}); its partial files were removed and {kept}"
+
+    def _save_checkpoint(self, final: Path, tmp: Path) -> Path:
         model = self.model
-        tmp = self.ckpt_root / f".tmp-step_{self.step:06d}-{os.getpid()}"
         if self.dist:  # every rank: gather the full model, write its own optimizer state; rank 0 the rest
-            model = self.dist.full_model()
-            tmp = self.ckpt_root / f".tmp-step_{self.step:06d}-dist"  # one name on every rank
+            model = self.dist.full_model()  # tmp: one name on every rank
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
@@ -172,16 +212,20 @@ class Trainer:
         if not self.dist:
             shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, dtype=None)  # float32 master weights: resume must be exact
-        self.tokenizer.backend.save(str(tmp / "tokenizer.json"))
+        self.tokenizer.save_pretrained(tmp)  # tokenizer.json + tokenizer_config.json (transformers, llama.cpp)
         torch.save({
             "step": self.step, "optimizer": None if self.dist else self.optimizer.state_dict(),
             "loader": self.loader.state_dict(), "rng": rng_state(), "history": self.history,
             "train_config": asdict(self.cfg), "layout": self.dist.layout if self.dist else None,
         }, tmp / "trainer_state.pt")
         _fsync_dir_files(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        old = None
+        if final.exists():  # a resume that fell back past a damaged checkpoint saves its step again
+            old = final.with_name(f".tmp-old-{final.name}-{os.getpid()}")
+            os.replace(final, old)
         os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old)
         _atomic_write(self.ckpt_root / "latest", final.name + "\n")
         if self.dist:
             self.dist.barrier()
@@ -189,27 +233,37 @@ class Trainer:
 
     def latest_checkpoint(self) -> Path | None:
         """The newest complete checkpoint; temporary directories of interrupted saves are never considered."""
-        pointer = self.ckpt_root / "latest"
-        if pointer.is_file():
-            p = self.ckpt_root / pointer.read_text().strip()
-            if (p / "trainer_state.pt").is_file():
-                return p
-        done = sorted(p for p in self.ckpt_root.glob("step_*") if (p / "trainer_state.pt").is_file())
-        return done[-1] if done else None
+        done = complete_checkpoints(self.ckpt_root)
+        return done[0] if done else None
+
+    def resume(self) -> Path:
+        """Loads the newest checkpoint that reads back whole; a damaged newer one is skipped with a warning."""
+        problems = []
+        for ckpt in complete_checkpoints(self.ckpt_root):
+            try:
+                self.load_checkpoint(ckpt)
+                return ckpt
+            except (CheckpointError, ConfigError) as e:
+                problems.append(str(e).splitlines()[0])
+                self.warn(f"checkpoint {ckpt.name} is damaged ({problems[-1]}); trying the one before it")
+        raise RunDirError(f"--resume: no complete checkpoint under {self.ckpt_root}"
+                          + (f" reads back ({'; '.join(problems)})" if problems else ""))
 
     def load_checkpoint(self, path: Path) -> None:
+        """Restores the model, optimizer, data position, RNG and history of checkpoint `path`. A damaged file
+        raises a CheckpointError naming it before anything is changed."""
         from k3.checkpoint.hf import load_pretrained
 
-        loaded = load_pretrained(path, device="cpu")  # host memory: beside the training model, a second GPU copy
         # map_location: a GPU run's optimizer state resumes on a CPU-only host too; load_state_dict moves it
-        state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
+        state = read_trainer_state(path)
         saved, now = state.get("layout"), self.dist.layout if self.dist else None
         if saved != now:
             raise ValueError(f"--resume: {path} was written by a run with layout {saved or 'single process'}; "
                              f"resume it with the same --nproc/--dp/--ep/--cp/--fsdp (this run: {now or 'single process'})")
+        loaded = load_pretrained(path, device="cpu")  # host memory: beside the training model, a second GPU copy
         if self.dist:  # the full model into this rank's shards; this rank's own optimizer state and RNG
+            mine = read_rank_state(path / f"rank_{self.dist.rank:05d}.pt")
             self.dist.load_full_state_dict(loaded.state_dict())
-            mine = torch.load(path / f"rank_{self.dist.rank:05d}.pt", weights_only=False, map_location="cpu")
             self.dist.load_optimizer_state(self.optimizer, mine["optimizer"])
             set_rng_state(mine["rng"])
         else:
@@ -260,6 +314,8 @@ class Trainer:
     # ---- training -----------------------------------------------------------------------------------
     def train_step(self) -> dict:
         cfg = self.cfg
+        if self.cpu_threads:
+            self.cpu_threads.update()
         t0 = time.perf_counter()
         lr_mult = wsd_multiplier(self.step, cfg.max_steps, cfg.warmup_steps, cfg.decay_fraction)
         apply_lr(self.optimizer, lr_mult)
@@ -292,18 +348,16 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        main_rank = not self.dist or self.dist.is_main  # rank 0 owns the run directory (another rank would race it)
         if cfg.resume:
-            ckpt = self.latest_checkpoint() if self.ckpt_root.exists() else None
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.ckpt_root}")
-            self.load_checkpoint(ckpt)
+            if main_rank:
+                remove_stale_temporaries(self.out, self.log)
+            ckpt = self.resume()
             self.log(f"resumed from {ckpt} at step {self.step}")
-            if not self.dist or self.dist.is_main:
+            if main_rank:
                 _truncate_metrics(self.out / "metrics.jsonl", self.step)
-        elif not self.dist or self.dist.is_main:  # rank 0 owns metrics.jsonl (another rank would race it)
-            for stale in (self.out / "metrics.jsonl",):
-                stale.unlink(missing_ok=True)
+        elif main_rank and cfg.overwrite:
+            clear_previous_run(self.out)
         n_params = sum(p.numel() for p in self.model.parameters())
         self.log(f"k3 train: preset {cfg.preset} ({n_params / 1e6:.2f}M parameters), {self.device}, "
                  f"optimizer {cfg.optimizer}, balance {cfg.balance}, batch {cfg.batch_size}x{cfg.seq_len}"
@@ -360,7 +414,14 @@ class Trainer:
         model_dir = self.out / "model"
         tmp = self.out / ".tmp-model"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(ckpt, tmp, ignore=shutil.ignore_patterns("trainer_state.pt", "rank_*.pt"))
+        try:
+            shutil.copytree(ckpt, tmp, ignore=shutil.ignore_patterns("trainer_state.pt", "rank_*.pt"))
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise RunDirError(f"exporting {model_dir} failed: {e.strerror or e}; its partial copy was removed "
+                                  f"and checkpoint {ckpt} is intact") from None
+            raise
         shutil.rmtree(model_dir, ignore_errors=True)
         os.replace(tmp, model_dir)
         summary = {
@@ -374,6 +435,14 @@ class Trainer:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         plot_run(self.out / "metrics.jsonl", self.out)
         return summary
+
+
+def read_rank_state(f: Path) -> dict:
+    """One rank's optimizer state and RNG of a multi-process checkpoint; a damaged file is named."""
+    try:
+        return torch.load(f, weights_only=False, map_location="cpu")
+    except Exception as e:
+        raise CheckpointError(f"corrupt {f}: {type(e).__name__}: {str(e).strip()[:200]}") from None
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

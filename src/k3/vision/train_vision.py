@@ -32,6 +32,7 @@ from k3.config import K3Config
 from k3.data import Tokenizer
 from k3.ops.cross_entropy import cross_entropy
 from k3.train.optim import build_optimizer
+from k3.train.run_dir import check_run_dir, clear_previous_run
 from k3.vision import synthetic as syn
 from k3.vision.config import VisionConfig
 from k3.vision.multimodal import K3ForConditionalGeneration, image_token_ids
@@ -62,6 +63,7 @@ class VisionTrainConfig:
     centring_weight: float = 1.0       # loss weight keeping the batch-mean image row near zero (0 = off)
     seed: int = 0
     device: str = "cpu"
+    overwrite: bool = False            # a non-empty `out` is refused unless it holds only a previous run to replace
 
     def validate(self) -> None:
         for name in ("max_steps", "batch_size", "questions_per_image", "text_layers", "eval_scenes", "eval_every"):
@@ -300,6 +302,10 @@ def lr_at(step: int, cfg: VisionTrainConfig) -> float:
 
 def run(cfg: VisionTrainConfig, log=print) -> dict:
     cfg.validate()
+    out = Path(cfg.out)
+    check_run_dir(out, overwrite=cfg.overwrite)  # before the minutes of set-up: a used --out is refused now
+    if cfg.overwrite:
+        clear_previous_run(out)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tok = Tokenizer.from_file()
@@ -321,8 +327,6 @@ def run(cfg: VisionTrainConfig, log=print) -> dict:
         f"projector {sum(p.numel() for p in model.mm_projector.parameters()):,}); "
         f"held-out combinations: {', '.join(f'{c} {s}' for c, s in sorted(syn.HELD_OUT))}")
     log(f"chance (best answer without looking at the image): {_fmt(blind)}")
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     metrics = open(out / "metrics.jsonl", "w")
     t0, step, stopped_early = time.perf_counter(), 0, False
     model.train()
