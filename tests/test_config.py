@@ -1,6 +1,7 @@
 """K3Config: the released config round-trips, presets match it, the tiny preset has every K3 component,
 and invalid configs raise a ConfigError that names the field."""
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -163,3 +164,108 @@ def test_missing_and_broken_config_files(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="JSON"):
         K3Config.from_pretrained(tmp_path)
+
+
+# ---- config.json as a user writes it (issue 17: every field read is honoured or rejected) -----------------------
+def write_config(tmp_path, top: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(top))
+    return tmp_path
+
+
+def released_with(released, **text_changes) -> dict:
+    top = json.loads(json.dumps(released))
+    top["text_config"].update(text_changes)
+    return top
+
+
+def test_linear_attn_config_not_an_object_names_the_field(tmp_path, released):
+    write_config(tmp_path, released_with(released, linear_attn_config="oops"))
+    with pytest.raises(ConfigError, match=r"linear_attn_config='oops'.*must be an object with num_heads"):
+        K3Config.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "vocab_size", "num_experts", "eos_token_id", "dtype",
+                                   "linear_attn_config.num_heads", "linear_attn_config.kda_layers"])
+def test_missing_field_is_named_not_taken_from_the_released_model(tmp_path, released, field):
+    top = json.loads(json.dumps(released))
+    parent, _, name = ("text_config." + field).rpartition(".")
+    container = top["text_config"] if parent == "text_config" else top["text_config"]["linear_attn_config"]
+    del container[name]
+    top.pop(name, None)  # the released top level repeats eos_token_id and dtype
+    write_config(tmp_path, top)
+    with pytest.raises(ConfigError, match=rf"missing field text_config\.{re.escape(field)}\b"):
+        K3Config.from_pretrained(tmp_path)
+
+
+def test_missing_fields_of_a_bare_text_config_are_all_named(tmp_path, released):
+    text = dict(released["text_config"])
+    del text["hidden_size"], text["num_hidden_layers"]
+    write_config(tmp_path, text)
+    with pytest.raises(ConfigError, match="missing fields hidden_size, num_hidden_layers"):
+        K3Config.from_pretrained(tmp_path)
+
+
+def test_optional_fields_may_be_left_out(tmp_path, released):
+    text = {k: v for k, v in released["text_config"].items()
+            if k not in ("model_type", "architectures", "quantization_config", "initializer_range", "tie_word_embeddings")}
+    cfg = K3Config.from_pretrained(write_config(tmp_path, text))
+    assert cfg.quantization_config is None and cfg.tie_word_embeddings is False and cfg.hidden_size == 7168
+
+
+BAD_FIELDS = [
+    (dict(mla_use_nope="true"), "mla_use_nope", "JSON boolean"),
+    (dict(moe_renormalize="false"), "moe_renormalize", "JSON boolean"),
+    (dict(latent_moe_use_norm=1), "latent_moe_use_norm", "JSON boolean"),
+    (dict(linear_attn_config={"use_full_rank_gate": "yes"}), "use_full_rank_gate", "JSON boolean"),
+    (dict(dtype="bf16"), "dtype", "bfloat16, float16, float32, float64"),
+    (dict(dtype="float8_e4m3fn"), "dtype", "bfloat16"),
+    (dict(tie_word_embeddings=True), "tie_word_embeddings", "lm_head separate"),
+    (dict(mla_use_output_gate=False), "mla_use_output_gate", "only true"),
+    (dict(max_position_embeddings=0), "max_position_embeddings", "positive integer"),
+    (dict(max_position_embeddings="1M"), "max_position_embeddings", "positive integer"),
+    (dict(eos_token_id=163840), "eos_token_id", r"\[0, vocab_size=163840\)"),
+    (dict(eos_token_id=[163586, -1]), "eos_token_id", "token id"),
+    (dict(bos_token_id="<s>"), "bos_token_id", "token id"),
+    (dict(model_type="llama"), "model_type", "kimi_linear"),
+    (dict(initializer_range=-1), "initializer_range", "> 0"),
+    (dict(quantization_config={"quant_method": "fp8", "format": "float-quantized"}), "quantization_config",
+     "mxfp4-pack-quantized"),
+]
+
+
+@pytest.mark.parametrize("changes,field,allowed", BAD_FIELDS, ids=[f"{f}={list(c.values())[0]!r}" for c, f, _ in BAD_FIELDS])
+def test_bad_field_in_config_json_names_field_and_choices(tmp_path, released, changes, field, allowed):
+    top = json.loads(json.dumps(released))
+    for k, v in changes.items():
+        if k == "linear_attn_config":
+            top["text_config"][k].update(v)
+        else:
+            top["text_config"][k] = v
+            if k in top:  # keep the top level in step, so that only the bad value is reported
+                top[k] = v
+    write_config(tmp_path, top)
+    with pytest.raises(ConfigError, match=field) as e:
+        K3Config.from_pretrained(tmp_path)
+    assert re.search(allowed, str(e.value)), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_top_level_and_text_config_must_agree(tmp_path, released):
+    top = json.loads(json.dumps(released))
+    top["tie_word_embeddings"] = True
+    with pytest.raises(ConfigError, match="tie_word_embeddings is True at the top level but False in text_config"):
+        K3Config.from_pretrained(write_config(tmp_path, top))
+
+
+def test_top_level_fills_what_text_config_leaves_out(tmp_path, released):
+    top = json.loads(json.dumps(released))
+    del top["text_config"]["eos_token_id"]
+    top["eos_token_id"] = 7
+    assert K3Config.from_pretrained(write_config(tmp_path, top)).eos_token_id == 7
+
+
+def test_torch_dtype_is_read_as_dtype_and_eos_may_be_a_list(tmp_path, released):
+    text = dict(released["text_config"], eos_token_id=[163586, 163585], torch_dtype="float32")
+    del text["dtype"]
+    cfg = K3Config.from_pretrained(write_config(tmp_path, text))
+    assert cfg.dtype == "float32" and cfg.eos_token_id == [163586, 163585]
