@@ -1,7 +1,7 @@
 """KDA op on one GPU, bf16: k3's dispatch vs a direct fla chunk_kda call vs causal SDPA, forward and fwd+bwd.
 
 Shapes (issue 6): B1 T8192 H96 D128 and B1 T32768 H32 D128. Rows:
-  k3 kda_chunk        k3.ops.kda.kda_chunk on pre-gated inputs (routes to fla on CUDA)
+  k3 kda_chunk        k3.ops.kda_fla.fla_kda_chunk on pre-gated inputs (k3's wrapper of fla)
   fla chunk_kda       the same call made directly (safe_gate, precomputed g)
   k3 gated            k3.ops.kda_fla.fla_kda_gated: gate, q/k L2 norm, beta sigmoid inside the kernel
   fla chunk_kda gated the same fused call made directly
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench_util import COPY_BW, fwd_bwd, save, table, time_ms  # noqa: E402
 
 from k3.ops.kda import kda_chunk, kda_gate  # noqa: E402
-from k3.ops.kda_fla import fla_kda_gated  # noqa: E402
+from k3.ops.kda_fla import fla_kda_chunk, fla_kda_gated  # noqa: E402
 
 
 def inputs(T, H, D, seed=0):
@@ -42,7 +42,7 @@ def variants(x):
 
     H = x["q"].shape[2]
     return {
-        "k3 kda_chunk": (lambda a: kda_chunk(*a, gate_lower_bound=-5.0)[0], [x["q"], x["k"], x["v"], x["g"], x["beta"]]),
+        "k3 kda_chunk": (lambda a: fla_kda_chunk(*a, safe_gate=True)[0], [x["q"], x["k"], x["v"], x["g"], x["beta"]]),
         "fla chunk_kda": (lambda a: chunk_kda(*a, safe_gate=True)[0], [x["q"], x["k"], x["v"], x["g"], x["beta"]]),
         "k3 gated": (lambda a: fla_kda_gated(*a, x["A_log"], x["dt_bias"], -5.0)[0],
                      [x["raw_q"], x["raw_k"], x["v"], x["f"], x["b_logits"]]),
@@ -84,12 +84,8 @@ def main():
             rows.append(row)
             print(row, flush=True)
         if T == shapes[0][0] and (not only or "k3 reference (torch)" in only):
-            os.environ["K3_NO_FLA"] = "1"
-            try:
-                with torch.no_grad():
-                    ms = time_ms(lambda: kda_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"]), warmup=1, reps=3)
-            finally:
-                del os.environ["K3_NO_FLA"]
+            with torch.no_grad():  # the reference never dispatches to fla
+                ms = time_ms(lambda: kda_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"]), warmup=1, reps=3)
             rows.append(dict(shape=f"T{T} H{H} D{D}", op="k3 reference (torch)", fwd_ms=ms, mem_floor_fwd_ms=floor_ms))
             print(rows[-1], flush=True)
         x = None

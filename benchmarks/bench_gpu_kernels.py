@@ -12,13 +12,13 @@ Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--qui
 import argparse
 import os
 import sys
-from unittest import mock
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench_util import fwd_bwd, measure_ceilings, save, table, time_ms  # noqa: E402
 
+from k3 import envs  # noqa: E402
 from k3.model.attn_res import attn_res_mix  # noqa: E402
 from k3.model.norm import RMSNorm  # noqa: E402
 from k3.ops.conv import short_conv  # noqa: E402
@@ -62,8 +62,7 @@ def main():
     rows = []
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():
         for impl in ("triton", "torch"):
-            env = {"K3_NO_TRITON": "" if impl == "triton" else module, "K3_TRITON": "all"}
-            with mock.patch.dict(os.environ, env):
+            with envs.override(no_triton=[] if impl == "triton" else [module], triton_opt_in=envs.ALL):
                 with torch.no_grad():  # 20 calls per timing: sub-millisecond kernels, launch cost hidden
                     f_ms = time_ms(lambda: fn(inputs), inner=20)
                 fb_ms = time_ms(fwd_bwd(fn, inputs, params), inner=20)

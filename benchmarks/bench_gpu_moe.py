@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench_util import MATMUL_BF16, fwd_bwd, save, table, time_ms  # noqa: E402
 
+from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.moe import LatentMoE  # noqa: E402
 
@@ -66,16 +67,12 @@ def main():
         cases = {"bare grouped_mm x3": (bare, z, expert_flops), "LatentMoE layer": (moe, x, layer_flops)}
         for name, (fn, inp, flops) in cases.items():
             for env in ([None] if name.startswith("bare") else [None, "K3_NO_TRITON"]):
-                if env:  # the SiTU kernel only (the layer's RMSNorm keeps its own kernel)
-                    os.environ[env] = "_situ_triton"
-                try:
+                # env: the SiTU kernel off only (the layer's RMSNorm keeps its own kernel)
+                with envs.override(no_triton=["_situ_triton"] if env else []):
                     with torch.no_grad():
                         f_ms = time_ms(lambda: fn(inp))
                     params = (moe if fn is moe else e).parameters()
                     fb_ms = time_ms(fwd_bwd(lambda leaves: fn(leaves[0]), [inp], params))
-                finally:
-                    if env:
-                        del os.environ[env]
                 label = name + (" (reference SiTU)" if env else "")
                 rows.append(dict(tokens=N, experts=E, case=label, fwd_ms=f_ms, fwd_TFLOPs=flops / f_ms * 1e-9,
                                  fwd_bwd_ms=fb_ms, fwd_bwd_TFLOPs=3 * flops / fb_ms * 1e-9))

@@ -43,9 +43,10 @@ def test_fused_mix_matches_reference(n, B, T, D, dtype):
         assert err < tol, f"{name}: relative error {err:.2e}"
 
 
-def test_dispatch_switches(monkeypatch):
+def test_dispatch_switches():
     """use_triton: off on CPU tensors; on CUDA, K3_NO_TRITON turns all or listed kernels off, and the opt-in
-    kernels run only when named in K3_TRITON (or K3_TRITON=all)."""
+    kernels run only when named in K3_TRITON (or K3_TRITON=all). The switches as k3.envs parses them."""
+    from k3 import envs
     from k3.ops import triton_dispatch as td
 
     assert not td.use_triton(torch.zeros(2), "_attn_res_triton")
@@ -58,6 +59,6 @@ def test_dispatch_switches(monkeypatch):
                            {"_attn_res_triton": True, "_norm_triton": False, "_conv_triton": False,
                             "_mla_decode_triton": True}),
                           ("", "all", {"_conv_triton": True, "_mla_decode_triton": True})]:
-        monkeypatch.setenv("K3_NO_TRITON", env)
-        monkeypatch.setenv("K3_TRITON", on)
-        assert {name: td.use_triton(x, name) for name in want} == want, (env, on)
+        parsed = envs.parse({"K3_NO_TRITON": env, "K3_TRITON": on})
+        with envs.override(no_triton=parsed.no_triton, triton_opt_in=parsed.triton_opt_in):
+            assert {name: td.use_triton(x, name) for name in want} == want, (env, on)

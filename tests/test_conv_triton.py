@@ -122,13 +122,14 @@ def test_new_tail_is_a_fresh_fp32_tensor_and_grads_skip_inputs_that_need_none():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the dispatch takes the kernels on CUDA only")
 def test_short_conv_dispatches_to_triton_on_cuda(monkeypatch):
-    monkeypatch.delenv("K3_NO_TRITON", raising=False)
-    monkeypatch.delenv("K3_TRITON", raising=False)  # on by default
+    from k3 import envs
+
     calls = []
     real = _conv_triton.short_conv
     monkeypatch.setattr(_conv_triton, "short_conv", lambda *a: calls.append(1) or real(*a))
     x, w, tail, doc, _, _ = conv_case(9, 2, 20, 64, 4, torch.bfloat16, True, True)
-    y, new_tail = short_conv(x, w, tail, doc)
+    with envs.override(no_triton=frozenset(), triton_opt_in=frozenset()):  # on by default
+        y, new_tail = short_conv(x, w, tail, doc)
     y_ref, new_tail_ref = short_conv_reference(x, w, tail, doc)
     assert calls and torch.equal(new_tail, new_tail_ref)
     torch.testing.assert_close(y, y_ref, **TOL[torch.bfloat16])

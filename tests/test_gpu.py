@@ -4,13 +4,15 @@ Every test is marked `gpu` and skipped without CUDA; fla-backed tests also skip 
 K3_REQUIRE_FLA=1 to turn that skip into a failure on the GPU box). Importing this file needs no triton/fla.
 """
 import copy
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from k3 import envs
 from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
+from k3.ops.kda_core import force_backend, select_backend
+from k3.ops.kda_fla import fla_kda_chunk, fla_kda_recurrent, safe_gate_ok
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -21,7 +23,7 @@ def _fla_ok() -> bool:
 
 
 needs_fla = pytest.mark.skipif(
-    torch.cuda.is_available() and not _fla_ok() and os.environ.get("K3_REQUIRE_FLA") != "1",
+    torch.cuda.is_available() and not _fla_ok() and not envs.current().require_fla,
     reason="flash-linear-attention >= 0.6.0 not importable")
 
 
@@ -32,16 +34,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference(fn, *args, **kwargs):
-    """Run a k3 reference with the fla dispatch switched off (fp32 math on the given inputs)."""
-    old = os.environ.get("K3_NO_FLA")
-    os.environ["K3_NO_FLA"] = "1"
-    try:
+    """Run fn with every KDA core on the reference backend (the op references never dispatch anyway)."""
+    with force_backend("reference"):
         return fn(*args, **kwargs)
-    finally:
-        if old is None:
-            del os.environ["K3_NO_FLA"]
-        else:
-            os.environ["K3_NO_FLA"] = old
 
 
 def kda_inputs(B, T, H, K, V, seed, dtype=torch.bfloat16, n_states=None, lower_bound=-5.0):
@@ -58,7 +53,7 @@ def kda_inputs(B, T, H, K, V, seed, dtype=torch.bfloat16, n_states=None, lower_b
 
 
 def test_fla_required_when_asked():
-    if os.environ.get("K3_REQUIRE_FLA") == "1":
+    if envs.current().require_fla:
         assert _fla_ok(), "K3_REQUIRE_FLA=1 but fla >= 0.6.0 does not import"
 
 
@@ -70,18 +65,19 @@ def test_chunk_dispatch_matches_reference(K, V, T):
     o_ref, s_ref = reference(kda_chunk, q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
                              output_final_state=True)
     for bound in (None, -5.0):
-        o, s = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, gate_lower_bound=bound)
+        o, s = fla_kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                             safe_gate=safe_gate_ok(bound))
         assert o.dtype == v.dtype and s.shape == (2, 3, K, V) and s.dtype == torch.float32
         assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-2, bound
 
 
 @needs_fla
 def test_chunk_dispatch_gates_below_minus_5():
-    """Gates from a bound of -8 (the config allows any bound < 0): kda_chunk without a bound stays off fla's
-    safe-gate kernels, whose exp factors overflow there, and matches the reference."""
+    """Gates from a bound of -8 (the config allows any bound < 0): the KDA core keeps them off fla's
+    safe-gate kernels, whose exp factors overflow there; the general kernels match the reference."""
     q, k, v, g, beta, h0 = kda_inputs(1, 256, 2, 128, 128, seed=9, lower_bound=-8.0)
-    assert float(g.min()) < -6
-    o, s = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert float(g.min()) < -6 and not safe_gate_ok(-8.0)
+    o, s = fla_kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=False)
     o_ref, s_ref = reference(kda_chunk, q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
                              output_final_state=True)
     assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-2
@@ -94,7 +90,7 @@ def test_fp32_kda_keeps_fp32_accuracy():
     from k3.ops.kda_fla import fla_usable
 
     q, k, v, g, beta, h0 = kda_inputs(1, 200, 2, 128, 128, seed=11, dtype=torch.float32)
-    assert not fla_usable(q)
+    assert not fla_usable(q) and select_backend(q) == "reference"
     want = reference(kda_chunk, *(t.double() for t in (q, k, v, g, beta)), initial_state=h0.double(),
                      output_final_state=True)
     for op in (kda_chunk, kda_recurrent):
@@ -105,14 +101,14 @@ def test_fp32_kda_keeps_fp32_accuracy():
 @needs_fla
 def test_recurrent_dispatch_decode_and_varlen():
     q, k, v, g, beta, h0 = kda_inputs(3, 1, 4, 128, 128, seed=1)
-    o, s = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = fla_kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o_ref, s_ref = reference(kda_recurrent, q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
                              output_final_state=True)
     assert rel_err(o, o_ref) < 1e-2 and rel_err(s, s_ref) < 1e-2
     # packed documents of different lengths, each with its own state
     q, k, v, g, beta, h0 = kda_inputs(1, 200, 4, 128, 128, seed=2, n_states=3)
     cu = torch.tensor([0, 37, 37 + 100, 200], device="cuda")
-    for op in (kda_recurrent, kda_chunk):
+    for op in (fla_kda_recurrent, fla_kda_chunk):
         o, s = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         o_ref, s_ref = reference(kda_chunk, q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
                                  output_final_state=True, cu_seqlens=cu)
@@ -173,7 +169,7 @@ def test_chunk_backward_matches_reference():
     do = torch.randn(1, 192, 2, 128, device="cuda")
     o_ref, _ = reference(kda_chunk, *leaves, initial_state=h0)
     (o_ref * do).sum().backward()
-    o, _ = kda_chunk(*fast, initial_state=h0)
+    o, _ = fla_kda_chunk(*fast, initial_state=h0)
     (o.float() * do).sum().backward()
     for name, a, b in zip("qkvgb", fast, leaves):
         assert rel_err(a.grad, b.grad) < 3e-2, name
@@ -249,19 +245,22 @@ def test_model_fast_path_matches_reference_and_decode():
 
 
 @pytest.mark.parametrize("use_fla,compile", [(True, False), (False, False), (True, True)])
-def test_graphed_decode_matches_eager_and_full_forward(use_fla, compile, monkeypatch):
+def test_graphed_decode_matches_eager_and_full_forward(use_fla, compile):
     """One CUDA graph per decode step over a StaticCache: the same logits as eager decode of the same cache
     and as the full forward (bf16 tolerance), and stream_generate's graphed tokens == its eager tokens.
     compile: the layer stack compiled by torch.compile before capture (the decode benchmark's graph+compile)."""
+    if use_fla and not _fla_ok():
+        pytest.skip("needs fla")
+    with envs.override(no_fla=not use_fla):
+        _graphed_decode_case(compile)
+
+
+def _graphed_decode_case(compile):
     from k3.config import K3Config
     from k3.model.cuda_graph import GraphedDecodeStep
     from k3.model.decoder import K3ForCausalLM
     from k3.model.generate import chunked_prefill, generate
 
-    if use_fla and not _fla_ok():
-        pytest.skip("needs fla")
-    if not use_fla:
-        monkeypatch.setenv("K3_NO_FLA", "1")
     torch.manual_seed(1)
     cfg = K3Config.preset("tiny")
     model = K3ForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
@@ -336,7 +335,7 @@ def test_engine_decode_graphs_equal_eager_engine():
     assert outs[True] == outs[False]
 
 
-def test_triton_norm_and_attn_res_dispatch_match_reference(monkeypatch):
+def test_triton_norm_and_attn_res_dispatch_match_reference():
     """rms_norm and the AttnRes mix take k3's Triton kernels on CUDA: under bf16 autocast, the loss and the
     norm and AttnRes gradients of a whole model are as close to the fp32 model's as the plain-PyTorch paths'
     (K3_NO_TRITON=1) are. bf16 puts both ~5% from each other in the first layer's gradients, so each path is
@@ -354,11 +353,9 @@ def test_triton_norm_and_attn_res_dispatch_match_reference(monkeypatch):
     ids = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
     results = {}
     # the fp32 truth runs on the references throughout (no fla either: no fp32 fla kernels to compile)
-    for run, off, bf16 in (("fast", "0", True), ("ref", "1", True), ("truth", "1", False)):
-        monkeypatch.setenv("K3_NO_TRITON", off)
-        monkeypatch.setenv("K3_NO_FLA", "0" if bf16 else "1")
+    for run, off, bf16 in (("fast", frozenset(), True), ("ref", envs.ALL, True), ("truth", envs.ALL, False)):
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), envs.override(no_triton=off, no_fla=not bf16):
             loss = model(ids, labels=ids).loss
         loss.backward()
         results[run] = (float(loss.detach()), {n: p.grad.float().clone() for n, p in model.named_parameters()
@@ -368,3 +365,53 @@ def test_triton_norm_and_attn_res_dispatch_match_reference(monkeypatch):
     assert g_fast.keys() == g_ref.keys() == g_truth.keys() and len(g_ref) > 10
     for n in g_ref:
         assert rel_err(g_fast[n], g_truth[n]) < 2 * rel_err(g_ref[n], g_truth[n]) + 1e-3, n
+
+
+def test_moe_decode_kernels_match_reference():
+    """Decode-time experts by k3's Triton kernels (each slot reads its expert in place) == the gathered-weight
+    reference in float64, at bf16 and fp32, for several tokens and a row count that is not a block multiple."""
+    from k3.ops.moe_decode import selected_experts_situ_mlp, selected_experts_situ_mlp_reference
+    from k3.ops.triton_dispatch import use_triton
+
+    if not use_triton(torch.empty(1, device="cuda"), "_moe_decode_triton"):
+        pytest.skip("triton not importable")
+    E, I, L, k = 64, 500, 768, 8
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    w1, w3 = r(E, I, L) * L ** -0.5, r(E, I, L) * L ** -0.5
+    w2 = r(E, L, I) * I ** -0.5
+    for N in (1, 3):
+        z = r(N, L) * 3
+        idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(N)])
+        wt = torch.rand(N, k, device="cuda", generator=gen)
+        ref = selected_experts_situ_mlp_reference(z.double(), idx, wt.double(), w1.double(), w3.double(), w2.double())
+        for dt, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
+            out = selected_experts_situ_mlp(z.to(dt), idx, wt.to(dt), w1.to(dt), w3.to(dt), w2.to(dt))
+            assert out.dtype == dt and rel_err(out, ref) < tol, (N, dt)
+
+
+@needs_fla
+def test_kda_core_fla_matches_reference_with_widened_values():
+    """The KDA core on fla (gate, norms and beta in the kernel) == the reference, also with values widened to
+    V = 2K as context parallelism's affine summary runs it, and in the recurrent (decode) form."""
+    from k3.ops.kda_core import kda_core
+
+    B, T, H, K = 2, 130, 3, 128
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    q, k, f = (r(B, T, H, K).bfloat16() for _ in range(3))
+    b = r(B, T, H).bfloat16()
+    A_log, dt_bias = r(H) * 0.5, r(H * K)
+    for V in (K, 2 * K):
+        v = r(B, T, H, V).bfloat16()
+        h0 = r(B, H, K, V) * 0.1
+        args = (q, k, v, f, b, A_log, dt_bias, -5.0)
+        o_ref, s_ref = kda_core(*(t.float() if t.dtype == torch.bfloat16 else t for t in args), initial_state=h0,
+                                output_final_state=True, backend="reference")
+        o, s = kda_core(*args, initial_state=h0, output_final_state=True, backend="fla")
+        assert rel_err(o, o_ref) < 2e-2 and rel_err(s, s_ref) < 2e-2, V
+    o1, s1 = kda_core(*(t[:, :1] for t in args[:5]), A_log, dt_bias, -5.0, initial_state=h0,
+                      output_final_state=True, recurrent=True, backend="fla")
+    o1_ref, s1_ref = kda_core(*(t[:, :1].float() for t in args[:5]), A_log, dt_bias, -5.0, initial_state=h0,
+                              output_final_state=True, recurrent=True, backend="reference")
+    assert rel_err(o1, o1_ref) < 2e-2 and rel_err(s1, s1_ref) < 2e-2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3 import K3Config, K3ForCausalLM
-from k3.model import kda as kda_module
+from k3.ops import kda_core as kda_module  # where the KDA core computes the gate
 from k3.model.attn_res import attn_res_mix
 from k3.model.moe import LatentMoE, route
 from k3.model.norm import RMSNorm

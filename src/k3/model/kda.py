@@ -1,4 +1,10 @@
-"""The KDA mixer (SPEC §3.2): short convs, L2-normalised q/k, bounded decay gate, delta rule, gated output."""
+"""The KDA mixer (SPEC §3.2): short convs, L2-normalised q/k, bounded decay gate, delta rule, gated output.
+
+One forward for every use: features (projections, short convs, SiLU) → core (k3.ops.kda_core, whose backend
+is picked there) → output (gated RMSNorm, o_proj). What differs between training, packed documents, decode,
+serving and context parallelism is the layout: where the tokens' conv tails and states come from and go to.
+`DenseLayout` covers rows with an optional K3Cache/StaticCache, `VarlenLayout` the serving engine's flat batch
+(a BatchCacheView); k3.parallel.context_parallel supplies its own as the `cache` argument."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -7,9 +13,9 @@ from k3.config import K3Config
 from k3.model.cache import BatchCacheView, KDAState
 from k3.model.norm import RMSNorm
 from k3.ops.conv import short_conv
-from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
-from k3.ops.kda_fla import fla_kda_gated, fla_output_gate, fla_usable, safe_gate_ok
-from k3.ops.norm import l2_norm
+from k3.ops.fused_linear import FusedLinears
+from k3.ops.kda_core import kda_core, select_backend
+from k3.ops.kda_fla import fla_output_gate
 
 
 def doc_ids_to_cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -69,6 +75,84 @@ class ShortConv(nn.Module):
         return short_conv(x, self.weight, tail, doc_ids)
 
 
+class DenseLayout:
+    """Rows [B, T] continuing from a K3Cache/StaticCache (or from nothing); packed documents when doc_ids."""
+
+    def __init__(self, cache=None, doc_ids: torch.Tensor | None = None):
+        self.cache, self.doc_ids = cache, doc_ids
+
+    def short_convs(self, m: "KimiDeltaAttention", xs: list[torch.Tensor]):
+        st = self.cache.kda_state(m.layer_idx) if self.cache is not None else None
+        tails = (st.conv_q, st.conv_k, st.conv_v) if st is not None else (None,) * 3
+        outs = [short_conv(x, conv.weight, tail, self.doc_ids) for x, conv, tail in zip(xs, m.convs, tails)]
+        return [y for y, _ in outs], [t for _, t in outs]
+
+    def core(self, m: "KimiDeltaAttention", q, k, v, f, beta_logits, tails) -> torch.Tensor:
+        B, T = q.shape[:2]
+        params = (m.A_log, m.dt_bias, m.lower_bound)
+        if self.doc_ids is not None:  # packed rows: one flat row of documents
+            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
+            o, _ = kda_core(*map(flat, (q, k, v, f, beta_logits)), *params,
+                            cu_seqlens=doc_ids_to_cu_seqlens(self.doc_ids))
+            return o.view(B, T, *o.shape[2:])
+        cache = self.cache
+        st = cache.kda_state(m.layer_idx) if cache is not None else None
+        o, state = kda_core(q, k, v, f, beta_logits, *params, initial_state=st.state if st is not None else None,
+                            output_final_state=cache is not None, recurrent=cache is not None and T == 1)
+        if cache is not None:
+            cache.set_kda_state(m.layer_idx, KDAState(state, *tails))
+        return o
+
+
+class VarlenLayout:
+    """S sequences flattened into one row [1, N] by a BatchCacheView, each continuing from its own state.
+    Decodes take the recurrent step as one batch, prefill chunks the chunked form over cu_seqlens. Shapes and
+    rows come from the view's host layout, so nothing is read back from the device."""
+
+    def __init__(self, view: BatchCacheView):
+        self.view = view
+
+    def short_convs(self, m: "KimiDeltaAttention", xs: list[torch.Tensor]):
+        view, N, W = self.view, xs[0].shape[1], m.q_conv1d.weight.shape[-1]
+        index = view.shared(("short_conv", W), lambda: short_conv_varlen_index(view.cu_seqlens, N, W))
+        st = view.kda_state(m.layer_idx)
+        outs = [short_conv_varlen(x[0], conv.weight, tail, index)
+                for x, conv, tail in zip(xs, m.convs, (st.conv_q, st.conv_k, st.conv_v))]
+        return [y[None] for y, _ in outs], [t for _, t in outs]
+
+    def core(self, m: "KimiDeltaAttention", q, k, v, f, beta_logits, tails) -> torch.Tensor:
+        view, params = self.view, (m.A_log, m.dt_bias, m.lower_bound)
+        st = view.kda_state(m.layer_idx)
+        feats = [t[0] for t in (q, k, v, f, beta_logits)]  # [N, ...]
+        # Decodes and prefill chunks partition the sequences and the tokens: together they fill o and state.
+        o = feats[2].new_empty(feats[2].shape)
+        state = torch.empty_like(st.state)
+        if view.decode_rows:  # a batch of single steps: [n, 1, ...]
+            rows, t = view.decode_rows_t, view.decode_tokens_t
+            od, sd = kda_core(*(x[t, None] for x in feats), *params, initial_state=st.state[rows],
+                              output_final_state=True, recurrent=True)
+            o[t] = od[:, 0].to(o.dtype)
+            state[rows] = sd.to(state.dtype)
+        if view.prefill_rows:  # one packed row of chunks
+            rows, t = view.prefill_rows_t, view.prefill_tokens_t
+            op, sp = kda_core(*(x[None, t] for x in feats), *params, initial_state=st.state[rows],
+                              output_final_state=True, cu_seqlens=view.prefill_cu_seqlens)
+            o[t] = op[0].to(o.dtype)
+            state[rows] = sp.to(state.dtype)
+        view.set_kda_state(m.layer_idx, KDAState(state, *tails))
+        return o[None]
+
+
+def kda_layout(cache, doc_ids: torch.Tensor | None):
+    """The layout of one forward: a supplied one (anything with `short_convs` and `core`), the serving view's,
+    or dense rows."""
+    if isinstance(cache, BatchCacheView):
+        return VarlenLayout(cache)
+    if hasattr(cache, "short_convs") and hasattr(cache, "core"):
+        return cache
+    return DenseLayout(cache, doc_ids)
+
+
 class KimiDeltaAttention(nn.Module):
     def __init__(self, config: K3Config, layer_idx: int):
         super().__init__()
@@ -92,99 +176,28 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
         self.o_norm.weight.data = self.o_norm.weight.data.float()
         self.o_proj = nn.Linear(H * K, D, bias=False)
+        # the six projections that read x, one GEMM at inference (the parameters keep their released names)
+        self.in_proj = FusedLinears(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_proj)
+
+    @property
+    def convs(self) -> tuple[ShortConv, ShortConv, ShortConv]:
+        return self.q_conv1d, self.k_conv1d, self.v_conv1d
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """x: [B, T, D] (already normalised). `cache` is the model's K3Cache (state read and written in place)."""
-        if isinstance(cache, BatchCacheView):
-            return self._forward_varlen(x, cache)
+        """x: [B, T, D] (already normalised). `cache`: None, a K3Cache/StaticCache (state read and written in
+        place), a BatchCacheView (serving), or a layout object (context parallelism); see `kda_layout`."""
+        layout = kda_layout(cache, doc_ids)
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        st = cache.kda_state(self.layer_idx) if cache is not None else None
-        q, tq = self.q_conv1d(self.q_proj(x), st and st.conv_q, doc_ids)
-        k, tk = self.k_conv1d(self.k_proj(x), st and st.conv_k, doc_ids)
-        v, tv = self.v_conv1d(self.v_proj(x), st and st.conv_v, doc_ids)
-        # GPU: gate, q/k L2 norm and beta sigmoid fused into fla's kernels (their gate needs safe_gate_ok)
-        if fla_usable(q, K) and safe_gate_ok(self.lower_bound):
-            o = self._inner_fla(x, q, k, v, doc_ids, st, (tq, tk, tv), cache)
-            o = fla_output_gate(o, self.g_proj(x).view(B, T, H, K), self.o_norm.weight, self.o_norm.eps)
-            return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
-        q = l2_norm(F.silu(q).view(B, T, H, K))
-        k = l2_norm(F.silu(k).view(B, T, H, K))
-        v = F.silu(v).view(B, T, H, K)
-        beta = torch.sigmoid(self.b_proj(x).float() if x.dtype != torch.float64 else self.b_proj(x))
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+        xq, xk, xv, fa, beta_logits, gate = self.in_proj(x)
+        convs, tails = layout.short_convs(self, [xq, xk, xv])
+        q, k, v = (F.silu(c).view(B, T, H, K) for c in convs)
+        f = self.f_b_proj(fa).view(B, T, H, K)
+        o = layout.core(self, q, k, v, f, beta_logits, tails)  # [B, T, H, V]
+        return self.o_proj(self.output_gate(o, gate.view(B, T, H, K)).reshape(B, T, H * K).to(x.dtype))
 
-        if doc_ids is not None:  # packed rows: one flat batch of documents
-            cu = doc_ids_to_cu_seqlens(doc_ids)
-            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
-            o, _ = kda_chunk(flat(q), flat(k), flat(v), flat(g), flat(beta), cu_seqlens=cu,
-                             gate_lower_bound=self.lower_bound)
-            o = o.view(B, T, H, K)
-        else:
-            init = st.state if st is not None else None
-            op = kda_recurrent if (cache is not None and T == 1) else kda_chunk
-            o, state = op(q, k, v, g, beta, initial_state=init, output_final_state=cache is not None)
-            if cache is not None:
-                cache.set_kda_state(self.layer_idx, KDAState(state, tq, tk, tv))
-
-        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x).view(B, T, H, K).to(o.dtype))
-        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
-
-    def _inner_fla(self, x, q, k, v, doc_ids, st, tails, cache) -> torch.Tensor:
-        """The delta rule through k3.ops.kda_fla.fla_kda_gated (same function as the reference path above).
-        q, k, v: [B, T, H*K] conv outputs before SiLU. Returns o [B, T, H, K]; updates the cache like forward."""
-        B, T, _ = x.shape
-        H, K = self.num_heads, self.head_dim
-        q, k, v = (F.silu(t).view(B, T, H, K) for t in (q, k, v))
-        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        beta_logits = self.b_proj(x)
-        if doc_ids is not None:
-            cu = doc_ids_to_cu_seqlens(doc_ids)
-            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
-            o, _ = fla_kda_gated(flat(q), flat(k), flat(v), flat(f), flat(beta_logits), self.A_log, self.dt_bias,
-                                 self.lower_bound, cu_seqlens=cu)
-            return o.view(B, T, H, K)
-        o, state = fla_kda_gated(q, k, v, f, beta_logits, self.A_log, self.dt_bias, self.lower_bound,
-                                 initial_state=st.state if st is not None else None,
-                                 output_final_state=cache is not None)
-        if cache is not None:
-            cache.set_kda_state(self.layer_idx, KDAState(state, *tails))
-        return o
-
-    def _forward_varlen(self, x: torch.Tensor, cache: BatchCacheView) -> torch.Tensor:
-        """x: [1, N, D], S sequences laid out by the view; each continues from its own state. Decodes take the
-        recurrent step, prefill chunks the chunked form, like K3Cache. Shapes and rows come from the view's
-        host layout, so nothing is read back from the device."""
-        N, H, K = x.shape[1], self.num_heads, self.head_dim
-        W = self.q_conv1d.weight.shape[-1]
-        conv_index = cache.shared(("short_conv", W), lambda: short_conv_varlen_index(cache.cu_seqlens, N, W))
-        st = cache.kda_state(self.layer_idx)
-        x2 = x[0]
-        q, tq = short_conv_varlen(self.q_proj(x2), self.q_conv1d.weight, st.conv_q, conv_index)
-        k, tk = short_conv_varlen(self.k_proj(x2), self.k_conv1d.weight, st.conv_k, conv_index)
-        v, tv = short_conv_varlen(self.v_proj(x2), self.v_conv1d.weight, st.conv_v, conv_index)
-        q = l2_norm(F.silu(q).view(N, H, K))
-        k = l2_norm(F.silu(k).view(N, H, K))
-        v = F.silu(v).view(N, H, K)
-        beta = torch.sigmoid(self.b_proj(x2).float() if x.dtype != torch.float64 else self.b_proj(x2))
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x2)).view(N, H, K), self.A_log, self.dt_bias, self.lower_bound)
-
-        # Decodes and prefill chunks partition the sequences and the tokens: together they fill o and state.
-        o = v.new_empty(N, H, K)
-        state = torch.empty_like(st.state)
-        if cache.decode_rows:  # a batch of single steps
-            rows, t = cache.decode_rows_t, cache.decode_tokens_t
-            od, sd = kda_recurrent(q[t, None], k[t, None], v[t, None], g[t, None], beta[t, None],
-                                   initial_state=st.state[rows], output_final_state=True)
-            o[t] = od[:, 0].to(o.dtype)
-            state[rows] = sd.to(state.dtype)
-        if cache.prefill_rows:  # one packed row of chunks
-            rows, t = cache.prefill_rows_t, cache.prefill_tokens_t
-            op, sp = kda_chunk(q[None, t], k[None, t], v[None, t], g[None, t], beta[None, t],
-                               initial_state=st.state[rows], output_final_state=True,
-                               cu_seqlens=cache.prefill_cu_seqlens, gate_lower_bound=self.lower_bound)
-            o[t] = op[0].to(o.dtype)
-            state[rows] = sp.to(state.dtype)
-        cache.set_kda_state(self.layer_idx, KDAState(state, tq, tk, tv))
-        o = self.o_norm(o) * torch.sigmoid(self.g_proj(x2).view(N, H, K).to(o.dtype))
-        return self.o_proj(o.reshape(1, N, H * K).to(x.dtype))
+    def output_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """`o_norm(o) ⊙ sigmoid(gate)` per head; fla's fused gated RMSNorm where the core ran on fla."""
+        if select_backend(o) == "fla":
+            return fla_output_gate(o, gate, self.o_norm.weight, self.o_norm.eps)
+        return self.o_norm(o) * torch.sigmoid(gate.to(o.dtype))

@@ -1,4 +1,9 @@
-"""Gated MLA without positional encoding (SPEC §3.3): expanded form for training, absorbed form with a cache."""
+"""Gated MLA without positional encoding (SPEC §3.3): expanded form for training, absorbed form with a cache.
+
+One forward: features (q, normalised latent, k_extra, gate) → attention over the layout's context → gated
+output. The layout says where the context lives: `DenseLayout` (no cache, packed documents, or a
+K3Cache/StaticCache), `VarlenLayout` (the serving engine's paged pool through a BatchCacheView), or one that
+k3.parallel.context_parallel supplies as the `cache` argument (anything with `attend`)."""
 import torch
 from torch import nn
 
@@ -6,10 +11,65 @@ from k3.config import K3Config
 from k3.model.cache import BatchCacheView
 from k3.model.norm import RMSNorm
 from k3.ops.attention import causal_attention
+from k3.ops.fused_linear import FusedLinears
 from k3.ops.triton_dispatch import triton_module, use_triton
 
 # SPEC §3.3 ⚠: the reference uses 1e-6 for q_a_layernorm / kv_a_layernorm (one port uses 1e-5).
 LORA_NORM_EPS = 1e-6
+
+
+class DenseLayout:
+    """Rows [B, T]: the expanded form over themselves (packed documents when doc_ids), or after a cache's
+    context: the absorbed form for one new token, the expanded form for a prefill chunk."""
+
+    def __init__(self, cache=None, doc_ids: torch.Tensor | None = None):
+        self.cache, self.doc_ids = cache, doc_ids
+
+    def attend(self, m: "MultiHeadLatentAttention", q, latent, k_extra) -> torch.Tensor:
+        if self.cache is None:
+            return m.expanded_attention(q, latent, k_extra, self.doc_ids)
+        T = q.shape[1]
+        lat, kx, kv_len = self.cache.mla_append(m.layer_idx, latent, k_extra)
+        if T == 1:  # decode: W_kvb folded into q and the output, no per-token K/V expansion
+            return m.absorbed_attention(q, lat, kx, kv_len=kv_len)
+        S = self.cache.seq_len + T  # prefill chunk: expand the cached latents once, SDPA bottom-right causal
+        return m.expanded_attention(q, lat[:, :S], kx[:, :S])
+
+
+class VarlenLayout:
+    """S sequences flattened into one row [1, N] by a BatchCacheView. Decodes attend as one batch (straight
+    from the paged pool with k3's Triton kernel where enabled), each prefill chunk on its own, so padding stays
+    small; rows and lengths come from the view's host layout, so nothing is read back from the device."""
+
+    def __init__(self, view: BatchCacheView):
+        self.view = view
+
+    def attend(self, m: "MultiHeadLatentAttention", q, latent, k_extra) -> torch.Tensor:
+        view = self.view
+        view.mla_append(m.layer_idx, latent[0], k_extra[0])
+        o = q.new_empty(q.shape[1], m.num_heads, m.v_dim)
+        if view.decode_rows:
+            t, rows = view.decode_tokens_t, view.decode_rows_t
+            paged = view.mla_paged(m.layer_idx, rows) if use_triton(q, "_mla_decode_triton") else None
+            if paged is not None:
+                o[t] = m.paged_absorbed_attention(q[0, t], *paged, max_len=view.decode_max_len)
+            else:
+                lat, kx, kv_len = view.mla_context(m.layer_idx, rows, view.decode_max_len)
+                o[t] = m.absorbed_attention(q[0, t, None], lat, kx, kv_len=kv_len)[:, 0]
+        for i, r in enumerate(view.prefill_rows):
+            lat, kx, _ = view.mla_context(m.layer_idx, view.prefill_rows_t[i:i + 1], view.kv_lens[r])
+            a, b = view.cu_host[r], view.cu_host[r + 1]
+            o[a:b] = m.expanded_attention(q[:, a:b], lat, kx)[0]
+        return o[None]
+
+
+def mla_layout(cache, doc_ids: torch.Tensor | None):
+    """The layout of one forward: a supplied one (anything with `attend`), the serving view's, or dense rows."""
+    if isinstance(cache, BatchCacheView):
+        return VarlenLayout(cache)
+    if hasattr(cache, "attend"):
+        return cache
+    return DenseLayout(cache, doc_ids)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -28,25 +88,18 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+        # the three projections that read x, one GEMM at inference (the parameters keep their released names)
+        self.in_proj = FusedLinears(self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """x: [B, T, D] (already normalised); `cache` as in `mla_layout`."""
         B, T, _ = x.shape
         H = self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, self.nope + self.rope)
-        latent, k_extra = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        if isinstance(cache, BatchCacheView):
-            o = self._attend_varlen(q, latent, k_extra, cache)
-        elif cache is None:
-            o = self.expanded_attention(q, latent, k_extra, doc_ids)
-        else:
-            lat, kx, kv_len = cache.mla_append(self.layer_idx, latent, k_extra)
-            if T == 1:  # decode: W_kvb folded into q and the output, no per-token K/V expansion
-                o = self.absorbed_attention(q, lat, kx, kv_len=kv_len)
-            else:  # prefill chunk: expand the cached latents once and let SDPA run bottom-right causal
-                S = cache.seq_len + T
-                o = self.expanded_attention(q, lat[:, :S], kx[:, :S])
-        o = o.reshape(B, T, H * self.v_dim) * torch.sigmoid(self.g_proj(x))
+        q_a, kv_a, gate = self.in_proj(x)
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, H, self.nope + self.rope)
+        latent, k_extra = kv_a.split([self.kv_rank, self.rope], dim=-1)
+        o = mla_layout(cache, doc_ids).attend(self, q, self.kv_a_layernorm(latent), k_extra)
+        o = o.reshape(B, T, H * self.v_dim) * torch.sigmoid(gate)
         return self.o_proj(o)
 
     def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
@@ -58,28 +111,6 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = self.kv_b_proj(latent).view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
         k = torch.cat([k_nope, k_extra[:, :, None, :].expand(B, S, H, self.rope)], dim=-1)
         return causal_attention(q, k, v, self.scale, doc_ids)
-
-    def _attend_varlen(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
-                       cache: BatchCacheView) -> torch.Tensor:
-        """q: [1, N, H, nope+rope] of S sequences laid out by the view → o [1, N, H, v_dim]. Decodes attend as
-        one batch, each prefill chunk on its own, so padding stays small; rows and lengths come from the view's
-        host layout, so nothing is read back from the device."""
-        cache.mla_append(self.layer_idx, latent[0], k_extra[0])
-        o = q.new_empty(q.shape[1], self.num_heads, self.v_dim)
-        if cache.decode_rows:
-            t = cache.decode_tokens_t
-            rows = cache.decode_rows_t
-            paged = cache.mla_paged(self.layer_idx, rows) if use_triton(q, "_mla_decode_triton") else None
-            if paged is not None:  # straight from the pool, without gathering each row's context first
-                o[t] = self.paged_absorbed_attention(q[0, t], *paged, max_len=cache.decode_max_len)
-            else:
-                lat, kx, kv_len = cache.mla_context(self.layer_idx, rows, cache.decode_max_len)
-                o[t] = self.absorbed_attention(q[0, t, None], lat, kx, kv_len=kv_len)[:, 0]
-        for i, r in enumerate(cache.prefill_rows):
-            lat, kx, _ = cache.mla_context(self.layer_idx, cache.prefill_rows_t[i:i + 1], cache.kv_lens[r])
-            a, b = cache.cu_host[r], cache.cu_host[r + 1]
-            o[a:b] = self.expanded_attention(q[:, a:b], lat, kx)[0]
-        return o[None]
 
     def paged_absorbed_attention(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, kv_len: torch.Tensor,
                                  max_len: int) -> torch.Tensor:

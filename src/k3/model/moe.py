@@ -5,7 +5,10 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.mlp import SiTUMLP
 from k3.model.norm import RMSNorm
+from k3.ops.fused_linear import FusedLinears
+from k3.ops.fused_situ import situ_glu_fast
 from k3.ops.grouped_mm import expert_situ_mlp
+from k3.ops.moe_decode import selected_experts_situ_mlp, use_selected_experts
 from k3.ops.mx_experts import packed_expert_situ_mlp, qat_expert_situ_mlp
 from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
 
@@ -59,6 +62,10 @@ class LatentMoE(nn.Module):
         self.last_mask: torch.Tensor | None = None
         # MXFP4 weights / MXFP8 activations fake-quantized in the expert GEMMs (k3.ops.mx_experts.enable_qat).
         self.qat = False
+        # the projections that read x besides the fp32 router, one GEMM at inference (names unchanged)
+        shared = self.shared_experts
+        self.in_proj = FusedLinears(self.routed_expert_down_proj,
+                                    *((shared.gate_proj, shared.up_proj) if shared is not None else ()))
 
     def router_scores(self, x: torch.Tensor) -> torch.Tensor:
         """Sigmoid router in fp32 (fp64 stays fp64). x: [N, D] → [N, E]."""
@@ -74,13 +81,18 @@ class LatentMoE(nn.Module):
         if self.training:
             self.last_scores = scores.detach()
             self.last_mask = None if mask is None else mask.reshape(-1)
-        z = self.routed_expert_down_proj(x)
-        r = self.combine_experts(z, idx, w.to(z.dtype))
+        z, *shared_in = self.in_proj(x)
+        e = self.experts
+        needs_grad = torch.is_grad_enabled() and (z.requires_grad or e.w1.requires_grad)
+        if not (e.packed or self.qat) and use_selected_experts(z.shape[0], self.top_k, self.num_experts, needs_grad):
+            r = selected_experts_situ_mlp(z, idx, w.to(z.dtype), e.w1, e.w3, e.w2, *self.betas)  # decode
+        else:
+            r = self.combine_experts(z, idx, w.to(z.dtype))
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         out = self.routed_expert_up_proj(r)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if self.shared_experts is not None:  # SiTUMLP's forward, from the fused gate and up projections
+            out = out + self.shared_experts.down_proj(situ_glu_fast(*shared_in, *self.shared_experts.betas))
         return out.view(shape)
 
     def combine_experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

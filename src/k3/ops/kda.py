@@ -1,6 +1,7 @@
 """Kimi Delta Attention (KDA) ops: bounded decay gate, step-by-step recurrence, chunkwise-parallel form.
 
-Plain PyTorch references (any device, autograd-differentiable). Layouts follow flash-linear-attention:
+Plain PyTorch references (any device, autograd-differentiable); they never dispatch to a kernel: the
+model's KDA core, reference or fla, is chosen in k3.ops.kda_core. Layouts follow flash-linear-attention:
 q, k, g: [B, T, H, K], v: [B, T, H, V], beta: [B, T, H], recurrent state: [B, H, K, V] (K-first).
 
 Recurrence per head (SPEC §3.2), with alpha_t = exp(g_t) (per key channel):
@@ -15,8 +16,6 @@ import math
 from numbers import Real
 
 import torch
-
-from k3.ops.kda_fla import fla_usable, safe_gate_ok
 
 __all__ = ["kda_gate", "kda_recurrent", "kda_chunk"]
 
@@ -62,14 +61,6 @@ def kda_gate(
 
 
 # -------------------------------------------------------------------------------------- validation
-
-
-def _take_fla_path(q, k, v, g, beta) -> bool:
-    """GPU dispatch: CUDA bf16/fp16/fp32 inputs go to flash-linear-attention when it is importable
-    (k3.ops.kda_fla); CPU, float64 and empty inputs stay on the references below."""
-    tensors = (q, k, v, g, beta)
-    return (all(isinstance(t, torch.Tensor) for t in tensors) and q.dim() == 4 and q.shape[1] > 0
-            and fla_usable(q))
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -167,9 +158,6 @@ def kda_recurrent(
     Returns o: [B, T, H, V] in v's dtype, and the final state [B or N, H, K, V] (None unless
     output_final_state).
     """
-    if _take_fla_path(q, k, v, g, beta):
-        from k3.ops.kda_fla import fla_kda_recurrent
-        return fla_kda_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     B, T, H, K, V, bounds = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     dtype = _compute_dtype(q, k, v, g, beta)
     out_dtype = v.dtype
@@ -310,7 +298,6 @@ def kda_chunk(
     output_final_state: bool = False,
     chunk_size: int = 64,
     cu_seqlens: torch.Tensor | None = None,
-    gate_lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA chunkwise-parallel: same contract and result as kda_recurrent, one state update per chunk.
 
@@ -325,13 +312,8 @@ def kda_chunk(
     o = scale ((e^G * Q) S0 + A_qk u) and S1 = M S0 + R with M = Diag(e^G_last) - (e^{G_last-G} * K)^T W_k,
     R = (e^{G_last-G} * K)^T W_v. Everything except S1 = M S0 + R (one matmul per chunk) is batched over
     all chunks; no factor exp(+G) is ever formed (see _decayed_scores), so gates down to -5 are stable
-    in float32. Requires g <= 0. gate_lower_bound: a bound the caller guarantees g >= (kda_gate's); at -5 or
-    above, fla's faster safe-gate kernels may be used on CUDA, which are wrong for gates below -5.
+    in float32. Requires g <= 0.
     """
-    if chunk_size == 64 and _take_fla_path(q, k, v, g, beta):
-        from k3.ops.kda_fla import fla_kda_chunk
-        return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                             safe_gate_ok(gate_lower_bound))
     B, T, H, K, V, bounds = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")

@@ -2,7 +2,7 @@
 
 fla is imported lazily, so importing this module needs neither triton nor fla; `fla_usable(x)` says whether a
 tensor can take the fla path (CUDA, bf16/fp16, or fp32 where TF32 is allowed, fla importable, K <= 256, not
-disabled by K3_NO_FLA=1).
+disabled by K3_NO_FLA=1, see k3.envs). k3.ops.kda_core decides when the model takes it.
 
 State layout: fla's default, K-first `[N, H, K, V]` in float32 (`state_v_first=False`), the same as the
 references'. fla 0.5.x had a causality bug in the safe-gate path, so older versions are refused.
@@ -18,9 +18,10 @@ Three entry points:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from k3 import envs
 
 __all__ = ["fla_available", "fla_usable", "fla_kda_chunk", "fla_kda_recurrent", "fla_kda_gated", "fla_output_gate",
            "fp32_allowed", "safe_gate_ok", "SAFE_GATE_BOUND", "MIN_FLA_VERSION"]
@@ -74,7 +75,7 @@ def fla_usable(x: torch.Tensor, head_dim: int | None = None) -> bool:
         return False
     if x.dtype == torch.float32 and not fp32_allowed():
         return False
-    if os.environ.get("K3_NO_FLA", "") not in ("", "0"):
+    if envs.current().no_fla:
         return False
     if (head_dim if head_dim is not None else x.shape[-1]) > 256:
         return False

@@ -1,6 +1,7 @@
 """When k3's own Triton kernels run: CUDA tensors, triton importable, not switched off by K3_NO_TRITON
 (=1 for all, or a comma-separated list of kernel modules). Kernels in OPT_IN pass their tests but have no speed
-measured on a GPU yet: they run only when named in K3_TRITON (a comma-separated list, or "all").
+measured on a GPU yet: they run only when named in K3_TRITON (a comma-separated list, or "all"). Both are
+parsed once, in k3.envs (tests switch them with `k3.envs.override`).
 
 Kernel modules (`k3.ops._*_triton`) import triton at the top, so they are imported only through
 `triton_module`, which returns None where triton is missing (the CPU install). Tests may call a kernel module's
@@ -11,10 +12,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 from types import ModuleType
 
 import torch
+
+from k3 import envs
 
 
 OPT_IN = frozenset({"_mla_decode_triton"})
@@ -50,10 +52,7 @@ def use_triton(x: torch.Tensor, name: str) -> bool:
         return False
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return False
-    off = os.environ.get("K3_NO_TRITON", "")  # "1": all kernels off; or a comma list of modules ("_conv_triton")
-    if off == "1" or name in off.split(","):
-        return False
-    on = os.environ.get("K3_TRITON", "")
-    if name in OPT_IN and on != "all" and name not in on.split(","):
+    switches = envs.current()
+    if switches.triton_off(name) or (name in OPT_IN and not switches.triton_opted_in(name)):
         return False
     return triton_module(name) is not None

@@ -1,5 +1,7 @@
 """Context parallelism for KDA and MLA layers, applied from outside: each rank of a CP group holds one
-contiguous shard of every sequence and the mixers' `forward` is replaced by a shard-aware one.
+contiguous shard of every sequence, and the mixers run their own forward over a shard-aware layout (the
+`cache` argument of their forward) that supplies the short convs' halo, the KDA core's incoming state and
+MLA's gathered context.
 
 KDA (SPEC §5): over its shard a rank's effect on the state is affine, S_out = M_r S_in + S̃_r. One
 `kda_chunk` pass with the values widened by K zero columns and the initial state [0 | I] yields all of it at
@@ -20,8 +22,7 @@ from k3.model.kda import KimiDeltaAttention, doc_ids_to_cu_seqlens
 from k3.model.mla import MultiHeadLatentAttention
 from k3.ops.attention import causal_attention
 from k3.ops.conv import short_conv
-from k3.ops.kda import kda_chunk, kda_gate
-from k3.ops.norm import l2_norm
+from k3.ops.kda_core import kda_core
 from k3.parallel.comm import all_gather
 
 
@@ -110,83 +111,70 @@ def _incoming_state(summaries: torch.Tensor, rank: int, V: int) -> torch.Tensor:
 
 
 class ContextParallelKDA:
-    """Shard-aware replacement of `KimiDeltaAttention.forward` (training/prefill; no decode cache)."""
+    """KDA layout of one rank's shard (training/prefill; no decode cache): convs over the halo, and the core
+    run once with widened values so that its final state is the shard's affine summary."""
 
-    def __init__(self, kda: KimiDeltaAttention, cp: ContextParallelState):
-        self.kda, self.cp = kda, cp
+    def __init__(self, cp: ContextParallelState):
+        self.cp = cp
 
-    def __call__(self, x: torch.Tensor, doc_ids=None, cache=None) -> torch.Tensor:
-        """x: [B, T_r, D] (this rank's shard, normalised). doc_ids is ignored: the global segments are in cp."""
-        if cache is not None:
-            raise ValueError("context parallel KDA runs training/prefill forwards only (cache must be None)")
-        m, cp = self.kda, self.cp
-        B, T, _ = x.shape
-        H, K = m.num_heads, m.head_dim
-        W = m.q_conv1d.weight.shape[-1]
+    def short_convs(self, m: KimiDeltaAttention, xs: list[torch.Tensor]):
+        cp, W = self.cp, m.q_conv1d.weight.shape[-1]
         seg = cp.local_segments
-        pre = [m.q_proj(x), m.k_proj(x), m.v_proj(x)]
-        halo = cp.halo(torch.cat(pre, dim=-1), W - 1).split([p.shape[-1] for p in pre], dim=-1)
+        halo = cp.halo(torch.cat(xs, dim=-1), W - 1).split([x.shape[-1] for x in xs], dim=-1)
         halo_seg = cp.halo_segments(W - 1)
         convs = []
-        for p, h, conv in zip(pre, halo, (m.q_conv1d, m.k_conv1d, m.v_conv1d)):
+        for x, h, conv in zip(xs, halo, m.convs):
             if seg is None:
-                y, _ = short_conv(p, conv.weight, h)
+                y, _ = short_conv(x, conv.weight, h)
             else:  # prepend the halo as real rows so the document mask covers it too
-                y, _ = short_conv(torch.cat([h.to(p.dtype), p], 1), conv.weight, None, torch.cat([halo_seg, seg], 1))
+                y, _ = short_conv(torch.cat([h.to(x.dtype), x], 1), conv.weight, None, torch.cat([halo_seg, seg], 1))
                 y = y[:, W - 1:]
             convs.append(y)
-        q = l2_norm(F.silu(convs[0]).view(B, T, H, K))
-        k = l2_norm(F.silu(convs[1]).view(B, T, H, K))
-        v = F.silu(convs[2]).view(B, T, H, K)
-        beta = torch.sigmoid(m.b_proj(x).float() if x.dtype != torch.float64 else m.b_proj(x))
-        g = kda_gate(m.f_b_proj(m.f_a_proj(x)).view(B, T, H, K), m.A_log, m.dt_bias, m.lower_bound)
+        return convs, None
 
+    def core(self, m: KimiDeltaAttention, q, k, v, f, beta_logits, tails) -> torch.Tensor:
+        cp = self.cp
+        B, T, H, K = q.shape
         V = v.shape[-1]
+        seg = cp.local_segments
+        params = (m.A_log, m.dt_bias, m.lower_bound)
         v_aug = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
-        sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        eye = torch.eye(K, dtype=sdt, device=x.device)
+        sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        eye = torch.eye(K, dtype=sdt, device=q.device)
         if seg is None:
-            init = torch.zeros(B, H, K, V + K, dtype=sdt, device=x.device)
+            init = torch.zeros(B, H, K, V + K, dtype=sdt, device=q.device)
             init[..., V:] = eye
-            o_aug, final = kda_chunk(q, k, v_aug, g, beta, initial_state=init, output_final_state=True,
-                                     gate_lower_bound=m.lower_bound)
-            summary = final
+            o_aug, summary = kda_core(q, k, v_aug, f, beta_logits, *params, initial_state=init,
+                                      output_final_state=True)
         else:
+            halo_seg = cp.halo_segments(m.q_conv1d.weight.shape[-1] - 1)
             cu = doc_ids_to_cu_seqlens(seg)
             starts = cu[:-1]
             row_first = torch.searchsorted(starts, torch.arange(B, device=cu.device) * T)
             row_last = torch.cat([row_first[1:], row_first.new_tensor([starts.numel()])]) - 1
             continues = seg[:, 0] == halo_seg[:, -1]  # the row's first document began on an earlier rank
-            init = torch.zeros(starts.numel(), H, K, V + K, dtype=sdt, device=x.device)
+            init = torch.zeros(starts.numel(), H, K, V + K, dtype=sdt, device=q.device)
             init[row_first[continues], :, :, V:] = eye
-            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])
-            o_aug, final = kda_chunk(flat(q), flat(k), flat(v_aug), flat(g), flat(beta), initial_state=init,
-                                     output_final_state=True, cu_seqlens=cu, gate_lower_bound=m.lower_bound)
+            flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
+            o_aug, final = kda_core(*map(flat, (q, k, v_aug, f, beta_logits)), *params, initial_state=init,
+                                    output_final_state=True, cu_seqlens=cu)
             o_aug = o_aug.view(B, T, H, V + K)
             summary = final[row_last]
         s_in = _incoming_state(all_gather(summary[None], cp.group), cp.rank, V)  # [B, H, K, V]
-        o = o_aug[..., :V] + torch.einsum("bthk,bhkv->bthv", o_aug[..., V:].to(sdt), s_in).to(o_aug.dtype)
-
-        o = m.o_norm(o) * torch.sigmoid(m.g_proj(x).view(B, T, H, K).to(o.dtype))
-        return m.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+        return o_aug[..., :V] + torch.einsum("bthk,bhkv->bthv", o_aug[..., V:].to(sdt), s_in).to(o_aug.dtype)
 
 
 class ContextParallelMLA:
-    """Shard-aware replacement of `MultiHeadLatentAttention.forward`: local queries over the gathered
-    latent KV of the whole sequence (training/prefill; no decode cache)."""
+    """MLA layout of one rank's shard: local queries over the gathered latent KV of the whole sequence
+    (training/prefill; no decode cache)."""
 
-    def __init__(self, mla: MultiHeadLatentAttention, cp: ContextParallelState):
-        self.mla, self.cp = mla, cp
+    def __init__(self, cp: ContextParallelState):
+        self.cp = cp
 
-    def __call__(self, x: torch.Tensor, doc_ids=None, cache=None) -> torch.Tensor:
-        if cache is not None:
-            raise ValueError("context parallel MLA runs training/prefill forwards only (cache must be None)")
-        m, cp = self.mla, self.cp
-        B, T, _ = x.shape
-        H = m.num_heads
-        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x))).view(B, T, H, m.nope + m.rope)
-        latent, k_extra = m.kv_a_proj_with_mqa(x).split([m.kv_rank, m.rope], dim=-1)
-        kv = cp.gather_sequence(torch.cat([m.kv_a_layernorm(latent), k_extra], dim=-1))
+    def attend(self, m: MultiHeadLatentAttention, q, latent, k_extra) -> torch.Tensor:
+        cp = self.cp
+        B, T, H, _ = q.shape
+        kv = cp.gather_sequence(torch.cat([latent, k_extra], dim=-1))
         latent, k_extra = kv.split([m.kv_rank, m.rope], dim=-1)
         S = kv.shape[1]
         k_nope, v = m.kv_b_proj(latent).view(B, S, H, m.nope + m.v_dim).split([m.nope, m.v_dim], -1)
@@ -194,23 +182,31 @@ class ContextParallelMLA:
         start = cp.bounds[cp.rank][0]
         if cp.segments is None:  # the shard's T queries end the first start + T keys: bottom-right causal, no
             # mask to build ([B, T, S] would take GBs at long context) and the fused kernels on CUDA
-            o = causal_attention(q, k[:, :start + T], v[:, :start + T], m.scale)
-        else:
-            mask = torch.arange(S, device=x.device)[None, :] <= torch.arange(start, start + T, device=x.device)[:, None]
-            mask = mask[None] & (cp.local_segments[:, :, None] == cp.segments[:, None, :])
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=mask[:, None], scale=m.scale).transpose(1, 2)
-        o = o.reshape(B, T, H * m.v_dim) * torch.sigmoid(m.g_proj(x))
-        return m.o_proj(o)
+            return causal_attention(q, k[:, :start + T], v[:, :start + T], m.scale)
+        mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
+        mask = mask[None] & (cp.local_segments[:, :, None] == cp.segments[:, None, :])
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask[:, None], scale=m.scale).transpose(1, 2)
+
+
+def _over_layout(forward, layout):
+    """The mixer's own forward, run over `layout` instead of a cache (doc_ids: the global segments are in cp)."""
+    def sharded(x, doc_ids=None, cache=None):
+        if cache is not None:
+            raise ValueError("context parallel mixers run training/prefill forwards only (cache must be None)")
+        return forward(x, cache=layout)
+    return sharded
 
 
 def apply_context_parallel(model, group) -> ContextParallelState:
-    """Replace the forward of every KDA and MLA mixer in `model` by its shard-aware version over `group`.
-    Returns the shared state; the caller (k3.parallel.parallelize) calls `begin` before each forward."""
+    """Run every KDA and MLA mixer in `model` over its shard-aware layout on `group` (their own forward,
+    given the layout). Returns the shared state; the caller (k3.parallel.parallelize) calls `begin` before
+    each forward."""
     cp = ContextParallelState(group)
+    kda, mla = ContextParallelKDA(cp), ContextParallelMLA(cp)
     for mod in model.modules():
         if isinstance(mod, KimiDeltaAttention):
-            mod.forward = ContextParallelKDA(mod, cp)
+            mod.forward = _over_layout(mod.forward, kda)
         elif isinstance(mod, MultiHeadLatentAttention):
-            mod.forward = ContextParallelMLA(mod, cp)
+            mod.forward = _over_layout(mod.forward, mla)
     return cp

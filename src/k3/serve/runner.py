@@ -7,6 +7,7 @@ import torch
 
 from k3.model.cache import BatchCacheView, KDAState
 from k3.model.cuda_graph import wants_graphs
+from k3.ops.fused_linear import refresh_fused
 from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
 from k3.serve.sequence import Sequence
@@ -124,6 +125,7 @@ class DecodeGraphs:
         cuBLAS workspaces), then capture it; capture only records, so the pool is written once. Returns the
         eager step's logits."""
         device = self.pool.device
+        refresh_fused(self.model)  # the stacked projection weights exist before the capture reads them
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

@@ -1,0 +1,89 @@
+"""Every `K3_*` environment switch of the model and its kernels, declared and parsed once, at import.
+
+| variable         | values                                      | effect                                               |
+|------------------|---------------------------------------------|------------------------------------------------------|
+| K3_NO_FLA        | unset/""/"0": fla on; anything else: off    | KDA's core never takes flash-linear-attention        |
+| K3_NO_TRITON     | "1": all k3 Triton kernels off; or a comma list of kernel modules ("_conv_triton,_norm_triton") |
+| K3_TRITON        | "all", or a comma list of opt-in kernel modules to switch on (k3.ops.triton_dispatch.OPT_IN) |
+| K3_REQUIRE_FLA   | "1": the GPU tests fail, not skip, when fla does not import                         |
+| K3_COMMIT        | a commit id the benchmarks stamp on their results (default: `git rev-parse`)        |
+
+The sandboxes' own variables (K3_AGENTENV_ROOT, K3_AGENTENV_UID, K3_FC_KERNEL, K3_FC_ROOTFS) belong to
+k3.agentenv, which reads them where it starts a sandbox.
+
+Code reads `k3.envs.current()`, never `os.environ`: a switch flipped in the environment after import has no
+effect (the value is fixed for the process, as a kernel choice must be for a captured CUDA graph). Tests and
+benchmarks that compare paths use `override(...)`, which sets the values explicitly for a `with` block.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping
+
+
+ALL = "all"
+
+
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    no_fla: bool = False
+    no_triton: frozenset[str] | str = frozenset()  # ALL, or kernel module names
+    triton_opt_in: frozenset[str] | str = frozenset()  # ALL, or kernel module names
+    require_fla: bool = False
+    commit: str | None = None
+
+    def triton_off(self, name: str) -> bool:
+        return self.no_triton == ALL or name in self.no_triton
+
+    def triton_opted_in(self, name: str) -> bool:
+        return self.triton_opt_in == ALL or name in self.triton_opt_in
+
+
+def _flag(text: str) -> bool:
+    return text not in ("", "0")
+
+
+def _names(text: str, all_word: str) -> frozenset[str] | str:
+    if text.strip() == all_word:
+        return ALL
+    return frozenset(n.strip() for n in text.split(",") if n.strip())
+
+
+def parse(environ: Mapping[str, str]) -> Switches:
+    """The switches an environment sets (unset variables take their defaults)."""
+    get = lambda name: environ.get(name, "")  # noqa: E731
+    return Switches(no_fla=_flag(get("K3_NO_FLA")), no_triton=_names(get("K3_NO_TRITON"), "1"),
+                    triton_opt_in=_names(get("K3_TRITON"), ALL), require_fla=get("K3_REQUIRE_FLA") == "1",
+                    commit=get("K3_COMMIT") or None)
+
+
+_current = parse(os.environ)
+
+
+def current() -> Switches:
+    return _current
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """Within the block, the given fields replace the parsed values, e.g. `override(no_fla=True)` or
+    `override(no_triton="all")`; a set of names may be given as a list or a comma-separated string."""
+    global _current
+    fields = {f.name for f in dataclasses.fields(Switches)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise ValueError(f"unknown switch(es) {unknown}; known: {sorted(fields)}")
+    for name in ("no_triton", "triton_opt_in"):
+        value = changes.get(name)
+        if isinstance(value, str) and value != ALL:
+            changes[name] = _names(value, ALL)
+        elif isinstance(value, (list, tuple, set)):
+            changes[name] = frozenset(value)
+    saved = _current
+    _current = dataclasses.replace(saved, **changes)
+    try:
+        yield _current
+    finally:
+        _current = saved

@@ -1,0 +1,71 @@
+"""Triton kernels for decode-time routed experts (imported only through k3.ops.triton_dispatch; needs triton).
+
+Each (token, choice) slot reads its own expert's rows in place, so a decode step reads exactly the k selected
+experts: no gathered weight copies, no sort, no grouped-GEMM offsets. Two launches a layer:
+1. gate+up: program (slot, block of I rows) → h = SiTU-GLU(W1_e z, W3_e z), fp32 accumulation;
+2. down: program (token, block of L rows) → Σ_j weight_j · W2_{e_j} h_j, the k choices summed in registers.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops._situ_triton import _sigmoid, _tanh
+
+
+@triton.jit
+def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, I, L, beta_gate, beta_up,
+                    BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, EXACT: tl.constexpr):
+    s = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    e = tl.load(idx_ptr + s).to(tl.int64)
+    token = s // TOP_K
+    acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    base = e * I * L
+    for l0 in range(0, L, BLOCK_L):
+        cols = l0 + tl.arange(0, BLOCK_L)
+        x = tl.load(z_ptr + token * L + cols, mask=cols < L, other=0.0).to(tl.float32)
+        offs = base + rows[:, None] * L + cols[None, :]
+        m = (rows[:, None] < I) & (cols[None, :] < L)
+        acc_g += tl.sum(tl.load(w1_ptr + offs, mask=m, other=0.0).to(tl.float32) * x[None, :], 1)
+        acc_u += tl.sum(tl.load(w3_ptr + offs, mask=m, other=0.0).to(tl.float32) * x[None, :], 1)
+    a = beta_gate * _tanh(acc_g * (1.0 / beta_gate), EXACT) * _sigmoid(acc_g, EXACT)
+    b = beta_up * _tanh(acc_u * (1.0 / beta_up), EXACT)
+    tl.store(h_ptr + s * I + rows, (a * b).to(h_ptr.dtype.element_ty), mask=rows < I)
+
+
+@triton.jit
+def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, TOP_K, I, L,
+                 BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr):
+    n = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
+    for j in range(TOP_K):
+        s = n * TOP_K + j
+        e = tl.load(idx_ptr + s).to(tl.int64)
+        wt = tl.load(wt_ptr + s).to(tl.float32)
+        part = tl.zeros((BLOCK_L,), dtype=tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            cols = i0 + tl.arange(0, BLOCK_I)
+            h = tl.load(h_ptr + s * I + cols, mask=cols < I, other=0.0).to(tl.float32)
+            w = tl.load(w2_ptr + e * L * I + rows[:, None] * I + cols[None, :],
+                        mask=(rows[:, None] < L) & (cols[None, :] < I), other=0.0).to(tl.float32)
+            part += tl.sum(w * h[None, :], 1)
+        acc += wt * part
+    tl.store(out_ptr + n * L + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < L)
+
+
+def selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                              w3: torch.Tensor, w2: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+    """Same contract as k3.ops.moe_decode.selected_experts_situ_mlp_reference (z: [N, L], idx/weights: [N, k])."""
+    N, k = idx.shape
+    E, I, L = w1.shape
+    z, idx, weights = z.contiguous(), idx.contiguous(), weights.float().contiguous()
+    w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
+    h = torch.empty(N * k, I, dtype=z.dtype, device=z.device)
+    _gate_up_kernel[(N * k, triton.cdiv(I, 16))](z, idx, w1, w3, h, k, I, L, float(beta_gate), float(beta_up),
+                                                  BLOCK_I=16, BLOCK_L=128, EXACT=z.dtype == torch.float32,
+                                                  num_warps=4)
+    out = torch.empty(N, L, dtype=z.dtype, device=z.device)
+    _down_kernel[(N, triton.cdiv(L, 8))](h, idx, weights, w2, out, k, I, L, BLOCK_L=8, BLOCK_I=256, num_warps=4)
+    return out

@@ -1,0 +1,77 @@
+"""KDA's core, the delta rule from the mixer's features, and the one place that picks who computes it.
+
+Every KDA forward (training, packed documents, decode, serving's varlen batch, context parallelism) ends in
+`kda_core`; only the layout it passes differs (dense rows, cu_seqlens, initial states). `select_backend` picks
+"fla" (flash-linear-attention's kernels, k3.ops.kda_fla) where fla can run the tensors, else "reference"
+(k3.ops.kda's plain PyTorch). `force_backend` pins the choice for a block (tests and benchmarks compare the
+two that way); the choice made for each (device, dtype) is logged once.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
+from k3.ops.kda_fla import fla_kda_chunk, fla_kda_gated, fla_kda_recurrent, fla_usable, safe_gate_ok
+from k3.ops.norm import l2_norm
+
+__all__ = ["BACKENDS", "select_backend", "force_backend", "kda_core"]
+
+BACKENDS = ("reference", "fla")
+_log = logging.getLogger(__name__)
+_forced: str | None = None
+_logged: set = set()
+
+
+@contextlib.contextmanager
+def force_backend(name: str | None):
+    """Within the block every KDA core runs on `name` ("reference" or "fla"; None: the default choice)."""
+    global _forced
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"KDA backend must be one of {BACKENDS} or None, got {name!r}")
+    saved, _forced = _forced, name
+    try:
+        yield
+    finally:
+        _forced = saved
+
+
+def select_backend(q: torch.Tensor) -> str:
+    """The backend for features like q [..., H, K]: the forced one, else fla where usable, else the reference."""
+    name = _forced or ("fla" if q.numel() and fla_usable(q, q.shape[-1]) else "reference")
+    key = (name, q.device.type, q.dtype)
+    if key not in _logged:
+        _logged.add(key)
+        _log.info("KDA core on %s %s: %s", q.device.type, str(q.dtype).removeprefix("torch."), name)
+    return name
+
+
+def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
+             A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float, *,
+             initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+             cu_seqlens: torch.Tensor | None = None, recurrent: bool = False,
+             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kda(l2(q), l2(k), v, kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(beta_logits)).
+
+    q, k: [B, T, H, K] after the conv and SiLU (not yet L2-normalised); v: [B, T, H, V];
+    f: [B, T, H, K] the gate's low-rank projection; beta_logits: [B, T, H]; initial_state: [N, H, K, V] fp32
+    (N = B, or the documents of cu_seqlens). recurrent: the step-by-step form (decode), else the chunked one:
+    the same function. Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).
+    """
+    backend = backend or select_backend(q)
+    if backend not in BACKENDS:
+        raise ValueError(f"KDA backend must be one of {BACKENDS}, got {backend!r}")
+    state_args = dict(initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if backend == "fla" and safe_gate_ok(lower_bound):  # gate, L2 norms and beta inside fla's kernels
+        return fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound,
+                             recurrent=None if recurrent else False, **state_args)
+    q, k = l2_norm(q), l2_norm(k)
+    beta = torch.sigmoid(beta_logits.float() if beta_logits.dtype != torch.float64 else beta_logits)
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    if backend == "fla":  # gates below fla's safe bound: its general kernels on the gates computed here
+        op = fla_kda_recurrent if recurrent else fla_kda_chunk
+    else:
+        op = kda_recurrent if recurrent else kda_chunk
+    return op(q, k, v, g, beta, **state_args)
