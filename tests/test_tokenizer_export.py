@@ -52,4 +52,47 @@ def test_llama_cpp_converter_reads_its_special_tokens(saved):
     vocab = gguf.SpecialVocab(d, load_merges=True)
     assert vocab.special_token_ids == {"bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id}
     assert vocab.add_special_token == {"bos": False, "eos": False}
+    assert vocab.chat_template == json.loads((d / "tokenizer_config.json").read_text())["chat_template"]
+    assert "<|open|>" in vocab.chat_template and "<|end_of_msg|>" in vocab.chat_template  # XTML travels into the GGUF
     assert len(vocab.merges) == len(json.loads((d / "tokenizer.json").read_text())["model"]["merges"]) > 1000
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Wetter in einer Stadt",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CALLS = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {
+             "city": 'Paris "&"', "days": 2, "ratio": 0.5, "metric": True, "extra": None, "tags": ["a", 1],
+             "opts": {"x": "ü"}}}},
+         {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+CONVERSATIONS = [
+    ([{"role": "system", "content": "You are K3."}, {"role": "user", "content": "Hi!"}], {}),
+    ([{"role": "developer", "content": "Rules."}, {"role": "user", "content": "2+2?", "name": 'Ann "A&B"'},
+      {"role": "assistant", "reasoning_content": "Simple sum.", "content": "4"},
+      {"role": "user", "content": [{"type": "text", "text": "And "}, {"type": "text", "text": "3+3?"}]},
+      {"role": "assistant", "content": "6"}], {}),
+    ([{"role": "user", "content": "Weather?"},
+      {"role": "assistant", "reasoning_content": "tool", "content": None, "tool_calls": CALLS},
+      {"role": "tool", "tool_call_id": "c2", "content": "snow"}, {"role": "tool", "tool_call_id": "c1", "content": "sun"},
+      {"role": "tool", "tool_call_id": "zz", "name": "get_weather", "content": "late"},
+      {"role": "assistant", "content": "Sun and snow."}, {"role": "user", "content": "Thanks"}],
+     dict(tools=[WEATHER], thinking_effort="high")),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "reasoning_content": "dropped", "content": "Hello"},
+      {"role": "user", "content": "JSON please"}],
+     dict(thinking=False, tools=[WEATHER], tool_choice="required",
+          response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}})),
+    ([{"role": "user", "content": "U"}],
+     dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+          response_format={"type": "json_object"}, thinking_effort="low")),
+    ([{"role": "user", "content": "U"}], dict(tool_choice="auto", response_format={"type": "text"})),
+]
+
+
+@pytest.mark.parametrize("generation_prompt", [False, True])
+@pytest.mark.parametrize("case", range(len(CONVERSATIONS)))
+def test_transformers_renders_chats_exactly_as_k3(saved, case, generation_prompt):
+    """The Jinja chat_template in tokenizer_config.json gives k3's renderer's exact string (SPEC §1.2)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    tok, d = saved
+    hf = transformers.AutoTokenizer.from_pretrained(str(d))
+    messages, options = CONVERSATIONS[case]
+    ours = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **options)
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **options) == ours

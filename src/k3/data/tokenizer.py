@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from k3.data.corpus import ASSETS_DIR
 
 DEFAULT_TOKENIZER_PATH = ASSETS_DIR / "tokenizer.json"
+CHAT_TEMPLATE_JINJA = ASSETS_DIR / "chat_template.jinja"
 VOCAB_SIZE = 8192
 # Order is the id order: <|bos|> = 0, <|end_of_msg|> = 1 (EOS), <|pad|> = 2, then the chat/media markup.
 SPECIAL_TOKENS = (
@@ -133,6 +134,8 @@ class Tokenizer(ChatTokenizerMixin):
             "add_bos_token": False, "add_eos_token": False,  # the chat markup adds no BOS (SPEC §1.2)
             "clean_up_tokenization_spaces": False,
             "model_max_length": 1048576,
+            # the XTML markup for tools that render chats through Jinja (transformers, llama.cpp)
+            "chat_template": CHAT_TEMPLATE_JINJA.read_text(),
         }
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
