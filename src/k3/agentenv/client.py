@@ -27,7 +27,9 @@ class AgentEnvClient:
             raise ControlPlaneError(r.status_code, str(msg))
         return r.json() if r.content else None
 
-    def create(self, template: str = "base", timeout: float = 300, env: dict | None = None, auto_pause=True) -> dict:
+    def create(self, template: str = "base", timeout: float = 300, env: dict | None = None,
+               auto_pause: bool = False) -> dict:
+        """`auto_pause`: pause at the timeout instead of being killed (E2B's default, and ours)."""
         return self._req("POST", "/sandboxes", json={"templateID": template, "timeout": timeout,
                                                       "envVars": env or {}, "autoPause": auto_pause})
 

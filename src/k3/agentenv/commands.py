@@ -1,9 +1,13 @@
-"""`k3 agentenv serve` (the control plane on loopback) and `k3 agentenv run -- CMD` (one command in a fresh
-sandbox, its exit status passed through)."""
+"""`k3 agentenv serve` (the control plane on loopback; its token from $K3_AGENTENV_TOKEN or --token-file,
+never argv, where `ps` shows it) and `k3 agentenv run -- CMD` (one command in a fresh sandbox, its exit status
+passed through)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+TOKEN_ENV = "K3_AGENTENV_TOKEN"
 
 
 def _template(s: str) -> tuple[str, str]:
@@ -13,13 +17,27 @@ def _template(s: str) -> tuple[str, str]:
     return name, d
 
 
+def read_token(token_file: str | None) -> str | None:
+    """The bearer token from --token-file (first line) or $K3_AGENTENV_TOKEN; None: generate one."""
+    if token_file:
+        with open(token_file) as f:
+            token = f.readline().strip()
+        if not token:
+            raise ValueError(f"--token-file {token_file}: the first line is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
 def cmd_serve(a) -> int:
+    if a.token is not None:
+        raise ValueError(f"--token would show the secret to every local user in ps; set ${TOKEN_ENV} or pass "
+                         "--token-file PATH")
     from k3.agentenv import get_backend
     from k3.agentenv.control_plane import serve
     from k3.cli import check_listen_address
     get_backend(a.backend).require()  # a missing runsc / firecracker: one line, before anything starts
     check_listen_address(a.host, a.port)
-    serve(a.backend, a.host, a.port, dict(a.template or []), a.token)
+    serve(a.backend, a.host, a.port, dict(a.template or []), read_token(a.token_file))
     return 0
 
 
@@ -49,7 +67,10 @@ def add_agentenv_parser(sub) -> None:
     s.add_argument("--backend", default="bwrap", choices=["bwrap", "gvisor", "firecracker"])
     s.add_argument("--host", default="127.0.0.1", help="loopback only")
     s.add_argument("--port", type=tcp_port, default=49982)
-    s.add_argument("--token", default=None, help="bearer token (default: generated and printed)")
+    s.add_argument("--token-file", default=None,
+                   help=f"file whose first line is the bearer token (or set ${TOKEN_ENV}; default: generated "
+                        "and printed)")
+    s.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: argv is public
     s.add_argument("--template", action="append", type=_template, metavar="NAME=DIR")
     s.set_defaults(func=cmd_serve)
     r = asub.add_parser("run", help="run one command in a fresh sandbox: k3 agentenv run -- CMD ...")

@@ -1,8 +1,13 @@
 """An E2B-shaped HTTP control plane (FastAPI) over one backend: create/list/get/pause/resume/kill/fork
-sandboxes, timeouts, exec and files. Binds to loopback only and requires a bearer token on every route."""
+sandboxes, timeouts, exec and files. Binds to loopback only and requires a bearer token on every route.
+Request bodies are bounded, every bad field is a 4xx, the sandbox cap holds under concurrent creates, and a
+sandbox past its timeout is killed unless it asked for autoPause (E2B's defaults)."""
 from __future__ import annotations
 
 import base64
+import binascii
+import contextlib
+import os
 import secrets
 import threading
 import time
@@ -14,6 +19,67 @@ from pydantic import BaseModel, ConfigDict, Field
 from k3.agentenv.api import Backend, Limits, Sandbox, SandboxError, SandboxSpec
 
 MAX_SANDBOXES = 64
+MAX_BODY_BYTES = 100 << 20  # a 64 MiB file in base64 and its JSON fit
+
+
+def host_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) << 10
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def unbase64(data: str, field: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{field}: not valid base64") from None
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413, whether it declares its length or streams
+    (chunked); what was received is never more than the limit plus one chunk."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> JSONResponse:
+        return JSONResponse(status_code=413, content={"code": 413, "message":
+                            f"request body larger than {self.max_bytes} bytes"})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._too_large()(scope, receive, send)
+        seen, started, rejected = 0, False, False
+
+        async def limited_receive():
+            nonlocal seen, rejected
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:  # answer now; the app sees the client gone and its reply is dropped
+                    if not started:
+                        rejected = True
+                        await self._too_large()(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def guarded_send(msg):
+            nonlocal started
+            if rejected:
+                return
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        await self.app(scope, limited_receive, guarded_send)
+
+
+class _CapReached(Exception):
+    pass
 
 
 class _Body(BaseModel):
@@ -25,8 +91,8 @@ class CreateBody(_Body):
     timeout: float = Field(300, gt=0, le=86400)  # seconds until the TTL action
     envVars: dict[str, str] = {}
     metadata: dict[str, str] = {}
-    autoPause: bool = True
-    memoryMB: int = Field(256, ge=16, le=65536)
+    autoPause: bool = False  # E2B's default: a sandbox past its timeout is killed
+    memoryMB: int = Field(256, ge=16, le=1 << 20)
 
 
 class TimeoutBody(_Body):
@@ -51,14 +117,17 @@ class WriteBody(_Body):
 
 
 def create_control_plane(backend: Backend, templates: dict[str, str | None] | None = None,
-                         token: str | None = None) -> FastAPI:
+                         token: str | None = None, max_sandboxes: int = MAX_SANDBOXES,
+                         max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """`templates`: {templateID: host dir or None}. `token` (generated when None) is in `app.state.token`."""
     token = token or secrets.token_urlsafe(24)
     templates = {"base": None, **(templates or {})}
     boxes: dict[str, Sandbox] = {}
     meta: dict[str, dict] = {}
     lock = threading.Lock()
+    reserved = [0]  # slots of sandboxes being created right now (counted against the cap)
     app = FastAPI(title="k3 agentenv")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.state.token, app.state.sandboxes = token, boxes
 
     def err(status: int, message: str) -> JSONResponse:
@@ -94,6 +163,24 @@ def create_control_plane(backend: Backend, templates: dict[str, str | None] | No
     async def _missing(request, e):
         return err(404, f"sandbox {e.args[0]} not found")
 
+    @contextlib.contextmanager
+    def slots(n: int):
+        """Reserve `n` sandbox slots under the lock (the check and the claim are one step), or raise."""
+        with lock:
+            live = sum(1 for s in boxes.values() if s.state != "closed") + reserved[0]
+            if live + n > max_sandboxes:
+                raise _CapReached()
+            reserved[0] += n
+        try:
+            yield
+        finally:
+            with lock:
+                reserved[0] -= n
+
+    @app.exception_handler(_CapReached)
+    async def _cap(request, e):
+        return err(429, f"at most {max_sandboxes} sandboxes")
+
     def register(sb: Sandbox, template_id: str, timeout: float, metadata: dict) -> dict:
         with lock:
             boxes[sb.id] = sb
@@ -105,12 +192,15 @@ def create_control_plane(backend: Backend, templates: dict[str, str | None] | No
     def create(body: CreateBody):
         if body.templateID not in templates:
             return err(404, f"template {body.templateID!r} not found; have {sorted(templates)}")
-        if sum(1 for s in boxes.values() if s.state != "closed") >= MAX_SANDBOXES:
-            return err(429, f"at most {MAX_SANDBOXES} sandboxes")
+        if body.memoryMB << 20 > host_memory_bytes():
+            return err(400, f"memoryMB={body.memoryMB} is more than this host has "
+                            f"({host_memory_bytes() >> 20} MiB)")
         spec = SandboxSpec(template=templates[body.templateID], env=body.envVars, ttl=body.timeout,
                            on_expiry="pause" if body.autoPause else "kill", metadata=body.metadata,
                            limits=Limits(memory_bytes=body.memoryMB << 20))
-        return register(backend.create(spec), body.templateID, body.timeout, body.metadata)
+        spec.validate()  # a bad field is a 400 before any slot or resource is taken
+        with slots(1):
+            return register(backend.create(spec), body.templateID, body.timeout, body.metadata)
 
     @app.get("/sandboxes")
     def list_():
@@ -148,13 +238,14 @@ def create_control_plane(backend: Backend, templates: dict[str, str | None] | No
     @app.post("/sandboxes/{sid}/fork", status_code=201)
     def fork(sid: str, body: ForkBody):
         parent = get(sid)
-        kids = parent.fork(body.count)
+        with slots(body.count):
+            kids = parent.fork(body.count)
         m = meta[sid]
         return [register(k, m["templateID"], m["endAt"] - time.time(), m["metadata"]) for k in kids]
 
     @app.post("/sandboxes/{sid}/exec")
     def exec_(sid: str, body: ExecBody):
-        r = get(sid).exec(body.cmd, cwd=body.cwd, env=body.envs, stdin=base64.b64decode(body.stdin),
+        r = get(sid).exec(body.cmd, cwd=body.cwd, env=body.envs, stdin=unbase64(body.stdin, "stdin"),
                           timeout=body.timeout)
         return {"stdout": r.stdout.decode("utf-8", "replace"), "stderr": r.stderr.decode("utf-8", "replace"),
                 "exitCode": r.exit_code, "signal": r.signal, "timedOut": r.timed_out, "truncated": r.truncated,
@@ -166,7 +257,7 @@ def create_control_plane(backend: Backend, templates: dict[str, str | None] | No
 
     @app.post("/sandboxes/{sid}/files", status_code=204)
     def write(sid: str, body: WriteBody):
-        get(sid).write_file(body.path, base64.b64decode(body.data))
+        get(sid).write_file(body.path, unbase64(body.data, "data"))
         return Response(status_code=204)
 
     @app.get("/sandboxes/{sid}/dir")
@@ -194,7 +285,8 @@ def serve(backend_name: str = "bwrap", host: str = "127.0.0.1", port: int = 4998
     backend = get_backend(backend_name)
     backend.require()
     app = create_control_plane(backend, templates, token)
-    print(f"k3 agentenv: http://{host}:{port} backend={backend_name} token={app.state.token}", flush=True)
+    shown = "(as given)" if token else app.state.token  # a generated one is printed once, a given one never
+    print(f"k3 agentenv: http://{host}:{port} backend={backend_name} token={shown}", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
