@@ -133,10 +133,11 @@ class K3ForCausalLM(nn.Module):
             raise TypeError(f"config must be a K3Config, got {type(config).__name__}")
         device = torch.get_default_device()
         if device.type != "meta":  # refuse a model that cannot fit before allocating any of it
-            check_fits(f"K3ForCausalLM: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
-                       f"{config.vocab_size}: {K3ForCausalLM.parameter_count(config):,} parameters in "
-                       f"{str(torch.get_default_dtype()).removeprefix('torch.')}",
-                       K3ForCausalLM.parameter_bytes(config, torch.get_default_dtype()), device)
+            dtype = torch.get_default_dtype()
+            check_fits(f"K3ForCausalLM({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+                       f"{config.vocab_size}) with {K3ForCausalLM.parameter_count(config):,} "
+                       f"{str(dtype).removeprefix('torch.')} parameters",
+                       K3ForCausalLM.parameter_bytes(config, dtype), device)
         self.config = config
         self.model = K3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
