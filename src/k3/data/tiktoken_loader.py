@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from k3.data.tokenizer import ChatTokenizerMixin
+from k3.data.tokenizer import ChatTokenizerMixin, TokenizerError
 
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -31,7 +31,7 @@ KIMI_PATTERN = "|".join([
 DEFAULT_PATTERN = KIMI_PATTERN
 
 
-class TiktokenTokenizerError(ValueError):
+class TiktokenTokenizerError(TokenizerError):
     """A tokenizer directory is missing a file or declares something inconsistent."""
 
 
