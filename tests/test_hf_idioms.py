@@ -169,6 +169,8 @@ def test_prompt_beyond_max_position_embeddings_is_refused_and_generation_stops_t
                                                                          "max_position_embeddings is 16"):
         short.generate(prompt(5, 17), max_new_tokens=1)
     assert seen.lengths == []  # refused before any forward
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        gen_module.stream_generate(short, prompt(5, 17))  # when called, not at the first token
     with pytest.warns(UserWarning, match="at most 4 of max_new_tokens=10 tokens: .*max_position_embeddings is 16"):
         out = short.generate(prompt(5, 12), max_new_tokens=10, eos_token_id=None)
     assert out.shape == (16,)
@@ -230,3 +232,15 @@ def test_cli_prompt_file(saved, tmp_path, capsys):
     assert "not UTF-8" in capsys.readouterr().err
     assert main(["generate", "--model", str(saved), "--prompt", "x", "--prompt-file", str(f)]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_cli_prompt_beyond_the_context_is_one_line_and_echoes_nothing(model, tmp_path, capsys):
+    from k3.cli import main
+    short = K3ForCausalLM(tiny_config(max_position_embeddings=32))
+    short.load_state_dict(model.state_dict())
+    short.save_pretrained(tmp_path / "model")
+    (tmp_path / "long.txt").write_text("ROMEO: " * 40)
+    assert main(["generate", "--model", str(tmp_path / "model"), "--prompt-file", str(tmp_path / "long.txt")]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "max_position_embeddings is 32" in out.err and len(out.err.strip().splitlines()) == 1

@@ -168,7 +168,6 @@ def _eos_ids(model, eos_token_id) -> list[int]:
     return list(ids)
 
 
-@torch.no_grad()
 def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                     eos_token_id: int | list[int] | str | None = "config", prefill=None,
@@ -181,7 +180,8 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     prefill(input_ids, cache) -> logits [B, T, V] replaces the prompt's forward (e.g. to splice in images).
     prefill_chunk: "auto" (default) feeds the prompt in chunks sized to a memory budget (`prefill_chunk_sizes`);
     an int, that many tokens at a time; None, one pass. cuda_graph: decode from a preallocated cache through
-    one captured CUDA graph per token (default: on CUDA devices); False keeps the eager, growing cache."""
+    one captured CUDA graph per token (default: on CUDA devices); False keeps the eager, growing cache.
+    Arguments, limits and memory are checked when called, before the first token is asked for."""
     input_ids, _ = _as_batch(input_ids)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -207,6 +207,15 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     graphed = wants_graphs(model, device, cuda_graph)
     if graphed and device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
+    return _token_stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, gen, eos, prefill,
+                         prefill_chunk, graphed)
+
+
+@torch.no_grad()
+def _token_stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, gen, eos, prefill, prefill_chunk,
+                  graphed) -> Iterator[torch.Tensor]:
+    """stream_generate's loop, over arguments it has checked: prefill, then sample and decode token by token."""
+    (B, T), device = input_ids.shape, input_ids.device
     was_training = model.training
     model.eval()
     try:
