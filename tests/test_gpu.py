@@ -405,13 +405,13 @@ def test_kda_core_fla_matches_reference_with_widened_values():
     for V in (K, 2 * K):
         v = r(B, T, H, V).bfloat16()
         h0 = r(B, H, K, V) * 0.1
-        args = (q, k, v, f, b, A_log, dt_bias, -5.0)
-        o_ref, s_ref = kda_core(*(t.float() if t.dtype == torch.bfloat16 else t for t in args), initial_state=h0,
+        feats = (q, k, v, f, b)
+        o_ref, s_ref = kda_core(*(t.float() for t in feats), A_log, dt_bias, -5.0, initial_state=h0,
                                 output_final_state=True, backend="reference")
-        o, s = kda_core(*args, initial_state=h0, output_final_state=True, backend="fla")
+        o, s = kda_core(*feats, A_log, dt_bias, -5.0, initial_state=h0, output_final_state=True, backend="fla")
         assert rel_err(o, o_ref) < 2e-2 and rel_err(s, s_ref) < 2e-2, V
-    o1, s1 = kda_core(*(t[:, :1] for t in args[:5]), A_log, dt_bias, -5.0, initial_state=h0,
+    o1, s1 = kda_core(*(t[:, :1] for t in feats), A_log, dt_bias, -5.0, initial_state=h0,
                       output_final_state=True, recurrent=True, backend="fla")
-    o1_ref, s1_ref = kda_core(*(t[:, :1].float() for t in args[:5]), A_log, dt_bias, -5.0, initial_state=h0,
+    o1_ref, s1_ref = kda_core(*(t[:, :1].float() for t in feats), A_log, dt_bias, -5.0, initial_state=h0,
                               output_final_state=True, recurrent=True, backend="reference")
     assert rel_err(o1, o1_ref) < 2e-2 and rel_err(s1, s1_ref) < 2e-2

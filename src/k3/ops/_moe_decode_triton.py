@@ -35,12 +35,12 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, I, L, beta_gat
 
 
 @triton.jit
-def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, TOP_K, I, L,
+def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, I, L, TOP_K: tl.constexpr,
                  BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr):
     n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
-    for j in range(TOP_K):
+    for j in tl.static_range(TOP_K):  # unrolled: the k experts' loads are in flight together
         s = n * TOP_K + j
         e = tl.load(idx_ptr + s).to(tl.int64)
         wt = tl.load(wt_ptr + s).to(tl.float32)
@@ -63,9 +63,11 @@ def selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch
     z, idx, weights = z.contiguous(), idx.contiguous(), weights.float().contiguous()
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
     h = torch.empty(N * k, I, dtype=z.dtype, device=z.device)
-    _gate_up_kernel[(N * k, triton.cdiv(I, 16))](z, idx, w1, w3, h, k, I, L, float(beta_gate), float(beta_up),
-                                                  BLOCK_I=16, BLOCK_L=128, EXACT=z.dtype == torch.float32,
-                                                  num_warps=4)
+    # small row blocks: a decode step has few slots, so the programs come from the rows (≥ 4 per SM at small)
+    _gate_up_kernel[(N * k, triton.cdiv(I, 8))](z, idx, w1, w3, h, k, I, L, float(beta_gate), float(beta_up),
+                                                 BLOCK_I=8, BLOCK_L=min(256, triton.next_power_of_2(L)),
+                                                 EXACT=z.dtype == torch.float32, num_warps=4)
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
-    _down_kernel[(N, triton.cdiv(L, 8))](h, idx, weights, w2, out, k, I, L, BLOCK_L=8, BLOCK_I=256, num_warps=4)
+    _down_kernel[(N, triton.cdiv(L, 4))](h, idx, weights, w2, out, I, L, TOP_K=k, BLOCK_L=4,
+                                         BLOCK_I=min(512, triton.next_power_of_2(I)), num_warps=4)
     return out
