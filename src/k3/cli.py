@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -9,6 +10,38 @@ from pathlib import Path
 
 class CLIError(Exception):
     """A problem the user can fix; printed as one line, exit code 2."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already names one or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not self._shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+    def _format_action(self, action):
+        if action.help is None and self._shows_default(action):  # argparse prints no help line without a help text
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    @staticmethod
+    def _shows_default(action) -> bool:
+        return bool(action.option_strings) and action.default not in (None, False, argparse.SUPPRESS)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with k3's error line: `k3 train: error: <message>` and exit 2, without the usage block (which
+    buries the one line that matters); `k3 train --help` shows the usage."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _positive_int(s: str) -> int:
@@ -29,6 +62,78 @@ def _positive_float(s: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
     return v
+
+
+def _preset(s: str) -> str:
+    from k3.config import ConfigError, K3Config
+    try:
+        K3Config.preset(s)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def _device(s: str, allow_auto: bool = False) -> str:
+    """A torch device this machine has: cpu, cuda, cuda:N, mps (and auto where the command picks one)."""
+    if allow_auto and s == "auto":
+        return s
+    import torch
+    try:
+        d = torch.device(s)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or mps{' or auto' if allow_auto else ''}, "
+                                         f"got {s!r}") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise argparse.ArgumentTypeError(f"{s}: CUDA is not available ({why}); use --device cpu")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{s}: only {torch.cuda.device_count()} CUDA GPU(s) visible "
+                                             f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+    elif d.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise argparse.ArgumentTypeError(f"{s}: MPS is not available on this machine; use --device cpu")
+    elif d.type != "cpu":
+        raise argparse.ArgumentTypeError(f"unsupported device {s!r}; use cpu, cuda, cuda:N or mps")
+    return s
+
+
+def _device_or_auto(s: str) -> str:
+    return _device(s, allow_auto=True)
+
+
+def tcp_port(s: str) -> int:
+    """A TCP port to listen on: 1..65535 (0, an OS-chosen port, would leave clients not knowing where)."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {s!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {v}")
+    return v
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Fails with one line when host:port cannot be listened on (taken, not an address of this machine), before
+    a server loads anything. Binds the way uvicorn does (SO_REUSEADDR), then lets go."""
+    import errno
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise CLIError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            hint = " (another process is listening there; pick another --port)" if e.errno == errno.EADDRINUSE else ""
+            raise CLIError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+
+
+def _warn(command: str, message: str) -> None:
+    print(f"k3 {command}: warning: {message}", file=sys.stderr)
 
 
 def _launch_torchrun(a) -> int | None:
@@ -65,47 +170,133 @@ def _launch_torchrun(a) -> int | None:
         rest.append(arg)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "k3.cli", "train", *rest, "--dp", str(dp)]
+    from k3.train.run_dir import check_run_dir
+    check_run_dir(Path(a.out), resume=a.resume, overwrite=a.overwrite)  # one line here, not one per process
     return subprocess.call(argv)
 
 
-_VISION_TRAIN_DEFAULTS = {"out": "runs/vision", "max_steps": 400, "batch_size": 16, "lr": 3e-3, "eval_every": 100}
+# the flags `--task vision` honours; every other flag given is refused with the reason (never silently ignored)
+_VISION_FLAGS = ("out", "max_steps", "batch_size", "lr", "eval_every", "warmup_steps", "time_budget", "seed",
+                 "device", "overwrite")
+_VISION_FIXED = {"preset": "tiny", "optimizer": "adamw", "balance": "quantile"}  # what it trains with
+_VISION_REFUSED = {
+    **dict.fromkeys(("resume", "save_every"), "it trains in one go and writes no checkpoints"),
+    **dict.fromkeys(("nproc", "dp", "ep", "cp", "fsdp"), "it trains in one process"),
+    **dict.fromkeys(("qat", "activation_checkpointing"), "not implemented for the vision-language model"),
+    **dict.fromkeys(("corpus", "tokenizer", "seq_len", "grad_accum"),
+                    "its data are synthetic scenes, one question per row, in the bundled tokenizer"),
+    "preset": "it trains its own tiny vision-language model (--preset tiny)",
+    "optimizer": "it trains with adamw",
+    "balance": "it balances experts with quantile",
+}
 
 
-def cmd_train_vision(a) -> int:
+def cmd_train_vision(a, given: set[str]) -> int:
     from k3.vision.train_vision import VisionTrainConfig, run
 
-    defaults = build_parser()._subparsers._group_actions[0].choices["train"]  # flags left at the text defaults
-    kw = {k: (v if getattr(a, k) == defaults.get_default(k) else getattr(a, k)) for k, v in _VISION_TRAIN_DEFAULTS.items()}
-    device = "cpu" if a.device == "auto" else a.device
-    s = run(VisionTrainConfig(time_budget=a.time_budget, seed=a.seed, device=device, **kw))
+    for name in sorted(given - set(_VISION_FLAGS) - {"task"}):
+        value = getattr(a, name)
+        if name in _VISION_FIXED and value == _VISION_FIXED[name]:
+            continue
+        flag = f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+        raise CLIError(f"{flag} does not apply to --task vision: {_VISION_REFUSED.get(name, 'not supported there')}")
+    kw = {k: getattr(a, k) for k in _VISION_FLAGS if k in given}
+    if kw.get("device") == "auto":
+        kw["device"] = "cpu"
+    cfg = VisionTrainConfig(**kw)
+    s = run(cfg)
     print()
     print(f"steps {s['steps']}{' (stopped by --time-budget)' if s['stopped_early'] else ''} in {s['seconds']:.0f} s")
     for split, kinds in s["accuracy"].items():
         print(f"{split:>16} accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in kinds.items()))
     print(f"held-out (unseen colour-shape combinations) accuracy: {s['heldout_accuracy']:.3f}; "
           f"in-distribution: {s['in_distribution_accuracy']:.3f}")
-    print(f"model: {s['model_dir']}   metrics: {Path(kw['out']) / 'metrics.jsonl'}")
+    print(f"model: {s['model_dir']}   metrics: {Path(cfg.out) / 'metrics.jsonl'}")
     return 0
 
 
-def cmd_train(a) -> int:
-    from k3.train.trainer import TrainConfig, Trainer
+def _given_train_flags(argv: list[str] | None) -> set[str]:
+    """The `k3 train` flags on the command line (as dest names), told apart from defaults by parsing again with
+    every default suppressed: `--max-steps 300` counts as given although 300 is the default."""
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]
+    for action in train._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) - {"command", "func"}
 
-    if getattr(a, "task", "text") == "vision":
-        return cmd_train_vision(a)
+
+# flags a resumed run does not take from the saved run: they belong to this invocation (machine, session time)
+_NOT_RESUMED = ("out", "resume", "overwrite", "device", "time_budget")
+
+
+def _take_saved_run(a, given: set[str]) -> dict:
+    """--resume: the saved run's configuration for every flag not given (steps, schedule, batch, sequence
+    length, preset, optimizer, layout, ...); a given flag that contradicts it is refused, naming it.
+    Returns the saved fields that have no flag (weight decay, clipping, ...)."""
+    import os
+
+    from k3.train.run_dir import check_resume_config, saved_train_config
+    saved = saved_train_config(Path(a.out), warn=lambda m: None)  # Trainer warns when it skips a damaged one
+    for name, value in saved.items():
+        if hasattr(a, name) and name not in given and name not in _NOT_RESUMED:
+            setattr(a, name, value)
+    if "nproc" not in given and "LOCAL_RANK" not in os.environ:  # relaunch the saved run's process count
+        a.nproc = saved.get("dp", 1) * saved.get("cp", 1)
+    check_resume_config(vars(a), saved, Path(a.out))
+    return {k: v for k, v in saved.items() if not hasattr(a, k) and k not in _NOT_RESUMED}
+
+
+def _check_train_memory(cfg) -> None:
+    """A --batch-size × --seq-len step that cannot fit: one line saying what fits, before anything is allocated.
+    One CPU process only: the estimate measures the CPU float32 paths, and ranks hold shards of the work."""
+    import os
+
+    import torch
+
+    from k3.config import K3Config
+    from k3.train.memory_estimate import check_train_fits
+
+    if cfg.dp * cfg.cp * cfg.ep > 1 or "LOCAL_RANK" in os.environ:
+        return
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type != "cpu":
+        return
+    check_train_fits(K3Config.preset(cfg.preset), cfg.batch_size, cfg.seq_len, cfg.optimizer,
+                     cfg.activation_checkpointing)
+
+
+def cmd_train(a) -> int:
+    from k3.train.run_dir import RunDirError, default_run_dir
+    from k3.train.trainer import TrainConfig, Trainer, train_config_from_dict
+
+    given = _given_train_flags(getattr(a, "argv", None))
+    if a.task == "vision":
+        return cmd_train_vision(a, given)
+    if a.out is None:
+        a.out = default_run_dir(a.preset)
+    unflagged = _take_saved_run(a, given) if a.resume else {}
     launched = _launch_torchrun(a)
     if launched is not None:
         return launched
 
-    cfg = TrainConfig(preset=a.preset, out=a.out, corpus=a.corpus, tokenizer=a.tokenizer, max_steps=a.max_steps,
-                      time_budget=a.time_budget, batch_size=a.batch_size, seq_len=a.seq_len,
-                      grad_accum=a.grad_accum, lr=a.lr, optimizer=a.optimizer, balance=a.balance,
-                      eval_every=a.eval_every, save_every=a.save_every, seed=a.seed, resume=a.resume,
-                      device=a.device, warmup_steps=a.warmup_steps, qat=a.qat, dp=a.dp or 1, ep=a.ep, cp=a.cp,
-                      fsdp=a.fsdp, activation_checkpointing=a.activation_checkpointing)
+    cfg = train_config_from_dict({
+        **unflagged, "preset": a.preset, "out": a.out, "corpus": a.corpus, "tokenizer": a.tokenizer,
+        "max_steps": a.max_steps, "time_budget": a.time_budget, "batch_size": a.batch_size, "seq_len": a.seq_len,
+        "grad_accum": a.grad_accum, "lr": a.lr, "optimizer": a.optimizer, "balance": a.balance,
+        "eval_every": a.eval_every, "save_every": a.save_every, "seed": a.seed, "resume": a.resume,
+        "overwrite": a.overwrite, "device": a.device, "warmup_steps": a.warmup_steps, "qat": a.qat,
+        "dp": a.dp or 1, "ep": a.ep, "cp": a.cp, "fsdp": a.fsdp, "activation_checkpointing": a.activation_checkpointing})
     from k3.config import K3Config
     K3Config.preset(cfg.preset)  # unknown preset: fail before loading data
-    s = Trainer(cfg).run()
+    _check_train_memory(cfg)
+    try:
+        s = Trainer(cfg, warn=lambda msg: print(f"k3 train: warning: {msg}", file=sys.stderr, flush=True)).run()
+    except OSError as e:  # a full disk or a vanished directory while writing metrics, plots or the summary
+        if isinstance(e, FileNotFoundError) and not Path(cfg.out).is_dir():
+            raise RunDirError(f"--out {cfg.out} disappeared during the run") from None
+        where = f" ({e.filename})" if e.filename else ""
+        raise RunDirError(f"writing the run in {cfg.out} failed: {e.strerror or e}{where}; "
+                          f"its checkpoints are intact (continue with --resume)") from None
     if "rank" in s:  # a non-zero rank of a multi-process run: rank 0 prints the summary
         return 0
     print()
@@ -115,8 +306,24 @@ def cmd_train(a) -> int:
     if s["maxvio_mean_last"] is not None:
         print(f"MaxVio (mean over MoE layers, last step, balance={s['balance']}): {s['maxvio_mean_last']:.3f}")
     print(f"model: {s['model_dir']}   metrics: {Path(cfg.out) / 'metrics.jsonl'}   plots: {Path(cfg.out) / 'loss.png'}")
+    print(f"model format: {_model_format(Path(s['model_dir']), cfg.qat)}")
     print(f"sample: {s['sample']}")
     return 0
+
+
+def _model_format(model_dir: Path, qat: bool) -> str:
+    """What the exported model directory holds, read back from its config.json (and what --qat trained for)."""
+    from k3.checkpoint.convert import config_experts_format
+    from k3.config import K3Config
+
+    config = K3Config.from_pretrained(model_dir)
+    if config_experts_format(config) == "mxfp4":
+        return f"{config.dtype} weights, routed experts MXFP4 (packed E2M1 + E8M0 scales, quantization_config)"
+    text = f"{config.dtype} weights, routed experts unquantized (no quantization_config)"
+    if qat:
+        text += (f"; --qat trained them for MXFP4 (MXFP8 expert activations): `k3 convert {model_dir} "
+                 f"{model_dir}-mxfp4 --experts mxfp4` writes that format, which then runs as trained")
+    return text
 
 
 def cmd_generate(a) -> int:
@@ -129,6 +336,8 @@ def cmd_generate(a) -> int:
     model_dir = Path(a.model)
     if not (model_dir / "config.json").is_file():
         raise CLIError(f"--model {model_dir}: no config.json there (train one with `k3 train`)")
+    if a.prompt_file is not None:
+        a.prompt = _read_prompt_file(a.prompt_file)
     tok_path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer.from_file(tok_path if tok_path.is_file() else None)
     if a.image:
@@ -141,6 +350,18 @@ def cmd_generate(a) -> int:
                              temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                              eos_token_id=tokenizer.eos_id)
     return _print_stream(a.prompt, tokens, tokenizer)
+
+
+def _read_prompt_file(path: str) -> str:
+    """`--prompt-file`: the whole file (UTF-8) is the prompt; `-` reads standard input."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise CLIError(f"--prompt-file {path}: {e.strerror or e}") from None
 
 
 def _print_stream(prompt: str, tokens, tokenizer) -> int:
@@ -185,10 +406,12 @@ def _generate_with_images(a, model_dir: Path, tokenizer) -> int:
 
 def cmd_plan(a) -> int:
     from k3.config import K3Config
-    from k3.parallel.memory_plan import format_plan, parse_bytes, plan_memory, smallest_fit
+    from k3.parallel.memory_plan import bare_number_warning, format_plan, parse_bytes, plan_memory, smallest_fit
 
     config = K3Config.preset(a.preset)
     mem = parse_bytes(a.gpu_memory)
+    if (warning := bare_number_warning(a.gpu_memory)) is not None:
+        _warn("plan", warning)
     kw = dict(mode=a.mode, seq_len=a.seq_len, batch=a.batch, optimizer=a.optimizer)
     p = plan_memory(config, a.gpus, mem, dp=a.dp, ep=a.ep, cp=a.cp, **kw)
     best = smallest_fit(config, mem, cp=a.cp, **kw)
@@ -208,6 +431,7 @@ def cmd_info(a) -> int:
     if a.verify and not a.dir:
         raise CLIError("--verify needs a checkpoint directory: k3 info DIR --verify")
     if a.dir:
+        _check_info_path(Path(a.dir), a.verify)
         config, name = K3Config.from_pretrained(a.dir), str(a.dir)
     else:
         config, name = K3Config.preset(a.preset), a.preset
@@ -226,6 +450,21 @@ def cmd_info(a) -> int:
         if "verify" in report:
             print(_format_verify(report["verify"]))
     return 1 if report.get("verify", {}).get("problems") else 0
+
+
+def _check_info_path(path: Path, verify: bool) -> None:
+    """`k3 info PATH` reads a checkpoint directory or a config.json; --verify needs the directory (a shard alone
+    cannot be checked against the config: the other shards hold the rest of the plan)."""
+    if not path.exists():
+        raise CLIError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return
+    if verify:
+        raise CLIError(f"{path} is a file; --verify checks a whole checkpoint directory (config.json + safetensors "
+                       f"shards) against its config: k3 info {path.parent} --verify")
+    if path.suffix != ".json":
+        raise CLIError(f"{path} is not a config.json; give a checkpoint directory or its config.json "
+                       f"(e.g. k3 info {path.parent})")
 
 
 def _format_inventory(inv: dict) -> str:
@@ -270,12 +509,51 @@ def _size(s: str) -> int:
     return v
 
 
+def _concurrency_levels(s: str) -> list[int]:
+    """'1,8,32' → [1, 8, 32]; '' → [] (no concurrency cap: arrivals paced by --request-rate)."""
+    try:
+        levels = [int(x) for x in s.split(",")] if s.strip() else []
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,8,32, got {s!r}") from None
+    bad = [v for v in levels if v < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {bad[0]}")
+    return levels
+
+
+def _datasets(s: str) -> list[str]:
+    from k3.serve.bench import DATASETS
+
+    names = [x.strip() for x in s.split(",")]
+    unknown = [n for n in names if n not in DATASETS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown dataset {unknown[0]!r}; choose from {', '.join(DATASETS)} "
+                                         f"(comma-separated)")
+    return names
+
+
+def _output_file(s: str) -> Path:
+    """A file path the command can write later: checked now, so a long run cannot fail at its first write."""
+    import os
+    path = Path(s)
+    parent = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{s} is a directory; give a file name, e.g. {path / 'results.json'}")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{s}: the directory {parent} does not exist")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{s}: not writable (permission denied)")
+    return path
+
+
 def _engine_config(a):
     from k3.serve.engine import EngineConfig
 
-    return EngineConfig(memory_bytes=int(a.memory_gib * 2**30), block_size=a.block_size, match_unit=a.match_unit,
-                        max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.max_num_seqs,
-                        prefix_caching=not a.no_prefix_caching)
+    config = EngineConfig(memory_bytes=int(a.memory_gib * 2**30), block_size=a.block_size, match_unit=a.match_unit,
+                          max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.max_num_seqs,
+                          prefix_caching=not a.no_prefix_caching)
+    config.validate()  # now, not once the model is loaded
+    return config
 
 
 def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
@@ -290,8 +568,10 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
 def cmd_serve(a) -> int:
     from k3.serve.api import serve
 
+    check_listen_address(a.host, a.port)  # a taken port: say so now, not after loading the model
+    engine_config = _engine_config(a)
     try:
-        serve(a.model, host=a.host, port=a.port, api_key=a.api_key, engine_config=_engine_config(a),
+        serve(a.model, host=a.host, port=a.port, api_key=a.api_key, engine_config=engine_config,
               model_name=a.served_model_name, device=a.device)
     except ImportError as e:
         raise CLIError(f"{e.name} is missing: install the serve extra (pip install 'k3[serve]')") from None
@@ -308,16 +588,18 @@ def cmd_bench_serve(a) -> int:
     from k3.serve import bench
 
     if a.quick:  # a small CPU-sized sanity run of every path: engine (both datasets), baseline, checks
-        a.concurrency, a.num_prompts, a.prompts_per_concurrency = "1,4", 2, 2
+        a.concurrency, a.num_prompts, a.prompts_per_concurrency = [1, 4], 2, 2
         a.input_len, a.output_len, a.turns, a.request_rate = 16, 8, 2, None
+    # every flag is checked by now (argparse types) but the engine's own rules: before the model and the warm-up
+    engine_config = dataclasses.replace(_engine_config(a), num_state_slots=a.num_state_slots)
+    if a.model and not (Path(a.model) / "config.json").is_file():
+        raise CLIError(f"--model {a.model}: no config.json there")
     torch.manual_seed(a.seed)
     # On a shared CPU, OpenMP spin-waiting across threads can slow small ops 10x; one thread is steadier.
     torch.set_num_threads(a.threads or (1 if a.device == "cpu" else torch.get_num_threads()))
     if a.model:
         from k3.model.decoder import K3ForCausalLM
         model_dir = Path(a.model)
-        if not (model_dir / "config.json").is_file():
-            raise CLIError(f"--model {model_dir}: no config.json there")
         tok_path = model_dir / "tokenizer.json"
         tokenizer = Tokenizer.from_file(tok_path if tok_path.is_file() else None)
         model = K3ForCausalLM.from_pretrained(model_dir, device=a.device)
@@ -330,9 +612,8 @@ def cmd_bench_serve(a) -> int:
     model.eval()
     if a.dtype != "float32":
         model = model.to(getattr(torch, a.dtype))
-    engine_config = dataclasses.replace(_engine_config(a), num_state_slots=a.num_state_slots)
-    levels = [int(c) for c in a.concurrency.split(",")] if a.concurrency else [None]
-    datasets = a.dataset.split(",")
+    levels = a.concurrency or [None]
+    datasets = a.dataset
     rows, problems = [], []
     t_start = time.perf_counter()
 
@@ -370,15 +651,25 @@ def cmd_bench_serve(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="k3", description="Kimi K3 from scratch: build, train, generate, inspect.")
+    from importlib.metadata import version
+
+    from k3 import __version__
+    from k3.config import K3Config
+
+    p = _Parser(prog="k3", description="Kimi K3 from scratch: build, train, generate, inspect.")
+    p.add_argument("--version", action="version",
+                   version=f"k3 {__version__} (torch {version('torch')}, Python {sys.version.split()[0]})")
     sub = p.add_subparsers(dest="command", required=True)
+    presets = dict(type=_preset, metavar="{" + ",".join(K3Config.PRESETS) + "}", help="model size")
 
     t = sub.add_parser("train", help="train a K3 on the bundled corpus (defaults: tiny preset, ~10 min on 2 CPU cores)")
     t.add_argument("--task", choices=["text", "vision"], default="text",
                    help="text: the bundled corpus; vision: a tiny vision-language model on synthetic scenes "
                         "(defaults then: --out runs/vision --max-steps 400 --batch-size 16 --lr 3e-3)")
-    t.add_argument("--preset", default="tiny")
-    t.add_argument("--out", default="runs/tiny", help="run directory (checkpoints, metrics, plots, model)")
+    t.add_argument("--preset", default="tiny", **presets)
+    t.add_argument("--out", default=None,
+                   help="run directory: checkpoints, metrics, plots, model (default: runs/PRESET; runs/vision for "
+                        "--task vision). A new run needs it missing or empty")
     t.add_argument("--corpus", default=None, help="a .jsonl.xz corpus (default: bundled Shakespeare)")
     t.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: bundled BPE)")
     t.add_argument("--max-steps", type=_positive_int, default=300)
@@ -393,8 +684,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=_positive_int, default=50)
     t.add_argument("--save-every", type=_positive_int, default=100)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="auto")
-    t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    t.add_argument("--device", type=_device_or_auto, default="auto", help="cpu, cuda, cuda:N; auto: cuda if present")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest good checkpoint, with its saved settings")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start a new run in --out, deleting the previous run there (never other files)")
     t.add_argument("--qat", action="store_true",
                    help="quantization-aware training: MXFP4 routed-expert weights, MXFP8 expert activations")
     t.add_argument("--activation-checkpointing", action="store_true",
@@ -409,9 +703,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     pl = sub.add_parser("plan", help="per-GPU memory of a training or serving layout; smallest GPU count that fits")
-    pl.add_argument("--preset", default="kimi-k3")
+    pl.add_argument("--preset", default="kimi-k3", **presets)
     pl.add_argument("--gpus", type=_positive_int, required=True)
-    pl.add_argument("--gpu-memory", default="141GB", help="per GPU: 141GB (10^9 B), 80GiB (2^30 B), ...")
+    pl.add_argument("--gpu-memory", default="141GB",
+                    help="per GPU: 141GB (10^9 B), 80GiB (2^30 B), ...; a bare number is bytes")
     pl.add_argument("--mode", choices=["train", "serve"], default="train")
     pl.add_argument("--dp", type=_positive_int, default=None)
     pl.add_argument("--ep", type=_positive_int, default=None, help="default gcd(gpus, experts)")
@@ -425,7 +720,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a trained model directory")
     g.add_argument("--model", required=True, help="a directory written by `k3 train` (e.g. runs/tiny/model)")
-    g.add_argument("--prompt", required=True)
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file (- for stdin); "
+                        "long prompts are prefilled in memory-bounded chunks")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-p", type=float, default=0.95)
@@ -437,7 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="parameter breakdown, activated parameters, cache and checkpoint sizes")
     i.add_argument("dir", nargs="?", default=None, help="a checkpoint directory (reads its config.json)")
-    i.add_argument("--preset", default="kimi-k3")
+    i.add_argument("--preset", default="kimi-k3", **presets)
     i.add_argument("--json", action="store_true")
     i.add_argument("--verify", action="store_true",
                    help="check DIR against its config: tensor names, shapes, dtypes, counts, bytes (exit 1 on problems)")
@@ -453,10 +751,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
     sv.add_argument("--model", required=True, help="a model directory (config.json + safetensors)")
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=_positive_int, default=8000)
+    sv.add_argument("--port", type=tcp_port, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     sv.add_argument("--served-model-name", default=None, help="model id clients use (default: directory name)")
-    sv.add_argument("--device", default="cpu")
+    sv.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N")
     _add_engine_args(sv, block=2048, unit=512)
     sv.set_defaults(func=cmd_serve)
 
@@ -464,12 +762,13 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     bs = bsub.add_parser("serve", help="load-test the serving engine over HTTP (TTFT, TPOT, ITL, e2e, hit rate)")
     bs.add_argument("--model", default=None, help="a model directory (default: a random --preset model)")
-    bs.add_argument("--preset", default="tiny")
-    bs.add_argument("--device", default="cpu")
+    bs.add_argument("--preset", default="tiny", **presets)
+    bs.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N")
     bs.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    bs.add_argument("--concurrency", default="1,8,32", help="comma-separated max concurrency levels")
+    bs.add_argument("--concurrency", type=_concurrency_levels, default="1,8,32",
+                    help="comma-separated max concurrency levels ('' for none: --request-rate paces arrivals)")
     bs.add_argument("--request-rate", type=_positive_float, default=None, help="Poisson arrivals per second")
-    bs.add_argument("--dataset", default="random,multiturn", help="random and/or multiturn")
+    bs.add_argument("--dataset", type=_datasets, default="random,multiturn", help="random and/or multiturn")
     bs.add_argument("--num-prompts", type=_positive_int, default=32, help="requests per level, at least")
     bs.add_argument("--prompts-per-concurrency", type=_positive_int, default=1,
                     help="requests per level = max(--num-prompts, this x concurrency): the same number of waves "
@@ -481,7 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time the static-batch generate baseline")
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: 1 on CPU)")
-    bs.add_argument("--json", default=None, help="write the results here (after every row)")
+    bs.add_argument("--json", type=_output_file, default=None, help="write the results to this file (after every row)")
     bs.add_argument("--quick", action="store_true",
                     help="a small sanity run: concurrency 1,4, 2 requests per concurrent slot of 16 words and 8 "
                          "tokens out, 2 turns (overrides those flags)")
@@ -495,19 +794,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command_name(args) -> str:
+    """'k3 train', 'k3 bench serve', 'k3 agentenv run': the prefix of every error line."""
+    return " ".join(["k3", args.command] + [getattr(args, sub) for sub in ("bench", "agentenv") if getattr(args, sub, None)])
+
+
+def _error_line(e: Exception) -> str:
+    """One line for a user's problem: an OSError names its path and the system's reason, not its errno tuple."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e).strip().replace("\n", " ")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed --help, --version or its error line
+        return e.code if isinstance(e.code, int) else 2
+    from k3.agentenv.api import BackendUnavailable
     from k3.checkpoint.hf import CheckpointError
     from k3.config import ConfigError
     from k3.data import CorpusError, TokenizerError
 
+    # the one exit path for problems a user can fix: `k3 <command>: error: <one line>`, exit 2
+    user_errors = (CLIError, ConfigError, CorpusError, TokenizerError, CheckpointError, BackendUnavailable,
+                   FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, ValueError)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # `k3 train` tells given flags from defaults
     try:
         return args.func(args)
-    except (CLIError, ConfigError, CorpusError, TokenizerError, CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+    except user_errors as e:
+        print(f"{_command_name(args)}: error: {_error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"k3 {args.command}: interrupted", file=sys.stderr)
+        print(f"{_command_name(args)}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -36,6 +36,14 @@ def parse_bytes(text: str) -> int:
     return v
 
 
+def bare_number_warning(text: str) -> str | None:
+    """A --gpu-memory without a unit is bytes; under 1 GiB that is surely a forgotten unit (141 → 141GB)."""
+    t = str(text).strip()
+    if re.fullmatch(r"[0-9]*\.?[0-9]+", t) and float(t) < 2**30:
+        return f"--gpu-memory {t} means {t} bytes (a number without a unit is bytes); did you mean {t}GB?"
+    return None
+
+
 @dataclass
 class MemoryPlan:
     mode: str

@@ -21,6 +21,8 @@ import torch
 
 from k3.serve.local_server import local_server
 
+DATASETS = ("random", "multiturn")  # shared-nothing random prompts; multi-turn chats over a shared prefix
+
 
 @dataclass
 class RequestResult:
@@ -130,7 +132,7 @@ async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurr
         elif dataset == "multiturn":
             jobs = [one_session(i) for i in range(max(1, num_prompts // turns))]
         else:
-            raise ValueError(f"dataset must be 'random' or 'multiturn', got {dataset!r}")
+            raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
         t0 = time.perf_counter()
         tasks = []
         for job in jobs:
