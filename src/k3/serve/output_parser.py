@@ -85,24 +85,24 @@ class OutputParser:
         self._calls: list[dict] = []  # {"id", "name", "arguments": [fragments], "args": count}
         self._arg: dict | None = None  # the argument being read: key, type, text pieces
         self._done = False
-        self._delta = Delta()
+        self._new_reasoning: list[str] = []  # what the current feed adds (joined once: no quadratic string growth)
+        self._new_content: list[str] = []
+        self._new_calls: list[dict] = []  # OpenAI call deltas, their arguments as lists of fragments
 
     # ---- public ----------------------------------------------------------------------------------------------
     def feed(self, token_ids) -> Delta:
         """Consume newly generated ids (ints or a 1-D tensor); return what they add."""
-        self._delta = Delta()
         for t in token_ids:
             if self._done:
                 break
             self._token(int(t))
-        return self._delta
+        return self._take_delta()
 
     def finish(self) -> Delta:
         """Generation ended (stop id, length, abort): flush held-back text, close a truncated call."""
-        self._delta = Delta()
         if not self._done:
             self._end()
-        return self._delta
+        return self._take_delta()
 
     @property
     def has_tool_calls(self) -> bool:
@@ -120,6 +120,13 @@ class OutputParser:
                                   "function": {"name": c["name"], "arguments": "".join(c["arguments"])}}
                                  for c in self._calls]
         return msg
+
+    def _take_delta(self) -> Delta:
+        for d in self._new_calls:
+            d["function"]["arguments"] = "".join(d["function"]["arguments"])
+        delta = Delta("".join(self._new_reasoning), "".join(self._new_content), self._new_calls)
+        self._new_reasoning, self._new_content, self._new_calls = [], [], []
+        return delta
 
     # ---- tokens ----------------------------------------------------------------------------------------------
     def _token(self, t: int) -> None:
@@ -143,7 +150,7 @@ class OutputParser:
         state = self._state
         if state == "think":
             self._reasoning.append(piece)
-            self._delta.reasoning_content += piece
+            self._new_reasoning.append(piece)
         elif state == "response":
             self._add_content(piece)
         elif state == "outside":  # after a section closed: whitespace is layout, anything else is content
@@ -169,7 +176,7 @@ class OutputParser:
 
     def _add_content(self, piece: str) -> None:
         self._content.append(piece)
-        self._delta.content += piece
+        self._new_content.append(piece)
 
     # ---- tags ------------------------------------------------------------------------------------------------
     def _tag(self, kind: str, header: str) -> None:
@@ -224,8 +231,8 @@ class OutputParser:
         n = len(self._calls)
         call = {"id": self._call_id(n), "name": name, "arguments": [], "args": 0, "json": False}
         self._calls.append(call)
-        self._delta.tool_calls.append({"index": n, "id": call["id"], "type": "function",
-                                       "function": {"name": name, "arguments": ""}})
+        self._new_calls.append({"index": n, "id": call["id"], "type": "function",
+                                "function": {"name": name, "arguments": []}})
         self._state = "call"
 
     def _key_prefix(self) -> str:
@@ -238,11 +245,11 @@ class OutputParser:
             return
         call = self._calls[-1]
         call["arguments"].append(text)
-        d = self._delta.tool_calls
+        d = self._new_calls
         if d and d[-1]["index"] == len(self._calls) - 1:
-            d[-1]["function"]["arguments"] += text
+            d[-1]["function"]["arguments"].append(text)
         else:
-            d.append({"index": len(self._calls) - 1, "function": {"arguments": text}})
+            d.append({"index": len(self._calls) - 1, "function": {"arguments": [text]}})
 
     def _end_argument(self, truncated: bool = False) -> None:
         arg, self._arg = self._arg, None
