@@ -213,6 +213,14 @@ def test_bad_generate_arguments(model):
         model.generate(prompt(8, 4), max_new_tokens=2, prefill_chunk=0)
     with pytest.raises(ValueError, match="non-empty"):
         model.generate(torch.zeros(0, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(TypeError, match="'max_length': give max_new_tokens"):
+        model.generate(prompt(8, 4), max_length=20)
+    with pytest.raises(TypeError, match="'do_sample': sampling is temperature > 0"):
+        model.generate(prompt(8, 4), do_sample=True)
+    with pytest.raises(TypeError, match="'attention_mask': rows of one call share their length"):
+        model.generate(prompt(8, 4)[None], attention_mask=torch.ones(1, 4))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'beam_width'$"):
+        model.generate(prompt(8, 4), beam_width=2)
 
 
 # ---- k3 generate --prompt-file ----------------------------------------------------------------------------------

@@ -147,6 +147,18 @@ def chunked_prefill(model, input_ids: torch.Tensor, cache, chunk_size: int | str
     return logits
 
 
+# transformers' generate arguments that k3 spells differently or does not have, and what to do instead
+_HF_INSTEAD = {
+    "max_length": "give max_new_tokens (the tokens after the prompt)",
+    "do_sample": "sampling is temperature > 0 (temperature=0, the default, is greedy)",
+    "attention_mask": "rows of one call share their length and have no padding; generate ragged prompts one by "
+                      "one or through k3.serve's engine",
+    "num_beams": "k3 has no beam search (greedy or sampling only)",
+    "generation_config": "pass max_new_tokens, temperature, top_k, top_p, seed and eos_token_id directly",
+    "pad_token_id": "rows are never padded; finished rows repeat their EOS id",
+}
+
+
 def _as_batch(input_ids) -> tuple[torch.Tensor, bool]:
     """[B, T] ids from a list, a list of lists, a 1-D or a 2-D tensor; True when the input was one 1-D row."""
     if isinstance(input_ids, list):
@@ -171,7 +183,8 @@ def _eos_ids(model, eos_token_id) -> list[int]:
 def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                     eos_token_id: int | list[int] | str | None = "config", prefill=None,
-                    prefill_chunk: int | str | None = "auto", cuda_graph: bool | None = None) -> Iterator[torch.Tensor]:
+                    prefill_chunk: int | str | None = "auto", cuda_graph: bool | None = None,
+                    **unsupported) -> Iterator[torch.Tensor]:
     """Yields the next token [B] for each step; stops after max_new_tokens or when every row emitted EOS.
 
     input_ids: [B, T] (or one row: a 1-D tensor or a list of ints). eos_token_id: the id(s) that end a row;
@@ -181,7 +194,11 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     prefill_chunk: "auto" (default) feeds the prompt in chunks sized to a memory budget (`prefill_chunk_sizes`);
     an int, that many tokens at a time; None, one pass. cuda_graph: decode from a preallocated cache through
     one captured CUDA graph per token (default: on CUDA devices); False keeps the eager, growing cache.
-    Arguments, limits and memory are checked when called, before the first token is asked for."""
+    Arguments, limits and memory are checked when called, before the first token is asked for; a transformers
+    argument k3 does not take is a TypeError saying what to use instead."""
+    for name in unsupported:
+        raise TypeError(f"generate() got an unexpected keyword argument {name!r}"
+                        + (f": {_HF_INSTEAD[name]}" if name in _HF_INSTEAD else ""))
     input_ids, _ = _as_batch(input_ids)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
