@@ -61,7 +61,7 @@ MESSAGES = [
     {"role": "assistant", "reasoning_content": "Need the tool.", "content": "", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "calc", "arguments": {
             "expr": "2 + \"3\"\n", "digits": 4, "exact": False, "extra": None, "list": [1, {"a": "b"}],
-            "obj": {"k": [True]}, "ratio": 0.125}}},
+            "obj": {"k": [True]}, "ratio": 0.125, 'we"ird&key <|sep|>': "v"}}},  # attribute escaping
         {"id": "b", "type": "function", "function": {"name": "calc", "arguments": {}}}]},
     {"role": "assistant", "reasoning_content": "json form", "content": "calling", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "1+1"}'}}]},
