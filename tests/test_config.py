@@ -269,3 +269,10 @@ def test_torch_dtype_is_read_as_dtype_and_eos_may_be_a_list(tmp_path, released):
     del text["dtype"]
     cfg = K3Config.from_pretrained(write_config(tmp_path, text))
     assert cfg.dtype == "float32" and cfg.eos_token_id == [163586, 163585]
+
+
+def test_transformers_top_level_torch_dtype_is_the_dtype(tmp_path, released):
+    top = json.loads(json.dumps(released))
+    del top["dtype"], top["text_config"]["dtype"]
+    top["torch_dtype"] = "float16"
+    assert K3Config.from_pretrained(write_config(tmp_path, top)).dtype == "float16"

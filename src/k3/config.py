@@ -291,7 +291,7 @@ DTYPES = ("bfloat16", "float16", "float32", "float64")
 # Fields a config.json may leave out: none of them sets a size, and their defaults hold for any K3-shaped model.
 _OPTIONAL = frozenset({"model_type", "architectures", "quantization_config", "initializer_range", "tie_word_embeddings"})
 # Fields the released top level repeats beside text_config.
-_SHARED_TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "dtype")
+_SHARED_TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "dtype", "torch_dtype")
 
 
 def _is_int(v) -> bool:
