@@ -87,6 +87,8 @@ def test_from_pretrained_torch_dtype_alias_and_device(saved):
     (dict(device_map="auto"), TypeError, "device_map is not supported; pass device="),
     (dict(low_cpu_mem_usage=True), TypeError, "unexpected keyword argument.*low_cpu_mem_usage"),
     (dict(dtype=torch.float16, torch_dtype=torch.float16), TypeError, "not both"),
+    pytest.param(dict(device="cuda"), ValueError, "device='cuda': CUDA is not available here; load with device='cpu'",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without CUDA")),
 ])
 def test_from_pretrained_bad_arguments_say_what_to_do(saved, kwargs, exc, match):
     with pytest.raises(exc, match=match):

@@ -180,6 +180,8 @@ def load_pretrained(path, device="cpu", dtype: torch.dtype | str | None = None, 
     config = K3Config.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: CUDA is not available here; load with device='cpu'")
     with torch.device("meta"):
         model = K3ForCausalLM(config, init=False)
     if packed_experts:
