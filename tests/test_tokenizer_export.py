@@ -96,3 +96,6 @@ def test_transformers_renders_chats_exactly_as_k3(saved, case, generation_prompt
     messages, options = CONVERSATIONS[case]
     ours = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **options)
     assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **options) == ours
+    got = hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, **options)  # tokenized
+    got = got["input_ids"] if hasattr(got, "keys") else got
+    assert got == tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, **options)
