@@ -1,5 +1,9 @@
 """OpenAI-compatible HTTP server (FastAPI): completions, chat completions (SSE streaming), models, health,
 Prometheus metrics, tokenize/detokenize. Every bad request gets a 4xx JSON error in OpenAI's shape.
+/v1/chat/completions speaks K3's chat format (SPEC §1.2): `tools`, `tool_choice`, `parallel_tool_calls`,
+`response_format` (json_object, json_schema) enforced by a grammar (k3.serve.grammar), `tool_calls` and
+`reasoning_content` (also as stream deltas), vLLM's `chat_template_kwargs` (thinking, thinking_effort) and
+OpenAI's `reasoning_effort`; a chat field k3 does not know is a 400 naming it.
 k3 extensions (all optional): `policy_version` (prefix-cache namespace), `return_token_ids` (generated ids per
 choice and per streamed chunk, prompt ids per choice: raw-token continuation without re-tokenising), and on
 /v1/completions `checkpoint_at` (prompt positions, e.g. tool-turn ends, worth a KDA checkpoint)."""
@@ -11,6 +15,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from typing import Any, Union
 
@@ -19,8 +24,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.serve.chat_template import ChatOutputParser, render_chat
+from k3.data.chat_template import THINKING_EFFORTS
+from k3.serve.chat_template import render_chat
 from k3.serve.engine import EngineThread, LLMEngine
+from k3.serve.grammar import Grammar, GrammarError, chat_grammar
+from k3.serve.output_parser import OutputParser
 from k3.serve.sampling import SamplingParams
 
 MAX_N = 4
@@ -122,11 +130,28 @@ class CompletionRequest(_Common):
     checkpoint_at: list[int] | None = None  # k3 extension: prompt positions worth a KDA checkpoint (turn ends)
 
 
+class ChatTemplateKwargs(BaseModel):
+    """vLLM's `chat_template_kwargs`: the options of K3's chat template (an unknown one is a 400)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    thinking: bool = True
+    thinking_effort: str | None = None
+
+
 class ChatRequest(_Common):
+    """An unknown field is a 400 naming it: a chat option k3 would otherwise drop silently (logit_bias, audio, …)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    reasoning_effort: str | None = None  # OpenAI's: low, medium, high (and k3's max); none turns thinking off
+    user: str | None = None  # accepted for compatibility: an end-user label with no effect on the output
+    metadata: dict[str, str] | None = None  # likewise
 
 
 class TokenizeRequest(_Strict):
@@ -189,6 +214,8 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(p) for p in err["loc"]) or None
+            if err["type"] == "extra_forbidden":
+                raise APIError(400, f"{param}: k3 does not support this field", param)
             raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param)
 
     def check_model(req) -> None:
@@ -386,6 +413,54 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                 "usage": usage(len(ids), sum(len(o.output_ids) for o in outs), outs[0].cache),
                 "k3_cache": outs[0].cache.as_dict()}
 
+    grammars: OrderedDict = OrderedDict()  # compiled constraints by grammar text (LRU): clients repeat schemas
+
+    def chat_thinking(req) -> tuple[bool, str | None]:
+        """(thinking on, thinking effort) from vLLM's chat_template_kwargs and OpenAI's reasoning_effort."""
+        kw = req.chat_template_kwargs or ChatTemplateKwargs()
+        thinking, effort = kw.thinking, kw.thinking_effort
+        if effort is not None and effort not in THINKING_EFFORTS:
+            raise APIError(400, f"chat_template_kwargs.thinking_effort must be one of {', '.join(THINKING_EFFORTS)}; "
+                                f"got {effort!r}", "chat_template_kwargs.thinking_effort")
+        r = req.reasoning_effort
+        if r is not None:
+            if r not in ("none", *THINKING_EFFORTS):
+                raise APIError(400, f"reasoning_effort must be one of none, {', '.join(THINKING_EFFORTS)}; got {r!r}",
+                               "reasoning_effort")
+            if r == "none":
+                if "thinking" in kw.model_fields_set and kw.thinking:
+                    raise APIError(400, "reasoning_effort 'none' contradicts chat_template_kwargs.thinking true",
+                                   "reasoning_effort")
+                thinking = False
+            elif effort is not None and effort != r:
+                raise APIError(400, f"reasoning_effort {r!r} contradicts chat_template_kwargs.thinking_effort "
+                                    f"{effort!r}", "reasoning_effort")
+            else:
+                effort = r
+        if effort is not None and not thinking:
+            param = "chat_template_kwargs.thinking_effort" if kw.thinking_effort else "reasoning_effort"
+            raise APIError(400, f"{param} {effort!r} needs thinking on (chat_template_kwargs.thinking is false)", param)
+        return thinking, effort
+
+    def chat_constraint(req, thinking: bool, params: SamplingParams):
+        """The request's Grammar (response_format json, tool_choice required/named/none), or None. A constrained
+        turn may think for at most half of max_tokens, so that the constrained part always has room."""
+        try:
+            lark = chat_grammar(tokenizer, thinking=thinking, tools=req.tools, tool_choice=req.tool_choice,
+                                parallel_tool_calls=req.parallel_tool_calls, response_format=req.response_format,
+                                think_budget=max(1, params.max_tokens // 2))
+            if lark is None:
+                return None
+            if lark not in grammars:
+                param = "response_format" if req.response_format else "tools"
+                grammars[lark] = Grammar(tokenizer, lark, param)
+                while len(grammars) > 64:
+                    grammars.popitem(last=False)
+            grammars.move_to_end(lark)
+            return grammars[lark]
+        except GrammarError as e:
+            raise APIError(400, str(e), e.param)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await parse(request, ChatRequest)
@@ -396,13 +471,31 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                  (req.top_logprobs or 0) if req.logprobs else None)
+        thinking, effort = chat_thinking(req)
         images, media = image_collector()
         try:
-            ids, turn_ends = render_chat(tokenizer, req.messages, media=media)
+            ids, turn_ends = render_chat(tokenizer, req.messages, media=media, tools=req.tools, thinking=thinking,
+                                         thinking_effort=effort, tool_choice=req.tool_choice,
+                                         response_format=req.response_format)
         except ValueError as e:
-            raise APIError(400, str(e), "messages")
+            word = str(e).split(" ", 1)[0].rstrip(":")
+            param = next((f for f in ("messages", "tools", "tool_choice", "response_format") if word.startswith(f)),
+                         "messages")
+            raise APIError(400, str(e), param)
+        params.grammar = chat_constraint(req, thinking, params)
+        if params.grammar is not None and req.ignore_eos:
+            raise APIError(400, "ignore_eos cannot be combined with a constrained output (response_format json, "
+                                "tool_choice required, none or a named function)", "ignore_eos")
         check_prompt(ids, params, images)
         cid, model = f"chatcmpl-{uuid.uuid4().hex}", model_name
+
+        def new_parser():
+            return OutputParser(tokenizer, req.tools, thinking=thinking)
+
+        def finish_reason(out, parser) -> str | None:
+            if not out.finished:
+                return None
+            return "tool_calls" if out.finish_reason == "stop" and parser.has_tool_calls else out.finish_reason
 
         def lp_content(lps):
             if not req.logprobs:
@@ -413,7 +506,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
 
         if req.stream:
             async def events():
-                parsers = [ChatOutputParser(tokenizer) for _ in range(req.n)]
+                parsers = [new_parser() for _ in range(req.n)]
                 total, cache = 0, None
                 base = {"id": cid, "object": "chat.completion.chunk", "model": model}
                 for i in range(req.n):
@@ -423,21 +516,19 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                 async for i, out in run_choices(request, ids, params, req.n, turn_ends, images, req.policy_version):
                     total += len(out.new_token_ids)
                     cache = out.cache or cache
-                    reasoning, content = "", ""
-                    for t in out.new_token_ids:
-                        r, c = parsers[i].step(t)
-                        reasoning, content = reasoning + r, content + c
-                    delta = {}
-                    if reasoning:
-                        delta["reasoning_content"] = reasoning
-                    if content:
-                        delta["content"] = content
-                    # with token ids on, every token is sent at once, even one that adds no text
-                    if delta or out.finished or (req.return_token_ids and out.new_token_ids):
-                        choice = {"index": i, "delta": delta, "logprobs": lp_content(out.new_logprobs),
-                                  "finish_reason": out.finish_reason if out.finished else None}
+                    deltas = [parsers[i].feed(out.new_token_ids)]
+                    if out.finished:
+                        deltas.append(parsers[i].finish())
+                    deltas = [d.to_openai() for d in deltas if d] or [{}]
+                    for k, delta in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        # with token ids on, every token is sent at once, even one that adds no text
+                        if not (delta or (last and out.finished) or (req.return_token_ids and out.new_token_ids)):
+                            continue
+                        choice = {"index": i, "delta": delta, "logprobs": lp_content(out.new_logprobs) if k == 0
+                                  else None, "finish_reason": finish_reason(out, parsers[i]) if last else None}
                         if req.return_token_ids:
-                            choice["token_ids"] = list(out.new_token_ids)
+                            choice["token_ids"] = list(out.new_token_ids) if k == 0 else []
                         yield sse({**base, "created": int(time.time()), "choices": [choice]})
                 if req.stream_options and req.stream_options.include_usage:
                     yield sse({**base, "created": int(time.time()), "choices": [],
@@ -451,14 +542,13 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             return error_response(499, "client closed request")
         choices = []
         for i in range(req.n):
-            o, parser = finals[i], ChatOutputParser(tokenizer)
-            reasoning, content = "", ""
-            for t in o.output_ids:
-                r, c = parser.step(t)
-                reasoning, content = reasoning + r, content + c
-            choices.append({"index": i, "message": {"role": "assistant", "content": content,
-                                                    "reasoning_content": reasoning},
-                            "logprobs": lp_content(lps[i]), "finish_reason": o.finish_reason})
+            o, parser = finals[i], new_parser()
+            parser.feed(o.output_ids)
+            parser.finish()
+            message = parser.message()
+            message["reasoning_content"] = message["reasoning_content"] or None
+            choices.append({"index": i, "message": message, "logprobs": lp_content(lps[i]),
+                            "finish_reason": finish_reason(o, parser)})
             if req.return_token_ids:
                 choices[-1].update(token_ids=list(o.output_ids), prompt_token_ids=list(ids))
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -476,14 +566,15 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
 
     import uvicorn
 
-    from k3.data import Tokenizer
+    from k3.data import load_tokenizer
+    from k3.data.tiktoken_loader import has_tiktoken_files
     from k3.vision.multimodal import load_model
 
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"--model {d}: no config.json there")
-    tok_path = d / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(tok_path if tok_path.is_file() else None)
+    # the model's own tokenizer (the released tiktoken files or k3's tokenizer.json), else the bundled BPE
+    tokenizer = load_tokenizer(d if has_tiktoken_files(d) or (d / "tokenizer.json").is_file() else None)
     model = load_model(d, device=device)  # a vision model when config.json has a vision_config
     engine = LLMEngine(model, tokenizer, engine_config)
     print(f"k3 serve: {engine.describe_capacity()}", flush=True)

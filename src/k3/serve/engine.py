@@ -12,7 +12,7 @@ import torch
 from k3.serve.block_pool import CachePool, plan_capacity
 from k3.serve.metrics import Metrics
 from k3.serve.runner import ModelRunner
-from k3.serve.sampling import SamplingParams, make_generator, sample_tokens
+from k3.serve.sampling import SamplingParams, make_generator, make_grammar_state, sample_tokens
 from k3.serve.scheduler import Scheduler
 from k3.serve.sequence import OutputIds, RequestOutput, Sequence, Status
 
@@ -109,6 +109,7 @@ class LLMEngine:
         if images:
             seq.mm = self._encode_images(prompt, images)
         seq.generator = make_generator(params)
+        seq.grammar = make_grammar_state(params)
         seq.decoder = self.tokenizer.decode_stream(skip_special_tokens=True) if self.tokenizer else None
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -164,7 +165,8 @@ class LLMEngine:
         outputs = []
         if sampling:
             chosen = [seqs[i] for i in sampling]
-            tokens, logprobs = sample_tokens(logits, [s.params for s in chosen], [s.generator for s in chosen])
+            tokens, logprobs = sample_tokens(logits, [s.params for s in chosen], [s.generator for s in chosen],
+                                             [s.grammar for s in chosen])
             now = time.perf_counter()
             for s, tok, lp in zip(chosen, tokens, logprobs):
                 outputs.append(self._append_token(s, tok, lp, now))

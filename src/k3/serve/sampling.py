@@ -1,5 +1,7 @@
 """Per-request sampling: parameters with validation, and the sampler (greedy, temperature, top-k/top-p, seeds,
-logprobs). Each request owns a seeded generator, so its tokens do not depend on what it was batched with."""
+logprobs, grammar masks). Each request owns a seeded generator, so its tokens do not depend on what it was batched
+with; a request with a grammar (k3.serve.grammar) has its disallowed tokens masked before sampling, while the
+unconstrained rows of the same batch are left untouched."""
 from __future__ import annotations
 
 import math
@@ -24,6 +26,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob plus the top k
+    grammar: object = None  # a k3.serve.grammar.Grammar the output must follow (each sequence starts its own matcher)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -76,12 +79,39 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator().manual_seed(seed)
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                  generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprob | None]]:
+def make_grammar_state(params: SamplingParams):
+    """The sequence's own matcher of its request's grammar, or None."""
+    return params.grammar.start() if params.grammar is not None else None
+
+
+def mask_grammar_rows(logits: torch.Tensor, states: list) -> torch.Tensor:
+    """logits [S, V] with -inf where a row's grammar forbids the token (rows whose state is None untouched).
+    The model's own logits are kept for logprobs: a new tensor is returned when any row is masked."""
+    from k3.serve.grammar import bitmask_to_bool, fill_bitmasks
+
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return logits
+    words = (logits.shape[1] + 31) // 32
+    bitmask = torch.zeros(len(rows), max(words, (states[rows[0]].grammar.ll.vocab_size + 31) // 32), dtype=torch.int32)
+    fill_bitmasks([states[i] for i in rows], bitmask)
+    allowed = bitmask_to_bool(bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
+    masked = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    masked[index] = masked[index].masked_fill(~allowed, float("-inf"))
+    return masked
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                  grammars: list | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [S, V], one row per sequence → (next token per row, logprobs per row or None).
     The sampled rows go through one batched `sample_rows`, each with a uniform number from its own generator;
-    everything is read back together: one wait per step, not one per row."""
-    logits = logits.float()
+    everything is read back together: one wait per step, not one per row. grammars: per row, a GrammarState
+    (k3.serve.grammar) or None; constrained rows sample from their allowed tokens and their states advance.
+    Logprobs are the model's own (vLLM's default, raw logprobs), not the masked distribution's."""
+    raw = logits = logits.float()
+    if grammars is not None:
+        logits = mask_grammar_rows(logits, grammars)
     picked = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -90,10 +120,13 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                                    [params[i].top_k for i in rows], [params[i].top_p for i in rows], u)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
-        lp = torch.log_softmax(logits[want], -1)
+        lp = torch.log_softmax(raw[want], -1)
         chosen = lp.gather(1, picked[want][:, None])[:, 0]
         top = torch.topk(lp, max(params[i].logprobs for i in want), dim=-1)
     tokens = picked.tolist()
+    for state, token in zip(grammars or [], tokens):
+        if state is not None:
+            state.advance(token)
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if want:
         chosen, top_ids, top_lps = chosen.tolist(), top.indices.tolist(), top.values.tolist()

@@ -51,6 +51,7 @@ class Sequence:
     gen_checkpoint: int | None = None  # hash of this sequence's newest end-of-generation checkpoint
     host_copy: dict | None = None  # swapped-out state
     generator: torch.Generator | None = None
+    grammar: object = None  # its GrammarState (k3.serve.grammar) when the request constrains the output
     decoder: object = None  # a StreamDecoder when the engine has a tokenizer
     cache: CacheReport = field(default_factory=CacheReport)
     finish_reason: str | None = None

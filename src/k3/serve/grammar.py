@@ -1,0 +1,296 @@
+"""Constrained decoding: the grammar an assistant turn (SPEC §1.2 markup) must follow when a request asks for JSON
+(`response_format`) or forces tool calls (`tool_choice`), compiled by llguidance, and each sequence's matcher, which
+gives the sampler the allowed next tokens as a bitmask.
+
+llguidance (Microsoft's Rust grammar engine behind Guidance; also used by vLLM and SGLang) was chosen over xgrammar
+and outlines-core: its one abi3 wheel has no Python dependencies (xgrammar pulls triton, transformers and tvm-ffi),
+its Lark grammars name special tokens by id (`<[163587]>`), which the XTML markers are, and it computes a mask in
+tens of microseconds without precomputing per-grammar tables.
+
+The grammar covers everything the model writes after the generation prompt: the think section (free text, capped
+at `think_budget` tokens so that a model that never closes it still reaches the constrained part), the response
+(free text, a JSON value, or empty when a call is forced), the tools section with typed arguments, and the close
+of the message; `<|end_of_msg|>` is then the only token allowed."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import weakref
+
+import torch
+
+from k3.data.chat_template import CLOSE, OPEN, SEP, escape_attr, json_type
+
+MAX_PARALLEL_CALLS = 8  # a grammar enumerates call indices 1..this when parallel_tool_calls is on
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_COMPACT_JSON = {"whitespace_flexible": False}  # no free whitespace: a model cannot pad JSON forever
+_ANY_TEXT = "/(?s:.*)/"  # any text; markers are special tokens, which no text lexeme matches
+
+
+class GrammarError(ValueError):
+    """A request's constraint that cannot be compiled; `param` names the request field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _json_rule(schema) -> str:
+    schema = dict(schema) if isinstance(schema, dict) else {}
+    schema["x-guidance"] = _COMPACT_JSON
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+class Markup:
+    """Lark fragments for XTML tags: markers by their special ids, tag heads as text."""
+
+    def __init__(self, tokenizer):
+        ids = tokenizer.special_tokens
+        self.open, self.close, self.sep = (f"<[{ids[m]}]>" for m in (OPEN, CLOSE, SEP))
+
+    def open_tag(self, head: str) -> str:
+        return f"{self.open} {_lit(head)} {self.sep}"
+
+    def close_tag(self, name: str) -> str:
+        return f"{self.close} {_lit(name)} {self.sep}"
+
+
+def _value_alternatives(schema: dict) -> list[tuple[str, str]]:
+    """→ [(XTML argument type, Lark expression of the value)] that a property's schema allows."""
+    if not isinstance(schema, dict):
+        schema = {}
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else list(schema["enum"] or [])
+        out = []
+        for v in values:
+            kind = json_type(v)
+            out.append((kind, _lit(v if kind == "string" else json.dumps(v, ensure_ascii=False))))
+        return out
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list) and branches:
+        return [alt for b in branches for alt in _value_alternatives(b)]
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types] if types else \
+        ["string", "number", "boolean", "null", "object", "array"]
+    out = []
+    for t in types:
+        if t == "string":
+            out.append(("string", _string_rule(schema)))
+        else:
+            sub = {k: v for k, v in schema.items() if k not in ("type", "anyOf", "oneOf")}
+            sub["type"] = t
+            out.append(("number" if t == "integer" else t, _json_rule(sub)))
+    return out
+
+
+def _string_rule(schema: dict) -> str:
+    """A raw string argument (SPEC §1.2: strings are written raw). Length bounds are kept; a `pattern` or
+    `format` string is left as free text (the raw form has no quotes to anchor them)."""
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(lo, int) or isinstance(hi, int):
+        return f"/(?s:.{{{int(lo or 0)},{'' if hi is None else int(hi)}}})/"
+    return _ANY_TEXT
+
+
+class ChatGrammar:
+    """Builds the Lark grammar of one assistant turn for a request's tools, tool_choice and response_format."""
+
+    def __init__(self, tokenizer):
+        self.m = Markup(tokenizer)
+        self.rules: list[str] = []
+
+    def rule(self, name: str, body: str) -> str:
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def tool_call(self, tool: dict, index: int, t: int) -> str:
+        fn = tool["function"]
+        name, params = fn["name"], fn.get("parameters") or {}
+        props = params.get("properties") or {}
+        required = set(params.get("required") or [])
+        args = []
+        for k, (key, prop) in enumerate(props.items()):
+            alts = []
+            for kind, value in _value_alternatives(prop):
+                head = self.m.open_tag('argument key="%s" type="%s"' % (escape_attr(key), kind))
+                alts.append(f"{head} {value} {self.m.close_tag('argument')}")
+            rule = self.rule(f"arg_{t}_{index}_{k}", " | ".join(alts))
+            args.append(rule if key in required else f"{rule}?")
+        head = self.m.open_tag(f'call tool="{escape_attr(name)}" index="{index}"')
+        return f"{head} {' '.join(args)} {self.m.close_tag('call')}"
+
+    def tools_section(self, tools: list[dict], parallel: bool) -> str:
+        calls = []
+        for index in range(1, (MAX_PARALLEL_CALLS if parallel else 1) + 1):
+            calls.append(self.rule(f"call_{index}", " | ".join(self.tool_call(tool, index, t)
+                                                              for t, tool in enumerate(tools))))
+        nested = calls[-1]
+        for c in reversed(calls[:-1]):  # call_1 (call_2 (call_3 …)?)?: indices count up from 1
+            nested = f"{c} ({nested})?"
+        return f"{self.m.open_tag('tools')} {nested} {self.m.close_tag('tools')}"
+
+    def build(self, thinking: bool, content: str, tools_part: str, think_budget: int | None) -> str:
+        m = self.m
+        think = ""
+        if thinking:
+            budget = f"[max_tokens={int(think_budget)}]" if think_budget else ""
+            self.rules.append(f"think{budget}: {_ANY_TEXT}")
+            think = f"think {m.close_tag('think')} {m.open_tag('response')} "
+        start = f"start: {think}{content} {m.close_tag('response')} {tools_part} {m.close_tag('message')}"
+        return "\n".join([start, *self.rules]) + "\n"
+
+
+def _check_tools(tools) -> list[dict]:
+    out = []
+    for i, t in enumerate(tools or []):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise GrammarError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}",
+                               f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not TOOL_NAME.match(fn["name"]):
+            raise GrammarError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-'; got "
+                               f"{fn.get('name')!r}", f"tools[{i}].function.name")
+        params = fn.get("parameters")
+        if params is not None and not (isinstance(params, dict) and isinstance(params.get("properties", {}), dict)):
+            raise GrammarError(f"tools[{i}].function.parameters must be a JSON schema object",
+                               f"tools[{i}].function.parameters")
+        out.append(t)
+    return out
+
+
+def chat_grammar(tokenizer, *, thinking: bool = True, tools=None, tool_choice=None,
+                 parallel_tool_calls: bool = True, response_format=None, think_budget: int | None = None) -> str | None:
+    """The Lark grammar of the assistant turn a request constrains, or None when nothing is enforced
+    (no response_format and tool_choice auto). Raises GrammarError naming the request field."""
+    tools = _check_tools(tools)
+    fmt = (response_format or {}).get("type", "text") if isinstance(response_format, dict) else "text"
+    forced = tool_choice == "required" or isinstance(tool_choice, dict)
+    if fmt == "text" and not forced and tool_choice != "none":
+        return None
+    if tool_choice == "none" and not tools and fmt == "text":
+        return None
+    g = ChatGrammar(tokenizer)
+    if forced:
+        if not tools:
+            raise GrammarError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+        if isinstance(tool_choice, dict):
+            name = (tool_choice.get("function") or {}).get("name")
+            tools = [t for t in tools if t["function"]["name"] == name]
+            if not tools:
+                raise GrammarError(f"tool_choice names the function {name!r}, which is not among the tools",
+                                   "tool_choice")
+        content = '""'  # a forced call comes with an empty response, as OpenAI's and vLLM's do
+        tools_part = g.tools_section(tools, parallel_tool_calls)
+    else:
+        if fmt == "json_object":
+            content = _json_rule({"type": "object"})
+        elif fmt == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise GrammarError("response_format.json_schema must be an object whose 'schema' is a JSON schema",
+                                   "response_format.json_schema")
+            content = _json_rule(spec.get("schema") or {})
+        elif fmt == "text":
+            content = g.rule("text", _ANY_TEXT)
+        else:
+            raise GrammarError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {fmt!r}",
+                               "response_format.type")
+        tools_part = f"({g.tools_section(tools, parallel_tool_calls)})?" if tools and tool_choice != "none" else ""
+    return g.build(thinking, content, tools_part, think_budget)
+
+
+# ---- compiled grammars and per-sequence matchers ------------------------------------------------------------
+_LL_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def ll_tokenizer(tokenizer):
+    """llguidance's view of a k3 tokenizer (built once per tokenizer: ~0.1 s for the bundled BPE, ~1 s for the
+    released 163,840-id vocabulary). `<|end_of_msg|>` is its end of sequence."""
+    import llguidance
+
+    with _LOCK:
+        cached = _LL_TOKENIZERS.get(tokenizer)
+        if cached is not None:
+            return cached
+        eos = tokenizer.eos_token_id
+        if hasattr(tokenizer, "backend"):  # the bundled BPE: Hugging Face tokenizers JSON
+            ll = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+        else:  # the released tiktoken files
+            enc = tokenizer.encoding
+            ll = llguidance.LLTokenizer.from_tiktoken(encoder=enc._mergeable_ranks, special_tokens=enc._special_tokens,
+                                                      pattern=enc._pat_str, eos_token=eos, n_vocab=tokenizer.vocab_size)
+        _LL_TOKENIZERS[tokenizer] = ll
+        return ll
+
+
+class Grammar:
+    """A checked grammar for one tokenizer; `start()` gives a fresh matcher per sequence (n choices, retries)."""
+
+    def __init__(self, tokenizer, lark: str, param: str = "response_format"):
+        import llguidance
+
+        self.ll = ll_tokenizer(tokenizer)
+        self.text = llguidance.LLMatcher.grammar_from_lark(lark)
+        error = llguidance.LLMatcher.validate_grammar(self.text, self.ll)
+        if error:
+            raise GrammarError(f"{param}: the constraint cannot be compiled: {error.splitlines()[0]}", param)
+        self.eos = tokenizer.eos_token_id
+
+    def start(self) -> "GrammarState":
+        return GrammarState(self)
+
+
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, grammar: Grammar):
+        import llguidance
+
+        self.grammar = grammar
+        self.matcher = llguidance.LLMatcher(grammar.ll, grammar.text, log_level=0)
+
+    def advance(self, token: int) -> None:
+        """Consume the sampled token (which the mask allowed). A matcher that fails stays in its error state,
+        where the mask allows only the end of the turn."""
+        if not self.matcher.is_stopped():
+            self.matcher.consume_token(token)
+
+
+_EXECUTOR = None
+
+
+def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor) -> None:
+    """Each state's allowed next tokens into bitmask[i] (int32 words, bit j of word w = token 32w + j), computed
+    in parallel across sequences by llguidance's thread pool."""
+    import llguidance
+    from llguidance.torch import fill_next_token_bitmask_par
+
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    fill_next_token_bitmask_par(_EXECUTOR, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
+    for i, s in enumerate(states):
+        if s.matcher.is_error():  # never expected; end the turn rather than sample from an empty set
+            bitmask[i].zero_()
+            bitmask[i, s.grammar.eos // 32] = 1 << (s.grammar.eos % 32)
+
+
+_BITS = None
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, W] int32 words → [R, vocab] bool, True where allowed."""
+    global _BITS
+    if _BITS is None:
+        _BITS = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> _BITS) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:  # ids past the tokenizer's vocabulary (a padded model vocabulary): never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return allowed
