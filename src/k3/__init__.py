@@ -1,4 +1,8 @@
 """k3: Kimi K3 from scratch in PyTorch."""
+from k3 import cpu_threads as _cpu_threads
+
+_cpu_threads.prepare_openmp_env()  # before anything imports torch: libgomp reads its wait policy once, at load
+
 from k3.config import ConfigError, K3Config
 
 __version__ = "0.1.0"

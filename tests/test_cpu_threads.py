@@ -1,0 +1,163 @@
+"""k3's CPU thread policy (k3.cpu_threads): the rule, the /proc/stat arithmetic, and, in fresh processes (OpenMP
+reads its environment once, at load), what `import k3` and the policy do to torch and libgomp for real."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from k3.cpu_threads import (LoadSample, ThreadSettingError, foreign_cores, prepare_openmp_env, read_cpu_ticks,
+                            requested_mode, threads_for_load)
+
+CPUS = sorted(os.sched_getaffinity(0))
+THREAD_VARIABLES = ("K3_CPU_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def test_a_thread_is_given_back_for_each_core_another_process_keeps_busy():
+    assert threads_for_load(2, 0.0) == 2
+    assert threads_for_load(2, 0.2) == 2  # a light background job: its barriers rarely wait
+    assert threads_for_load(2, 0.5) == 1  # a busy process sharing our second core gets at least half of it
+    assert threads_for_load(2, 1.0) == 1
+    assert threads_for_load(2, 5.0) == 1  # never fewer than one
+    assert threads_for_load(16, 2.0) == 14
+    assert threads_for_load(16, 1.5) == 14  # one full core and half of another
+    assert threads_for_load(4, -0.01) == 4  # tick rounding can make the estimate slightly negative
+
+
+STAT = """cpu  900 0 300 5000 20 0 10 0 0 0
+cpu0 400 10 100 2500 10 0 5 1 0 0
+cpu1 500 0 200 2500 10 0 5 7 0 0
+intr 12345
+"""
+
+
+def test_cpu_ticks_sum_the_chosen_cpus_and_count_all_but_idle_and_iowait():
+    assert read_cpu_ticks([0], STAT) == (400 + 10 + 100 + 5 + 1, 400 + 10 + 100 + 2500 + 10 + 5 + 1)
+    assert read_cpu_ticks([0, 1], STAT) == (516 + 712, 3026 + 3222)
+    assert read_cpu_ticks([0, 2], STAT) is None  # a CPU /proc/stat does not list: no estimate rather than a wrong one
+
+
+def test_foreign_load_is_busy_time_minus_our_own_over_wall_time():
+    before = LoadSample(wall=10.0, own_cpu=3.0, busy_ticks=1000, total_ticks=5000)
+    after = LoadSample(wall=12.0, own_cpu=4.5, busy_ticks=1350, total_ticks=5400)  # 3.5 s busy, 1.5 s ours, 2 s
+    assert foreign_cores(before, after, ticks_per_s=100) == pytest.approx(1.0)
+    assert foreign_cores(before, before, ticks_per_s=100) == 0.0
+
+
+def test_wait_policy_is_set_for_openmp_unless_the_user_chose_one():
+    env = {}
+    prepare_openmp_env(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for given in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}, {"K3_CPU_THREADS": "off"},
+                  {"K3_CPU_THREADS": "nonsense"}):
+        env = dict(given)
+        prepare_openmp_env(env)
+        assert env == given
+
+
+def test_bad_thread_setting_names_the_variable():
+    assert requested_mode({}) == "auto" and requested_mode({"K3_CPU_THREADS": "3"}) == 3
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(ThreadSettingError, match=f"K3_CPU_THREADS='{bad}'"):
+            requested_mode({"K3_CPU_THREADS": bad})
+
+
+def _fresh_process(body: str, env: dict | None = None, cpus=None) -> dict:
+    """Runs `body` in a new interpreter (after `import k3`, then torch) with a clean threading environment;
+    body sets `result`, which comes back as a dict."""
+    clean = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
+    clean.update(env or {})
+    code = "import json, os, sys, time\nimport k3\nimport torch\nfrom k3 import cpu_threads\n" + \
+           textwrap.dedent(body) + "\nprint(json.dumps(result))\n"
+    preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=300,
+                         preexec_fn=preexec)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+POLICY = """
+policy = cpu_threads.configure_torch_threads()
+result = {"mode": policy.mode, "threads": torch.get_num_threads(), "wait": os.environ.get("OMP_WAIT_POLICY")}
+"""
+
+
+@pytest.mark.parametrize("env, mode, threads, wait", [
+    ({}, "auto", len(CPUS), "PASSIVE"),
+    ({"OMP_NUM_THREADS": "1"}, "fixed", 1, "PASSIVE"),
+    ({"K3_CPU_THREADS": "1"}, "fixed", 1, "PASSIVE"),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, "auto", len(CPUS), "ACTIVE"),
+    ({"K3_CPU_THREADS": "off", "OMP_NUM_THREADS": "1"}, "off", 1, None),
+])
+def test_policy_in_a_fresh_process(env, mode, threads, wait):
+    assert _fresh_process(POLICY, env) == {"mode": mode, "threads": threads, "wait": wait}
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two cores to narrow the affinity")
+def test_thread_count_follows_the_affinity_set_after_start():
+    got = _fresh_process(f"os.sched_setaffinity(0, {{{CPUS[0]}}})\n" + POLICY)
+    assert got["mode"] == "auto" and got["threads"] == 1
+
+
+def test_a_thread_count_set_by_the_caller_is_kept():
+    n = 1 if len(CPUS) > 1 else 2
+    got = _fresh_process(f"torch.set_num_threads({n})\n" + POLICY + """
+governor = cpu_threads.ThreadGovernor()
+result["governed"] = [governor.active, governor.update()]
+""")
+    assert got == {"mode": "caller", "threads": n, "wait": "PASSIVE", "governed": [False, n]}
+
+
+BUSY = """
+import subprocess
+hog = subprocess.Popen([sys.executable, "-c",
+                        "import os\\nos.sched_setaffinity(0, {%d})\\nwhile True: pass" % max(os.sched_getaffinity(0))])
+try:
+    governor = cpu_threads.ThreadGovernor()
+    governor.update()
+    time.sleep(1.5)
+    result = {"available": governor.policy.available, "threads": governor.update(),
+              "torch": torch.get_num_threads(), "foreign": governor.last_foreign}
+finally:
+    hog.kill()
+"""
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs a core for the busy process beside one of ours")
+def test_governor_gives_a_core_back_to_a_busy_process_on_it():
+    got = _fresh_process(BUSY, cpus=set(CPUS[:2]))
+    assert got["available"] == 2
+    assert got["foreign"] >= 0.5, got  # the busy process had the core at least half of the time
+    assert got["threads"] == got["torch"] == 1, got
+
+
+SPIN = """
+torch.set_num_threads(2)
+x = torch.ones(1 << 18)
+x.mul_(1.0)  # starts the worker thread
+def other_threads_cpu():  # seconds of CPU of every thread but the main one
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != os.getpid():
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+start = other_threads_cpu()
+for _ in range(150):
+    x.mul_(1.0)  # one short parallel region ...
+    time.sleep(0.004)  # ... then a gap in which the worker waits for the next one
+result = {"worker_cpu": other_threads_cpu() - start}
+"""
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two cores for two OpenMP threads")
+def test_import_k3_stops_openmp_workers_spinning_between_parallel_regions():
+    """The real libgomp, loaded by torch after `import k3`: its waiting worker sleeps instead of burning the gaps."""
+    k3_default = _fresh_process(SPIN, cpus=set(CPUS[:2]))["worker_cpu"]
+    spinning = _fresh_process(SPIN, {"OMP_WAIT_POLICY": "ACTIVE"}, cpus=set(CPUS[:2]))["worker_cpu"]
+    assert spinning > 0.1, spinning  # the gaps add up to 0.6 s, which a spinning worker burns when it can
+    assert k3_default < spinning / 3, (k3_default, spinning)
