@@ -484,7 +484,49 @@ own.kill()
 '''
 
 
-def test_commands_cannot_reach_the_agents_channel(sb):
+FORGE = r'''
+import base64, ctypes, json, os, stat
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+fake = base64.b64encode(b"FORGED").decode()
+line = (json.dumps({"ok": True, "nonce": "0" * 32, "rid": 1, "stdout": fake, "stderr": "", "exit_code": 0,
+                    "signal": None, "timed_out": False, "truncated": False, "duration": 0.0, "data": fake})
+        + "\n").encode()
+written = 0
+for p in os.listdir("/proc"):
+    if not p.isdigit() or int(p) == os.getpid():
+        continue
+    fds = []
+    try:
+        fds += [os.open(f"/proc/{p}/fd/{n}", os.O_WRONLY | os.O_NONBLOCK) for n in os.listdir(f"/proc/{p}/fd")
+                if stat.S_ISFIFO(os.stat(f"/proc/{p}/fd/{n}").st_mode)]
+    except OSError:
+        pass
+    pidfd = libc.syscall(434, int(p), 0)
+    if pidfd >= 0:
+        fds += [fd for fd in (libc.syscall(438, pidfd, n, 0) for n in range(16)) if fd >= 0]
+    for fd in fds:
+        try:
+            os.write(fd, line * 3)
+            written += 1
+        except OSError:
+            pass
+print("genuine", written)
+'''
+
+
+def test_forged_answers_never_reach_the_host(sb):
+    """A command writes made-up answers into every pipe or socket of another process it can reach (the
+    agent's, bwrap's init's): the host still gets the real result of each call."""
+    r = sb.exec(["python3", "-c", FORGE])
+    # what it wrote into its own output pipes is its output; the call's answer is the agent's, not a forgery
+    assert r.exit_code == 0 and r.stdout != b"FORGED" and r.stdout.splitlines()[-1].startswith(b"genuine "), r
+    assert sb.read_file("README") == b"template\n"
+    assert sb.exec("echo after").stdout == b"after\n"
+
+
+def test_commands_cannot_reach_the_agents_channel(backend, sb):
+    need(backend, "bwrap")  # gVisor's kernel has no pidfd_getfd; there the nonce check above is what holds
     import json
     r = sb.exec(["python3", "-c", HIJACK])
     assert r.exit_code == 0, r
@@ -500,31 +542,45 @@ def test_commands_cannot_reach_the_agents_channel(sb):
 
 def test_fifo_or_device_through_files_api_fails_fast_and_sandbox_lives(sb):
     assert sb.exec("mkfifo /workspace/pipe /tmp/pipe && ln -s /workspace/pipe /workspace/pipelink").exit_code == 0
-    try:
+    took = []
+
+    def refused(call, *args, match=None):
         t0 = time.monotonic()
+        with pytest.raises(SandboxError, match=match):
+            call(*args)
+        took.append(time.monotonic() - t0)
+
+    try:
         for path in ("pipe", "/tmp/pipe", "pipelink", "/dev/zero", "/dev/null"):
-            with pytest.raises(SandboxError, match="regular file"):
-                sb.read_file(path)
+            refused(sb.read_file, path, match="regular file")
         for path in ("pipe", "pipelink", "/dev/null"):
-            with pytest.raises(SandboxError):
-                sb.write_file(path, b"x")
-        reader = sb.spawn("cat /workspace/pipe > /dev/null")  # with a reader waiting the open succeeds...
-        time.sleep(0.3)
-        with pytest.raises(SandboxError, match="regular file"):
-            sb.write_file("pipe", b"x")  # ...but a FIFO is still refused
-        sb.kill_process(reader)
-        assert time.monotonic() - t0 < 5
+            refused(sb.write_file, path, b"x")
+        if sb.backend_name == "bwrap":  # background exec
+            reader = sb.spawn("cat /workspace/pipe > /dev/null")  # with a reader waiting the open succeeds...
+            time.sleep(0.3)
+            refused(sb.write_file, "pipe", b"x", match="regular file")  # ...but a FIFO is still refused
+            sb.kill_process(reader)
+        assert max(took) < 5, took  # each at once (a blocking open waited out the 30 s call timeout)
         assert sb.exec("echo alive").stdout == b"alive\n"
     finally:
         sb.exec("rm -f /workspace/pipe /tmp/pipe /workspace/pipelink")
 
 
+def test_sandbox_host_mounts_are_nosuid_nodev(backend, sb):
+    need(backend, "bwrap", "gvisor")
+    mounts = hostfs.mounts_under(sb.dir)
+    assert mounts
+    for m in mounts:
+        opts = [line.split()[3] for line in open("/proc/self/mounts") if line.split()[1] == m][0].split(",")
+        assert "nosuid" in opts and "nodev" in opts, (m, opts)
+
+
 def test_setuid_file_left_in_a_sandbox_is_inert_on_the_host(backend, tmp_path):
-    need(backend, "bwrap")
+    need(backend, "bwrap")  # on gvisor the mount flags above cover its host-side files
     s = backend.create(SandboxSpec())
     try:
         assert s.exec("cp /usr/bin/id ./id && chmod 4755 ./id && ls -l ./id").stdout.startswith(b"-rws")
-        host_copy = s.dir / "disk" / "upper" / "id"
+        host_copy = s.upper / "id"
         assert os.stat(host_copy).st_mode & 0o4000  # the bit is there, on a host path any local user can reach
         for m in hostfs.mounts_under(s.dir):
             opts = [line.split()[3] for line in open("/proc/self/mounts") if line.split()[1] == m][0].split(",")
@@ -576,6 +632,19 @@ def test_fork_and_snapshot_layers_go_with_their_last_user(backend, tmp_path):
     assert _tree_bytes(layers) == 0 and not any(os.path.exists(p) for p in layers)
     with pytest.raises(SandboxError, match="gone"):
         backend.restore(snap)  # a deleted snapshot cannot come back half-way
+
+
+def test_gvisor_fork_leaves_no_snapshot_behind(backend):
+    need(backend, "gvisor")
+    with backend.create(SandboxSpec()) as s:
+        s.exec("head -c 1000000 /dev/urandom > blob")
+        kids = s.fork(1)
+        try:
+            assert kids[0].exec("wc -c < blob").text.strip() == "1000000"
+            # each child copied its workspace and process image in at start: nothing is held for it
+            assert not any(os.path.exists(p) for p in kids[0].layers)
+        finally:
+            kids[0].close()
 
 
 def test_env_secrets_never_on_a_command_line(backend):

@@ -234,14 +234,13 @@ class GVisorSandbox(Sandbox):
                     (json.dumps(self.cfg) + "\n").encode() + line, wait, channel.max_answer_bytes(payload))
             except OSError as e:
                 raise SandboxError(f"runsc exec failed: {e}") from None
-        lines = out.strip().splitlines()
-        if not lines:
-            gone = "" if self.alive() else "the sandbox is gone (killed, e.g. by its host memory limit); "
-            raise SandboxError(f"guest agent gave no answer: {gone}{err.decode(errors='replace')[-300:]}")
-        res = channel.parse_answer(lines[-1], op, nonce)
-        if res is None:
-            raise SandboxError(f"guest agent's answer to {op} does not carry this call's nonce")
-        return res
+        for ln in out.splitlines():  # lines without this call's nonce (written by a command) are skipped
+            if nonce.encode() in ln:
+                res = channel.parse_answer(ln, op, nonce)
+                if res is not None:
+                    return res
+        gone = "" if self.alive() else "the sandbox is gone (killed, e.g. by its host memory limit); "
+        raise SandboxError(f"guest agent gave no answer: {gone}{err.decode(errors='replace')[-300:]}")
 
     def exec(self, cmd, *, cwd="/workspace", env=None, stdin=b"", timeout=None) -> ExecResult:
         timeout = float(timeout if timeout is not None else self.spec.limits.exec_timeout)
