@@ -8,9 +8,10 @@
 
 LOCK := requirements-lock.txt
 
+# `make run` replaces its own run in runs/tiny each time (--overwrite); `k3 train` alone refuses a used directory.
 run:
 	pip install -c $(LOCK) torch==2.13.0 -e .
-	k3 train
+	k3 train --overwrite
 	k3 generate --model runs/tiny/model --prompt "ROMEO:"
 
 test:

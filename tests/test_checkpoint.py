@@ -270,3 +270,65 @@ def test_missing_shard_file_is_reported(model, tmp_path):
     victim.unlink()
     with pytest.raises(CheckpointError, match=victim.name):
         K3ForCausalLM.from_pretrained(tmp_path)
+
+
+# ---- `k3 convert` never writes over what OUT holds ---------------------------------------------------------------------
+def convert_cli(src, dst, capsys, *extra) -> tuple[int, list[str]]:
+    from k3.cli import main
+    code = main(["convert", str(src), str(dst), "--experts", "bf16", *extra])  # (expert width 48: no MXFP4)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def tree(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_convert_refuses_a_non_empty_out(bf16_dir, tmp_path, capsys):
+    out = tmp_path / "old-model"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    (out / "model-00001-of-00003.safetensors").write_bytes(b"an older model's shard")
+    before = tree(out)
+    code, err = convert_cli(bf16_dir, out, capsys)
+    assert code == 2 and err == [f"k3 convert: error: OUT {out} is not empty: give a new directory (convert never "
+                                 f"writes over files)"]
+    assert tree(out) == before
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    code, err = convert_cli(bf16_dir, f, capsys)
+    assert code == 2 and err == [f"k3 convert: error: OUT {f} is a file, not a directory"] and f.read_text() == "x"
+    # an empty OUT (made by the user beforehand) is fine, and so is one that does not exist yet
+    (tmp_path / "empty").mkdir()
+    for dst in (tmp_path / "empty", tmp_path / "new"):
+        code, err = convert_cli(bf16_dir, dst, capsys)
+        assert code == 0 and err == []
+        assert load_file(str(dst / "model-00001-of-00001.safetensors")).keys() == \
+            load_file(str(bf16_dir / "model-00001-of-00001.safetensors")).keys()
+
+
+@pytest.mark.parametrize("failure", ["full disk", "Ctrl-C"])
+def test_failed_convert_leaves_no_partial_model(bf16_dir, tmp_path, capsys, monkeypatch, failure):
+    import errno
+    import os
+
+    import k3.checkpoint.convert as convert_mod
+    real, calls = convert_mod.save_file, []
+
+    def writer(tensors, path, **kw):  # the second shard fails
+        calls.append(path)
+        if len(calls) == 2:
+            if failure == "Ctrl-C":
+                raise KeyboardInterrupt
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(tensors, path, **kw)
+
+    monkeypatch.setattr(convert_mod, "save_file", writer)
+    out = tmp_path / "converted"
+    code, err = convert_cli(bf16_dir, out, capsys, "--shard-size", "200K")
+    assert len(calls) == 2
+    if failure == "Ctrl-C":
+        assert code == 130 and err == ["k3 convert: interrupted"]
+    else:
+        assert code == 2 and err == [f"k3 convert: error: writing OUT {out} failed: No space left on device; its "
+                                     f"partial files were removed"]
+    assert sorted(os.listdir(tmp_path)) == []  # neither OUT nor its temporary sibling
