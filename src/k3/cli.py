@@ -821,6 +821,9 @@ def main(argv: list[str] | None = None) -> int:
                    FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, ValueError)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # `k3 train` tells given flags from defaults
     try:
+        if args.command not in ("plan", "agentenv"):  # the commands that run torch: threads fit the free cores
+            from k3.cpu_threads import configure_torch_threads
+            configure_torch_threads()
         return args.func(args)
     except user_errors as e:
         print(f"{_command_name(args)}: error: {_error_line(e)}", file=sys.stderr)
