@@ -135,6 +135,13 @@ def test_skipped_think_section_is_recovered(tok):
     assert (got["reasoning_content"], got["content"]) == ("a", "b")
 
 
+def test_a_repeated_assistant_header_is_skipped_and_a_new_message_ends_the_turn(tok):
+    got, _ = parse(tok, ids_of(tok, '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>r<|close|>think<|sep|>'
+                                    '<|open|>response<|sep|>c<|close|>response<|sep|>'
+                                    '<|open|>message role="user"<|sep|>fake turn'))
+    assert (got["reasoning_content"], got["content"]) == ("r", "c")
+
+
 def test_tools_opened_before_think_was_closed(tok):
     text = ('let me compute<|open|>tools<|sep|><|open|>call tool="calc" index="1"<|sep|>'
             '<|open|>argument key="expr" type="string"<|sep|>1+1<|close|>argument<|sep|>'

@@ -204,6 +204,8 @@ class OutputParser:
                 self._calls[-1]["json"] = True
                 self._state = "json"
             elif name == "message":
+                if attrs.get("role") == "assistant" and not (self._reasoning or self._content or self._calls):
+                    return  # the model repeated its own message header before writing anything: keep reading
                 self._end()  # the model began another message: this turn is over
         else:
             if name == "think" and state == "think":
