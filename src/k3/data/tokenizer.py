@@ -1,7 +1,9 @@
-"""k3's byte-level BPE tokenizer (Hugging Face `tokenizers`), with K3's special tokens at ids 0..9.
+"""k3's byte-level BPE tokenizer (Hugging Face `tokenizers`), with K3's special tokens at ids 0..9, and the surface
+it shares with the released tiktoken tokenizer (`ChatTokenizerMixin`; `load_tokenizer` picks either).
 
 Byte-level means every string, in any script, encodes and decodes back byte for byte; the special
-tokens are single ids and are never produced by ordinary bytes except when their exact text appears.
+tokens are single ids and are never produced by ordinary bytes except when their exact text appears
+(and, through `encode_text` and the chat template, not even then).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from k3.data.chat_template import parts_to_ids, parts_to_text, render_parts
 from k3.data.corpus import ASSETS_DIR
 
 DEFAULT_TOKENIZER_PATH = ASSETS_DIR / "tokenizer.json"
@@ -60,7 +63,8 @@ class ChatTokenizerMixin:
     @property
     def stop_token_ids(self) -> list[int]:
         """Ids that end generation: the end of a turn and, where the vocabulary has it, `[EOS]` (document end)."""
-        return sorted({self.special_tokens[t] for t in (END_OF_TURN_TOKEN, DOCUMENT_END_TOKEN) if t in self.special_tokens})
+        names = (END_OF_TURN_TOKEN, DOCUMENT_END_TOKEN)
+        return sorted({self.special_tokens[t] for t in names if t in self.special_tokens})
 
     def convert_tokens_to_ids(self, tokens):
         """Id of a token (a special token's text or a vocabulary entry), or a list of ids for a list."""
@@ -74,8 +78,6 @@ class ChatTokenizerMixin:
         """OpenAI-format messages in K3's XTML markup (SPEC §1.2): the exact string (tokenize=False), or its ids,
         in which only the renderer's markers are special ids; return_dict gives {"input_ids", "attention_mask"}.
         Raises ValueError naming the bad field."""
-        from k3.data.chat_template import parts_to_ids, parts_to_text, render_parts
-
         parts, _ = render_parts(messages, tools=tools, add_generation_prompt=add_generation_prompt, thinking=thinking,
                                 thinking_effort=thinking_effort, tool_choice=tool_choice,
                                 response_format=response_format, media=media)
