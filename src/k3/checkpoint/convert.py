@@ -175,7 +175,9 @@ def _write_converted(src: Path, dst: Path, config: K3Config, experts: str, max_s
     groups = group_into_shards(plan, max_shard_bytes)
     dst.mkdir(parents=True)
     weight_map, total = {}, 0
-    for i, specs in enumerate(groups):
+    from tqdm import tqdm
+    for i, specs in enumerate(tqdm(groups, desc=f"convert to {experts}", unit="shard", dynamic_ncols=True,
+                                   leave=False)):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {s.name: produce(s) for s in specs}
         save_file(tensors, str(dst / fname), metadata={"format": "pt"})  # the whole directory is the temporary

@@ -275,11 +275,16 @@ class Trainer:
 
     # ---- evaluation ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, max_batches: int | None = None) -> float:
-        """Mean validation cross-entropy (nats/token) over the first max_batches batches (all when None)."""
+    def evaluate(self, max_batches: int | None = None, progress: str | None = None) -> float:
+        """Mean validation cross-entropy (nats/token) over the first max_batches batches (all when None).
+        progress: show a bar with this label (the final pass over the whole validation set takes minutes)."""
         self.model.eval()
         total, count = 0.0, 0
-        for b in self.val_batches[:max_batches]:
+        batches = self.val_batches[:max_batches]
+        if progress and not (self.dist and not self.dist.is_main):
+            from tqdm import tqdm
+            batches = tqdm(batches, desc=progress, leave=False, dynamic_ncols=True)
+        for b in batches:
             b = {k: v.to(self.device) for k, v in b.items()}
             if self.dist:
                 with self.autocast or _null():
@@ -405,7 +410,7 @@ class Trainer:
         """Full validation pass, baseline, plots, the exported model and summary.json."""
         from k3.train.plots import plot_run
 
-        val = self.evaluate(self.cfg.final_eval_batches)
+        val = self.evaluate(self.cfg.final_eval_batches, progress="final evaluation")
         if self.dist:
             sample = self.sample(64)  # a collective under expert parallelism: every rank decodes
             if not self.dist.is_main:
