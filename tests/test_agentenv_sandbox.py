@@ -647,6 +647,41 @@ def test_gvisor_fork_leaves_no_snapshot_behind(backend):
             kids[0].close()
 
 
+INOTIFY_HOG = ("import ctypes, sys, time\nlibc = ctypes.CDLL(None)\n"
+               "fds = [libc.inotify_init() for _ in range(int(sys.argv[1]))]\n"
+               "print(sum(fd >= 0 for fd in fds), flush=True)\ntime.sleep(60)\n")
+
+
+def test_sandboxes_have_their_own_host_uid_and_per_uid_quotas(backend):
+    """One sandbox takes every inotify instance its uid may have (a per-uid kernel quota); another sandbox
+    still gets one, and no two sandboxes' processes share a host uid."""
+    need(backend, "bwrap")
+    quota = int(open("/proc/sys/fs/inotify/max_user_instances").read())
+    if quota > 1000:
+        pytest.skip(f"fs.inotify.max_user_instances={quota}: too many to exhaust in a test")
+    a = backend.create(SandboxSpec(limits=Limits(open_files=quota + 64)))
+    b = backend.create(SandboxSpec())
+    try:
+        h = a.spawn(["python3", "-c", INOTIFY_HOG, str(quota + 10)])
+        out, deadline = b"", time.monotonic() + 20
+        while not out.strip() and time.monotonic() < deadline:
+            out += a.poll(h)["stdout"]
+            time.sleep(0.05)
+        assert 0 < int(out) < quota + 10, out  # it ran into the quota of its uid
+        got = b.exec(["python3", "-c", "import ctypes; print(ctypes.CDLL(None).inotify_init())"]).text
+        assert int(got) >= 0, got  # the other sandbox's uid has its own
+        uids = []
+        for s in (a, b):
+            pids = s.cg.pids()
+            assert pids
+            uids.append({int(open(f"/proc/{p}/status").read().split("\nUid:")[1].split()[1]) for p in pids})
+        assert len(uids[0]) == len(uids[1]) == 1 and uids[0] != uids[1], uids
+        assert hostfs.SANDBOX_UID not in uids[0] | uids[1]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_env_secrets_never_on_a_command_line(backend):
     need(backend, "bwrap", "gvisor")
     secret = "tok-" + os.urandom(12).hex()

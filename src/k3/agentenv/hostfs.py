@@ -14,7 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
-SANDBOX_UID = int(os.environ.get("K3_AGENTENV_UID", "61000"))  # host uid every sandbox runs as (unprivileged)
+# owner on disk of the shared layers (and gVisor's in-guest uid); each bwrap sandbox runs as a host uid of its
+# own that sees them as its files (idmap.py)
+SANDBOX_UID = int(os.environ.get("K3_AGENTENV_UID", "61000"))
 INSIDE_UID = 1000  # what the sandbox sees
 MNT_DETACH = 2
 MS_NOSUID, MS_NODEV = 2, 4
@@ -123,7 +125,8 @@ def _owner_record() -> str:
     return json.dumps({"pid": os.getpid(), "start": proc_start_time(os.getpid())})
 
 
-def _marker_alive(marker: Path) -> bool:
+def owner_alive_record(marker: Path) -> bool:
+    """Whether the process a {"pid", "start"} record file names is still the one that wrote it."""
     try:
         rec = json.loads(marker.read_text())
         return proc_start_time(rec["pid"]) == rec["start"]
@@ -153,7 +156,7 @@ def _collect_locked(layer: Path) -> bool:
     if layer.name == "empty" or not users.is_dir():  # untracked: not ours to judge
         return False
     markers = list(users.iterdir())
-    if any(_marker_alive(m) for m in markers):
+    if any(owner_alive_record(m) for m in markers):
         return False
     remove_tree(layer)
     shutil.rmtree(users, ignore_errors=True)
@@ -223,6 +226,9 @@ def seal_upper(upper: Path, root: Path, name: str, user: str) -> Path:
     tmp = dst.with_name("." + name)
     try:
         subprocess.run(["cp", "-a", "--", str(upper), str(tmp)], check=True, capture_output=True)
+        # layers belong to one owner on disk; each sandbox sees them as its own uid (idmap.py)
+        subprocess.run(["chown", "-R", "-h", f"{SANDBOX_UID}:{SANDBOX_UID}", str(tmp)], check=True,
+                       capture_output=True)
         strip_setid(tmp)
         with layers_locked(root):
             tmp.rename(dst)
@@ -263,7 +269,7 @@ def leftovers(root: Path | None = None, pid: int | None = None) -> list[str]:
     """What sandboxes of process `pid` (default: this one) left behind once all were closed: sandbox
     directories, mounts, layer holds; and, from any process, sandbox cgroups without a sandbox directory
     and sandbox-uid processes outside every live sandbox's cgroup. Empty when nothing leaked."""
-    from k3.agentenv import cgroups
+    from k3.agentenv import cgroups, idmap
     root, pid = root or state_root(), pid or os.getpid()
     out = []
     live = set()
@@ -304,6 +310,7 @@ def leftovers(root: Path | None = None, pid: int | None = None) -> list[str]:
             continue
         if "\nState:\tZ" in status:  # a zombie holds nothing; its parent (init, for bwrap's) reaps it
             continue
-        if uid == SANDBOX_UID and not any(f"-{n}" in groups for n in live):
-            out.append(f"process {p.name} of the sandbox uid outside every live sandbox")
+        if (uid == SANDBOX_UID or idmap.in_range(uid)) and not any(f"-{n}" in groups for n in live):
+            out.append(f"process {p.name} of sandbox uid {uid} outside every live sandbox")
+    out += [f"uid {u} still leased" for u in idmap.leases_of(root, pid)]
     return out

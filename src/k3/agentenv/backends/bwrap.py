@@ -1,4 +1,5 @@
-"""The default backend: Debian's bubblewrap, run as an unprivileged host uid, with every namespace unshared
+"""The default backend: Debian's bubblewrap, run as an unprivileged host uid of its own (leased per sandbox;
+the shared layers are idmapped to it), with every namespace unshared
 (user, pid, net, ipc, uts, cgroup), no further user namespaces, read-only /usr, a minimal /etc, an overlay
 workspace over a sealed shared template on a sized tmpfs (disk limit), cgroups nested under our own for
 memory, pids, CPU bandwidth and the freezer (pause), and the stdlib guest agent speaking JSON lines on a pipe
@@ -18,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from k3.agentenv import cgroups, channel, hostfs
+from k3.agentenv import cgroups, channel, hostfs, idmap
 from k3.agentenv.api import (Backend, ExecResult, Sandbox, SandboxError, SandboxSpec, SandboxTimeout, Snapshot,
                              check_argv_or_cmd, check_env)
 
@@ -115,6 +116,8 @@ class BwrapBackend(Backend):
                 pass
             hostfs.remove_tree(d)
             hostfs.release_layers(self.root, rec.get("layers", []), d.name)
+            if "uid" in rec:
+                idmap.release_uid(self.root, rec["uid"])
             n += 1
         hostfs.collect_layers(self.root)  # e.g. snapshots held by a process that died
         return n
@@ -135,6 +138,7 @@ class BwrapSandbox(Sandbox):
         except FileNotFoundError as e:
             raise SandboxError(f"cannot start {self.id}: {e}") from None
         self.state = "creating"
+        self.uid: int | None = None
         self._lock = threading.RLock()
         self._close_lock = threading.Lock()
         self._timer: threading.Timer | None = None
@@ -143,9 +147,11 @@ class BwrapSandbox(Sandbox):
         self.dir.mkdir()
         os.chmod(self.dir, 0o711)  # the sandbox uid must traverse to its bind sources; nothing else is readable
         self.cg = cgroups.SandboxCgroup("k3ae-" + self.id, backend._cg_version)
-        hostfs.write_owner(self.dir, {"cgroup_name": self.cg.name, "cgroup_version": self.cg.version,
-                                      "cgroup_dirs": [str(d) for d in self.cg.dirs], "layers": self.layers})
         try:
+            self.uid = idmap.lease_uid(backend.root, self.id)
+            hostfs.write_owner(self.dir, {"cgroup_name": self.cg.name, "cgroup_version": self.cg.version,
+                                          "cgroup_dirs": [str(d) for d in self.cg.dirs], "layers": self.layers,
+                                          "uid": self.uid})
             self._start()
         except BaseException:
             self.close()
@@ -163,13 +169,14 @@ class BwrapSandbox(Sandbox):
         upper, work, scratch = disk / "upper", disk / "work", disk / "scratch"
         for p in (upper, work, scratch):
             p.mkdir()
-            os.chown(p, hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
+            os.chown(p, self.uid, self.uid)
         os.chmod(disk, 0o755)
         os.chmod(scratch, 0o1777)
         chan = self.dir / "chan"
         chan.mkdir(mode=0o700)
-        os.chown(chan, hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
-        hostfs.mount("overlay", ws, "overlay", f"lowerdir={':'.join(self.layers)},upperdir={upper},workdir={work}",
+        os.chown(chan, self.uid, self.uid)
+        lowers = self._idmapped_layers()
+        hostfs.mount("overlay", ws, "overlay", f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}",
                      hostfs.SANDBOX_MOUNT_FLAGS)
         self.upper = upper
         self.cg.create(lim.memory_bytes, lim.pids, lim.cpus)
@@ -190,12 +197,12 @@ class BwrapSandbox(Sandbox):
                  "/usr/bin/python3", "-I", "-S", "/.k3agent/guest_agent.py", "--connect", "/.k3chan/agent.sock"]
         # Join our cgroups as root, then drop to the sandbox uid and exec bwrap (no preexec_fn: threads).
         script = ('for f in $K3_CG_PROCS; do echo $$ > "$f" || exit 97; done; '
-                  f'exec setpriv --reuid={hostfs.SANDBOX_UID} --regid={hostfs.SANDBOX_UID} --clear-groups -- "$@"')
+                  f'exec setpriv --reuid={self.uid} --regid={self.uid} --clear-groups -- "$@"')
         self._stderr = open(self.dir / "stderr.log", "wb")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(str(chan / "agent.sock"))
-            os.chown(chan / "agent.sock", hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
+            os.chown(chan / "agent.sock", self.uid, self.uid)
             listener.listen(1)
             self.proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *bwrap], stdin=subprocess.DEVNULL,
                                          stdout=self._stderr, stderr=self._stderr, close_fds=True,
@@ -214,6 +221,20 @@ class BwrapSandbox(Sandbox):
         if not ready:
             raise SandboxError(f"guest agent did not start: {hello[:300]!r}")
         self.state = "running"
+
+    def _idmapped_layers(self) -> list[str]:
+        """Each shared layer bound under this sandbox's dir, its files shown as owned by this sandbox's uid."""
+        nsfd = idmap.userns_mapping(hostfs.SANDBOX_UID, self.uid)
+        try:
+            out = []
+            for i, layer in enumerate(self.layers):
+                target = self.dir / "lower" / str(i)
+                target.mkdir(parents=True)
+                idmap.idmapped_bind(layer, target, nsfd)
+                out.append(str(target))
+            return out
+        finally:
+            os.close(nsfd)
 
     # ---- transport -----------------------------------------------------------------------------------
     def _exit_reason(self) -> str:
@@ -423,4 +444,6 @@ class BwrapSandbox(Sandbox):
         self.cg.remove()
         hostfs.remove_tree(self.dir)
         hostfs.release_layers(self.backend.root, self.layers, self.id)
+        if self.uid is not None:  # every process of it is gone with the cgroup
+            idmap.release_uid(self.backend.root, self.uid)
         self.state = "closed"
