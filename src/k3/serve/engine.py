@@ -63,6 +63,9 @@ class LLMEngine:
         self.metrics = metrics or Metrics()
         self.max_model_len = min(config.max_model_len or self.capacity.tokens, self.capacity.tokens)
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
+        # Generation ends at the end of a turn (<|end_of_msg|>, config.json's eos) and at a document end ([EOS]).
+        self.stop_ids = (frozenset(getattr(tokenizer, "stop_token_ids", None) or [self.eos_id])
+                         if tokenizer is not None else frozenset())
         # A model's vocabulary may be padded past its tokenizer's: never sample an id that has no text.
         vocab = model.config.vocab_size
         self.sample_vocab = min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
@@ -192,7 +195,7 @@ class LLMEngine:
         seq.tokens.append(tok)
         if lp is not None:
             seq.logprobs.append(lp)
-        stop_tok = tok in p.stop_token_ids or (tok == self.eos_id and not p.ignore_eos)
+        stop_tok = tok in p.stop_token_ids or (tok in self.stop_ids and not p.ignore_eos)
         if seq.decoder is not None and not stop_tok:
             seq.output_text += seq.decoder.step(tok)
         reason = None
