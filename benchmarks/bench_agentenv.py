@@ -42,6 +42,8 @@ def bench(name, reps, max_concurrent):
     row["restore"] = ms(lambda: restored.append(b.restore(snaps[-1])), reps)
     for r in restored:
         r.close()
+    for snap in snaps:  # a snapshot holds its layers until deleted
+        b.delete_snapshot(snap)
     t = time.perf_counter()
     kids = s.fork(4)
     row["fork/child"] = (time.perf_counter() - t) * 1e3 / 4

@@ -93,11 +93,14 @@ def tree_fingerprint(path: Path) -> str:
     return h.hexdigest()[:24]
 
 
-def strip_setid(tree: Path) -> None:
-    """Clear setuid/setgid bits below `tree` (a layer being sealed, which nothing else touches yet)."""
+def seal_tree(tree: Path) -> None:
+    """Make a layer being sealed (which nothing else touches yet) owned by SANDBOX_UID throughout, with no
+    setuid/setgid bits: every sandbox sees it as its own files (idmap.py), and nothing in it runs set-id."""
+    os.lchown(tree, SANDBOX_UID, SANDBOX_UID)
     for dirpath, dirnames, filenames in os.walk(tree):
         for name in dirnames + filenames:
             p = os.path.join(dirpath, name)
+            os.lchown(p, SANDBOX_UID, SANDBOX_UID)
             st = os.lstat(p)
             if st.st_mode & 0o6000 and not os.path.islink(p):
                 os.chmod(p, st.st_mode & 0o1777)
@@ -206,8 +209,7 @@ def seal_template(template: str | Path | None, root: Path, user: str, strip_git:
     ignore = shutil.ignore_patterns(".git") if strip_git else None
     try:
         shutil.copytree(src, tmp, symlinks=True, ignore=ignore)
-        strip_setid(tmp)
-        subprocess.run(["chown", "-R", "-h", f"{SANDBOX_UID}:{SANDBOX_UID}", str(tmp)], check=True)
+        seal_tree(tmp)
         with layers_locked(root):
             if layer.is_dir():  # someone else sealed it first
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -226,10 +228,7 @@ def seal_upper(upper: Path, root: Path, name: str, user: str) -> Path:
     tmp = dst.with_name("." + name)
     try:
         subprocess.run(["cp", "-a", "--", str(upper), str(tmp)], check=True, capture_output=True)
-        # layers belong to one owner on disk; each sandbox sees them as its own uid (idmap.py)
-        subprocess.run(["chown", "-R", "-h", f"{SANDBOX_UID}:{SANDBOX_UID}", str(tmp)], check=True,
-                       capture_output=True)
-        strip_setid(tmp)
+        seal_tree(tmp)
         with layers_locked(root):
             tmp.rename(dst)
             _acquire_locked([dst], user)

