@@ -3,6 +3,7 @@ or overwritten: devices this machine lacks, ports out of range or taken, missing
 serve` flags (before the warm-up), `--json` that cannot be written, `k3 info FILE --verify`, a unit-less
 `--gpu-memory`, training sizes that cannot fit in memory. Also `--version` and help texts with defaults."""
 import json
+from pathlib import Path
 import socket
 import subprocess
 import sys
@@ -191,3 +192,85 @@ def test_plan_warns_that_a_bare_number_is_bytes(capsys):
     assert code == 0 and err == ""
     code, _, err = run(capsys, ["plan", "--preset", "tiny", "--gpus", "1", "--gpu-memory", str(141 * 10**9)])
     assert code == 0 and err == ""  # a byte count a GPU can have is taken as meant
+
+
+# ---- training sizes checked before anything is allocated ------------------------------------------------------
+GiB = 2**30
+
+
+def test_huge_seq_len_is_refused_before_the_run_starts(capsys, tmp_path):
+    out = tmp_path / "run"
+    code, _, err = run(capsys, ["train", "--out", str(out), "--seq-len", "10000000"])
+    assert_one_line_error(code, err, "k3 train", "--batch-size 16 --seq-len 10000000", "is free on cpu",
+                          "what fits: --seq-len")
+    assert not out.exists()  # nothing created, nothing loaded
+
+
+def test_what_fits_is_what_the_estimate_admits(capsys, monkeypatch, tmp_path):
+    import re
+
+    from k3.config import K3Config
+    from k3.memory import NotEnoughMemoryError
+    from k3.train import memory_estimate as me
+
+    free, tiny = 2 * GiB, K3Config.preset("tiny")
+    monkeypatch.setattr(me, "available_bytes", lambda device: free)
+    mem = me.estimate_train_memory(tiny)
+    b, t = mem.max_batch(2048, free), mem.max_seq_len(64, free)
+    assert mem.total(b, 2048) <= free < mem.total(b + 1, 2048)  # the largest that fits, exactly
+    assert mem.total(64, t) <= free < mem.total(64, t + 1)
+    assert me.check_train_fits(tiny, 16, 256) is not None  # the default fits in 2 GiB
+    with pytest.raises(NotEnoughMemoryError) as e:
+        me.check_train_fits(tiny, 64, 2048)
+    said = re.search(r"--batch-size (\d+) at this --seq-len or --seq-len (\d+) at this --batch-size", str(e.value))
+    assert said and abs(int(said[1]) - b) <= 1 and abs(int(said[2]) - t) <= 8  # (another probe, same model)
+    code, _, err = run(capsys, ["train", "--out", str(tmp_path / "r"), "--batch-size", "64", "--seq-len", "2048"])
+    assert_one_line_error(code, err, "k3 train", "--batch-size 64 --seq-len 2048", "2.0 GiB is free on cpu")
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_estimate_is_a_lower_bound_of_a_real_step():
+    """Two real training steps in a fresh process (benchmarks/bench_train_memory.py): the measured peak is at
+    least the estimate (so a refused step surely would not fit) and within 2x of it (so it says something)."""
+    import importlib.util
+    from pathlib import Path
+
+    from k3.config import K3Config
+    from k3.train.memory_estimate import estimate_train_memory
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_train_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    p = subprocess.run([sys.executable, "-c", bench.STEP, "tiny", "4", "256", "0"], capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    peak = json.loads(p.stdout.splitlines()[-1])
+    est = estimate_train_memory(K3Config.preset("tiny")).total(4, 256)
+    assert est <= peak <= 2 * est, (est, peak)
+
+
+# ---- what the exported model is ------------------------------------------------------------------------------
+def test_model_format_says_unquantized_then_mxfp4_after_the_suggested_convert(capsys, tmp_path):
+    from k3.cli import _model_format
+    from k3.model.decoder import K3ForCausalLM
+    model_dir = tmp_path / "model"
+    K3ForCausalLM(k3.K3Config.preset("tiny")).save_pretrained(model_dir, dtype=None)  # as k3 train exports it
+    text = _model_format(model_dir, qat=True)
+    assert text.startswith("float32 weights, routed experts unquantized")
+    cmd = text.split("`")[1].split()  # the command it suggests, run as given
+    assert cmd[:2] == ["k3", "convert"]
+    assert main(cmd[1:]) == 0
+    assert "convert to mxfp4" in capsys.readouterr().err  # the shard loop shows progress
+    assert _model_format(Path(cmd[2] + "-mxfp4"), qat=True).startswith("float32 weights, routed experts MXFP4")
+    assert "convert" not in _model_format(model_dir, qat=False)
+
+
+def test_final_evaluation_shows_progress(capsys, tmp_path):
+    from test_train import small_run
+
+    from k3.train.trainer import Trainer
+    t = Trainer(small_run(tmp_path / "run"), log=lambda *a: None)
+    plain = t.evaluate(2)
+    capsys.readouterr()
+    assert t.evaluate(2, progress="final evaluation") == plain  # the bar changes nothing but the screen
+    err = capsys.readouterr().err
+    assert "final evaluation" in err and "2/2" in err
