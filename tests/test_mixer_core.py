@@ -11,7 +11,7 @@ from k3.config import K3Config
 from k3.model.decoder import K3ForCausalLM
 from k3.model.moe import LatentMoE, route
 from k3.ops import kda_core as core_mod
-from k3.ops.fused_linear import FusedLinears
+from k3.ops.fused_linear import FusedLinears, fuse_projections
 from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
 from k3.ops.moe_decode import selected_experts_situ_mlp, selected_experts_situ_mlp_reference, use_selected_experts
 
@@ -84,6 +84,9 @@ def test_fused_linears_equal_the_separate_projections_and_follow_weight_changes(
     fused = FusedLinears(*lins)
     x = torch.randn(4, 16, dtype=torch.float64)
     with torch.no_grad():
+        fused(x)
+        assert fused.weight is None  # off until a decode driver switches it on
+        fused.refresh()
         got = fused(x)
         for a, lin in zip(got, lins):
             torch.testing.assert_close(a, lin(x), rtol=1e-12, atol=1e-12)
@@ -152,13 +155,49 @@ def test_model_inference_paths_equal_the_training_paths():
     cfg = K3Config.preset("tiny")
     torch.manual_seed(4)
     model = K3ForCausalLM(cfg).double()
+    fuse_projections(model)
     ids = torch.randint(0, cfg.vocab_size, (1, 12))
     c1, c2 = model.new_cache(), model.new_cache()
     with torch.no_grad():
         a = [model(ids[:, :8], cache=c1).logits] + [model(ids[:, t:t + 1], cache=c1).logits for t in range(8, 12)]
     b = [model(ids[:, :8], cache=c2).logits] + [model(ids[:, t:t + 1], cache=c2).logits for t in range(8, 12)]
     torch.testing.assert_close(torch.cat(a, 1), torch.cat(b, 1).detach(), rtol=1e-9, atol=1e-9)
+    assert model.model.layers[1].self_attn.in_proj.weight is not None  # the fused path did run
     twin = copy.deepcopy(model)  # the fused caches follow the copy's own weights
     with torch.no_grad():
         twin.model.layers[1].self_attn.q_proj.weight.zero_()
         assert not torch.allclose(twin(ids).logits, model(ids).logits)
+
+
+def test_state_in_place_writes_over_the_initial_state():
+    q, k, v, f, b, A_log, dt_bias = _features(3, 1, 2, 8, seed=5, dtype=torch.float32)
+    h0 = torch.randn(3, 2, 8, 8)
+    want_o, want_s = core_mod.kda_core(q, k, v, f, b, A_log, dt_bias, -5.0, initial_state=h0.clone(),
+                                       output_final_state=True, recurrent=True)
+    buf = h0.clone()
+    o, s = core_mod.kda_core(q, k, v, f, b, A_log, dt_bias, -5.0, initial_state=buf, recurrent=True,
+                             state_in_place=True)
+    assert s is buf and not torch.equal(buf, h0)
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(buf, want_s)
+    with pytest.raises(ValueError, match="initial_state"):
+        core_mod.kda_core(q, k, v, f, b, A_log, dt_bias, -5.0, recurrent=True, state_in_place=True)
+
+
+def test_static_cache_decode_equals_growing_cache_decode():
+    """The StaticCache decode (state written in place) gives the growing K3Cache's logits and states."""
+    cfg = K3Config.preset("tiny")
+    torch.manual_seed(6)
+    model = K3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 10))
+    grow, static = model.new_cache(), model.new_cache(2, 16)
+    with torch.no_grad():
+        model(ids[:, :6], cache=grow)
+        model(ids[:, :6], cache=static)
+        for t in range(6, 10):
+            a = model(ids[:, t:t + 1], cache=grow).logits
+            b = model(ids[:, t:t + 1], cache=static).logits
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for l in range(cfg.num_hidden_layers):
+        if not cfg.is_mla(l):
+            torch.testing.assert_close(grow.layers[l].state, static.layers[l].state, rtol=1e-5, atol=1e-5)

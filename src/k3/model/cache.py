@@ -94,7 +94,8 @@ class StaticCache(K3Cache):
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
         dst = self.layers[layer_idx]
         for name in ("state", "conv_q", "conv_k", "conv_v"):
-            getattr(dst, name).copy_(getattr(state, name))
+            if getattr(state, name) is not getattr(dst, name):  # a decode step may have written it in place
+                getattr(dst, name).copy_(getattr(state, name))
 
     def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor):
         T = latent.shape[1]

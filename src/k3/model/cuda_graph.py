@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from k3.model.cache import StaticCache
-from k3.ops.fused_linear import refresh_fused
+from k3.ops.fused_linear import fuse_projections
 
 
 def graph_blocker(model) -> str | None:
@@ -49,7 +49,7 @@ class GraphedDecodeStep:
     def _capture(self, warmup: int, compile: bool) -> None:
         model, cache, device = self.model, self.cache, self.device
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
-        refresh_fused(model)  # the stacked projection weights exist before compiling and capture read them
+        fuse_projections(model)  # the stacked projection weights exist before compiling and capture read them
         if compile:  # inductor fuses the elementwise chains (norms, AttnRes mixes, gates) before capture
             core = torch.compile(model.model)
 

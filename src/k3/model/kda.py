@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import BatchCacheView, KDAState
+from k3.model.cache import BatchCacheView, KDAState, StaticCache
 from k3.model.norm import RMSNorm
 from k3.ops.conv import short_conv
 from k3.ops.fused_linear import FusedLinears
@@ -97,8 +97,11 @@ class DenseLayout:
             return o.view(B, T, *o.shape[2:])
         cache = self.cache
         st = cache.kda_state(m.layer_idx) if cache is not None else None
+        decode = cache is not None and T == 1
+        # a StaticCache's buffers are written in place anyway: the decode step may write the state straight there
         o, state = kda_core(q, k, v, f, beta_logits, *params, initial_state=st.state if st is not None else None,
-                            output_final_state=cache is not None, recurrent=cache is not None and T == 1)
+                            output_final_state=cache is not None, recurrent=decode,
+                            state_in_place=decode and isinstance(cache, StaticCache))
         if cache is not None:
             cache.set_kda_state(m.layer_idx, KDAState(state, *tails))
         return o

@@ -2,9 +2,11 @@
 
 At decode a mixer's projections are matrix-vector products, each a kernel launch that reads its weight once;
 one launch over the stacked weight reads the same bytes with fewer launches and a fuller card. The modules keep
-their own parameters (the released checkpoint's names); the stacked copy is a cache built at first inference
-use and refreshed in place (same storage, so a captured CUDA graph stays valid) whenever a weight changed.
-Training, or any call that needs a weight's gradient, runs the separate projections.
+their own parameters (the released checkpoint's names); the stacked copy is a cache that the decode drivers
+switch on (`fuse_projections(model)`: the CUDA-graphed decode step, the serving engine's runner) and that is
+refreshed in place (same storage, so a captured CUDA graph stays valid) whenever a weight changed. Until then,
+and in any call that needs a weight's gradient, the separate projections run: training, and evaluation
+inside training (FSDP's gathered weights, say), never hold the extra copy.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from torch import nn
 
 
 class FusedLinears:
-    """`fused(x)` == `[lin(x) for lin in linears]` (up to summation order), one GEMM when no gradient is needed.
+    """`fused(x)` == `[lin(x) for lin in linears]` (up to summation order), one GEMM once `refresh` switched the
+    stacked weight on and no gradient is needed.
 
     Held as a plain attribute of the owning module (not a submodule, so neither `state_dict` nor `.to()` sees
     it): the cache follows the weights' device and dtype by rebuilding when they change."""
@@ -28,12 +31,10 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         weights = [lin.weight for lin in self.linears]
-        if (torch.is_grad_enabled() and any(w.requires_grad for w in weights)) or weights[0].is_meta:
+        if self.weight is None or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return [lin(x) for lin in self.linears]
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():  # (compiled code trusts the cache refreshed before compiling)
             self.refresh()
-        elif self.weight is None:  # compiled before any eager call: no cache to trust, stay exact
-            return [lin(x) for lin in self.linears]
         return list(F.linear(x, self.weight).split([w.shape[0] for w in weights], dim=-1))
 
     def refresh(self) -> None:
@@ -53,10 +54,10 @@ class FusedLinears:
         self._key = (where, versions)
 
 
-def refresh_fused(model: nn.Module) -> None:
-    """Build or update every FusedLinears cache of `model` (before compiling or capturing a decode step, so
-    the compiled code and the graph find them)."""
+def fuse_projections(model: nn.Module) -> None:
+    """Switch on (or bring up to date) every FusedLinears of `model`; called by the decode drivers before they
+    compile or capture a step, so the compiled code and the graph find the stacked weights."""
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, FusedLinears):
+            if isinstance(value, FusedLinears) and not value.linears[0].weight.is_meta:
                 value.refresh()

@@ -147,13 +147,15 @@ def fla_kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_f
 
 
 def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, scale=None, initial_state=None,
-                  output_final_state=False, cu_seqlens=None, recurrent=None):
+                  output_final_state=False, cu_seqlens=None, recurrent=None, state_in_place=False):
     """The K3 mixer's inner op with gate, q/k L2 norm and beta sigmoid fused into fla's kernels.
 
     q, k: [B, T, H, K] raw (after conv and SiLU, before the L2 norm); v: [B, T, H, V];
     f: [B, T, H, K] the low-rank gate projection W_fb W_fa x; beta_logits: [B, T, H] (before the sigmoid);
     A_log: [H'] (H' >= H, first H used); dt_bias: [H*K] or [H, K]; lower_bound in [-5, 0).
     recurrent: use the fused recurrent kernel (forward only); default: when T == 1 and no gradient is needed.
+    state_in_place: the recurrent kernel writes the final state over initial_state (fp32, contiguous) and
+    returns it: a decode step over a preallocated cache then reads and writes each state once, no copy.
     Computes kda_recurrent(l2(q), l2(k), v, kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(beta_logits)).
     """
     B, T, H, K = q.shape
@@ -170,7 +172,19 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
         recurrent = T == 1 and not needs_grad
     if recurrent and needs_grad:
         raise ValueError("fla's fused recurrent kernel has no backward: recurrent=True needs inputs without grad")
-    if recurrent:
+    if state_in_place and not (recurrent and initial_state is not None and initial_state.dtype == torch.float32
+                               and initial_state.is_contiguous()):
+        raise ValueError("state_in_place needs the recurrent kernel and an fp32 contiguous initial_state")
+    if state_in_place:  # fla's own in-place entry (what its serving integrations call)
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        o, state = fused_recurrent_kda_fwd(q, k.to(dt), v.to(dt), f.to(dt), beta_logits.to(dt), A_log=A,
+                                           dt_bias=bias, scale=scale, initial_state=initial_state,
+                                           output_final_state=True, inplace_final_state=True,
+                                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                           use_beta_sigmoid_in_kernel=True, lower_bound=float(lower_bound),
+                                           state_v_first=False, cu_seqlens=cu)
+    elif recurrent:
         from fla.ops.kda import fused_recurrent_kda
 
         o, state = fused_recurrent_kda(q, k.to(dt), v.to(dt), f.to(dt), beta_logits.to(dt), A_log=A,

@@ -7,7 +7,7 @@ import torch
 
 from k3.model.cache import BatchCacheView, KDAState
 from k3.model.cuda_graph import wants_graphs
-from k3.ops.fused_linear import refresh_fused
+from k3.ops.fused_linear import fuse_projections
 from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
 from k3.serve.sequence import Sequence
@@ -125,7 +125,6 @@ class DecodeGraphs:
         cuBLAS workspaces), then capture it; capture only records, so the pool is written once. Returns the
         eager step's logits."""
         device = self.pool.device
-        refresh_fused(self.model)  # the stacked projection weights exist before the capture reads them
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -152,6 +151,7 @@ class ModelRunner:
         same fixed-shape decode step eagerly (for tests)."""
         self.model, self.pool = model, pool
         self.device = next(model.parameters()).device
+        fuse_projections(model)  # each mixer's input projections as one GEMM (k3.ops.fused_linear)
         on_cuda = self.device.type == "cuda"
         use = wants_graphs(model, self.device, decode_graphs)
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
