@@ -183,7 +183,7 @@ _VISION_REFUSED = {
     **dict.fromkeys(("resume", "save_every"), "it trains in one go and writes no checkpoints"),
     **dict.fromkeys(("nproc", "dp", "ep", "cp", "fsdp"), "it trains in one process"),
     **dict.fromkeys(("qat", "activation_checkpointing"), "not implemented for the vision-language model"),
-    **dict.fromkeys(("corpus", "tokenizer", "seq_len", "grad_accum"),
+    **dict.fromkeys(("corpus", "data", "tokenizer", "seq_len", "grad_accum"),
                     "its data are synthetic scenes, one question per row, in the bundled tokenizer"),
     "preset": "it trains its own tiny vision-language model (--preset tiny)",
     "optimizer": "it trains with adamw",
@@ -280,7 +280,7 @@ def cmd_train(a) -> int:
         return launched
 
     cfg = train_config_from_dict({
-        **unflagged, "preset": a.preset, "out": a.out, "corpus": a.corpus, "tokenizer": a.tokenizer,
+        **unflagged, "preset": a.preset, "out": a.out, "corpus": a.corpus, "data": a.data, "tokenizer": a.tokenizer,
         "max_steps": a.max_steps, "time_budget": a.time_budget, "batch_size": a.batch_size, "seq_len": a.seq_len,
         "grad_accum": a.grad_accum, "lr": a.lr, "optimizer": a.optimizer, "balance": a.balance,
         "eval_every": a.eval_every, "save_every": a.save_every, "seed": a.seed, "resume": a.resume,
@@ -671,6 +671,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run directory: checkpoints, metrics, plots, model (default: runs/PRESET; runs/vision for "
                         "--task vision). A new run needs it missing or empty")
     t.add_argument("--corpus", default=None, help="a .jsonl.xz corpus (default: bundled Shakespeare)")
+    t.add_argument("--data", default=None, metavar="FILE.jsonl",
+                   help="OpenAI-format conversations ({'messages', 'tools'} a line) instead of the corpus: rendered "
+                        "in K3's chat markup, the loss on the assistant's tokens only")
     t.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: bundled BPE)")
     t.add_argument("--max-steps", type=_positive_int, default=300)
     t.add_argument("--time-budget", type=_positive_float, default=None, help="seconds; stop early, then evaluate and save")

@@ -34,6 +34,7 @@ class TrainConfig:
     preset: str = "tiny"
     out: str | None = None  # None: runs/<preset>
     corpus: str | None = None  # None: the bundled Shakespeare
+    data: str | None = None  # OpenAI-format conversations (JSONL): trains on them instead of the corpus
     tokenizer: str | None = None  # None: the bundled BPE
     max_steps: int = 300
     time_budget: float | None = None  # seconds; training stops early (and still evaluates and saves)
@@ -128,13 +129,26 @@ class Trainer:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
 
-        self.tokenizer = Tokenizer.from_file(cfg.tokenizer)
-        train_docs, val_docs = split_documents(load_corpus(cfg.corpus), seed=cfg.seed)
-        self.train_ids = load_token_docs(self.tokenizer, train_docs)
-        self.val_ids = load_token_docs(self.tokenizer, val_docs)
-        tok = self.tokenizer
-        self.loader = PackedLoader(self.train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, tok.bos_id, tok.eos_id, tok.pad_id)
-        self.val_batches = eval_batches(self.val_ids, cfg.seq_len, cfg.batch_size, tok.bos_id, tok.eos_id, tok.pad_id)
+        self.tokenizer = tok = Tokenizer.from_file(cfg.tokenizer)
+        if cfg.data:  # conversations in the chat markup, the loss on the assistant's tokens only
+            from k3.data.conversations import (ConversationLoader, conversation_eval_batches, load_conversations,
+                                               render_conversations)
+            convs = render_conversations(tok, load_conversations(cfg.data))
+            order = np.random.default_rng(cfg.seed).permutation(len(convs))
+            n_val = min(len(convs) // 20, 200) or (1 if len(convs) > 1 else 0)  # 5% (at most 200) held out
+            val = [convs[i] for i in order[:n_val]] or convs
+            train = [convs[i] for i in order[n_val:]]
+            self.train_ids, self.val_ids = [c[0] for c in train], [c[0] for c in val]
+            self.loader = ConversationLoader(train, cfg.seq_len, cfg.batch_size, cfg.seed)
+            self.val_batches = conversation_eval_batches(val, cfg.seq_len, cfg.batch_size, tok.pad_id)
+        else:
+            train_docs, val_docs = split_documents(load_corpus(cfg.corpus), seed=cfg.seed)
+            self.train_ids = load_token_docs(tok, train_docs)
+            self.val_ids = load_token_docs(tok, val_docs)
+            self.loader = PackedLoader(self.train_ids, cfg.seq_len, cfg.batch_size, cfg.seed, tok.bos_id, tok.eos_id,
+                                       tok.pad_id)
+            self.val_batches = eval_batches(self.val_ids, cfg.seq_len, cfg.batch_size, tok.bos_id, tok.eos_id,
+                                            tok.pad_id)
 
         if cfg.dp * cfg.cp > 1 or cfg.ep > 1:
             # join the process group before placing the model: on GPUs it makes this rank's device
