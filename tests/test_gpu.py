@@ -415,3 +415,17 @@ def test_kda_core_fla_matches_reference_with_widened_values():
     o1_ref, s1_ref = kda_core(*(t[:, :1].float() for t in feats), A_log, dt_bias, -5.0, initial_state=h0,
                               output_final_state=True, recurrent=True, backend="reference")
     assert rel_err(o1, o1_ref) < 2e-2 and rel_err(s1, s1_ref) < 2e-2
+
+
+def test_router_scores_from_16_bit_inputs_equal_the_fp32_upcast():
+    """A bf16 model's router: one GEMM with fp32 output == sigmoid of the upcast fp32 product (same products)."""
+    from k3.config import K3Config
+    from k3.model.moe import LatentMoE
+
+    torch.manual_seed(9)
+    moe = LatentMoE(K3Config.preset("small")).cuda().bfloat16()
+    torch.nn.init.normal_(moe.gate.weight, std=0.05)
+    x = torch.randn(5, moe.gate.weight.shape[1], device="cuda").bfloat16()
+    got = moe.router_scores(x)
+    want = torch.sigmoid(x.double() @ moe.gate.weight.double().t())
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-6
