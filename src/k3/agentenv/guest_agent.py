@@ -47,6 +47,33 @@ def make_undumpable():
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
+def command_ids():
+    """(uid, gid) the commands run as, when the agent runs as the guest's root (gVisor: commands under another
+    uid cannot open its /proc files, signal or trace it); None when both share the sandbox's one uid (bwrap)."""
+    uid = CONFIG.get("command_uid")
+    return (uid, uid) if uid is not None and os.geteuid() == 0 else None
+
+
+def give_to_commands(name, dir_fd=None):
+    """What the agent creates belongs to the commands' uid (they can edit the files they were given)."""
+    ids = command_ids()
+    if ids:
+        if isinstance(name, int):
+            os.fchown(name, *ids)
+        else:
+            os.chown(name, *ids, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def make_parents(path):
+    missing, d = [], os.path.dirname(path)
+    while d and d != "/" and not os.path.lexists(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    for d in reversed(missing):
+        os.mkdir(d, 0o755)
+        give_to_commands(d)
+
+
 def open_regular(path, flags, mode=0o644):
     """Open `path` only if it is a regular file; non-blocking, so a FIFO or device returns at once."""
     fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode)
@@ -87,12 +114,15 @@ def create_fresh(path, mode):
                     raise
                 remove_entry(name, fd)
                 os.mkdir(name, 0o755, dir_fd=fd)
+                give_to_commands(name, dir_fd=fd)
                 nfd = os.open(name, flags, dir_fd=fd)
             os.close(fd)
             fd = nfd
         remove_entry(parts[-1], fd)
-        return os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
-                       dir_fd=fd)
+        new = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                      dir_fd=fd)
+        give_to_commands(new)
+        return new
     finally:
         os.close(fd)
 
@@ -120,6 +150,11 @@ def limit_child():
             f.write("1000")
     except OSError:
         pass
+    ids = command_ids()
+    if ids:  # last: dropping from root to another uid also drops every capability
+        os.setgroups([])
+        os.setresgid(ids[1], ids[1], ids[1])
+        os.setresuid(ids[0], ids[0], ids[0])
 
 
 def start(argv, cwd, env, stdin_bytes):
@@ -280,8 +315,9 @@ def op_write(req):
         fd = create_fresh(path, mode)
     else:
         if req.get("parents", True):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            make_parents(path)
         fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        give_to_commands(fd)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     return {}
@@ -311,7 +347,8 @@ def op_tar_get(req):
 
 def op_tar_put(req):
     dest = resolve(req.get("dest") or WORKDIR)
-    os.makedirs(dest, exist_ok=True)
+    if not os.path.isdir(dest):
+        make_parents(dest + "/x")
     with tarfile.open(fileobj=io.BytesIO(unb64(req.get("data"))), mode="r") as tf:
         members = []
         for m in tf.getmembers():
@@ -324,6 +361,8 @@ def op_tar_put(req):
             if not m.isdir() and os.path.lexists(target) and not os.path.isdir(target):
                 os.unlink(target)  # a FIFO or symlink named like a member is replaced, not opened
         tf.extractall(dest, members=members)
+        for m in members:  # not the owners named in the archive
+            give_to_commands(os.path.join(dest, os.path.normpath(m.name)))
     return {}
 
 

@@ -35,6 +35,10 @@ def _runsc_base(state: Path) -> list[str]:
             "--oci-seccomp"]
 
 
+# The guest agent runs as the guest's root with just what it needs to start commands as SANDBOX_UID (which
+# then cannot read its /proc files, signal or trace it) and to manage their files; all in gVisor's kernel.
+AGENT_CAPS = [f"--cap={c}" for c in ("CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER",
+                                     "CAP_KILL")]
 _CLONE_NEWUSER = 0x10000000
 _EPERM = 1
 
@@ -183,6 +187,7 @@ class GVisorSandbox(Sandbox):
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8", **self.spec.env}
         self.cfg = {"cpu_seconds": lim.cpu_seconds, "file_bytes": lim.disk_bytes, "open_files": lim.open_files,
                     "output_bytes": lim.output_bytes, "env": env, "deny_namespaces": True,
+                    "command_uid": hostfs.SANDBOX_UID,
                     "nproc": lim.pids, "address_space_bytes": lim.memory_bytes}
         ro = ["ro", "rbind", "nosuid", "nodev"]
         config = {
@@ -229,7 +234,7 @@ class GVisorSandbox(Sandbox):
             payload = {"exec": 2 * lim.output_bytes, "read": 64 << 20, "tar_get": channel.MAX_TAR_BYTES}.get(op, 0)
             try:
                 rc, out, err = channel.run_capped(
-                    [*_runsc_base(self.dir / "state"), "exec", "--user", f"{hostfs.SANDBOX_UID}:{hostfs.SANDBOX_UID}",
+                    [*_runsc_base(self.dir / "state"), "exec", "--user", "0:0", *AGENT_CAPS,
                      self.id, "/usr/bin/python3", "-I", "-S", "/.k3agent/guest_agent.py", "--oneshot"],
                     (json.dumps(self.cfg) + "\n").encode() + line, wait, channel.max_answer_bytes(payload))
             except OSError as e:
