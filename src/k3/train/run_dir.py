@@ -16,8 +16,8 @@ RUN_FILES = frozenset({"checkpoints", "model", ".tmp-model", "metrics.jsonl", "m
                        "loss.png", "expert_load.png"})
 
 # the fields that shape a run's trajectory: a resume keeps them, and a flag that contradicts them is refused
-RUN_FIELDS = ("preset", "corpus", "tokenizer", "max_steps", "batch_size", "seq_len", "grad_accum", "lr", "optimizer",
-              "weight_decay", "warmup_steps", "decay_fraction", "grad_clip", "balance", "seed", "qat")
+RUN_FIELDS = ("preset", "corpus", "data", "tokenizer", "max_steps", "batch_size", "seq_len", "grad_accum", "lr",
+              "optimizer", "weight_decay", "warmup_steps", "decay_fraction", "grad_clip", "balance", "seed", "qat")
 
 
 class RunDirError(ValueError):
