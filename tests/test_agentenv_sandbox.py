@@ -717,6 +717,15 @@ def test_bad_env_refused_before_anything_starts(backend, env, match):
     assert set(os.listdir(hostfs.state_root() / "sb")) <= before | set()
 
 
+def test_host_side_failures_are_sandbox_errors(backend, tmp_path):
+    need(backend, "bwrap")
+    os.mkfifo(tmp_path / "pipe")  # a template the host cannot copy
+    t0 = time.monotonic()
+    with pytest.raises(SandboxError, match="cannot seal template"):
+        backend.create(SandboxSpec(template=tmp_path))
+    assert time.monotonic() - t0 < 10
+
+
 def test_exec_env_checked(sb):
     with pytest.raises(ValueError, match="NUL"):
         sb.exec("true", env={"A": "b\0c"})

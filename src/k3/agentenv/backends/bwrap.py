@@ -105,7 +105,10 @@ class BwrapBackend(Backend):
         spec.validate()
         self._setup()
         sid = new_id()
-        base = hostfs.seal_template(spec.template, self.root, sid, self.strip_git)
+        try:
+            base = hostfs.seal_template(spec.template, self.root, sid, self.strip_git)
+        except OSError as e:  # e.g. a FIFO or unreadable file in the template
+            raise SandboxError(f"cannot seal template {spec.template}: {str(e)[:300]}") from e
         try:
             return BwrapSandbox(self, spec, [str(base)], sid)
         except BaseException:
@@ -175,8 +178,10 @@ class BwrapSandbox(Sandbox):
                                           "cgroup_dirs": [str(d) for d in self.cg.dirs], "layers": self.layers,
                                           "uid": self.uid})
             self._start()
-        except BaseException:
+        except BaseException as e:
             self.close()
+            if isinstance(e, OSError):  # host plumbing (mount, cgroup, uid lease): still a SandboxError
+                raise SandboxError(f"sandbox {self.id} could not start: {e}") from e
             raise
         self.set_ttl(spec.ttl)
 
@@ -365,13 +370,22 @@ class BwrapSandbox(Sandbox):
     def pause(self) -> None:
         with self._lock:
             if self.state == "running":
-                self.cg.freeze()
+                self._freeze()
                 self.state = "paused"
+
+    def _freeze(self) -> None:
+        try:
+            self.cg.freeze()
+        except OSError as e:
+            raise SandboxError(f"cannot pause {self.id}: {e}") from e
 
     def resume(self) -> None:
         with self._lock:
             if self.state == "paused":
-                self.cg.thaw()
+                try:
+                    self.cg.thaw()
+                except OSError as e:
+                    raise SandboxError(f"cannot resume {self.id}: {e}") from e
                 self.state = "running"
             if self.spec.ttl and self.expires_at is not None and time.time() >= self.expires_at:
                 self.set_ttl(self.spec.ttl)  # a resumed sandbox gets a fresh TTL
@@ -386,7 +400,7 @@ class BwrapSandbox(Sandbox):
                 raise SandboxError(f"sandbox {self.id} is closed")
             was_paused = self.state == "paused"
             if not was_paused:
-                self.cg.freeze()  # a consistent tree: nothing writes while we copy
+                self._freeze()  # a consistent tree: nothing writes while we copy
             ref = f"snapref-{uuid.uuid4().hex[:12]}"
             try:
                 layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}", ref)
@@ -433,7 +447,11 @@ class BwrapSandbox(Sandbox):
             self.close()
         else:  # freeze without the lock: an exec in flight holds it and must see its agent stop answering
             if self.state == "running":
-                self.cg.freeze()
+                try:
+                    self.cg.freeze()
+                except OSError:  # a timer thread has nobody to tell: kill rather than leave it running
+                    self.close()
+                    return
                 self.state = "paused"
 
     def memory_usage(self) -> int:

@@ -141,8 +141,10 @@ class GVisorSandbox(Sandbox):
         self._cg_made = False
         try:
             self._start(image)
-        except BaseException:
+        except BaseException as e:
             self.close()
+            if isinstance(e, (OSError, subprocess.SubprocessError)):  # host plumbing: still a SandboxError
+                raise SandboxError(f"sandbox {self.id} could not start: {e}") from e
             raise
         self.set_ttl(spec.ttl)
 
