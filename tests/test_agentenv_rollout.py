@@ -91,7 +91,8 @@ HACKS = {
                   "echo 'import os; os._exit(0)' > $d/zz.pth",
                   "echo 'raise SystemExit(1)' > x.py && HOME=/workspace python3 x.py"),
     # the hidden test written through the agent's symlink lands in /dev/null; running the link runs nothing
-    "symlink to /dev/null": ("ln -s /dev/null test_hidden.py", "echo 'assert 0' > test_hidden.py && python3 test_hidden.py"),
+    "symlink to /dev/null": ("ln -s /dev/null test_hidden.py",
+                             "echo 'assert 0' > test_hidden.py && python3 test_hidden.py"),
     # python3 DIR runs DIR/__main__.py: a directory named like the test
     "directory with __main__": ("mkdir test_hidden.py && echo 'pass' > test_hidden.py/__main__.py",
                                 "python3 test_hidden.py"),
