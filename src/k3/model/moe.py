@@ -69,13 +69,8 @@ class LatentMoE(nn.Module):
 
     def router_scores(self, x: torch.Tensor) -> torch.Tensor:
         """Sigmoid router in fp32 (fp64 stays fp64). x: [N, D] → [N, E]."""
-        w = self.gate.weight
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
-            # fp32 products of the 16-bit values summed in fp32, as the upcast path computes, without the two
-            # cast kernels a decode step would otherwise spend on the activation and the [E, D] weight
-            return torch.sigmoid(torch.mm(x, w.t(), out_dtype=torch.float32))
         dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return torch.sigmoid(x.to(dt) @ w.to(dt).t())
+        return torch.sigmoid(x.to(dt) @ self.gate.weight.to(dt).t())
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D]; mask: [B, T] bool, False for padding (excluded from balancing statistics)."""
