@@ -206,8 +206,8 @@ def test_missing_fields_of_a_bare_text_config_are_all_named(tmp_path, released):
 
 
 def test_optional_fields_may_be_left_out(tmp_path, released):
-    text = {k: v for k, v in released["text_config"].items()
-            if k not in ("model_type", "architectures", "quantization_config", "initializer_range", "tie_word_embeddings")}
+    optional = ("model_type", "architectures", "quantization_config", "initializer_range", "tie_word_embeddings")
+    text = {k: v for k, v in released["text_config"].items() if k not in optional}
     cfg = K3Config.from_pretrained(write_config(tmp_path, text))
     assert cfg.quantization_config is None and cfg.tie_word_embeddings is False and cfg.hidden_size == 7168
 
@@ -233,7 +233,8 @@ BAD_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("changes,field,allowed", BAD_FIELDS, ids=[f"{f}={list(c.values())[0]!r}" for c, f, _ in BAD_FIELDS])
+@pytest.mark.parametrize("changes,field,allowed", BAD_FIELDS,
+                         ids=[f"{f}={list(c.values())[0]!r}" for c, f, _ in BAD_FIELDS])
 def test_bad_field_in_config_json_names_field_and_choices(tmp_path, released, changes, field, allowed):
     top = json.loads(json.dumps(released))
     for k, v in changes.items():

@@ -1,9 +1,6 @@
 """Hugging Face idioms on K3ForCausalLM (num_parameters, .device, .dtype, from_pretrained(dtype=...)), sizes
 checked before allocating, the default save's round trip, and generate's limits: 1-D prompts, the config's EOS,
 max_position_embeddings and the memory-bounded chunked prefill (issue 17, item 5)."""
-import json
-import warnings
-
 import pytest
 import torch
 

@@ -134,17 +134,20 @@ class K3Config:
         # JSON has no int/bool confusion, but "true" (a string) is truthy: every flag must be a real boolean
         for name in ("latent_moe_use_norm", "moe_renormalize", "use_grouped_topk", "mla_use_nope",
                      "mla_use_output_gate", "tie_word_embeddings", "linear_attn_config.use_full_rank_gate"):
-            need(isinstance(getattr_path(self, name), bool), name, "must be true or false (a JSON boolean, not a string)")
+            need(isinstance(getattr_path(self, name), bool), name,
+                 "must be true or false (a JSON boolean, not a string)")
         need(_is_int(self.max_position_embeddings) and self.max_position_embeddings > 0, "max_position_embeddings",
              "must be a positive integer")
-        need(_is_real(self.initializer_range) and self.initializer_range > 0, "initializer_range", "must be a number > 0")
+        need(_is_real(self.initializer_range) and self.initializer_range > 0, "initializer_range",
+             "must be a number > 0")
         need(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
         need(self.model_type == "kimi_linear", "model_type", "'kimi_linear' (the text_config of a kimi_k3 model)")
         need(isinstance(self.architectures, list) and all(isinstance(a, str) for a in self.architectures),
              "architectures", "a list of class names")
         need(not self.tie_word_embeddings, "tie_word_embeddings",
              "only false is supported: K3 keeps lm_head separate from embed_tokens")
-        need(self.mla_use_output_gate, "mla_use_output_gate", "only true (K3's MLA has a sigmoid output gate) is supported")
+        need(self.mla_use_output_gate, "mla_use_output_gate",
+             "only true (K3's MLA has a sigmoid output gate) is supported")
         for name in ("bos_token_id", "pad_token_id"):
             tid = getattr(self, name)
             need(tid is None or (_is_int(tid) and 0 <= tid < self.vocab_size), name,
@@ -289,7 +292,8 @@ class K3Config:
 # The float dtypes a checkpoint's weights may be stored in (config field `dtype`).
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 # Fields a config.json may leave out: none of them sets a size, and their defaults hold for any K3-shaped model.
-_OPTIONAL = frozenset({"model_type", "architectures", "quantization_config", "initializer_range", "tie_word_embeddings"})
+_OPTIONAL = frozenset({"model_type", "architectures", "quantization_config", "initializer_range",
+                       "tie_word_embeddings"})
 # Fields the released top level repeats beside text_config.
 _SHARED_TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "dtype", "torch_dtype")
 

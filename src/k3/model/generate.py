@@ -102,7 +102,12 @@ def prefill_chunk_sizes(config, batch: int, prompt_len: int, device: torch.devic
     while pos < end:
         # the largest c with per_pair·c² + (per_token + per_key + per_pair·pos)·c + pos·per_key − budget <= 0
         b, c0 = per_token + per_key + per_pair * pos, pos * per_key - budget
-        c = (-c0 / b if per_pair == 0 else (-b + math.sqrt(b * b - 4 * per_pair * c0)) / (2 * per_pair)) if c0 < 0 else 0
+        if c0 >= 0:
+            c = 0
+        elif per_pair == 0:
+            c = -c0 / b
+        else:
+            c = (-b + math.sqrt(b * b - 4 * per_pair * c0)) / (2 * per_pair)
         c = min(int(c), end - pos)
         while c > 1 and cost(c, pos) > budget:  # float rounding of the root
             c -= 1
