@@ -31,8 +31,10 @@ import k3.model.decoder as decoder_mod
 import k3.model.kda as kda_mod
 import k3.model.mla as mla_mod
 import k3.model.mlp as mlp_mod
+import k3.model.moe as moe_mod
 import k3.ops.cross_entropy as ce_mod
 import k3.ops.grouped_mm as grouped_mm_mod
+import k3.ops.kda_core as kda_core_mod
 from k3.config import K3Config
 from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import MultiHeadLatentAttention
@@ -129,7 +131,8 @@ class _FlaKDASaves(torch.autograd.Function):
 
 
 def _fla_kda_gated_saves(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, scale=None,
-                         initial_state=None, output_final_state=False, cu_seqlens=None, recurrent=None):
+                         initial_state=None, output_final_state=False, cu_seqlens=None, recurrent=None,
+                         state_in_place=False):
     return _FlaKDASaves.apply(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens), None
 
 
@@ -180,11 +183,12 @@ def patched(obj, name, value):
 def gpu_path_stand_ins():
     """The CUDA step's KDA (fla), SiTU-GLU (Triton), MLA attention and loss, as far as saved bytes go."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(patched(kda_mod, "fla_usable", lambda x, head_dim=None: True))
-        stack.enter_context(patched(kda_mod, "fla_kda_gated", _fla_kda_gated_saves))
+        # the KDA core's backend is picked in k3.ops.kda_core; the output gate follows that choice
+        stack.enter_context(patched(kda_core_mod, "fla_usable", lambda x, head_dim=None: True))
+        stack.enter_context(patched(kda_core_mod, "fla_kda_gated", _fla_kda_gated_saves))
         stack.enter_context(patched(kda_mod, "fla_output_gate", _FlaOutputGateSaves.apply))
         fused_situ = lambda g, u, b1=4.0, b2=25.0: _FusedSiTUSaves.apply(g, u, b1, b2)
-        for mod in (grouped_mm_mod, mlp_mod):
+        for mod in (grouped_mm_mod, mlp_mod, moe_mod):  # moe: the shared experts' SiTU
             stack.enter_context(patched(mod, "situ_glu_fast", fused_situ))
         stack.enter_context(patched(mla_mod, "causal_attention", _cuda_mla_attention))
         stack.enter_context(patched(decoder_mod, "cross_entropy", ce_mod.chunked_cross_entropy))
@@ -213,8 +217,9 @@ def measure(model: K3ForCausalLM, input_ids: torch.Tensor, gpu_paths: bool = Tru
     with contextlib.ExitStack() as stack:
         if gpu_paths:
             stack.enter_context(gpu_path_stand_ins())
-        for mod, fn, name in ((decoder_mod, "attn_res_mix", "AttnRes mixes"), (kda_mod, "kda_chunk", "KDA delta-rule core"),
-                              (kda_mod, "fla_kda_gated", "KDA delta-rule core")):
+        for mod, fn, name in ((decoder_mod, "attn_res_mix", "AttnRes mixes"),
+                              (kda_core_mod, "kda_chunk", "KDA delta-rule core"),
+                              (kda_core_mod, "fla_kda_gated", "KDA delta-rule core")):
             stack.enter_context(patched(mod, fn, _labelled(meter, name, getattr(mod, fn))))
         stack.enter_context(patched(decoder_mod, "checkpoint", keep_checkpoint_inputs))
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda t: t))
