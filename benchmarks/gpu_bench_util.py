@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from k3 import envs
+
 COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on H200 (SPEC §6); re-measured by measure_ceilings()
 PEAK_BF16 = 989e12  # dense bf16 datasheet figure the MFU targets use
 MATMUL_BF16 = 790e12  # measured 8192^3 bf16 matmul (SPEC §6)
@@ -84,7 +86,7 @@ def environment() -> dict:
         except Exception:
             env[mod] = None
     # K3_COMMIT first: a copied tree's .git may not be the one its files came from (the device tool's is not)
-    commit = os.environ.get("K3_COMMIT")
+    commit = envs.current().commit
     if not commit:
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
