@@ -39,7 +39,8 @@ class FusedLinears:
 
     def refresh(self) -> None:
         """Bring the stacked weight up to date: rebuilt when a weight moved or changed dtype, rewritten in
-        place when only its values changed (an optimizer step, a load)."""
+        place when only its values changed (an optimizer step, a load). Changes are seen through each weight's
+        version counter, which writes through `weight.data` bypass: call this again after such a write."""
         weights = [lin.weight for lin in self.linears]
         where = tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights)
         versions = tuple(w._version for w in weights)
