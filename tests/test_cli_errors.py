@@ -142,7 +142,7 @@ def no_bench_runs(monkeypatch):
     (["--concurrency", "-2"], ["--concurrency", ">= 1", "-2"]),
     (["--concurrency", "a,b"], ["--concurrency", "'a,b'"]),
     (["--concurrency", "1,0"], ["--concurrency", "got 0"]),
-    (["--block-size", "16", "--match-unit", "5"], ["block_size (16)", "match_unit (5)"]),
+    (["--block-size", "16", "--match-unit", "5"], ["--block-size 16 must be a multiple of --match-unit 5"]),
 ])
 def test_bench_serve_rejects_flags_before_the_warmup(capsys, no_bench_runs, flags, needles):
     code, _, err = run(capsys, ["bench", "serve", *flags])

@@ -552,6 +552,8 @@ def _engine_config(a):
     config = EngineConfig(memory_bytes=int(a.memory_gib * 2**30), block_size=a.block_size, match_unit=a.match_unit,
                           max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.max_num_seqs,
                           prefix_caching=not a.no_prefix_caching)
+    if a.block_size % a.match_unit:  # the engine's own rule, said in flags
+        raise CLIError(f"--block-size {a.block_size} must be a multiple of --match-unit {a.match_unit}")
     config.validate()  # now, not once the model is loaded
     return config
 
@@ -799,7 +801,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command_name(args) -> str:
     """'k3 train', 'k3 bench serve', 'k3 agentenv run': the prefix of every error line."""
-    return " ".join(["k3", args.command] + [getattr(args, sub) for sub in ("bench", "agentenv") if getattr(args, sub, None)])
+    subcommands = [getattr(args, sub) for sub in ("bench", "agentenv") if getattr(args, sub, None)]
+    return " ".join(["k3", args.command, *subcommands])
 
 
 def _error_line(e: Exception) -> str:
