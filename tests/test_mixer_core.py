@@ -94,6 +94,11 @@ def test_fused_linears_equal_the_separate_projections_and_follow_weight_changes(
         lins[1].weight.mul_(-3.0)  # an in-place update (an optimizer step, a load): refreshed, same storage
         torch.testing.assert_close(fused(x)[1], lins[1](x), rtol=1e-12, atol=1e-12)
         assert fused.weight.data_ptr() == storage
+        lins[2].weight.data.add_(1.0)  # through .data: no version bump, so only a forced refresh sees it
+        fuse_model = torch.nn.Module()
+        fuse_model.fused = fused
+        fuse_projections(fuse_model)
+        torch.testing.assert_close(fused(x)[2], lins[2](x), rtol=1e-12, atol=1e-12)
     # with gradients needed the separate projections run, and every weight gets its gradient
     sum(t.sum() for t in fused(x)).backward()
     assert all(lin.weight.grad is not None for lin in lins)

@@ -37,14 +37,14 @@ class FusedLinears:
             self.refresh()
         return list(F.linear(x, self.weight).split([w.shape[0] for w in weights], dim=-1))
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         """Bring the stacked weight up to date: rebuilt when a weight moved or changed dtype, rewritten in
         place when only its values changed (an optimizer step, a load). Changes are seen through each weight's
-        version counter, which writes through `weight.data` bypass: call this again after such a write."""
+        version counter, which writes through `weight.data` bypass: `force` rewrites it regardless."""
         weights = [lin.weight for lin in self.linears]
         where = tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights)
         versions = tuple(w._version for w in weights)
-        if self._key == (where, versions):
+        if self._key == (where, versions) and not force:
             return
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor: refreshable outside inference
             stacked = torch.cat([w.detach() for w in weights])
@@ -56,9 +56,9 @@ class FusedLinears:
 
 
 def fuse_projections(model: nn.Module) -> None:
-    """Switch on (or bring up to date) every FusedLinears of `model`; called by the decode drivers before they
-    compile or capture a step, so the compiled code and the graph find the stacked weights."""
+    """Switch on (or rewrite from the current weights) every FusedLinears of `model`; called by the decode
+    drivers before they compile or capture a step, so the compiled code and the graph find the stacked weights."""
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, FusedLinears) and not value.linears[0].weight.is_meta:
-                value.refresh()
+                value.refresh(force=True)
