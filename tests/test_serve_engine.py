@@ -46,7 +46,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def reference(model, ids: list[int], n: int) -> list[int]:
-    return model.generate(torch.tensor([ids]), max_new_tokens=n)[0, len(ids):].tolist()
+    return model.generate(torch.tensor([ids]), max_new_tokens=n, eos_token_id=None)[0, len(ids):].tolist()
 
 
 def assert_pool_empty(eng: LLMEngine) -> None:

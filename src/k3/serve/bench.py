@@ -178,13 +178,13 @@ def static_batch_baseline(model, tokenizer, num_prompts: int, batch_size: int, i
     prompts = torch.randint(lo, model.config.vocab_size, (num_prompts, input_len), generator=g).to(device)
     lat, wrong = [], 0
     if warmup:
-        model.generate(prompts[:batch_size], max_new_tokens=min(output_len, 2))
+        model.generate(prompts[:batch_size], max_new_tokens=min(output_len, 2), eos_token_id=None)
     _sync(device)
     t0 = time.perf_counter()
     for i in range(0, num_prompts, batch_size):
         batch = prompts[i:i + batch_size]
         b0 = time.perf_counter()
-        out = model.generate(batch, max_new_tokens=output_len)
+        out = model.generate(batch, max_new_tokens=output_len, eos_token_id=None)  # exactly output_len tokens a row
         _sync(device)  # CUDA runs ahead of the host: time the work, not its launch
         lat += [time.perf_counter() - b0] * len(batch)
         wrong += len(batch) if out.shape != (len(batch), input_len + output_len) else 0
