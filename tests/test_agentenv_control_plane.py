@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from k3.agentenv import get_backend, hostfs
-from k3.agentenv.api import Backend
+from k3.agentenv.api import Backend, SandboxSpec
 from k3.agentenv.client import AgentEnvClient, ControlPlaneError
 from k3.agentenv.control_plane import create_control_plane
 from k3.serve.local_server import local_server
@@ -169,6 +169,8 @@ class SlowBackend(Backend):
 
 
 class FakeSandbox:
+    spec = SandboxSpec()
+
     def __init__(self):
         self.id, self.state = "fake-" + os.urandom(6).hex(), "running"
 

@@ -1,7 +1,8 @@
-"""A host uid of its own for every sandbox, so no two share a per-uid kernel quota (inotify instances,
-keyrings, RLIMIT_NPROC counts) or can signal each other. Uids are leased from a range by lock files naming
-their owning process (a dead owner's lease is taken back); the shared read-only layers, owned on disk by
-`hostfs.SANDBOX_UID`, are given to each sandbox through idmapped bind mounts that show them as its uid."""
+"""Host uids of its own for every sandbox (one for its guest agent, one for the commands it runs), so no two
+sandboxes share a per-uid kernel quota (inotify instances, keyrings) and no command can signal, trace or read
+the agent. Uids are leased from a range by lock files naming their owning process (a dead owner's lease is
+taken back); the sandbox's user namespace maps exactly those two; the shared read-only layers, owned on disk
+by `hostfs.SANDBOX_UID`, reach each sandbox through idmapped bind mounts that show them as the commands'."""
 from __future__ import annotations
 
 import ctypes
@@ -79,17 +80,30 @@ def leases_of(root: Path, pid: int) -> list[int]:
 
 def userns_mapping(inner: int, outer: int) -> int:
     """An fd of a fresh user namespace whose only uid and gid mapping is `inner` -> `outer`."""
-    holder = subprocess.Popen(["unshare", "--user", "--", "sleep", "30"], stdin=subprocess.DEVNULL,
+    return user_namespace([(inner, outer)])
+
+
+def user_namespace(mappings: list[tuple[int, int]], owner: int | None = None) -> int:
+    """An fd of a fresh user namespace mapping each (inner, outer) uid and gid, created by `owner` (a host
+    uid, which then holds every capability inside it and can join it) or by root."""
+    drop = ["setpriv", f"--reuid={owner}", f"--regid={owner}", "--clear-groups"] if owner is not None else []
+    holder = subprocess.Popen([*drop, "unshare", "--user", "--", "sleep", "30"], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         mine, deadline = os.readlink("/proc/self/ns/user"), time.monotonic() + 10
-        while os.readlink(f"/proc/{holder.pid}/ns/user") == mine:
+        while True:  # setpriv execs unshare in place: the same pid, in its own namespace once unshared
+            try:
+                if os.readlink(f"/proc/{holder.pid}/ns/user") != mine:
+                    break
+            except OSError:
+                pass
             if holder.poll() is not None or time.monotonic() > deadline:
                 raise OSError(f"unshare --user failed: {holder.stderr.read().decode(errors='replace')[-200:]}")
             time.sleep(0.001)
+        text = "".join(f"{inner} {outer} 1\n" for inner, outer in mappings)
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{holder.pid}/{name}", "w") as f:
-                f.write(f"{inner} {outer} 1\n")
+                f.write(text)
         return os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         holder.kill()

@@ -1,5 +1,6 @@
-"""The default backend: Debian's bubblewrap, run as an unprivileged host uid of its own (leased per sandbox;
-the shared layers are idmapped to it), with every namespace unshared
+"""The default backend: Debian's bubblewrap, run as unprivileged host uids of its own (leased per sandbox: one
+for the guest agent, mapped to root inside with the six capabilities it needs, one for its commands, mapped
+to uid 1000 with none; the shared layers are idmapped to the commands'), with every namespace unshared
 (user, pid, net, ipc, uts, cgroup), no further user namespaces, read-only /usr, a minimal /etc, an overlay
 workspace over a sealed shared template on a sized tmpfs (disk limit), cgroups nested under our own for
 memory, pids, CPU bandwidth and the freezer (pause), and the stdlib guest agent speaking JSON lines on a pipe
@@ -25,6 +26,9 @@ from k3.agentenv.api import (Backend, ExecResult, Sandbox, SandboxError, Sandbox
                              check_argv_or_cmd, check_env)
 
 AGENT_START_TIMEOUT = 10.0
+# what the guest agent (root in the sandbox's user namespace, nowhere else) keeps: start commands as uid 1000,
+# signal them, and manage the files it writes for them
+AGENT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER")
 SEND_TIMEOUT = 60.0  # a request the agent does not take in this long means it is wedged
 _sweep_done: set[str] = set()
 _avail_cache: dict[str, tuple[bool, str]] = {}
@@ -141,8 +145,8 @@ class BwrapBackend(Backend):
                 pass
             hostfs.remove_tree(d)
             hostfs.release_layers(self.root, rec.get("layers", []), d.name)
-            if "uid" in rec:
-                idmap.release_uid(self.root, rec["uid"])
+            for uid in rec.get("uids", []):
+                idmap.release_uid(self.root, uid)
             n += 1
         hostfs.collect_layers(self.root)  # e.g. snapshots held by a process that died
         return n
@@ -163,7 +167,8 @@ class BwrapSandbox(Sandbox):
         except FileNotFoundError as e:
             raise SandboxError(f"cannot start {self.id}: {e}") from None
         self.state = "creating"
-        self.uid: int | None = None
+        self.uid: int | None = None      # host uid of the guest agent (and of bwrap itself)
+        self.cmd_uid: int | None = None  # host uid of the commands
         self._lock = threading.RLock()
         self._close_lock = threading.Lock()
         self._timer: threading.Timer | None = None
@@ -174,9 +179,10 @@ class BwrapSandbox(Sandbox):
         self.cg = cgroups.SandboxCgroup("k3ae-" + self.id, backend._cg_version)
         try:
             self.uid = idmap.lease_uid(backend.root, self.id)
+            self.cmd_uid = idmap.lease_uid(backend.root, self.id)
             hostfs.write_owner(self.dir, {"cgroup_name": self.cg.name, "cgroup_version": self.cg.version,
                                           "cgroup_dirs": [str(d) for d in self.cg.dirs], "layers": self.layers,
-                                          "uid": self.uid})
+                                          "uids": [self.uid, self.cmd_uid]})
             self._start()
         except BaseException as e:
             self.close()
@@ -196,7 +202,7 @@ class BwrapSandbox(Sandbox):
         upper, work, scratch = disk / "upper", disk / "work", disk / "scratch"
         for p in (upper, work, scratch):
             p.mkdir()
-            os.chown(p, self.uid, self.uid)
+            os.chown(p, self.cmd_uid, self.cmd_uid)
         os.chmod(disk, 0o755)
         os.chmod(scratch, 0o1777)
         chan = self.dir / "chan"
@@ -210,10 +216,13 @@ class BwrapSandbox(Sandbox):
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8", "USER": "user",
                "TMPDIR": "/tmp", **self.spec.env}
         cfg = {"cpu_seconds": lim.cpu_seconds, "file_bytes": lim.disk_bytes, "open_files": lim.open_files,
-               "output_bytes": lim.output_bytes, "env": env}
+               "output_bytes": lim.output_bytes, "env": env, "command_uid": hostfs.INSIDE_UID,
+               "deny_namespaces": True}  # (bwrap's --disable-userns cannot go with a given namespace)
         root = self.backend.root
-        bwrap = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-                 "--uid", str(hostfs.INSIDE_UID), "--gid", str(hostfs.INSIDE_UID), "--hostname", "sandbox",
+        userns = idmap.user_namespace([(0, self.uid), (hostfs.INSIDE_UID, self.cmd_uid)], owner=self.uid)
+        bwrap = ["bwrap", "--userns", str(userns), "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+                 "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", "0", "--gid", "0",
+                 *[a for c in AGENT_CAPS for a in ("--cap-add", c)], "--hostname", "sandbox",
                  "--clearenv", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
                  "--symlink", "usr/sbin", "/sbin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
                  "--ro-bind", str(root / "etc"), "/etc", "--proc", "/proc", "--dev", "/dev",
@@ -232,10 +241,11 @@ class BwrapSandbox(Sandbox):
             os.chown(chan / "agent.sock", self.uid, self.uid)
             listener.listen(1)
             self.proc = subprocess.Popen(["/bin/sh", "-c", script, "sh", *bwrap], stdin=subprocess.DEVNULL,
-                                         stdout=self._stderr, stderr=self._stderr, close_fds=True,
+                                         stdout=self._stderr, stderr=self._stderr, close_fds=True, pass_fds=(userns,),
                                          env={"K3_CG_PROCS": " ".join(self.cg.procs_files()), "PATH": "/usr/bin:/bin"})
             self._conn = self._accept_agent(listener)
         finally:  # one connection ever: a command started later finds nobody listening
+            os.close(userns)
             listener.close()
             (chan / "agent.sock").unlink(missing_ok=True)
         self._reader = channel.LineReader(self._conn.fileno(), 1 << 16, self._exit_reason)
@@ -251,7 +261,7 @@ class BwrapSandbox(Sandbox):
 
     def _idmapped_layers(self) -> list[str]:
         """Each shared layer bound under this sandbox's dir, its files shown as owned by this sandbox's uid."""
-        nsfd = idmap.userns_mapping(hostfs.SANDBOX_UID, self.uid)
+        nsfd = idmap.userns_mapping(hostfs.SANDBOX_UID, self.cmd_uid)
         try:
             out = []
             for i, layer in enumerate(self.layers):
@@ -484,6 +494,7 @@ class BwrapSandbox(Sandbox):
         self.cg.remove()
         hostfs.remove_tree(self.dir)
         hostfs.release_layers(self.backend.root, self.layers, self.id)
-        if self.uid is not None:  # every process of it is gone with the cgroup
-            idmap.release_uid(self.backend.root, self.uid)
+        for uid in (self.uid, self.cmd_uid):  # every process of them is gone with the cgroup
+            if uid is not None:
+                idmap.release_uid(self.backend.root, uid)
         self.state = "closed"
