@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from k3.agentenv.api import Backend, Limits, Sandbox, SandboxError, SandboxSpec
+from k3.agentenv.e2b_api import e2b_fields, mount_e2b
 
 MAX_SANDBOXES = 64
 MAX_BODY_BYTES = 100 << 20  # a 64 MiB file in base64 and its JSON fit
@@ -136,8 +137,10 @@ def create_control_plane(backend: Backend, templates: dict[str, str | None] | No
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {token}".encode()):
-            return err(401, "missing or wrong bearer token")
+        key = request.headers.get("x-api-key", "")  # what the official E2B SDK sends
+        if not (secrets.compare_digest(got.encode(), f"Bearer {token}".encode())
+                or secrets.compare_digest(key.encode(), token.encode())):
+            return err(401, "missing or wrong bearer token (or X-API-KEY)")
         return await call_next(request)
 
     @app.exception_handler(SandboxError)
@@ -150,8 +153,8 @@ def create_control_plane(backend: Backend, templates: dict[str, str | None] | No
 
     def info(sid: str) -> dict:
         sb, m = boxes[sid], meta[sid]
-        return {"sandboxID": sid, "templateID": m["templateID"], "state": sb.state, "startedAt": m["startedAt"],
-                "endAt": m["endAt"], "metadata": m["metadata"]}
+        return {"sandboxID": sid, "templateID": m["templateID"], "state": sb.state, "metadata": m["metadata"],
+                **e2b_fields(sb, m)}  # E2B's SandboxDetail fields, times in RFC 3339
 
     def get(sid: str) -> Sandbox:
         sb = boxes.get(sid)
@@ -270,6 +273,8 @@ def create_control_plane(backend: Backend, templates: dict[str, str | None] | No
         boxes.clear()
 
     app.state.close_all = close_all
+    mount_e2b(app, create=create, get=get, resume=resume, info=info, boxes=boxes, create_body=CreateBody,
+              set_ttl=lambda sid, t: set_timeout(sid, TimeoutBody(timeout=t)), max_body_bytes=max_body_bytes)
     return app
 
 

@@ -235,6 +235,11 @@ def op_exec(req):
                 truncated = True
         if truncated:
             break
+    if not (timed_out or truncated):  # its pipes can close just before it exits: let it exit, not be killed
+        try:
+            proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
     kill_group(proc)  # also a finished command's leftovers in its group (use spawn for daemons)
     try:
         rc = proc.wait(timeout=5)
