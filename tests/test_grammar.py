@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from k3 import K3Config, K3ForCausalLM
 from k3.data import load_tokenizer
 from k3.serve import EngineConfig, LLMEngine
-from k3.serve.grammar import (Grammar, GrammarError, bitmask_to_bool, chat_grammar, fill_bitmasks)
+from k3.serve.grammar import (Grammar, GrammarError, bitmask_to_bool, chat_grammar, fill_bitmasks,
+                              unpack_with_shifts)
 from k3.serve.output_parser import OutputParser
 from k3.serve.sampling import SamplingParams, mask_grammar_rows, sample_tokens
 
@@ -81,6 +82,15 @@ def test_mask_equals_llguidance_verdict_per_token(tok):
         t = int(choices[torch.randint(len(choices), (1,), generator=gen)])
         for s in states:
             s.advance(t)
+
+
+def test_bit_unpacking_paths_agree_with_a_plain_loop():
+    words = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    plain = torch.tensor([[bool((int(words[r, t // 32]) >> (t % 32)) & 1) for t in range(150)] for r in range(3)])
+    assert torch.equal(bitmask_to_bool(words, 150), plain)  # the host path (numpy)
+    assert torch.equal(unpack_with_shifts(words)[:, :150], plain)  # the device path, run here on the CPU
+    padded = bitmask_to_bool(words, 170)  # a model vocabulary past the tokenizer's: the extra ids are never allowed
+    assert torch.equal(padded[:, :160], bitmask_to_bool(words, 160)) and not padded[:, 160:].any()
 
 
 def test_masking_leaves_unconstrained_rows_alone(tok):

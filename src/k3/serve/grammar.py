@@ -18,6 +18,7 @@ import re
 import threading
 import weakref
 
+import numpy as np
 import torch
 
 from k3.data.chat_template import CLOSE, OPEN, SEP, escape_attr, json_type
@@ -282,15 +283,22 @@ def fill_bitmasks(states: list[GrammarState], bitmask: torch.Tensor) -> None:
             bitmask[i, s.grammar.eos // 32] = 1 << (s.grammar.eos % 32)
 
 
-_BITS = None
-
-
-def bitmask_to_bool(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, W] int32 words → [R, vocab] bool, True where allowed."""
-    global _BITS
-    if _BITS is None:
-        _BITS = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> _BITS) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
+def bitmask_to_bool(bitmask: torch.Tensor, vocab: int, device=None) -> torch.Tensor:
+    """[R, W] int32 words → [R, vocab] bool on `device`, True where allowed. On the host numpy unpacks the bits
+    (a byte table, ~10x faster than shifts in torch); for a GPU the words travel (32x fewer bytes than bools)
+    and are unpacked there."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # little-endian words
+        allowed = torch.from_numpy(bits).view(torch.bool)[:, :vocab]
+    else:
+        allowed = unpack_with_shifts(bitmask.to(device, non_blocking=True))[:, :vocab]
     if allowed.shape[1] < vocab:  # ids past the tokenizer's vocabulary (a padded model vocabulary): never allowed
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     return allowed
+
+
+def unpack_with_shifts(words: torch.Tensor) -> torch.Tensor:
+    """[R, W] int32 → [R, 32 W] bool with torch ops alone (where the words are: the GPU path)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words[:, :, None] >> shifts) & 1).view(words.shape[0], -1).bool()

@@ -85,21 +85,23 @@ def make_grammar_state(params: SamplingParams):
 
 
 def mask_grammar_rows(logits: torch.Tensor, states: list) -> torch.Tensor:
-    """logits [S, V] with -inf where a row's grammar forbids the token (rows whose state is None untouched).
-    The model's own logits are kept for logprobs: a new tensor is returned when any row is masked."""
+    """logits [S, V] with -inf where a row's grammar forbids the token (rows whose state is None untouched), in
+    one pass. The model's own logits are kept for logprobs: a new tensor is returned when any row is masked."""
     from k3.serve.grammar import bitmask_to_bool, fill_bitmasks
 
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return logits
-    words = (logits.shape[1] + 31) // 32
-    bitmask = torch.zeros(len(rows), max(words, (states[rows[0]].grammar.ll.vocab_size + 31) // 32), dtype=torch.int32)
+    S, V = logits.shape
+    words = max((V + 31) // 32, (states[rows[0]].grammar.ll.vocab_size + 31) // 32)
+    bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
     fill_bitmasks([states[i] for i in rows], bitmask)
-    allowed = bitmask_to_bool(bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
-    masked = logits.clone()
-    index = torch.tensor(rows, device=logits.device)
-    masked[index] = masked[index].masked_fill(~allowed, float("-inf"))
-    return masked
+    allowed = bitmask_to_bool(bitmask, V, logits.device)
+    if len(rows) < S:
+        full = torch.ones(S, V, dtype=torch.bool, device=logits.device)
+        full[torch.tensor(rows, device=logits.device)] = allowed
+        allowed = full
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
