@@ -82,12 +82,7 @@ class LatentMoE(nn.Module):
             self.last_scores = scores.detach()
             self.last_mask = None if mask is None else mask.reshape(-1)
         z, *shared_in = self.in_proj(x)
-        e = self.experts
-        needs_grad = torch.is_grad_enabled() and (z.requires_grad or e.w1.requires_grad)
-        if not (e.packed or self.qat) and use_selected_experts(z.shape[0], self.top_k, self.num_experts, needs_grad):
-            r = selected_experts_situ_mlp(z, idx, w.to(z.dtype), e.w1, e.w3, e.w2, *self.betas)  # decode
-        else:
-            r = self.combine_experts(z, idx, w.to(z.dtype))
+        r = self.combine_experts(z, idx, w.to(z.dtype))
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         out = self.routed_expert_up_proj(r)
@@ -96,15 +91,20 @@ class LatentMoE(nn.Module):
         return out.view(shape)
 
     def combine_experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L]."""
+        """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L].
+        (The seam expert parallelism replaces: k3.parallel.expert_parallel.)"""
         N, k = idx.shape
+        e = self.experts
+        needs_grad = torch.is_grad_enabled() and (z.requires_grad or e.w1.requires_grad)
+        if not (e.packed or self.qat) and use_selected_experts(N, k, self.num_experts, needs_grad):
+            # decode: each token reads its k experts in place, no sort, scatter or grouped offsets
+            return selected_experts_situ_mlp(z, idx, w, e.w1, e.w3, e.w2, *self.betas)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # the N·k (token, choice) slots sorted by expert
         slot = inverse_permutation(order)
         # not bincount: on CUDA it reads the max back to the host, which stalls (and breaks graph capture)
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         x = dispatch_rows(z, order, slot, k)
-        e = self.experts
         if e.packed:
             y = packed_expert_situ_mlp(x, counts, e, *self.betas, quantize_activations=self.qat)
         elif self.qat:
