@@ -274,3 +274,9 @@ def test_final_evaluation_shows_progress(capsys, tmp_path):
     assert t.evaluate(2, progress="final evaluation") == plain  # the bar changes nothing but the screen
     err = capsys.readouterr().err
     assert "final evaluation" in err and "2/2" in err
+
+
+def test_a_missing_corpus_is_not_reported_as_a_failed_write(capsys, tmp_path):
+    code, _, err = run(capsys, ["train", "--out", str(tmp_path / "r"), "--corpus", str(tmp_path / "none.jsonl.xz")])
+    assert_one_line_error(code, err, "k3 train", "none.jsonl.xz")
+    assert "writing the run" not in err and "--resume" not in err  # nothing was being written

@@ -289,8 +289,10 @@ def cmd_train(a) -> int:
     from k3.config import K3Config
     K3Config.preset(cfg.preset)  # unknown preset: fail before loading data
     _check_train_memory(cfg)
+    # built outside the try: a missing corpus or tokenizer is reported as itself, not as a failed write
+    trainer = Trainer(cfg, warn=lambda msg: print(f"k3 train: warning: {msg}", file=sys.stderr, flush=True))
     try:
-        s = Trainer(cfg, warn=lambda msg: print(f"k3 train: warning: {msg}", file=sys.stderr, flush=True)).run()
+        s = trainer.run()
     except OSError as e:  # a full disk or a vanished directory while writing metrics, plots or the summary
         if isinstance(e, FileNotFoundError) and not Path(cfg.out).is_dir():
             raise RunDirError(f"--out {cfg.out} disappeared during the run") from None
