@@ -8,7 +8,7 @@ random model would: each step samples from random logits within the mask. Per st
 so "sampler − plain" is what constraining adds to a step. The hardware limit of the mask itself is a memory pass
 over the logits (S × V floats), far below these figures; what dominates is the grammar engine's work per row.
 A row whose grammar completes starts again, so every step has every row constrained.
-Run: OMP_NUM_THREADS=1 python benchmarks/bench_grammar.py [--streams 1,32] [--steps 200]
+Run: OMP_NUM_THREADS=1 python benchmarks/bench_grammar.py [--streams 1,32] [--steps 200] [--tokenizer DIR]
 """
 import argparse
 import datetime
@@ -81,8 +81,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", default="1,32")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json or the released tiktoken files' directory")
     args = ap.parse_args()
-    tok = load_tokenizer()
+    tok = load_tokenizer(args.tokenizer)
     import llguidance
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
           f"llguidance {llguidance.__version__}, vocab {tok.vocab_size}, commit {commit()}, "
