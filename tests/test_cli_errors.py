@@ -40,7 +40,8 @@ def test_version_names_k3_and_torch(capsys):
 
 
 @pytest.mark.parametrize("argv, shown", [
-    (["train", "--help"], ["--max-steps MAX_STEPS  (default: 300)", "{kimi-k3,tiny,small}", "(default: tiny)",
+    (["train", "--help"], ["--max-steps MAX_STEPS optimizer steps (default: 300)", "{kimi-k3,tiny,small}",
+                           "(default: tiny)", "--seed SEED (default: 0)",
                            "--balance {quantile,sign,none}", "(default: quantile)"]),
     (["serve", "--help"], ["(default: 8000)", "(default: 127.0.0.1)"]),
     (["bench", "serve", "--help"], ["(default: 1,8,32)", "(default: random,multiturn)", "{kimi-k3,tiny,small}"]),

@@ -29,7 +29,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     @staticmethod
     def _shows_default(action) -> bool:
-        return bool(action.option_strings) and action.default not in (None, False, argparse.SUPPRESS)
+        return bool(action.option_strings) and not any(action.default is v for v in (None, False, argparse.SUPPRESS))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -679,17 +679,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="OpenAI-format conversations ({'messages', 'tools'} a line) instead of the corpus: rendered "
                         "in K3's chat markup, the loss on the assistant's tokens only")
     t.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: bundled BPE)")
-    t.add_argument("--max-steps", type=_positive_int, default=300)
+    t.add_argument("--max-steps", type=_positive_int, default=300, help="optimizer steps")
     t.add_argument("--time-budget", type=_positive_float, default=None, help="seconds; stop early, then evaluate and save")
-    t.add_argument("--batch-size", type=_positive_int, default=16)
-    t.add_argument("--seq-len", type=_positive_int, default=256)
-    t.add_argument("--grad-accum", type=_positive_int, default=1)
-    t.add_argument("--lr", type=_positive_float, default=0.01)
+    t.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per micro-batch")
+    t.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per sequence")
+    t.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--lr", type=_positive_float, default=0.01, help="peak learning rate (WSD schedule)")
     t.add_argument("--warmup-steps", type=int, default=20)
     t.add_argument("--optimizer", choices=["muon", "adamw"], default="muon")
     t.add_argument("--balance", choices=["quantile", "sign", "none"], default="quantile")
-    t.add_argument("--eval-every", type=_positive_int, default=50)
-    t.add_argument("--save-every", type=_positive_int, default=100)
+    t.add_argument("--eval-every", type=_positive_int, default=50, help="steps between validation passes")
+    t.add_argument("--save-every", type=_positive_int, default=100, help="steps between checkpoints")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", type=_device_or_auto, default="auto", help="cpu, cuda, cuda:N; auto: cuda if present")
     t.add_argument("--resume", action="store_true",
