@@ -8,9 +8,11 @@ import datetime
 import math
 import secrets
 import threading
+from collections import OrderedDict
 from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -44,6 +46,7 @@ class E2BCreateBody(BaseModel):
     envVars: dict[str, str] = {}
     secure: bool | None = None
     allowInternetAccess: bool | None = None
+    allow_internet_access: bool | None = None  # the SDK's generated model sends this one in snake case
 
 
 class E2BConnectBody(BaseModel):
@@ -53,24 +56,26 @@ class E2BConnectBody(BaseModel):
 
 
 class EnvdTokens:
-    """The access token of each sandbox's envd, handed out with create/connect and checked by the envd proxy."""
+    """The access token of each sandbox's envd, handed out with create/connect and checked by the envd proxy.
+    A gone sandbox's token is kept (so its holder hears 'not found', not 'unauthenticated'), the oldest
+    dropped past `keep` entries."""
 
-    def __init__(self):
-        self._tokens: dict[str, str] = {}
+    def __init__(self, keep: int = 100_000):
+        self._tokens: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
+        self.keep = keep
 
     def issue(self, sid: str) -> str:
         with self._lock:
-            return self._tokens.setdefault(sid, secrets.token_urlsafe(24))
+            token = self._tokens.setdefault(sid, secrets.token_urlsafe(24))
+            while len(self._tokens) > self.keep:
+                self._tokens.popitem(last=False)
+            return token
 
     def check(self, sid: str, got: str | None) -> bool:
         with self._lock:
             want = self._tokens.get(sid)
         return want is not None and got is not None and secrets.compare_digest(got.encode(), want.encode())
-
-    def forget(self, sid: str) -> None:
-        with self._lock:
-            self._tokens.pop(sid, None)
 
 
 def mount_e2b(app: FastAPI, *, create, get, resume, set_ttl, info, boxes: dict, create_body,
@@ -85,13 +90,19 @@ def mount_e2b(app: FastAPI, *, create, get, resume, set_ttl, info, boxes: dict, 
     def err(status: int, message: str) -> JSONResponse:
         return JSONResponse(status_code=status, content={"code": status, "message": message})
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e):
+        """A bad field is a 422 in E2B's error shape, naming the field (FastAPI's own is {"detail": [...]})."""
+        where = ["/".join(str(p) for p in d.get("loc", ())) + ": " + d.get("msg", "") for d in e.errors()]
+        return JSONResponse(status_code=422, content={"code": 422, "message": "; ".join(where)[:2000]})
+
     def created(sid: str) -> dict:
         return {"templateID": info(sid)["templateID"], "sandboxID": sid, "clientID": CLIENT_ID,
                 "envdVersion": ENVD_VERSION, "envdAccessToken": tokens.issue(sid)}
 
     @app.post("/v2/sandboxes", status_code=201)
     def create_v2(body: E2BCreateBody):
-        if body.allowInternetAccess:
+        if body.allowInternetAccess or body.allow_internet_access:
             return err(400, "allowInternetAccess: k3 sandboxes have no outbound network (only a private loopback)")
         res = create(create_body(templateID=body.templateID, timeout=body.timeout, envVars=body.envVars,
                                  metadata=body.metadata, autoPause=body.autoPause))

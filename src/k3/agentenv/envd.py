@@ -13,6 +13,7 @@ import email.parser
 import email.policy
 import json
 import posixpath
+import signal
 import stat as statmod
 import threading
 import time
@@ -45,7 +46,6 @@ def sandbox_for(headers, lookup, tokens):
     try:
         sb = lookup(sid)
     except KeyError:
-        tokens.forget(sid)
         raise SandboxGone(f"sandbox {sid} was not found") from None
     if sb.state != "running":
         raise SandboxGone(f"sandbox {sid} is {sb.state}: port is not open")
@@ -140,6 +140,8 @@ class ProcessService:
 
         yield event("start", pb.ProcessEvent.StartEvent(pid=pid))
         finished, last = False, time.monotonic()
+        limit_ms = ctx.timeout_ms  # the command's timeout, sent by the SDK: past it the command is killed
+        deadline = None if limit_ms is None else time.monotonic() + limit_ms / 1000
         try:
             running = True
             while True:
@@ -160,6 +162,10 @@ class ProcessService:
                         break
                     running = False
                     continue  # one more poll collects what was still in the pipes
+                if deadline is not None and time.monotonic() > deadline:
+                    from connectrpc.code import Code
+                    from connectrpc.errors import ConnectError
+                    raise ConnectError(Code.DEADLINE_EXCEEDED, f"command timed out after {limit_ms / 1000:g} s")
                 if got:
                     last = time.monotonic()
                 elif time.monotonic() - last > KEEPALIVE_SECONDS:
@@ -168,8 +174,11 @@ class ProcessService:
                 await asyncio.sleep(POLL_SECONDS)
             finished = True
             if end.get("signal"):
-                yield event("end", pb.ProcessEvent.EndEvent(exit_code=-1, exited=False,
-                                                            status=f"signal: {end['signal']}"))
+                status = "signal: " + ("killed" if end["signal"] == signal.SIGKILL else
+                                       signal.Signals(end["signal"]).name if end["signal"] in
+                                       signal.valid_signals() else str(end["signal"]))
+                yield event("end", pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status=status,
+                                                            error=status))
             else:
                 code = end.get("exit_code") or 0
                 yield event("end", pb.ProcessEvent.EndEvent(exit_code=code, exited=True,
