@@ -173,6 +173,27 @@ def test_forced_tool_calls_validate_and_render_back_identically(engine, tok):
         assert again.split('role="assistant"<|sep|><|open|>response<|sep|>', 1)[1] == generated
 
 
+def test_nested_pydantic_arguments_follow_their_refs(engine, tok):
+    """A tool whose parameters come from pydantic with a nested model ($defs/$ref): the object argument is JSON
+    that validates against the nested model."""
+    class Point(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        x: int = Field(ge=0, le=9)
+        y: int = Field(ge=0, le=9)
+
+    class Move(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        to: Point
+
+    tools = [{"type": "function", "function": {"name": "move", "parameters": Move.model_json_schema()}}]
+    assert "$ref" in json.dumps(tools)
+    g = Grammar(tok, chat_grammar(tok, thinking=False, tools=tools, tool_choice="required", parallel_tool_calls=False))
+    out = engine.generate([prompt(tok, False, tools=tools)], [SamplingParams(max_tokens=80, seed=0, grammar=g)])[0]
+    (call,) = parse(tok, out.output_ids, False, tools)["tool_calls"]
+    Move.model_validate_json(call["function"]["arguments"])
+    assert 'key="to" type="object"' in tok.decode(out.output_ids)
+
+
 def test_tool_choice_none_forbids_the_tools_section(tok):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     state = Grammar(tok, chat_grammar(tok, thinking=False, tools=tools, tool_choice="none")).start()

@@ -5,7 +5,7 @@ gives the sampler the allowed next tokens as a bitmask.
 llguidance (Microsoft's Rust grammar engine behind Guidance; also used by vLLM and SGLang) was chosen over xgrammar
 and outlines-core: its one abi3 wheel has no Python dependencies (xgrammar pulls triton, transformers and tvm-ffi),
 its Lark grammars name special tokens by id (`<[163587]>`), which the XTML markers are, and it computes a mask in
-tens of microseconds without precomputing per-grammar tables.
+about 0.1 ms a row on this project's CPU (benchmarks/bench_grammar.py) without precomputing per-grammar tables.
 
 The grammar covers everything the model writes after the generation prompt: the think section (free text, capped
 at `think_budget` tokens so that a model that never closes it still reaches the constrained part), the response
@@ -62,8 +62,23 @@ class Markup:
         return f"{self.close} {_lit(name)} {self.sep}"
 
 
-def _value_alternatives(schema: dict) -> list[tuple[str, str]]:
-    """→ [(XTML argument type, Lark expression of the value)] that a property's schema allows."""
+def _resolve(schema, root: dict, depth: int = 0):
+    """A property's schema with a local `$ref` (`#/$defs/Name`, as pydantic writes nested models) followed."""
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#/") \
+            and depth < 32:
+        target = root
+        for key in schema["$ref"][2:].split("/"):
+            target = target.get(key) if isinstance(target, dict) else None
+        if not isinstance(target, dict):
+            return schema  # left for llguidance to report
+        schema, depth = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}, depth + 1
+    return schema
+
+
+def _value_alternatives(schema: dict, root: dict) -> list[tuple[str, str]]:
+    """→ [(XTML argument type, Lark expression of the value)] that a property's schema allows; root: the tool's
+    parameters schema, whose `$defs` the property's JSON sub-schemas keep."""
+    schema = _resolve(schema, root)
     if not isinstance(schema, dict):
         schema = {}
     if "const" in schema or "enum" in schema:
@@ -75,7 +90,7 @@ def _value_alternatives(schema: dict) -> list[tuple[str, str]]:
         return out
     branches = schema.get("anyOf") or schema.get("oneOf")
     if isinstance(branches, list) and branches:
-        return [alt for b in branches for alt in _value_alternatives(b)]
+        return [alt for b in branches for alt in _value_alternatives(b, root)]
     types = schema.get("type")
     types = types if isinstance(types, list) else [types] if types else \
         ["string", "number", "boolean", "null", "object", "array"]
@@ -86,6 +101,7 @@ def _value_alternatives(schema: dict) -> list[tuple[str, str]]:
         else:
             sub = {k: v for k, v in schema.items() if k not in ("type", "anyOf", "oneOf")}
             sub["type"] = t
+            sub.update({k: root[k] for k in ("$defs", "definitions") if k in root})
             out.append(("number" if t == "integer" else t, _json_rule(sub)))
     return out
 
@@ -118,7 +134,7 @@ class ChatGrammar:
         args = []
         for k, (key, prop) in enumerate(props.items()):
             alts = []
-            for kind, value in _value_alternatives(prop):
+            for kind, value in _value_alternatives(prop, params):
                 head = self.m.open_tag('argument key="%s" type="%s"' % (escape_attr(key), kind))
                 alts.append(f"{head} {value} {self.m.close_tag('argument')}")
             rule = self.rule(f"arg_{t}_{index}_{k}", " | ".join(alts))
