@@ -250,7 +250,7 @@ def test_the_estimate_is_a_lower_bound_of_a_real_step():
 
 
 # ---- what the exported model is ------------------------------------------------------------------------------
-def test_model_format_says_unquantized_then_mxfp4_after_the_suggested_convert(capsys, tmp_path):
+def test_model_format_says_unquantized_then_mxfp4_after_the_suggested_convert(capsys, monkeypatch, tmp_path):
     from k3.cli import _model_format
     from k3.model.decoder import K3ForCausalLM
     model_dir = tmp_path / "model"
@@ -259,6 +259,7 @@ def test_model_format_says_unquantized_then_mxfp4_after_the_suggested_convert(ca
     assert text.startswith("float32 weights, routed experts unquantized")
     cmd = text.split("`")[1].split()  # the command it suggests, run as given
     assert cmd[:2] == ["k3", "convert"]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the bar is drawn on a terminal only
     assert main(cmd[1:]) == 0
     assert "convert to mxfp4" in capsys.readouterr().err  # the shard loop shows progress
     assert _model_format(Path(cmd[2] + "-mxfp4"), qat=True).startswith("float32 weights, routed experts MXFP4")

@@ -176,8 +176,9 @@ def _write_converted(src: Path, dst: Path, config: K3Config, experts: str, max_s
     dst.mkdir(parents=True)
     weight_map, total = {}, 0
     from tqdm import tqdm
+    # a bar on a terminal only (disable=None): piped or logged output stays the one summary line
     for i, specs in enumerate(tqdm(groups, desc=f"convert to {experts}", unit="shard", dynamic_ncols=True,
-                                   leave=False)):
+                                   leave=False, disable=None)):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {s.name: produce(s) for s in specs}
         save_file(tensors, str(dst / fname), metadata={"format": "pt"})  # the whole directory is the temporary
