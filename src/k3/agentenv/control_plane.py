@@ -292,6 +292,9 @@ def serve(backend_name: str = "bwrap", host: str = "127.0.0.1", port: int = 4998
     app = create_control_plane(backend, templates, token)
     shown = "(as given)" if token else app.state.token  # a generated one is printed once, a given one never
     print(f"k3 agentenv: http://{host}:{port} backend={backend_name} token={shown}", flush=True)
+    url = f"http://{'[::1]' if host == '::1' else host}:{port}"
+    print(f"E2B SDK: E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=<the token>" if app.state.envd else
+          "E2B SDK: control-plane routes only (commands and files need `pip install e2b` on this host)", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
