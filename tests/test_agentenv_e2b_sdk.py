@@ -228,3 +228,24 @@ def test_parse_upload_multipart_and_octet_stream():
         parse_upload("application/octet-stream", b"raw", None)
     with pytest.raises(ValueError, match="Content-Type"):
         parse_upload("text/plain", b"raw", "/w/e")
+
+
+def test_list_depth_is_bounded(sbx):
+    with pytest.raises(e2b.InvalidArgumentException, match="depth"):
+        sbx.files.list("/workspace", depth=1000)
+
+
+async def _async_round_trip():
+    sb = await e2b.AsyncSandbox.create(template="hello", timeout=60)
+    try:
+        seen = []
+        r = await sb.commands.run("echo a; sleep 0.2; echo b", on_stdout=seen.append)
+        await sb.files.write("/workspace/async.txt", "from asyncio")
+        return r.stdout, seen, await sb.files.read("/workspace/async.txt"), await sb.is_running()
+    finally:
+        await sb.kill()
+
+
+def test_async_sdk(env):
+    import asyncio
+    assert asyncio.run(_async_round_trip()) == ("a\nb\n", ["a\n", "b\n"], "from asyncio", True)
