@@ -230,6 +230,25 @@ def test_what_fits_is_what_the_estimate_admits(capsys, monkeypatch, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_on_a_gpu_only_the_weights_and_optimizer_state_are_checked(monkeypatch):
+    from k3.config import K3Config
+    from k3.memory import NotEnoughMemoryError
+    from k3.model.decoder import K3ForCausalLM
+    from k3.train import memory_estimate as me
+
+    tiny, small = K3Config.preset("tiny"), K3Config.preset("small")
+    n_params = sum(p.numel() for p in K3ForCausalLM(tiny).parameters())  # a real model, counted
+    assert me.state_bytes(tiny, "adamw") == 16 * n_params  # fp32 weight + gradient + two AdamW moments
+    assert 12 * n_params < me.state_bytes(tiny, "muon") < 16 * n_params  # Muon keeps one momentum
+    state = me.state_bytes(small, "adamw")
+    monkeypatch.setattr(me, "available_bytes", lambda device: state - 1)
+    with pytest.raises(NotEnoughMemoryError, match=r"adamw state alone, but only .* is free on cuda"):
+        me.check_train_fits(small, 1, 8, "adamw", device="cuda", activations=False)
+    monkeypatch.setattr(me, "available_bytes", lambda device: state)
+    monkeypatch.setattr(me, "activation_bytes_per_token", lambda *a, **k: pytest.fail("no CPU probe for a GPU"))
+    assert me.check_train_fits(small, 10**6, 10**6, "adamw", device="cuda", activations=False) is None
+
+
 def test_the_estimate_is_a_lower_bound_of_a_real_step():
     """Two real training steps in a fresh process (benchmarks/bench_train_memory.py): the measured peak is at
     least the estimate (so a refused step surely would not fit) and within 2x of it (so it says something)."""

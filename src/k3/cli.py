@@ -248,7 +248,8 @@ def _take_saved_run(a, given: set[str]) -> dict:
 
 def _check_train_memory(cfg) -> None:
     """A --batch-size × --seq-len step that cannot fit: one line saying what fits, before anything is allocated.
-    One CPU process only: the estimate measures the CPU float32 paths, and ranks hold shards of the work."""
+    One process only (ranks hold shards of the work); on a GPU only the weights, gradients and optimizer state
+    (the activation probe measures the CPU float32 paths)."""
     import os
 
     import torch
@@ -259,10 +260,8 @@ def _check_train_memory(cfg) -> None:
     if cfg.dp * cfg.cp * cfg.ep > 1 or "LOCAL_RANK" in os.environ:
         return
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type != "cpu":
-        return
     check_train_fits(K3Config.preset(cfg.preset), cfg.batch_size, cfg.seq_len, cfg.optimizer,
-                     cfg.activation_checkpointing)
+                     cfg.activation_checkpointing, device=device, activations=torch.device(device).type == "cpu")
 
 
 def cmd_train(a) -> int:

@@ -117,9 +117,12 @@ def estimate_train_memory(config: K3Config, optimizer: str = "muon",
 
 
 def check_train_fits(config: K3Config, batch: int, seq_len: int, optimizer: str = "muon",
-                     activation_checkpointing: bool = False, device: str = "cpu") -> TrainMemory | None:
+                     activation_checkpointing: bool = False, device: str = "cpu",
+                     activations: bool = True) -> TrainMemory | None:
     """Raises NotEnoughMemoryError, saying what fits, when a training step of batch × seq_len tokens would not
-    fit in the memory `device` has free. Returns the estimate (None when the free memory is unknown)."""
+    fit in the memory `device` has free. Returns the estimate (None when the free memory is unknown, or when
+    activations=False: only the weights, gradients and optimizer state are checked, as on a GPU, where the
+    probe's CPU float32 activations would overstate what bf16 autocast and the GPU kernels keep)."""
     free = available_bytes(device)
     if free is None:
         return None
@@ -127,6 +130,8 @@ def check_train_fits(config: K3Config, batch: int, seq_len: int, optimizer: str 
     if fixed > free:  # no batch fits: say so without building the probe
         raise NotEnoughMemoryError(f"training this preset needs {format_bytes(fixed)} for weights, gradients and "
                                    f"{optimizer} state alone, but only {format_bytes(free)} is free on {device}")
+    if not activations:
+        return None
     mem = estimate_train_memory(config, optimizer, activation_checkpointing)
     need = mem.total(batch, seq_len)
     if need <= free:
