@@ -9,6 +9,7 @@ and messages are `connectrpc` and the protobuf classes generated from E2B's own 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import email.parser
 import email.policy
 import json
@@ -20,7 +21,6 @@ import time
 
 from k3.agentenv.api import SandboxError
 
-ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_HTTP_PATHS = ("/files", "/health")
 POLL_SECONDS = 0.03       # how often a running command's output is collected
 KEEPALIVE_SECONDS = 20.0  # an idle command stream sends a keepalive event so proxies and clients keep it open
@@ -28,9 +28,17 @@ MAX_DEPTH = 8             # ListDir depth bound (each level is one list call)
 
 
 def _pb():
+    """E2B's generated message modules (imported on use: the e2b package is optional)."""
     from e2b.envd.filesystem import filesystem_pb
     from e2b.envd.process import process_pb
     return process_pb, filesystem_pb
+
+
+def rpc_error(code: str, message: str):
+    """A Connect error with code `code` (a connectrpc Code name, e.g. 'NOT_FOUND')."""
+    from connectrpc.code import Code
+    from connectrpc.errors import ConnectError
+    return ConnectError(Code[code], message)
 
 
 class SandboxGone(Exception):
@@ -54,27 +62,25 @@ def sandbox_for(headers, lookup, tokens):
 
 def connect_error(e: Exception):
     """A k3 failure as the Connect error E2B's SDK maps to its own exceptions."""
-    from connectrpc.code import Code
     from connectrpc.errors import ConnectError
     if isinstance(e, ConnectError):
         return e
     if isinstance(e, PermissionError):
-        return ConnectError(Code.UNAUTHENTICATED, str(e))
+        return rpc_error("UNAUTHENTICATED", str(e))
     if isinstance(e, SandboxGone):
-        return ConnectError(Code.UNAVAILABLE, str(e))
+        return rpc_error("UNAVAILABLE", str(e))
     msg = str(e)
     if "No such file" in msg or "not found" in msg or "FileNotFound" in msg:
-        return ConnectError(Code.NOT_FOUND, msg)
+        return rpc_error("NOT_FOUND", msg)
     if isinstance(e, (ValueError, SandboxError)):
-        return ConnectError(Code.INVALID_ARGUMENT, msg)
-    return ConnectError(Code.INTERNAL, f"{type(e).__name__}: {msg}")
+        return rpc_error("INVALID_ARGUMENT", msg)
+    return rpc_error("INTERNAL", f"{type(e).__name__}: {msg}")
 
 
 def entry_from_stat_line(path: str, line: str):
     """EntryInfo from `stat -c '%f|%s|%U|%G|%Y|%N'` (raw mode in hex, size, owner, group, mtime, name)."""
     _, fs = _pb()
     from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
-    import datetime
     raw_mode, size, owner, group, mtime, _ = line.split("|", 5)
     mode = int(raw_mode, 16)
     kind = (fs.FileType.DIRECTORY if statmod.S_ISDIR(mode) else
@@ -163,9 +169,7 @@ class ProcessService:
                     running = False
                     continue  # one more poll collects what was still in the pipes
                 if deadline is not None and time.monotonic() > deadline:
-                    from connectrpc.code import Code
-                    from connectrpc.errors import ConnectError
-                    raise ConnectError(Code.DEADLINE_EXCEEDED, f"command timed out after {limit_ms / 1000:g} s")
+                    raise rpc_error("DEADLINE_EXCEEDED", f"command timed out after {limit_ms / 1000:g} s")
                 if got:
                     last = time.monotonic()
                 elif time.monotonic() - last > KEEPALIVE_SECONDS:
@@ -201,15 +205,13 @@ class ProcessService:
 
     async def send_signal(self, request, ctx):
         pb, _ = _pb()
-        from connectrpc.code import Code
-        from connectrpc.errors import ConnectError
         sid, sb = self._sandbox(ctx)
         sel = request.process.selector if request.process else None
         pid = sel.value if sel is not None and sel.field == "pid" else None
         with self.lock:
             known = (sid, pid) in self.procs
         if not known:
-            raise ConnectError(Code.NOT_FOUND, f"process {pid} not found")
+            raise rpc_error("NOT_FOUND", f"process {pid} not found")
         await asyncio.to_thread(sb.kill_process, str(pid))
         return pb.SendSignalResponse()
 
@@ -232,9 +234,7 @@ class ProcessService:
         raise self._unsupported("SendInput (stdin)")
 
     def _unsupported(self, what):
-        from connectrpc.code import Code
-        from connectrpc.errors import ConnectError
-        return ConnectError(Code.UNIMPLEMENTED, f"k3 envd proxy: {what} is not supported")
+        return rpc_error("UNIMPLEMENTED", f"k3 envd proxy: {what} is not supported")
 
 
 class FilesystemService:
@@ -256,13 +256,11 @@ class FilesystemService:
 
     async def make_dir(self, request, ctx):
         _, fs = _pb()
-        from connectrpc.code import Code
-        from connectrpc.errors import ConnectError
 
         def make(sb, path):
             path = absolute(path)
             if sb.exec(["/bin/sh", "-c", 'test -e "$1"', "sh", path], timeout=30).exit_code == 0:
-                raise ConnectError(Code.ALREADY_EXISTS, f"{path} already exists")
+                raise rpc_error("ALREADY_EXISTS", f"{path} already exists")
             run_argv(sb, ["mkdir", "-p", "--", path])
             return stat_entry(sb, path)
         return fs.MakeDirResponse(entry=await self._call(ctx, make, request.path))
@@ -287,11 +285,9 @@ class FilesystemService:
 
     async def list_dir(self, request, ctx):
         _, fs = _pb()
-        from connectrpc.code import Code
-        from connectrpc.errors import ConnectError
         depth = request.depth or 1
         if not 1 <= depth <= MAX_DEPTH:
-            raise ConnectError(Code.INVALID_ARGUMENT, f"depth must be in [1, {MAX_DEPTH}], got {depth}")
+            raise rpc_error("INVALID_ARGUMENT", f"depth must be in [1, {MAX_DEPTH}], got {depth}")
 
         def walk(sb, path):
             out, todo = [], [(absolute(path), 1)]
@@ -312,9 +308,7 @@ class FilesystemService:
         return fs.ListDirResponse(entries=await self._call(ctx, walk, request.path))
 
     def _unsupported(self, what):
-        from connectrpc.code import Code
-        from connectrpc.errors import ConnectError
-        return ConnectError(Code.UNIMPLEMENTED, f"k3 envd proxy: {what} is not supported")
+        return rpc_error("UNIMPLEMENTED", f"k3 envd proxy: {what} is not supported")
 
     async def watch_dir(self, request, ctx):
         raise self._unsupported("WatchDir")
