@@ -84,7 +84,7 @@ class DenseLayout:
     def short_convs(self, m: "KimiDeltaAttention", xs: list[torch.Tensor]):
         st = self.cache.kda_state(m.layer_idx) if self.cache is not None else None
         tails = (st.conv_q, st.conv_k, st.conv_v) if st is not None else (None,) * 3
-        outs = [short_conv(x, conv.weight, tail, self.doc_ids) for x, conv, tail in zip(xs, m.convs, tails)]
+        outs = [conv(x, tail, self.doc_ids) for x, conv, tail in zip(xs, m.convs, tails)]
         return [y for y, _ in outs], [t for _, t in outs]
 
     def core(self, m: "KimiDeltaAttention", q, k, v, f, beta_logits, tails) -> torch.Tensor:
