@@ -1,12 +1,10 @@
 """Every `K3_*` environment switch of the model and its kernels, declared and parsed once, at import.
 
-| variable         | values                                      | effect                                               |
-|------------------|---------------------------------------------|------------------------------------------------------|
-| K3_NO_FLA        | unset/""/"0": fla on; anything else: off    | KDA's core never takes flash-linear-attention        |
-| K3_NO_TRITON     | "1": all k3 Triton kernels off; or a comma list of kernel modules ("_conv_triton,_norm_triton") |
-| K3_TRITON        | "all", or a comma list of opt-in kernel modules to switch on (k3.ops.triton_dispatch.OPT_IN) |
-| K3_REQUIRE_FLA   | "1": the GPU tests fail, not skip, when fla does not import                         |
-| K3_COMMIT        | a commit id the benchmarks stamp on their results (default: `git rev-parse`)        |
+- K3_NO_FLA: unset, "" or "0" leaves fla on; anything else keeps KDA's core off flash-linear-attention.
+- K3_NO_TRITON: "1" turns every k3 Triton kernel off; or a comma list of kernel modules ("_conv_triton,...").
+- K3_TRITON: "all", or a comma list of opt-in kernel modules to switch on (k3.ops.triton_dispatch.OPT_IN).
+- K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
+- K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
 
 The sandboxes' own variables (K3_AGENTENV_ROOT, K3_AGENTENV_UID, K3_FC_KERNEL, K3_FC_ROOTFS) belong to
 k3.agentenv, which reads them where it starts a sandbox.
