@@ -24,7 +24,8 @@ class ConversationError(ValueError):
 
 
 def load_conversations(path) -> list[dict]:
-    """Records of a JSONL file: each an object with `messages` (a non-empty list) and optionally `tools`."""
+    """Records of a JSONL file: each an object with `messages` (a non-empty list) and optionally `tools`, and the
+    chat template's `thinking` (default true) and `thinking_effort`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--data {path}: no such file")
