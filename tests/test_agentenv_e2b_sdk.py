@@ -212,6 +212,26 @@ def test_code_interpreter_sandbox_runs_commands_and_files(env):
         assert sb.kill() is True
 
 
+def test_code_interpreter_run_code(env):
+    ci = pytest.importorskip("e2b_code_interpreter")
+    sb = ci.Sandbox.create(template="hello", timeout=60)
+    try:
+        ex = sb.run_code("x = 6 * 7\nprint('hello')\nx")
+        assert ex.results[0].text == "42" and ex.logs.stdout == ["hello\n"] and ex.error is None
+        ex = sb.run_code("import subprocess, sys\nsubprocess.run(['echo', 'child'])\n"
+                         "print('warn', file=sys.stderr)\nx + 1")  # state kept; a child's fd 1 is caught
+        assert (ex.results[0].text, ex.logs.stdout, ex.logs.stderr) == ("43", ["child\n"], ["warn\n"])
+        ex = sb.run_code("1 / 0")
+        assert ex.error.name == "ZeroDivisionError" and "division by zero" in ex.error.traceback
+        with pytest.raises(ci.TimeoutException):
+            sb.run_code("import time\nwhile True: time.sleep(0.1)", timeout=1)
+        assert sb.run_code("'fresh'").results[0].text == "'fresh'"  # a new kernel after the abandoned cell
+        time.sleep(1)
+        assert sb.commands.run("pgrep -fc 'k3-cell-en[d]'").stdout.strip() == "1"  # the old one was killed
+    finally:
+        sb.kill()
+
+
 def test_fast_commands_report_their_exit_code(sbx):
     """A command whose pipes close just before it exits was once SIGKILLed and reported as signal 9."""
     assert [sbx.commands.run("true").exit_code for _ in range(15)] == [0] * 15

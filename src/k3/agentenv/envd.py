@@ -359,6 +359,7 @@ def mount_envd(app, *, lookup, tokens, max_body_bytes: int) -> None:
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
 
+    from k3.agentenv.code_kernel import Kernels, execute
     from k3.agentenv.control_plane import BodyLimit
 
     rpc = {"/process.Process/": ProcessASGIApplication(ProcessService(lookup, tokens), read_max_bytes=1 << 20),
@@ -401,6 +402,18 @@ def mount_envd(app, *, lookup, tokens, max_body_bytes: int) -> None:
         await response(scope, receive, send)
 
     http_app = BodyLimit(files_and_health, max_bytes=max_body_bytes)
+    kernels = Kernels()
+
+    async def run_code(scope, receive, send):
+        try:
+            sid, sb = sandbox_for(Request(scope, receive).headers, lookup, tokens)
+        except PermissionError as e:
+            return await err(401, str(e))(scope, receive, send)
+        except SandboxGone as e:
+            return await err(502, str(e))(scope, receive, send)
+        await execute(scope, receive, send, sb=sb, sid=sid, kernels=kernels)
+
+    code_app = BodyLimit(run_code, max_bytes=max_body_bytes)
 
     class EnvdDispatch:
         """ASGI: envd paths go to the envd proxy, everything else to the control plane."""
@@ -415,6 +428,8 @@ def mount_envd(app, *, lookup, tokens, max_body_bytes: int) -> None:
                     return await target(scope, receive, send)
             if path in ENVD_HTTP_PATHS:
                 return await http_app(scope, receive, send)
+            if path == "/execute":  # e2b-code-interpreter's run_code (its port 49999)
+                return await code_app(scope, receive, send)
             return await self.inner(scope, receive, send)
 
     app.add_middleware(EnvdDispatch)
