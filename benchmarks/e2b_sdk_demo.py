@@ -90,10 +90,21 @@ def main() -> int:
         step("  is_running", lambda: sb2.is_running())
         step("kill", lambda: sb2.kill())
         step("  is_running (killed)", lambda: sb2.is_running())
+
+        from e2b_code_interpreter import Sandbox as CodeSandbox
+        ci = step("code_interpreter Sandbox.create", lambda: CodeSandbox.create(timeout=60))
+        step("  run_code (state, stdout)", lambda: _cell(ci.run_code("x = 6 * 7\nprint('hi')\nx")))
+        step("  run_code (state kept)", lambda: _cell(ci.run_code("x + 1")))
+        step("  run_code (error)", lambda: ci.run_code("1 / 0").error.name)
+        step("  kill", lambda: ci.kill())
         return 0
     finally:
         server.terminate()
         server.wait(30)
+
+
+def _cell(ex):
+    return [r.text for r in ex.results], ex.logs.stdout
 
 
 def _exit_code(fn, exc):

@@ -214,7 +214,7 @@ def test_code_interpreter_sandbox_runs_commands_and_files(env):
 
 def test_code_interpreter_run_code(env):
     ci = pytest.importorskip("e2b_code_interpreter")
-    sb = ci.Sandbox.create(template="hello", timeout=60)
+    sb = ci.Sandbox.create(timeout=60)  # its default template, code-interpreter-v1, runs as k3's base
     try:
         ex = sb.run_code("x = 6 * 7\nprint('hello')\nx")
         assert ex.results[0].text == "42" and ex.logs.stdout == ["hello\n"] and ex.error is None

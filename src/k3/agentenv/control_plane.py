@@ -274,7 +274,8 @@ def create_control_plane(backend: Backend, templates: dict[str, str | None] | No
 
     app.state.close_all = close_all
     mount_e2b(app, create=create, get=get, resume=resume, info=info, boxes=boxes, create_body=CreateBody,
-              set_ttl=lambda sid, t: set_timeout(sid, TimeoutBody(timeout=t)), max_body_bytes=max_body_bytes)
+              templates=templates, set_ttl=lambda sid, t: set_timeout(sid, TimeoutBody(timeout=t)),
+              max_body_bytes=max_body_bytes)
     return app
 
 

@@ -20,6 +20,7 @@ from k3.agentenv.api import Limits
 
 ENVD_VERSION = "0.5.7"  # the envd protocol level the proxy speaks (octet-stream uploads, close stdin)
 CLIENT_ID = "k3"
+CODE_INTERPRETER_TEMPLATE = "code-interpreter-v1"  # e2b-code-interpreter's default template
 
 
 def rfc3339(t: float) -> str:
@@ -78,7 +79,7 @@ class EnvdTokens:
         return want is not None and got is not None and secrets.compare_digest(got.encode(), want.encode())
 
 
-def mount_e2b(app: FastAPI, *, create, get, resume, set_ttl, info, boxes: dict, create_body,
+def mount_e2b(app: FastAPI, *, create, get, resume, set_ttl, info, boxes: dict, create_body, templates: dict,
               max_body_bytes: int) -> None:
     """Add E2B's v2 routes and the envd proxy to the control plane `app`. `create(body)`, `resume(sid)`,
     `get(sid)`, `info(sid)` are the control plane's own handlers; `create_body` its CreateBody model."""
@@ -104,7 +105,10 @@ def mount_e2b(app: FastAPI, *, create, get, resume, set_ttl, info, boxes: dict, 
     def create_v2(body: E2BCreateBody):
         if body.allowInternetAccess or body.allow_internet_access:
             return err(400, "allowInternetAccess: k3 sandboxes have no outbound network (only a private loopback)")
-        res = create(create_body(templateID=body.templateID, timeout=body.timeout, envVars=body.envVars,
+        template = body.templateID
+        if template == CODE_INTERPRETER_TEMPLATE and template not in templates:
+            template = "base"  # e2b-code-interpreter's default: its kernel is served for every sandbox
+        res = create(create_body(templateID=template, timeout=body.timeout, envVars=body.envVars,
                                  metadata=body.metadata, autoPause=body.autoPause))
         if isinstance(res, JSONResponse):
             return res
