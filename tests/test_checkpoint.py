@@ -276,7 +276,8 @@ def test_missing_shard_file_is_reported(model, tmp_path):
 def convert_cli(src, dst, capsys, *extra) -> tuple[int, list[str]]:
     from k3.cli import main
     code = main(["convert", str(src), str(dst), "--experts", "bf16", *extra])  # (expert width 48: no MXFP4)
-    return code, capsys.readouterr().err.strip().splitlines()
+    err = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    return code, [l for l in err if l.startswith("k3 ")]  # the messages, without the progress bar
 
 
 def tree(root) -> dict:

@@ -373,3 +373,22 @@ def test_vision_run_refuses_a_used_out_dir(tmp_path, capsys):
     assert main(["train", "--task", "vision", "--out", str(tmp_path)]) == 2
     assert f"--out {tmp_path} is not empty" in error_line(capsys)
     assert sorted(os.listdir(tmp_path)) == ["keep.txt"]
+
+
+def test_resume_relaunches_the_saved_process_layout(tmp_path, monkeypatch):
+    """A run trained with --nproc 2 --ep 2 is resumed on 2 processes without being told (each process then takes
+    --ep 2 from the saved run, as the launcher did)."""
+    import subprocess
+
+    import torch
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000004"
+    ckpt.mkdir(parents=True)
+    saved = {**TrainConfig(out=str(tmp_path / "run")).__dict__, "dp": 2, "ep": 2, "max_steps": 9}
+    torch.save({"step": 4, "train_config": saved}, ckpt / "trainer_state.pt")  # what the launcher reads first
+    launched = {}
+    monkeypatch.setattr(subprocess, "call", lambda argv: launched.setdefault("argv", argv) and 0)
+    monkeypatch.setattr(sys, "argv", ["k3", "train", "--out", str(tmp_path / "run"), "--resume"])
+    assert main(sys.argv[1:]) == 0
+    argv = launched["argv"]
+    assert "--nproc-per-node=2" in argv and argv[-2:] == ["--dp", "2"]
+    assert argv[argv.index("train") + 1:-2] == ["--out", str(tmp_path / "run"), "--resume"]
