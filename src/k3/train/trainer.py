@@ -268,8 +268,7 @@ class Trainer:
         raises a CheckpointError naming it before anything is changed."""
         from k3.checkpoint.hf import load_pretrained
 
-        # map_location: a GPU run's optimizer state resumes on a CPU-only host too; load_state_dict moves it
-        state = read_trainer_state(path)
+        state = read_trainer_state(path)  # on the CPU: a GPU run resumes on a CPU-only host too
         saved, now = state.get("layout"), self.dist.layout if self.dist else None
         if saved != now:
             raise ValueError(f"--resume: {path} was written by a run with layout {saved or 'single process'}; "
