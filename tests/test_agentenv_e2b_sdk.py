@@ -269,3 +269,17 @@ async def _async_round_trip():
 def test_async_sdk(env):
     import asyncio
     assert asyncio.run(_async_round_trip()) == ("a\nb\n", ["a\n", "b\n"], "from asyncio", True)
+
+
+def test_without_the_e2b_package_the_control_plane_still_serves(monkeypatch):
+    """`e2b` is a dev dependency only: without it the v2 routes are there and the envd proxy is off."""
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    monkeypatch.setitem(sys.modules, "e2b.envd.process.process_connect", None)  # import fails
+    app = create_control_plane(get_backend("bwrap"), token=KEY)
+    assert app.state.envd is None
+    r = TestClient(app).get("/v2/sandboxes", headers={"X-API-KEY": KEY})
+    assert r.status_code == 200 and r.json() == []
+    assert TestClient(app).get("/health", headers={"X-API-KEY": KEY}).status_code == 404

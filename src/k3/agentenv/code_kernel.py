@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import threading
 
 from k3.agentenv.api import SandboxError
 
-CELL_DIR = "/tmp/.k3-kernel"
+CELL_DIR = "/tmp/.k3-kernel"  # each kernel's cells go to CELL_DIR-<random>
 POLL_SECONDS = 0.02
 MAX_LINE = 4 << 20  # a longer answer line is dropped (the kernel's own lines are far smaller)
 
@@ -54,7 +55,7 @@ sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
 sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 env = {"__name__": "__main__"}
 n = 0
-os.makedirs(CELLS, exist_ok=True)
+os.makedirs(CELLS)
 emit(type="ready")
 while True:
     path = os.path.join(CELLS, "cell-%d.py" % (n + 1))
@@ -100,18 +101,24 @@ class Kernels:
             return self._state.setdefault(sid, {"handle": None, "cells": 0, "lock": asyncio.Lock(),
                                                 "pending": b""})
 
+    def forget(self, sid: str) -> None:
+        """Drop what is kept for a sandbox that is gone (its kernel went with it)."""
+        with self._guard:
+            self._state.pop(sid, None)
+
     async def run(self, sid: str, sb, code: str, timeout: float | None):
         """Yield the answer lines (dicts) of one cell."""
         st = self._entry(sid)
         async with st["lock"]:
             if st["handle"] is None or not await self._alive(sb, st):
+                st["dir"] = f"{CELL_DIR}-{secrets.token_hex(6)}"  # its own: no other kernel reads these cells
                 st["handle"] = await asyncio.to_thread(
-                    sb.spawn, ["python3", "-I", "-u", "-c", KERNEL, CELL_DIR], cwd="/workspace")
+                    sb.spawn, ["python3", "-I", "-u", "-c", KERNEL, st["dir"]], cwd="/workspace")
                 st["cells"], st["pending"] = 0, b""
                 async for msg in self._answers(sb, st, until="ready", timeout=30):
                     pass
             st["cells"] += 1
-            await asyncio.to_thread(sb.write_file, f"{CELL_DIR}/cell-{st['cells']}.py", code.encode())
+            await asyncio.to_thread(sb.write_file, f"{st['dir']}/cell-{st['cells']}.py", code.encode())
             finished = False
             try:
                 async for msg in self._answers(sb, st, until="end", timeout=timeout):

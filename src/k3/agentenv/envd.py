@@ -42,7 +42,12 @@ def rpc_error(code: str, message: str):
 
 
 class SandboxGone(Exception):
-    """The sandbox named by E2b-Sandbox-Id is not running (killed, timed out, paused or never existed)."""
+    """The sandbox named by E2b-Sandbox-Id is not running: `closed` (killed, timed out, never existed) or
+    paused."""
+
+    def __init__(self, message: str, closed: bool):
+        super().__init__(message)
+        self.closed = closed
 
 
 def sandbox_for(headers, lookup, tokens):
@@ -54,9 +59,9 @@ def sandbox_for(headers, lookup, tokens):
     try:
         sb = lookup(sid)
     except KeyError:
-        raise SandboxGone(f"sandbox {sid} was not found") from None
+        raise SandboxGone(f"sandbox {sid} was not found", closed=True) from None
     if sb.state != "running":
-        raise SandboxGone(f"sandbox {sid} is {sb.state}: port is not open")
+        raise SandboxGone(f"sandbox {sid} is {sb.state}: port is not open", closed=False)
     return sid, sb
 
 
@@ -410,6 +415,8 @@ def mount_envd(app, *, lookup, tokens, max_body_bytes: int) -> None:
         except PermissionError as e:
             return await err(401, str(e))(scope, receive, send)
         except SandboxGone as e:
+            if e.closed:
+                kernels.forget(Request(scope, receive).headers.get("e2b-sandbox-id", ""))
             return await err(502, str(e))(scope, receive, send)
         await execute(scope, receive, send, sb=sb, sid=sid, kernels=kernels)
 
