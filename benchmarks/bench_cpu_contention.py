@@ -1,6 +1,7 @@
 """The `tiny` training step (k3 train's defaults: batch 16 x 256) on CPU, idle and beside one busy process pinned to
 one of its cores, under each thread setting: torch's defaults as they were before k3 chose its threads, the
-README's old `OMP_NUM_THREADS=1` advice, k3 at a fixed 1 and at all cores, and k3's default (adapting).
+README's old `OMP_NUM_THREADS=1` advice, k3 at a fixed 1 and at all cores, k3's default (adapting), and k3's
+default with libgomp's own spin-wait or with none (the choice of `k3.cpu_threads.SPIN_COUNT`).
 
     python benchmarks/bench_cpu_contention.py [--rounds 3] [--steps 4] [--block-seconds 60] [--json out.json]
 
@@ -31,7 +32,9 @@ SETTINGS = [  # (name, environment); the worker's environment starts clean of ev
     ("before: OMP_NUM_THREADS=1 (the README's advice)", {"K3_CPU_THREADS": "off", "OMP_NUM_THREADS": "1"}),
     ("k3, fixed 1 thread", {"K3_CPU_THREADS": "1"}),
     ("k3, fixed all cores", {"K3_CPU_THREADS": "ALL"}),
-    ("**k3 default** (adapts to load)", {}),
+    ("**k3 default** (adapts to load; OpenMP spins 10,000 turns)", {}),
+    ("k3 default, but libgomp's own spin (300,000 turns)", {"GOMP_SPINCOUNT": "300000"}),
+    ("k3 default, but OMP_WAIT_POLICY=PASSIVE (no spin)", {"OMP_WAIT_POLICY": "PASSIVE"}),
 ]
 THREAD_VARIABLES = ("K3_CPU_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -97,7 +100,7 @@ def worker(args) -> None:
                 finally:
                     if hog:
                         hog.__exit__()
-    print(json.dumps({"steps": steps, "threads": threads, "wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
+    print(json.dumps({"steps": steps, "threads": threads, "wait": [os.environ.get(v) for v in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")]}))
 
 
 def run_setting(env_overrides: dict, args) -> dict:
@@ -162,20 +165,19 @@ def main() -> None:
           f"torch {torch.__version__}, kernel {platform.release()}, commit {_commit()}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average before {load[0]:.1f}; "
           f"median over {args.rounds} x {args.steps} steps per column, after {args.warmup} warm-up\n", flush=True)
-    rows, raw = [], {}
-    picked = [(i, s) for i, s in enumerate(SETTINGS) if args.only is None or i in args.only]
-    for i, (name, env) in picked:
-        r = run_setting(env, args)
-        raw[name] = r
-        idle, busy = statistics.median(r["steps"]["idle"]), statistics.median(r["steps"]["busy"])
-        th = {k: "/".join(str(t) for t in sorted(set(v))) for k, v in r["threads"].items()}
-        rows.append(f"| {name} | {th['idle']} / {th['busy']} | {TOKENS_PER_STEP / idle:,.0f} | "
-                    f"{TOKENS_PER_STEP / busy:,.0f} | {idle:.2f} / {busy:.2f} | **{busy / idle:.1f}x** |")
-        print(f"  done: {name}", file=sys.stderr, flush=True)
     print("| threads setting | threads idle / busy | tokens/s idle | tokens/s beside a busy process | "
           "median step s idle / busy | busy ÷ idle |")
-    print("|---|---|---:|---:|---:|---:|")
-    print("\n".join(rows))
+    print("|---|---|---:|---:|---:|---:|", flush=True)
+    raw = {}
+    for i, (name, env) in enumerate(SETTINGS):
+        if args.only is not None and i not in args.only:
+            continue
+        r = raw[name] = run_setting(env, args)
+        idle, busy = statistics.median(r["steps"]["idle"]), statistics.median(r["steps"]["busy"])
+        th = {k: "/".join(str(t) for t in sorted(set(v))) for k, v in r["threads"].items()}
+        print(f"| {name} | {th['idle']} / {th['busy']} | {TOKENS_PER_STEP / idle:,.0f} | "
+              f"{TOKENS_PER_STEP / busy:,.0f} | {idle:.2f} / {busy:.2f} | **{busy / idle:.1f}x** |", flush=True)
+        print(f"    step seconds: {json.dumps(r['steps'])}", file=sys.stderr, flush=True)
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=1))

@@ -4,11 +4,14 @@ Beside one busy process on a 2-core machine a `tiny` training step went from ~1.
 (benchmarks/RESULTS.md, "CPU contention"). A step runs thousands of small OpenMP parallel regions; each ends in a
 barrier that waits for the slowest thread, and a thread that shares its core with another process waits a
 scheduler time slice before it runs, so every region costs milliseconds instead of microseconds. OpenMP's
-spin-waiting at those barriers adds to it: the waiting threads burn the CPU time the late one needs.
+spin-waiting adds to it: libgomp's waiting threads spin 300,000 times (up to ~10 ms) before they sleep, burning
+CPU time that the late thread or the other process needs.
 
 k3 therefore, by default:
-1. lets OpenMP threads sleep at barriers (`OMP_WAIT_POLICY=PASSIVE`), set in the environment by `import k3`
-   before torch loads libgomp, which reads it once (`prepare_openmp_env`);
+1. bounds libgomp's spin to 10,000 turns, then the thread sleeps (`GOMP_SPINCOUNT`), set in the environment by
+   `import k3` before torch loads libgomp, which reads it once (`prepare_openmp_env`). Not a full sleep
+   (`OMP_WAIT_POLICY=PASSIVE`): waking a sleeping thread costs ~16 us per parallel region on an idle machine,
+   and a `tiny` step runs ~35,000 ops (benchmarks/RESULTS.md); a short spin keeps today's idle speed;
 2. sizes torch's thread pool to the cores this process may use: its CPU affinity, capped by a cgroup CPU quota
    (`configure_torch_threads`, called by the `k3` command and the trainer);
 3. while training, gives a thread back for each core another process is busy on, measured from /proc/stat
@@ -27,6 +30,7 @@ import sys
 import time
 
 ENV = "K3_CPU_THREADS"
+SPIN_COUNT = "10000"  # libgomp's default is 300000; 10000 turns still bridge the gap between back-to-back ops
 # A core counts as taken once another process used this fraction of it over the last step: below it the
 # barriers rarely wait; above it (a busy process gets >= half of a shared core) a thread on it costs more than it gives.
 BUSY_CORE_FRACTION = 0.35
@@ -69,8 +73,8 @@ def requested_mode(environ=None) -> str | int:
 
 
 def prepare_openmp_env(environ=None) -> None:
-    """Make OpenMP threads sleep at barriers instead of spinning. Only takes effect if run before libgomp
-    loads (before `import torch`); `import k3` calls it. Leaves any wait setting of the user's alone."""
+    """Make waiting OpenMP threads spin briefly, then sleep. Only takes effect if run before libgomp loads
+    (before `import torch`); `import k3` calls it. Leaves any wait setting of the user's alone."""
     environ = os.environ if environ is None else environ
     try:
         if requested_mode(environ) == "off":
@@ -78,7 +82,7 @@ def prepare_openmp_env(environ=None) -> None:
     except ThreadSettingError:
         return  # reported where the threads are configured, as one line, not as a traceback at import
     if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        environ["GOMP_SPINCOUNT"] = SPIN_COUNT
 
 
 def available_cpus() -> int:
