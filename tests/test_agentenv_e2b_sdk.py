@@ -228,6 +228,10 @@ def test_code_interpreter_run_code(env):
         assert sb.run_code("'fresh'").results[0].text == "'fresh'"  # a new kernel after the abandoned cell
         time.sleep(1)
         assert sb.commands.run("pgrep -fc 'k3-cell-en[d]'").stdout.strip() == "1"  # the old one was killed
+        sb.run_code("k = 7")
+        assert sb.pause() is True
+        sb = ci.Sandbox.connect(sb.sandbox_id)
+        assert sb.run_code("k").results[0].text == "7"  # the kernel's state survives pause and resume
     finally:
         sb.kill()
 
