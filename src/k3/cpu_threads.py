@@ -19,7 +19,9 @@ k3 therefore, by default:
 
 An explicit choice wins: `K3_CPU_THREADS=N` (or `OMP_NUM_THREADS`/`MKL_NUM_THREADS`) fixes the count,
 `OMP_WAIT_POLICY`/`GOMP_SPINCOUNT` keep the caller's values, a `torch.set_num_threads` made by the caller stops
-k3 from changing the count, and `K3_CPU_THREADS=off` leaves threads and OpenMP as torch sets them.
+k3 from changing the count, and `K3_CPU_THREADS=off` leaves threads and OpenMP as torch sets them. A thread count
+that changes with the load can change float sums in their last bits (reductions split by thread): runs that must
+match bit for bit (a `--resume` against an uninterrupted run) fix the count with `K3_CPU_THREADS=N`.
 """
 from __future__ import annotations
 
