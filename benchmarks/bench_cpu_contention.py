@@ -8,8 +8,9 @@ default with libgomp's own spin-wait or with none (the choice of `k3.cpu_threads
 Each setting runs in its own process (OpenMP reads its environment once, at load), alternating blocks of
 `--steps` steps idle and beside the busy process `--rounds` times, so drifting background load hits both
 columns alike. A step's time is measured around `Trainer.train_step`, so it includes k3's thread choice. The
-busy process is a Python loop pinned to the last core this process may use; it is stopped after each block,
-on Ctrl-C, and by itself once the process that started it is gone.
+busy process is a Python loop pinned to the last core this process may use, in a session of its own (another
+program's autogroup); it is stopped after each block, on Ctrl-C or SIGTERM, and by itself once the process that
+started it is gone.
 """
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ class BusyProcess:
         self.cpu = cpu
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", HOG, str(self.cpu), str(os.getpid())])
+        # its own session, as another program would be: with the scheduler's autogroups a process in ours
+        # would share our group's CPU time instead of competing as a separate job
+        self.proc = subprocess.Popen([sys.executable, "-c", HOG, str(self.cpu), str(os.getpid())],
+                                     start_new_session=True)
         return self
 
     def __exit__(self, *exc):
