@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     import openai
     client = openai.OpenAI(base_url=a.base_url, api_key="none")
     for question in a.question:
-        transcript = run_agent(client, a.model, question, temperature=0, max_tokens=96)
+        transcript = run_agent(client, a.model, question, temperature=0, max_tokens=256)
         for m in transcript:
             print(json.dumps(m, ensure_ascii=False))
         print("correct:", answer_is_correct(question, transcript[-1].get("content")))
