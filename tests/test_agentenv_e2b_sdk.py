@@ -197,7 +197,9 @@ def test_refusals_name_the_field(env):
 
 
 def test_upload_body_is_bounded(sbx):
-    with pytest.raises(e2b.SandboxException):
+    # the server answers 413 and closes as soon as the limit is passed: a client still sending sees either that
+    # answer (SandboxException) or the closed connection (a transport error), depending on timing
+    with pytest.raises((e2b.SandboxException, httpx.TransportError)):
         sbx.files.write("/workspace/big.bin", b"x" * (BODY_LIMIT + 1))
     assert not sbx.files.exists("/workspace/big.bin")
 

@@ -183,3 +183,22 @@ def test_tiktoken_tokenizer_round_trip(tmp_path):
     got, _ = parse(tok, generated_ids(tok, m))
     assert got["reasoning_content"] == m["reasoning_content"]
     assert calls_of(got) == [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+
+
+@pytest.mark.parametrize("number", ["-6e955", "1e400", "-1.5E+309"])
+def test_number_beyond_float_keeps_the_models_text_as_strict_json(tok, number):
+    """JSON numbers have no range: a value Python's float cannot hold stays the model's text, never `Infinity`."""
+    text = ('<|open|>message role="assistant"<|sep|><|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>'
+            '<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="calc" index="1"<|sep|>'
+            f'<|open|>argument key="digits" type="number"<|sep|>{number}<|close|>argument<|sep|>'
+            '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
+    generation_prompt = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+    ids = ids_of(tok, text)[len(ids_of(tok, generation_prompt)):]  # what the model writes after the prompt
+    message, streamed = parse(tok, ids, cuts=[len(ids) // 2])
+    args = message["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(args, parse_constant=_reject) == json.loads("{\"digits\": " + number + "}")
+    assert number in args and streamed["tool_calls"][0]["arguments"] == args
+
+
+def _reject(name):
+    raise AssertionError(f"{name} in the arguments is not JSON")

@@ -263,13 +263,8 @@ class OutputParser:
             return
         if truncated:
             return  # a cut number, object or array cannot be trusted: drop it
-        text = "".join(arg["text"])
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = text  # not the JSON its type promised: keep the model's text
         self._fragment(self._key_prefix() + json.dumps(arg["key"], ensure_ascii=False) + ": "
-                       + json.dumps(value, ensure_ascii=False))
+                       + _json_value("".join(arg["text"])))
 
     def _end_call(self, truncated: bool = False) -> None:
         if self._state not in ("call", "argument", "json") or not self._calls:
@@ -285,3 +280,22 @@ class OutputParser:
         self._flush_text()
         self._end_call(truncated=True)
         self._done = True
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_value(text: str) -> str:
+    """An argument's value as strict JSON text: re-serialised where Python's floats hold it; the model's own text
+    where it is valid JSON they cannot hold (1e999 would otherwise become the non-JSON `Infinity`); a JSON string
+    where it is not the JSON its type promised."""
+    try:
+        return json.dumps(json.loads(text, parse_constant=_not_json), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        pass
+    try:
+        json.loads(text, parse_float=str, parse_int=str, parse_constant=_not_json)
+        return text.strip()
+    except ValueError:
+        return json.dumps(text, ensure_ascii=False)
