@@ -232,13 +232,13 @@ def test_non_streaming_client_disconnect_frees_blocks_and_state_slot(server, mon
     url, eng = server
     step = eng.step
 
-    def slow_step():  # ~20 ms per token: 150 tokens would take 3 s, the client leaves after 0.5 s
-        time.sleep(0.02)
+    def slow_step():  # ~100 ms per token: 150 tokens would take 15 s, the client leaves after 2 s (a loaded CPU
+        time.sleep(0.1)  # can take a second for the first step, so 2 s still sees tokens before it leaves)
         return step()
     monkeypatch.setattr(eng, "step", slow_step)
     before = eng.metrics.generation_tokens
     body = {**body, "model": NAME, "max_tokens": 150, "ignore_eos": True, "temperature": 0}
-    with httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as h:
+    with httpx.Client(timeout=httpx.Timeout(30, read=2.0)) as h:
         with pytest.raises(httpx.ReadTimeout):  # the timeout closes the connection: the client is gone
             h.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert wait_pool_empty(eng)
