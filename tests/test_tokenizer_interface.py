@@ -148,3 +148,21 @@ def test_load_tokenizer_dispatch(tmp_path, bundled):
         load_tokenizer(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="absent.json"):
         load_tokenizer(tmp_path / "absent.json")
+
+
+def test_model_tokenizer_reads_what_the_checkpoint_ships(tmp_path, bundled):
+    """generate, serve and bench take a model directory's own tokenizer (released files first), else the bundled one."""
+    from k3.data import model_tokenizer
+    released = tmp_path / "released"
+    released.mkdir()
+    write_released_style_tokenizer(released)
+    (released / "tokenizer.json").write_text("not read: the released files win")
+    assert type(model_tokenizer(released)).__name__ == "TiktokenTokenizer"
+    own = tmp_path / "own"
+    own.mkdir()
+    backend = Tokenizer.from_file().backend
+    backend.add_tokens(["<only-in-this-checkpoint>"])  # a tokenizer.json that differs from the bundled one
+    backend.save(str(own / "tokenizer.json"))
+    assert model_tokenizer(own).vocab_size == bundled.vocab_size + 1
+    (tmp_path / "bare").mkdir()  # a checkpoint without tokenizer files: the bundled BPE
+    assert model_tokenizer(tmp_path / "bare").encode("to be") == bundled.encode("to be")

@@ -330,7 +330,7 @@ def _model_format(model_dir: Path, qat: bool) -> str:
 def cmd_generate(a) -> int:
     import torch
 
-    from k3.data import Tokenizer
+    from k3.data import model_tokenizer
     from k3.model.decoder import K3ForCausalLM
     from k3.model.generate import stream_generate
 
@@ -339,8 +339,7 @@ def cmd_generate(a) -> int:
         raise CLIError(f"--model {model_dir}: no config.json there (train one with `k3 train`)")
     if a.prompt_file is not None:
         a.prompt = _read_prompt_file(a.prompt_file)
-    tok_path = model_dir / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(tok_path if tok_path.is_file() else None)
+    tokenizer = model_tokenizer(model_dir)
     if a.image:
         return _generate_with_images(a, model_dir, tokenizer)
     model = K3ForCausalLM.from_pretrained(model_dir)
@@ -587,7 +586,7 @@ def cmd_bench_serve(a) -> int:
 
     import torch
 
-    from k3.data import Tokenizer
+    from k3.data import Tokenizer, model_tokenizer
     from k3.serve import bench
 
     if a.quick:  # a small CPU-sized sanity run of every path: engine (both datasets), baseline, checks
@@ -603,8 +602,7 @@ def cmd_bench_serve(a) -> int:
     if a.model:
         from k3.model.decoder import K3ForCausalLM
         model_dir = Path(a.model)
-        tok_path = model_dir / "tokenizer.json"
-        tokenizer = Tokenizer.from_file(tok_path if tok_path.is_file() else None)
+        tokenizer = model_tokenizer(model_dir)
         model = K3ForCausalLM.from_pretrained(model_dir, device=a.device)
     else:
         from k3 import K3Config, K3ForCausalLM

@@ -8,7 +8,7 @@ from k3.data.corpus import CorpusError, Document, load_corpus, split_documents
 from k3.data.packing import IGNORE_INDEX, PackedLoader, eval_batches
 from k3.data.stats import unigram_cross_entropy, unigram_entropy
 from k3.data.tokenizer import (SPECIAL_TOKENS, ChatTokenizerMixin, StreamDecoder, Tokenizer, TokenizerError,
-                               load_tokenizer)
+                               load_tokenizer, model_tokenizer)
 
 
 def load_token_docs(tokenizer: Tokenizer, docs: Sequence[Document]) -> list[list[int]]:
@@ -18,7 +18,8 @@ def load_token_docs(tokenizer: Tokenizer, docs: Sequence[Document]) -> list[list
 
 __all__ = [
     "CorpusError", "Document", "load_corpus", "split_documents",
-    "Tokenizer", "TokenizerError", "StreamDecoder", "SPECIAL_TOKENS", "load_tokenizer", "ChatTokenizerMixin",
+    "Tokenizer", "TokenizerError", "StreamDecoder", "SPECIAL_TOKENS", "load_tokenizer", "model_tokenizer",
+    "ChatTokenizerMixin",
     "PackedLoader", "eval_batches", "IGNORE_INDEX",
     "unigram_cross_entropy", "unigram_entropy", "load_token_docs",
 ]

@@ -255,6 +255,14 @@ def load_tokenizer(path: str | Path | None = None):
     return Tokenizer.from_file(path)
 
 
+def model_tokenizer(model_dir: str | Path):
+    """The tokenizer a model directory ships (the released tiktoken files, else k3's tokenizer.json), else the
+    bundled BPE: what generate, serve and bench read beside a checkpoint."""
+    from k3.data.tiktoken_loader import has_tiktoken_files
+    d = Path(model_dir)
+    return load_tokenizer(d if has_tiktoken_files(d) or (d / "tokenizer.json").is_file() else None)
+
+
 def _cut_at_safe_points(text: str, chunk_chars: int) -> list[str]:
     """Split text into pieces of about chunk_chars (or more), cutting only at _SAFE_CUT points."""
     pieces, start = [], 0

@@ -566,15 +566,13 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
 
     import uvicorn
 
-    from k3.data import load_tokenizer
-    from k3.data.tiktoken_loader import has_tiktoken_files
+    from k3.data import model_tokenizer
     from k3.vision.multimodal import load_model
 
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"--model {d}: no config.json there")
-    # the model's own tokenizer (the released tiktoken files or k3's tokenizer.json), else the bundled BPE
-    tokenizer = load_tokenizer(d if has_tiktoken_files(d) or (d / "tokenizer.json").is_file() else None)
+    tokenizer = model_tokenizer(d)
     model = load_model(d, device=device)  # a vision model when config.json has a vision_config
     engine = LLMEngine(model, tokenizer, engine_config)
     print(f"k3 serve: {engine.describe_capacity()}", flush=True)

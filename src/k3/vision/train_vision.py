@@ -364,7 +364,7 @@ def run(cfg: VisionTrainConfig, log=print) -> dict:
     final = evaluate(model, examples, sets)
     metrics.close()
     model.save_pretrained(out / "model", dtype=None)
-    tok.backend.save(str(out / "model" / "tokenizer.json"))
+    tok.save_pretrained(out / "model")  # tokenizer.json + tokenizer_config.json, as k3 train writes
     summary = {"steps": step, "stopped_early": stopped_early, "seconds": seconds, "accuracy": final,
                "chance": blind, "heldout_accuracy": _mean(final["heldout"]),
                "in_distribution_accuracy": _mean(final["in_distribution"]), "model_dir": str(out / "model"),
