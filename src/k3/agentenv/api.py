@@ -192,8 +192,25 @@ class Sandbox:
     def snapshot(self, level: str = "fs") -> Snapshot:
         raise NotImplementedError
 
+    fork_level = "fs"  # the snapshot level a fork copies
+
     def fork(self, n: int) -> list["Sandbox"]:
-        raise NotImplementedError
+        """n children restored from one snapshot of this sandbox; the snapshot itself is deleted (the children
+        hold what they need), and a failure part-way closes the children made so far."""
+        if not isinstance(n, int) or not 1 <= n <= 16:
+            raise ValueError(f"n must be an integer in [1, 16], got {n!r}")
+        snap = self.snapshot(self.fork_level)
+        kids: list[Sandbox] = []
+        try:
+            for _ in range(n):
+                kids.append(self.backend.restore(snap))
+        except BaseException:
+            for k in kids:
+                k.close()
+            raise
+        finally:
+            self.backend.delete_snapshot(snap)
+        return kids
 
     def set_ttl(self, ttl: float | None) -> None:
         raise NotImplementedError

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from k3.data.chat_template import END_OF_MSG, OPEN, SEP, Marker, parts_to_ids, render_parts
-from k3.data.packing import _rows_to_batch
+from k3.data.packing import RowPosition, _rows_to_batch
 
 
 class ConversationError(ValueError):
@@ -86,7 +86,7 @@ def _stream(convs: Sequence[tuple[list[int], list[bool]]], order) -> tuple[np.nd
     return tokens, slot, learn
 
 
-class ConversationLoader:
+class ConversationLoader(RowPosition):
     """Endless, deterministic, resumable batches of packed conversations: PackedLoader's interface (next_batch,
     state_dict, load_state_dict, epoch) and row layout, with labels only on the assistant's tokens."""
 
@@ -97,21 +97,6 @@ class ConversationLoader:
         self.epoch_tokens = sum(len(c[0]) for c in convs)
         self._next_row = 0
         self._epochs: dict[int, tuple] = {}
-
-    @property
-    def epoch(self) -> float:
-        return self._next_row * self.seq_len / self.epoch_tokens
-
-    def state_dict(self) -> dict[str, int]:
-        return {"next_row": self._next_row, "seed": self.seed, "seq_len": self.seq_len,
-                "epoch_tokens": self.epoch_tokens}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        for key in ("seed", "seq_len", "epoch_tokens"):
-            if key in state and int(state[key]) != getattr(self, key):
-                raise ValueError(f"loader state was saved with {key}={state[key]}, this loader has "
-                                 f"{key}={getattr(self, key)}")
-        self._next_row = int(state["next_row"])
 
     def _epoch(self, e: int):
         if e not in self._epochs:

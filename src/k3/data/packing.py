@@ -50,7 +50,37 @@ def _rows_to_batch(tokens: np.ndarray, doc: np.ndarray, valid: np.ndarray | None
     }
 
 
-class PackedLoader:
+class RowPosition:
+    """A row loader's resumable position: rows handed out so far, valid only for the seed, row length and epoch
+    size it was counted with. Subclasses set seed, seq_len, epoch_tokens and _next_row."""
+    seed: int
+    seq_len: int
+    epoch_tokens: int
+    _next_row: int
+
+    @property
+    def epoch(self) -> float:
+        """Fractional epochs consumed so far (tokens fed as inputs / tokens per epoch)."""
+        return self._next_row * self.seq_len / self.epoch_tokens
+
+    def state_dict(self) -> dict[str, int]:
+        """The loader's position (plus the settings it is only valid for)."""
+        return {"next_row": self._next_row, "seed": self.seed, "seq_len": self.seq_len,
+                "epoch_tokens": self.epoch_tokens}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at a saved position; the settings must match the ones the state was saved with."""
+        for key in ("seed", "seq_len", "epoch_tokens"):
+            if key in state and int(state[key]) != getattr(self, key):
+                raise ValueError(f"loader state was saved with {key}={state[key]}, this loader has "
+                                 f"{key}={getattr(self, key)}")
+        next_row = int(state["next_row"])
+        if next_row < 0:
+            raise ValueError(f"next_row must be >= 0, got {next_row}")
+        self._next_row = next_row
+
+
+class PackedLoader(RowPosition):
     """Endless, deterministic, resumable batches of packed documents.
 
     token_docs: list of documents, each a list of token ids (without bos/eos).
@@ -72,27 +102,6 @@ class PackedLoader:
         self._next_row = 0
         self._cached_epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    # --- position ---------------------------------------------------------------------------------
-    @property
-    def epoch(self) -> float:
-        """Fractional epochs consumed so far (tokens fed as inputs / tokens per epoch)."""
-        return self._next_row * self.seq_len / self.epoch_tokens
-
-    def state_dict(self) -> dict[str, int]:
-        """The loader's position (plus the settings it is only valid for)."""
-        return {"next_row": self._next_row, "seed": self.seed, "seq_len": self.seq_len,
-                "epoch_tokens": self.epoch_tokens}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at a saved position; the settings must match the ones the state was saved with."""
-        for key in ("seed", "seq_len", "epoch_tokens"):
-            if key in state and int(state[key]) != getattr(self, key):
-                raise ValueError(f"loader state was saved with {key}={state[key]}, this loader has "
-                                 f"{key}={getattr(self, key)}")
-        next_row = int(state["next_row"])
-        if next_row < 0:
-            raise ValueError(f"next_row must be >= 0, got {next_row}")
-        self._next_row = next_row
 
     # --- batches ----------------------------------------------------------------------------------
     def epoch_order(self, epoch: int) -> np.ndarray:

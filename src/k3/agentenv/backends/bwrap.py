@@ -422,22 +422,6 @@ class BwrapSandbox(Sandbox):
                     self.cg.thaw()
         return Snapshot("bwrap", self.spec, (str(layer), *self.layers), "fs", ref=ref)
 
-    def fork(self, n: int) -> list["BwrapSandbox"]:
-        if not isinstance(n, int) or not 1 <= n <= 16:
-            raise ValueError(f"n must be an integer in [1, 16], got {n!r}")
-        snap = self.snapshot("fs")
-        kids: list[BwrapSandbox] = []
-        try:
-            for _ in range(n):
-                kids.append(self.backend.restore(snap))
-        except BaseException:
-            for k in kids:
-                k.close()
-            raise
-        finally:  # the children hold the layers now; the snapshot itself is nobody's
-            self.backend.delete_snapshot(snap)
-        return kids
-
     def set_ttl(self, ttl: float | None) -> None:
         if self._timer is not None:
             self._timer.cancel()

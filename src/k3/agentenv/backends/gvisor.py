@@ -125,6 +125,7 @@ class GVisorBackend(Backend):
 
 
 class GVisorSandbox(Sandbox):
+    fork_level = "full"  # children copy the whole checkpoint image
     backend_name = "gvisor"
 
     def __init__(self, backend: GVisorBackend, spec: SandboxSpec, layers: list[str], image: str | None):
@@ -316,22 +317,6 @@ class GVisorSandbox(Sandbox):
             if was_paused:
                 self.pause()
             return Snapshot("gvisor", self.spec, (str(layer),), "full", str(image), ref=ref)
-
-    def fork(self, n: int) -> list["GVisorSandbox"]:
-        if not isinstance(n, int) or not 1 <= n <= 16:
-            raise ValueError(f"n must be an integer in [1, 16], got {n!r}")
-        snap = self.snapshot("full")
-        kids: list[GVisorSandbox] = []
-        try:
-            for _ in range(n):
-                kids.append(self.backend.restore(snap))
-        except BaseException:
-            for k in kids:
-                k.close()
-            raise
-        finally:  # each child copied what it needs at start
-            self.backend.delete_snapshot(snap)
-        return kids
 
     def set_ttl(self, ttl: float | None) -> None:
         if self._timer is not None:
