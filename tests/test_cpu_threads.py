@@ -115,8 +115,9 @@ result["governed"] = [governor.active, governor.update()]
 
 BUSY = """
 import subprocess
-hog = subprocess.Popen([sys.executable, "-c",
-                        "import os\\nos.sched_setaffinity(0, {%d})\\nwhile True: pass" % max(os.sched_getaffinity(0))])
+hog = subprocess.Popen([sys.executable, "-c",  # spins on our last core until killed or orphaned
+                        "import os\\nos.sched_setaffinity(0, {%d})\\nwhile os.getppid() == %d: pass"
+                        % (max(os.sched_getaffinity(0)), os.getpid())])
 try:
     governor = cpu_threads.ThreadGovernor()
     governor.update()
