@@ -6,8 +6,12 @@
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
 - K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
 
-The sandboxes' own variables (K3_AGENTENV_ROOT, K3_AGENTENV_UID, K3_FC_KERNEL, K3_FC_ROOTFS) belong to
-k3.agentenv, which reads them where it starts a sandbox.
+Read elsewhere, by design, and listed here so that this page names every variable:
+- K3_CPU_THREADS: "auto" (default), "off" or a thread count; read by k3.cpu_threads before torch is imported
+  (OpenMP takes its settings once, at load), so it cannot wait for this module.
+- K3_AGENTENV_ROOT, K3_AGENTENV_UID, K3_AGENTENV_UID_BASE, K3_AGENTENV_UID_COUNT, K3_AGENTENV_TOKEN, K3_FC_KERNEL,
+  K3_FC_ROOTFS: the sandboxes' own, read by k3.agentenv where it starts a sandbox or its control plane.
+- K3_KIMI_TOKENIZER: a directory of the released tokenizer files, for the test of SPEC's reference ids.
 
 Code reads `k3.envs.current()`, never `os.environ`: a switch flipped in the environment after import has no
 effect (the value is fixed for the process, as a kernel choice must be for a captured CUDA graph). Tests and
