@@ -164,3 +164,28 @@ def test_import_k3_stops_openmp_workers_spinning_through_gaps_between_parallel_r
     spinning = _fresh_process(SPIN, {"OMP_WAIT_POLICY": "ACTIVE"}, cpus=set(CPUS[:2]))["worker_cpu"]
     assert spinning > 0.15, spinning  # the gaps add up to 1 s, which a spinning worker burns when it can
     assert k3_default < spinning / 3, (k3_default, spinning)
+
+
+def test_poll_measures_at_most_once_per_interval(monkeypatch):
+    """The trainer polls between layers; a poll inside the interval measures nothing, one after it re-chooses."""
+    from k3 import cpu_threads
+    governor = object.__new__(cpu_threads.ThreadGovernor)  # no policy applied to this test process's torch
+    governor.threads, governor._last = 2, LoadSample(100.0, 0.0, 0, 0)
+    calls = []
+    monkeypatch.setattr(governor, "update", lambda: calls.append(1) or 1)
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: 100.3)
+    governor.poll(min_interval=0.5)
+    assert calls == [] and governor.poll(min_interval=0.5) == 2
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: 100.6)
+    assert governor.poll(min_interval=0.5) == 1 and calls == [1]
+
+
+def test_trainer_layers_poll_the_governor(tmp_path, monkeypatch):
+    """A step re-chooses its threads inside the forward (a hook per decoder layer), not only between steps."""
+    from k3.train.trainer import TrainConfig, Trainer
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "run"), max_steps=1, seq_len=32, batch_size=2),
+                      log=lambda *a: None)
+    polls = []
+    monkeypatch.setattr(trainer.cpu_threads, "poll", lambda: polls.append(1) or 1)  # returns a count, as poll does
+    trainer.train_step()
+    assert len(polls) >= len(trainer.model.model.layers)

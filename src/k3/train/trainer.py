@@ -162,6 +162,9 @@ class Trainer:
         self.model = K3ForCausalLM(self.model_config).to(self.device)
         self.model.reset_parameters(seed=cfg.seed)
         self.model.model.gradient_checkpointing = cfg.activation_checkpointing
+        if self.cpu_threads is not None:  # re-chosen between layers too: a step need not end before it adapts
+            for layer in self.model.model.layers:  # (the decoder calls a layer's parts, not the layer)
+                layer.self_attn.register_forward_pre_hook(self._poll_threads)
         if cfg.qat:
             from k3.ops.mx_experts import enable_qat
             enable_qat(self.model)
@@ -330,6 +333,9 @@ class Trainer:
         return unigram_cross_entropy(flat(self.train_ids), flat(self.val_ids), self.tokenizer.vocab_size)
 
     # ---- training -----------------------------------------------------------------------------------
+    def _poll_threads(self, module, args) -> None:  # a forward pre-hook: returns None, so the inputs stand
+        self.cpu_threads.poll()
+
     def train_step(self) -> dict:
         cfg = self.cfg
         if self.cpu_threads:
