@@ -18,3 +18,18 @@ def vlm():
     """The small vision-language model of the vision tests (tests/tiny_vlm.py)."""
     from tiny_vlm import make_tiny_vlm
     return make_tiny_vlm()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_agentenv_leftovers(request):
+    """After each agentenv module: no sandbox directory, mount, layer hold, cgroup or sandbox-uid process left."""
+    yield
+    if not request.module.__name__.split(".")[-1].startswith("test_agentenv"):
+        return
+    import time
+
+    from k3.agentenv import hostfs
+    deadline = time.monotonic() + 5  # a TTL timer's close may still be finishing
+    while hostfs.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert hostfs.leftovers() == []

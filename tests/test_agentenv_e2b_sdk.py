@@ -11,22 +11,13 @@ e2b = pytest.importorskip("e2b")  # the dev extra installs it; the runtime insta
 
 from e2b import CommandExitException, Sandbox  # noqa: E402
 
-from k3.agentenv import get_backend, hostfs  # noqa: E402
+from k3.agentenv import get_backend  # noqa: E402
 from k3.agentenv.control_plane import create_control_plane  # noqa: E402
 from k3.agentenv.envd import parse_upload  # noqa: E402
 from k3.serve.local_server import local_server  # noqa: E402
 
 KEY = "e2b-key-for-tests"
 BODY_LIMIT = 4 << 20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_leftovers():
-    yield
-    deadline = time.monotonic() + 5
-    while hostfs.leftovers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert hostfs.leftovers() == []
 
 
 @pytest.fixture(scope="module")
