@@ -116,6 +116,43 @@ def test_overwrite_replaces_a_previous_run_only(tmp_path, capsys, corpus, finish
     assert json.loads((out / "summary.json").read_text())["steps"] == 1
 
 
+HOLD_RUN_DIR = """import sys, time
+from pathlib import Path
+from k3.train.run_dir import claim_run_dir
+lock = claim_run_dir(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path, capsys, corpus, finished_run):
+    """Another process trains into --out (it holds the directory's lock): --overwrite and --resume are both refused
+    and write nothing; once that process is killed (SIGKILL: no clean-up runs), the directory is free again."""
+    out = copy_run(finished_run, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_DIR, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(out)
+        for flags in (["--overwrite", "--max-steps", "1"], ["--resume"]):
+            assert main(["train", "--out", str(out), "--corpus", corpus, *flags]) == 2
+            line = error_line(capsys)
+            assert f"--out {out} is in use by another k3 train (pid {holder.pid})" in line, line
+            assert snapshot(out) == before  # the other run's checkpoints and metrics untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["train", "--out", str(out), "--corpus", corpus, "--overwrite", *FIRST_RUN[2:], "--max-steps", "1"]) == 0
+    assert steps_logged(out) == [1]
+
+
+def test_a_directory_holding_only_a_stale_lock_counts_as_empty(tmp_path, corpus):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".k3-train.lock").write_text("12345\n")  # left by a killed run that wrote nothing else
+    assert main(["train", "--out", str(out), "--corpus", corpus, *FIRST_RUN[2:], "--max-steps", "1"]) == 0
+    assert steps_logged(out) == [1]
+
+
 def test_resume_and_overwrite_together_are_refused(tmp_path, capsys, finished_run):
     out = copy_run(finished_run, tmp_path)
     before = snapshot(out)

@@ -2,6 +2,7 @@
 a resume reads. Nothing here deletes a file that k3 did not write."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -14,6 +15,10 @@ from k3.checkpoint.hf import CheckpointError
 # what `k3 train` (text or vision) writes into a run directory: all that --overwrite may remove
 RUN_FILES = frozenset({"checkpoints", "model", ".tmp-model", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json",
                        "loss.png", "expert_load.png"})
+
+# held (flock) by the process that trains into a run directory, so that a second `k3 train` on the same --out
+# is refused instead of interleaving its checkpoints with the first's; the kernel drops it when that process dies
+LOCK_NAME = ".k3-train.lock"
 
 # the fields that shape a run's trajectory: a resume keeps them, and a flag that contradicts them is refused
 RUN_FIELDS = ("preset", "corpus", "data", "tokenizer", "max_steps", "batch_size", "seq_len", "grad_accum", "lr",
@@ -39,7 +44,7 @@ def check_run_dir(out: Path, resume: bool = False, overwrite: bool = False) -> N
     if resume and not out.exists():
         raise RunDirError(f"--resume: no complete checkpoint under {out / 'checkpoints'} ({out} does not exist)")
     if not resume and out.is_dir():
-        held = sorted(os.listdir(out))
+        held = sorted(n for n in os.listdir(out) if n != LOCK_NAME)
         if held and not overwrite:
             raise RunDirError(f"--out {out} is not empty ({_few(held)}): continue that run with --resume, replace it "
                               f"with --overwrite, or choose another --out")
@@ -54,6 +59,25 @@ def check_run_dir(out: Path, resume: bool = False, overwrite: bool = False) -> N
     except OSError as e:
         raise RunDirError(f"--out {out} cannot be written: {e.strerror or e}"
                           f"{f' ({e.filename})' if e.filename and str(e.filename) != str(out) else ''}") from None
+
+
+def claim_run_dir(out: Path):
+    """Take the run directory for this process (after check_run_dir): returns the open lock file, which must stay
+    open for as long as the run writes. Raises RunDirError naming the other process when one holds it."""
+    f = open(out / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirError(f"--out {out} is in use by another k3 train (pid {pid}): wait for it to finish, or choose "
+                          f"another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def clear_previous_run(out: Path) -> None:

@@ -1,6 +1,7 @@
 """k3's main job: train a K3 on the bundled corpus with Muon, Quantile Balancing and exact resume."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from k3.data.stats import unigram_cross_entropy
 from k3.model.decoder import K3ForCausalLM
 from k3.checkpoint.hf import CheckpointError
 from k3.train.optim import build_optimizer
-from k3.train.run_dir import (RunDirError, check_resume_config, check_run_dir, clear_previous_run,
+from k3.train.run_dir import (RunDirError, check_resume_config, check_run_dir, claim_run_dir, clear_previous_run,
                               complete_checkpoints, default_run_dir, read_trainer_state, remove_stale_temporaries,
                               saved_train_config)
 from k3.train.schedule import apply_lr, wsd_multiplier
@@ -369,6 +370,13 @@ class Trainer:
         return rec
 
     def run(self) -> dict:
+        """Train to max_steps (or the time budget), evaluate, export the model; the summary."""
+        main_rank = not self.dist or self.dist.is_main
+        # rank 0 holds the run directory while the run writes: a second `k3 train` on it is refused
+        with claim_run_dir(self.out) if main_rank else contextlib.nullcontext():
+            return self._run()
+
+    def _run(self) -> dict:
         from tqdm import tqdm
 
         cfg = self.cfg

@@ -32,7 +32,7 @@ from k3.config import K3Config
 from k3.data import Tokenizer
 from k3.ops.cross_entropy import cross_entropy
 from k3.train.optim import build_optimizer
-from k3.train.run_dir import check_run_dir, clear_previous_run
+from k3.train.run_dir import check_run_dir, claim_run_dir, clear_previous_run
 from k3.vision import synthetic as syn
 from k3.vision.config import VisionConfig
 from k3.vision.multimodal import K3ForConditionalGeneration, image_token_ids
@@ -304,6 +304,7 @@ def run(cfg: VisionTrainConfig, log=print) -> dict:
     cfg.validate()
     out = Path(cfg.out)
     check_run_dir(out, overwrite=cfg.overwrite)  # before the minutes of set-up: a used --out is refused now
+    lock = claim_run_dir(out)  # noqa: F841 (held until this function returns: a second run on --out is refused)
     if cfg.overwrite:
         clear_previous_run(out)
     torch.manual_seed(cfg.seed)
