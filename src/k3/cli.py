@@ -495,6 +495,22 @@ def cmd_convert(a) -> int:
     return 1 if v["problems"] else 0
 
 
+def cmd_init(a) -> int:
+    from k3.checkpoint.random_init import write_random_checkpoint
+    from k3.config import K3Config
+
+    config = K3Config.from_pretrained(a.config) if a.config else K3Config.preset(a.preset)
+    if a.num_experts is not None:
+        if a.num_experts < config.num_experts_per_token:
+            raise CLIError(f"--num-experts {a.num_experts} is below the top-k of {config.num_experts_per_token}")
+        config = config.replace(num_experts=a.num_experts)
+    r = write_random_checkpoint(config, a.out, a.experts_format, seed=a.seed, max_shard_bytes=a.shard_size,
+                                device=a.device, progress=True)
+    print(f"wrote {a.out}: {r['tensors']:,} tensors, {r['bytes']:,} B in {r['shards']} shards "
+          f"({a.experts_format} experts)")
+    return 0
+
+
 def _size(s: str) -> int:
     """A byte count with an optional K/M/G/T suffix (powers of 1024), e.g. 5G."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -751,6 +767,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--experts", choices=["mxfp4", "bf16"], required=True)
     c.add_argument("--shard-size", type=_size, default=5 * 2**30, help="largest shard, e.g. 5G (default), 500M")
     c.set_defaults(func=cmd_convert)
+
+    ini = sub.add_parser("init", help="write a randomly initialised model in the released layout, shard by shard "
+                                      "(never the whole model in memory)")
+    ini.add_argument("--preset", default="k3-shaped", **presets)
+    ini.add_argument("--config", default=None, help="a config.json instead of --preset")
+    ini.add_argument("--experts-format", choices=["mxfp4", "bf16"], default="mxfp4")
+    ini.add_argument("--num-experts", type=_positive_int, default=None,
+                     help="routed experts per layer instead of the config's (k3-shaped with all 896: 57.6 GB)")
+    ini.add_argument("--out", required=True, help="a new or empty directory")
+    ini.add_argument("--seed", type=int, default=0)
+    ini.add_argument("--shard-size", type=_size, default=5 * 2**30, help="largest shard, e.g. 5G (default), 500M")
+    ini.add_argument("--device", type=_device, default="cpu", help="where expert matrices are packed (cuda: fast)")
+    ini.set_defaults(func=cmd_init)
 
     sv = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
     sv.add_argument("--model", required=True, help="a model directory (config.json + safetensors)")

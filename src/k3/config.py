@@ -274,12 +274,15 @@ class K3Config:
         return K3Config.from_dict(d)
 
     # ---- presets ------------------------------------------------------------------------------------
-    PRESETS = ("kimi-k3", "tiny", "small")
+    PRESETS = ("kimi-k3", "k3-shaped", "tiny", "small")
 
     @classmethod
     def preset(cls, name: str) -> "K3Config":
         if name == "kimi-k3":
             return cls(quantization_config=copy.deepcopy(_K3_QUANTIZATION_CONFIG))
+        if name == "k3-shaped":  # the released model cut to 4 layers: 3 KDA + 1 MLA, layer 0 dense
+            return cls.preset("kimi-k3").replace(
+                num_hidden_layers=4, linear_attn_config={"full_attn_layers": mla_layers_for(4), "kda_layers": [1, 2, 3]})
         if name == "tiny":
             return _scaled(num_layers=6, hidden=128, heads=4, head_dim=32, vocab=8192, dense_inter=384,
                            experts=16, topk=4, expert_inter=64, q_lora=64, kv_lora=32, rope=16, block=3)

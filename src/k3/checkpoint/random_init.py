@@ -1,0 +1,114 @@
+"""`k3 init`: a freshly initialised model written straight into the released layout, shard by shard, without
+building the model: each planned tensor is drawn (the model's own init rule, `K3ForCausalLM.reset_parameters`),
+packed to MXFP4 if it is a routed expert, written, and dropped. Only one shard's tensors exist at a time, so a
+K3-shaped checkpoint far larger than host memory can be written."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from k3.checkpoint.hf import INDEX_NAME, CheckpointError, mxfp4_quantization_config
+from k3.checkpoint.plan import TensorSpec, check_experts_format, group_into_shards, iter_plan
+from k3.config import K3Config
+from k3.ops.mx import mxfp4_pack
+
+_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+class _OneTensor:
+    """Stands in for the model in `K3ForCausalLM.reset_parameters`, so one tensor gets the model's init rule
+    (by its name) without the model existing: one home for the rule."""
+
+    def __init__(self, config: K3Config, name: str, t: torch.Tensor):
+        self.config, self._items = config, [(name, t)]
+
+    def named_parameters(self):
+        return iter(self._items)
+
+
+def _drawn(config: K3Config, source: str, shape: tuple, seed: int, index: int) -> torch.Tensor:
+    """A float32 tensor of `shape` with the model's init for parameter `source`, from generator (seed, index)."""
+    from k3.model.decoder import K3ForCausalLM
+
+    t = torch.empty(shape, dtype=torch.float32)
+    K3ForCausalLM.reset_parameters(_OneTensor(config, source, t), seed=seed * 1_000_003 + index)
+    return t
+
+
+class _Producer:
+    """Makes each planned tensor of a fresh model in plan order. Every tensor has its own generator
+    (seed, position in the plan), so the result does not depend on the shard size; an expert matrix is drawn
+    and packed once for its weight_packed and weight_scale halves (device: where it is packed)."""
+
+    def __init__(self, config: K3Config, seed: int, device: torch.device):
+        self.config, self.seed, self.device = config, seed, device
+        self.index, self._scale = 0, None
+
+    def __call__(self, spec: TensorSpec) -> torch.Tensor:
+        self.index += 1
+        if spec.kind == "weight_scale":  # the other half of the matrix drawn for weight_packed just before
+            scale, self._scale = self._scale, None
+            return scale
+        if spec.source.endswith("e_score_correction_bias"):  # a buffer, zero at construction
+            return torch.zeros(spec.shape, dtype=torch.float32)
+        if spec.kind == "weight_packed":
+            w = _drawn(self.config, spec.source, (spec.shape[0], spec.shape[1] * 2), self.seed, self.index)
+            packed, scale = mxfp4_pack(w.to(self.device))
+            self._scale = scale.cpu()
+            return packed.cpu()
+        if spec.source.endswith("A_log"):  # released padded to 128 entries
+            t = _drawn(self.config, spec.source, (self.config.linear_attn_config.num_heads,), self.seed, self.index)
+            padded = torch.zeros(spec.shape, dtype=torch.float32)
+            padded[: t.shape[0]] = t
+            return padded
+        return _drawn(self.config, spec.source, spec.shape, self.seed, self.index).to(_TORCH[spec.dtype])
+
+
+def write_random_checkpoint(config: K3Config, out, experts: str = "mxfp4", seed: int = 0,
+                            dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
+                            device: str | torch.device = "cpu", progress: bool = False) -> dict:
+    """Writes a randomly initialised `config` model to `out` (config.json, shards, index) with routed experts
+    "mxfp4" (packed) or "bf16". device: where the expert matrices are packed (a GPU makes it fast). `out` must
+    be missing or empty; the files are written beside it and renamed into place when whole.
+    Returns {"shards", "tensors", "bytes"}."""
+    check_experts_format(experts)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"OUT {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise CheckpointError(f"OUT {out} is not empty: give a new directory (init never writes over files)")
+    device = torch.device(device)
+    plan = list(iter_plan(config, experts, dtype))
+    groups = group_into_shards(plan, max_shard_bytes)
+    tmp = out.with_name(f".{out.name}.tmp-init-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+        weight_map, total = {}, 0
+        produce = _Producer(config, seed, device)
+        from tqdm import tqdm
+        for i, specs in enumerate(tqdm(groups, desc="init", unit="shard", leave=False, disable=None if progress else True)):
+            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            tensors = {spec.name: produce(spec) for spec in specs}
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            weight_map |= {s.name: fname for s in specs}
+            total += sum(s.nbytes for s in specs)
+            del tensors
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        config.replace(dtype=str(dtype).removeprefix("torch."),
+                       quantization_config=mxfp4_quantization_config() if experts == "mxfp4" else None
+                       ).save(tmp / "config.json")
+        if out.is_dir():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"writing OUT {out} failed: {e.strerror or e}; its partial files were removed") from None
+        raise
+    return {"shards": len(groups), "tensors": len(plan), "bytes": total}
