@@ -376,7 +376,7 @@ def test_bad_engine_config_raises(model, bad, match):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(max_tokens=-1), "max_tokens"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(stop=[""]), "stop"), (dict(logprobs=99), "logprobs"),
 ])
 def test_bad_sampling_params_raise(bad, match):

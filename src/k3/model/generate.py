@@ -24,12 +24,13 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
 
 
 def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
-                u: torch.Tensor) -> torch.Tensor:
+                u: torch.Tensor, min_p: list[float] | None = None) -> torch.Tensor:
     """Sample each row of logits [B, V] with its own temperature (> 0), top-k (0 = off) and top-p, given one
     uniform number u[b] in [0, 1) per row: the token whose interval of the filtered distribution's CDF (in
     vocabulary order) holds u.
 
-    The filter: softmax(logits / temperature); keep the k most likely tokens; of those, keep the smallest
+    The filter (vLLM's order): softmax(logits / temperature); drop the tokens whose probability is below min_p
+    (0 = off) times the most likely one's; keep the k most likely tokens; of those, keep the smallest
     most-likely-first prefix whose mass reaches top_p; renormalise. A row's token depends only on its logits,
     its parameters and its u, so a request that draws u from its own generator samples the same tokens in
     any batch. Settings are host lists (no device sync); the work is a few batched kernels for any number
@@ -38,6 +39,10 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
     dev = logits.device
     z = logits.float() / torch.tensor(temperature, device=dev, dtype=torch.float32)[:, None]
     probs = torch.softmax(z, -1)
+    if min_p is not None and any(m > 0 for m in min_p):
+        floor = torch.tensor(min_p, device=dev, dtype=torch.float32)[:, None] * probs.max(-1, keepdim=True).values
+        z = z.masked_fill(probs < floor, float("-inf"))
+        probs = torch.softmax(z, -1)
     if any(0 < k < V for k in top_k) or any(p < 1 for p in top_p):  # the filters rank the tokens by likelihood
         ranked, order = torch.sort(z, descending=True, dim=-1)
         k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)

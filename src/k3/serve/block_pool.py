@@ -206,6 +206,8 @@ class CachePool:
         """Longest usable prefix of seq's prompt → (report, [(block, unit offset)] for the restored units)."""
         if not self.prefix_caching:
             return CacheReport(reason="disabled"), []
+        if seq.params.prompt_logprobs is not None:  # a restored position would have no logits to score
+            return CacheReport(reason="prompt_logprobs"), []
         self.update_unit_hashes(seq)
         u = self.match_unit
         locs = []

@@ -11,8 +11,9 @@ import torch
 
 from k3.serve.block_pool import CachePool, plan_capacity
 from k3.serve.metrics import Metrics
-from k3.serve.runner import ModelRunner
-from k3.serve.sampling import SamplingParams, make_generator, make_grammar_state, sample_tokens
+from k3.serve.runner import ModelRunner, PromptScores
+from k3.serve.sampling import (SamplingParams, TokenHistory, make_generator, make_grammar_state, sample_tokens,
+                               token_logprobs)
 from k3.serve.scheduler import Scheduler
 from k3.serve.sequence import OutputIds, RequestOutput, Sequence, Status
 
@@ -59,7 +60,6 @@ class LLMEngine:
         self.pool = CachePool(model.config, self.capacity, config.match_unit, param.dtype, param.device,
                               config.prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_batch_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(model, self.pool, config.decode_graphs, config.max_num_seqs)
         self.metrics = metrics or Metrics()
         self.max_model_len = min(config.max_model_len or self.capacity.tokens, self.capacity.tokens)
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
@@ -69,6 +69,7 @@ class LLMEngine:
         # A model's vocabulary may be padded past its tokenizer's: never sample an id that has no text.
         vocab = model.config.vocab_size
         self.sample_vocab = min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
+        self.runner = ModelRunner(model, self.pool, config.decode_graphs, config.max_num_seqs, self.sample_vocab)
         self.seqs: dict[str, Sequence] = {}
 
     def describe_capacity(self) -> str:
@@ -86,6 +87,10 @@ class LLMEngine:
         V = self.model.config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {V})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = next((t for t in ids if t >= V), None)
+            if bad is not None:
+                raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {V})")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"maximum sequence length {self.max_model_len}")
@@ -113,6 +118,10 @@ class LLMEngine:
             seq.mm = self._encode_images(prompt, images)
         seq.generator = make_generator(params)
         seq.grammar = make_grammar_state(params)
+        seq.history = TokenHistory(seq.prompt) if params.penalized else None
+        seq.stop_set = frozenset(params.stop_token_ids)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # nothing predicts the first prompt token
         seq.decoder = self.tokenizer.decode_stream(skip_special_tokens=True) if self.tokenizer else None
         self.seqs[seq.request_id] = seq
         self.scheduler.add(seq)
@@ -157,8 +166,11 @@ class LLMEngine:
         seqs, lens = self.scheduler.schedule()
         if not seqs:
             return []
-        sampling = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens)]
-        logits = self.runner.run(seqs, lens, sampling)[:, :self.sample_vocab]
+        done = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens)]
+        sampling = [i for i in done if seqs[i].params.max_tokens > 0]
+        scored_only = [seqs[i] for i in done if seqs[i].params.max_tokens == 0]  # prompt scored, nothing to sample
+        logits, scores = self.runner.run(seqs, lens, sampling)
+        logits = logits[:, :self.sample_vocab]
         for s, n in zip(seqs, lens):
             decoding = not s.in_prefill
             s.num_computed += n
@@ -168,12 +180,40 @@ class LLMEngine:
         outputs = []
         if sampling:
             chosen = [seqs[i] for i in sampling]
+            bans = [self._min_tokens_bans(s) for s in chosen]
             tokens, logprobs = sample_tokens(logits, [s.params for s in chosen], [s.generator for s in chosen],
-                                             [s.grammar for s in chosen])
-            now = time.perf_counter()
+                                             [s.grammar for s in chosen], [s.history for s in chosen],
+                                             bans if any(bans) else None)
+        if scores is not None:
+            self._keep_prompt_logprobs(seqs, scores)
+        now = time.perf_counter()
+        if sampling:
             for s, tok, lp in zip(chosen, tokens, logprobs):
                 outputs.append(self._append_token(s, tok, lp, now))
+        for s in scored_only:
+            self._finish(s, "length", now)
+            outputs.append(RequestOutput(s.request_id, [], "", [], OutputIds(s.tokens, s.prompt_len, s.prompt_len),
+                                         "", True, "length", s.prompt_len, s.cache, s.prompt_logprobs))
         return outputs
+
+    def _min_tokens_bans(self, seq: Sequence) -> frozenset | None:
+        """The ids a sequence may not sample yet: its stop ids (and EOS unless ignore_eos) before min_tokens."""
+        p = seq.params
+        if seq.num_output >= p.min_tokens:
+            return None
+        return seq.stop_set if p.ignore_eos else seq.stop_set | self.stop_ids
+
+    @staticmethod
+    def _keep_prompt_logprobs(seqs: list[Sequence], scores: PromptScores) -> None:
+        """Append this step's prompt logprobs to each scoring sequence (one read-back for all of them)."""
+        targets, chosen = scores.targets.tolist(), scores.chosen.tolist()
+        top_ids, top_lps = scores.top_ids.tolist(), scores.top_lps.tolist()
+        a = 0
+        for i, _, count in scores.spans:
+            k = seqs[i].params.prompt_logprobs
+            seqs[i].prompt_logprobs += token_logprobs(targets[a:a + count], chosen[a:a + count],
+                                                      top_ids[a:a + count], top_lps[a:a + count], [k] * count)
+            a += count
 
     def _maybe_checkpoint(self, seq: Sequence, decoding: bool) -> None:
         if decoding:  # end of generation: keep the newest boundary reached while decoding
@@ -195,13 +235,14 @@ class LLMEngine:
         seq.tokens.append(tok)
         if lp is not None:
             seq.logprobs.append(lp)
-        stop_tok = tok in p.stop_token_ids or (tok in self.stop_ids and not p.ignore_eos)
+        may_stop = seq.num_output >= p.min_tokens  # as vLLM: no stop token or string ends it before min_tokens
+        stop_tok = may_stop and (tok in seq.stop_set or (tok in self.stop_ids and not p.ignore_eos))
         if seq.decoder is not None and not stop_tok:
             seq.output_text += seq.decoder.step(tok)
         reason = None
         if stop_tok:
             reason = "stop"
-        elif p.stop and self._cut_at_stop_string(seq):
+        elif p.stop and may_stop and self._cut_at_stop_string(seq):
             reason = "stop"
         elif seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
             reason = "length"
@@ -212,9 +253,11 @@ class LLMEngine:
         upto = max(seq.text_sent, len(seq.output_text) - hold)
         new_text = seq.output_text[seq.text_sent:upto]
         seq.text_sent = upto
+        prompt_logprobs = seq.prompt_logprobs if first else None
+        seq.prompt_logprobs = None  # handed out with the first output, which holds them from now on
         return RequestOutput(seq.request_id, [tok], new_text, [lp] if lp is not None else [],
                              OutputIds(seq.tokens, seq.prompt_len, len(seq.tokens)), seq.output_text, seq.finished,
-                             seq.finish_reason, seq.prompt_len, seq.cache)
+                             seq.finish_reason, seq.prompt_len, seq.cache, prompt_logprobs)
 
     def _cut_at_stop_string(self, seq: Sequence) -> bool:
         text = seq.output_text

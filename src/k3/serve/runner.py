@@ -3,6 +3,8 @@ model's own KDA and MLA modules read and write the pool through a BatchCacheView
 instead replay a CUDA graph captured for their padded batch size and block-table width (DecodeGraphs)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from k3.model.cache import BatchCacheView, KDAState
@@ -10,7 +12,24 @@ from k3.model.cuda_graph import wants_graphs
 from k3.ops.fused_linear import fuse_projections
 from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
+from k3.serve.sampling import score_rows
 from k3.serve.sequence import Sequence
+
+# Prompt positions scored per lm_head call: bounds the [rows, vocab] float32 logits a long chunk would make
+# (2048 × 163,840 × 4 B = 1.3 GB at once; 256 rows: 168 MB).
+SCORE_ROWS = 256
+
+
+@dataclass
+class PromptScores:
+    """The prompt logprobs one step computed, from the same forward as its prefill chunks: for each scoring
+    sequence a span (its index in the step, the prompt position of its first scored token, how many), and
+    score_rows' tensors over all spans in order (top-k as wide as the widest request asks)."""
+    spans: list[tuple[int, int, int]]
+    targets: torch.Tensor  # [M] the scored prompt tokens
+    chosen: torch.Tensor   # [M] their logprobs
+    top_ids: torch.Tensor  # [M, K]
+    top_lps: torch.Tensor  # [M, K]
 
 
 class PagedBatchView(BatchCacheView):
@@ -146,10 +165,13 @@ class DecodeGraphs:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: CachePool, decode_graphs: bool | None = None, max_num_seqs: int = 64):
+    def __init__(self, model, pool: CachePool, decode_graphs: bool | None = None, max_num_seqs: int = 64,
+                 vocab: int | None = None):
         """decode_graphs: replay decode-only steps from CUDA graphs (default: on CUDA). On CPU, True runs the
-        same fixed-shape decode step eagerly (for tests)."""
+        same fixed-shape decode step eagerly (for tests). vocab: the ids prompt logprobs range over (the
+        engine's sampling vocabulary; default the model's)."""
         self.model, self.pool = model, pool
+        self.vocab = vocab or model.config.vocab_size
         self.device = next(model.parameters()).device
         fuse_projections(model)  # each mixer's input projections as one GEMM (k3.ops.fused_linear)
         on_cuda = self.device.type == "cuda"
@@ -157,20 +179,38 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int]) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], lens: list[int],
+            sample_rows: list[int]) -> tuple[torch.Tensor, PromptScores | None]:
         """Feed seqs[i].tokens[num_computed : num_computed + lens[i]] for every i; return the last-token
-        logits [len(sample_rows), vocab] of the rows that will sample. Does not advance num_computed."""
+        logits [len(sample_rows), vocab] of the rows that will sample, and the prompt logprobs of the chunk's
+        positions for sequences that ask for them (None when none does). Does not advance num_computed."""
         with on_device(self.device):  # the engine's own thread starts on device 0
             return self._run(seqs, lens, sample_rows)
 
-    def _run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int]) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.fits(seqs, lens):
+    @staticmethod
+    def scored_spans(seqs: list[Sequence], lens: list[int]) -> list[tuple[int, int, int]]:
+        """(index, first target position, count) per sequence scoring its prompt in this step: the chunk's
+        positions p that predict a prompt token (p + 1 < prompt length)."""
+        spans = []
+        for i, (s, n) in enumerate(zip(seqs, lens)):
+            if s.params.prompt_logprobs is not None and s.in_prefill:
+                count = min(s.num_computed + n, s.prompt_len - 1) - s.num_computed
+                if count > 0:
+                    spans.append((i, s.num_computed + 1, count))
+        return spans
+
+    def _run(self, seqs: list[Sequence], lens: list[int],
+             sample_rows: list[int]) -> tuple[torch.Tensor, PromptScores | None]:
+        spans = self.scored_spans(seqs, lens)
+        if not spans and self.graphs is not None and self.graphs.fits(seqs, lens):
             logits = self.graphs.run(seqs)
-            return logits if len(sample_rows) == len(seqs) else logits[sample_rows]
+            return (logits if len(sample_rows) == len(seqs) else logits[sample_rows]), None
         ids = [t for s, n in zip(seqs, lens) for t in s.tokens[s.num_computed:s.num_computed + n]]
         view = PagedBatchView(self.pool, self.model.config.num_hidden_layers, seqs, lens)
         last = [view.cu_host[r + 1] - 1 for r in sample_rows]  # each sampling row's last token
-        ids_t, last_t = view.upload([ids, last], self.device)
+        scored = [view.cu_host[i] + j for i, _, count in spans for j in range(count)]
+        targets = [t for i, first, count in spans for t in seqs[i].tokens[first:first + count]]
+        ids_t, last_t, scored_t, targets_t = view.upload([ids, last, scored, targets], self.device)
         ids_t = ids_t[None]
         embeds = None
         if any(s.mm for s in seqs):  # splice image rows over the <|media_pad|> positions this chunk covers
@@ -184,4 +224,13 @@ class ModelRunner:
                         embeds[0, offset + a - lo:offset + b - lo] = rows[a - start:b - start].to(embeds.dtype)
                 offset += n
         h = self.model.model(ids_t, cache=view, inputs_embeds=embeds)
-        return self.model.lm_head(h[0, last_t])
+        scores = self._score(spans, seqs, h[0], scored_t, targets_t) if spans else None
+        return self.model.lm_head(h[0, last_t]), scores
+
+    def _score(self, spans, seqs, h: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> PromptScores:
+        """Prompt logprobs of hidden rows h[rows] for their targets, SCORE_ROWS rows per lm_head call."""
+        k = max(seqs[i].params.prompt_logprobs for i, _, _ in spans)
+        parts = [score_rows(self.model.lm_head(h[rows[a:a + SCORE_ROWS]])[:, :self.vocab],
+                            targets[a:a + SCORE_ROWS], k) for a in range(0, len(rows), SCORE_ROWS)]
+        chosen, top_ids, top_lps = (torch.cat(x) for x in zip(*parts))
+        return PromptScores(spans, targets, chosen, top_ids, top_lps)

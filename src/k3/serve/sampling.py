@@ -1,7 +1,10 @@
-"""Per-request sampling: parameters with validation, and the sampler (greedy, temperature, top-k/top-p, seeds,
-logprobs, grammar masks). Each request owns a seeded generator, so its tokens do not depend on what it was batched
-with; a request with a grammar (k3.serve.grammar) has its disallowed tokens masked before sampling, while the
-unconstrained rows of the same batch are left untouched."""
+"""Per-request sampling: parameters with validation, and the sampler (greedy, temperature, top-k/top-p/min-p,
+seeds, logprobs, grammar masks, logit bias, penalties, min_tokens). Each request owns a seeded generator, so its
+tokens do not depend on what it was batched with; a request with a grammar (k3.serve.grammar) has its disallowed
+tokens masked before sampling, while the unconstrained rows of the same batch are left untouched.
+
+The order of operations is vLLM's: min_tokens and logit_bias, then the penalties (repetition, frequency,
+presence) on the logits, then temperature, then min_p, top-k and top-p (k3.model.generate.sample_rows)."""
 from __future__ import annotations
 
 import math
@@ -12,12 +15,20 @@ import torch
 from k3.model.generate import sample_rows
 
 MAX_LOGPROBS = 20
+# Bounds on a request's lists (the HTTP layer's models use these numbers): each is read per sampled token, so an
+# unbounded one lets a single request slow every stream (3M stop ids made each step 4x slower).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024   # each stop string: the text held back from a stream is as long as the longest
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024          # entries of logit_bias
+MAX_SEED = 2**64               # seeds lie in [0, MAX_SEED): what torch.Generator.manual_seed takes
 
 
 @dataclass
 class SamplingParams:
-    """How one request samples and when it stops. temperature 0 is greedy."""
-    max_tokens: int = 16
+    """How one request samples and when it stops. temperature 0 is greedy. Penalties, logit_bias and min_tokens
+    change greedy picks too; temperature, min_p, top_k and top_p only shape random sampling."""
+    max_tokens: int = 16  # 0: score the prompt only (prefill, prompt_logprobs), sample nothing
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -27,6 +38,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob plus the top k
     grammar: object = None  # a k3.serve.grammar.Grammar the output must follow (each sequence starts its own matcher)
+    prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob plus the top k
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one's probability (after temperature)
+    presence_penalty: float = 0.0  # OpenAI: minus this from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI: minus this × the token's count in the output so far
+    repetition_penalty: float = 1.0  # HF/vLLM: logits of prompt and output tokens divided (> 0) or multiplied (< 0)
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit, in [-100, 100]
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -34,34 +52,73 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        """Raise ValueError, its message starting with the field's name, for any value out of range."""
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if not is_num(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if len(self.stop) > 4:
-            raise ValueError(f"stop accepts at most 4 strings, got {len(self.stop)}")
-        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters each")
+        if not isinstance(self.stop_token_ids, list):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids accepts at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token id to bias, got "
+                                 f"{type(self.logit_bias).__name__}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+            for t, b in self.logit_bias.items():
+                if not is_int(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+                if not is_num(b) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler must know the sequence's tokens (repetition/frequency/presence penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
@@ -104,14 +161,105 @@ def mask_grammar_rows(logits: torch.Tensor, states: list) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+class TokenHistory:
+    """One sequence's tokens as the penalties read them, kept current instead of rescanned each step: how often
+    each id was generated and which ids the prompt holds, as [V] tensors on the logits' device (made on first
+    use). The sampler updates every penalised row's counts of a step in one scatter (`record_tokens`)."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt: list[int] | None = prompt
+        self.counts: torch.Tensor | None = None  # [V] int32: times each id was generated
+        self.in_prompt: torch.Tensor | None = None  # [V] bool
+
+    def materialize(self, vocab: int, device: torch.device) -> None:
+        if self.counts is not None:
+            return
+        self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+        ids = torch.tensor([t for t in self.prompt if t < vocab], dtype=torch.long, device=device)
+        self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+        self.prompt = None
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list | None = None,
+                  bans: list | None = None) -> torch.Tensor:
+    """The logits [S, V] that sampling reads, in vLLM's order: min_tokens bans (per row, ids set to -inf),
+    logit_bias, then repetition, frequency and presence penalties from each row's TokenHistory. Rows asking for
+    none of these cost nothing; when no row asks, `logits` itself is returned (else a new tensor: the model's
+    own logits stay for logprobs). The entries are gathered on the host and sent in one upload per kind."""
+    S, V = logits.shape
+    dev = logits.device
+    bias_rows, bias_ids, bias_vals, ban_rows, ban_ids = [], [], [], [], []
+    for i, p in enumerate(params):
+        for t, b in (p.logit_bias or {}).items():
+            if t < V:
+                bias_rows.append(i), bias_ids.append(t), bias_vals.append(float(b))
+        for t in (bans[i] if bans else None) or ():
+            if t < V:
+                ban_rows.append(i), ban_ids.append(t)
+    penalised = [i for i, h in enumerate(histories or []) if h is not None]
+    if not (bias_rows or ban_rows or penalised):
+        return logits
+    logits = logits.clone()
+    if ban_rows:
+        logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = float("-inf")
+    if bias_rows:
+        logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
+                          torch.tensor(bias_vals, device=dev, dtype=logits.dtype), accumulate=True)
+    if penalised:
+        for i in penalised:
+            histories[i].materialize(V, dev)
+        counts = torch.stack([histories[i].counts for i in penalised])  # [R, V]
+        generated = counts > 0
+        seen = torch.stack([histories[i].in_prompt for i in penalised]) | generated
+        rep, freq, pres = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty,
+                                         params[i].presence_penalty] for i in penalised],
+                                       device=dev, dtype=logits.dtype).T[..., None]
+        rows = torch.tensor(penalised, device=dev)
+        x = logits[rows]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        logits[rows] = x - freq * counts - pres * generated
+    return logits
+
+
+def record_tokens(histories: list | None, picked: torch.Tensor) -> None:
+    """Count each penalised row's new token (picked [S]) in its TokenHistory: one scatter for the whole step."""
+    penalised = [i for i, h in enumerate(histories or []) if h is not None]
+    if not penalised:
+        return
+    rows = torch.tensor(penalised, device=picked.device)
+    counts = torch.stack([histories[i].counts for i in penalised])
+    counts[torch.arange(len(penalised), device=picked.device), picked[rows]] += 1
+    for j, i in enumerate(penalised):  # each history keeps its row of this step's tensor (no per-row copy)
+        histories[i].counts = counts[j]
+
+
+def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """log_softmax of logits [n, V] in float32 → (each row's target logprob [n], top-k ids [n, k] and their
+    logprobs [n, k], best first)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = torch.topk(lp, k, dim=-1)
+    return lp.gather(1, targets[:, None])[:, 0], top.indices, top.values
+
+
+def token_logprobs(tokens: list[int], chosen: list[float], top_ids: list[list[int]], top_lps: list[list[float]],
+                   ks: list[int]) -> list[TokenLogprob]:
+    """Host lists (from score_rows) → one TokenLogprob per row, row i keeping its own ks[i] best."""
+    return [TokenLogprob(t, c, list(zip(ids[:k], lps[:k])))
+            for t, c, ids, lps, k in zip(tokens, chosen, top_ids, top_lps, ks)]
+
+
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                  grammars: list | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+                  grammars: list | None = None, histories: list | None = None,
+                  bans: list | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [S, V], one row per sequence → (next token per row, logprobs per row or None).
     The sampled rows go through one batched `sample_rows`, each with a uniform number from its own generator;
     everything is read back together: one wait per step, not one per row. grammars: per row, a GrammarState
     (k3.serve.grammar) or None; constrained rows sample from their allowed tokens and their states advance.
-    Logprobs are the model's own (vLLM's default, raw logprobs), not the masked distribution's."""
+    histories: per row, a TokenHistory when its request has penalties, else None (counts advance here);
+    bans: per row, ids that min_tokens still forbids, or None. See adjust_logits.
+    Logprobs are the model's own (vLLM's default, raw logprobs), not the adjusted distribution's."""
     raw = logits = logits.float()
+    logits = adjust_logits(logits, params, histories, bans)
     if grammars is not None:
         logits = mask_grammar_rows(logits, grammars)
     picked = logits.argmax(-1)
@@ -119,20 +267,20 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     if rows:
         u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])
         picked[rows] = sample_rows(logits[rows], [params[i].temperature for i in rows],
-                                   [params[i].top_k for i in rows], [params[i].top_p for i in rows], u)
+                                   [params[i].top_k for i in rows], [params[i].top_p for i in rows], u,
+                                   [params[i].min_p for i in rows])
+    record_tokens(histories, picked)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
-        lp = torch.log_softmax(raw[want], -1)
-        chosen = lp.gather(1, picked[want][:, None])[:, 0]
-        top = torch.topk(lp, max(params[i].logprobs for i in want), dim=-1)
+        chosen, top_ids, top_lps = score_rows(raw[want], picked[want], max(params[i].logprobs for i in want))
     tokens = picked.tolist()
     for state, token in zip(grammars or [], tokens):
         if state is not None:
             state.advance(token)
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if want:
-        chosen, top_ids, top_lps = chosen.tolist(), top.indices.tolist(), top.values.tolist()
-        for row, i in enumerate(want):
-            k = params[i].logprobs
-            logprobs[i] = TokenLogprob(tokens[i], chosen[row], list(zip(top_ids[row][:k], top_lps[row][:k])))
+        rows_lp = token_logprobs([tokens[i] for i in want], chosen.tolist(), top_ids.tolist(), top_lps.tolist(),
+                                 [params[i].logprobs for i in want])
+        for i, lp in zip(want, rows_lp):
+            logprobs[i] = lp
     return tokens, logprobs

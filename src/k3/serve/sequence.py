@@ -25,7 +25,8 @@ class Status(enum.Enum):
 class CacheReport:
     """What the prefix cache did for a request. `matched_tokens`: longest prefix whose MLA latents were
     cached; `restored_tokens`: where it actually resumed (needs a KDA checkpoint there too); `reason` says
-    why they differ: miss | full | last_token_recomputed | no_checkpoint | checkpoint_evicted | disabled."""
+    why they differ: miss | full | last_token_recomputed | no_checkpoint | checkpoint_evicted | disabled |
+    prompt_logprobs (the request scores its prompt: every position must run, so nothing is restored)."""
     matched_tokens: int = 0
     restored_tokens: int = 0
     reason: str = "miss"
@@ -58,6 +59,10 @@ class Sequence:
     output_text: str = ""
     text_sent: int = 0  # characters of output_text already handed out
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # one entry per prompt token scored so far when the request asks for prompt_logprobs (the first is None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    history: object = None  # its TokenHistory (k3.serve.sampling) when the request has penalties
+    stop_set: frozenset = frozenset()  # params.stop_token_ids, for a cheap test per token
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -144,3 +149,6 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     cache: CacheReport
+    # with prompt_logprobs: one entry per prompt token (the first None: nothing predicts it), on the request's
+    # first output only (when its prefill finishes); None on every other output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
