@@ -113,6 +113,17 @@ class ExpertParallelCombine:
         return w1, w3, w2, torch.cat([home, torch.tensor(mine, dtype=torch.long)])
 
 
+def owned_experts(num_experts: int, rank: int, size: int) -> range:
+    """The home experts of EP rank `rank` of `size`: a contiguous block of num_experts / size (the one rule,
+    used by training and by rank-sharded checkpoint loading)."""
+    if num_experts % size:
+        raise ValueError(f"expert parallel size {size} must divide the number of routed experts {num_experts}")
+    if not 0 <= rank < size:
+        raise ValueError(f"expert parallel rank {rank} is outside 0..{size - 1}")
+    per = num_experts // size
+    return range(rank * per, (rank + 1) * per)
+
+
 def apply_expert_parallel(model: nn.Module, group, mode: str = "balanced") -> list[ExpertParallelCombine]:
     """Keep this rank's E/R experts of every LatentMoE in `model` and route its expert work over `group`.
 
@@ -126,10 +137,8 @@ def apply_expert_parallel(model: nn.Module, group, mode: str = "balanced") -> li
     for moe in [m for m in model.modules() if isinstance(m, LatentMoE)]:
         if getattr(moe.experts, "packed", False):
             raise ValueError("expert parallelism shards trainable experts; MXFP4-packed (serving) experts are not supported")
-        if moe.num_experts % R:
-            raise ValueError(f"expert parallel size {R} must divide the number of routed experts {moe.num_experts}")
-        per = moe.num_experts // R
-        moe.experts = LocalExperts(moe.experts, me * per, per)
+        mine = owned_experts(moe.num_experts, me, R)
+        moe.experts = LocalExperts(moe.experts, mine.start, len(mine))
         handle = ExpertParallelCombine(moe, group, mode)
         moe.combine_experts = handle  # instance attribute shadows the method: the model code is untouched
         handles.append(handle)
