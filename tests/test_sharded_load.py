@@ -42,14 +42,21 @@ def expert_ranks_of(name: str, ep: int):
     return None if m is None else int(m.group(1)) // (E // ep)
 
 
-# Written out here from SPEC §2's head-major shapes: (dim over heads) of each tensor split by heads.
-HEAD_SPLIT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "g_proj": 0, "q_conv1d": 0, "k_conv1d": 0, "v_conv1d": 0,
-              "f_b_proj": 0, "b_proj": 0, "A_log": 0, "dt_bias": 0, "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1}
+# Written out here from SPEC §2's head-major shapes: the dim each tensor is split along under tensor parallelism
+# (attention by heads, MLPs by intermediate width, embedding and lm_head by vocabulary).
+TP_SPLIT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "g_proj": 0, "q_conv1d": 0, "k_conv1d": 0, "v_conv1d": 0,
+            "f_b_proj": 0, "b_proj": 0, "A_log": 0, "dt_bias": 0, "q_b_proj": 0, "kv_b_proj": 0, "o_proj": 1}
+MLP_SPLIT = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}
 
 
 def head_dim_of(name: str):
-    m = re.search(r"self_attn\.(\w+?)(\.weight)?$", name)
-    return None if m is None else HEAD_SPLIT.get(m.group(1))
+    name = name.removeprefix("language_model.")
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0
+    m = re.search(r"(self_attn|mlp|shared_experts)\.(\w+?)(\.weight)?$", name)
+    if m is None:
+        return None
+    return (TP_SPLIT if m.group(1) == "self_attn" else MLP_SPLIT).get(m.group(2))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])

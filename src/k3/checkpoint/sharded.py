@@ -1,7 +1,7 @@
 """Rank-sharded loading of a released checkpoint: each rank of an expert-parallel (× tensor-parallel) layout
 opens only the shards that hold its tensors (found through the index) and reads only its bytes (safetensors
 `get_slice`, memory-mapped): its EP rank's home experts (`owned_experts`, the training rule) and, under
-tensor parallelism, its block of attention heads. Nothing it does not own is ever read into memory; tensors
+tensor parallelism, its block of attention heads, of MLP width and of the vocabulary (`tp_slice`). Nothing it does not own is ever read into memory; tensors
 go to the rank's device as they are read; MXFP4 experts can stay packed."""
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from k3.config import K3Config
 from k3.ops.mx import BLOCK, mxfp4_pack, mxfp4_unpack
 from k3.parallel.expert_parallel import owned_experts
 
-# Attention tensors split by heads under tensor parallelism: name pattern → the dim that runs over heads (all
-# of them head-major, so a rank's heads are one contiguous block). Others (the low-rank MLA/KDA inputs, the
-# norms inside a head, MLPs, embeddings) are whole on every rank.
+# Tensors split under tensor parallelism: name pattern → the dim split into tp contiguous blocks. Attention
+# tensors are head-major, so a block is a rank's heads; MLPs split their intermediate width (Megatron's column
+# then row split); the embedding and lm_head split the vocabulary. The low-rank MLA/KDA inputs, the norms, the
+# router and the latent projections stay whole on every rank.
 _HEAD_DIMS = (
     (re.compile(r"self_attn\.(q|k|v|g)_proj\.weight$"), 0),          # KDA q/k/v/gate, MLA gate: [H*d, D]
     (re.compile(r"self_attn\.(q|k|v)_conv1d\.weight$"), 0),          # [H*d, 1, W]
@@ -31,12 +32,17 @@ _HEAD_DIMS = (
     (re.compile(r"self_attn\.(q_b_proj|kv_b_proj)\.weight$"), 0),    # MLA [H*(nope+rope), q_rank], [H*(nope+v), kv_rank]
     (re.compile(r"self_attn\.o_proj\.weight$"), 1),                  # [D, H*d]
 )
+_WIDTH_DIMS = (
+    (re.compile(r"(mlp|shared_experts)\.(gate|up)_proj\.weight$"), 0),  # [I, D]
+    (re.compile(r"(mlp|shared_experts)\.down_proj\.weight$"), 1),      # [D, I]
+    (re.compile(r"^(model\.embed_tokens|lm_head)\.weight$"), 0),        # [V, D]
+)
 
 
 @dataclass(frozen=True)
 class RankLayout:
     """Where one rank sits: EP rank `ep_rank` of `ep` (its home experts) and TP rank `tp_rank` of `tp` (its
-    block of attention heads; tp=1: all heads)."""
+    block of attention heads, MLP width and vocabulary; tp=1: everything whole)."""
     ep_rank: int = 0
     ep: int = 1
     tp_rank: int = 0
@@ -53,16 +59,19 @@ class RankLayout:
         return [cls(e, ep, t, tp) for e in range(ep) for t in range(tp)]
 
 
-def head_slice(name: str, shape: tuple, config: K3Config, layout: RankLayout) -> tuple[int, int, int] | None:
+def tp_slice(name: str, shape: tuple, config: K3Config, layout: RankLayout) -> tuple[int, int, int] | None:
     """(dim, start, stop) of the rank's block of k3 tensor `name` (full shape `shape`), or None when it is whole."""
     if layout.tp == 1:
         return None
-    for pattern, dim in _HEAD_DIMS:
+    for pattern, dim in _HEAD_DIMS + _WIDTH_DIMS:
         if pattern.search(name):
-            heads = (config.num_attention_heads if _is_mla_name(name, config)
-                     else config.linear_attn_config.num_heads)
-            if heads % layout.tp:
-                raise ValueError(f"tensor parallel size {layout.tp} must divide the {heads} attention heads")
+            if (pattern, dim) in _HEAD_DIMS:
+                heads = (config.num_attention_heads if _is_mla_name(name, config)
+                         else config.linear_attn_config.num_heads)
+                if heads % layout.tp:
+                    raise ValueError(f"tensor parallel size {layout.tp} must divide the {heads} attention heads")
+            elif shape[dim] % layout.tp:
+                raise ValueError(f"tensor parallel size {layout.tp} must divide dim {dim} of {name} {list(shape)}")
             per = shape[dim] // layout.tp
             return dim, layout.tp_rank * per, (layout.tp_rank + 1) * per
     return None
@@ -76,7 +85,7 @@ def _is_mla_name(name: str, config: K3Config) -> bool:
 @dataclass
 class RankShard:
     """What one rank loaded. tensors: k3 names → tensors on the rank's device; an expert stack holds the rank's
-    experts only (`...experts.w1` [len(experts), out, in], or `w1_packed`/`w1_scale` when packed); a head-sliced
+    experts only (`...experts.w1` [len(experts), out, in], or `w1_packed`/`w1_scale` when packed); a TP-sliced
     tensor holds `slices[name] = (dim, start, stop)` of the full one. opened: the shard files it opened."""
     layout: RankLayout
     experts: range
@@ -117,6 +126,10 @@ def load_rank_shard(path, layout: RankLayout, device="cpu", dtype: torch.dtype |
     experts = owned_experts(config.num_experts, layout.ep_rank, layout.ep)
     with torch.device("meta"):
         shapes = {n: tuple(t.shape) for n, t in K3ForCausalLM(config, init=False).state_dict().items()}
+    for heads in (config.linear_attn_config.num_heads, config.num_attention_heads):
+        if heads % layout.tp:
+            raise ValueError(f"tensor parallel size {layout.tp} must divide the {heads} attention heads")
+    cuts = {n: tp_slice(n, s, config, layout) for n, s in shapes.items()}  # every size checked before any read
     stacks = expert_stacks(config)
     shard = RankShard(layout, experts)
     n_local = len(experts)
@@ -196,7 +209,7 @@ def load_rank_shard(path, layout: RankLayout, device="cpu", dtype: torch.dtype |
                 if sl.get_dtype() not in ("F32", "BF16", "F16", "F64"):
                     problems.append(f"{raw}: dtype {sl.get_dtype()}, expected a floating type")
                     continue
-                cut = head_slice(name, full, config, layout)
+                cut = cuts[name]
                 if name.endswith("A_log"):  # drop the released padding (and take the rank's heads)
                     cut = cut or (0, 0, full[0])
                 index = None if cut is None else (slice(None),) * cut[0] + (slice(cut[1], cut[2]),)
