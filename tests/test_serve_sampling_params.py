@@ -10,7 +10,7 @@ import torch
 
 from k3.model.generate import sample_rows
 from k3.serve import SamplingParams
-from k3.serve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, TokenHistory, adjust_logits,
+from k3.serve.sampling import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, adjust_logits, make_adjuster,
                                record_tokens, sample_tokens)
 from test_serve_engine import GREEDY, assert_pool_empty, engine, model, prompt, reference  # noqa: F401
 
@@ -36,8 +36,11 @@ def ref_adjust(row: list[float], p: SamplingParams, prompt_ids: list[int], outpu
 
 
 def random_params(rng: random.Random, V: int) -> SamplingParams:
-    kind = rng.choice(["none", "bias", "penalties", "all"])
+    kind = rng.choice(["none", "bias", "penalties", "min_tokens", "all"])
     kw = {}
+    if kind in ("min_tokens", "all"):
+        kw.update(min_tokens=rng.randint(1, 50), stop_token_ids=rng.sample(range(V + 3), 3),
+                  ignore_eos=rng.random() < 0.5)
     if kind in ("bias", "all"):
         kw["logit_bias"] = {rng.randrange(V): rng.uniform(-100, 100) for _ in range(rng.randint(1, 6))}
     if kind in ("penalties", "all"):
@@ -49,24 +52,30 @@ def random_params(rng: random.Random, V: int) -> SamplingParams:
 @pytest.mark.parametrize("seed, S, V", [(0, 1, 17), (1, 5, 17), (2, 9, 300), (3, 4, 1000), (4, 16, 64)])
 def test_adjusted_logits_equal_a_float64_reference_over_growing_histories(seed, S, V):
     """Histories grow over several steps through `record_tokens` (one scatter per step, rows without penalties
-    mixed in): each step's adjusted logits equal the reference computed from the full token lists."""
+    mixed in): each step's adjusted logits equal the reference computed from the full token lists. Ids past
+    the vocabulary (a tokenizer's padding) in prompts, stop ids and EOS are ignored."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    eos = {V - 1, V + 2}
     params = [random_params(rng, V) for _ in range(S)]
-    prompts = [[rng.randrange(V + 5) for _ in range(rng.randint(1, 30))] for _ in range(S)]  # ids >= V ignored
-    histories = [TokenHistory(p) if sp.penalized else None for p, sp in zip(prompts, params)]
+    prompts = [[rng.randrange(V + 5) for _ in range(rng.randint(1, 30))] for _ in range(S)]
+    adjusters = [make_adjuster(sp, p, eos) for p, sp in zip(prompts, params)]
+    assert adjusters.count(None) < S
     outputs = [[] for _ in range(S)]
     for step in range(6):
         logits = torch.randn(S, V, generator=gen) * 4
-        bans = [rng.sample(range(V), rng.randint(0, 3)) if rng.random() < 0.5 else None for _ in range(S)]
-        got = adjust_logits(logits, params, histories, bans)
+        banning = [rng.random() < 0.5 for _ in range(S)]
+        got = adjust_logits(logits, params, adjusters, banning)
         for i in range(S):
-            want = ref_adjust(logits[i].tolist(), params[i], prompts[i], outputs[i], bans[i])
+            p = params[i]
+            banned = {t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else eos) if t < V} \
+                if banning[i] and p.min_tokens else None
+            want = ref_adjust(logits[i].tolist(), p, [t for t in prompts[i] if t < V], outputs[i], banned)
             for g, w in zip(got[i].tolist(), want):
                 assert (g == w == -INF) or g == pytest.approx(w, rel=1e-6, abs=1e-4)
         # duplicate picks across steps, so frequency counts go above 1
         picked = torch.tensor([rng.choice(outputs[i] or [rng.randrange(V)]) if rng.random() < 0.4
                                else rng.randrange(V) for i in range(S)])
-        record_tokens(histories, picked)
+        record_tokens(adjusters, picked)
         for i, t in enumerate(picked.tolist()):
             outputs[i].append(t)
 
@@ -74,7 +83,8 @@ def test_adjusted_logits_equal_a_float64_reference_over_growing_histories(seed, 
 def test_rows_asking_for_nothing_pay_nothing():
     logits = torch.randn(4, 50)
     params = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(min_p=0.2), SamplingParams(top_k=3)]
-    assert adjust_logits(logits, params, [None] * 4, None) is logits
+    adjusters = [make_adjuster(p, [1, 2, 3], {4}) for p in params]
+    assert adjusters == [None] * 4 and adjust_logits(logits, params, adjusters, [True] * 4) is logits
 
 
 def ref_sample(row: list[float], T: float, min_p: float, top_k: int, top_p: float, u: float):
@@ -142,17 +152,18 @@ def test_greedy_rows_pick_the_reference_argmax_and_logprobs_stay_raw(seed):
                                                                        "frequency_penalty", "repetition_penalty")})
               for _ in range(S)]
     prompts = [[rng.randrange(V) for _ in range(10)] for _ in range(S)]
-    histories = [TokenHistory(p) if sp.penalized else None for p, sp in zip(prompts, params)]
+    adjusters = [make_adjuster(sp, p) for p, sp in zip(prompts, params)]
     logits = torch.randn(S, V, generator=gen) * 3
-    tokens, lps = sample_tokens(logits, params, [None] * S, None, histories, None)
+    tokens, lps = sample_tokens(logits, params, [None] * S, None, adjusters, [False] * S)
     raw = torch.log_softmax(logits.double(), -1)
     for i in range(S):
         ref = ref_adjust(logits[i].tolist(), params[i], prompts[i], [], None)
         assert tokens[i] == max(range(V), key=lambda t: ref[t])
         assert lps[i].logprob == pytest.approx(float(raw[i, tokens[i]]), abs=1e-5)  # the model's own
-    penalised = [i for i, h in enumerate(histories) if h is not None]
+    penalised = [i for i, a in enumerate(adjusters) if a is not None and a.penalized]
+    assert penalised
     for i in penalised:  # the pick was counted
-        assert histories[i].counts.tolist() == [int(t == tokens[i]) for t in range(V)]
+        assert adjusters[i].counts.tolist() == [int(t == tokens[i]) for t in range(V)]
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------

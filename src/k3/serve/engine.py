@@ -12,7 +12,7 @@ import torch
 from k3.serve.block_pool import CachePool, plan_capacity
 from k3.serve.metrics import Metrics
 from k3.serve.runner import ModelRunner, PromptScores
-from k3.serve.sampling import (SamplingParams, TokenHistory, make_generator, make_grammar_state, sample_tokens,
+from k3.serve.sampling import (SamplingParams, make_adjuster, make_generator, make_grammar_state, sample_tokens,
                                token_logprobs)
 from k3.serve.scheduler import Scheduler
 from k3.serve.sequence import OutputIds, RequestOutput, Sequence, Status
@@ -118,7 +118,7 @@ class LLMEngine:
             seq.mm = self._encode_images(prompt, images)
         seq.generator = make_generator(params)
         seq.grammar = make_grammar_state(params)
-        seq.history = TokenHistory(seq.prompt) if params.penalized else None
+        seq.adjuster = make_adjuster(params, seq.prompt, self.stop_ids)
         seq.stop_set = frozenset(params.stop_token_ids)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # nothing predicts the first prompt token
@@ -166,6 +166,7 @@ class LLMEngine:
         seqs, lens = self.scheduler.schedule()
         if not seqs:
             return []
+        self.metrics.on_step(seqs, lens, time.perf_counter())
         done = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens)]
         sampling = [i for i in done if seqs[i].params.max_tokens > 0]
         scored_only = [seqs[i] for i in done if seqs[i].params.max_tokens == 0]  # prompt scored, nothing to sample
@@ -180,10 +181,9 @@ class LLMEngine:
         outputs = []
         if sampling:
             chosen = [seqs[i] for i in sampling]
-            bans = [self._min_tokens_bans(s) for s in chosen]
             tokens, logprobs = sample_tokens(logits, [s.params for s in chosen], [s.generator for s in chosen],
-                                             [s.grammar for s in chosen], [s.history for s in chosen],
-                                             bans if any(bans) else None)
+                                             [s.grammar for s in chosen], [s.adjuster for s in chosen],
+                                             [s.num_output < s.params.min_tokens for s in chosen])
         if scores is not None:
             self._keep_prompt_logprobs(seqs, scores)
         now = time.perf_counter()
@@ -195,13 +195,6 @@ class LLMEngine:
             outputs.append(RequestOutput(s.request_id, [], "", [], OutputIds(s.tokens, s.prompt_len, s.prompt_len),
                                          "", True, "length", s.prompt_len, s.cache, s.prompt_logprobs))
         return outputs
-
-    def _min_tokens_bans(self, seq: Sequence) -> frozenset | None:
-        """The ids a sequence may not sample yet: its stop ids (and EOS unless ignore_eos) before min_tokens."""
-        p = seq.params
-        if seq.num_output >= p.min_tokens:
-            return None
-        return seq.stop_set if p.ignore_eos else seq.stop_set | self.stop_ids
 
     @staticmethod
     def _keep_prompt_logprobs(seqs: list[Sequence], scores: PromptScores) -> None:
@@ -274,7 +267,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.pool.free(seq)
         self.seqs.pop(seq.request_id, None)
-        self.metrics.on_finish(reason, now - seq.arrival, seq.prompt_len)
+        self.metrics.on_finish(seq, reason, now)
 
     # ---- convenience ----------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

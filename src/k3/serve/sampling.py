@@ -161,56 +161,82 @@ def mask_grammar_rows(logits: torch.Tensor, states: list) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-class TokenHistory:
-    """One sequence's tokens as the penalties read them, kept current instead of rescanned each step: how often
-    each id was generated and which ids the prompt holds, as [V] tensors on the logits' device (made on first
-    use). The sampler updates every penalised row's counts of a step in one scatter (`record_tokens`)."""
+class LogitAdjuster:
+    """What one sequence's request adds to the model's logits before sampling, prepared once instead of per step:
+    logit_bias as (ids, values), the ids min_tokens bans (its stop ids, and EOS unless ignore_eos), and for the
+    penalties the count of each generated id and which ids the prompt holds, kept current by `record_tokens`
+    rather than rescanned. Tensors live on the logits' device and cover its vocabulary (made on first use)."""
 
-    def __init__(self, prompt: list[int]):
-        self.prompt: list[int] | None = prompt
+    def __init__(self, params: SamplingParams, prompt: list[int], eos_ids=frozenset()):
+        self.penalized = params.penalized
+        self._bias = dict(params.logit_bias or {})
+        self._banned = (set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+                        if params.min_tokens else set())
+        self._prompt = prompt if self.penalized else None
+        self.num_bias = self.num_banned = 0
+        self.bias_ids = self.bias_values = self.banned_ids = None
         self.counts: torch.Tensor | None = None  # [V] int32: times each id was generated
         self.in_prompt: torch.Tensor | None = None  # [V] bool
 
     def materialize(self, vocab: int, device: torch.device) -> None:
-        if self.counts is not None:
+        if self._bias is None:
             return
-        self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
-        ids = torch.tensor([t for t in self.prompt if t < vocab], dtype=torch.long, device=device)
-        self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
-        self.prompt = None
+        bias = [(t, float(b)) for t, b in self._bias.items() if t < vocab]  # ids past it are never sampled
+        self.num_bias = len(bias)
+        self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=device)
+        self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32, device=device)
+        banned = sorted(t for t in self._banned if t < vocab)
+        self.num_banned = len(banned)
+        self.banned_ids = torch.tensor(banned, dtype=torch.long, device=device)
+        if self.penalized:
+            self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+            ids = torch.tensor([t for t in self._prompt if t < vocab], dtype=torch.long, device=device)
+            self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+        self._bias = self._banned = self._prompt = None
 
 
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list | None = None,
-                  bans: list | None = None) -> torch.Tensor:
-    """The logits [S, V] that sampling reads, in vLLM's order: min_tokens bans (per row, ids set to -inf),
-    logit_bias, then repetition, frequency and presence penalties from each row's TokenHistory. Rows asking for
-    none of these cost nothing; when no row asks, `logits` itself is returned (else a new tensor: the model's
-    own logits stay for logprobs). The entries are gathered on the host and sent in one upload per kind."""
+def make_adjuster(params: SamplingParams, prompt: list[int], eos_ids=frozenset()) -> LogitAdjuster | None:
+    """The sequence's LogitAdjuster, or None when its request changes no logit (it then costs nothing)."""
+    if params.logit_bias or params.min_tokens or params.penalized:
+        return LogitAdjuster(params, prompt, eos_ids)
+    return None
+
+
+def _entries(rows: list[int], sizes: list[int], parts: list[torch.Tensor], device) -> tuple[torch.Tensor, ...]:
+    """(row index of every entry, the entries): the rows' id tensors joined, in one kernel each."""
+    index = torch.repeat_interleave(torch.tensor(rows, device=device), torch.tensor(sizes, device=device))
+    return index, torch.cat(parts)
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], adjusters: list | None = None,
+                  banning: list[bool] | None = None) -> torch.Tensor:
+    """The logits [S, V] that sampling reads, in vLLM's order: min_tokens bans (rows with banning[i] true set
+    their banned ids to -inf), logit_bias, then repetition, frequency and presence penalties. adjusters: per
+    row a LogitAdjuster or None. Rows without one cost nothing; when no row has one, `logits` itself is
+    returned (else a new tensor: the model's own logits stay for logprobs). Each kind is a few batched kernels
+    over the rows' prepared tensors, whatever the number of entries."""
+    if not adjusters or all(a is None for a in adjusters):
+        return logits
     S, V = logits.shape
     dev = logits.device
-    bias_rows, bias_ids, bias_vals, ban_rows, ban_ids = [], [], [], [], []
-    for i, p in enumerate(params):
-        for t, b in (p.logit_bias or {}).items():
-            if t < V:
-                bias_rows.append(i), bias_ids.append(t), bias_vals.append(float(b))
-        for t in (bans[i] if bans else None) or ():
-            if t < V:
-                ban_rows.append(i), ban_ids.append(t)
-    penalised = [i for i, h in enumerate(histories or []) if h is not None]
-    if not (bias_rows or ban_rows or penalised):
-        return logits
+    for a in adjusters:
+        if a is not None:
+            a.materialize(V, dev)
     logits = logits.clone()
-    if ban_rows:
-        logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = float("-inf")
-    if bias_rows:
-        logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev)),
-                          torch.tensor(bias_vals, device=dev, dtype=logits.dtype), accumulate=True)
+    ban = [i for i, a in enumerate(adjusters) if a is not None and a.num_banned and banning and banning[i]]
+    if ban:
+        rows, ids = _entries(ban, [adjusters[i].num_banned for i in ban], [adjusters[i].banned_ids for i in ban], dev)
+        logits[rows, ids] = float("-inf")
+    bias = [i for i, a in enumerate(adjusters) if a is not None and a.num_bias]
+    if bias:
+        rows, ids = _entries(bias, [adjusters[i].num_bias for i in bias], [adjusters[i].bias_ids for i in bias], dev)
+        logits.index_put_((rows, ids), torch.cat([adjusters[i].bias_values for i in bias]).to(logits.dtype),
+                          accumulate=True)
+    penalised = [i for i, a in enumerate(adjusters) if a is not None and a.penalized]
     if penalised:
-        for i in penalised:
-            histories[i].materialize(V, dev)
-        counts = torch.stack([histories[i].counts for i in penalised])  # [R, V]
+        counts = torch.stack([adjusters[i].counts for i in penalised])  # [R, V]
         generated = counts > 0
-        seen = torch.stack([histories[i].in_prompt for i in penalised]) | generated
+        seen = torch.stack([adjusters[i].in_prompt for i in penalised]) | generated
         rep, freq, pres = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty,
                                          params[i].presence_penalty] for i in penalised],
                                        device=dev, dtype=logits.dtype).T[..., None]
@@ -221,16 +247,16 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
     return logits
 
 
-def record_tokens(histories: list | None, picked: torch.Tensor) -> None:
-    """Count each penalised row's new token (picked [S]) in its TokenHistory: one scatter for the whole step."""
-    penalised = [i for i, h in enumerate(histories or []) if h is not None]
+def record_tokens(adjusters: list | None, picked: torch.Tensor) -> None:
+    """Count each penalised row's new token (picked [S]) in its LogitAdjuster: one scatter for the whole step."""
+    penalised = [i for i, a in enumerate(adjusters or []) if a is not None and a.penalized]
     if not penalised:
         return
     rows = torch.tensor(penalised, device=picked.device)
-    counts = torch.stack([histories[i].counts for i in penalised])
+    counts = torch.stack([adjusters[i].counts for i in penalised])
     counts[torch.arange(len(penalised), device=picked.device), picked[rows]] += 1
-    for j, i in enumerate(penalised):  # each history keeps its row of this step's tensor (no per-row copy)
-        histories[i].counts = counts[j]
+    for j, i in enumerate(penalised):  # each keeps its row of this step's tensor (no per-row copy)
+        adjusters[i].counts = counts[j]
 
 
 def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
@@ -249,17 +275,17 @@ def token_logprobs(tokens: list[int], chosen: list[float], top_ids: list[list[in
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                  grammars: list | None = None, histories: list | None = None,
-                  bans: list | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+                  grammars: list | None = None, adjusters: list | None = None,
+                  banning: list[bool] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [S, V], one row per sequence → (next token per row, logprobs per row or None).
     The sampled rows go through one batched `sample_rows`, each with a uniform number from its own generator;
     everything is read back together: one wait per step, not one per row. grammars: per row, a GrammarState
     (k3.serve.grammar) or None; constrained rows sample from their allowed tokens and their states advance.
-    histories: per row, a TokenHistory when its request has penalties, else None (counts advance here);
-    bans: per row, ids that min_tokens still forbids, or None. See adjust_logits.
+    adjusters: per row, its LogitAdjuster or None (penalty counts advance here); banning: per row, whether
+    min_tokens still bans its stop ids. See adjust_logits.
     Logprobs are the model's own (vLLM's default, raw logprobs), not the adjusted distribution's."""
     raw = logits = logits.float()
-    logits = adjust_logits(logits, params, histories, bans)
+    logits = adjust_logits(logits, params, adjusters, banning)
     if grammars is not None:
         logits = mask_grammar_rows(logits, grammars)
     picked = logits.argmax(-1)
@@ -269,7 +295,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
         picked[rows] = sample_rows(logits[rows], [params[i].temperature for i in rows],
                                    [params[i].top_k for i in rows], [params[i].top_p for i in rows], u,
                                    [params[i].min_p for i in rows])
-    record_tokens(histories, picked)
+    record_tokens(adjusters, picked)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         chosen, top_ids, top_lps = score_rows(raw[want], picked[want], max(params[i].logprobs for i in want))

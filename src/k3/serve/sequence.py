@@ -61,7 +61,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # one entry per prompt token scored so far when the request asks for prompt_logprobs (the first is None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    history: object = None  # its TokenHistory (k3.serve.sampling) when the request has penalties
+    adjuster: object = None  # its LogitAdjuster (k3.serve.sampling) when the request changes logits
     stop_set: frozenset = frozenset()  # params.stop_token_ids, for a cheap test per token
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
