@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3.data import load_tokenizer
-from k3.data.calculator_task import TOOL, answer_is_correct, calculator, conversation
+from k3.data.calculator_task import TOOL, answer_is_correct, calculator, conversation, score
 from k3.data.conversations import (ConversationError, ConversationLoader, conversation_eval_batches,
                                    load_conversations, render_conversation, render_conversations)
 from k3.data.corpus import ASSETS_DIR
@@ -107,12 +107,73 @@ def test_bad_files_name_the_line(tmp_path, tok):
 def test_shipped_calculator_dataset_is_correct(tok):
     records = load_conversations(DATASET)
     assert len(records) >= 1000
+    questions, sizes, digits = set(), set(), set()
     for rec in records:
-        user, call_msg, result, answer = rec["messages"]
-        args = call_msg["tool_calls"][0]["function"]["arguments"]
-        assert int(result["content"]) == calculator(args["a"], args["op"], args["b"])
-        assert answer_is_correct(user["content"], answer["content"])
-    assert len({json.dumps(r["messages"][0]) for r in records}) > 1400  # varied questions, not one repeated
+        assert len(rec["messages"]) % 4 == 0
+        sizes.add(len(rec["messages"]) // 4)
+        for k in range(0, len(rec["messages"]), 4):  # each exchange: question, call, result, answer
+            user, call_msg, result, answer = rec["messages"][k:k + 4]
+            args = call_msg["tool_calls"][0]["function"]["arguments"]
+            assert call_msg["tool_calls"][0]["id"] == result["tool_call_id"]
+            assert int(result["content"]) == calculator(args["a"], args["op"], args["b"])
+            assert answer_is_correct(user["content"], answer["content"])
+            questions.add(user["content"])
+            digits.add(len(str(args["a"])))
+    assert len(questions) > 1400  # varied questions, not one repeated
+    assert sizes == {1, 2, 3} and digits == {1, 2, 3}
+
+
+def test_packed_rows_hold_whole_conversations(tok):
+    """A conversation that fits a row is never cut: cut, its answer's numbers would be labels with the question
+    out of sight. Every learned token is a label exactly once per epoch, and padding is never a label."""
+    convs = render_conversations(tok, [conversation(random.Random(s), 1 + s % 3) for s in range(12)])
+    T = 1500
+    assert max(len(c[0]) for c in convs) <= T + 1 < sum(len(c[0]) for c in convs)
+    loader = ConversationLoader(convs, seq_len=T, batch_size=2, seed=3, pad_id=tok.pad_id)
+    seen = []
+    while len(seen) < len(convs):
+        b = loader.next_batch()
+        for r in range(2):
+            ids, doc, lab = b["input_ids"][r].tolist(), b["doc_ids"][r].tolist(), b["labels"][r].tolist()
+            for d in sorted(set(doc)):
+                span = [i for i, x in enumerate(doc) if x == d]
+                piece = ids[span[0]:span[-1] + 1]
+                if all(t == tok.pad_id for t in piece):
+                    assert all(lab[i] == -100 for i in span)
+                    continue
+                # whole: all of a conversation (its last id may be the row's extra label-only token)
+                match = [k for k, c in enumerate(convs) if c[0][:len(piece)] == piece and len(piece) >= len(c[0]) - 1]
+                assert match, "a row holds a piece of a conversation, not a whole one"
+                seen.append(match[0])
+    assert sorted(seen[:len(convs)]) == list(range(len(convs)))
+    # evaluation packs the same way and labels every learned token exactly once
+    evals = conversation_eval_batches(convs, T, 2, tok.pad_id)
+    assert sum(int((e["labels"] != -100).sum()) for e in evals) == sum(sum(c[1]) for c in convs)
+
+
+def test_score_of_a_played_question():
+    q = "What is 12 * 34?"
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator",
+                                                         "arguments": '{"a": 12, "op": "*", "b": 34}'}}
+    good = [{"role": "user", "content": q},
+            {"role": "assistant", "reasoning_content": "I use the calculator.", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "408"},
+            {"role": "assistant", "reasoning_content": "It says 408.", "content": "12 * 34 = 408"}]
+    assert score(q, good) == dict(format_ok=True, arguments_ok=True, answer_ok=True, answer_is_tool_result=True)
+    wrong_args = json.loads(json.dumps(good))
+    wrong_args[1]["tool_calls"][0]["function"]["arguments"] = '{"a": 12, "op": "*", "b": 43}'
+    wrong_args[2]["content"], wrong_args[3]["content"] = "516", "12 * 34 = 516"
+    assert score(q, wrong_args) == dict(format_ok=True, arguments_ok=False, answer_ok=False,
+                                        answer_is_tool_result=True)
+    miscopied = json.loads(json.dumps(good))
+    miscopied[3]["content"] = "12 * 34 = 4080"  # the right result is in there, but not as the answer
+    assert score(q, miscopied)["answer_ok"] is False and score(q, miscopied)["format_ok"] is True
+    untyped = json.loads(json.dumps(good))
+    untyped[1]["tool_calls"][0]["function"]["arguments"] = '{"a": "12", "op": "*", "b": 34}'
+    assert score(q, untyped)["format_ok"] is False and score(q, untyped)["arguments_ok"] is False
+    never_answered = good[:3]  # think never closed: no answer came
+    assert score(q, never_answered) == dict(format_ok=False, arguments_ok=True, answer_ok=False,
+                                            answer_is_tool_result=False)
 
 
 @pytest.mark.slow
