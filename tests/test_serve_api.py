@@ -297,9 +297,12 @@ def test_models_health_metrics_tokenize(server, client, tok):
     assert [m.id for m in client.models.list().data] == [NAME]
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     text = "O Romeo, Romeo!"
-    t = httpx.post(url + "/tokenize", json={"prompt": text}).json()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path, body in (("/tokenize", {"prompt": text}), ("/detokenize", {"tokens": [1]})):  # behind the key too
+        assert httpx.post(url + path, json=body).status_code == 401
+    t = httpx.post(url + "/tokenize", json={"prompt": text}, headers=auth).json()
     assert t["tokens"] == tok.encode(text)
-    assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == text
+    assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}, headers=auth).json()["prompt"] == text
     client.completions.create(model=NAME, prompt=text, max_tokens=2, **GREEDY)
     m = httpx.get(url + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

@@ -185,7 +185,7 @@ def test_reasoning_effort_is_rendered(client, tok):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"modalities": ["audio"]}, "modalities"),  # (logit_bias is honoured since issue 19)
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),

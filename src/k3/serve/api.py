@@ -1,93 +1,62 @@
-"""OpenAI-compatible HTTP server (FastAPI): completions, chat completions (SSE streaming), models, health,
-Prometheus metrics, tokenize/detokenize. Every bad request gets a 4xx JSON error in OpenAI's shape.
+"""OpenAI-compatible HTTP server (FastAPI), a drop-in for vLLM's: completions (batched prompts, echo, logprobs,
+prompt logprobs), chat completions (SSE streaming), models, health/ping/version, Prometheus metrics,
+tokenize/detokenize/tokenizer_info. Bodies are the models of k3.serve.protocol (documented in /openapi.json);
+every bad request gets a 4xx JSON error in OpenAI's shape, and a stream that fails mid-way ends with an SSE error
+event. Routes stay thin: parsing and preparation here, the shared submit → stream/collect path in
+k3.serve.serving, the bodies in k3.serve.render.
 /v1/chat/completions speaks K3's chat format (SPEC §1.2): `tools`, `tool_choice`, `parallel_tool_calls`,
 `response_format` (json_object, json_schema) enforced by a grammar (k3.serve.grammar), `tool_calls` and
 `reasoning_content` (also as stream deltas), vLLM's `chat_template_kwargs` (thinking, thinking_effort) and
-OpenAI's `reasoning_effort`; a chat field k3 does not know is a 400 naming it.
+OpenAI's `reasoning_effort`. A field k3 does not know is a 400 naming it.
 k3 extensions (all optional): `policy_version` (prefix-cache namespace), `return_token_ids` (generated ids per
 choice and per streamed chunk, prompt ids per choice: raw-token continuation without re-tokenising), and on
 /v1/completions `checkpoint_at` (prompt positions, e.g. tool-turn ends, worth a KDA checkpoint)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import re
 import secrets
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from contextlib import asynccontextmanager
-from typing import Any, Union
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.data.chat_template import THINKING_EFFORTS
+from k3.serve import protocol as P
 from k3.serve.chat_template import render_chat
 from k3.serve.engine import EngineThread, LLMEngine
 from k3.serve.grammar import Grammar, GrammarError, chat_grammar
-from k3.serve.output_parser import OutputParser
+from k3.serve.render import ChatRenderer, CompletionRenderer
 from k3.serve.sampling import SamplingParams
+from k3.serve.serving import APIError, Job, LoopMailbox, Serving, error_response, new_id
 
-MAX_N = 4
-DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still connected
-
-
-_CLIENT_GONE = object()
-
-
-async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
-    """Every DISCONNECT_POLL_S, check the client; once it has gone, tell the request's reader through its queue."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    queue.put_nowait(_CLIENT_GONE)
-
-
-class _LoopMailbox:
-    """Outputs from the engine thread to an event loop's request queues, with one wake-up of the loop per
-    burst (an engine step's outputs for every stream) instead of one `call_soon_threadsafe` per token."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.lock, self.items, self.scheduled = loop, threading.Lock(), [], False
-
-    def put(self, queue: asyncio.Queue, item) -> None:  # engine thread
-        with self.lock:
-            self.items.append((queue, item))
-            if self.scheduled:
-                return
-            self.scheduled = True
-        self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:  # event loop
-        with self.lock:
-            items, self.items, self.scheduled = self.items, [], False
-        for queue, item in items:
-            queue.put_nowait(item)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-
-
-def error_response(status: int, message: str, param=None, type_="invalid_request_error", code=None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "param": param,
-                                                               "code": code}})
+MAX_REQUEST_BYTES = 64 << 20  # a 1M-token prompt as token ids is ~8 MB of JSON; images as data URLs add more
+BODY_TIMEOUT_S = 30.0  # a client that takes longer to send its body is cut off (408): a slow client holds no worker
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/openapi.json", "/docs", "/redoc",
+                          "/docs/oauth2-redirect"})
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB89]|\\u[dD][c-fC-F]")
 
 
 class BearerAuth:
-    """ASGI middleware: /v1/* needs 'Authorization: Bearer KEY'. Plain ASGI rather than @app.middleware("http"):
-    Starlette's BaseHTTPMiddleware wraps `receive` so that Request.is_disconnected() never sees a disconnect."""
+    """ASGI middleware: every route but the public probes (health, ping, version, metrics, the API docs) needs
+    'Authorization: Bearer KEY'. Plain ASGI rather than @app.middleware("http"): Starlette's BaseHTTPMiddleware
+    wraps `receive` so that Request.is_disconnected() never sees a disconnect."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(got, self.expected):
                 response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
@@ -96,149 +65,184 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413, whether announced (Content-Length) or not."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            response = error_response(413, f"the request body exceeds {self.limit} bytes" if length.isdigit()
+                                      else "Content-Length is not a number", code="request_too_large")
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise APIError(413, f"the request body exceeds {self.limit} bytes", code="request_too_large")
+            return message
+        await self.app(scope, counted, send)
 
 
-class StreamOptions(_Strict):
-    include_usage: bool = False
+def _surrogate_path(obj, path: str) -> str | None:
+    """The path of the first string (or key) holding a lone UTF-16 surrogate, which no tokenizer can encode."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            where = f"{path}.{k}" if path else str(k)
+            if _surrogate_path(k, where) or _surrogate_path(v, where):
+                return where
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            if isinstance(v, (str, dict, list)) and (hit := _surrogate_path(v, f"{path}[{i}]")):
+                return hit
+    return None
 
 
-class _Common(_Strict):
-    model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    policy_version: Union[int, str, None] = None  # k3 extension: prefix-cache namespace (RL weight version)
-    return_token_ids: bool = False  # k3 extension: generated ids per choice / per streamed chunk
+def parse_body(raw: bytes, cls: type[BaseModel]):
+    """JSON bytes → a validated request model, or an APIError (400) naming the field."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise APIError(400, "request body is not valid JSON")
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and (where := _surrogate_path(body, "")):
+        raise APIError(400, f"{where}: holds a lone UTF-16 surrogate (not valid Unicode text)", where.split(".")[0])
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        param = loc[0] if loc else None
+        where = ".".join(loc)
+        if err["type"] == "extra_forbidden":  # named in full: chat_template_kwargs.enable_thinking
+            raise APIError(400, f"{where}: k3 does not support this field", where)
+        raise APIError(400, f"{where}: {err['msg']}" if where else err["msg"], param)
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply")
 
 
-class CompletionRequest(_Common):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    logprobs: int | None = None
-    echo: bool = False
-    checkpoint_at: list[int] | None = None  # k3 extension: prompt positions worth a KDA checkpoint (turn ends)
+def _body_schema(name: str) -> dict:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
 
 
-class ChatTemplateKwargs(BaseModel):
-    """vLLM's `chat_template_kwargs`: the options of K3's chat template (an unknown one is a 400)."""
-    model_config = ConfigDict(strict=True, extra="forbid")
-    thinking: bool = True
-    thinking_effort: str | None = None
+def _responses(model: type[BaseModel], *errors: int, stream: type[BaseModel] | None = None) -> dict:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    ok: dict = {"description": "success", "content": {"application/json": {"schema": ref}}}
+    if stream is not None:
+        ok["description"] = f"success; with stream: true, server-sent events whose data is a {stream.__name__}"
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    out = {"200": ok}
+    for status in errors:
+        out[str(status)] = {"description": "error", "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    return out
 
 
-class ChatRequest(_Common):
-    """An unknown field is a 400 naming it: a chat option k3 would otherwise drop silently (logit_bias, audio, …)."""
-    model_config = ConfigDict(strict=True, extra="forbid")
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
-    chat_template_kwargs: ChatTemplateKwargs | None = None
-    reasoning_effort: str | None = None  # OpenAI's: low, medium, high (and k3's max); none turns thinking off
-    user: str | None = None  # accepted for compatibility: an end-user label with no effect on the output
-    metadata: dict[str, str] | None = None  # likewise
-
-
-class TokenizeRequest(_Strict):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int]
+DOCUMENTED = (P.CompletionRequest, P.ChatRequest, P.TokenizeRequest, P.DetokenizeRequest, P.ErrorResponse,
+              P.CompletionResponse, P.CompletionStreamChunk, P.ChatResponse, P.ChatStreamChunk, P.ModelList,
+              P.ModelCard, P.TokenizeResponse, P.DetokenizeResponse, P.TokenizerInfo, P.Health, P.Version)
 
 
 def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: str | None = None,
-               max_tokens_limit: int | None = None) -> FastAPI:
+               max_tokens_limit: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app around an engine (started and stopped with the app's lifespan)."""
     runner = EngineThread(engine)
     max_len = engine.max_model_len
     max_tokens_limit = min(max_tokens_limit or max_len, max_len)
+    engine.metrics.model_name = model_name
+    engine.metrics.set_max_model_len(max_len)
+    serving = Serving(runner, engine.metrics)
 
     @asynccontextmanager
     async def lifespan(app):
-        app.state.mailbox = _LoopMailbox(asyncio.get_running_loop())  # the server's loop
+        serving.mailbox = LoopMailbox(asyncio.get_running_loop())  # the server's loop
         runner.start()
         try:
             yield
         finally:
             runner.shutdown()
 
-    app = FastAPI(title="k3 serve", lifespan=lifespan)
+    app = FastAPI(title="k3 serve", version=_version(), lifespan=lifespan)
     app.state.runner, app.state.engine = runner, engine
     created = int(time.time())
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return error_response(e.status, e.message, e.param, e.type, e.code)
+        return JSONResponse(status_code=e.status, content=e.body())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
-        return error_response(e.status_code, str(e.detail), type_="invalid_request_error" if e.status_code < 500
-                              else "server_error")
+        response = error_response(e.status_code, str(e.detail), type_="invalid_request_error" if e.status_code < 500
+                                  else "server_error")
+        response.headers.update(e.headers or {})  # e.g. a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _server_error(request, e):
         return error_response(500, f"internal error: {type(e).__name__}", type_="server_error")
 
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key)
 
-    async def parse(request: Request, cls):
-        try:
-            body = await request.json()
-        except Exception:
-            raise APIError(400, "request body is not valid JSON")
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        try:
-            return cls.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            if err["type"] == "extra_forbidden":
-                raise APIError(400, f"{param}: k3 does not support this field", param)
-            raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param)
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in DOCUMENTED],
+                                         ref_template="#/components/schemas/{model}")
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = doc
+        return app.openapi_schema
+    app.openapi = openapi
 
-    def check_model(req) -> None:
-        if req.model != model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+    async def read(request: Request, cls):
+        try:
+            raw = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body took longer than {BODY_TIMEOUT_S:g} s to arrive")
+        return await asyncio.to_thread(parse_body, raw, cls)  # a multi-megabyte body is parsed off the loop
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            "model", code="model_not_found")
 
-    def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
-        if not 1 <= req.n <= MAX_N:
-            raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", "n")
-        if req.presence_penalty or req.frequency_penalty:
-            raise APIError(400, "presence_penalty and frequency_penalty are not supported (use 0)", "presence_penalty")
-        if max_tokens is None:
-            max_tokens = 16 if isinstance(req, CompletionRequest) else max(1, min(max_tokens_limit, 512))
-        if max_tokens < 1 or max_tokens > max_tokens_limit:
-            raise APIError(400, f"max_tokens must be in [1, {max_tokens_limit}], got {max_tokens}", "max_tokens")
-        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    def sampling_params(req, max_tokens: int, logprobs=None, prompt_logprobs=None) -> SamplingParams:
+        if max_tokens > max_tokens_limit:
+            raise APIError(400, f"max_tokens must be at most {max_tokens_limit}, got {max_tokens}", "max_tokens")
+        bias = None
+        if req.logit_bias:
+            if not all(k.isascii() and k.isdigit() and len(k) < 12 for k in req.logit_bias):
+                raise APIError(400, "logit_bias: keys must be token ids (integers as strings)", "logit_bias")
+            bias = {int(k): v for k, v in req.logit_bias.items()}
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > P.MAX_STOP_STRINGS:
+            raise APIError(400, f"stop: at most {P.MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+        fields = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+                      seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
+                      ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_p=req.min_p,
+                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                      repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, logit_bias=bias)
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                  seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
-                                  ignore_eos=req.ignore_eos, logprobs=logprobs)
+            return SamplingParams(**fields)
         except ValueError as e:
-            raise APIError(400, str(e), str(e).split(" ")[0])
+            param = str(e).split(" ", 1)[0].rstrip(":")
+            raise APIError(400, str(e), param if param in fields else None)
 
     def image_collector():
         """(list the images land in, media callback for render_chat, or None for a text-only model)."""
@@ -258,166 +262,130 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             return image_token_ids(tokenizer, im)
         return images, media
 
-    def check_prompt(ids: list[int], params: SamplingParams, images=None) -> None:
-        if not ids:
-            raise APIError(400, "prompt is empty", "prompt")
-        try:
-            engine.check_request(ids, params, images)
-        except ValueError as e:
-            raise APIError(400, str(e), "prompt")
+    def check_prompts(prompts: list[list[int]], params: SamplingParams, images=None) -> None:
+        for j, ids in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{j}]"
+            if not ids:
+                raise APIError(400, f"{where} is empty", "prompt")
+            try:
+                engine.check_request(ids, params, images)
+            except ValueError as e:
+                field = str(e).split(" ", 1)[0].rstrip(":")
+                raise APIError(400, f"{where}: {e}" if field == "prompt" else str(e),
+                               field if field in _SAMPLING_FIELDS else "prompt")
 
-    async def run_choices(request: Request, prompt, params: SamplingParams, n: int, checkpoint_at=None, images=None,
-                          policy_version=None):
-        """Submit n sequences; yield (choice index, RequestOutput) as they come; abort all on exit."""
-        box = app.state.mailbox
-        queue: asyncio.Queue = asyncio.Queue()
-        rid = uuid.uuid4().hex
-        ids = [f"{rid}-{i}" for i in range(n)]
-        for i, sub in enumerate(ids):
-            p = params if n == 1 or params.seed is None else SamplingParams(**{**vars(params), "seed": params.seed + i})
-            runner.submit(prompt, p, sub, lambda out, i=i: box.put(queue, (i, out)),
-                          checkpoint_at, images, policy_version)
-        pending = set(range(n))
-        # The connection is checked on a clock by a task of its own: a busy engine sends output every step, so
-        # waiting for a pause would let a plain (non-streaming) request whose client left run to max_tokens; and
-        # a timeout on every queue read would cost a task and a timer per token.
-        watcher = asyncio.ensure_future(_watch_disconnect(request, queue))
-        try:
-            while pending:
-                item = await queue.get()
-                if item is _CLIENT_GONE:
-                    return
-                i, out = item
-                if out.finished:
-                    pending.discard(i)
-                    if out.finish_reason and out.finish_reason.startswith("error"):
-                        raise APIError(500, out.finish_reason, type_="server_error")
-                yield i, out
-        finally:
-            watcher.cancel()
-            for i in pending:  # client gone (or error): cancel, freeing blocks and the state slot
-                runner.abort(ids[i])
-
-    async def run_to_end(choices, n: int):
-        """Non-streaming: drain run_choices → ({index: final output}, {index: logprobs}), or (None, None)
-        when the client left before every choice finished."""
-        finals, lps = {}, {i: [] for i in range(n)}
-        async for i, out in choices:
-            lps[i] += out.new_logprobs
-            if out.finished:
-                finals[i] = out
-        return (finals, lps) if len(finals) == n else (None, None)
-
-    def usage(prompt_tokens: int, completion: int, cache) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": cache.restored_tokens if cache else 0}}
-
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
-
-    # ---- endpoints ------------------------------------------------------------------------------------
-    @app.get("/health")
+    # ---- probes, models, tokenizer ------------------------------------------------------------------------
+    @app.get("/health", responses=_responses(P.Health, 503))
     async def health():
         if runner.error is not None:
             return error_response(503, f"engine failed: {runner.error}", type_="server_error")
         return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(engine.metrics.render(engine), media_type="text/plain; version=0.0.4")
+    @app.get("/ping", responses=_responses(P.Health, 503))
+    async def ping():
+        return await health()
 
-    @app.get("/v1/models")
+    @app.post("/ping", responses=_responses(P.Health, 503))
+    async def ping_post():  # vLLM (SageMaker's probe) answers both
+        return await health()
+
+    @app.get("/version", responses=_responses(P.Version))
+    async def version():
+        return {"version": _version()}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics(request: Request):
+        body, content_type = engine.metrics.render(engine, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "k3", "root": model_name,
+                "max_model_len": max_len}
+
+    @app.get("/v1/models", responses=_responses(P.ModelList, 401))
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "k3", "max_model_len": max_len}]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.post("/tokenize")
+    @app.get("/v1/models/{model_id:path}", responses=_responses(P.ModelCard, 401, 404))
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/tokenize", openapi_extra=_body_schema("TokenizeRequest"),
+              responses=_responses(P.TokenizeResponse, 400, 401))
     async def tokenize(request: Request):
-        req = await parse(request, TokenizeRequest)
+        req = await read(request, P.TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
-        try:
-            ids = (tokenizer.encode(req.prompt) if req.prompt is not None
-                   else render_chat(tokenizer, req.messages, req.add_generation_prompt, media=image_collector()[1])[0])
-        except ValueError as e:
-            raise APIError(400, str(e), "messages")
+
+        def run():
+            if req.prompt is not None:
+                return tokenizer.encode(req.prompt)
+            try:
+                return render_chat(tokenizer, req.messages, req.add_generation_prompt, media=image_collector()[1])[0]
+            except ValueError as e:
+                raise APIError(400, str(e), "messages")
+        ids = await asyncio.to_thread(run)
         return {"tokens": ids, "count": len(ids), "max_model_len": max_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_body_schema("DetokenizeRequest"),
+              responses=_responses(P.DetokenizeResponse, 400, 401))
     async def detokenize(request: Request):
-        req = await parse(request, DetokenizeRequest)
+        req = await read(request, P.DetokenizeRequest)
         try:
-            return {"prompt": tokenizer.decode(req.tokens)}
-        except ValueError as e:
-            raise APIError(400, str(e), "tokens")
+            return {"prompt": await asyncio.to_thread(tokenizer.decode, req.tokens)}
+        except (ValueError, OverflowError) as e:
+            raise APIError(400, f"tokens: {e}", "tokens")
 
-    @app.post("/v1/completions")
+    @app.get("/tokenizer_info", responses=_responses(P.TokenizerInfo, 401))
+    async def tokenizer_info():
+        return _tokenizer_info(tokenizer, max_len)
+
+    # ---- completions ----------------------------------------------------------------------------------------
+    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"),
+              responses=_responses(P.CompletionResponse, 400, 401, 404, 413, stream=P.CompletionStreamChunk))
     async def completions(request: Request):
-        req = await parse(request, CompletionRequest)
-        check_model(req)
-        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
-            raise APIError(400, f"logprobs must be in [0, 5], got {req.logprobs}", "logprobs")
-        params = sampling_params(req, req.max_tokens, req.logprobs)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", "prompt")
-            prompt = prompt[0]
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        check_prompt(ids, params)
+        req = await read(request, P.CompletionRequest)
+        check_model(req.model)
+        if req.suffix is not None:
+            raise APIError(400, "suffix: not supported (k3 does not insert text)", "suffix")
+        if req.best_of is not None and req.best_of not in (1, req.n):
+            raise APIError(400, f"best_of: only 1 or n ({req.n}) is supported (k3 returns every candidate, it does "
+                                f"not rank them); got {req.best_of}", "best_of")
+        raw = req.prompt
+        prompts = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) or raw == [] else list(raw)
+        if len(prompts) > P.MAX_PROMPTS:
+            raise APIError(400, f"prompt: at most {P.MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+        if len(prompts) * req.n > P.MAX_CHOICES:
+            raise APIError(400, f"n: prompts × n must be at most {P.MAX_CHOICES}, got {len(prompts) * req.n}", "n")
+        if req.echo and req.logprobs is not None or req.prompt_logprobs is not None:
+            prompt_k = max(req.logprobs or 0 if req.echo else 0, req.prompt_logprobs or 0)
+        else:
+            prompt_k = None
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        params = sampling_params(req, max_tokens, req.logprobs, prompt_k)
         ckpt = req.checkpoint_at
-        if ckpt is not None and (len(ckpt) > 1024 or not all(0 <= c <= len(ids) for c in ckpt)):
-            raise APIError(400, f"checkpoint_at must be at most 1024 positions in [0, {len(ids)}] (the prompt)",
-                           "checkpoint_at")
-        cid, model = f"cmpl-{uuid.uuid4().hex}", model_name
 
-        def lp_block(lps, offset):
-            if req.logprobs is None:
-                return None
-            toks = [tokenizer.decode([lp.token_id]) for lp in lps]
-            return {"tokens": toks, "token_logprobs": [lp.logprob for lp in lps],
-                    "top_logprobs": [{tokenizer.decode([t]): v for t, v in lp.top} for lp in lps],
-                    "text_offset": list(range(offset, offset + len(lps)))}
+        def prepare():  # tokenising a long prompt takes seconds: never on the event loop
+            ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+            check_prompts(ids, params)
+            if ckpt is not None and not all(0 <= c <= len(i) for c in ckpt for i in ids):
+                raise APIError(400, "checkpoint_at: positions must lie in the prompt", "checkpoint_at")
+            texts = [p if isinstance(p, str) else tokenizer.decode(i) for p, i in zip(prompts, ids)] if req.echo \
+                else ["" for _ in ids]
+            return ids, texts
+        ids, texts = await asyncio.to_thread(prepare)
+        job = Job(ids, params, req.n, [ckpt] * len(ids) if ckpt is not None else None, None, req.policy_version)
+        renderer = CompletionRenderer(tokenizer, req, ids, texts, new_id("cmpl"), model_name)
+        return await serving.respond(request, job, renderer, req.stream, _include_usage(req))
 
-        if req.stream:
-            async def events():
-                total, cache = 0, None
-                async for i, out in run_choices(request, ids, params, req.n, ckpt, None, req.policy_version):
-                    total += len(out.new_token_ids)
-                    cache = out.cache or cache
-                    # with token ids on, every token is sent at once, even while its text is held back
-                    if out.new_text or out.finished or (req.return_token_ids and out.new_token_ids):
-                        choice = {"index": i, "text": out.new_text, "logprobs": lp_block(out.new_logprobs, 0),
-                                  "finish_reason": out.finish_reason if out.finished else None}
-                        if req.return_token_ids:
-                            choice["token_ids"] = list(out.new_token_ids)
-                        yield sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                                   "choices": [choice]})
-                if req.stream_options and req.stream_options.include_usage:
-                    yield sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                               "choices": [], "usage": usage(len(ids), total, cache),
-                               "k3_cache": cache.as_dict() if cache else None})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        finals, lps = await run_to_end(run_choices(request, ids, params, req.n, ckpt, None, req.policy_version), req.n)
-        if finals is None:  # client went away
-            return error_response(499, "client closed request")
-        outs = [finals[i] for i in range(req.n)]
-        ids_field = ({"token_ids": list(o.output_ids), "prompt_token_ids": list(ids)} if req.return_token_ids else {}
-                     for o in outs)
-        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": [{"index": i, "text": (tokenizer.decode(ids) if req.echo else "") + o.text,
-                             "logprobs": lp_block(lps[i], 0), "finish_reason": o.finish_reason, **extra}
-                            for i, (o, extra) in enumerate(zip(outs, ids_field))],
-                "usage": usage(len(ids), sum(len(o.output_ids) for o in outs), outs[0].cache),
-                "k3_cache": outs[0].cache.as_dict()}
-
+    # ---- chat -------------------------------------------------------------------------------------------------
     grammars: OrderedDict = OrderedDict()  # compiled constraints by grammar text (LRU): clients repeat schemas
+    grammars_lock = threading.Lock()
 
     def chat_thinking(req) -> tuple[bool, str | None]:
         """(thinking on, thinking effort) from vLLM's chat_template_kwargs and OpenAI's reasoning_effort."""
-        kw = req.chat_template_kwargs or ChatTemplateKwargs()
+        kw = req.chat_template_kwargs or P.ChatTemplateKwargs()
         thinking, effort = kw.thinking, kw.thinking_effort
         if effort is not None and effort not in THINKING_EFFORTS:
             raise APIError(400, f"chat_template_kwargs.thinking_effort must be one of {', '.join(THINKING_EFFORTS)}; "
@@ -451,122 +419,92 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                                 think_budget=max(1, params.max_tokens // 2))
             if lark is None:
                 return None
-            if lark not in grammars:
-                param = "response_format" if req.response_format else "tools"
-                grammars[lark] = Grammar(tokenizer, lark, param)
+            with grammars_lock:
+                grammar = grammars.get(lark)
+                if grammar is not None:
+                    grammars.move_to_end(lark)
+                    return grammar
+            grammar = Grammar(tokenizer, lark, "response_format" if req.response_format else "tools")
+            with grammars_lock:
+                grammars[lark] = grammar
                 while len(grammars) > 64:
                     grammars.popitem(last=False)
-            grammars.move_to_end(lark)
-            return grammars[lark]
+            return grammar
         except GrammarError as e:
             raise APIError(400, str(e), e.param)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatRequest"),
+              responses=_responses(P.ChatResponse, 400, 401, 404, 413, stream=P.ChatStreamChunk))
     async def chat(request: Request):
-        req = await parse(request, ChatRequest)
-        check_model(req)
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", "top_logprobs")
+        req = await read(request, P.ChatRequest)
+        check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        params = sampling_params(req, req.max_completion_tokens or req.max_tokens,
-                                 (req.top_logprobs or 0) if req.logprobs else None)
         thinking, effort = chat_thinking(req)
-        images, media = image_collector()
-        try:
-            ids, turn_ends = render_chat(tokenizer, req.messages, media=media, tools=req.tools, thinking=thinking,
-                                         thinking_effort=effort, tool_choice=req.tool_choice,
-                                         response_format=req.response_format)
-        except ValueError as e:
-            word = str(e).split(" ", 1)[0].rstrip(":")
-            param = next((f for f in ("messages", "tools", "tool_choice", "response_format") if word.startswith(f)),
-                         "messages")
-            raise APIError(400, str(e), param)
-        params.grammar = chat_constraint(req, thinking, params)
-        if params.grammar is not None and req.ignore_eos:
-            raise APIError(400, "ignore_eos cannot be combined with a constrained output (response_format json, "
-                                "tool_choice required, none or a named function)", "ignore_eos")
-        check_prompt(ids, params, images)
-        cid, model = f"chatcmpl-{uuid.uuid4().hex}", model_name
 
-        def new_parser():
-            return OutputParser(tokenizer, req.tools, thinking=thinking)
-
-        def finish_reason(out, parser) -> str | None:
-            if not out.finished:
-                return None
-            return "tool_calls" if out.finish_reason == "stop" and parser.has_tool_calls else out.finish_reason
-
-        def lp_content(lps):
-            if not req.logprobs:
-                return None
-            return {"content": [{"token": tokenizer.decode([lp.token_id]), "logprob": lp.logprob, "bytes": None,
-                                 "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": v, "bytes": None}
-                                                  for t, v in lp.top]} for lp in lps]}
-
-        if req.stream:
-            async def events():
-                parsers = [new_parser() for _ in range(req.n)]
-                total, cache = 0, None
-                base = {"id": cid, "object": "chat.completion.chunk", "model": model}
-                for i in range(req.n):
-                    yield sse({**base, "created": int(time.time()), "choices": [
-                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]})
-                async for i, out in run_choices(request, ids, params, req.n, turn_ends, images, req.policy_version):
-                    total += len(out.new_token_ids)
-                    cache = out.cache or cache
-                    deltas = [parsers[i].feed(out.new_token_ids)]
-                    if out.finished:
-                        deltas.append(parsers[i].finish())
-                    deltas = [d.to_openai() for d in deltas if d] or [{}]
-                    for k, delta in enumerate(deltas):
-                        last = k == len(deltas) - 1
-                        # with token ids on, every token is sent at once, even one that adds no text
-                        if not (delta or (last and out.finished) or (req.return_token_ids and out.new_token_ids)):
-                            continue
-                        choice = {"index": i, "delta": delta, "logprobs": lp_content(out.new_logprobs) if k == 0
-                                  else None, "finish_reason": finish_reason(out, parsers[i]) if last else None}
-                        if req.return_token_ids:
-                            choice["token_ids"] = list(out.new_token_ids) if k == 0 else []
-                        yield sse({**base, "created": int(time.time()), "choices": [choice]})
-                if req.stream_options and req.stream_options.include_usage:
-                    yield sse({**base, "created": int(time.time()), "choices": [],
-                               "usage": usage(len(ids), total, cache), "k3_cache": cache.as_dict() if cache else None})
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        finals, lps = await run_to_end(run_choices(request, ids, params, req.n, turn_ends, images, req.policy_version),
-                                       req.n)
-        if finals is None:  # client went away
-            return error_response(499, "client closed request")
-        choices = []
-        for i in range(req.n):
-            o, parser = finals[i], new_parser()
-            parser.feed(o.output_ids)
-            parser.finish()
-            message = parser.message()
-            message["reasoning_content"] = message["reasoning_content"] or None
-            choices.append({"index": i, "message": message, "logprobs": lp_content(lps[i]),
-                            "finish_reason": finish_reason(o, parser)})
-            if req.return_token_ids:
-                choices[-1].update(token_ids=list(o.output_ids), prompt_token_ids=list(ids))
-        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage(len(ids), sum(len(finals[i].output_ids) for i in finals),
-                                                   finals[0].cache),
-                "k3_cache": finals[0].cache.as_dict()}
+        def prepare():  # rendering (and tokenising) a long chat, compiling a grammar: never on the event loop
+            images, media = image_collector()
+            try:
+                ids, turn_ends = render_chat(tokenizer, req.messages, media=media, tools=req.tools, thinking=thinking,
+                                             thinking_effort=effort, tool_choice=req.tool_choice,
+                                             response_format=req.response_format)
+            except ValueError as e:
+                word = str(e).split(" ", 1)[0].rstrip(":")
+                param = next((f for f in ("messages", "tools", "tool_choice", "response_format")
+                              if word.startswith(f)), "messages")
+                raise APIError(400, str(e), param)
+            asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            max_tokens = asked if asked is not None else max(1, min(max_tokens_limit, 512, max_len - len(ids)))
+            params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+            params.grammar = chat_constraint(req, thinking, params)
+            if params.grammar is not None and req.ignore_eos:
+                raise APIError(400, "ignore_eos cannot be combined with a constrained output (response_format json, "
+                                    "tool_choice required, none or a named function)", "ignore_eos")
+            check_prompts([ids], params, images)
+            return ids, turn_ends, images, params
+        ids, turn_ends, images, params = await asyncio.to_thread(prepare)
+        job = Job([ids], params, req.n, [turn_ends], images, req.policy_version)
+        renderer = ChatRenderer(tokenizer, req, ids, thinking, new_id("chatcmpl"), model_name)
+        return await serving.respond(request, job, renderer, req.stream, _include_usage(req))
 
     return app
 
 
+def _include_usage(req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _version() -> str:
+    from k3 import __version__
+    return __version__
+
+
+def _tokenizer_info(tokenizer, max_len: int) -> dict:
+    """vLLM's /tokenizer_info: the special tokens' texts and the Jinja chat template (lm-eval's remote tokenizer
+    reads eos/bos/pad_token and chat_template)."""
+    def text(token_id):
+        return None if token_id is None else tokenizer.decode([token_id])
+    try:
+        from k3.data.tokenizer import CHAT_TEMPLATE_JINJA
+        template = CHAT_TEMPLATE_JINJA.read_text()
+    except (ImportError, OSError):
+        template = None
+    return {"tokenizer_class": type(tokenizer).__name__, "bos_token": text(getattr(tokenizer, "bos_id", None)),
+            "eos_token": text(getattr(tokenizer, "eos_id", None)), "pad_token": text(getattr(tokenizer, "pad_id", None)),
+            "chat_template": template, "model_max_length": max_len, "vocab_size": tokenizer.vocab_size}
+
+
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          engine_config=None, model_name: str | None = None, device: str = "cpu") -> None:
-    """Load a model directory and serve it until Ctrl-C."""
+          engine_config=None, model_name: str | None = None, device: str = "cpu",
+          max_request_bytes: int = MAX_REQUEST_BYTES, timeout_keep_alive: float = 5.0) -> None:
+    """Load a model directory and serve it until Ctrl-C. The engine's max_model_len defaults to the model's
+    max_position_embeddings (capped by what the cache pool holds)."""
     from pathlib import Path
 
     import uvicorn
 
     from k3.data import model_tokenizer
+    from k3.serve.engine import EngineConfig
     from k3.vision.multimodal import load_model
 
     d = Path(model_dir)
@@ -574,7 +512,14 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
         raise FileNotFoundError(f"--model {d}: no config.json there")
     tokenizer = model_tokenizer(d)
     model = load_model(d, device=device)  # a vision model when config.json has a vision_config
+    engine_config = engine_config or EngineConfig()
+    if engine_config.max_model_len is None:
+        engine_config.max_model_len = model.config.max_position_embeddings
+    elif engine_config.max_model_len > model.config.max_position_embeddings:
+        raise ValueError(f"--max-model-len {engine_config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({model.config.max_position_embeddings})")
     engine = LLMEngine(model, tokenizer, engine_config)
     print(f"k3 serve: {engine.describe_capacity()}", flush=True)
-    app = create_app(engine, tokenizer, model_name or d.name, api_key)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    app = create_app(engine, tokenizer, model_name or d.name, api_key, max_request_bytes=max_request_bytes)
+    # keep-alive: an idle connection is closed after this many seconds (slow or idle clients hold no slot)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=timeout_keep_alive)

@@ -1,16 +1,44 @@
-"""Serving metrics in Prometheus' text format, named like vLLM's where one exists (no client library needed)."""
+"""Serving metrics with vLLM's names, types and buckets (so vLLM's dashboards and alerts work unchanged), rendered
+by prometheus_client in Prometheus' text format or, when the scraper asks for it, OpenMetrics. The engine thread
+updates plain counters and histograms under a lock; a collector turns them into metric families at scrape time,
+adding the live gauges (running, waiting, cache usage). Every series carries `model_name` (the served name)."""
 from __future__ import annotations
 
 import bisect
 import threading
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort")
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, … up to max_value (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class Histogram:
-    def __init__(self, buckets=LATENCY_BUCKETS):
-        self.buckets = list(buckets)
+    def __init__(self, buckets):
+        self.buckets = [float(b) for b in buckets]
         self.counts = [0] * (len(self.buckets) + 1)
         self.sum = 0.0
         self.count = 0
@@ -20,66 +48,178 @@ class Histogram:
         self.sum += v
         self.count += 1
 
-    def lines(self, name: str, labels: str) -> list[str]:
-        out, cum = [], 0
-        for le, c in zip(self.buckets + ["+Inf"], self.counts):
+    def family(self, name: str, help_: str, labels: dict) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(name, help_, labels=list(labels))
+        cum, rows = 0, []
+        for le, c in zip(self.buckets + [float("inf")], self.counts):
             cum += c
-            out.append(f'{name}_bucket{{{labels},le="{le}"}} {cum}')
-        out += [f"{name}_sum{{{labels}}} {self.sum}", f"{name}_count{{{labels}}} {self.count}"]
-        return out
+            rows.append(("+Inf" if le == float("inf") else repr(le), cum))
+        fam.add_metric(list(labels.values()), rows, self.sum)
+        return fam
+
+
+# name → (buckets, help); the request-level histograms vLLM exports
+_TIMES = {
+    "vllm:time_to_first_token_seconds": (TTFT_BUCKETS, "Histogram of time to first token in seconds."),
+    "vllm:inter_token_latency_seconds": (TOKEN_LATENCY_BUCKETS, "Histogram of inter-token latency in seconds."),
+    "vllm:time_per_output_token_seconds": (TOKEN_LATENCY_BUCKETS, "Histogram of time per output token in seconds."),
+    "vllm:e2e_request_latency_seconds": (REQUEST_LATENCY_BUCKETS, "Histogram of e2e request latency in seconds."),
+    "vllm:request_queue_time_seconds": (REQUEST_LATENCY_BUCKETS,
+                                        "Histogram of time spent in WAITING phase for request."),
+    "vllm:request_inference_time_seconds": (REQUEST_LATENCY_BUCKETS,
+                                            "Histogram of time spent in RUNNING phase for request."),
+    "vllm:request_prefill_time_seconds": (REQUEST_LATENCY_BUCKETS,
+                                          "Histogram of time spent in PREFILL phase for request."),
+    "vllm:request_decode_time_seconds": (REQUEST_LATENCY_BUCKETS,
+                                         "Histogram of time spent in DECODE phase for request."),
+    "vllm:time_per_prefill_token_request_seconds": (PREFILL_TOKEN_BUCKETS,
+                                                    "Time spent per token during prefill phase in seconds."),
+    "vllm:iteration_tokens_total": (ITERATION_TOKEN_BUCKETS, "Histogram of number of tokens per engine_step."),
+    "vllm:request_params_n": (N_BUCKETS, "Histogram of the n request parameter."),
+}
+_COUNTS = {  # token-count histograms, bucketed 1-2-5 up to max_model_len
+    "vllm:request_prompt_tokens": "Number of prefill tokens processed.",
+    "vllm:request_generation_tokens": "Number of generation tokens processed.",
+    "vllm:request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+    "vllm:request_max_num_generation_tokens": "Histogram of maximum number of requested generation tokens.",
+}
 
 
 class Metrics:
-    """Counters and histograms the engine updates; `render(engine)` adds the live gauges."""
+    """What the engine (and the HTTP layer) records; `render(engine, accept)` is the /metrics body."""
 
-    def __init__(self, model_name: str = "k3"):
+    def __init__(self, model_name: str = "k3", max_model_len: int = 1 << 20):
         self.model_name = model_name
         self.lock = threading.Lock()
-        self.ttft = Histogram()
-        self.itl = Histogram()
-        self.e2e = Histogram()
+        self.hist = {name: Histogram(b) for name, (b, _) in _TIMES.items()}
+        self.set_max_model_len(max_model_len)
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.finished: dict[str, int] = {}
+        self.finished: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        buckets = buckets_1_2_5(max_model_len)
+        with self.lock:
+            for name in _COUNTS:
+                self.hist[name] = Histogram(buckets)
+
+    # ---- recording ---------------------------------------------------------------------------------------
+    def on_step(self, seqs, lens, now: float) -> None:
+        """An engine step over `seqs` computing `lens` tokens each: iteration tokens; when each was first run."""
+        with self.lock:
+            self.hist["vllm:iteration_tokens_total"].observe(sum(lens))
+        for s in seqs:
+            if getattr(s, "metrics_scheduled", None) is None:
+                s.metrics_scheduled = now  # leaves the waiting queue: queue time ends, prefill starts
 
     def on_token(self, first: bool, latency: float) -> None:
         with self.lock:
-            (self.ttft if first else self.itl).observe(latency)
+            self.hist["vllm:time_to_first_token_seconds" if first else "vllm:inter_token_latency_seconds"].observe(
+                latency)
             self.generation_tokens += 1
 
-    def on_finish(self, reason: str, e2e: float, prompt_tokens: int) -> None:
+    def on_request(self, n: int, max_tokens: int) -> None:
+        """A request's parameters, once per request (the HTTP layer's: n choices of one prompt)."""
         with self.lock:
-            self.e2e.observe(e2e)
-            self.prompt_tokens += prompt_tokens
+            self.hist["vllm:request_params_n"].observe(n)
+            self.hist["vllm:request_params_max_tokens"].observe(max_tokens)
+            self.hist["vllm:request_max_num_generation_tokens"].observe(max_tokens)
+
+    def on_finish(self, seq, reason: str, now: float) -> None:
+        """A sequence finished (stop or length): its phases, from arrival to its last token."""
+        scheduled = getattr(seq, "metrics_scheduled", None) or seq.arrival
+        first = seq.first_token_time or now
+        generated = len(seq.tokens) - seq.prompt_len
+        with self.lock:
+            h = self.hist
+            h["vllm:e2e_request_latency_seconds"].observe(now - seq.arrival)
+            h["vllm:request_queue_time_seconds"].observe(scheduled - seq.arrival)
+            h["vllm:request_prefill_time_seconds"].observe(first - scheduled)
+            h["vllm:request_decode_time_seconds"].observe(now - first)
+            h["vllm:request_inference_time_seconds"].observe(now - scheduled)
+            if seq.prompt_len:
+                h["vllm:time_per_prefill_token_request_seconds"].observe((first - scheduled) / seq.prompt_len)
+            if generated > 1:
+                h["vllm:time_per_output_token_seconds"].observe((now - first) / (generated - 1))
+            h["vllm:request_prompt_tokens"].observe(seq.prompt_len)
+            h["vllm:request_generation_tokens"].observe(generated)
+            self.prompt_tokens += seq.prompt_len
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
-    def render(self, engine) -> str:
-        lab = f'model_name="{self.model_name}"'
-        pool, sched = engine.pool, engine.scheduler
-        st = pool.stats
-        lines = []
-
-        def metric(name, kind, value, help_):
-            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{lab}}} {value}"])
-
-        metric("vllm:num_requests_running", "gauge", len(sched.running), "Requests in the running batch.")
-        metric("vllm:num_requests_waiting", "gauge", len(sched.waiting), "Requests waiting (incl. swapped).")
-        metric("vllm:kv_cache_usage_perc", "gauge", pool.num_used_blocks / pool.capacity.num_blocks,
-               "Fraction of MLA latent blocks in use (1 = full).")
-        metric("k3:kda_state_slots_used", "gauge", pool.num_used_slots, "KDA state slots held by sequences.")
-        metric("k3:kda_checkpoints", "gauge", len(pool.checkpoints), "KDA state checkpoints cached.")
-        metric("vllm:prefix_cache_queries_total", "counter", st["query_tokens"], "Prompt tokens looked up.")
-        metric("vllm:prefix_cache_hits_total", "counter", st["hit_tokens"], "Prompt tokens restored from cache.")
-        metric("vllm:num_preemptions_total", "counter", sched.num_preemptions, "Preemptions (swap to host).")
+    def on_abort(self, count: int = 1) -> None:
+        """Requests cancelled before they finished (client gone, or an error in a sibling choice)."""
         with self.lock:
-            metric("vllm:prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of finished requests.")
-            metric("vllm:generation_tokens_total", "counter", self.generation_tokens, "Generated tokens.")
-            lines += ["# HELP vllm:request_success_total Finished requests by reason.",
-                      "# TYPE vllm:request_success_total counter"]
+            self.finished["abort"] = self.finished.get("abort", 0) + count
+
+    # ---- exposition ------------------------------------------------------------------------------------------
+    def families(self, engine) -> list:
+        lab = {"model_name": self.model_name}
+        names, values = list(lab), list(lab.values())
+        pool, sched, cfg = engine.pool, engine.scheduler, engine.config
+        st = pool.stats
+        out = []
+
+        def gauge(name, help_, value):
+            fam = GaugeMetricFamily(name, help_, labels=names)
+            fam.add_metric(values, value)
+            out.append(fam)
+
+        def counter(name, help_, value):  # name without _total (the exposition adds it)
+            fam = CounterMetricFamily(name, help_, labels=names)
+            fam.add_metric(values, value)
+            out.append(fam)
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.", len(sched.running))
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed (incl. swapped).",
+              len(sched.waiting))
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage (MLA latent blocks). 1 means 100 percent usage.",
+              pool.num_used_blocks / pool.capacity.num_blocks)
+        gauge("k3:kda_state_slots_used", "KDA state slots held by sequences.", pool.num_used_slots)
+        gauge("k3:kda_checkpoints", "KDA state checkpoints cached.", len(pool.checkpoints))
+        counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                st["query_tokens"])
+        counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                st["hit_tokens"])
+        counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", sched.num_preemptions)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=names + ["block_size", "num_gpu_blocks", "enable_prefix_caching",
+                                                 "num_kda_state_slots", "max_model_len"])
+        info.add_metric(values + [str(pool.capacity.block_size), str(pool.capacity.num_blocks),
+                                  str(bool(cfg.prefix_caching)), str(pool.capacity.num_slots),
+                                  str(engine.max_model_len)], 1)
+        out.append(info)
+        with self.lock:
+            counter("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens)
+            counter("vllm:generation_tokens", "Number of generation tokens processed.", self.generation_tokens)
+            success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                          labels=names + ["finished_reason"])
             for reason, n in sorted(self.finished.items()):
-                lines.append(f'vllm:request_success_total{{{lab},finished_reason="{reason}"}} {n}')
-            for name, h, help_ in (("vllm:time_to_first_token_seconds", self.ttft, "Time to first token."),
-                                   ("vllm:inter_token_latency_seconds", self.itl, "Time between tokens."),
-                                   ("vllm:e2e_request_latency_seconds", self.e2e, "Request latency.")):
-                lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"] + h.lines(name, lab)
-        return "\n".join(lines) + "\n"
+                success.add_metric(values + [reason], n)
+            out.append(success)
+            helps = {**{k: v[1] for k, v in _TIMES.items()}, **_COUNTS}
+            out += [h.family(name, helps[name], lab) for name, h in self.hist.items()]
+        return out
+
+    def render(self, engine, accept: str | None = None) -> tuple[bytes, str]:
+        """(body, content type): OpenMetrics when `accept` (the request's Accept header) asks for it, else
+        Prometheus' text format 0.0.4."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot(self.families(engine)))
+        if "application/openmetrics-text" in (accept or ""):
+            # allow-utf-8 keeps the colons of vLLM's names in the samples (the default escaping turns them into
+            # underscores there but not in the TYPE lines, which the OpenMetrics parser then misreads)
+            escaping = getattr(openmetrics, "ALLOWUTF8", None)  # older clients neither escape nor take the option
+            body = (openmetrics.generate_latest(registry, escaping=escaping) if escaping
+                    else openmetrics.generate_latest(registry))
+            return body, openmetrics.CONTENT_TYPE_LATEST
+        return generate_latest(registry), PROMETHEUS_TEXT
+
+
+class _Snapshot:
+    """A prometheus_client collector over families built at scrape time."""
+
+    def __init__(self, families):
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
