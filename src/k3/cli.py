@@ -406,13 +406,22 @@ def _generate_with_images(a, model_dir: Path, tokenizer) -> int:
 
 def cmd_plan(a) -> int:
     from k3.config import K3Config
-    from k3.parallel.memory_plan import bare_number_warning, format_plan, parse_bytes, plan_memory, smallest_fit
+    from k3.parallel.memory_plan import (GPU_MEMORY, bare_number_warning, format_plan, parse_bytes, plan_memory,
+                                         smallest_fit)
 
-    config = K3Config.preset(a.preset)
-    mem = parse_bytes(a.gpu_memory)
-    if (warning := bare_number_warning(a.gpu_memory)) is not None:
+    config = K3Config.from_pretrained(a.config) if a.config else K3Config.preset(a.preset)
+    if a.gpu and a.gpu_memory:
+        raise CLIError("give --gpu or --gpu-memory, not both")
+    mem = GPU_MEMORY[a.gpu] if a.gpu else parse_bytes(a.gpu_memory or "141GB")
+    if a.gpu_memory and (warning := bare_number_warning(a.gpu_memory)) is not None:
         _warn("plan", warning)
-    kw = dict(mode=a.mode, seq_len=a.seq_len, batch=a.batch, optimizer=a.optimizer)
+    if a.mode == "serve":
+        return _plan_serve(a, config, mem)
+    if a.tp or a.dp_attention:
+        raise CLIError("--tp and --dp-attention are serving layouts: add --serve")
+    if a.gpus is None:
+        raise CLIError("training plans need --gpus")
+    kw = dict(mode=a.mode, seq_len=a.seq_len or 8192, batch=a.batch, optimizer=a.optimizer)
     p = plan_memory(config, a.gpus, mem, dp=a.dp, ep=a.ep, cp=a.cp, **kw)
     best = smallest_fit(config, mem, cp=a.cp, **kw)
     if a.json:
@@ -422,6 +431,30 @@ def cmd_plan(a) -> int:
     else:
         print(format_plan(p, best))
     return 0 if p.fits else 1
+
+
+def _plan_serve(a, config, mem: int) -> int:
+    """`k3 plan --serve`: the given GPU count (else the smallest that fits) in the chosen layout (else both)."""
+    from k3.parallel.memory_plan import SERVE_LAYOUTS, format_serve, plan_serve, smallest_serve
+
+    if a.cp or a.dp or a.batch:
+        raise CLIError("--cp, --dp and --batch are training flags; serving takes --gpus, --tp, --dp-attention, --ep")
+    context = a.seq_len or 131072
+    layouts = ["dp-attention"] if a.dp_attention else (["tp"] if a.tp else list(SERVE_LAYOUTS))
+    best = smallest_serve(config, mem, context, layout=layouts[0] if len(layouts) == 1 else None, tp=a.tp)
+    gpus = a.gpus or (best.gpus if best else None)
+    plans = [] if gpus is None else [plan_serve(config, gpus, mem, context, tp=a.tp or (best.tp if best and not a.gpus
+                                                else None), layout=lay, ep=a.ep) for lay in layouts]
+    if a.json:
+        row = lambda q: None if q is None else {
+            "gpus": q.gpus, "layout": q.layout, "tp": q.tp, "ep": q.ep, "parts": q.parts, "weight_bytes": q.weight_bytes,
+            "cache_bytes": q.cache_bytes, "token_bytes": q.token_bytes, "sequence_bytes": q.sequence_bytes,
+            "sequences": q.sequences, "tokens": q.tokens, "fits": q.fits}
+        print(json.dumps({"context": context, "gpu_memory": mem, "plans": [row(p) for p in plans],
+                          "smallest": row(best)}, indent=2))
+    else:
+        print(format_serve(plans, best))
+    return 0 if plans and any(p.fits for p in plans) else 1
 
 
 def cmd_info(a) -> int:
@@ -583,14 +616,29 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
+def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
+    """--max-model-len past the model's positions: said now, before the model loads."""
+    try:
+        positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return  # serve() reports a missing or broken config.json itself
+    if max_model_len is not None and isinstance(positions, int) and max_model_len > positions:
+        raise CLIError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings ({positions})")
+
+
 def cmd_serve(a) -> int:
     from k3.serve.api import serve
 
     check_listen_address(a.host, a.port)  # a taken port: say so now, not after loading the model
     engine_config = _engine_config(a)
+    engine_config.max_model_len = a.max_model_len
+    _check_max_model_len(a.model, a.max_model_len)
+    from k3 import envs
+    api_key = a.api_key if a.api_key is not None else envs.current().api_key
     try:
-        serve(a.model, host=a.host, port=a.port, api_key=a.api_key, engine_config=engine_config,
-              model_name=a.served_model_name, device=a.device)
+        serve(a.model, host=a.host, port=a.port, api_key=api_key, engine_config=engine_config,
+              model_name=a.served_model_name, device=a.device, max_request_bytes=a.max_request_bytes,
+              timeout_keep_alive=a.timeout_keep_alive)
     except ImportError as e:
         raise CLIError(f"{e.name} is missing: install the serve extra (pip install 'k3[serve]')") from None
     return 0
@@ -724,15 +772,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="per-GPU memory of a training or serving layout; smallest GPU count that fits")
     pl.add_argument("--preset", default="kimi-k3", **presets)
-    pl.add_argument("--gpus", type=_positive_int, required=True)
-    pl.add_argument("--gpu-memory", default="141GB",
-                    help="per GPU: 141GB (10^9 B), 80GiB (2^30 B), ...; a bare number is bytes")
+    pl.add_argument("--config", default=None, help="a config.json (or its directory) instead of --preset")
+    pl.add_argument("--gpus", type=_positive_int, default=None,
+                    help="GPU count (training: required; serving: default the smallest that fits)")
+    pl.add_argument("--gpu", choices=["h200", "b200"], default=None, help="card: h200 (141 GB) or b200 (192 GB)")
+    pl.add_argument("--gpu-memory", default=None,
+                    help="per GPU: 141GB (10^9 B, the default), 80GiB (2^30 B), ...; a bare number is bytes")
     pl.add_argument("--mode", choices=["train", "serve"], default="train")
+    pl.add_argument("--serve", dest="mode", action="store_const", const="serve",
+                    help="plan serving (= --mode serve): weights, GPU count, layout, KV and KDA-state capacity")
+    pl.add_argument("--tp", type=_positive_int, default=None,
+                    help="serving: tensor parallel size of the dense weights (default: 8, 4, 2 or 1, what divides)")
+    pl.add_argument("--dp-attention", action="store_true",
+                    help="serving: every GPU keeps all attention weights and serves its own sequences")
     pl.add_argument("--dp", type=_positive_int, default=None)
     pl.add_argument("--ep", type=_positive_int, default=None, help="default gcd(gpus, experts)")
     pl.add_argument("--cp", type=_positive_int, default=None)
-    pl.add_argument("--seq-len", "--context", dest="seq_len", type=_positive_int, default=8192,
-                    help="training sequence length / serving context")
+    pl.add_argument("--seq-len", "--context", dest="seq_len", type=_positive_int, default=None,
+                    help="training sequence length (default 8192) / serving context (default 131072)")
     pl.add_argument("--batch", type=_positive_int, default=None, help="global sequences (default: one per dp rank)")
     pl.add_argument("--optimizer", choices=["muon", "adamw"], default="muon")
     pl.add_argument("--json", action="store_true")
@@ -785,7 +842,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model", required=True, help="a model directory (config.json + safetensors)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=tcp_port, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but the "
+                    "probes (/health, /ping, /version, /metrics); default: $K3_API_KEY")
+    sv.add_argument("--max-model-len", type=_positive_int, default=None,
+                    help="prompt + max_tokens limit (default: the model's max_position_embeddings, capped by the pool)")
+    sv.add_argument("--max-request-bytes", type=_size, default=64 * 2**20, help="largest request body, e.g. 64M")
+    sv.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0,
+                    help="seconds an idle keep-alive connection is held open")
     sv.add_argument("--served-model-name", default=None, help="model id clients use (default: directory name)")
     sv.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N")
     _add_engine_args(sv, block=2048, unit=512)

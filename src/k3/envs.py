@@ -5,6 +5,8 @@
 - K3_TRITON: "all", or a comma list of opt-in kernel modules to switch on (k3.ops.triton_dispatch.OPT_IN).
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
 - K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
+- K3_API_KEY: the key `k3 serve` requires ('Authorization: Bearer KEY') when --api-key is not given (as vLLM's
+  VLLM_API_KEY): a key on the command line shows in `ps`, one in the environment does not.
 
 Read elsewhere, by design, and listed here so that this page names every variable:
 - K3_CPU_THREADS: "auto" (default), "off" or a thread count; read by k3.cpu_threads before torch is imported
@@ -35,6 +37,7 @@ class Switches:
     triton_opt_in: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     require_fla: bool = False
     commit: str | None = None
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # a secret: never in a repr or a log
 
     def triton_off(self, name: str) -> bool:
         return self.no_triton == ALL or name in self.no_triton
@@ -58,7 +61,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
     get = lambda name: environ.get(name, "")  # noqa: E731
     return Switches(no_fla=_flag(get("K3_NO_FLA")), no_triton=_names(get("K3_NO_TRITON"), "1"),
                     triton_opt_in=_names(get("K3_TRITON"), ALL), require_fla=get("K3_REQUIRE_FLA") == "1",
-                    commit=get("K3_COMMIT") or None)
+                    commit=get("K3_COMMIT") or None, api_key=get("K3_API_KEY") or None)
 
 
 _current = parse(os.environ)

@@ -159,7 +159,8 @@ DOCUMENTED = (P.CompletionRequest, P.ChatRequest, P.TokenizeRequest, P.Detokeniz
 
 
 def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: str | None = None,
-               max_tokens_limit: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               max_tokens_limit: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The FastAPI app around an engine (started and stopped with the app's lifespan)."""
     runner = EngineThread(engine)
     max_len = engine.max_model_len
@@ -212,9 +213,9 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
 
     async def read(request: Request, cls):
         try:
-            raw = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
+            raw = await asyncio.wait_for(request.body(), body_timeout_s)
         except asyncio.TimeoutError:
-            raise APIError(408, f"the request body took longer than {BODY_TIMEOUT_S:g} s to arrive")
+            raise APIError(408, f"the request body took longer than {body_timeout_s:g} s to arrive")
         return await asyncio.to_thread(parse_body, raw, cls)  # a multi-megabyte body is parsed off the loop
 
     def check_model(name: str) -> None:
