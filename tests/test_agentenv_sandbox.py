@@ -610,7 +610,7 @@ def _tree_bytes(paths) -> int:
 
 
 def test_fork_and_snapshot_layers_go_with_their_last_user(backend, tmp_path):
-    need(backend, "bwrap")
+    need(backend, "bwrap", "gvisor")
     (tmp_path / "tpl.txt").write_text("a template only this test uses\n")
     s = backend.create(SandboxSpec(template=tmp_path))
     s.exec("head -c 3000000 /dev/urandom > blob")
@@ -636,17 +636,30 @@ def test_fork_and_snapshot_layers_go_with_their_last_user(backend, tmp_path):
         backend.restore(snap)  # a deleted snapshot cannot come back half-way
 
 
-def test_gvisor_fork_leaves_no_snapshot_behind(backend):
+def test_gvisor_children_share_layers_and_copy_only_changes(backend):
+    """A gVisor child starts on an overlay over its fork's sealed layer (its own disk stays empty), a snapshot
+    of it copies only what changed (a deletion as an overlay whiteout), and its layers go when it closes."""
     need(backend, "gvisor")
     with backend.create(SandboxSpec()) as s:
-        s.exec("head -c 1000000 /dev/urandom > blob")
+        s.exec("head -c 1000000 /dev/urandom > blob && echo keep > small")
         kids = s.fork(1)
+    kid = kids[0]
+    fork_layers = [p for p in kid.layers if os.path.basename(p) != "empty"]
+    try:
+        assert kid.exec("wc -c < blob").text.strip() == "1000000"
+        assert _tree_bytes([kid.upper]) == 0  # nothing copied in
+        assert _tree_bytes(fork_layers) >= 1000000
+        kid.exec("rm blob && echo new > fresh")
+        snap = kid.snapshot("fs")
         try:
-            assert kids[0].exec("wc -c < blob").text.strip() == "1000000"
-            # each child copied its workspace and process image in at start: nothing is held for it
-            assert not any(os.path.exists(p) for p in kids[0].layers)
+            assert _tree_bytes([snap.layers[0]]) < 100  # "new\n" and a whiteout, not the megabyte
+            with backend.restore(snap) as r:
+                assert sorted(e["name"] for e in r.list_dir()) == ["fresh", "small"]
         finally:
-            kids[0].close()
+            backend.delete_snapshot(snap)
+    finally:
+        kid.close()
+    assert _tree_bytes(fork_layers) == 0 and not any(os.path.exists(p) for p in fork_layers)
 
 
 INOTIFY_HOG = ("import ctypes, sys, time\nlibc = ctypes.CDLL(None)\n"

@@ -1,7 +1,8 @@
 """gVisor backend: Debian's `runsc` with an OCI bundle (minimal rootfs, read-only /usr, bind-mounted workspace
 on a sized tmpfs, `--network=none`), one `runsc exec` of the guest agent per call, `runsc pause/resume`, full
 snapshots with process state through `runsc checkpoint`/`restore`, and fork by restoring one image n times.
-A sandbox copies its layers in at start, so only snapshots hold layers (and images); each `runsc exec` of the
+The workspace is a host overlay over the shared sealed layers (as in bwrap), so start and restore copy nothing
+and a snapshot copies only what changed; a sandbox holds its layers until it closes. Each `runsc exec` of the
 guest agent gets its configuration and request on stdin and may print at most its answer's cap."""
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ class GVisorBackend(Backend):
         hostfs.ensure_state(self.root)
         ref = "tplref-" + uuid.uuid4().hex[:12]
         base = hostfs.seal_template(spec.template, self.root, ref)
-        try:  # the sandbox copies the template in at start: the hold ends right after
+        try:  # held under `ref` until the sandbox holds it itself
             return GVisorSandbox(self, spec, [str(base)], image=None)
         finally:
             hostfs.release_layers(self.root, [base], ref)
@@ -113,12 +114,14 @@ class GVisorBackend(Backend):
             if hostfs.owner_alive(d):
                 continue
             subprocess.run([*_runsc_base(d / "state"), "delete", "-force", d.name], capture_output=True, timeout=30)
+            rec = {}
             try:
                 rec = json.loads((d / "owner.json").read_text())
                 cgroups.SandboxCgroup(rec["cgroup_name"], rec["cgroup_version"], rec["cgroup_dirs"]).remove()
             except (OSError, ValueError, KeyError):
                 pass
             hostfs.remove_tree(d)
+            hostfs.release_layers(self.root, rec.get("layers", []), d.name)
             n += 1
         hostfs.collect_layers(self.root)
         return n
@@ -131,16 +134,20 @@ class GVisorSandbox(Sandbox):
     def __init__(self, backend: GVisorBackend, spec: SandboxSpec, layers: list[str], image: str | None):
         self.backend, self.spec, self.layers = backend, spec, list(layers)
         self.id = "gv-" + uuid.uuid4().hex[:12]
+        try:  # first: a snapshot deleted meanwhile fails here, with nothing to undo
+            hostfs.acquire_layers(backend.root, self.layers, self.id)
+        except FileNotFoundError as e:
+            raise SandboxError(f"cannot start {self.id}: {e}") from None
         self.state = "creating"
         self._lock = threading.RLock()
         self._timer = None
         self.dir = backend.root / "gv" / self.id
-        self.dir.mkdir(parents=True)
         self.cg = cgroups.SandboxCgroup("k3gv-" + self.id, cgroups.detect()[0])
-        hostfs.write_owner(self.dir, {"cgroup_name": self.cg.name, "cgroup_version": self.cg.version,
-                                      "cgroup_dirs": [str(d) for d in self.cg.dirs]})
         self._cg_made = False
         try:
+            self.dir.mkdir(parents=True)
+            hostfs.write_owner(self.dir, {"cgroup_name": self.cg.name, "cgroup_version": self.cg.version,
+                                          "cgroup_dirs": [str(d) for d in self.cg.dirs], "layers": self.layers})
             self._start(image)
         except BaseException as e:
             self.close()
@@ -176,14 +183,14 @@ class GVisorSandbox(Sandbox):
         for p in (disk, ws, rootfs):
             p.mkdir()
         hostfs.mount("tmpfs", disk, "tmpfs", f"size={lim.disk_bytes},mode=0755", hostfs.SANDBOX_MOUNT_FLAGS)
-        # gVisor's gofer serves the workspace from a plain directory: the layers are copied into it.
-        upper = disk / "ws"
-        upper.mkdir()
-        for layer in reversed(self.layers):  # oldest first; newer layers overwrite
-            subprocess.run(["cp", "-a", "--", f"{layer}/.", str(upper)], check=True)
-        subprocess.run(["find", str(upper), "-type", "c", "-delete"], check=True)  # overlay whiteouts
-        hostfs.seal_tree(upper)  # owned by SANDBOX_UID (the uid in the guest), no set-id bits
+        # gVisor's gofer serves the workspace from a host overlay: the sealed layers (owned by SANDBOX_UID, the
+        # uid in the guest) below, this sandbox's changes in `upper` on its sized tmpfs
+        upper, work = disk / "upper", disk / "work"
+        for p in (upper, work):
+            p.mkdir()
         os.chown(upper, hostfs.SANDBOX_UID, hostfs.SANDBOX_UID)
+        hostfs.mount("overlay", ws, "overlay", f"lowerdir={':'.join(self.layers)},upperdir={upper},workdir={work}",
+                     hostfs.SANDBOX_MOUNT_FLAGS)
         for name in ("bin", "lib", "lib64", "sbin"):
             os.symlink(f"usr/{name}", rootfs / name)
         root = self.backend.root
@@ -211,7 +218,7 @@ class GVisorSandbox(Sandbox):
                 {"destination": "/usr", "type": "bind", "source": "/usr", "options": ro},
                 {"destination": "/etc", "type": "bind", "source": str(root / "etc"), "options": ro},
                 {"destination": "/.k3agent", "type": "bind", "source": str(root / "agent"), "options": ro},
-                {"destination": "/workspace", "type": "bind", "source": str(upper),
+                {"destination": "/workspace", "type": "bind", "source": str(ws),
                  "options": ["rw", "rbind", "nosuid", "nodev"]},
             ],
             "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
@@ -303,20 +310,22 @@ class GVisorSandbox(Sandbox):
                 finally:
                     if not was_paused:
                         self._runsc("resume", self.id)
-                return Snapshot("gvisor", self.spec, (str(layer),), "fs", ref=ref)
+                hostfs.acquire_layers(self.backend.root, self.layers, ref)
+                return Snapshot("gvisor", self.spec, (str(layer), *self.layers), "fs", ref=ref)
             image = self.backend.root / "layers" / f"img-{uuid.uuid4().hex[:12]}"
             image.mkdir()
             hostfs.acquire_layers(self.backend.root, [image], ref)
             # checkpoint, then copy the workspace: the image must match the files it had open
             self._runsc("checkpoint", "--image-path", str(image), self.id, timeout=120)
             layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}", ref)
+            hostfs.acquire_layers(self.backend.root, self.layers, ref)
             self._runsc("delete", "-force", self.id, check=False)
             self._runsc("restore", "--image-path", str(image), "--bundle", str(self.dir), "-detach", self.id,
                         detached=True, timeout=120)
             self.state = "running"
             if was_paused:
                 self.pause()
-            return Snapshot("gvisor", self.spec, (str(layer),), "full", str(image), ref=ref)
+            return Snapshot("gvisor", self.spec, (str(layer), *self.layers), "full", str(image), ref=ref)
 
     def set_ttl(self, ttl: float | None) -> None:
         if self._timer is not None:
@@ -349,6 +358,7 @@ class GVisorSandbox(Sandbox):
         if self._cg_made:
             self.cg.remove()  # also whatever runsc left behind (a sandbox process whose delete failed)
         hostfs.remove_tree(self.dir)
+        hostfs.release_layers(self.backend.root, self.layers, self.id)
         self.state = "closed"
 
     def alive(self) -> bool:
