@@ -191,6 +191,11 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
         response = error_response(e.status_code, str(e.detail), type_="invalid_request_error" if e.status_code < 500
                                   else "server_error")
         response.headers.update(e.headers or {})  # e.g. a 405's Allow
+        if e.status_code == 405:  # Starlette's Allow names one route's methods; a path may have several (/ping)
+            path = request.url.path
+            methods = {m for r in app.routes if getattr(r, "methods", None) and r.path_regex.match(path)
+                       for m in r.methods}
+            response.headers["Allow"] = ", ".join(sorted(methods))
         return response
 
     @app.exception_handler(Exception)
@@ -234,7 +239,9 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > P.MAX_STOP_STRINGS:
             raise APIError(400, f"stop: at most {P.MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
-        fields = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+        # below vLLM's sampling epsilon a temperature is greedy (a float32 division by it would overflow)
+        temperature = 0.0 if req.temperature < 1e-5 else req.temperature
+        fields = dict(max_tokens=max_tokens, temperature=temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
                       seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
                       ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_p=req.min_p,
                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
