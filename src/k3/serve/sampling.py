@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.model.cache import BatchCacheView
 from k3.model.generate import sample_rows
+
+upload_ints = BatchCacheView.upload  # host int lists → device in one copy that does not wait for queued kernels
 
 MAX_LOGPROBS = 20
 # Bounds on a request's lists (the HTTP layer's models use these numbers): each is read per sampled token, so an
@@ -164,8 +167,10 @@ def mask_grammar_rows(logits: torch.Tensor, states: list) -> torch.Tensor:
 class LogitAdjuster:
     """What one sequence's request adds to the model's logits before sampling, prepared once instead of per step:
     logit_bias as (ids, values), the ids min_tokens bans (its stop ids, and EOS unless ignore_eos), and for the
-    penalties the count of each generated id and which ids the prompt holds, kept current by `record_tokens`
-    rather than rescanned. Tensors live on the logits' device and cover its vocabulary (made on first use)."""
+    penalties the count of each generated id and which ids the prompt or output holds, kept current by
+    `record_tokens` rather than rescanned. Tensors live on the logits' device and cover its vocabulary (made on
+    first use). Each step stacks the penalised rows' tensors once: the sequences then keep views of that stack,
+    which `record_tokens` counts the new tokens into."""
 
     def __init__(self, params: SamplingParams, prompt: list[int], eos_ids=frozenset()):
         self.penalized = params.penalized
@@ -175,8 +180,9 @@ class LogitAdjuster:
         self._prompt = prompt if self.penalized else None
         self.num_bias = self.num_banned = 0
         self.bias_ids = self.bias_values = self.banned_ids = None
-        self.counts: torch.Tensor | None = None  # [V] int32: times each id was generated
-        self.in_prompt: torch.Tensor | None = None  # [V] bool
+        self.counts: torch.Tensor | None = None  # [V] float32 (exact to 2**24; no int→float pass per step)
+        self.seen: torch.Tensor | None = None  # [V] bool: in the prompt or the output (repetition penalty)
+        self.stacked: tuple | None = None  # (counts [R, V], seen [R, V], row): this step's stack holding its views
 
     def materialize(self, vocab: int, device: torch.device) -> None:
         if self._bias is None:
@@ -189,9 +195,9 @@ class LogitAdjuster:
         self.num_banned = len(banned)
         self.banned_ids = torch.tensor(banned, dtype=torch.long, device=device)
         if self.penalized:
-            self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
             ids = torch.tensor([t for t in self._prompt if t < vocab], dtype=torch.long, device=device)
-            self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
         self._bias = self._banned = self._prompt = None
 
 
@@ -202,10 +208,17 @@ def make_adjuster(params: SamplingParams, prompt: list[int], eos_ids=frozenset()
     return None
 
 
-def _entries(rows: list[int], sizes: list[int], parts: list[torch.Tensor], device) -> tuple[torch.Tensor, ...]:
-    """(row index of every entry, the entries): the rows' id tensors joined, in one kernel each."""
-    index = torch.repeat_interleave(torch.tensor(rows, device=device), torch.tensor(sizes, device=device))
-    return index, torch.cat(parts)
+def _upload_floats(values: list[float], device) -> torch.Tensor:
+    """A float32 tensor on `device` in one copy that does not wait for queued kernels (see upload_ints)."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=torch.float32, pin_memory=pinned).to(device, non_blocking=True)
+
+
+def _flat_entries(rows: torch.Tensor, sizes: torch.Tensor, total: int, parts: list[torch.Tensor],
+                  vocab: int) -> torch.Tensor:
+    """Flat positions row × vocab + id of every entry of the rows' id tensors (`parts`), with no read-back:
+    the entry count is known on the host."""
+    return torch.repeat_interleave(rows, sizes, output_size=total) * vocab + torch.cat(parts)
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], adjusters: list | None = None,
@@ -213,8 +226,9 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], adjusters:
     """The logits [S, V] that sampling reads, in vLLM's order: min_tokens bans (rows with banning[i] true set
     their banned ids to -inf), logit_bias, then repetition, frequency and presence penalties. adjusters: per
     row a LogitAdjuster or None. Rows without one cost nothing; when no row has one, `logits` itself is
-    returned (else a new tensor: the model's own logits stay for logprobs). Each kind is a few batched kernels
-    over the rows' prepared tensors, whatever the number of entries."""
+    returned (else a new tensor: the model's own logits stay for logprobs). The step's row lists go to the
+    device in one copy; each kind is then a few kernels over the rows' prepared tensors, whatever the number
+    of entries, and nothing is read back."""
     if not adjusters or all(a is None for a in adjusters):
         return logits
     S, V = logits.shape
@@ -222,41 +236,62 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], adjusters:
     for a in adjusters:
         if a is not None:
             a.materialize(V, dev)
-    logits = logits.clone()
     ban = [i for i, a in enumerate(adjusters) if a is not None and a.num_banned and banning and banning[i]]
-    if ban:
-        rows, ids = _entries(ban, [adjusters[i].num_banned for i in ban], [adjusters[i].banned_ids for i in ban], dev)
-        logits[rows, ids] = float("-inf")
     bias = [i for i, a in enumerate(adjusters) if a is not None and a.num_bias]
-    if bias:
-        rows, ids = _entries(bias, [adjusters[i].num_bias for i in bias], [adjusters[i].bias_ids for i in bias], dev)
-        logits.index_put_((rows, ids), torch.cat([adjusters[i].bias_values for i in bias]).to(logits.dtype),
-                          accumulate=True)
     penalised = [i for i, a in enumerate(adjusters) if a is not None and a.penalized]
+    ban_sizes = [adjusters[i].num_banned for i in ban]
+    bias_sizes = [adjusters[i].num_bias for i in bias]
+    ban_t, ban_sizes_t, bias_t, bias_sizes_t, pen_t = upload_ints([ban, ban_sizes, bias, bias_sizes, penalised], dev)
+    logits = logits.clone()
+    flat = logits.view(-1)
+    if ban:
+        at = _flat_entries(ban_t, ban_sizes_t, sum(ban_sizes), [adjusters[i].banned_ids for i in ban], V)
+        flat.index_fill_(0, at, float("-inf"))
+    if bias:
+        at = _flat_entries(bias_t, bias_sizes_t, sum(bias_sizes), [adjusters[i].bias_ids for i in bias], V)
+        flat.index_add_(0, at, torch.cat([adjusters[i].bias_values for i in bias]).to(logits.dtype))
     if penalised:
-        counts = torch.stack([adjusters[i].counts for i in penalised])  # [R, V]
-        generated = counts > 0
-        seen = torch.stack([adjusters[i].in_prompt for i in penalised]) | generated
-        rep, freq, pres = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty,
-                                         params[i].presence_penalty] for i in penalised],
-                                       device=dev, dtype=logits.dtype).T[..., None]
-        rows = torch.tensor(penalised, device=dev)
-        x = logits[rows]
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        logits[rows] = x - freq * counts - pres * generated
+        counts, seen = _stack_penalty_state([adjusters[i] for i in penalised])  # [R, V] each
+        settings = [(params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty)
+                    for i in penalised]
+        rep, freq, pres = _upload_floats([v for row in zip(*settings) for v in row], dev).to(logits.dtype) \
+            .view(3, len(penalised), 1)
+        x = logits.index_select(0, pen_t)
+        if any(r != 1 for r, _, _ in settings):  # each part only when some row uses it: passes over [R, V]
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        if any(f or p for _, f, p in settings):
+            x = x - (freq * counts + pres * (counts > 0))
+        logits.index_copy_(0, pen_t, x)
     return logits
 
 
+def _stack_penalty_state(adjusters: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' counts and seen as [R, V] stacks; each adjuster keeps views of its row (no second copy)."""
+    counts = torch.stack([a.counts for a in adjusters])
+    seen = torch.stack([a.seen for a in adjusters])
+    for j, a in enumerate(adjusters):
+        a.counts, a.seen, a.stacked = counts[j], seen[j], (counts, seen, j)
+    return counts, seen
+
+
 def record_tokens(adjusters: list | None, picked: torch.Tensor) -> None:
-    """Count each penalised row's new token (picked [S]) in its LogitAdjuster: one scatter for the whole step."""
-    penalised = [i for i, a in enumerate(adjusters or []) if a is not None and a.penalized]
-    if not penalised:
+    """Count each penalised row's new token (picked [S]) in its LogitAdjuster: one scatter into the stack that
+    adjust_logits made this step (a new stack only when these rows were not stacked together)."""
+    rows = [i for i, a in enumerate(adjusters or []) if a is not None and a.penalized]
+    if not rows:
         return
-    rows = torch.tensor(penalised, device=picked.device)
-    counts = torch.stack([adjusters[i].counts for i in penalised])
-    counts[torch.arange(len(penalised), device=picked.device), picked[rows]] += 1
-    for j, i in enumerate(penalised):  # each keeps its row of this step's tensor (no per-row copy)
-        adjusters[i].counts = counts[j]
+    penalised = [adjusters[i] for i in rows]
+    first = penalised[0].stacked
+    same = first is not None and first[0].shape[0] == len(penalised) and all(
+        a.stacked is not None and a.stacked[0] is first[0] and a.stacked[2] == j for j, a in enumerate(penalised))
+    counts, seen = (first[0], first[1]) if same else _stack_penalty_state(penalised)
+    dev, V = picked.device, counts.shape[1]
+    rows_t, = upload_ints([rows], dev)
+    at = torch.arange(len(rows), device=dev) * V + picked.index_select(0, rows_t)
+    counts.view(-1).index_add_(0, at, torch.ones(len(rows), device=dev, dtype=counts.dtype))
+    seen.view(-1).index_fill_(0, at, True)
+    for a in penalised:
+        a.stacked = None
 
 
 def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
