@@ -241,3 +241,89 @@ def test_uncompilable_schema_is_a_grammar_error(tok):
     with pytest.raises(GrammarError) as e:
         Grammar(tok, lark)
     assert e.value.param == "response_format" and "cannot be compiled" in str(e.value)
+
+
+def _accepts(grammar, ids) -> bool:
+    """Whether a fresh matcher of `grammar` takes `ids` whole and may end there."""
+    m = grammar.start().matcher
+    return all(m.consume_token(t) for t in ids) and (m.is_accepting() or m.is_stopped())
+
+
+def _forced_call(tok, properties: dict):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": properties, "required": list(properties)}}}]
+    return Grammar(tok, chat_grammar(tok, thinking=False, tools=tools, tool_choice="required",
+                                     parallel_tool_calls=False))
+
+
+def _call_ids(tok, **arguments):
+    """What the model writes for a call of f with these arguments (thinking off), as ids."""
+    ids = tok.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": arguments}}]}], thinking=False)
+    return _after_generation_prompt(tok, ids)
+
+
+def _after_generation_prompt(tok, ids):
+    """ids after `<|open|>message role="assistant"<|sep|><|open|>response<|sep|>` (the prompt, thinking off)."""
+    sep = tok.convert_tokens_to_ids("<|sep|>")
+    return ids[[i for i, t in enumerate(ids) if t == sep][1] + 1:]
+
+
+def test_raw_string_arguments_follow_their_pattern(tok):
+    """JSON Schema's `pattern` matches anywhere unless anchored; on a raw string argument it is enforced so,
+    together with the length bounds, also through `/`, alternatives and anchors."""
+    anchored = _forced_call(tok, {"code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"}})
+    assert _accepts(anchored, _call_ids(tok, code="ABC-12"))
+    for bad in ("xABC-12", "ABC-123", "abc-12"):
+        assert not _accepts(anchored, _call_ids(tok, code=bad)), bad
+    found = _forced_call(tok, {"path": {"type": "string", "pattern": "b/c", "maxLength": 5}})
+    assert _accepts(found, _call_ids(tok, path="b/c")) and _accepts(found, _call_ids(tok, path="ab/cd"))
+    assert not _accepts(found, _call_ids(tok, path="ab/cde")) and not _accepts(found, _call_ids(tok, path="abc"))
+    either = _forced_call(tok, {"s": {"type": "string", "pattern": "^a|b$"}})
+    assert _accepts(either, _call_ids(tok, s="ax")) and _accepts(either, _call_ids(tok, s="xb"))
+    assert not _accepts(either, _call_ids(tok, s="xa"))
+    free = _forced_call(tok, {"s": {"type": "string"}})  # the reference: without a pattern all of them pass
+    assert all(_accepts(free, _call_ids(tok, s=v)) for v in ("xABC-12", "abc", "xa"))
+
+
+@pytest.mark.parametrize("prop, words", [
+    ({"type": "string", "format": "date"}, ["format", "'date'", "raw string", "'when'"]),
+    ({"type": "string", "pattern": "(?=a)b"}, ["pattern", "'(?=a)b'", "look-around"]),
+    ({"type": "string", "pattern": "(a)\\1"}, ["pattern", "backreferences"]),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "bogus"}}}, ["format", "'bogus'"]),
+])
+def test_unenforceable_argument_keywords_are_refused_by_name(tok, prop, words):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"when": prop}, "required": ["when"]}}}]
+    with pytest.raises(GrammarError) as e:
+        chat_grammar(tok, thinking=False, tools=tools, tool_choice="required")
+    assert e.value.param == "tools" and all(w in str(e.value) for w in words), str(e.value)
+    assert chat_grammar(tok, thinking=False, tools=tools, tool_choice="auto") is None  # nothing enforced: no 400
+
+
+def _json_ids(tok, text):
+    """The response section holding `text`, then the end of the message (thinking off), as ids."""
+    return _after_generation_prompt(tok, tok.apply_chat_template([{"role": "assistant", "content": text}],
+                                                                 thinking=False))
+
+
+def test_json_schema_strings_enforce_pattern_and_format(tok):
+    schema = {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                               "code": {"type": "string", "pattern": "^[a-z]+$"}},
+              "required": ["day", "code"], "additionalProperties": False}
+    g = Grammar(tok, chat_grammar(tok, thinking=False, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+    assert _accepts(g, _json_ids(tok, '{"day":"2026-12-01","code":"abc"}'))
+    assert not _accepts(g, _json_ids(tok, '{"day":"soon","code":"abc"}'))
+    assert not _accepts(g, _json_ids(tok, '{"day":"2026-12-01","code":"ABC"}'))
+
+
+@pytest.mark.parametrize("string, words", [
+    ({"type": "string", "format": "bogus"}, ["format", "'bogus'"]),
+    ({"type": "string", "pattern": "(?<=a)b"}, ["pattern", "'(?<=a)b'", "look-around"]),
+])
+def test_json_schema_keywords_that_cannot_run_are_refused_by_name(tok, string, words):
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": string}}}
+    with pytest.raises(GrammarError) as e:
+        chat_grammar(tok, thinking=False, response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    assert e.value.param == "response_format.json_schema" and all(w in str(e.value) for w in words), str(e.value)

@@ -75,9 +75,9 @@ def _resolve(schema, root: dict, depth: int = 0):
     return schema
 
 
-def _value_alternatives(schema: dict, root: dict) -> list[tuple[str, str]]:
+def _value_alternatives(schema: dict, root: dict, where: str = "argument") -> list[tuple[str, str]]:
     """→ [(XTML argument type, Lark expression of the value)] that a property's schema allows; root: the tool's
-    parameters schema, whose `$defs` the property's JSON sub-schemas keep."""
+    parameters schema, whose `$defs` the property's JSON sub-schemas keep; where: the argument, for errors."""
     schema = _resolve(schema, root)
     if not isinstance(schema, dict):
         schema = {}
@@ -90,14 +90,14 @@ def _value_alternatives(schema: dict, root: dict) -> list[tuple[str, str]]:
         return out
     branches = schema.get("anyOf") or schema.get("oneOf")
     if isinstance(branches, list) and branches:
-        return [alt for b in branches for alt in _value_alternatives(b, root)]
+        return [alt for b in branches for alt in _value_alternatives(b, root, where)]
     types = schema.get("type")
     types = types if isinstance(types, list) else [types] if types else \
         ["string", "number", "boolean", "null", "object", "array"]
     out = []
     for t in types:
         if t == "string":
-            out.append(("string", _string_rule(schema)))
+            out.append(("string", _string_rule(schema, where)))
         else:
             sub = {k: v for k, v in schema.items() if k not in ("type", "anyOf", "oneOf")}
             sub["type"] = t
@@ -106,13 +106,98 @@ def _value_alternatives(schema: dict, root: dict) -> list[tuple[str, str]]:
     return out
 
 
-def _string_rule(schema: dict) -> str:
-    """A raw string argument (SPEC §1.2: strings are written raw). Length bounds are kept; a `pattern` or
-    `format` string is left as free text (the raw form has no quotes to anchor them)."""
+def _string_rule(schema: dict, where: str = "argument") -> str:
+    """A raw string argument (SPEC §1.2: strings are written raw): length bounds and `pattern` are enforced (both:
+    the intersection, `&`, which Lark allows only in a named token). A `format` is refused: llguidance checks
+    formats only inside JSON strings, and the raw form has no quotes; a `pattern` says the same thing here."""
+    if "format" in schema:
+        raise GrammarError(f"tools: {where} has format {schema['format']!r}, which cannot be enforced on a raw "
+                           "string argument; give a 'pattern' instead", "tools")
     lo, hi = schema.get("minLength"), schema.get("maxLength")
+    parts = []
     if isinstance(lo, int) or isinstance(hi, int):
-        return f"/(?s:.{{{int(lo or 0)},{'' if hi is None else int(hi)}}})/"
-    return _ANY_TEXT
+        parts.append(f"/(?s:.{{{int(lo or 0)},{'' if hi is None else int(hi)}}})/")
+    if "pattern" in schema:
+        parts.append(f"/{_search_regex(schema['pattern'], where)}/")
+    return " & ".join(parts) or _ANY_TEXT
+
+
+def _top_level_alternatives(pattern: str) -> list[str]:
+    """`pattern` split at its `|` that are outside groups, classes and escapes."""
+    alts, depth, in_class, escaped, start = [], 0, False, False, 0
+    for i, c in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            alts.append(pattern[start:i])
+            start = i + 1
+    return alts + [pattern[start:]]
+
+
+def _search_regex(pattern, where: str) -> str:
+    """A JSON Schema `pattern` (matched anywhere in the string unless anchored) as a whole-text regex for a Lark
+    literal: each top-level alternative loses its `^`/`$` anchors or gains `(?s:.*)` where it has none. The
+    regex engine has no anchors, lookarounds or backreferences: a pattern needing them is refused by name."""
+    if not isinstance(pattern, str):
+        raise GrammarError(f"tools: {where} has a pattern that is not a string: {pattern!r}", "tools")
+    alts = []
+    for alt in _top_level_alternatives(pattern):
+        head = "" if alt.startswith("^") else "(?s:.*)"
+        alt = alt[1:] if alt.startswith("^") else alt
+        body = alt[:-1]
+        anchored_end = alt.endswith("$") and (len(body) - len(body.rstrip("\\"))) % 2 == 0  # not an escaped $
+        tail = "" if anchored_end else "(?s:.*)"
+        alts.append(f"{head}(?:{body if anchored_end else alt}){tail}")
+    regex = re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", "|".join(alts))  # a bare / would end the Lark literal
+    error = _lark_error(f"start: /{regex}/")
+    if error:
+        raise GrammarError(f"tools: {where} has pattern {pattern!r}, which cannot be enforced: {error}", "tools")
+    return regex
+
+
+def _one_line(error: str) -> str:
+    """llguidance's multi-line error as one line: its `error:` lines, else its first."""
+    why = " ".join(line.strip() for line in error.splitlines() if line.strip().startswith("error:"))
+    return why or error.splitlines()[0]
+
+
+def _lark_error(lark: str) -> str | None:
+    """Why llguidance rejects a grammar (one line), or None."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark))
+    return _one_line(error) if error else None
+
+
+def _check_json_strings(schema, param: str) -> None:
+    """Every `pattern` and `format` in a JSON schema that llguidance enforces (it enforces both inside JSON
+    strings), or a GrammarError naming the keyword and its value: what it cannot run is refused, never ignored."""
+    import llguidance
+
+    if isinstance(schema, list):
+        for item in schema:
+            _check_json_strings(item, param)
+        return
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        if key in ("pattern", "format") and isinstance(value, str):
+            grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", key: value})
+            error = llguidance.LLMatcher.validate_grammar(grammar)
+            if error:
+                raise GrammarError(f"{param}: {key} {value!r} cannot be enforced: {_one_line(error)}", param)
+        elif key not in ("const", "enum", "default", "examples"):  # values there are data, not schemas
+            _check_json_strings(value, param)
 
 
 class ChatGrammar:
@@ -129,12 +214,15 @@ class ChatGrammar:
     def tool_call(self, tool: dict, index: int, t: int) -> str:
         fn = tool["function"]
         name, params = fn["name"], fn.get("parameters") or {}
+        _check_json_strings(params, "tools")  # here, not in _check_tools: a tool no grammar enforces is not refused
         props = params.get("properties") or {}
         required = set(params.get("required") or [])
         args = []
         for k, (key, prop) in enumerate(props.items()):
             alts = []
-            for kind, value in _value_alternatives(prop, params):
+            for j, (kind, value) in enumerate(_value_alternatives(prop, params, f"{name}'s argument {key!r}")):
+                if " & " in value:  # an intersection must be a named token
+                    value = self.rule(f"STR_{t}_{index}_{k}_{j}", value)
                 head = self.m.open_tag('argument key="%s" type="%s"' % (escape_attr(key), kind))
                 alts.append(f"{head} {value} {self.m.close_tag('argument')}")
             rule = self.rule(f"arg_{t}_{index}_{k}", " | ".join(alts))
@@ -212,6 +300,7 @@ def chat_grammar(tokenizer, *, thinking: bool = True, tools=None, tool_choice=No
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise GrammarError("response_format.json_schema must be an object whose 'schema' is a JSON schema",
                                    "response_format.json_schema")
+            _check_json_strings(spec.get("schema") or {}, "response_format.json_schema")
             content = _json_rule(spec.get("schema") or {})
         elif fmt == "text":
             content = g.rule("text", _ANY_TEXT)
