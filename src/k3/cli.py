@@ -410,10 +410,10 @@ def cmd_plan(a) -> int:
                                          smallest_fit)
 
     config = K3Config.from_pretrained(a.config) if a.config else K3Config.preset(a.preset)
-    if a.gpu and a.gpu_memory:
+    if a.gpu and any(x.split("=")[0] == "--gpu-memory" for x in a.argv):
         raise CLIError("give --gpu or --gpu-memory, not both")
-    mem = GPU_MEMORY[a.gpu] if a.gpu else parse_bytes(a.gpu_memory or "141GB")
-    if a.gpu_memory and (warning := bare_number_warning(a.gpu_memory)) is not None:
+    mem = GPU_MEMORY[a.gpu] if a.gpu else parse_bytes(a.gpu_memory)
+    if not a.gpu and (warning := bare_number_warning(a.gpu_memory)) is not None:
         _warn("plan", warning)
     if a.mode == "serve":
         return _plan_serve(a, config, mem)
@@ -725,7 +725,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version",
                    version=f"k3 {__version__} (torch {version('torch')}, Python {sys.version.split()[0]})")
     sub = p.add_subparsers(dest="command", required=True)
-    presets = dict(type=_preset, metavar="{" + ",".join(K3Config.PRESETS) + "}", help="model size")
+    # train and bench build the model in memory: the 94B-parameter k3-shaped preset is for init, plan and info
+    presets = dict(type=_preset, metavar="{" + ",".join(p for p in K3Config.PRESETS if p != "k3-shaped") + "}",
+                   help="model size")
+    every_preset = dict(presets, metavar="{" + ",".join(K3Config.PRESETS) + "}")
 
     t = sub.add_parser("train", help="train a K3 on the bundled corpus (defaults: tiny preset, ~10 min on 2 CPU cores)")
     t.add_argument("--task", choices=["text", "vision"], default="text",
@@ -771,13 +774,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     pl = sub.add_parser("plan", help="per-GPU memory of a training or serving layout; smallest GPU count that fits")
-    pl.add_argument("--preset", default="kimi-k3", **presets)
+    pl.add_argument("--preset", default="kimi-k3", **every_preset)
     pl.add_argument("--config", default=None, help="a config.json (or its directory) instead of --preset")
     pl.add_argument("--gpus", type=_positive_int, default=None,
                     help="GPU count (training: required; serving: default the smallest that fits)")
     pl.add_argument("--gpu", choices=["h200", "b200"], default=None, help="card: h200 (141 GB) or b200 (192 GB)")
-    pl.add_argument("--gpu-memory", default=None,
-                    help="per GPU: 141GB (10^9 B, the default), 80GiB (2^30 B), ...; a bare number is bytes")
+    pl.add_argument("--gpu-memory", default="141GB",
+                    help="per GPU: 141GB (10^9 B), 80GiB (2^30 B), ...; a bare number is bytes")
     pl.add_argument("--mode", choices=["train", "serve"], default="train")
     pl.add_argument("--serve", dest="mode", action="store_const", const="serve",
                     help="plan serving (= --mode serve): weights, GPU count, layout, KV and KDA-state capacity")
@@ -812,7 +815,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="parameter breakdown, activated parameters, cache and checkpoint sizes")
     i.add_argument("dir", nargs="?", default=None, help="a checkpoint directory (reads its config.json)")
-    i.add_argument("--preset", default="kimi-k3", **presets)
+    i.add_argument("--preset", default="kimi-k3", **every_preset)
     i.add_argument("--json", action="store_true")
     i.add_argument("--verify", action="store_true",
                    help="check DIR against its config: tensor names, shapes, dtypes, counts, bytes (exit 1 on problems)")
@@ -827,7 +830,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ini = sub.add_parser("init", help="write a randomly initialised model in the released layout, shard by shard "
                                       "(never the whole model in memory)")
-    ini.add_argument("--preset", default="k3-shaped", **presets)
+    ini.add_argument("--preset", default="k3-shaped", **every_preset)
     ini.add_argument("--config", default=None, help="a config.json instead of --preset")
     ini.add_argument("--experts-format", choices=["mxfp4", "bf16"], default="mxfp4")
     ini.add_argument("--num-experts", type=_positive_int, default=None,

@@ -59,22 +59,31 @@ class RankLayout:
         return [cls(e, ep, t, tp) for e in range(ep) for t in range(tp)]
 
 
+def tp_split_dim(name: str) -> tuple[int, bool] | None:
+    """(dim, by heads?) along which tensor parallelism splits k3 tensor `name`, or None when it stays whole."""
+    for pattern, dim in _HEAD_DIMS:
+        if pattern.search(name):
+            return dim, True
+    for pattern, dim in _WIDTH_DIMS:
+        if pattern.search(name):
+            return dim, False
+    return None
+
+
 def tp_slice(name: str, shape: tuple, config: K3Config, layout: RankLayout) -> tuple[int, int, int] | None:
     """(dim, start, stop) of the rank's block of k3 tensor `name` (full shape `shape`), or None when it is whole."""
-    if layout.tp == 1:
+    split = tp_split_dim(name) if layout.tp > 1 else None
+    if split is None:
         return None
-    for pattern, dim in _HEAD_DIMS + _WIDTH_DIMS:
-        if pattern.search(name):
-            if (pattern, dim) in _HEAD_DIMS:
-                heads = (config.num_attention_heads if _is_mla_name(name, config)
-                         else config.linear_attn_config.num_heads)
-                if heads % layout.tp:
-                    raise ValueError(f"tensor parallel size {layout.tp} must divide the {heads} attention heads")
-            elif shape[dim] % layout.tp:
-                raise ValueError(f"tensor parallel size {layout.tp} must divide dim {dim} of {name} {list(shape)}")
-            per = shape[dim] // layout.tp
-            return dim, layout.tp_rank * per, (layout.tp_rank + 1) * per
-    return None
+    dim, by_heads = split
+    if by_heads:
+        heads = config.num_attention_heads if _is_mla_name(name, config) else config.linear_attn_config.num_heads
+        if heads % layout.tp:
+            raise ValueError(f"tensor parallel size {layout.tp} must divide the {heads} attention heads")
+    elif shape[dim] % layout.tp:
+        raise ValueError(f"tensor parallel size {layout.tp} must divide dim {dim} of {name} {list(shape)}")
+    per = shape[dim] // layout.tp
+    return dim, layout.tp_rank * per, (layout.tp_rank + 1) * per
 
 
 def _is_mla_name(name: str, config: K3Config) -> bool:

@@ -14,6 +14,7 @@ Assumptions (printed with the plan):
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -156,4 +157,183 @@ def format_plan(p: MemoryPlan, smallest: MemoryPlan | None) -> str:
     else:
         lines.append(f"  smallest layout that fits: {smallest.gpus} GPUs (dp {smallest.dp} × cp {smallest.cp}, "
                      f"ep {smallest.ep}), {_gb(smallest.total)} per GPU")
+    return "\n".join(lines)
+
+
+# ---- serving: `k3 plan --serve` ----------------------------------------------------------------------------------
+# Marketed memory per card (10^9 B): H200 141 GB, B200-class 192 GB.
+GPU_MEMORY = {"h200": 141 * 10**9, "b200": 192 * 10**9}
+SERVE_LAYOUTS = ("tp", "dp-attention")
+RUNTIME_RESERVE = 4 * 10**9  # per GPU: CUDA context, NCCL buffers, captured graphs
+DECODE_ROWS = 256  # fp32 logits of this many decode rows are budgeted as activations
+
+
+@dataclass
+class ServePlan:
+    """One serving layout of `gpus` GPUs: experts over `ep` of them (MXFP4, packed), the dense weights split over
+    `tp` (attention too under layout "tp"; under "dp-attention" every GPU keeps all of attention and its own
+    sequences). Bytes are per GPU unless named otherwise; capacity is for the whole deployment at `context`."""
+    gpus: int
+    ep: int
+    tp: int
+    layout: str
+    gpu_memory: int
+    context: int
+    weight_bytes: int  # the whole model (MXFP4 experts packed)
+    parts: dict = field(default_factory=dict)
+    token_bytes: int = 0  # per GPU, per token of a sequence (MLA latents; replicated within a TP group)
+    sequence_bytes: int = 0  # per GPU, per sequence (KDA states; split by heads under TP)
+    sequences: int = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.gpu_memory - sum(self.parts.values())
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.context
+
+    @property
+    def fits(self) -> bool:
+        return self.sequences >= 1
+
+
+_SERVE_TENSORS: dict[str, list] = {}  # config JSON → _serve_tensors (a meta build of the released model takes ~1 s)
+
+
+def _serve_tensors(config: K3Config) -> list[tuple[str, tuple, int, tuple | None]]:
+    """(k3 name, shape, bytes as served, TP split (dim, by heads) or None) of every tensor: MXFP4 routed experts,
+    the F32 ones in F32, bf16 else."""
+    key = json.dumps(config.to_dict(), sort_keys=True)
+    if key not in _SERVE_TENSORS:
+        _SERVE_TENSORS[key] = _build_serve_tensors(config)
+    return _SERVE_TENSORS[key]
+
+
+def _build_serve_tensors(config: K3Config) -> list:
+    import torch
+
+    from k3.checkpoint.names import is_f32
+    from k3.checkpoint.sharded import tp_split_dim
+    from k3.model.decoder import K3ForCausalLM
+
+    with torch.device("meta"):
+        state = K3ForCausalLM(config, init=False).state_dict()
+    out = []
+    for name, t in state.items():
+        n = t.numel()
+        nbytes = n // 2 + n // 32 if ".experts.w" in name else n * (4 if is_f32(name) else 2)
+        out.append((name, tuple(t.shape), nbytes, None if ".experts.w" in name else tp_split_dim(name)))
+    return out
+
+
+def cache_bytes_per_token_and_sequence(config: K3Config) -> tuple[int, int]:
+    """(bf16 MLA latent bytes per token, KDA state bytes per sequence): the serving pool's own arithmetic."""
+    import torch
+
+    from k3.serve.block_pool import plan_capacity
+    cap = plan_capacity(config, 0, 1, 0, torch.bfloat16, num_blocks=1)
+    return cap.bytes_per_token, cap.bytes_per_slot
+
+
+def plan_serve(config: K3Config, gpus: int, gpu_memory: int, context: int = 131072, tp: int | None = None,
+               layout: str = "tp", ep: int | None = None, prefill_chunk: int = 8192,
+               _tensors: list | None = None) -> ServePlan:
+    """Per-GPU memory and cache capacity of serving `config` on `gpus` GPUs (see ServePlan).
+    tp: default the largest of 8, 4, 2, 1 dividing gpus that the heads and widths allow; ep: default gcd(gpus, experts)."""
+    if layout not in SERVE_LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(SERVE_LAYOUTS)}, got {layout!r}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"--gpus must be an integer >= 1, got {gpus!r}")
+    if not isinstance(context, int) or context < 1:
+        raise ValueError(f"--context must be a positive integer, got {context!r}")
+    tensors = _tensors or _serve_tensors(config)
+    tp = tp or next(t for t in (8, 4, 2, 1) if gpus % t == 0 and _tp_ok(config, tensors, t))
+    if gpus % tp:
+        raise ValueError(f"--tp {tp} must divide --gpus {gpus}")
+    if not _tp_ok(config, tensors, tp):
+        raise ValueError(f"--tp {tp} must divide the attention heads ({config.num_attention_heads} MLA, "
+                         f"{config.linear_attn_config.num_heads} KDA) and the MLP and vocabulary widths")
+    ep = ep or math.gcd(gpus, config.num_experts)
+    if gpus % ep or config.num_experts % ep:
+        raise ValueError(f"--ep {ep} must divide --gpus {gpus} and the number of experts {config.num_experts}")
+    experts = split = whole = 0
+    for name, _, nbytes, how in tensors:
+        if ".experts.w" in name:
+            experts += nbytes
+        elif how is not None and tp > 1 and (layout == "tp" or ".self_attn." not in name):
+            split += nbytes
+        else:
+            whole += nbytes
+    n_moe = sum(config.is_moe(l) for l in range(config.num_hidden_layers))
+    per_expert = experts // max(n_moe * config.num_experts, 1)
+    la = config.linear_attn_config
+    working = 2 * (12 * config.hidden_size + 8 * la.num_heads * la.head_dim + config.num_experts_per_token
+                   * (config.routed_expert_hidden_size + 3 * config.moe_intermediate_size))
+    parts = {
+        "routed experts (MXFP4, 1/ep + replicas)": experts // ep + (config.num_experts // ep) * per_expert,
+        "dense weights split over tp": split // tp,
+        "dense weights whole on every GPU": whole,
+        "activations (prefill chunk, logits)": prefill_chunk * working + DECODE_ROWS * config.vocab_size * 4,
+        "runtime reserve": RUNTIME_RESERVE,
+    }
+    per_token, per_seq = cache_bytes_per_token_and_sequence(config)
+    if layout == "tp":  # a TP group shares its sequences: each GPU keeps every latent and 1/tp of the KDA heads
+        seq_bytes, groups = per_seq // tp, gpus // tp
+    else:  # each GPU serves its own sequences
+        seq_bytes, groups = per_seq, gpus
+    plan = ServePlan(gpus, ep, tp, layout, gpu_memory, context, experts + split + whole, parts, per_token, seq_bytes)
+    plan.sequences = max(plan.cache_bytes, 0) // (context * per_token + seq_bytes) * groups
+    return plan
+
+
+def _tp_ok(config: K3Config, tensors: list, tp: int) -> bool:
+    """Whether tp divides both head counts and every width tensor parallelism splits."""
+    if config.num_attention_heads % tp or config.linear_attn_config.num_heads % tp:
+        return False
+    return all(how is None or how[1] or shape[how[0]] % tp == 0 for _, shape, _, how in tensors)
+
+
+def smallest_serve(config: K3Config, gpu_memory: int, context: int = 131072, layout: str | None = None,
+                   tp: int | None = None, max_gpus: int = 4096, **kwargs) -> ServePlan | None:
+    """The fewest GPUs that hold the model and at least one sequence of `context` tokens (ep = gcd(gpus,
+    experts)); among the layouts that fit at that count, the one holding the most sequences."""
+    tensors = _serve_tensors(config)
+    for gpus in range(1, max_gpus + 1):
+        fits = []
+        for lay in ([layout] if layout else SERVE_LAYOUTS):
+            for t in ([tp] if tp else (8, 4, 2, 1)):
+                if gpus % t == 0 and _tp_ok(config, tensors, t):
+                    p = plan_serve(config, gpus, gpu_memory, context, tp=t, layout=lay, _tensors=tensors, **kwargs)
+                    if p.fits:
+                        fits.append(p)
+        if fits:
+            return max(fits, key=lambda p: (p.sequences, p.tp))
+    return None
+
+
+def format_serve(plans: list[ServePlan], smallest: ServePlan | None) -> str:
+    """A table: one column per plan (per-GPU bytes, capacity), then the smallest layout that fits."""
+    if not plans:
+        return "no layout"
+    p0 = plans[0]
+    head = [f"{p.layout}, tp {p.tp}, ep {p.ep}" for p in plans]
+    lines = [f"serving on {p0.gpus} GPUs of {_gb(p0.gpu_memory)} at {p0.context:,} tokens of context; whole model "
+             f"{_gb(p0.weight_bytes)} (MXFP4 experts)",
+             f"  {'per GPU':<40}" + "".join(f"{h:>26}" for h in head)]
+    for name in p0.parts:
+        lines.append(f"  {name:<40}" + "".join(f"{_gb(p.parts[name]):>26}" for p in plans))
+    rows = [("KV + KDA-state room (< 0: short by)", lambda p: _gb(p.cache_bytes)),
+            ("MLA latents per token", lambda p: f"{p.token_bytes:,} B"),
+            ("KDA states per sequence", lambda p: f"{p.sequence_bytes / 1e6:,.1f} MB"),
+            ("sequences at this context", lambda p: f"{p.sequences:,}"),
+            ("tokens in cache", lambda p: f"{p.tokens:,}"),
+            ("fits", lambda p: "yes" if p.fits else "NO")]
+    for name, f in rows:
+        lines.append(f"  {name:<40}" + "".join(f"{f(p):>26}" for p in plans))
+    if smallest is None:
+        lines.append("  no GPU count up to the search limit holds the model and one sequence")
+    else:
+        lines.append(f"  smallest: {smallest.gpus} GPUs ({smallest.layout}, tp {smallest.tp}, ep {smallest.ep}): "
+                     f"{smallest.sequences:,} sequences of {smallest.context:,} tokens")
     return "\n".join(lines)
