@@ -23,6 +23,7 @@ from k3.serve.local_server import local_server
 
 KEY, NAME = "proto-key", "k3-proto"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON_AUTH = {**AUTH, "Content-Type": "application/json"}
 MAX_LEN = 200
 
 
@@ -246,15 +247,23 @@ def test_named_attacks_are_4xx(server):
         {"model": NAME, "prompt": [[]]},
     ]
     for body in attacks:
-        r = httpx.post(url + "/v1/completions", content=_json(body), headers={**AUTH, "Content-Type": "application/json"},
+        r = httpx.post(url + "/v1/completions", content=_json(body), headers=JSON_AUTH,
                        timeout=60)
         assert 400 <= r.status_code < 500, (str(body)[:80], r.text[:200])
         assert r.json()["error"]["message"]
     chat = {"model": NAME, "messages": [{"role": "user", "content": "hi \udbff"}]}
-    r = httpx.post(url + "/v1/chat/completions", content=_json(chat), headers={**AUTH, "Content-Type": "application/json"})
+    r = httpx.post(url + "/v1/chat/completions", content=_json(chat), headers=JSON_AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # valid JSON within the parser's depth, past what rendering a schema or a message recurses through
+    nested = '{"type": "object", "properties": {"a": ' * 450 + '{"type": "string"}' + "}}" * 450
+    user = '{"role": "user", "content": "x"}'
+    tool = f'{{"type": "function", "function": {{"name": "f", "parameters": {nested}}}}}'
+    for body in (f'{{"model": "{NAME}", "messages": [{user}], "tool_choice": "required", "tools": [{tool}]}}',
+                 f'{{"model": "{NAME}", "messages": [{{"role": "user", "content": [{nested}]}}]}}'):
+        r = httpx.post(url + "/v1/chat/completions", content=body.encode(), headers=JSON_AUTH, timeout=60)
+        assert 400 <= r.status_code < 500, r.text[:300]
     deep = b'{"model": "' + NAME.encode() + b'", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    r = httpx.post(url + "/v1/completions", content=deep, headers={**AUTH, "Content-Type": "application/json"})
+    r = httpx.post(url + "/v1/completions", content=deep, headers=JSON_AUTH)
     assert r.status_code == 400
 
 
@@ -262,7 +271,7 @@ def test_fuzzed_fields_never_give_a_5xx(server):
     url, eng = server
     rng = random.Random(19)
     statuses = []
-    with httpx.Client(headers={**AUTH, "Content-Type": "application/json"}, timeout=60) as h:
+    with httpx.Client(headers=JSON_AUTH, timeout=60) as h:
         for _ in range(150):
             body = {"model": NAME, "prompt": "fuzz", "max_tokens": 2, "temperature": 0}
             for field in rng.sample(FIELDS, rng.randint(1, 3)):

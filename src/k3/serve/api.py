@@ -119,9 +119,10 @@ def parse_body(raw: bytes, cls: type[BaseModel]):
         raise APIError(400, "request body is not valid JSON")
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
-    if _SURROGATE_ESCAPE.search(raw) and (where := _surrogate_path(body, "")):
-        raise APIError(400, f"{where}: holds a lone UTF-16 surrogate (not valid Unicode text)", where.split(".")[0])
     try:
+        if _SURROGATE_ESCAPE.search(raw) and (where := _surrogate_path(body, "")):
+            param = re.split(r"[.\[]", where, maxsplit=1)[0]
+            raise APIError(400, f"{where}: holds a lone UTF-16 surrogate (not valid Unicode text)", param)
         return cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
@@ -200,6 +201,8 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
 
     @app.exception_handler(Exception)
     async def _server_error(request, e):
+        if isinstance(e, RecursionError):  # a body nested past what its walkers (chat rendering, schemas) take
+            return error_response(400, "request body is nested too deeply")
         return error_response(500, f"internal error: {type(e).__name__}", type_="server_error")
 
     app.add_middleware(BodyLimit, limit=max_request_bytes)
@@ -212,6 +215,12 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             _, defs = models_json_schema([(m, "validation") for m in DOCUMENTED],
                                          ref_template="#/components/schemas/{model}")
             doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            if api_key is not None:  # say which routes want the key, so schema-driven clients (and fuzzers) send it
+                doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+                for path, operations in doc["paths"].items():
+                    for operation in operations.values():
+                        if path not in PUBLIC_PATHS:
+                            operation["security"] = [{"bearer": []}]
             app.openapi_schema = doc
         return app.openapi_schema
     app.openapi = openapi
@@ -498,7 +507,8 @@ def _tokenizer_info(tokenizer, max_len: int) -> dict:
     except (ImportError, OSError):
         template = None
     return {"tokenizer_class": type(tokenizer).__name__, "bos_token": text(getattr(tokenizer, "bos_id", None)),
-            "eos_token": text(getattr(tokenizer, "eos_id", None)), "pad_token": text(getattr(tokenizer, "pad_id", None)),
+            "eos_token": text(getattr(tokenizer, "eos_id", None)),
+            "pad_token": text(getattr(tokenizer, "pad_id", None)),
             "chat_template": template, "model_max_length": max_len, "vocab_size": tokenizer.vocab_size}
 
 

@@ -15,7 +15,6 @@ MAX_PROMPTS = 1024         # prompts in one batched /v1/completions request
 MAX_CHOICES = 1024         # prompts × n: sequences one request may start
 MAX_SEED = sampling.MAX_SEED  # seeds lie in [0, MAX_SEED)
 MAX_LOGPROBS = sampling.MAX_LOGPROBS
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on /v1/completions `logprobs`
 MAX_STOP_STRINGS = sampling.MAX_STOP_STRINGS
 MAX_STOP_TOKEN_IDS = sampling.MAX_STOP_TOKEN_IDS
 MAX_LOGIT_BIAS = sampling.MAX_LOGIT_BIAS
@@ -62,7 +61,7 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt = Field(description=f"a string, token ids, or a list of up to {MAX_PROMPTS} of either")
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="OpenAI's bound is 5, vLLM's 20")
     echo: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: top-k per prompt token")
     best_of: int | None = Field(None, description="only 1 (or n): k3 does not rank candidates")

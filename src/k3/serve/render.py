@@ -132,7 +132,8 @@ class ChatRenderer:
     """req: a ChatRequest; thinking: whether the generation prompt opened thinking (the parser must know)."""
 
     def __init__(self, tokenizer, req, prompt: list[int], thinking: bool, cid: str, model: str):
-        self.tok, self.req, self.prompt, self.thinking, self.cid, self.model = tokenizer, req, prompt, thinking, cid, model
+        self.tok, self.req, self.prompt, self.thinking = tokenizer, req, prompt, thinking
+        self.cid, self.model = cid, model
         self.parsers: dict[int, OutputParser] = {}
 
     def header(self) -> dict:
