@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from k3.agentenv import Limits, SandboxSpec, get_backend
+from k3.agentenv import Limits, SandboxSpec, get_backend, hostfs
 
 PUBLISHED = {"snapshot": 133.0, "restore": 49.0, "fork/child": 122.0}
 SIZES = [4 << 10, 1 << 20, 10 << 20, 100 << 20]
@@ -183,10 +183,10 @@ def scaling_cell(b, size: int, nfiles: int, reps: int, fork_n: int) -> dict:
     return cell
 
 
-def scaling(name: str, reps: int, sizes: list[int], counts: list[int]) -> list[dict]:
+def scaling(name: str, reps: int, sizes: list[int], counts: list[int]):
     b = get_backend(name)
     if not b.available()[0]:
-        return []
+        return
     if name == "gvisor":  # seconds per start: the size axis in the fewest files, the file axis at 1 MiB or less
         mid = max(s for s in sizes if s <= 1 << 20) if min(sizes) <= 1 << 20 else min(sizes)
         grid = [(size, counts[0]) for size in sizes] + [(mid, n) for n in counts[1:]]
@@ -194,7 +194,8 @@ def scaling(name: str, reps: int, sizes: list[int], counts: list[int]) -> list[d
     else:
         grid = [(size, n) for size in sizes for n in counts]
         fork_n = 4
-    return [{"backend": name, **scaling_cell(b, size, n, reps, fork_n)} for size, n in grid]
+    for size, n in grid:  # one at a time, so each row prints as soon as it is measured
+        yield {"backend": name, "fork n": fork_n, **scaling_cell(b, size, n, reps, fork_n)}
 
 
 def ints(csv: str) -> list[int]:
@@ -225,8 +226,9 @@ def main():
     ap.add_argument("--files", default=",".join(map(str, FILE_COUNTS)), help="file counts, comma-separated")
     a = ap.parse_args()
     t0 = time.time()
-    print(f"/dev/kvm {'present' if os.path.exists('/dev/kvm') else 'absent'}; state root on "
-          f"{subprocess.run(['df', '--output=fstype', '/var/tmp'], capture_output=True, text=True).stdout.split()[-1]}")
+    root = hostfs.ensure_state()
+    fstype = subprocess.run(["df", "--output=fstype", str(root)], capture_output=True, text=True).stdout.split()[-1]
+    print(f"/dev/kvm {'present' if os.path.exists('/dev/kvm') else 'absent'}; state root {root} on {fstype}")
     cols = ["create->first exec", "exec", "pause+resume", "snapshot", "restore", "restore->first exec", "fork/child",
             "idle MiB", "held"]
     print("\n| backend | " + " | ".join(cols) + " |")
@@ -240,17 +242,18 @@ def main():
     print("| AgentENV published (Firecracker, bare-metal KVM) | – | – | – | "
           f"{PUBLISHED['snapshot']:.0f} | {PUBLISHED['restore']:.0f} | – | {PUBLISHED['fork/child']:.0f} | – | – |")
 
-    cells = [c for name in filter(None, a.scaling.split(",")) for c in scaling(name, a.scaling_reps, ints(a.sizes), ints(a.files))]
-    if cells:
-        print("\n| backend | workspace | files | snapshot | new layer on disk | restore | fork/child (n) | "
-              "bound: cp -a of the tree | cp -a MB/s |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for c in cells:
-            n = 1 if c["backend"] == "gvisor" else 4
+    header = ("\n| backend | workspace | files | snapshot | new layer on disk | restore | fork/child (n) | "
+              "bound: cp -a of the tree | cp -a MB/s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in filter(None, a.scaling.split(",")):
+        for c in scaling(name, a.scaling_reps, ints(a.sizes), ints(a.files)):
+            if header:
+                print(header, flush=True)
+                header = ""
             mbs = f"{c['size'] / 1e6 / (c['cp -a'] / 1e3):.0f}" if c["size"] >= 1 << 20 else "–"
             print(f"| {c['backend']} | {human(c['size'])} | {c['files']} | {fmt(c['snapshot'])} | "
-                  f"{human(c['layer bytes'])} | {fmt(c['restore'])} | {fmt(c['fork/child'])} ({n}) | {fmt(c['cp -a'])} | "
-                  f"{mbs} |", flush=True)
+                  f"{human(c['layer bytes'])} | {fmt(c['restore'])} | {fmt(c['fork/child'])} ({c['fork n']}) | "
+                  f"{fmt(c['cp -a'])} | {mbs} |", flush=True)
+    if not header:
         print(f"| AgentENV published | – | – | {PUBLISHED['snapshot']:.0f} | – | {PUBLISHED['restore']:.0f} | "
               f"{PUBLISHED['fork/child']:.0f} | – | – |")
     print(f"\nmedians in ms; whole run {time.time() - t0:.0f} s")

@@ -304,6 +304,22 @@ def wait_counting(s, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+def test_leftovers_names_a_layer_directory_nothing_holds(tmp_path):
+    """The suite's no-leftovers check sees a layer whose holds are gone but whose directory stayed (e.g. a
+    failed delete), besides the holds themselves."""
+    root = tmp_path / "state"
+    (root / "layers").mkdir(parents=True)
+    stray = root / "layers" / "snap-stray"
+    stray.mkdir()
+    held = hostfs.new_layer_dir(root, "img-held", "someone")
+    found = hostfs.leftovers(root)
+    assert f"layer directory {stray} that nothing holds" in found
+    assert "layer img-held held by someone" in found and not any("img-held that" in f for f in found)
+    hostfs.release_layers(root, [held], "someone")
+    assert not held.exists()
+    assert not any("img-held" in f for f in hostfs.leftovers(root))
+
+
 def test_pause_stops_progress_and_resume_continues(backend):
     need(backend, "bwrap", "gvisor")
     s = start_counter(backend)
@@ -692,6 +708,32 @@ def test_sandboxes_have_their_own_host_uid_and_per_uid_quotas(backend):
             uids.append({int(open(f"/proc/{p}/status").read().split("\nUid:")[1].split()[1]) for p in pids})
         assert uids[0].isdisjoint(uids[1]), uids
         assert hostfs.SANDBOX_UID not in uids[0] | uids[1]
+    finally:
+        a.close()
+        b.close()
+
+
+KEY_HOG = ("import ctypes, sys, time\nlibc = ctypes.CDLL(None, use_errno=True)\nn = 0\n"
+           "while libc.syscall(248, b'user', f'k{n}'.encode(), b'x' * 100, 100, -2) >= 0:\n"  # add_key
+           "    n += 1\nprint(n, ctypes.get_errno(), flush=True)\ntime.sleep(60)\n")
+
+
+def test_one_sandbox_exhausting_its_key_quota_leaves_others_theirs(backend):
+    """The kernel's key quota (kernel.keys.maxkeys / maxbytes) is per host uid: a command that fills it in one
+    sandbox (keys in its process keyring, held while it sleeps) must not make add_key fail in another."""
+    need(backend, "bwrap")
+    a, b = backend.create(SandboxSpec()), backend.create(SandboxSpec())
+    try:
+        h = a.spawn(["python3", "-c", KEY_HOG])
+        out, deadline = b"", time.monotonic() + 20
+        while not out.strip() and time.monotonic() < deadline:
+            out += a.poll(h)["stdout"]
+            time.sleep(0.05)
+        keys, err = map(int, out.split())
+        assert keys > 0 and err == 122, out  # EDQUOT: its uid's quota is full
+        one = b.exec(["python3", "-c", "import ctypes; print(ctypes.CDLL(None).syscall("
+                      "248, b'user', b'mine', b'x' * 100, 100, -2))"]).text
+        assert int(one) > 0, one  # a key serial: the other sandbox's uid has its own quota
     finally:
         a.close()
         b.close()

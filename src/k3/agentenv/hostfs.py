@@ -166,6 +166,15 @@ def _collect_locked(layer: Path) -> bool:
     return True
 
 
+def new_layer_dir(root: Path, name: str, user: str) -> Path:
+    """An empty layer directory held by `user` (e.g. for a process image), made and held in one step."""
+    layer = root / "layers" / name
+    with layers_locked(root):
+        layer.mkdir()
+        _acquire_locked([layer], user)
+    return layer
+
+
 def release_layers(root: Path, layers, user: str) -> None:
     """Drop `user`'s mark on each layer; a layer left without live users is deleted."""
     with layers_locked(root):
@@ -266,8 +275,9 @@ def remove_tree(d: Path) -> None:
 
 def leftovers(root: Path | None = None, pid: int | None = None) -> list[str]:
     """What sandboxes of process `pid` (default: this one) left behind once all were closed: sandbox
-    directories, mounts, layer holds; and, from any process, sandbox cgroups without a sandbox directory
-    and sandbox-uid processes outside every live sandbox's cgroup. Empty when nothing leaked."""
+    directories, mounts, layer holds; and, from any process, layer directories nothing holds, sandbox cgroups
+    without a sandbox directory and sandbox-uid processes outside every live sandbox's cgroup. Empty when
+    nothing leaked."""
     from k3.agentenv import cgroups, idmap
     root, pid = root or state_root(), pid or os.getpid()
     out = []
@@ -292,6 +302,12 @@ def leftovers(root: Path | None = None, pid: int | None = None) -> list[str]:
                 out.append(f"layer {marker.parent.name} held by {marker.name}")
         except (OSError, ValueError, KeyError):
             pass
+    with layers_locked(root) if (root / "layers").is_dir() else contextlib.nullcontext():
+        # (a layer appears together with its first hold, under this lock)
+        for layer in sorted((root / "layers").iterdir()) if (root / "layers").is_dir() else []:
+            if layer.is_dir() and not layer.name.startswith(".") and layer.name != "empty" and \
+                    not _users(layer).is_dir():
+                out.append(f"layer directory {layer} that nothing holds")
     version = cgroups.detect()[0]
     own = cgroups.own_cgroups() if version else {}
     bases = ([cgroups.CG_ROOT / c / own[c].lstrip("/") for c in cgroups.V1_CONTROLLERS] if version == "v1" else

@@ -312,9 +312,7 @@ class GVisorSandbox(Sandbox):
                         self._runsc("resume", self.id)
                 hostfs.acquire_layers(self.backend.root, self.layers, ref)
                 return Snapshot("gvisor", self.spec, (str(layer), *self.layers), "fs", ref=ref)
-            image = self.backend.root / "layers" / f"img-{uuid.uuid4().hex[:12]}"
-            image.mkdir()
-            hostfs.acquire_layers(self.backend.root, [image], ref)
+            image = hostfs.new_layer_dir(self.backend.root, f"img-{uuid.uuid4().hex[:12]}", ref)
             # checkpoint, then copy the workspace: the image must match the files it had open
             self._runsc("checkpoint", "--image-path", str(image), self.id, timeout=120)
             layer = hostfs.seal_upper(self.upper, self.backend.root, f"snap-{uuid.uuid4().hex[:12]}", ref)
