@@ -3,7 +3,7 @@
 # the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests kernels kbench decode prefill train
-#   train-ckpt moe vision serve serve64 sampler profile pack
+#   train-ckpt moe mxfp4 vision serve serve64 sampler profile pack
 #   (default: all but kernels, kbench, train-ckpt, profile and pack). tests = every GPU test (k3's Triton kernel
 #   tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve64 = the serving bench at 64 streams only (set K3_TRITON to time
@@ -45,7 +45,7 @@ for step in $steps; do
         tests) xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
             run tests 480 python3 -m pytest -v -rfE -p no:cacheprovider $xdist tests/test_gpu.py \
                 tests/test_mla_decode_triton.py tests/test_attn_res_triton.py tests/test_norm_triton.py \
-                tests/test_conv_triton.py tests/test_situ_triton.py ;;
+                tests/test_conv_triton.py tests/test_situ_triton.py tests/test_mxfp4_triton.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;
@@ -59,8 +59,9 @@ for step in $steps; do
         train-ckpt) run train-ckpt 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
         kernels) run kernels 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_attn_res_triton.py tests/test_situ_triton.py \
             tests/test_norm_triton.py tests/test_conv_triton.py tests/test_mla_decode_triton.py tests/test_gpu.py \
-            -k "not graphed and not chunk" ;;
+            tests/test_mxfp4_triton.py -k "not graphed and not chunk" ;;
         moe) run moe 120 python3 benchmarks/bench_gpu_moe.py ;;
+        mxfp4) run mxfp4 240 python3 benchmarks/bench_mxfp4_gemm.py ;;
         vision) run vision 120 python3 benchmarks/bench_gpu_vision.py ;;
         sampler) run sampler 60 python3 benchmarks/bench_serve_host.py --sampler --device cuda ;;
         serve64) run serve64 240 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \

@@ -10,13 +10,19 @@ import torch
 
 from k3.model.cache import StaticCache
 from k3.ops.fused_linear import fuse_projections
+from k3.ops.mx_experts import packed_kernels_enabled
 
 
 def graph_blocker(model) -> str | None:
     """Why the model's decode step cannot be captured in a CUDA graph, or None when it can: packed MXFP4
-    experts dequantize expert by expert after reading the expert counts on the host."""
-    if any(getattr(m, "packed", False) for m in model.modules()):
-        return "packed MXFP4 experts read their expert counts on the host (no CUDA graph can hold that)"
+    experts are capturable through k3's Triton MXFP4 kernels only; without them (no triton, K3_NO_TRITON), or
+    with QAT's emulated MXFP8 activations, they dequantize expert by expert after reading the counts on the host."""
+    moes = [m for m in model.modules() if getattr(getattr(m, "experts", None), "packed", False)]
+    if moes and not packed_kernels_enabled():
+        return ("packed MXFP4 experts read their expert counts on the host without k3's Triton MXFP4 kernels "
+                "(triton missing or switched off by K3_NO_TRITON), and no CUDA graph can hold that")
+    if any(getattr(m, "qat", False) for m in moes):
+        return "packed MXFP4 experts with QAT's emulated MXFP8 activations read their expert counts on the host"
     return None
 
 

@@ -9,7 +9,8 @@ from k3.ops.fused_linear import FusedLinears
 from k3.ops.fused_situ import situ_glu_fast
 from k3.ops.grouped_mm import expert_situ_mlp
 from k3.ops.moe_decode import selected_experts_situ_mlp, use_selected_experts
-from k3.ops.mx_experts import packed_expert_situ_mlp, qat_expert_situ_mlp
+from k3.ops.mx_experts import (packed_expert_situ_mlp, packed_selected_experts_situ_mlp,
+                               packed_selected_experts_take, qat_expert_situ_mlp)
 from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
 
 
@@ -95,10 +96,13 @@ class LatentMoE(nn.Module):
         (The seam expert parallelism replaces: k3.parallel.expert_parallel.)"""
         N, k = idx.shape
         e = self.experts
-        needs_grad = torch.is_grad_enabled() and (z.requires_grad or e.w1.requires_grad)
-        if not (e.packed or self.qat) and use_selected_experts(N, k, self.num_experts, needs_grad):
+        needs_grad = torch.is_grad_enabled() and (z.requires_grad or (not e.packed and e.w1.requires_grad))
+        if use_selected_experts(N, k, self.num_experts, needs_grad):
             # decode: each token reads its k experts in place, no sort, scatter or grouped offsets
-            return selected_experts_situ_mlp(z, idx, w, e.w1, e.w3, e.w2, *self.betas)
+            if not (e.packed or self.qat):
+                return selected_experts_situ_mlp(z, idx, w, e.w1, e.w3, e.w2, *self.betas)
+            if e.packed and packed_selected_experts_take(z, self.qat):
+                return packed_selected_experts_situ_mlp(z, idx, w, e, *self.betas)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # the N·k (token, choice) slots sorted by expert
         slot = inverse_permutation(order)

@@ -1,15 +1,23 @@
 """Routed experts through MX formats: the QAT forward (fake-quantized) and inference from packed MXFP4.
 
 Both follow `k3.ops.grouped_mm.expert_situ_mlp`'s contract: rows of x sorted by expert, `counts[e]` rows for
-expert e, `y = W2_e SiTU(W1_e x, W3_e x)` with weights in checkpoint `[out, in]` layout.
+expert e, `y = W2_e SiTU(W1_e x, W3_e x)` with weights in checkpoint `[out, in]` layout. Packed experts run on
+CUDA through k3's Triton MXFP4 kernels (`k3.ops._mxfp4_triton`: dequantised in registers, counts never read on
+the host, so decode steps are CUDA graphs), grouped or, at decode, one slot per (token, choice) with no sort;
+`packed_expert_situ_mlp_reference` (dequantise, then matmul, expert by expert) is the definition they are
+tested against, and what runs elsewhere.
 """
 import torch
 
+from k3 import envs
 from k3.ops.grouped_mm import grouped_linear
 from k3.ops.mx import BLOCK, mxfp4_fake_quant, mxfp4_pack, mxfp4_unpack, mxfp8_fake_quant
 from k3.ops.situ import situ_glu
+from k3.ops.triton_dispatch import on_device, triton_module
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
+EXPERT_ORDER = ("w1", "w3", "w2")  # gate, up, down: the kernels' argument order
+_KERNELS = "_mxfp4_triton"
 
 
 def qat_expert_situ_mlp(x, counts, w1, w3, w2, beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
@@ -21,15 +29,33 @@ def qat_expert_situ_mlp(x, counts, w1, w3, w2, beta_gate=4.0, beta_up=25.0) -> t
     return grouped_linear(mxfp8_fake_quant(h), counts, q2)
 
 
-def packed_expert_situ_mlp(x, counts: torch.Tensor, experts, beta_gate=4.0, beta_up=25.0,
-                           quantize_activations: bool = False) -> torch.Tensor:
+def packed_kernels_enabled() -> bool:
+    """Whether k3's Triton MXFP4 expert kernels can run (triton importable, not switched off by K3_NO_TRITON).
+    Where they can, packed experts never read their counts on the host, so decode steps can be CUDA graphs."""
+    return not envs.current().triton_off(_KERNELS) and triton_module(_KERNELS) is not None
+
+
+def _kernels_take(x: torch.Tensor, quantize_activations: bool) -> bool:
+    # also inside torch.compile: the kernels run eagerly behind a graph break (torch.compiler.disable below),
+    # where the reference would read the counts on the host and break a CUDA-graph capture
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and not quantize_activations
+            and packed_kernels_enabled())
+
+
+def _packed(experts, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
+
+
+def packed_expert_situ_mlp_reference(x, counts: torch.Tensor, experts, beta_gate=4.0, beta_up=25.0,
+                                     quantize_activations: bool = False) -> torch.Tensor:
     """Inference from packed MXFP4 experts: each expert that received tokens is dequantized on the fly (one
     expert's three matrices at a time, so the float copy never exceeds one expert). x: [S, L] → [S, L].
+    Never dispatches; reads `counts` on the host.
 
     quantize_activations: MXFP8-quantize the GEMM inputs as QAT does (emulated MXFP4 x MXFP8 inference)."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("packed MXFP4 experts read their expert counts on the host and cannot be captured in a "
-                           "CUDA graph (decode graphs are off for such models: k3.model.cuda_graph.graph_blocker)")
+        raise RuntimeError("the packed MXFP4 experts' reference reads the expert counts on the host and cannot be "
+                           "captured in a CUDA graph (k3.model.cuda_graph.graph_blocker says when it would run)")
     act = mxfp8_fake_quant if quantize_activations else (lambda t: t)
     out = x.new_empty(x.shape[0], experts.w2_packed.shape[1])
     start = 0
@@ -41,6 +67,41 @@ def packed_expert_situ_mlp(x, counts: torch.Tensor, experts, beta_gate=4.0, beta
             out[start:start + n] = act(situ_glu(xe @ w1.t(), xe @ w3.t(), beta_gate, beta_up)) @ w2.t()
         start += n
     return out
+
+
+@torch.compiler.disable
+def _grouped_kernels(x, counts, experts, beta_gate, beta_up):
+    with on_device(x):
+        return triton_module(_KERNELS).grouped_situ_mlp(x, counts, *(_packed(experts, w) for w in EXPERT_ORDER),
+                                                        beta_gate, beta_up)
+
+
+def packed_expert_situ_mlp(x, counts: torch.Tensor, experts, beta_gate=4.0, beta_up=25.0,
+                           quantize_activations: bool = False) -> torch.Tensor:
+    """`packed_expert_situ_mlp_reference`, by k3's Triton MXFP4 grouped GEMMs on CUDA (weights dequantized in
+    registers, counts kept on the device: capturable in a CUDA graph); emulated MXFP8 activations take the
+    reference."""
+    if _kernels_take(x, quantize_activations):
+        return _grouped_kernels(x, counts, experts, beta_gate, beta_up)
+    return packed_expert_situ_mlp_reference(x, counts, experts, beta_gate, beta_up, quantize_activations)
+
+
+def packed_selected_experts_take(z: torch.Tensor, quantize_activations: bool) -> bool:
+    """Whether `packed_selected_experts_situ_mlp` can run for z (CUDA, Triton MXFP4 kernels, no MXFP8 emulation)."""
+    return _kernels_take(z, quantize_activations)
+
+
+@torch.compiler.disable
+def packed_selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts,
+                                     beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
+    """Decode from packed MXFP4 experts: r[n] = Σ_j weights[n, j] · W2_e SiTU(W1_e z[n], W3_e z[n]),
+    e = idx[n, j], each (token, choice) reading only its expert's bytes, with no sort (the contract of
+    `k3.ops.moe_decode.selected_experts_situ_mlp_reference`). Needs `packed_selected_experts_take(z, ...)`."""
+    N, k = idx.shape
+    with on_device(z):
+        y = triton_module(_KERNELS).selected_situ_mlp(z, idx, *(_packed(experts, w) for w in EXPERT_ORDER),
+                                                      beta_gate, beta_up)
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(N, k, -1)).squeeze(1)
 
 
 def pack_experts_(experts: torch.nn.Module, empty: bool = False) -> torch.nn.Module:

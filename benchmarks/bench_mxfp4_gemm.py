@@ -1,0 +1,164 @@
+"""K3's routed experts from packed MXFP4 on one GPU: k3's Triton kernels (dequantised in registers) against the
+peer, bf16 `torch._grouped_mm` on the same weights dequantised ahead of time, and the byte roofline.
+
+Shapes: K3's released experts (latent 3584, expert intermediate 3072, 896 experts, top-16), all 896 packed on
+the card (15.7 GB: packed bytes and E8M0 scales of w1, w3, w2), each token routed to 16 distinct random experts.
+* decode: 1, 8, 64 tokens. "selected" = the decode kernels (each (token, choice) reads its expert in place,
+  no sort; what the model takes while N·k <= E/4), "grouped" = the grouped kernels on rows sorted by expert.
+  Roofline = packed bytes of the experts the step touches (w1, w3, w2 and their scales) / bandwidth, both the
+  H200's 4.8 TB/s datasheet figure and the copy bandwidth measured in this run (bytes read + written).
+* prefill: 2048 and 8192 tokens (32K and 128K rows); TFLOP/s = 2·rows·3·L·I / time, against the bf16 matmul
+  rate measured in this run.
+The peer reads bf16 weights (4× the bytes) and is timed on the same routing; "peer+dequant" (decode) adds the
+dequantisation of the touched experts that a bf16 path needs each step.
+--sweep: also time other tile configurations (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, W_LEFT) of the kernels at
+decode T=1 (selected), T=64 (grouped) and prefill T=8192, to choose `tile_config`'s defaults
+(the last entry, W_LEFT: the weight tile as the dot's left operand, else the right one).
+Run: PYTHONPATH=src python benchmarks/bench_mxfp4_gemm.py [--quick] [--sweep]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench_util import measure_ceilings, save, table, time_ms  # noqa: E402
+
+from k3.ops.grouped_mm import expert_situ_mlp_grouped  # noqa: E402
+from k3.ops.mx import mxfp4_unpack  # noqa: E402
+from k3.ops.mx_experts import EXPERT_ORDER, packed_expert_situ_mlp, packed_selected_experts_situ_mlp  # noqa: E402
+from k3.ops.triton_dispatch import triton_module  # noqa: E402
+
+H200_TBPS = 4.8
+
+
+class Packed(torch.nn.Module):
+    def __init__(self, E, L, I):
+        super().__init__()
+        for name, (out, inp) in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I))):
+            self.register_buffer(f"{name}_packed", torch.randint(0, 256, (E, out, inp // 2), device="cuda",
+                                                                 dtype=torch.uint8))
+            self.register_buffer(f"{name}_scale", torch.randint(118, 122, (E, out, inp // 32), device="cuda",
+                                                                dtype=torch.uint8))
+        self.packed = True
+
+    def dense(self, name, experts=None, chunk=32):
+        p, s = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
+        if experts is not None:
+            return mxfp4_unpack(p[experts], s[experts], torch.bfloat16)
+        out = torch.empty(*p.shape[:-1], p.shape[-1] * 2, device="cuda", dtype=torch.bfloat16)
+        for a in range(0, p.shape[0], chunk):
+            out[a:a + chunk] = mxfp4_unpack(p[a:a + chunk], s[a:a + chunk], torch.bfloat16)
+        return out
+
+
+def routing(T, E, k, gen):
+    idx = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(T)])
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.long, device="cuda").scatter_add_(0, flat, torch.ones_like(flat))
+    return idx, counts, order
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="64 experts of a quarter the width (a smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="time other tile configurations too")
+    a = ap.parse_args()
+    E, L, I, k = (64, 896, 768, 16) if a.quick else (896, 3584, 3072, 16)
+    ceil = measure_ceilings()
+    bw = ceil["copy_TBps"] * 1e12
+    print(f"copy {ceil['copy_TBps']:.2f} TB/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    experts = Packed(E, L, I)
+    per_expert = sum(getattr(experts, f"{n}_{p}")[0].numel() for n in ("w1", "w3", "w2") for p in ("packed", "scale"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    with torch.no_grad():
+        dense = {n: experts.dense(n) for n in ("w1", "w3", "w2")}  # the peer's bf16 weights (4× the bytes)
+        for T in (1, 8, 64):
+            idx, counts, order = routing(T, E, k, gen)
+            z = torch.randn(T, L, device="cuda", dtype=torch.bfloat16)
+            x = z.repeat_interleave(k, 0)[order]
+            wt = torch.rand(T, k, device="cuda", dtype=torch.bfloat16)
+            touched = int((counts > 0).sum())
+            floor_ms = touched * per_expert / bw * 1e3
+            floor_ds_ms = touched * per_expert / (H200_TBPS * 1e12) * 1e3
+            used = torch.nonzero(counts).flatten()
+
+            def peer_dequant():
+                for n in ("w1", "w3", "w2"):
+                    for part in used.split(32):  # in pieces: float32 temporaries of 600 experts would not fit
+                        dense[n][part] = experts.dense(n, part)
+                return expert_situ_mlp_grouped(x, counts, dense["w1"], dense["w3"], dense["w2"])
+            times = {
+                "grouped": time_ms(lambda: packed_expert_situ_mlp(x, counts, experts), reps=20, inner=5),
+                "peer": time_ms(lambda: expert_situ_mlp_grouped(x, counts, dense["w1"], dense["w3"], dense["w2"]),
+                                reps=20, inner=5),
+                "peer+dequant": time_ms(peer_dequant, reps=10),
+            }
+            if T * k <= E // 4:
+                times["selected"] = time_ms(lambda: packed_selected_experts_situ_mlp(z, idx, wt, experts),
+                                            reps=20, inner=5)
+            for name, ms in times.items():
+                rows.append({"case": f"decode T={T}", "path": name, "experts read": touched, "ms": ms,
+                             "floor ms (copy bw)": floor_ms, "% of copy-bw floor": 100 * floor_ms / ms,
+                             "% of 4.8 TB/s": 100 * floor_ds_ms / ms, "TB/s (packed)": touched * per_expert / ms / 1e9})
+            print(table(rows[-len(times):], list(rows[-1])), flush=True)
+        for T in ((512,) if a.quick else (2048, 8192)):
+            idx, counts, order = routing(T, E, k, gen)
+            x = torch.randn(T * k, L, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * T * k * 3 * L * I
+            for name, fn in (("grouped", lambda: packed_expert_situ_mlp(x, counts, experts)),
+                             ("peer", lambda: expert_situ_mlp_grouped(x, counts, dense["w1"], dense["w3"],
+                                                                      dense["w2"]))):
+                ms = time_ms(fn, reps=10)
+                rows.append({"case": f"prefill T={T}", "path": name, "ms": ms, "TFLOP/s": flops / ms / 1e9,
+                             "% of matmul": 100 * flops / ms / 1e9 / ceil["matmul_TFLOPs"]})
+            print(table(rows[-2:], list(rows[-1])), flush=True)
+    if a.sweep:
+        sweep(experts, E, L, k, gen, per_expert, bw)
+    cols = ["case", "path", "experts read", "ms", "floor ms (copy bw)", "% of copy-bw floor", "% of 4.8 TB/s",
+            "TB/s (packed)", "TFLOP/s", "% of matmul"]
+    print(table(rows, cols))
+    save("bench_mxfp4_gemm", {"shape": {"E": E, "L": L, "I": I, "k": k}, "ceilings": ceil, "rows": rows})
+
+
+DECODE_CONFIGS = [(16, 64, 128, 4, 3, True), (16, 64, 128, 4, 3, False), (16, 128, 128, 4, 3, False),
+                  (16, 64, 64, 4, 4, False), (16, 128, 64, 4, 4, False), (64, 64, 128, 4, 3, False),
+                  (16, 64, 256, 4, 3, False), (16, 128, 128, 8, 3, False)]
+PREFILL_CONFIGS = [(64, 128, 64, 4, 4, True), (64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
+                   (128, 128, 64, 4, 3, False), (64, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, False)]
+
+
+def sweep(experts, E, L, k, gen, per_expert, bw):
+    mod = triton_module("_mxfp4_triton")
+    w = [(getattr(experts, f"{n}_packed"), getattr(experts, f"{n}_scale")) for n in EXPERT_ORDER]
+    rows = []
+    with torch.no_grad():
+        for T, kind, configs in ((1, "selected", DECODE_CONFIGS), (64, "grouped", DECODE_CONFIGS),
+                                 (8192, "grouped", PREFILL_CONFIGS)):
+            idx, counts, order = routing(T, E, k, gen)
+            z = torch.randn(T, L, device="cuda", dtype=torch.bfloat16)
+            x = z.repeat_interleave(k, 0)[order]
+            touched = int((counts > 0).sum())
+            for cfg in configs:
+                if kind == "selected":
+                    fn = lambda: mod.selected_situ_mlp(z, idx, *w, 4.0, 25.0, config=cfg)  # noqa: E731
+                else:
+                    fn = lambda: mod.grouped_situ_mlp(x, counts, *w, 4.0, 25.0, config=cfg)  # noqa: E731
+                try:
+                    ms = time_ms(fn, reps=10, inner=3 if T < 1000 else 1)
+                except Exception as exc:  # a configuration that does not compile or fit is a row, not a stop
+                    rows.append({"case": f"T={T} {kind}", "config": str(cfg), "error": str(exc)[:80]})
+                    continue
+                flops = 2 * T * k * 3 * L * w[0][0].shape[1]
+                rows.append({"case": f"T={T} {kind}", "config": str(cfg), "ms": ms,
+                             "% of copy-bw floor": 100 * touched * per_expert / bw * 1e3 / ms,
+                             "TFLOP/s": flops / ms / 1e9})
+            print(table(rows, ["case", "config", "ms", "% of copy-bw floor", "TFLOP/s", "error"]), flush=True)
+            rows = []
+
+
+if __name__ == "__main__":
+    main()

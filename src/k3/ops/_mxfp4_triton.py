@@ -1,0 +1,268 @@
+"""Triton kernels for routed experts stored as packed MXFP4 (imported only through k3.ops.triton_dispatch; needs
+triton). Hopper has no FP4 tensor cores, so each program dequantises its weight tile in registers (two E2M1
+codes a byte, the even column in the low nibble, one E8M0 scale per 32 input columns: SPEC §4) and feeds it to
+`tl.dot` in bf16 (fp32 inputs keep fp32, IEEE). In bf16 the low and high nibbles stay two separate half-tiles,
+met by the activations' even and odd columns (split in registers), and an inline-PTX routine makes two bf16
+weights from a nibble pair in ~3.5 instructions a weight (`_E2M1_BF16X2_ASM`).
+
+Operand order (W_LEFT): the dequantised weights as the dot's right operand (written to shared memory in their
+own layout) measured faster on the H200 than as the left one (a few-row decode tile then fills the tensor
+cores' wide side with weights, but the registers' dot layout pulls a shuffle through shared memory in
+front of the dequantisation): `tile_config` picks the right operand for bf16.
+
+One kernel, two schedules; neither reads anything on the host, so both can be captured in a CUDA graph:
+* grouped (prefill, big batches): rows sorted by expert, `counts` per expert on the device; a tile is BLOCK_M
+  rows of one expert, from `tile_schedule`, which sizes the grid by an upper bound on the tile count;
+* selected (decode): tile t is slot t = (token t // k, choice t % k), expert idx[t]: one row, no sort, and only
+  the selected experts' bytes are read.
+GLU: the gate (w1) and up (w3) tiles of the same rows in one program, SiTU-GLU in the epilogue.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops._situ_triton import _sigmoid, _tanh
+
+
+@triton.jit
+def _dequant_tile(p, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed bytes p [BLOCK_N, BLOCK_K/2] and scale bytes s [BLOCK_N, BLOCK_K/32] → float32 [BLOCK_N, BLOCK_K]
+    (the exact path, for fp32 and fp16 inputs: fp32 arithmetic, columns in order)."""
+    c = tl.interleave(p & 0xF, p >> 4).to(tl.uint32)  # the even column is the low nibble
+    mag = c & 7  # 0..7 → {0, .5, 1, 1.5, 2, 3, 4, 6}; from 2 on: exponent (mag >> 1) - 1, mantissa bit mag & 1
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 126 << 23, 0))
+    v = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    sb = s.to(tl.uint32)
+    # 2^(s - 127) from exponent bits; byte 0 is 2^-127, below float32's normals: mantissa bit 22
+    scale = tl.where(sb == 0, 1 << 22, sb << 23).to(tl.float32, bitcast=True)
+    w = tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+# bf16 pairs from 4 packed bytes b0..b3 (one register) and their 4 scales (bf16, two registers): $0, $1 = the
+# low nibbles' values (b0, b1), (b2, b3); $2, $3 = the high nibbles'. Each code's sign bit goes to bf16 bit 15
+# and its 3 magnitude bits to bits 6..8 (exponent low bits and the top mantissa bit): that bf16 is the E2M1
+# value times 2^-126, exactly (magnitude 1, the value 0.5, is a bf16 subnormal), so one bf16x2 multiply by
+# 2^126 gives the value and a second by the scale gives the weight, both exact. About 3.5 instructions a weight
+# (the generic form, with selects and a float32 round trip, took ~14: decode was bound by them).
+_E2M1_BF16X2_ASM = tl.constexpr("""
+{
+.reg .b32 z, t01, t23, a, b, big;
+mov.b32 z, 0;
+mov.b32 big, 0x7E807E80;
+prmt.b32 t01, $4, z, 0x4140;
+prmt.b32 t23, $4, z, 0x4342;
+shl.b32 a, t01, 6;
+shl.b32 b, t01, 12;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 a, a, big;
+mul.rn.bf16x2 $0, a, $5;
+shl.b32 a, t23, 6;
+shl.b32 b, t23, 12;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 a, a, big;
+mul.rn.bf16x2 $1, a, $6;
+shl.b32 a, t01, 2;
+shl.b32 b, t01, 8;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 a, a, big;
+mul.rn.bf16x2 $2, a, $5;
+shl.b32 a, t23, 2;
+shl.b32 b, t23, 8;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, b;
+mul.rn.bf16x2 a, a, big;
+mul.rn.bf16x2 $3, a, $6;
+}
+""")
+
+
+@triton.jit
+def _dequant_halves_bf16(p, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed bytes p [BLOCK_N, BLOCK_K/2], scale bytes s [BLOCK_N, BLOCK_K/32] → (even columns, odd columns),
+    each bf16 [BLOCK_N, BLOCK_K/2]: the low and the high nibbles, never interleaved (the activations are split
+    the same way instead)."""
+    sb = s.to(tl.uint16)
+    scale = tl.where(sb == 0, 0x0040, sb << 7).to(tl.bfloat16, bitcast=True)  # 2^(s-127); byte 0 subnormal
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+    return tl.inline_asm_elementwise(_E2M1_BF16X2_ASM, "=r,=r,=r,=r,r,r,r", [p, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _accumulate(acc, w_p, w_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, EXACT: tl.constexpr, W_LEFT: tl.constexpr):
+    """acc + this K block's products: W x^T [BLOCK_N, BLOCK_M] when W_LEFT, else x W^T [BLOCK_M, BLOCK_N]."""
+    p = tl.load(w_p + w_off + kp[None, :], mask=p_mask, other=0)
+    s = tl.load(w_s + s_off + kb[None, :], mask=s_mask, other=127)
+    if EXACT:
+        w = _dequant_tile(p, s, BLOCK_N, BLOCK_K)
+        if W_LEFT:
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(xt), tl.trans(w), acc, input_precision="ieee")
+    else:
+        even, odd = _dequant_halves_bf16(p, s, BLOCK_N, BLOCK_K)
+        if W_LEFT:
+            acc = tl.dot(even, xe, acc)
+            acc = tl.dot(odd, xo, acc)
+        else:  # the weights as the right operand: they go to shared memory as dequantised, in their own layout
+            acc = tl.dot(xe, tl.trans(even), acc)
+            acc = tl.dot(xo, tl.trans(odd), acc)
+    return acc
+
+
+@triton.jit
+def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_tiles_ptr, TOP_K,
+                        beta_gate, beta_up, N: tl.constexpr, K: tl.constexpr, SELECTED: tl.constexpr,
+                        GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EXACT: tl.constexpr, W_LEFT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    if SELECTED:  # slot t: token t // TOP_K's row, expert sched[t], output row t
+        e = tl.load(sched_ptr + t).to(tl.int64)
+        x_row, y_row, n_rows = t // TOP_K, t, 1
+    else:  # sched: [3, max_tiles] = expert, first row, rows of each tile; tiles past the count do nothing
+        if t >= tl.load(num_tiles_ptr):
+            return
+        e = tl.load(sched_ptr + t).to(tl.int64)
+        x_row = tl.load(sched_ptr + tl.num_programs(1) + t)
+        y_row = x_row
+        n_rows = tl.load(sched_ptr + 2 * tl.num_programs(1) + t)
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < n_rows
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kh, ks = K // 2, K // 32
+    w_off = e * N * kh + n[:, None].to(tl.int64) * kh
+    s_off = e * N * ks + n[:, None].to(tl.int64) * ks
+    x_rows = x_ptr + (x_row + m[None, :]).to(tl.int64) * K
+    acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if W_LEFT else (BLOCK_M, BLOCK_N)
+    acc_a = tl.zeros(acc_shape, dtype=tl.float32)
+    acc_b = tl.zeros(acc_shape, dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        p_mask = n_ok[:, None] & (kp[None, :] < kh)
+        s_mask = n_ok[:, None] & (kb[None, :] < ks)
+        if EXACT:  # x^T [BLOCK_K, BLOCK_M] in column order
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_rows + kk[:, None], mask=m_ok[None, :] & (kk[:, None] < K), other=0.0).to(tl.float32)
+            xe, xo = xt, xt
+        else:  # x^T's even and odd columns, [BLOCK_K/2, BLOCK_M] each, to meet the low and high nibbles; loaded
+            # as whole rows (vector loads) and split in registers: strided loads cost an instruction an element
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(tl.trans(x_rows) + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)
+            xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+            if W_LEFT:
+                xe, xo = tl.trans(xe), tl.trans(xo)
+            xt = xe
+        acc_a = _accumulate(acc_a, wa_p, wa_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BLOCK_N,
+                            BLOCK_K, EXACT, W_LEFT)
+        if GLU:
+            acc_b = _accumulate(acc_b, wb_p, wb_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BLOCK_N,
+                                BLOCK_K, EXACT, W_LEFT)
+    out = acc_a
+    if GLU:
+        gate = beta_gate * _tanh(acc_a * (1.0 / beta_gate), EXACT) * _sigmoid(acc_a, EXACT)
+        out = gate * (beta_up * _tanh(acc_b * (1.0 / beta_up), EXACT))
+    if W_LEFT:
+        tl.store(y_ptr + (y_row + m[None, :]).to(tl.int64) * N + n[:, None], out.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[None, :] & n_ok[:, None])
+    else:
+        tl.store(y_ptr + (y_row + m[:, None]).to(tl.int64) * N + n[None, :], out.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tile_schedule(counts: torch.Tensor, block_m: int, max_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles of at most block_m rows, none spanning two experts, from per-expert row counts on the device (no
+    host sync). Returns (sched int32 [3, max_tiles]: expert, first row, rows; num_tiles int32 [1])."""
+    counts = counts.to(torch.int32)
+    tiles = (counts + (block_m - 1)) // block_m
+    tiles_end = torch.cumsum(tiles, 0, dtype=torch.int32)
+    rows_end = torch.cumsum(counts, 0, dtype=torch.int32)
+    t = torch.arange(max_tiles, dtype=torch.int32, device=counts.device)
+    e = torch.searchsorted(tiles_end, t, right=True).clamp_(max=counts.numel() - 1).to(torch.int32)
+    first = rows_end[e] - counts[e] + (t - (tiles_end[e] - tiles[e])) * block_m
+    rows = (rows_end[e] - first).clamp_(0, block_m)
+    return torch.stack((e, first, rows)), tiles_end[-1:]
+
+
+def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on Σ_e ceil(counts[e] / block_m) for any counts summing to num_rows: each expert that has
+    rows adds at most one partial tile."""
+    return triton.cdiv(num_rows, block_m) + min(num_experts, num_rows)
+
+
+def _launch(x, w_a, w_b, out, sched, num_tiles, tiles, top_k, selected, betas, config):
+    block_m, block_n, block_k, num_warps, num_stages, w_left = config
+    packed_a, scale_a = w_a
+    packed_b, scale_b = w_b if w_b is not None else w_a
+    E, N, kh = packed_a.shape
+    exact = x.dtype != torch.bfloat16  # fp32 (and fp16, whose range cannot hold every weight) stay fp32
+    grid = (triton.cdiv(N, block_n), tiles)
+    _expert_gemm_kernel[grid](x, packed_a, scale_a, packed_b, scale_b, out, sched, num_tiles, top_k,
+                              float(betas[0]), float(betas[1]), N=N, K=2 * kh, SELECTED=selected,
+                              GLU=w_b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EXACT=exact,
+                              W_LEFT=w_left, num_warps=num_warps, num_stages=num_stages)
+
+
+def tile_config(rows_per_tile: int, x: torch.Tensor) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, W_LEFT): a few-row tile for decode-like loads, 64-row
+    tiles for prefill; fp32 inputs take smaller tiles (twice the registers per element). W_LEFT: the weight
+    tile is the dot's left operand (fills the tensor cores' wide side at decode), else the right one."""
+    block_m = 16 if rows_per_tile <= 16 else (32 if rows_per_tile <= 32 else 64)
+    if x.dtype != torch.bfloat16:
+        return block_m, 32, 64, 4, 2, True
+    # from the H200 sweep (benchmarks/bench_mxfp4_gemm.py --sweep, RESULTS.md): the weights as the right operand
+    # (stored to shared memory as dequantised) beat the left one (converted through shared memory in registers'
+    # dot layout) at every shape: 0.177 against 0.253 ms at decode T=1, 215 against 176 TFLOP/s at prefill
+    if block_m == 64:
+        return 64, 128, 64, 4, 4, False
+    return block_m, 128, 128, 4, 3, False
+
+
+def grouped_situ_mlp(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, beta_gate: float, beta_up: float,
+                     rows_hint: int | None = None, config=None) -> torch.Tensor:
+    """Rows of x [S, L] sorted by expert, counts [E] on the device; w1, w3, w2: (packed, scale) pairs in the
+    checkpoint layout ([E, I, L/2] + [E, I, L/32]; [E, L, I/2] + [E, L, I/32]). Returns [S, L] in x's dtype.
+    rows_hint: the expected rows per expert (chooses the tile height; the default assumes a balanced load);
+    config: `tile_config`'s tuple, to override it (benchmarks)."""
+    S, L = x.shape
+    E, I = w1[0].shape[:2]
+    x = x.contiguous()
+    out = x.new_empty(S, L)
+    if S == 0:
+        return out
+    config = config or tile_config(rows_hint or -(-S // E), x)
+    tiles = max_tiles(S, E, config[0])
+    sched, num_tiles = tile_schedule(counts, config[0], tiles)
+    h = x.new_empty(S, I)
+    betas = (beta_gate, beta_up)
+    _launch(x, w1, w3, h, sched, num_tiles, tiles, 1, False, betas, config)
+    _launch(h, w2, None, out, sched, num_tiles, tiles, 1, False, betas, config)
+    return out
+
+
+def selected_situ_mlp(z: torch.Tensor, idx: torch.Tensor, w1, w3, w2, beta_gate: float,
+                      beta_up: float, config=None) -> torch.Tensor:
+    """Decode: y[n·k + j] = W2_e SiTU(W1_e z[n], W3_e z[n]) with e = idx[n, j], each slot reading its expert's
+    packed bytes in place. z: [N, L]; idx: [N, k]. Returns the per-slot outputs [N·k, L] in z's dtype."""
+    N, k = idx.shape
+    E, I = w1[0].shape[:2]
+    L = z.shape[1]
+    z, flat = z.contiguous(), idx.reshape(-1).to(torch.int32)
+    config = config or tile_config(1, z)
+    h = z.new_empty(N * k, I)
+    y = z.new_empty(N * k, L)
+    betas = (beta_gate, beta_up)
+    _launch(z, w1, w3, h, flat, flat, N * k, k, True, betas, config)
+    _launch(h, w2, None, y, flat, flat, N * k, 1, True, betas, config)
+    return y
