@@ -223,7 +223,9 @@ def load_rank_shard(path, layout: RankLayout, device="cpu", dtype: torch.dtype |
                     cut = cut or (0, 0, full[0])
                 index = None if cut is None else (slice(None),) * cut[0] + (slice(cut[1], cut[2]),)
                 t = read(handle, f, raw, index)
-                shard.tensors[name] = t.to(device=device, dtype=torch.float32 if is_f32(name) else dtype)
+                # a fresh tensor on the device, never a view of the file mapping (the file may change under it)
+                placed = torch.empty(t.shape, dtype=torch.float32 if is_f32(name) else dtype, device=device)
+                shard.tensors[name] = placed.copy_(t)
                 if cut is not None and not (name.endswith("A_log") and layout.tp == 1):
                     shard.slices[name] = cut
                 del t
