@@ -16,6 +16,9 @@ class CompletionRenderer:
         self.started: set[int] = set()
         self.decoders: dict[int, object] = {}  # per streamed choice: generated text per token, for offsets
         self.gen_chars: dict[int, int] = {}
+        # a streamed token is sent at once, even while its text is held back, when its logprobs or id are asked for
+        self.wants_tokens = req.logprobs is not None or req.return_token_ids
+        self.plain = not (req.echo or req.logprobs is not None or req.return_token_ids or req.prompt_logprobs is not None)
 
     def header(self) -> dict:
         return {"id": self.cid, "object": "text_completion", "created": now(), "model": self.model}
@@ -95,12 +98,17 @@ class CompletionRenderer:
 
     # ---- chunks and bodies -----------------------------------------------------------------------------
     def stream(self, c: int, out) -> list[dict]:
+        if self.plain:  # the common case, once per token per stream: text only
+            if not (out.new_text or out.finished):
+                return []
+            return [{"id": self.cid, "object": "text_completion", "created": now(), "model": self.model, "choices": [
+                {"index": c, "text": out.new_text, "logprobs": None,
+                 "finish_reason": out.finish_reason if out.finished else None}]}]
         req, p = self.req, c // self.n
         first = c not in self.started
-        prompt_lps = getattr(out, "prompt_logprobs", None)
-        wants_tokens = req.logprobs is not None or req.return_token_ids
+        prompt_lps = out.prompt_logprobs
         if not (out.new_text or out.finished or (first and (req.echo or prompt_lps is not None))
-                or (wants_tokens and out.new_token_ids)):
+                or (self.wants_tokens and out.new_token_ids)):
             return []
         self.started.add(c)
         text = (self.prompt_texts[p] if req.echo and first else "") + out.new_text

@@ -40,7 +40,7 @@ def error_response(status: int, message: str, param=None, type_="invalid_request
 
 
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj)}\n\n"  # json.dumps with default options reuses its one C encoder
 
 
 class LoopMailbox:
