@@ -8,9 +8,14 @@ Assumptions (printed with the plan):
   gradients bf16 and optimizer state split over ep; optimizer state is an fp32 master copy plus Muon's one
   fp32 momentum (8 B/param) or AdamW's two (12 B/param). Activations with per-layer recomputation: every
   layer's bf16 input kept, one layer's working set live, and the fp32 logits of the local tokens.
-- serving: dense weights replicated on every GPU (no tensor parallelism here); MLA latent KV in bf16 for
-  the GPU's sequences and its 1/cp of the context; one KDA state per sequence per layer (fp32); activations
-  of one prefill chunk.
+- serving (`plan_memory(mode="serve")`, a fixed batch): dense weights replicated on every GPU; MLA latent KV
+  in bf16 for the GPU's sequences and its 1/cp of the context; one KDA state per sequence per layer (fp32);
+  activations of one prefill chunk.
+- `k3 plan --serve` (`plan_serve`, `smallest_serve`): the dense weights split over tp GPUs as rank-sharded
+  loading splits them (k3.checkpoint.sharded.tp_slice: attention by heads, MLPs by width, vocabulary), or
+  attention kept whole per GPU under data-parallel attention; experts over ep; what is left after weights,
+  activations and a runtime reserve holds MLA latents (replicated within a TP group) and KDA states (split by
+  heads under TP), sized by the serving pool's own arithmetic (k3.serve.block_pool.plan_capacity).
 """
 from __future__ import annotations
 
@@ -122,10 +127,10 @@ def plan_memory(config: K3Config, gpus: int, gpu_memory: int, mode: str = "train
         parts["activations"] = (tokens * (config.num_hidden_layers * D * 2 + working)
                                 + kda_states + tokens * config.vocab_size * 4)
     else:
-        r = c["report"]
+        per_token, per_seq = cache_bytes_per_token_and_sequence(config)
         parts["dense weights (bf16, replicated)"] = c["dense"] * 2
-        parts["MLA latent KV (bf16)"] = r["mla_cache_bytes_per_token_bf16"] * tokens
-        parts["KDA states (fp32)"] = r["kda_state_bytes_per_sequence"] * seqs
+        parts["MLA latent KV (bf16)"] = per_token * tokens
+        parts["KDA states (fp32)"] = per_seq * seqs
         chunk = min(prefill_chunk, tokens)
         parts["activations"] = chunk * (working + config.vocab_size * 4 / max(seqs, 1))
     return MemoryPlan(mode, gpus, dp, ep, cp, gpu_memory, {k: int(v) for k, v in parts.items()})
