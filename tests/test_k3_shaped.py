@@ -13,7 +13,7 @@ from k3.checkpoint.hf import CheckpointError, load_pretrained
 from k3.checkpoint.plan import plan_totals
 from k3.cli import main
 from k3.ops.mx import mxfp4_unpack
-from test_checkpoint import read_headers
+from test_checkpoint import read_headers, released_layout
 from test_checkpoint_mxfp4 import mxfp4_layout  # SPEC §2 + §4 written out independently
 
 FIXTURE = Path("/work/shared/fixtures/kimi-k3-config.json")
@@ -167,3 +167,13 @@ def test_init_failure_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="No space left on device"):
         ri.write_random_checkpoint(K3Config.preset("tiny"), tmp_path / "out", max_shard_bytes=100_000)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_init_with_bf16_experts_is_the_released_unquantized_layout(tmp_path):
+    reduced().save(tmp_path / "config.json")
+    out = tmp_path / "bf16"
+    assert main(["init", "--config", str(tmp_path / "config.json"), "--experts-format", "bf16", "--out", str(out)]) == 0
+    assert read_headers(out) == released_layout(reduced())
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())["text_config"]
+    model = load_pretrained(out)
+    assert model.model.layers[3].block_sparse_moe.experts.w2.shape == (8, 32, 64)

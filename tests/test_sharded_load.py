@@ -224,3 +224,22 @@ def test_a_missing_own_shard_is_reported_but_another_ranks_is_not_needed(dirs, t
     load_rank_shard(path, RankLayout(0, 2))
     with pytest.raises(CheckpointError, match=f"shard file missing: {only_rank1}"):
         load_rank_shard(path, RankLayout(1, 2))
+
+
+def test_a_wrong_tensor_of_its_own_is_named_and_another_ranks_is_never_read(dirs, tmp_path):
+    """A rank checks what it reads (shape, dtype) and reports every problem in one error; a broken expert that
+    belongs to another rank is not its business (it never reads it)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "ckpt"
+    shutil.copytree(dirs["mxfp4"], path)
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    bad = "language_model.model.layers.1.block_sparse_moe.experts.12.w2.weight_packed"  # rank 1 of 2
+    f = path / weight_map[bad]
+    tensors = load_file(str(f))
+    tensors[bad] = tensors[bad][:, :-1].contiguous()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    load_rank_shard(path, RankLayout(0, 2), packed_experts=True)
+    with pytest.raises(CheckpointError, match=re.escape(f"{bad}: shape (64, 47), expected (64, 48)")):
+        load_rank_shard(path, RankLayout(1, 2), packed_experts=True)
