@@ -414,6 +414,13 @@ def test_metrics_have_vllms_names_and_parse_as_prometheus_and_openmetrics(server
         assert les == VLLM_REQUEST_LATENCY + [float("inf")]
         n = next(f for f in families if f.name == "vllm:request_params_n")
         assert any(s.name.endswith("_sum") and s.value >= 2 for s in n.samples)
+        counts = {f.name: next(s.value for s in f.samples if s.name.endswith("_count")) for f in families
+                  if f.type == "histogram"}
+        finished = counts["vllm:e2e_request_latency_seconds"]
+        assert finished >= 2  # the n=2 request's two sequences, at least
+        for phase in ("queue", "prefill", "decode", "inference"):  # every finished sequence timed in each phase
+            assert counts[f"vllm:request_{phase}_time_seconds"] == finished
+        assert counts["vllm:request_generation_tokens"] == finished and counts["vllm:iteration_tokens_total"] > 3
 
 
 def _success(text: str, reason: str) -> float:
