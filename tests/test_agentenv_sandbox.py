@@ -261,19 +261,23 @@ def test_sleep_past_ttl_is_killed_and_nothing_left(backend):
         assert set(os.listdir(hostfs.state_root() / "sb")) <= before | set()
 
 
-def test_close_is_idempotent_and_sweep_reclaims_dead_owner(backend):
-    need(backend, "bwrap")
+def test_close_is_idempotent_and_sweep_reclaims_dead_owner(backend, tmp_path):
+    need(backend, "bwrap", "gvisor")
     s = backend.create(SandboxSpec())
     s.exec("setsid sleep 60 >/dev/null 2>&1 < /dev/null &")
     s.close()
     s.close()
     assert not s.dir.exists() and not any(d.exists() for d in s.cg.dirs)
-    # a sandbox whose owner died (fake the record: a pid that cannot be alive)
-    s2 = backend.create(SandboxSpec())
+    # a sandbox whose owner died (fake the record: a pid that cannot be alive), on a template only it uses
+    (tmp_path / "only-here.txt").write_text(f"{tmp_path}\n")
+    s2 = backend.create(SandboxSpec(template=tmp_path))
+    template_layer = next(p for p in s2.layers if os.path.basename(p).startswith("tpl-"))
     rec = (s2.dir / "owner.json").read_text().replace(f'"pid": {os.getpid()}', '"pid": 999999999')
     (s2.dir / "owner.json").write_text(rec)
     assert backend.sweep() >= 1
     assert not s2.dir.exists() and not any(d.exists() for d in s2.cg.dirs)
+    assert not hostfs.mounts_under(s2.dir)
+    assert not os.path.exists(template_layer)  # its hold went with it, and so did the layer
     s2.state = "closed"
 
 
