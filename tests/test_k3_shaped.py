@@ -130,6 +130,13 @@ def test_init_is_the_same_model_at_any_shard_size(written, tmp_path):
     assert main(["init", "--config", str(written / "config.json"), "--out", str(out), "--seed", "3"]) == 0
     a, b = read_all(written), read_all(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # one tensor a shard, three workers: every MXFP4 pair's halves are made apart, in any order
+    threads = tmp_path / "three_workers"
+    assert main(["init", "--config", str(written / "config.json"), "--out", str(threads), "--seed", "3",
+                 "--shard-size", "1", "--workers", "3"]) == 0
+    assert len(list(threads.glob("*.safetensors"))) == len(a)
+    c = read_all(threads)
+    assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a)
     other = tmp_path / "other_seed"
     assert main(["init", "--config", str(written / "config.json"), "--out", str(other), "--seed", "4"]) == 0
     assert not torch.equal(read_all(other)["language_model.lm_head.weight"], a["language_model.lm_head.weight"])

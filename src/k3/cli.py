@@ -538,7 +538,7 @@ def cmd_init(a) -> int:
             raise CLIError(f"--num-experts {a.num_experts} is below the top-k of {config.num_experts_per_token}")
         config = config.replace(num_experts=a.num_experts)
     r = write_random_checkpoint(config, a.out, a.experts_format, seed=a.seed, max_shard_bytes=a.shard_size,
-                                device=a.device, progress=True)
+                                device=a.device, workers=a.workers, progress=True)
     print(f"wrote {a.out}: {r['tensors']:,} tensors, {r['bytes']:,} B in {r['shards']} shards "
           f"({a.experts_format} experts)")
     return 0
@@ -839,6 +839,8 @@ def build_parser() -> argparse.ArgumentParser:
     ini.add_argument("--seed", type=int, default=0)
     ini.add_argument("--shard-size", type=_size, default=5 * 2**30, help="largest shard, e.g. 5G (default), 500M")
     ini.add_argument("--device", type=_device, default="cpu", help="where expert matrices are packed (cuda: fast)")
+    ini.add_argument("--workers", type=_positive_int, default=1,
+                     help="shards made at once (threads; each holds one shard in memory)")
     ini.set_defaults(func=cmd_init)
 
     sv = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")

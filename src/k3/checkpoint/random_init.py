@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from k3.checkpoint.hf import INDEX_NAME, CheckpointError, mxfp4_quantization_config
 from k3.checkpoint.plan import TensorSpec, check_experts_format, group_into_shards, iter_plan
 from k3.config import K3Config
-from k3.ops.mx import mxfp4_pack
+from k3.ops.mx import BLOCK, mxfp4_pack
 
 _TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
@@ -40,43 +40,51 @@ def _drawn(config: K3Config, source: str, shape: tuple, seed: int, index: int) -
     return t
 
 
-class _Producer:
-    """Makes each planned tensor of a fresh model in plan order. Every tensor has its own generator
-    (seed, position in the plan), so the result does not depend on the shard size; an expert matrix is drawn
-    and packed once for its weight_packed and weight_scale halves (device: where it is packed)."""
+class _ShardProducer:
+    """Makes the planned tensors of one shard. Every tensor has its own generator (seed, its position in the
+    whole plan), so the result depends neither on the shard size nor on which worker makes which shard; an
+    expert matrix is drawn and packed once for its weight_packed and weight_scale halves (again by the shard
+    holding weight_scale when the pair straddles two shards). device: where expert matrices are packed."""
 
     def __init__(self, config: K3Config, seed: int, device: torch.device):
         self.config, self.seed, self.device = config, seed, device
-        self.index, self._scale = 0, None
+        self._pair: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, spec: TensorSpec) -> torch.Tensor:
-        self.index += 1
-        if spec.kind == "weight_scale":  # the other half of the matrix drawn for weight_packed just before
-            scale, self._scale = self._scale, None
-            return scale
+    def _pack(self, spec: TensorSpec, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed, scale) of the expert matrix drawn at plan position `index` (its weight_packed's)."""
+        if self._pair is None or self._pair[0] != index:
+            inp = spec.shape[1] * (2 if spec.kind == "weight_packed" else BLOCK)  # the matrix's input width
+            w = _drawn(self.config, spec.source, (spec.shape[0], inp), self.seed, index)
+            packed, scale = mxfp4_pack(w.to(self.device))
+            self._pair = (index, packed.cpu(), scale.cpu())
+        return self._pair[1], self._pair[2]
+
+    def __call__(self, spec: TensorSpec, index: int) -> torch.Tensor:
+        if spec.kind == "weight_packed":
+            return self._pack(spec, index)[0]
+        if spec.kind == "weight_scale":  # the matrix of the weight_packed just before it in the plan
+            return self._pack(spec, index - 1)[1]
         if spec.source.endswith("e_score_correction_bias"):  # a buffer, zero at construction
             return torch.zeros(spec.shape, dtype=torch.float32)
-        if spec.kind == "weight_packed":
-            w = _drawn(self.config, spec.source, (spec.shape[0], spec.shape[1] * 2), self.seed, self.index)
-            packed, scale = mxfp4_pack(w.to(self.device))
-            self._scale = scale.cpu()
-            return packed.cpu()
         if spec.source.endswith("A_log"):  # released padded to 128 entries
-            t = _drawn(self.config, spec.source, (self.config.linear_attn_config.num_heads,), self.seed, self.index)
+            t = _drawn(self.config, spec.source, (self.config.linear_attn_config.num_heads,), self.seed, index)
             padded = torch.zeros(spec.shape, dtype=torch.float32)
             padded[: t.shape[0]] = t
             return padded
-        return _drawn(self.config, spec.source, spec.shape, self.seed, self.index).to(_TORCH[spec.dtype])
+        return _drawn(self.config, spec.source, spec.shape, self.seed, index).to(_TORCH[spec.dtype])
 
 
 def write_random_checkpoint(config: K3Config, out, experts: str = "mxfp4", seed: int = 0,
                             dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
-                            device: str | torch.device = "cpu", progress: bool = False) -> dict:
+                            device: str | torch.device = "cpu", workers: int = 1, progress: bool = False) -> dict:
     """Writes a randomly initialised `config` model to `out` (config.json, shards, index) with routed experts
-    "mxfp4" (packed) or "bf16". device: where the expert matrices are packed (a GPU makes it fast). `out` must
-    be missing or empty; the files are written beside it and renamed into place when whole.
+    "mxfp4" (packed) or "bf16". device: where the expert matrices are packed (a GPU makes it fast); workers:
+    shards made at once, by threads (torch's kernels run outside the GIL; each holds one shard in memory).
+    `out` must be missing or empty; the files are written beside it and renamed into place when whole.
     Returns {"shards", "tensors", "bytes"}."""
     check_experts_format(experts)
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"OUT {out} is a file, not a directory")
@@ -85,19 +93,28 @@ def write_random_checkpoint(config: K3Config, out, experts: str = "mxfp4", seed:
     device = torch.device(device)
     plan = list(iter_plan(config, experts, dtype))
     groups = group_into_shards(plan, max_shard_bytes)
+    firsts = [1]  # plan position (from 1) of each shard's first tensor
+    for specs in groups[:-1]:
+        firsts.append(firsts[-1] + len(specs))
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     tmp = out.with_name(f".{out.name}.tmp-init-{os.getpid()}")
+
+    def write_shard(i: int) -> None:
+        produce = _ShardProducer(config, seed, device)
+        tensors = {spec.name: produce(spec, firsts[i] + j) for j, spec in enumerate(groups[i])}
+        save_file(tensors, str(tmp / names[i]), metadata={"format": "pt"})
+
     try:
         tmp.mkdir(parents=True)
-        weight_map, total = {}, 0
-        produce = _Producer(config, seed, device)
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm import tqdm
-        for i, specs in enumerate(tqdm(groups, desc="init", unit="shard", leave=False, disable=None if progress else True)):
-            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            tensors = {spec.name: produce(spec) for spec in specs}
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            weight_map |= {s.name: fname for s in specs}
-            total += sum(s.nbytes for s in specs)
-            del tensors
+        with ThreadPoolExecutor(workers) as pool:
+            for _ in tqdm(pool.map(write_shard, range(len(groups))), total=len(groups), desc="init", unit="shard",
+                          leave=False, disable=None if progress else True):
+                pass
+        weight_map = {spec.name: names[i] for i, specs in enumerate(groups) for spec in specs}
+        total = sum(spec.nbytes for spec in plan)
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
                                                   "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
         config.replace(dtype=str(dtype).removeprefix("torch."),
