@@ -240,7 +240,8 @@ def main():
                 continue
             print(f"| {row['backend']} | " + " | ".join(fmt(row.get(c)) for c in cols) + " |", flush=True)
     print("| AgentENV published (Firecracker, bare-metal KVM) | – | – | – | "
-          f"{PUBLISHED['snapshot']:.0f} | {PUBLISHED['restore']:.0f} | – | {PUBLISHED['fork/child']:.0f} | – | – |")
+          f"{PUBLISHED['snapshot']:.0f} | {PUBLISHED['restore']:.0f} | – | {PUBLISHED['fork/child']:.0f} "
+          "| – | – |")
 
     header = ("\n| backend | workspace | files | snapshot | new layer on disk | restore | fork/child (n) | "
               "bound: cp -a of the tree | cp -a MB/s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
