@@ -93,6 +93,14 @@ def test_smallest_gpu_count_is_the_smallest(released):
     assert smallest_serve(released, B200, 131072).gpus < smallest_serve(released, H200, 131072).gpus
 
 
+def test_one_gpu_holds_the_experts_once():
+    """On one EP rank no replica is fetched: the k3-shaped preset's experts are 3 layers x 896 x 3 MXFP4 matrices."""
+    p = plan_serve(K3Config.preset("k3-shaped"), 1, H200, 131072)
+    assert (p.ep, p.tp) == (1, 1)
+    assert p.parts["routed experts (MXFP4, 1/ep + replicas)"] == 3 * E * 3 * (3072 * 3584 // 2 + 3072 * 3584 // 32)
+    assert p.parts["dense weights split over tp"] == 0
+
+
 def test_more_gpus_more_room_and_longer_context_fewer_sequences(released):
     a = plan_serve(released, 16, H200, 131072, tp=8)
     b = plan_serve(released, 32, H200, 131072, tp=8)

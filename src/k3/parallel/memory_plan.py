@@ -276,7 +276,8 @@ def plan_serve(config: K3Config, gpus: int, gpu_memory: int, context: int = 1310
     working = 2 * (12 * config.hidden_size + 8 * la.num_heads * la.head_dim + config.num_experts_per_token
                    * (config.routed_expert_hidden_size + 3 * config.moe_intermediate_size))
     parts = {
-        "routed experts (MXFP4, 1/ep + replicas)": experts // ep + (config.num_experts // ep) * per_expert,
+        # one layer's MoonEP replicas in flight (at most E/ep experts; none on one EP rank)
+        "routed experts (MXFP4, 1/ep + replicas)": experts // ep + (ep > 1) * (config.num_experts // ep) * per_expert,
         "dense weights split over tp": split // tp,
         "dense weights whole on every GPU": whole,
         "activations (prefill chunk, logits)": prefill_chunk * working + DECODE_ROWS * config.vocab_size * 4,
