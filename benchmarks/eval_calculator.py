@@ -20,8 +20,6 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
-
 from k3.data.calculator_task import QUESTIONS, problem, run_agent, score
 
 EVAL_SEED = 20261201  # not the dataset's seed (0): the problems are fresh
@@ -86,7 +84,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a model directory to serve with `k3 serve`")
     ap.add_argument("--base-url", help="a running server's /v1 URL instead")
-    ap.add_argument("--n", type=int, default=100, help="problems (default: 100)")
+    ap.add_argument("--n", type=int, default=100, help="problems (default: 100; 0: only --token-loss)")
     ap.add_argument("--seed", type=int, default=EVAL_SEED)
     ap.add_argument("--concurrency", type=int, default=16, help="problems in flight at once (default: 16)")
     ap.add_argument("--show", type=int, default=1, help="transcripts to print (default: 1)")
@@ -106,6 +104,10 @@ def main(argv=None) -> int:
     rng = random.Random(a.seed)
     problems = [problem(rng) for _ in range(a.n)]
     questions = [rng.choice(QUESTIONS).format(a=x, op=op, b=y) for x, op, y in problems]
+    if a.n == 0:  # the token loss alone (no server, no openai: runs where only torch is)
+        return 0
+    import openai
+
     proc = None
     if a.base_url:
         base_url, name = a.base_url, None
