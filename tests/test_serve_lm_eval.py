@@ -4,7 +4,8 @@ found by lm-eval's auto-detection), batch_size 4 and concurrent requests, on the
 tests/lm_eval_task/ (multiple choice, loglikelihood_rolling, generate_until). Every per-sample loglikelihood
 lm-eval reports must equal the model's own log-softmax of the same tokens (a plain forward), its aggregate
 scores must follow from those, and its generations must be the model's greedy ones; `local-chat-completions`
-must run the generation task too. The failure this guards against: echo without per-prompt-token logprobs made
+must run the generation task too. The other tokenizer set-up, transformers loading the model directory's
+tokenizer.json (`tokenizer_backend=huggingface`), must give the same rolling loglikelihoods. The failure this guards against: echo without per-prompt-token logprobs made
 lm-eval score every choice 0 and report accuracy 1.0 and bits-per-byte 0, with exit code 0."""
 import math
 from pathlib import Path
@@ -25,7 +26,7 @@ def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("lm_eval")
     model = save_tiny_model(d / "model")
     with k3_serve(d / "model", KEY, NAME, d / "serve.log") as url:
-        yield url, model
+        yield url, model, d / "model"
 
 
 @pytest.fixture
@@ -86,9 +87,22 @@ def greedy_text(model, tok, prompt: str, max_new: int, stop: str) -> str:
     return tok.decode(out, skip_special_tokens=True).split(stop)[0]
 
 
+def check_rolling(samples: list, result: dict, model, tok, prefix: int) -> None:
+    """loglikelihood_rolling: each whole document after lm-eval's prefix token (one window: short texts), and
+    the bits per byte that follow from them."""
+    assert len(samples) == 4
+    total_ll, total_bytes = 0.0, 0
+    for s in samples:
+        text = s["doc"]["text"]
+        want = float(token_logprobs(model, [prefix] + tok.encode(text)).sum())
+        assert float(s["filtered_resps"][0]) == pytest.approx(want, abs=1e-4), text
+        total_ll, total_bytes = total_ll + want, total_bytes + len(text.encode())
+    assert result["bits_per_byte,none"] == pytest.approx(-total_ll / total_bytes / math.log(2), rel=1e-6)
+
+
 @pytest.mark.slow
 def test_lm_eval_completions_scores_equal_k3_logprobs(served, lm_eval_env):
-    url, model = served
+    url, model, _ = served
     tok = Tokenizer.from_file()
     lm = api_model("local-completions", model=NAME, base_url=f"{url}/v1/completions", auth_token=KEY, batch_size=4,
                    num_concurrent=2, max_retries=1)
@@ -113,16 +127,7 @@ def test_lm_eval_completions_scores_equal_k3_logprobs(served, lm_eval_env):
         correct.append(max(range(len(want)), key=lambda i: want[i][0]) == s["doc"]["answer"])
     assert results["k3_tiny_mc"]["acc,none"] == pytest.approx(sum(correct) / len(correct))
 
-    # loglikelihood_rolling: the whole document after lm-eval's prefix token (one window: short texts)
-    rolling = samples["k3_tiny_rolling"]
-    total_ll, total_bytes = 0.0, 0
-    for s in rolling:
-        text = s["doc"]["text"]
-        want = float(token_logprobs(model, [lm.prefix_token_id] + tok.encode(text)).sum())
-        assert float(s["filtered_resps"][0]) == pytest.approx(want, abs=1e-4), text
-        total_ll, total_bytes = total_ll + want, total_bytes + len(text.encode())
-    assert results["k3_tiny_rolling"]["bits_per_byte,none"] == pytest.approx(-total_ll / total_bytes / math.log(2),
-                                                                            rel=1e-6)
+    check_rolling(samples["k3_tiny_rolling"], results["k3_tiny_rolling"], model, tok, lm.prefix_token_id)
 
     # generate_until: the model's greedy continuation, cut at the task's stop string
     gen = samples["k3_tiny_gen"]
@@ -134,8 +139,20 @@ def test_lm_eval_completions_scores_equal_k3_logprobs(served, lm_eval_env):
 
 
 @pytest.mark.slow
+def test_lm_eval_with_the_model_directory_tokenizer(served, lm_eval_env):
+    """The other set-up: transformers loads the tokenizer.json k3 saved beside the model (BOS id 0 read right)."""
+    url, model, directory = served
+    tok = Tokenizer.from_file()
+    lm = api_model("local-completions", model=NAME, base_url=f"{url}/v1/completions", batch_size=4,
+                   tokenizer_backend="huggingface", tokenizer=str(directory), max_retries=1)
+    assert lm.prefix_token_id == tok.bos_id
+    out = evaluate(lm, ["k3_tiny_rolling"])
+    check_rolling(out["samples"]["k3_tiny_rolling"], out["results"]["k3_tiny_rolling"], model, tok, tok.bos_id)
+
+
+@pytest.mark.slow
 def test_lm_eval_chat_completions_generates(served, lm_eval_env):
-    url, _ = served
+    url = served[0]
     lm = api_model("local-chat-completions", model=NAME, base_url=f"{url}/v1/chat/completions", max_retries=1)
     out = evaluate(lm, ["k3_tiny_gen"], apply_chat_template=True, gen_kwargs={"reasoning_effort": "none"})
     gen = out["samples"]["k3_tiny_gen"]
