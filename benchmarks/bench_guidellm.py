@@ -91,7 +91,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['concurrency']} | {r['ok']} | {r['errored']} | {r['incomplete']} | {r['req_s']:.2f} | "
-              f"{r['out_tok_s']:.1f} | {r['ttft_ms']:.0f} | {r['itl_ms']:.0f} | {r['tpot_ms']:.0f} | {r['e2e_s']:.2f} |")
+              f"{r['out_tok_s']:.1f} | {r['ttft_ms']:.0f} | {r['itl_ms']:.0f} | {r['tpot_ms']:.0f} | "
+              f"{r['e2e_s']:.2f} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 1 if any(r["errored"] or r["incomplete"] for r in rows) else 0

@@ -5,8 +5,9 @@ tests/lm_eval_task/ (multiple choice, loglikelihood_rolling, generate_until). Ev
 lm-eval reports must equal the model's own log-softmax of the same tokens (a plain forward), its aggregate
 scores must follow from those, and its generations must be the model's greedy ones; `local-chat-completions`
 must run the generation task too. The other tokenizer set-up, transformers loading the model directory's
-tokenizer.json (`tokenizer_backend=huggingface`), must give the same rolling loglikelihoods. The failure this guards against: echo without per-prompt-token logprobs made
-lm-eval score every choice 0 and report accuracy 1.0 and bits-per-byte 0, with exit code 0."""
+tokenizer.json (`tokenizer_backend=huggingface`), must give the same rolling loglikelihoods. The failure this
+guards against: echo without per-prompt-token logprobs made lm-eval score every choice 0 and report accuracy 1.0
+and bits-per-byte 0, with exit code 0."""
 import math
 from pathlib import Path
 

@@ -31,8 +31,8 @@ def test_schemathesis_finds_no_server_error_nor_schema_violation(tmp_path):
         run = subprocess.run(
             [str(schemathesis), "run", f"{url}/openapi.json", "--header", f"Authorization: Bearer {KEY}",
              "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--max-examples", "10", "--seed", "19",
-             "--workers", "1", "--request-timeout", "60", "--max-response-time", "30", "--report", "har", "--report-har-path", str(har),
-             "--output-truncate", "true"],
+             "--workers", "1", "--request-timeout", "60", "--max-response-time", "30",
+             "--report", "har", "--report-har-path", str(har), "--output-truncate", "true"],
             env={**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
                  "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])},
             capture_output=True, text=True, timeout=600, cwd=tmp_path)
