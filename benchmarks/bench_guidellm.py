@@ -43,7 +43,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> No
 
 def row(report: dict) -> dict:
     m = report["benchmarks"][0]["metrics"]
-    ok = lambda name, stat="median": m[name]["successful"][stat]  # noqa: E731
+
+    def ok(name: str, stat: str = "median") -> float:  # over the successful requests
+        return m[name]["successful"][stat]
+
     totals = m["request_totals"]
     return {"ok": totals["successful"], "errored": totals["errored"], "incomplete": totals["incomplete"],
             "req_s": m["requests_per_second"]["successful"]["mean"],
