@@ -240,7 +240,8 @@ def test_seeded_sampling_with_penalties_and_min_p_does_not_depend_on_batch_mates
 
 @pytest.mark.parametrize("field, value", [
     ("presence_penalty", 2.5), ("presence_penalty", float("nan")), ("frequency_penalty", -2.01),
-    ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")), ("min_p", 1.5), ("min_p", -0.1),
+    ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")),
+    ("repetition_penalty", 1e300), ("repetition_penalty", 1e-300), ("min_p", 1.5), ("min_p", -0.1),
     ("min_tokens", -1), ("min_tokens", 17), ("logit_bias", {1: 100.5}), ("logit_bias", {-1: 1.0}),
     ("logit_bias", {"5": 1.0}), ("logit_bias", [1, 2]), ("logit_bias", {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}),
     ("stop", ["x"] * (MAX_STOP_STRINGS + 1)), ("stop", ["x" * 5000]), ("stop_token_ids", [-1]),

@@ -47,7 +47,8 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, description="vLLM's: 1 is off")
+    repetition_penalty: float = Field(1.0, ge=sampling.REPETITION_PENALTY_RANGE[0],
+                                      le=sampling.REPETITION_PENALTY_RANGE[1], description="vLLM's: 1 is off")
     min_tokens: int = Field(0, ge=0)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS,
                                                 description="token id (as a string) -> bias in [-100, 100]")

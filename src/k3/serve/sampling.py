@@ -25,6 +25,9 @@ MAX_STOP_STRING_CHARS = 1024   # each stop string: the text held back from a str
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024          # entries of logit_bias
 MAX_SEED = 2**64               # seeds lie in [0, MAX_SEED): what torch.Generator.manual_seed takes
+# repetition_penalty's range: past it a float32 logit scaled by it overflows to inf or underflows to 0 (and 0 × inf is
+# NaN), which left every step sampling the last id; 100 already turns a logit of 30 into 0.3
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -100,8 +103,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_num(v) or not -2 <= v <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not is_num(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be a number in [{low:g}, {high:g}] (1 = off), "
+                             f"got {self.repetition_penalty!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a mapping of token id to bias, got "
