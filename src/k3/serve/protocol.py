@@ -4,7 +4,7 @@ so an option k3 would otherwise drop is never a silent 200. Responses are built 
 their models here document them (and the tests validate live responses against them)."""
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +19,9 @@ MAX_STOP_STRINGS = sampling.MAX_STOP_STRINGS
 MAX_STOP_TOKEN_IDS = sampling.MAX_STOP_TOKEN_IDS
 MAX_LOGIT_BIAS = sampling.MAX_LOGIT_BIAS
 MAX_CHECKPOINTS = 1024     # k3's checkpoint_at positions
+
+
+TokenId = Annotated[int, Field(ge=0)]  # the vocabulary's upper bound is the served model's: checked per request
 
 
 class Strict(BaseModel):
@@ -42,7 +45,7 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = Field(None, description=f"at most {MAX_STOP_STRINGS} strings")
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -57,7 +60,7 @@ class SamplingFields(Strict):
     return_token_ids: bool = False  # k3: generated ids per choice / per streamed chunk, prompt ids per choice
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+Prompt = Union[str, list[str], list[TokenId], list[list[TokenId]]]
 
 
 class CompletionRequest(SamplingFields):
@@ -103,7 +106,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses ------------------------------------------------------------------------------------------
