@@ -145,8 +145,14 @@ def _responses(model: type[BaseModel], *errors: int, stream: type[BaseModel] | N
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     ok: dict = {"description": "success", "content": {"application/json": {"schema": ref}}}
     if stream is not None:
-        ok["description"] = f"success; with stream: true, server-sent events whose data is a {stream.__name__}"
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["description"] = (f"success; with stream: true, server-sent events whose data is a {stream.__name__} "
+                             f"(an ErrorResponse if the request fails mid-stream), then [DONE]")
+        # the schema of one event (OpenAPI 3.0/3.1 read `schema` as 3.2's itemSchema for text/event-stream);
+        # its data is JSON text, described by contentSchema
+        ok["content"]["text/event-stream"] = {"schema": {"type": "object", "required": ["data"], "properties": {
+            "data": {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"$ref": f"#/components/schemas/{stream.__name__}"}},
+            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}}
     out = {"200": ok}
     for status in errors:
         out[str(status)] = {"description": "error", "content": {
