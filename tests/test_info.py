@@ -25,6 +25,13 @@ def test_components_sum_to_total(k3_report):
     assert k3_report["layers"] == {"kda": 69, "mla": 24, "dense": 1, "moe": 92}
 
 
+def test_cache_sizes_from_the_spec_shapes(k3_report):
+    # SPEC: 24 MLA layers cache a 512-wide latent + 64 rope dims per token in bf16; 69 KDA layers hold a 96 x 128 x 128
+    # fp32 state per sequence plus the q/k/v short-conv tails (kernel 4: 3 past positions of 96 x 128, fp32)
+    assert k3_report["mla_cache_bytes_per_token_bf16"] == 24 * (512 + 64) * 2
+    assert k3_report["kda_state_bytes_per_sequence"] == 69 * (96 * 128 * 128 * 4 + 3 * 3 * 96 * 128 * 4)
+
+
 def test_tiny_total_equals_a_real_model():
     cfg = K3Config.preset("tiny")
     report = model_report(cfg)

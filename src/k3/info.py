@@ -8,6 +8,7 @@ import torch
 
 from k3.checkpoint.names import a_log_len, is_f32
 from k3.config import K3Config
+from k3.parallel.memory_plan import cache_bytes_per_token_and_sequence
 
 # component name → regex over k3 parameter names; the first match wins.
 _COMPONENTS = OrderedDict([
@@ -54,17 +55,15 @@ def model_report(config: K3Config) -> dict:
     n_moe = sum(config.is_moe(l) for l in range(config.num_hidden_layers))
     per_expert = 3 * config.moe_intermediate_size * config.routed_expert_hidden_size
     inactive = n_moe * (config.num_experts - config.num_experts_per_token) * per_expert
-    la = config.linear_attn_config
     n_mla, n_kda = len(mla), config.num_hidden_layers - len(mla)
-    kda_state = la.num_heads * la.head_dim * la.head_dim * 4
-    kda_conv = 3 * (la.short_conv_kernel_size - 1) * la.num_heads * la.head_dim * 4
+    mla_per_token, kda_per_sequence = cache_bytes_per_token_and_sequence(config)  # the serving pool's arithmetic
     return {
         "total": total,
         "activated": total - inactive - parts["embedding"],  # the embedding is a lookup, not a matmul
         "components": dict(parts),
         "layers": {"kda": n_kda, "mla": n_mla, "dense": config.num_hidden_layers - n_moe, "moe": n_moe},
-        "mla_cache_bytes_per_token_bf16": n_mla * (config.kv_lora_rank + config.qk_rope_head_dim) * 2,
-        "kda_state_bytes_per_sequence": n_kda * (kda_state + kda_conv),
+        "mla_cache_bytes_per_token_bf16": mla_per_token,
+        "kda_state_bytes_per_sequence": kda_per_sequence,
         "checkpoint_bytes_bf16": bf16_bytes,
         "checkpoint_bytes_mxfp4_experts": mxfp4_bytes,
     }
