@@ -333,3 +333,30 @@ def test_failed_convert_leaves_no_partial_model(bf16_dir, tmp_path, capsys, monk
         assert code == 2 and err == [f"k3 convert: error: writing OUT {out} failed: No space left on device; its "
                                      f"partial files were removed"]
     assert sorted(os.listdir(tmp_path)) == []  # neither OUT nor its temporary sibling
+
+
+def test_a_killed_converts_temporary_is_removed_by_the_next(bf16_dir, tmp_path, capsys):
+    """SIGKILL leaves `.OUT.tmp-convert-PID` behind (no handler runs); the next convert to that OUT removes it once
+    its process is gone, and never touches the temporary of a convert still running."""
+    import subprocess
+    import sys
+
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    killed.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = tmp_path / "converted"
+        dead = tmp_path / f".converted.tmp-convert-{killed.pid}"
+        live = tmp_path / f".converted.tmp-convert-{running.pid}"
+        for d in (dead, live):
+            d.mkdir()
+            (d / "model-00001-of-00002.safetensors").write_bytes(b"half a shard")
+        code, err = convert_cli(bf16_dir, out, capsys)
+        assert code == 0 and err == []
+        assert not dead.exists()
+        assert (live / "model-00001-of-00002.safetensors").read_bytes() == b"half a shard"
+        assert (out / "config.json").is_file()
+    finally:
+        running.kill()
+        running.wait()

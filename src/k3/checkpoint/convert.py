@@ -3,8 +3,6 @@ shard without building the model, list what a directory holds, and check it agai
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from safetensors.torch import save_file
 from k3.checkpoint.hf import INDEX_NAME, CheckpointError, is_vision, mxfp4_quantization_config, shard_files
 from k3.checkpoint.names import PREFIX
 from k3.checkpoint.plan import ST_BYTES, group_into_shards, iter_plan
+from k3.checkpoint.staging import check_new_out, staged_out
 from k3.config import K3Config
 from k3.ops.mx import mxfp4_pack, mxfp4_unpack
 
@@ -121,23 +120,10 @@ def convert_checkpoint(src, dst, experts: str, max_shard_bytes: int = 5 * 2**30)
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise ValueError("convert: OUT must differ from IN")
-    if dst.exists() and not dst.is_dir():
-        raise CheckpointError(f"OUT {dst} is a file, not a directory")
-    if dst.is_dir() and any(dst.iterdir()):
-        raise CheckpointError(f"OUT {dst} is not empty: give a new directory (convert never writes over files)")
+    check_new_out(dst, "convert")
     config = K3Config.from_pretrained(src)
-    tmp = dst.with_name(f".{dst.name}.tmp-convert-{os.getpid()}")
-    try:
+    with staged_out(dst, "convert") as tmp:
         _write_converted(src, tmp, config, experts, max_shard_bytes)
-        if dst.is_dir():
-            dst.rmdir()  # empty (checked above); fails, keeping both, if something appeared there meanwhile
-        os.replace(tmp, dst)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, (OSError, SafetensorError)):  # a full disk, an unwritable parent
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
-            raise CheckpointError(f"writing OUT {dst} failed: {reason}; its partial files were removed") from None
-        raise
     return verify_checkpoint(dst)
 
 
@@ -173,7 +159,6 @@ def _write_converted(src: Path, dst: Path, config: K3Config, experts: str, max_s
         return packed if spec.kind == "weight_packed" else scale
 
     groups = group_into_shards(plan, max_shard_bytes)
-    dst.mkdir(parents=True)
     weight_map, total = {}, 0
     from tqdm import tqdm
     # a bar on a terminal only (disable=None): piped or logged output stays the one summary line

@@ -5,15 +5,14 @@ K3-shaped checkpoint far larger than host memory can be written."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from k3.checkpoint.hf import INDEX_NAME, CheckpointError, mxfp4_quantization_config
+from k3.checkpoint.hf import INDEX_NAME, mxfp4_quantization_config
 from k3.checkpoint.plan import TensorSpec, check_experts_format, group_into_shards, iter_plan
+from k3.checkpoint.staging import check_new_out, staged_out
 from k3.config import K3Config
 from k3.ops.mx import BLOCK, mxfp4_pack
 
@@ -86,10 +85,7 @@ def write_random_checkpoint(config: K3Config, out, experts: str = "mxfp4", seed:
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"OUT {out} is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        raise CheckpointError(f"OUT {out} is not empty: give a new directory (init never writes over files)")
+    check_new_out(out, "init")
     device = torch.device(device)
     plan = list(iter_plan(config, experts, dtype))
     groups = group_into_shards(plan, max_shard_bytes)
@@ -97,21 +93,19 @@ def write_random_checkpoint(config: K3Config, out, experts: str = "mxfp4", seed:
     for specs in groups[:-1]:
         firsts.append(firsts[-1] + len(specs))
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    tmp = out.with_name(f".{out.name}.tmp-init-{os.getpid()}")
 
-    def write_shard(i: int) -> None:
+    def write_shard(tmp: Path, i: int) -> None:
         produce = _ShardProducer(config, seed, device)
         tensors = {spec.name: produce(spec, firsts[i] + j) for j, spec in enumerate(groups[i])}
         save_file(tensors, str(tmp / names[i]), metadata={"format": "pt"})
 
-    try:
-        tmp.mkdir(parents=True)
+    with staged_out(out, "init") as tmp:
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm import tqdm
         with ThreadPoolExecutor(workers) as pool:
-            for _ in tqdm(pool.map(write_shard, range(len(groups))), total=len(groups), desc="init", unit="shard",
-                          leave=False, disable=None if progress else True):
+            for _ in tqdm(pool.map(lambda i: write_shard(tmp, i), range(len(groups))), total=len(groups), desc="init",
+                          unit="shard", leave=False, disable=None if progress else True):
                 pass
         weight_map = {spec.name: names[i] for i, specs in enumerate(groups) for spec in specs}
         total = sum(spec.nbytes for spec in plan)
@@ -120,12 +114,4 @@ def write_random_checkpoint(config: K3Config, out, experts: str = "mxfp4", seed:
         config.replace(dtype=str(dtype).removeprefix("torch."),
                        quantization_config=mxfp4_quantization_config() if experts == "mxfp4" else None
                        ).save(tmp / "config.json")
-        if out.is_dir():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"writing OUT {out} failed: {e.strerror or e}; its partial files were removed") from None
-        raise
     return {"shards": len(groups), "tensors": len(plan), "bytes": total}
