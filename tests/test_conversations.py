@@ -193,3 +193,26 @@ def test_training_on_conversations_learns_the_assistant_turn(tmp_path):
     summary = trainer.run()
     after = trainer.evaluate(4)
     assert after < before / 3, (before, after, summary)
+
+
+def test_a_conversation_runs_sample_continues_a_held_out_conversation(tmp_path, tok):
+    """The run's sample prompt is the held-out conversation up to its assistant's turn, as apply_chat_template
+    renders it with the generation prompt (not the text runs' "KING HENRY:")."""
+    from k3.train.trainer import TrainConfig, Trainer
+
+    record = conversation(random.Random(3))
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), max_steps=1, batch_size=1, seq_len=128,
+                      device="cpu")
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    first = next(i for i, m in enumerate(record["messages"]) if m["role"] == "assistant")
+    prompt = tok.apply_chat_template(record["messages"][:first], tools=record.get("tools"),
+                                     add_generation_prompt=True, tokenize=True)
+    # the generation prompt opens the think section; a run learns that opening itself (thinking off opens the
+    # response), so the sample prompt stops just before it
+    n = len(trainer.sample_ids)
+    assert list(prompt)[:n] == trainer.sample_ids
+    assert tok.decode(list(prompt)[n:], skip_special_tokens=False) == "<|open|>think<|sep|>"
+    sample = trainer.sample(max_new_tokens=8)
+    assert "KING HENRY" not in sample and len(tok.encode(sample)) <= 8 + 2

@@ -131,6 +131,7 @@ class Trainer:
         np.random.seed(cfg.seed)
 
         self.tokenizer = tok = Tokenizer.from_file(cfg.tokenizer)
+        self.sample_ids = None  # a conversation run's sample prompt (ids); text runs encode cfg.sample_prompt
         if cfg.data:  # conversations in the chat markup, the loss on the assistant's tokens only
             from k3.data.conversations import (ConversationLoader, conversation_eval_batches, load_conversations,
                                                render_conversations)
@@ -142,6 +143,9 @@ class Trainer:
             self.train_ids, self.val_ids = [c[0] for c in train], [c[0] for c in val]
             self.loader = ConversationLoader(train, cfg.seq_len, cfg.batch_size, cfg.seed)
             self.val_batches = conversation_eval_batches(val, cfg.seq_len, cfg.batch_size, tok.pad_id)
+            # samples continue a held-out conversation where its assistant's first learned token begins
+            ids, learned = val[0]
+            self.sample_ids = ids[:learned.index(True)] if True in learned else ids
         else:
             train_docs, val_docs = split_documents(load_corpus(cfg.corpus), seed=cfg.seed)
             self.train_ids = load_token_docs(tok, train_docs)
@@ -321,11 +325,14 @@ class Trainer:
     def sample(self, max_new_tokens: int | None = None, seed: int = 0) -> str:
         if self.dist and self.cfg.cp > 1:
             return "(no sample: decoding does not run under context parallelism)"
-        ids = self.tokenizer.encode(self.cfg.sample_prompt, add_bos=True)
+        chat = self.sample_ids is not None
+        ids = self.sample_ids if chat else self.tokenizer.encode(self.cfg.sample_prompt, add_bos=True)
         # no CUDA graph under several processes: the expert-parallel step's collectives cannot be captured
         out = self.model.generate(ids, max_new_tokens=max_new_tokens or self.cfg.sample_tokens, temperature=0.8,
                                   top_k=50, seed=seed, eos_token_id=self.tokenizer.eos_id,
                                   cuda_graph=False if self.dist else None)
+        if chat:  # the assistant's turn alone, its markup kept: the format is what a chat run learns
+            return self.tokenizer.decode(out[0, len(ids):].tolist(), skip_special_tokens=False)
         return self.tokenizer.decode(out[0].tolist(), skip_special_tokens=True)
 
     def unigram_baseline(self) -> float:
