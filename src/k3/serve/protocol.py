@@ -139,6 +139,15 @@ class CacheInfo(BaseModel):
     reason: str
 
 
+class CompletionHead(BaseModel):
+    """What every completion and chat body and stream chunk carries besides its object and choices."""
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+    k3_cache: CacheInfo | None = None
+
+
 class CompletionLogprobs(BaseModel):
     """One entry per returned token; with echo, the prompt's tokens first (the very first has no logprob)."""
     tokens: list[str]
@@ -163,14 +172,9 @@ class CompletionChoice(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(CompletionHead):
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    k3_cache: CacheInfo | None = None
 
 
 class TopLogprob(BaseModel):
@@ -215,14 +219,9 @@ class ChatChoice(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
-class ChatResponse(BaseModel):
-    id: str
+class ChatResponse(CompletionHead):
     object: Literal["chat.completion"]
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    k3_cache: CacheInfo | None = None
 
 
 class ChatDelta(BaseModel):
@@ -240,27 +239,17 @@ class ChatStreamChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatStreamChunk(BaseModel):
+class ChatStreamChunk(CompletionHead):
     """One `data:` event of a streamed chat completion (the last, with stream_options.include_usage, has usage
     and no choices); a stream that fails mid-way sends `data: {"error": {...}}` and closes."""
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    k3_cache: CacheInfo | None = None
 
 
-class CompletionStreamChunk(BaseModel):
+class CompletionStreamChunk(CompletionHead):
     """One `data:` event of a streamed completion (see ChatStreamChunk)."""
-    id: str
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    k3_cache: CacheInfo | None = None
 
 
 class ModelCard(BaseModel):
