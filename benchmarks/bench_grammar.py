@@ -14,10 +14,13 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench_util import commit  # noqa: E402
 
 from k3.data import load_tokenizer
 from k3.serve.grammar import Grammar, chat_grammar, fill_bitmasks
@@ -38,16 +41,6 @@ GRAMMARS = {
     "json_schema": dict(response_format={"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}}),
     "tool call": dict(tools=TOOLS, tool_choice="required"),
 }
-
-
-def commit() -> str:
-    if os.environ.get("K3_COMMIT"):
-        return os.environ["K3_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or "?"
-    except Exception:
-        return "?"
 
 
 def run(tok, grammar: Grammar, streams: int, steps: int, seed: int = 0) -> dict:

@@ -17,26 +17,19 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench_util import commit  # noqa: E402
 
 from k3.serve.runner import SCORE_ROWS
 from k3.serve.sampling import (SamplingParams, adjust_logits, make_adjuster, record_tokens, sample_tokens,
                                score_rows)
 
 VOCAB = 163840
-
-
-def commit() -> str:
-    if os.environ.get("K3_COMMIT"):
-        return os.environ["K3_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or "?"
-    except Exception:
-        return "?"
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:

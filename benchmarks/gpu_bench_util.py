@@ -85,16 +85,20 @@ def environment() -> dict:
             env[mod] = __import__(mod).__version__
         except Exception:
             env[mod] = None
-    # K3_COMMIT first: a copied tree's .git may not be the one its files came from (the device tool's is not)
-    commit = envs.current().commit
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    timeout=5).stdout.strip()
-        except Exception:
-            commit = None
-    env["commit"] = commit or "?"
+    env["commit"] = commit()
     return env
+
+
+def commit() -> str:
+    """The measured tree's commit: K3_COMMIT first (a copied tree's .git may not be the one its files came from;
+    the device tool's is not), else git's HEAD, else "?"."""
+    if envs.current().commit:
+        return envs.current().commit
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "?"
+    except Exception:
+        return "?"
 
 
 def save(name: str, payload: dict) -> None:
