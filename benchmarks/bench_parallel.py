@@ -1,10 +1,10 @@
 """Scale-out benchmarks (k3.parallel). Three parts, printed as tables:
 
-  planner  (one process, CPU)     MoonEP plan time per layer at K3 shapes (896 experts, top-16)
+  planner  (one process)          MoonEP plan time per layer at K3 shapes (896 experts, top-16), device vs host
   a2a      (torchrun, 2+ GPUs)    EP dispatch+combine bandwidth against a bare NCCL all_to_all_single
   train    (torchrun, 1–2 GPUs)   tokens/s of the `small` preset: 1 GPU, EP=2 (dp 2), CP=2
 
-  python benchmarks/bench_parallel.py planner
+  python benchmarks/bench_parallel.py planner [--device cuda]
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py a2a
   torchrun --nproc-per-node 1 benchmarks/bench_parallel.py train      # baseline
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --ep 2
@@ -18,10 +18,13 @@ import time
 import torch
 
 
-def bench_planner() -> None:
-    from k3.parallel.planner import plan_balanced, plan_plain
+def bench_planner(device: str) -> None:
+    """The device plan (what EP runs per layer) against the step-by-step host construction, at K3 shapes."""
+    from k3.parallel.planner import balanced_plan, plan_balanced_reference
     E, K, S = 896, 16, 4096
-    print("| ranks | routing | plan_balanced ms/layer | plan_plain ms/layer | max replicas/rank |")
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    print(f"| ranks | routing | balanced_plan on {device} ms/layer | host reference ms/layer | max replicas/rank |")
     print("|---|---|---|---|---|")
     for R in (2, 8, 32, 64, 128):
         g = torch.Generator().manual_seed(R)
@@ -32,18 +35,22 @@ def bench_planner() -> None:
             else:
                 load = torch.zeros(E, dtype=torch.long)
                 load[3] = R * S * K
-            for f in (plan_balanced, plan_plain):
-                f(load, R)
+            on_dev = load.to(dev)
+            balanced_plan(on_dev, R)
+            plan_balanced_reference(load, R)
             n = 20
+            sync()
             t = time.perf_counter()
             for _ in range(n):
-                p = plan_balanced(load, R)
-            tb = (time.perf_counter() - t) / n * 1e3
+                p = balanced_plan(on_dev, R)
+            sync()
+            td = (time.perf_counter() - t) / n * 1e3
             t = time.perf_counter()
             for _ in range(n):
-                plan_plain(load, R)
-            tp = (time.perf_counter() - t) / n * 1e3
-            print(f"| {R} | {kind} | {tb:.3f} | {tp:.3f} | {max(len(r) for r in p.replicas)} |")
+                ref = plan_balanced_reference(load, R)
+            tr = (time.perf_counter() - t) / n * 1e3
+            assert p.to_plan().replicas == ref.replicas
+            print(f"| {R} | {kind} | {td:.3f} | {tr:.3f} | {max(len(r) for r in ref.replicas)} |")
 
 
 def _timeit(fn, iters=20, warmup=5) -> float:
@@ -134,9 +141,10 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--device", default="cpu", help="planner: where the device plan runs")
     a = ap.parse_args()
     if a.part == "planner":
-        bench_planner()
+        bench_planner(a.device)
     elif a.part == "a2a":
         bench_a2a()
     else:

@@ -3,8 +3,8 @@ the layer's `combine_experts` (the seam between routing and the expert GEMMs) is
 expert GEMMs → combine over `all_to_all_single`, at the latent width (z is hidden/2 wide).
 
 Two modes. `plain`: each slot goes to its expert's home rank. `balanced` (MoonEP): a per-layer plan from the
-all-gathered loads (k3.parallel.planner) gives every rank the same number of slots; ranks that process
-another rank's experts fetch those weights first (one all-to-all of packed w1|w3|w2), and autograd sends the
+all-gathered loads, computed on the device (k3.parallel.planner), gives every rank the same number of slots;
+ranks that process another rank's experts fetch those weights first (one all-to-all of packed w1|w3|w2), and autograd sends the
 replica gradients back the same way, where they add into the home expert's gradient.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from k3.model.moe import LatentMoE
 from k3.ops.grouped_mm import expert_situ_mlp
 from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
 from k3.parallel.comm import all_gather, all_to_all
-from k3.parallel.planner import ExpertPlan, plan_balanced, plan_plain
+from k3.parallel.planner import ExpertPlan, PlanTensors, balanced_plan, plain_plan
 
 MODES = ("balanced", "plain")
 
@@ -39,7 +39,11 @@ class ExpertParallelCombine:
     """Drop-in for `LatentMoE.combine_experts(z, idx, w)` over an EP process group.
 
     z: [N, L] latent tokens; idx: [N, k] global expert ids; w: [N, k] combine weights. Returns r: [N, L].
-    `last_plan` keeps the most recent ExpertPlan (for tests and benchmarks).
+    Per layer: one small all-gather of the expert counts, the plan on the device (k3.parallel.planner's
+    PlanTensors: every rank derives its send and receive splits from the gathered counts, so no split
+    exchange), one read of those splits to the host (all_to_all_single takes host lists), then the replica
+    weight fetch (balanced plans with replicas only), the dispatch and the combine all-to-alls.
+    `last_plan` is the most recent plan as an ExpertPlan (built on demand, for tests and benchmarks).
     """
 
     def __init__(self, moe: LatentMoE, group, mode: str = "balanced"):
@@ -47,70 +51,82 @@ class ExpertParallelCombine:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.moe, self.group, self.mode = moe, group, mode
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.last_plan: ExpertPlan | None = None
+        self.last_plan_tensors: PlanTensors | None = None
+
+    @property
+    def last_plan(self) -> ExpertPlan | None:
+        return None if self.last_plan_tensors is None else self.last_plan_tensors.to_plan()
 
     def __call__(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         R, me, E = self.size, self.rank, self.moe.num_experts
         N, k = idx.shape
+        dev = z.device
         flat = idx.flatten()
-        counts = torch.bincount(flat, minlength=E)
-        all_counts = all_gather(counts[None], self.group).cpu()  # [R, E]
-        load = all_counts.sum(0)
-        plan = (plan_balanced if self.mode == "balanced" else plan_plain)(load, R)
-        self.last_plan = plan
+        counts = _count(flat, E)
+        all_counts = all_gather(counts[None], self.group)  # [R, E], stays on the device
+        plan = (balanced_plan if self.mode == "balanced" else plain_plan)(all_counts.sum(0), R)
+        self.last_plan_tensors = plan
+        received = plan.received(all_counts, me)  # [R, E]
+        # the one host read of the layer: splits and replica counts for the all_to_all_single calls
+        host = torch.cat([plan.sent(all_counts, me), received.sum(1), plan.replica_mask.sum(1), plan.donor]).tolist()
+        send_splits, recv_splits, n_replicas, donor = (host[i * R:(i + 1) * R] for i in range(4))
 
         # each local slot's position on the global slot axis → the rank that processes it
         order = torch.argsort(flat, stable=True)
         sorted_e = flat[order]
-        dev = z.device
-        local_start = (torch.cumsum(counts, 0) - counts)
-        expert_base = (torch.cumsum(load, 0) - load).to(dev)
-        src_offset = all_counts[:me].sum(0).to(dev)
-        pos = expert_base[sorted_e] + src_offset[sorted_e] + torch.arange(N * k, device=dev) - local_start[sorted_e]
-        dest = plan.slot_ranks(pos.cpu()).to(dev)
-        by_dest = torch.argsort(dest, stable=True)
-        send_slots = order[by_dest]  # slot ids (token·k + j) in send order
-        send_splits = torch.bincount(dest, minlength=R).cpu()
-        recv_splits = all_to_all(send_splits.to(dev), [1] * R, [1] * R, self.group).cpu().tolist()
-        send_splits = send_splits.tolist()
-
+        local_start = torch.cumsum(counts, 0) - counts
+        first = (torch.cumsum(plan.load, 0) - plan.load) + (torch.cumsum(all_counts, 0) - all_counts)[me]
+        pos = first[sorted_e] + torch.arange(N * k, device=dev) - local_start[sorted_e]
+        by_dest = torch.argsort(plan.slot_ranks(pos), stable=True)
+        send_slots = order[by_dest]  # slot ids (token·k + j) in send order: by destination, then expert
         unsend = inverse_permutation(send_slots)
         x_recv = all_to_all(dispatch_rows(z, send_slots, unsend, k), recv_splits, send_splits, self.group)
-        e_recv = all_to_all(flat[send_slots], recv_splits, send_splits, self.group)
+        # the arrivals' experts follow from the plan: by source rank, then expert
+        e_recv = torch.repeat_interleave(torch.arange(E, device=dev).repeat(R), received.flatten(),
+                                         output_size=sum(recv_splits))
 
-        w1, w3, w2, table = self._weights(plan)
+        w1, w3, w2, table = self._weights(plan, n_replicas, donor)
         row_of = torch.full((E,), -1, dtype=torch.long, device=dev)
-        row_of[table.to(dev)] = torch.arange(table.numel(), device=dev)
+        row_of[table] = torch.arange(table.numel(), device=dev)
         rows = row_of[e_recv]
         by_row = torch.argsort(rows, stable=True)
         gemm = expert_situ_mlp
         if getattr(self.moe, "qat", False):  # MXFP4/MXFP8 fake-quant on the fetched weights too
             from k3.ops.mx_experts import qat_expert_situ_mlp as gemm
         arrival = inverse_permutation(by_row)
-        y = gemm(permute_rows(x_recv, by_row, arrival), torch.bincount(rows, minlength=table.numel()),
+        y = gemm(permute_rows(x_recv, by_row, arrival), _count(rows, table.numel()),
                  w1, w3, w2, *self.moe.betas)
         y_back = all_to_all(permute_rows(y, arrival, by_row), send_splits, recv_splits, self.group)
         # as LatentMoE.combine_experts: back to [N, k] slot order, then one weighted sum over the k choices
         return torch.bmm(w.unsqueeze(1), permute_rows(y_back, unsend, send_slots).view(N, k, -1)).squeeze(1)
 
-    def _weights(self, plan: ExpertPlan):
-        """Stacked (w1, w3, w2) for the local experts followed by this rank's replicas, and their global ids."""
+    def _weights(self, plan: PlanTensors, n_replicas: list[int], donor: list[int]):
+        """Stacked (w1, w3, w2) for the local experts followed by this rank's replicas, and their global ids.
+        n_replicas, donor: the plan's per-rank replica counts and donors, already on the host."""
         e = self.moe.experts
         R, me, per = self.size, self.rank, e.count
-        home = torch.arange(e.first, e.first + per)
-        if not plan.has_replicas:  # the plan is global, so every rank skips the fetch together
+        dev = e.w1.device
+        home = torch.arange(e.first, e.first + per, device=dev)
+        if not any(n_replicas):  # the plan is global, so every rank skips the fetch together
             return e.w1, e.w3, e.w2, home
         shapes = [e.w1.shape[1:], e.w3.shape[1:], e.w2.shape[1:]]
         packed = torch.cat([e.w1.flatten(1), e.w3.flatten(1), e.w2.flatten(1)], dim=1)  # [per, P]
-        wanted = [[g - e.first for g in plan.replicas[j]] if plan.donor[j] == me else [] for j in range(R)]
-        send_rows = torch.tensor([i for lst in wanted for i in lst], dtype=torch.long, device=packed.device)
-        mine = plan.replicas[me]
-        fetched = all_to_all(packed[send_rows], [len(mine) if j == plan.donor[me] else 0 for j in range(R)],
-                             [len(lst) for lst in wanted], self.group)
+        send_counts = [n_replicas[j] if donor[j] == me else 0 for j in range(R)]
+        # rows for the ranks that replicate my experts: by taker, then expert (first n true entries, no sync)
+        wanted = plan.replica_mask[:, e.first:e.first + per] & (plan.donor == me)[:, None]
+        send_rows = torch.argsort((~wanted).flatten().to(torch.int8), stable=True)[:sum(send_counts)] % per
+        fetched = all_to_all(packed[send_rows], [n_replicas[me] if j == donor[me] else 0 for j in range(R)],
+                             send_counts, self.group)
         stacked = torch.cat([packed, fetched], dim=0)
         sizes = [s.numel() for s in shapes]
         w1, w3, w2 = (t.reshape(-1, *s) for t, s in zip(stacked.split(sizes, dim=1), shapes))
-        return w1, w3, w2, torch.cat([home, torch.tensor(mine, dtype=torch.long)])
+        mine = torch.argsort((~plan.replica_mask[me]).to(torch.int8), stable=True)[:n_replicas[me]]
+        return w1, w3, w2, torch.cat([home, mine])
+
+
+def _count(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] occurrences of each id (not bincount: on CUDA it reads the max back to the host)."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def owned_experts(num_experts: int, rank: int, size: int) -> range:

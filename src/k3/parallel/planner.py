@@ -14,6 +14,13 @@ hands it on with its own excess. A receiver takes from one donor, a relay donor 
 every rank takes replicas from at most one other rank, hence at most E/R redundant experts. A relayed
 remainder is below a receiver's deficit ≤ its capacity ≤ the relay's capacity + 1, so the relay's offload
 (its excess + remainder) never exceeds its own home load: the plan always exists.
+
+On the device: `balanced_plan` / `plain_plan` build the same plan with tensor ops of fixed shapes (no host
+read), as `PlanTensors`: an R × R table `take[h, j]` (slots of h's home range that rank j processes) cut
+into R² segments, zero-length ones included. Donor i in donor order serves receiver j exactly when i is the
+first donor whose cumulative excess reaches j's cumulative deficit, and relays to donor i + 1 what is left
+of its cumulative excess above the last cumulative deficit it covers; that is the loop of
+`plan_balanced_reference` (kept as the readable construction, and the test's reference) in closed form.
 """
 from __future__ import annotations
 
@@ -72,17 +79,17 @@ def _check(load: torch.Tensor, num_ranks: int) -> torch.Tensor:
 
 def plan_plain(load: torch.Tensor, num_ranks: int) -> ExpertPlan:
     """No replicas: every slot goes to its expert's home rank (ranks get whatever the routing gives them)."""
-    load = _check(load, num_ranks)
-    home = load.view(num_ranks, -1).sum(1)
-    starts = torch.cumsum(home, 0) - home
-    keep = home > 0
-    return ExpertPlan(num_ranks, load, starts[keep], torch.arange(num_ranks)[keep],
-                      [None] * num_ranks, [[] for _ in range(num_ranks)])
+    return plain_plan(_check(load, num_ranks), num_ranks).to_plan()
 
 
 def plan_balanced(load: torch.Tensor, num_ranks: int) -> ExpertPlan:
     """MoonEP plan: every rank processes exactly ⌊N/R⌋ or ⌈N/R⌉ of the N slots (exactly S×K when every
     rank routed S tokens), each rank replicates experts of at most one other rank. load: [E] int64."""
+    return balanced_plan(_check(load, num_ranks), num_ranks).to_plan()
+
+
+def plan_balanced_reference(load: torch.Tensor, num_ranks: int) -> ExpertPlan:
+    """`plan_balanced` step by step in Python on the host (the construction of the module docstring)."""
     load = _check(load, num_ranks)
     R, E = num_ranks, load.numel()
     per = E // R
@@ -132,3 +139,123 @@ def plan_balanced(load: torch.Tensor, num_ranks: int) -> ExpertPlan:
     replicas = [sorted(set(r)) for r in replicas]
     return ExpertPlan(R, load, torch.tensor(seg_start, dtype=torch.int64),
                       torch.tensor(seg_rank, dtype=torch.int64), donor_of, replicas)
+
+
+def _exclusive_cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.cumsum(x, dim) - x
+
+
+def _overlap(start: torch.Tensor, length: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Length of [start, start + length) ∩ [lo, hi), elementwise (broadcasting)."""
+    return (torch.minimum(start + length, hi) - torch.maximum(start, lo)).clamp(min=0)
+
+
+@dataclass
+class PlanTensors:
+    """A plan held in device tensors of fixed shapes (R ranks, E experts): nothing here reads the host.
+
+    take: [R, R] slots of home range h processed by rank j; seg_start, seg_rank: [R²] the take table laid on
+    the slot axis (sorted starts, zero-length segments kept); donor: [R] the rank whose experts j replicates
+    or −1; replica_mask: [R, E] the experts each rank replicates.
+    """
+    num_ranks: int
+    load: torch.Tensor
+    take: torch.Tensor
+    seg_start: torch.Tensor
+    seg_rank: torch.Tensor
+    donor: torch.Tensor
+    replica_mask: torch.Tensor
+
+    def slot_ranks(self, positions: torch.Tensor) -> torch.Tensor:
+        """Processing rank of each slot position on the global axis (a zero-length segment never wins: the
+        non-empty one starting at the same place comes after it)."""
+        seg = torch.searchsorted(self.seg_start, positions, right=True) - 1
+        return self.seg_rank[seg]
+
+    def _home_segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[E, R] start and end on the slot axis of the segment of expert e's home range processed by rank j."""
+        R = self.num_ranks
+        start = torch.empty_like(self.take).view(-1).scatter_(
+            0, torch.arange(R, device=self.take.device).repeat_interleave(R) * R + self.seg_rank, self.seg_start)
+        start = start.view(R, R)
+        home_of = torch.arange(self.load.numel(), device=self.load.device) // (self.load.numel() // R)
+        return start[home_of], (start + self.take)[home_of]
+
+    def sent(self, all_counts: torch.Tensor, source: int) -> torch.Tensor:
+        """[R] slots that rank `source` sends to each rank. all_counts: [R, E] every rank's expert counts."""
+        lo, hi = self._home_segments()  # [E, R]
+        first = (_exclusive_cumsum(self.load) + _exclusive_cumsum(all_counts, 0)[source])[:, None]
+        return _overlap(first, all_counts[source][:, None], lo, hi).sum(0)
+
+    def received(self, all_counts: torch.Tensor, rank: int) -> torch.Tensor:
+        """[R, E] slots of expert e that `rank` receives from each source rank (arriving by source, then
+        expert: the order a source sends them in)."""
+        lo, hi = self._home_segments()
+        first = _exclusive_cumsum(self.load)[None] + _exclusive_cumsum(all_counts, 0)
+        return _overlap(first, all_counts, lo[:, rank], hi[:, rank])
+
+    def to_plan(self) -> ExpertPlan:
+        """The host-side ExpertPlan (non-empty segments only; reads the device)."""
+        keep = self.take.flatten()[self._segment_order()] > 0
+        donor = [None if d < 0 else d for d in self.donor.tolist()]
+        replicas = [torch.nonzero(row).flatten().tolist() for row in self.replica_mask.cpu()]
+        return ExpertPlan(self.num_ranks, self.load.cpu(), self.seg_start[keep].cpu(), self.seg_rank[keep].cpu(),
+                          donor, replicas)
+
+    def _segment_order(self) -> torch.Tensor:
+        """Flat indices h·R + j of the take table in segment order."""
+        R = self.num_ranks
+        return torch.arange(R, device=self.take.device).repeat_interleave(R) * R + self.seg_rank
+
+
+def _lay_out(load: torch.Tensor, take: torch.Tensor, excess: torch.Tensor) -> PlanTensors:
+    """Cut each home range as the reference does: the kept part, then receivers in rank order, then the relay
+    (a rank with excess), and find every rank's donor and replicas."""
+    R, E = take.shape[0], load.numel()
+    dev = load.device
+    ranks = torch.arange(R, device=dev)
+    key = torch.where(excess[None, :] < 0, 1 + ranks[None, :], R + 1).expand(R, R).clone()
+    key[ranks, ranks] = 0
+    order = torch.argsort(key, dim=1, stable=True)  # [R, R]: row h's takers in axis order
+    home = take.sum(1)
+    starts = _exclusive_cumsum(home)[:, None] + _exclusive_cumsum(take.gather(1, order), 1)
+    foreign = take.clone()
+    foreign[ranks, ranks] = 0
+    has_donor = (foreign > 0).any(0)
+    donor = torch.where(has_donor, torch.argmax((foreign > 0).to(torch.int8), dim=0), -1)
+    plan = PlanTensors(R, load, take, starts.flatten(), order.flatten(), donor, torch.empty(0))
+    lo, hi = plan._home_segments()  # [E, R]
+    ends = torch.cumsum(load, 0)
+    home_of = torch.arange(E, device=dev) // (E // R)
+    plan.replica_mask = ((home_of[:, None] != ranks[None, :]) & (load[:, None] > 0) & (hi > lo)
+                         & ((ends - load)[:, None] < hi) & (ends[:, None] > lo)).T.contiguous()
+    return plan
+
+
+def plain_plan(load: torch.Tensor, num_ranks: int) -> PlanTensors:
+    """`plan_plain` on load's device. load: [E] int64, non-negative (not checked: that would read the host)."""
+    R = num_ranks
+    home = load.view(R, -1).sum(1)
+    return _lay_out(load, torch.diag(home), torch.zeros_like(home))
+
+
+def balanced_plan(load: torch.Tensor, num_ranks: int) -> PlanTensors:
+    """`plan_balanced` on load's device with tensor ops (see the module docstring). load: [E] int64."""
+    R = num_ranks
+    dev = load.device
+    ranks = torch.arange(R, device=dev)
+    home = load.view(R, -1).sum(1)
+    total = home.sum()
+    excess = home - (total // R + (ranks < total % R))
+    donors = torch.argsort(torch.where(excess > 0, -excess, 1), stable=True)  # decreasing excess, then rank
+    X = torch.cumsum(excess[donors].clamp(min=0), 0)  # cumulative excess in donor order
+    deficit = (-excess).clamp(min=0)
+    Y = torch.cumsum(deficit, 0)  # cumulative deficit in rank order
+    take = torch.zeros(R, R, dtype=load.dtype, device=dev)
+    server = donors[torch.searchsorted(X, Y).clamp(max=R - 1)]
+    take.index_put_((server, ranks), deficit, accumulate=True)  # non-receivers add 0
+    covered = torch.searchsorted(Y, X, right=True)  # receivers whose deficit donor i's excess ends past
+    relayed = X - torch.where(covered > 0, Y[(covered - 1).clamp(min=0)], 0)
+    take.index_put_((donors[:-1], donors[1:]), relayed[:-1], accumulate=True)
+    take[ranks, ranks] = home - take.sum(1)
+    return _lay_out(load, take, excess)
