@@ -50,16 +50,26 @@ class Capacity:
                 f"({self.bytes_per_slot / 2**20:.2f} MiB each) shared by running sequences and checkpoints")
 
 
+def kda_local_heads(config: K3Config, tp: int = 1) -> int:
+    """KDA heads one rank holds under tensor parallelism of size tp (k3.parallel.tensor_parallel)."""
+    heads = config.linear_attn_config.num_heads
+    if not isinstance(tp, int) or tp < 1 or heads % tp:
+        raise ValueError(f"tensor parallel size {tp!r} must be an integer >= 1 dividing the {heads} KDA heads")
+    return heads // tp
+
+
 def plan_capacity(config: K3Config, memory_bytes: int, block_size: int, num_slots: int,
-                  dtype: torch.dtype, num_blocks: int | None = None) -> Capacity:
+                  dtype: torch.dtype, num_blocks: int | None = None, tp: int = 1) -> Capacity:
     """Split a memory budget: `num_slots` KDA state slots first, the rest in MLA latent blocks
-    (or exactly `num_blocks` blocks when given, ignoring the budget)."""
+    (or exactly `num_blocks` blocks when given, ignoring the budget). tp: one rank of a tensor-parallel group,
+    whose slots hold its H/tp KDA heads; the MLA latents are per token, whole on every rank."""
     la = config.linear_attn_config
     n_mla = sum(config.is_mla(l) for l in range(config.num_hidden_layers))
     n_kda = config.num_hidden_layers - n_mla
-    C = la.num_heads * la.head_dim
+    H = kda_local_heads(config, tp)
+    C = H * la.head_dim
     per_token = n_mla * (config.kv_lora_rank + config.qk_rope_head_dim) * torch.empty((), dtype=dtype).element_size()
-    per_slot = n_kda * 4 * (la.num_heads * la.head_dim * la.head_dim + 3 * (la.short_conv_kernel_size - 1) * C)
+    per_slot = n_kda * 4 * (H * la.head_dim * la.head_dim + 3 * (la.short_conv_kernel_size - 1) * C)
     left = memory_bytes - num_slots * per_slot
     if num_blocks is None:
         num_blocks = left // (per_token * block_size) if per_token else 0
@@ -73,7 +83,7 @@ class CachePool:
     """Physical storage plus the prefix-cache index. Single-threaded: only the engine loop calls it."""
 
     def __init__(self, config: K3Config, capacity: Capacity, match_unit: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", prefix_caching: bool = True):
+                 device: torch.device | str = "cpu", prefix_caching: bool = True, tp: int = 1):
         if capacity.block_size % match_unit:
             raise ValueError(f"block_size ({capacity.block_size}) must be a multiple of match_unit ({match_unit})")
         la = config.linear_attn_config
@@ -84,7 +94,8 @@ class CachePool:
         self.kda_layers = [l for l in range(config.num_hidden_layers) if not config.is_mla(l)]
         self.latent_dim = config.kv_lora_rank
         D = config.kv_lora_rank + config.qk_rope_head_dim
-        H, K, W = la.num_heads, la.head_dim, la.short_conv_kernel_size
+        # under tensor parallelism a rank's KDA state holds its own heads only (tp: see plan_capacity)
+        H, K, W = kda_local_heads(config, tp), la.head_dim, la.short_conv_kernel_size
         nb, ns = capacity.num_blocks, capacity.num_slots
         # One block and one slot past the allocatable ones: scratch that a fixed-shape decode step's padding rows
         # read and write (k3.serve.runner.DecodeGraphs), never handed to a sequence.

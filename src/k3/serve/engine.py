@@ -48,6 +48,11 @@ def check_policy_version(policy_version) -> None:
 
 
 class LLMEngine:
+    # Set by distributed serving (k3.serve.distributed): how the sampled ids become rank 0's on every rank, and
+    # how often an idle EngineThread steps anyway (the heartbeat the other ranks wait on).
+    agree_tokens = None
+    idle_step_s: float | None = None
+
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, metrics: Metrics | None = None):
         self.config = config = config or EngineConfig()
         config.validate()
@@ -55,10 +60,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         param = next(model.parameters())
         slots = config.num_state_slots or 2 * config.max_num_seqs
+        tp = getattr(model, "tensor_parallel_size", 1)  # a TP rank's KDA slots hold its heads only
         self.capacity = plan_capacity(model.config, config.memory_bytes, config.block_size, slots, param.dtype,
-                                      config.num_blocks)
+                                      config.num_blocks, tp=tp)
         self.pool = CachePool(model.config, self.capacity, config.match_unit, param.dtype, param.device,
-                              config.prefix_caching)
+                              config.prefix_caching, tp=tp)
         self.scheduler = Scheduler(self.pool, config.max_batch_tokens, config.max_num_seqs)
         self.metrics = metrics or Metrics()
         self.max_model_len = min(config.max_model_len or self.capacity.tokens, self.capacity.tokens)
@@ -183,7 +189,8 @@ class LLMEngine:
             chosen = [seqs[i] for i in sampling]
             tokens, logprobs = sample_tokens(logits, [s.params for s in chosen], [s.generator for s in chosen],
                                              [s.grammar for s in chosen], [s.adjuster for s in chosen],
-                                             [s.num_output < s.params.min_tokens for s in chosen])
+                                             [s.num_output < s.params.min_tokens for s in chosen],
+                                             agree=self.agree_tokens)
         if scores is not None:
             self._keep_prompt_logprobs(seqs, scores)
         now = time.perf_counter()
@@ -330,7 +337,8 @@ class EngineThread:
             while True:
                 with self._cv:
                     while not self._stop and not self._inbox and not eng.has_unfinished():
-                        self._cv.wait()
+                        if not self._cv.wait(eng.idle_step_s):
+                            break  # an idle step (distributed serving's heartbeat)
                     if self._stop:
                         return
                     inbox, self._inbox = self._inbox, []
