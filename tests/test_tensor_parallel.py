@@ -1,5 +1,5 @@
 """Tensor parallelism (k3.parallel.tensor_parallel) on 2 and 4 gloo processes against one process (float32):
-the plain forward (rows and packed documents) and K3Cache decode; the paged serving path through LLMEngine with
+the plain forward (rows and packed documents), K3Cache and StaticCache decode; the paged serving path through LLMEngine with
 chunked prefill, prefix-cache hits, preemption by swapping and prompt logprobs (greedy tokens equal, logprobs
 close); a TP model built from a rank-sharded load equal bit for bit to one sliced from the full load (MXFP4
 experts dequantised and kept packed); and the refusals of head counts and vocabularies T does not divide.
@@ -44,8 +44,14 @@ def forward_checks(model) -> dict:
     ids = torch.randint(0, 8192, (2, 13), generator=g)
     docs = torch.tensor([[0] * 5 + [1] * 8, [0] * 9 + [1] * 4])
     with torch.no_grad():
-        return {"logits": model(ids).logits, "packed": model(ids, doc_ids=docs).logits,
-                "generate": model.generate(ids[:1, :7], max_new_tokens=6, eos_token_id=None)}
+        out = {"logits": model(ids).logits, "packed": model(ids, doc_ids=docs).logits,
+               "generate": model.generate(ids[:1, :7], max_new_tokens=6, eos_token_id=None)}
+        cache = model.new_cache(2, 13)  # the preallocated cache of graphed decoding: a prefill, then steps
+        steps = [model(ids[:, :7], cache=cache, logits_to_keep=1).logits[:, -1]]
+        steps += [model(ids[:, t:t + 1], cache=cache).logits[:, -1] for t in range(7, 13)]
+        out["static"] = torch.stack(steps, 1)
+        out["static_state"] = tuple(cache.layers[1].state.shape)
+    return out
 
 
 def run_engine(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
@@ -71,7 +77,7 @@ def serve_checks(model) -> dict:
     preemption by swapping (7 blocks for three sequences) in another."""
     engine = lambda **kw: LLMEngine(model, None, EngineConfig(**{  # noqa: E731
         "memory_bytes": 16 << 20, "block_size": 16, "match_unit": 4, "max_num_seqs": 8, **kw}))
-    eng = engine(max_batch_tokens=7)
+    eng = engine(max_batch_tokens=7, decode_graphs=True)  # (decode-only steps: the graphs' fixed-shape step)
     base = prompt(1, 30)
     first = run_engine(eng, [base], SamplingParams(max_tokens=6, logprobs=3, **GREEDY))
     hits = run_engine(eng, [base + prompt(2, 9), prompt(3, 11)],
@@ -154,7 +160,8 @@ def test_tensor_parallel_equals_one_process(world, saved, reference):
     for rank, res in enumerate(results):
         assert res["local_heads"] == [H // world] * 6
         # the plain forward, packed documents and K3Cache decode
-        for key in ("logits", "packed"):
+        assert res["forward"]["static_state"] == (2, H // world, 32, 32)
+        for key in ("logits", "packed", "static"):
             torch.testing.assert_close(res["forward"][key], reference["forward"][key], rtol=1e-5, atol=1e-5)
         assert torch.equal(res["forward"]["generate"], reference["forward"]["generate"])
         # the serving path: the pool's KDA state holds the rank's heads, the MLA latents stay whole

@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+def kda_local_heads(config, tp: int = 1) -> int:
+    """KDA heads one rank holds under tensor parallelism of size tp (k3.parallel.tensor_parallel): its state
+    [.., H/tp, K, V] and conv tails hold those heads only."""
+    heads = config.linear_attn_config.num_heads
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or heads % tp:
+        raise ValueError(f"tensor parallel size {tp!r} must be an integer >= 1 dividing the {heads} KDA heads")
+    return heads // tp
+
+
 @dataclass
 class KDAState:
     """One KDA layer: recurrent state [B, H, K, V] (fp32) and the last W−1 inputs of the q, k, v convs."""
@@ -74,10 +83,11 @@ class StaticCache(K3Cache):
     over all `max_len` slots with a length mask. `seq_len` is the host's copy of the length.
     """
 
-    def __init__(self, config, batch: int, max_len: int, device=None, dtype: torch.dtype = torch.float32):
+    def __init__(self, config, batch: int, max_len: int, device=None, dtype: torch.dtype = torch.float32,
+                 tp: int = 1):
         super().__init__(config.num_hidden_layers)
         la = config.linear_attn_config
-        H, K, W = la.num_heads, la.head_dim, la.short_conv_kernel_size
+        H, K, W = kda_local_heads(config, tp), la.head_dim, la.short_conv_kernel_size
         self.batch, self.max_len = batch, max_len
         self.length = torch.zeros((), dtype=torch.long, device=device)
         sd = torch.float64 if dtype == torch.float64 else torch.float32  # KDA state and conv tails: fp32 or wider

@@ -259,7 +259,8 @@ class K3ForCausalLM(nn.Module):
         if max_len is None:
             return K3Cache(self.config.num_hidden_layers)
         w = self.model.embed_tokens.weight
-        return StaticCache(self.config, batch, max_len, device=w.device, dtype=w.dtype)
+        return StaticCache(self.config, batch, max_len, device=w.device, dtype=w.dtype,
+                           tp=getattr(self, "tensor_parallel_size", 1))  # (a TP rank holds its KDA heads only)
 
     # ---- generation and checkpoints live in their own modules --------------------------------------------
     def generate(self, input_ids, **kwargs):

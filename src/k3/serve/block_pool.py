@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from k3.config import K3Config
+from k3.model.cache import kda_local_heads
 from k3.serve.sequence import CacheReport, Sequence
 
 _ROOT_HASH = 0x6B33  # the hash of the empty prefix
@@ -48,14 +49,6 @@ class Capacity:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens of MLA latents "
                 f"({self.bytes_per_token} B/token); {self.num_slots} KDA state slots "
                 f"({self.bytes_per_slot / 2**20:.2f} MiB each) shared by running sequences and checkpoints")
-
-
-def kda_local_heads(config: K3Config, tp: int = 1) -> int:
-    """KDA heads one rank holds under tensor parallelism of size tp (k3.parallel.tensor_parallel)."""
-    heads = config.linear_attn_config.num_heads
-    if not isinstance(tp, int) or tp < 1 or heads % tp:
-        raise ValueError(f"tensor parallel size {tp!r} must be an integer >= 1 dividing the {heads} KDA heads")
-    return heads // tp
 
 
 def plan_capacity(config: K3Config, memory_bytes: int, block_size: int, num_slots: int,
