@@ -4,8 +4,8 @@ expert GEMMs → combine over `all_to_all_single`, at the latent width (z is hid
 
 Two modes. `plain`: each slot goes to its expert's home rank. `balanced` (MoonEP): a per-layer plan from the
 all-gathered loads, computed on the device (k3.parallel.planner), gives every rank the same number of slots;
-ranks that process another rank's experts fetch those weights first (one all-to-all of packed w1|w3|w2), and autograd sends the
-replica gradients back the same way, where they add into the home expert's gradient.
+ranks that process another rank's experts fetch those weights first (one all-to-all of packed w1|w3|w2),
+and autograd sends the replica gradients back the same way, where they add into the home expert's gradient.
 """
 from __future__ import annotations
 

@@ -106,9 +106,16 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             update = self._muon_update if group["use_muon"] else self._adamw_update
+            sharded = []
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is None:
+                    continue
+                if group["use_muon"] and _is_dtensor(p):
+                    sharded.append(p)
+                else:
                     update(p, group)
+            if sharded:
+                self._sharded_muon_update(sharded, group)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -121,21 +128,45 @@ class Muon(torch.optim.Optimizer):
                 if isinstance(value, Tensor) and key != "step":
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
-    def _muon_update(self, p: Tensor, group: dict) -> None:
-        grad = p.grad
+    def _direction(self, p: Tensor, group: dict) -> Tensor:
+        """Advance p's momentum and return the direction to orthogonalise (float32). On a DTensor parameter both
+        are this rank's shard: the momentum is elementwise, so shards need no communication."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        buf = state["momentum_buffer"]
+        buf, grad = _local(state["momentum_buffer"]), _local(p.grad).float()
         mu = group["momentum"]
-        buf.mul_(mu).add_(grad.float())
-        direction = grad.float().add(buf, alpha=mu) if group["nesterov"] else buf
-        ns_dtype = group["ns_dtype"] or (torch.bfloat16 if p.is_cuda else torch.float32)
-        ortho = newton_schulz(direction, steps=group["ns_steps"], dtype=ns_dtype).float()
-        lr = group["lr"]
+        buf.mul_(mu).add_(grad)
+        return grad.add(buf, alpha=mu) if group["nesterov"] else buf
+
+    @staticmethod
+    def _ns_dtype(p: Tensor, group: dict) -> torch.dtype:
+        return group["ns_dtype"] or (torch.bfloat16 if p.is_cuda else torch.float32)
+
+    @staticmethod
+    def _apply(p: Tensor, ortho: Tensor, group: dict) -> None:
+        """p −= lr·(wd·p + muon_scale·ortho), on p's local data (shape: the full matrix's)."""
+        data, lr = _local(p), group["lr"]
         if group["weight_decay"]:
-            p.mul_(1.0 - lr * group["weight_decay"])
-        p.add_(ortho.to(p.dtype), alpha=-lr * muon_scale(p.shape))
+            data.mul_(1.0 - lr * group["weight_decay"])
+        data.add_(ortho.to(data.dtype), alpha=-lr * muon_scale(p.shape))
+
+    def _muon_update(self, p: Tensor, group: dict) -> None:
+        direction = self._direction(p, group)
+        self._apply(p, newton_schulz(direction, steps=group["ns_steps"], dtype=self._ns_dtype(p, group)).float(), group)
+
+    def _sharded_muon_update(self, params: list[Tensor], group: dict) -> None:
+        """Distributed Muon for row-sharded (FSDP2) matrices: each matrix is orthogonalised once, whole, by one
+        owner rank (round-robin over the matrices, largest first), with one all-to-all gathering the shards
+        to their owners and one scattering the results back. Bytes travel in the Newton–Schulz working dtype,
+        which is where the single-process update casts first, so the result equals it."""
+        by_group: dict = {}
+        for p in params:
+            by_group.setdefault(_row_shard_group(p), []).append(p)
+        for pg, ps in by_group.items():
+            _gather_orthogonalise_scatter(ps, [self._direction(p, group) for p in ps], pg, group["ns_steps"],
+                                          self._ns_dtype(ps[0], group),
+                                          lambda p, ortho: self._apply(p, ortho.float(), group))
 
     def _adamw_update(self, p: Tensor, group: dict) -> None:
         grad = p.grad.float()
@@ -155,6 +186,69 @@ class Muon(torch.optim.Optimizer):
         denom = (state["exp_avg_sq"] / (1.0 - beta2**t)).sqrt_().add_(group["eps"])
         step = state["exp_avg"] / (1.0 - beta1**t) / denom
         p.add_(step.to(p.dtype), alpha=-lr)
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (sharing its storage, so in-place updates land in the DTensor), else t."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _row_shard_group(p: Tensor):
+    """The process group over which DTensor `p` is split by rows (FSDP2's Shard(0) on a 1-D mesh)."""
+    from torch.distributed.tensor import Shard
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise ValueError(f"distributed Muon shards rows over a 1-D mesh (Shard(0)); got placements "
+                         f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh for a {tuple(p.shape)} matrix")
+    return p.device_mesh.get_group()
+
+
+def _row_counts(rows: int, world: int) -> list[int]:
+    """Rows of each rank under Shard(0) (torch.chunk's rule: ⌈rows/world⌉ each, the last ones short or empty)."""
+    per = -(-rows // world)
+    return [max(0, min(per, rows - r * per)) for r in range(world)]
+
+
+def _gather_orthogonalise_scatter(params: list[Tensor], local_dirs: list[Tensor], pg, steps: int,
+                                  ns_dtype: torch.dtype, apply) -> None:
+    """Shards local_dirs[i] of full matrices params[i] (DTensors over `pg`) → each full matrix orthogonalised by
+    its owner → `apply(p, local rows of the result)` on every rank. Every rank of `pg` calls this together."""
+    import torch.distributed as dist
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    by_size = sorted(range(len(params)), key=lambda i: -params[i].numel())
+    owner = {i: n % world for n, i in enumerate(by_size)}
+    rows = [_row_counts(p.shape[0], world) for p in params]
+    width = [math.prod(p.shape[1:]) for p in params]  # elements per row
+    for i, d in enumerate(local_dirs):
+        if d.shape[0] != rows[i][me]:
+            raise ValueError(f"a {tuple(params[i].shape)} matrix holds {d.shape[0]} rows on rank {me}, expected "
+                             f"{rows[i][me]} (torch.chunk's rule for Shard(0))")
+    mine = [i for i in range(len(params)) if owner[i] == me]
+    # gather: to owner j, my rows of each matrix j owns (in matrix order)
+    send = [[i for i in range(len(params)) if owner[i] == j] for j in range(world)]
+    send_sizes = [sum(rows[i][me] * width[i] for i in send[j]) for j in range(world)]
+    recv_sizes = [sum(rows[i][s] * width[i] for i in mine) for s in range(world)]
+    dev = local_dirs[0].device
+    out = torch.empty(sum(recv_sizes), dtype=ns_dtype, device=dev)
+    flat = torch.cat([local_dirs[i].reshape(-1).to(ns_dtype) for j in range(world) for i in send[j]]
+                     or [out.new_empty(0)])
+    dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=pg)
+    pieces = [list(part.split([rows[i][s] * width[i] for i in mine])) for s, part in enumerate(out.split(recv_sizes))]
+    results = []
+    for n, i in enumerate(mine):
+        full = torch.cat([pieces[s][n] for s in range(world)]).view(params[i].shape)
+        results.append(newton_schulz(full, steps=steps, dtype=ns_dtype))
+    # scatter: each rank gets its rows of every matrix, by owner, in matrix order
+    back = torch.cat([r.reshape(-1, width[i])[sum(rows[i][:s]):sum(rows[i][:s + 1])].reshape(-1)
+                      for s in range(world) for i, r in zip(mine, results)] or [out.new_empty(0)])
+    mine_back = torch.empty(sum(send_sizes), dtype=ns_dtype, device=dev)
+    dist.all_to_all_single(mine_back, back, send_sizes, recv_sizes, group=pg)
+    parts = mine_back.split([rows[i][me] * width[i] for j in range(world) for i in send[j]])
+    for i, part in zip([i for j in range(world) for i in send[j]], parts):
+        apply(params[i], part.view(rows[i][me], *params[i].shape[1:]))
 
 
 class MuonWithAdamW(Muon):
