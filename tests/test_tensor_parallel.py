@@ -131,6 +131,13 @@ def refusal_checks(world: int) -> dict:
 def worker(rank, world, path):
     res = {"refusals": refusal_checks(world)}
     model = apply_tensor_parallel(make_model())
+    kept = {n: t.clone() for n, t in model.state_dict().items()}
+    try:  # a second slicing would cut the rank's blocks again
+        apply_tensor_parallel(model)
+        res["again"] = None
+    except ValueError as e:
+        res["again"] = str(e)
+    res["again_untouched"] = all(torch.equal(kept[n], t) for n, t in model.state_dict().items())
     res["local_heads"] = [layer.self_attn.num_heads for layer in model.model.layers]
     res["forward"] = forward_checks(model)
     res["serve"] = serve_checks(model)
@@ -198,3 +205,9 @@ def test_tensor_parallel_equals_one_process(world, saved, reference):
         assert "embed_tokens" in res["refusals"]["vocab"] and "8191" in res["refusals"]["vocab"]
         assert "\n" not in res["refusals"]["heads"] + res["refusals"]["vocab"]
         assert res["refusals"]["heads_untouched"] and res["refusals"]["vocab_untouched"]
+        assert res["again"] == f"the model is already tensor parallel (size {world})" and res["again_untouched"]
+
+
+def test_refuses_what_is_not_a_k3_model():
+    with pytest.raises(TypeError, match="apply_tensor_parallel takes a K3ForCausalLM, got Linear"):
+        apply_tensor_parallel(torch.nn.Linear(4, 4))

@@ -107,6 +107,12 @@ def apply_tensor_parallel(model: nn.Module, group=None) -> nn.Module:
     """Turn a full K3ForCausalLM (every rank holding the same weights) into this rank's TP shard of `group`
     (default: the world), in place; returns the model, frozen. Meta-device models are sliced too (their shapes
     become the rank's), so a model can be shaped first and filled from a rank shard (`model_from_rank_shard`)."""
+    from k3.model.decoder import K3ForCausalLM
+
+    if not isinstance(model, K3ForCausalLM):
+        raise TypeError(f"apply_tensor_parallel takes a K3ForCausalLM, got {type(model).__name__}")
+    if tensor_parallel_size(model) > 1:  # slicing a rank's block again would cut it into pieces of pieces
+        raise ValueError(f"the model is already tensor parallel (size {tensor_parallel_size(model)})")
     layout = _group_layout(group)
     _shard_modules(model, layout, group, take=lambda name, t, cut: t.narrow(cut[0], cut[1], cut[2] - cut[1]).clone())
     return model
