@@ -627,14 +627,26 @@ def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
 
 
 def cmd_serve(a) -> int:
-    from k3.serve.api import serve
+    import os
 
-    check_listen_address(a.host, a.port)  # a taken port: say so now, not after loading the model
+    from k3.serve.api import serve
+    from k3.serve.distributed import is_torchrun_rank
+
+    ranked = is_torchrun_rank()  # one rank of a group (torchrun, or started by `k3 serve --nproc N`)
+    if not ranked or os.environ["RANK"] == "0":
+        check_listen_address(a.host, a.port)  # a taken port: say so now, not after loading the model
     engine_config = _engine_config(a)
     engine_config.max_model_len = a.max_model_len
     _check_max_model_len(a.model, a.max_model_len)
     from k3 import envs
     api_key = a.api_key if a.api_key is not None else envs.current().api_key
+    if ranked or (a.nproc or 1) > 1 or (a.ep or 1) > 1 or a.tp > 1:
+        from k3.serve.distributed import RankFailure, serve_from_cli
+        try:
+            serve_from_cli(a, engine_config, api_key)
+        except RankFailure as e:
+            raise CLIError(str(e)) from None
+        return 0
     try:
         serve(a.model, host=a.host, port=a.port, api_key=api_key, engine_config=engine_config,
               model_name=a.served_model_name, device=a.device, max_request_bytes=a.max_request_bytes,
@@ -856,6 +868,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds an idle keep-alive connection is held open")
     sv.add_argument("--served-model-name", default=None, help="model id clients use (default: directory name)")
     sv.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N")
+    sv.add_argument("--nproc", type=_positive_int, default=None,
+                    help="ranks on this machine, one engine in lockstep (gloo on CPU, NCCL on GPU); under torchrun "
+                         "the launcher's WORLD_SIZE")
+    sv.add_argument("--ep", type=_positive_int, default=None,
+                    help="ranks that share one copy of the routed experts (divides the ranks; default all of them)")
+    sv.add_argument("--tp", type=_positive_int, default=1, help="ranks that split attention and dense parts by heads")
     _add_engine_args(sv, block=2048, unit=512)
     sv.set_defaults(func=cmd_serve)
 

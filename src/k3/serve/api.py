@@ -167,9 +167,10 @@ DOCUMENTED = (P.CompletionRequest, P.ChatRequest, P.TokenizeRequest, P.Detokeniz
 
 def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: str | None = None,
                max_tokens_limit: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
-    """The FastAPI app around an engine (started and stopped with the app's lifespan)."""
-    runner = EngineThread(engine)
+               body_timeout_s: float = BODY_TIMEOUT_S, runner: EngineThread | None = None) -> FastAPI:
+    """The FastAPI app around an engine (started and stopped with the app's lifespan); runner: the thread that
+    drives it (default a plain EngineThread; distributed serving brings its own)."""
+    runner = runner or EngineThread(engine)
     max_len = engine.max_model_len
     max_tokens_limit = min(max_tokens_limit or max_len, max_len)
     engine.metrics.model_name = model_name
@@ -518,6 +519,20 @@ def _tokenizer_info(tokenizer, max_len: int) -> dict:
             "chat_template": template, "model_max_length": max_len, "vocab_size": tokenizer.vocab_size}
 
 
+def fit_engine_config(config, engine_config=None):
+    """The engine settings for a model of `config`: max_model_len defaults to its max_position_embeddings and
+    may not exceed them."""
+    from k3.serve.engine import EngineConfig
+
+    engine_config = engine_config or EngineConfig()
+    if engine_config.max_model_len is None:
+        engine_config.max_model_len = config.max_position_embeddings
+    elif engine_config.max_model_len > config.max_position_embeddings:
+        raise ValueError(f"--max-model-len {engine_config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({config.max_position_embeddings})")
+    return engine_config
+
+
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           engine_config=None, model_name: str | None = None, device: str = "cpu",
           max_request_bytes: int = MAX_REQUEST_BYTES, timeout_keep_alive: float = 5.0) -> None:
@@ -528,7 +543,6 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
     import uvicorn
 
     from k3.data import model_tokenizer
-    from k3.serve.engine import EngineConfig
     from k3.vision.multimodal import load_model
 
     d = Path(model_dir)
@@ -536,13 +550,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
         raise FileNotFoundError(f"--model {d}: no config.json there")
     tokenizer = model_tokenizer(d)
     model = load_model(d, device=device)  # a vision model when config.json has a vision_config
-    engine_config = engine_config or EngineConfig()
-    if engine_config.max_model_len is None:
-        engine_config.max_model_len = model.config.max_position_embeddings
-    elif engine_config.max_model_len > model.config.max_position_embeddings:
-        raise ValueError(f"--max-model-len {engine_config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings ({model.config.max_position_embeddings})")
-    engine = LLMEngine(model, tokenizer, engine_config)
+    engine = LLMEngine(model, tokenizer, fit_engine_config(model.config, engine_config))
     print(f"k3 serve: {engine.describe_capacity()}", flush=True)
     app = create_app(engine, tokenizer, model_name or d.name, api_key, max_request_bytes=max_request_bytes)
     # keep-alive: an idle connection is closed after this many seconds (slow or idle clients hold no slot)

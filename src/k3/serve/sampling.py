@@ -8,6 +8,7 @@ presence) on the logits, then temperature, then min_p, top-k and top-p (k3.model
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -316,14 +317,16 @@ def token_logprobs(tokens: list[int], chosen: list[float], top_ids: list[list[in
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                   grammars: list | None = None, adjusters: list | None = None,
-                  banning: list[bool] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+                  banning: list[bool] | None = None, agree: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [S, V], one row per sequence → (next token per row, logprobs per row or None).
     The sampled rows go through one batched `sample_rows`, each with a uniform number from its own generator;
     everything is read back together: one wait per step, not one per row. grammars: per row, a GrammarState
     (k3.serve.grammar) or None; constrained rows sample from their allowed tokens and their states advance.
     adjusters: per row, its LogitAdjuster or None (penalty counts advance here); banning: per row, whether
     min_tokens still bans its stop ids. See adjust_logits.
-    Logprobs are the model's own (vLLM's default, raw logprobs), not the adjusted distribution's."""
+    Logprobs are the model's own (vLLM's default, raw logprobs), not the adjusted distribution's.
+    agree: replaces the picked ids [S] before any state advances (distributed serving: every rank takes rank 0's)."""
     raw = logits = logits.float()
     logits = adjust_logits(logits, params, adjusters, banning)
     if grammars is not None:
@@ -335,6 +338,8 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
         picked[rows] = sample_rows(logits[rows], [params[i].temperature for i in rows],
                                    [params[i].top_k for i in rows], [params[i].top_p for i in rows], u,
                                    [params[i].min_p for i in rows])
+    if agree is not None:
+        picked = agree(picked)
     record_tokens(adjusters, picked)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
