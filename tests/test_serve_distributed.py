@@ -1,0 +1,244 @@
+"""Distributed serving (k3.serve.distributed, k3.serve.expert_shard): one engine as N gloo ranks in lockstep,
+routed experts sharded over the ranks. The engine's greedy tokens, logprobs, sampled tokens and prefix-cache
+results equal the single-process engine's, with prefix hits, preemption, chunked prefill and an abort in play,
+on 2 and 4 spawned processes (experts sharded 2 and 4 ways, and replicated), MXFP4 experts kept packed, and on
+two torchrun "nodes"; `k3 serve --nproc 2` answers HTTP as `--nproc 1` does; a killed worker makes rank 0
+report it and exit; bad layouts are refused by flag."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from k3 import K3Config, K3ForCausalLM
+from k3.cli import main
+from k3.data import Tokenizer
+from k3.model.moe import LatentMoE
+from k3.serve import LLMEngine
+from k3.serve.expert_shard import ExpertShardCombine
+from live_serve import k3_serve
+from parallel_harness import launch
+from serve_distributed_job import engine_config, rank_job, workload
+
+E = 16  # the tiny preset's routed experts
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random K3 with non-trivial AttnRes mixes and router bias, saved in float32 (bit-exact on reload)
+    and with MXFP4 experts, beside the bundled tokenizer."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny"))
+    model.reset_parameters(seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("res_proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0, generator=g)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    root = tmp_path_factory.mktemp("served")
+    model.save_pretrained(root / "f32", dtype=None, max_shard_bytes=400_000)  # several shards: ranks skip some
+    model.save_pretrained(root / "mxfp4", dtype=None, experts="mxfp4", max_shard_bytes=400_000)
+    for d in ("f32", "mxfp4"):
+        Tokenizer.from_file().save_pretrained(root / d)
+    return root
+
+
+@pytest.fixture(scope="module")
+def single(model_dir):
+    """The single-process engine's workload on each checkpoint (MXFP4 experts dequantised, as `k3 serve` does)."""
+    return {fmt: workload(LLMEngine(K3ForCausalLM.from_pretrained(model_dir / fmt).eval(),
+                                    Tokenizer.from_file(), engine_config())) for fmt in ("f32", "mxfp4")}
+
+
+def assert_same_serving(got: dict, want: dict) -> None:
+    assert want["preemptions"] > 0 and want["hits"] > 0  # the workload really preempts and hits the cache
+    assert (got["preemptions"], got["hits"]) == (want["preemptions"], want["hits"])
+    assert want["requests"]["abort returned"] and "finish" not in want["requests"].get("aborted", {})
+    assert got["requests"].keys() == want["requests"].keys()
+    for rid, w in want["requests"].items():
+        if not isinstance(w, dict):
+            assert got["requests"][rid] == w
+            continue
+        g = got["requests"][rid]
+        assert g["ids"] == w["ids"], rid
+        assert (g.get("text"), g.get("finish"), g.get("restored")) == (w.get("text"), w.get("finish"), w.get("restored"))
+        torch.testing.assert_close(torch.tensor(g["logprobs"]), torch.tensor(w["logprobs"]), rtol=1e-4, atol=1e-4)
+        assert [[i for i, _ in t] for t in g["top"]] == [[i for i, _ in t] for t in w["top"]], rid
+        if "prompt_logprobs" in w:
+            assert g["prompt_logprobs"][0] is None and len(g["prompt_logprobs"]) == len(w["prompt_logprobs"])
+            torch.testing.assert_close(torch.tensor(g["prompt_logprobs"][1:]), torch.tensor(w["prompt_logprobs"][1:]),
+                                       rtol=1e-4, atol=1e-4)
+    assert sum(r.get("restored", 0) for r in got["requests"].values() if isinstance(r, dict)) > 0
+
+
+def test_two_ranks_equal_one_process(model_dir, single):
+    layouts = [(2, False), (2, True)]  # experts 2 ways, float32 and packed MXFP4
+    results = launch(rank_job, 2, str(model_dir), layouts)
+    for i, (ep, mxfp4) in enumerate(layouts):
+        got, held0 = results[0][i]
+        _, held1 = results[1][i]
+        assert_same_serving(got, single["mxfp4" if mxfp4 else "f32"])
+        assert held0["rows"] == held1["rows"] == {E // ep}  # each rank holds only its experts
+        assert held0["packed"] == held1["packed"] == {mxfp4}
+        assert (held0["first"], held1["first"]) == (({0}, {E // 2}) if ep == 2 else ({0}, {0}))
+
+
+def test_four_ranks_equal_one_process(model_dir, single):
+    layouts = [(4, False)]
+    results = launch(rank_job, 4, str(model_dir), layouts)
+    for i, (ep, _) in enumerate(layouts):
+        assert_same_serving(results[0][i][0], single["f32"])
+        assert [r[i][1]["first"] for r in results] == [{(rank % ep) * E // ep} for rank in range(4)]
+        assert {n for r in results for n in r[i][1]["rows"]} == {E // ep}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_equal_one_process(model_dir, single, tmp_path):
+    port, out = _free_port(), tmp_path / "res"
+    env = {**os.environ, "K3_CPU_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO / "tests"),
+                                                                                 os.environ.get("PYTHONPATH", "")])}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(REPO / "tests" / "serve_distributed_job.py"), str(model_dir), str(out), "2"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    logs = [n.communicate(timeout=180)[0].decode() for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], logs
+    got, held = torch.load(f"{out}.0", weights_only=False)[0]
+    assert_same_serving(got, single["f32"])
+    assert held["first"] == {0} and torch.load(f"{out}.1", weights_only=False)[0][1]["first"] == {E // 2}
+
+
+def test_shard_partials_sum_to_the_full_combine(model_dir):
+    """Each rank's share (sparse: only its slots; masked: every slot, others' weighted 0) sums to the one-process
+    routed output, for float and packed MXFP4 experts."""
+    from k3.checkpoint.sharded import RankLayout
+    from k3.serve.expert_shard import load_rank_model
+
+    g = torch.Generator().manual_seed(3)
+    full = K3ForCausalLM.from_pretrained(model_dir / "mxfp4").eval()
+    moe = next(m for m in full.modules() if isinstance(m, LatentMoE))
+    z = torch.randn(5, moe.routed_expert_down_proj.out_features, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:moe.top_k] for _ in range(5)])
+    w = torch.rand(5, moe.top_k, generator=g)
+    want = moe.combine_experts(z, idx, w)
+    for ep in (2, 4):
+        ranks = [next(m for m in load_rank_model(model_dir / "mxfp4", RankLayout(r, ep)).modules()
+                      if isinstance(m, LatentMoE)) for r in range(ep)]
+        for mode in ("sparse", "masked"):
+            parts = [ExpertShardCombine(m, m.combine_experts.first, None, mode).partial(z, idx, w) for m in ranks]
+            assert all(p.abs().sum() > 0 for p in parts)  # every rank contributes
+            torch.testing.assert_close(sum(parts), want, rtol=1e-5, atol=1e-6)
+
+
+def complete(url: str, prompt: str) -> dict:
+    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k"}, timeout=60,
+                   json={"model": "m", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def test_http_nproc2_equals_nproc1(model_dir, tmp_path):
+    answers = {}
+    for n in (1, 2):
+        with k3_serve(model_dir / "f32", "k", "m", tmp_path / f"log{n}", "--nproc", str(n)) as url:
+            answers[n] = [complete(url, p) for p in ("ROMEO:", "To be, or not to be")]
+    for a, b in zip(answers[1], answers[2]):
+        assert a["text"] == b["text"] and len(a["text"]) > 0
+        torch.testing.assert_close(torch.tensor(a["logprobs"]["token_logprobs"]),
+                                   torch.tensor(b["logprobs"]["token_logprobs"]), rtol=1e-4, atol=1e-4)
+
+
+def test_killed_worker_stops_rank_0_with_an_error(model_dir, tmp_path):
+    log = tmp_path / "log"
+    with k3_serve(model_dir / "f32", "k", "m", log, "--nproc", "2") as url:
+        server = _serving_pid(url)  # rank 0: the process `k3 serve --nproc 2` started as
+        workers = children_of(server)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        start = time.monotonic()
+        try:  # the request fails, or finds the server gone; it never hangs
+            r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k"}, timeout=60,
+                           json={"model": "m", "prompt": "ROMEO:", "max_tokens": 5})
+            assert r.status_code >= 500 or "error" in r.text, r.text
+        except httpx.TransportError:
+            pass
+        while _alive(server) and time.monotonic() - start < 60:
+            time.sleep(0.2)
+        assert not _alive(server), "rank 0 kept running after its worker died"
+    text = log.read_text()
+    assert "k3 serve: error:" in text and "rank 1 was killed by SIGKILL" in text, text[-2000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _serving_pid(url: str) -> int:
+    """The pid listening on url's port (the k3 serve process that is rank 0)."""
+    port = int(url.rsplit(":", 1)[1])
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # LISTEN
+            inode = fields[9]
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if any(os.readlink(fd) == f"socket:[{inode}]" for fd in (d / "fd").iterdir()):
+                    return int(d.name)
+            except OSError:
+                pass
+    raise AssertionError(f"no process listens on {port}")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nproc", "4", "--ep", "3"], "--ep 3 must divide --nproc 4"),
+    (["--nproc", "32"], "--ep 32 must divide the model's 16 routed experts"),
+    (["--nproc", "3", "--ep", "3"], "--ep 3 must divide the model's 16 routed experts"),
+    (["--nproc", "1", "--ep", "2"], "--ep 2 must divide --nproc 1"),
+    (["--nproc", "4", "--tp", "3"], "--tp 3 must divide --nproc 4"),
+])
+def test_bad_layouts_are_refused_by_flag(model_dir, capsys, flags, message):
+    rc = main(["serve", "--model", str(model_dir / "f32"), "--port", str(_free_port()), *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_nproc_must_match_the_launchers_world(model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rc = main(["serve", "--model", str(model_dir / "f32"), "--nproc", "3"])
+    assert rc == 2 and "--nproc 3 does not match the launcher's WORLD_SIZE 2" in capsys.readouterr().err
