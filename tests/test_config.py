@@ -277,3 +277,37 @@ def test_transformers_top_level_torch_dtype_is_the_dtype(tmp_path, released):
     del top["dtype"], top["text_config"]["dtype"]
     top["torch_dtype"] = "float16"
     assert K3Config.from_pretrained(write_config(tmp_path, top)).dtype == "float16"
+
+
+# ---- the scale-out preset: work for expert and context parallelism to hide communication behind -------------
+def test_scale_out_preset_is_k3_shaped():
+    cfg = K3Config.preset("scale-out")
+    L = cfg.num_hidden_layers
+    assert cfg.mla_layer_ids == {l for l in range(L) if (l + 1) % 4 == 0 or l == L - 1}
+    assert not cfg.is_moe(0) and all(cfg.is_moe(l) for l in range(1, L))
+    assert cfg.routed_expert_hidden_size == cfg.hidden_size // 2 and cfg.num_shared_experts == 2
+    assert cfg.num_experts % 4 == 0  # EP = 2 and EP = 4 both divide the experts
+
+
+def expert_flops_per_exchanged_byte(cfg) -> float:
+    """A token-slot's expert GEMMs (w1, w3, w2: 6·L·I FLOPs) per byte its bf16 latent row moves in dispatch and
+    combine (2 · 2L B)."""
+    L, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    return 6 * L * inter / (2 * 2 * L)
+
+
+def test_scale_out_experts_outlast_their_all_to_all_on_h200():
+    # SPEC §6: about 790 TFLOP/s bf16 matmul against 276 GiB/s NCCL all_to_all_single per rank (512 MiB)
+    h200 = 790e12 / (276 * 2**30)
+    assert expert_flops_per_exchanged_byte(K3Config.preset("scale-out")) > 2 * h200
+    assert expert_flops_per_exchanged_byte(K3Config.preset("small")) < h200  # why small did not pay
+
+
+def test_scale_out_fits_one_gpu_at_32k_and_needs_two_at_256k():
+    from k3.parallel.memory_plan import parse_bytes, plan_memory
+    cfg, h200 = K3Config.preset("scale-out"), parse_bytes("141GB")
+    assert plan_memory(cfg, 1, h200, seq_len=32768).fits  # the one-GPU baseline runs
+    assert plan_memory(cfg, 2, h200, ep=2, seq_len=32768).fits
+    assert plan_memory(cfg, 2, h200, cp=2, ep=1, seq_len=32768).fits
+    assert not plan_memory(cfg, 1, h200, seq_len=262144).fits
+    assert plan_memory(cfg, 2, h200, cp=2, ep=2, seq_len=262144).fits

@@ -274,7 +274,7 @@ class K3Config:
         return K3Config.from_dict(d)
 
     # ---- presets ------------------------------------------------------------------------------------
-    PRESETS = ("kimi-k3", "k3-shaped", "tiny", "small")
+    PRESETS = ("kimi-k3", "k3-shaped", "tiny", "small", "scale-out")
 
     @classmethod
     def preset(cls, name: str) -> "K3Config":
@@ -289,6 +289,12 @@ class K3Config:
         if name == "small":
             return _scaled(num_layers=16, hidden=1536, heads=12, head_dim=128, vocab=32768, dense_inter=6144,
                            experts=64, topk=8, expert_inter=512, q_lora=384, kv_lora=256, rope=64, block=4)
+        if name == "scale-out":
+            # for 2-4 GPUs, where expert and context parallelism are meant to pay: few, wide experts (each
+            # token-slot's 3 GEMMs are 6·L·I = 25 MFLOP per 2 KiB of latent it sends, ~9× small's) and, at
+            # 32K+ tokens, attention that outweighs its all-gathered MLA latents
+            return _scaled(num_layers=8, hidden=2048, heads=16, head_dim=128, vocab=32768, dense_inter=8192,
+                           experts=32, topk=8, expert_inter=4096, q_lora=512, kv_lora=512, rope=64, block=4)
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(cls.PRESETS)}")
 
 
