@@ -4,6 +4,8 @@ chunked prefill, prefix-cache hits, preemption by swapping and prompt logprobs (
 close); a TP model built from a rank-sharded load equal bit for bit to one sliced from the full load (MXFP4
 experts dequantised and kept packed); and the refusals of head counts and vocabularies T does not divide.
 One spawned job per world size runs every check."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -138,6 +140,13 @@ def worker(rank, world, path):
     except ValueError as e:
         res["again"] = str(e)
     res["again_untouched"] = all(torch.equal(kept[n], t) for n, t in model.state_dict().items())
+    target = Path(path).parent / f"tp_save_{world}_{rank}"
+    try:  # a rank's blocks saved as if they were the model would make a checkpoint nothing can load
+        model.save_pretrained(target)
+        res["save"] = None
+    except ValueError as e:
+        res["save"] = str(e)
+    res["save_wrote"] = target.exists()
     res["local_heads"] = [layer.self_attn.num_heads for layer in model.model.layers]
     res["forward"] = forward_checks(model)
     res["serve"] = serve_checks(model)
@@ -206,6 +215,8 @@ def test_tensor_parallel_equals_one_process(world, saved, reference):
         assert "\n" not in res["refusals"]["heads"] + res["refusals"]["vocab"]
         assert res["refusals"]["heads_untouched"] and res["refusals"]["vocab_untouched"]
         assert res["again"] == f"the model is already tensor parallel (size {world})" and res["again_untouched"]
+        assert res["save"].startswith(f"this model is one rank of tensor parallelism of size {world}")
+        assert not res["save_wrote"]
 
 
 def test_refuses_what_is_not_a_k3_model():

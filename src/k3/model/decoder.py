@@ -269,6 +269,9 @@ class K3ForCausalLM(nn.Module):
 
     def save_pretrained(self, path, dtype: torch.dtype | None = torch.bfloat16, **kwargs) -> None:
         from k3.checkpoint.hf import save_pretrained
+        if getattr(self, "tensor_parallel_size", 1) > 1:  # refused before anything is written
+            raise ValueError(f"this model is one rank of tensor parallelism of size {self.tensor_parallel_size} and "
+                             f"holds only its blocks of the weights: save the full model instead")
         save_pretrained(self, path, dtype=dtype, **kwargs)
 
     @classmethod
