@@ -53,29 +53,39 @@ def bench_planner(device: str) -> None:
             print(f"| {R} | {kind} | {td:.3f} | {tr:.3f} | {max(len(r) for r in ref.replicas)} |")
 
 
+def _device() -> torch.device:
+    """This rank's GPU, or the CPU (gloo) for a smoke run of the script itself."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timeit(fn, iters=20, warmup=5) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t) / iters
 
 
-def bench_a2a() -> None:
+def bench_a2a(sizes_mib: list[int]) -> None:
     import torch.distributed as dist
     from k3.config import K3Config
     from k3.model.moe import LatentMoE
     from k3.parallel.expert_parallel import apply_expert_parallel
     from k3.parallel.mesh import init_distributed
     rank, world = init_distributed()
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _device()
     cfg = K3Config.preset("kimi-k3")
     L, K = cfg.routed_expert_hidden_size, cfg.num_experts_per_token
     rows = []
-    for mib in (16, 128, 512):
+    for mib in sizes_mib:
         n = mib * 2**20 // 2
         x = torch.randn(n, dtype=torch.bfloat16, device=dev)
         out = torch.empty_like(x)
@@ -94,25 +104,36 @@ def bench_a2a() -> None:
         idx = torch.rand(S, small.num_experts, device=dev).argsort(1)[:, :K]
         w = torch.full((S, K), 1.0 / K, dtype=torch.bfloat16, device=dev)
         t_ep = _timeit(lambda: handle(z, idx, w), iters=5, warmup=2)
-        rows.append((mib, bare, S, t_ep * 1e3, 2 * mib / 1024 / t_ep))
+        # the same without the expert GEMMs (each slot's row comes back as it went): planning, the count
+        # all-gather, the one host read, the permutes, dispatch and combine, what the 80% target is about
+        import k3.parallel.expert_parallel as ep_module
+        real, ep_module.expert_situ_mlp = ep_module.expert_situ_mlp, lambda x, counts, *weights: x
+        try:
+            t_move = _timeit(lambda: handle(z, idx, w), iters=10, warmup=3)
+        finally:
+            ep_module.expert_situ_mlp = real
+        moved = 2 * mib / 1024 / t_move
+        rows.append((mib, bare, S, t_ep * 1e3, t_move * 1e3, moved, moved / bare))
     if rank == 0:
-        print("| MiB | bare all_to_all_single GiB/s/rank | EP tokens | EP dispatch+GEMM+combine ms | EP effective GiB/s (2 a2a) |")
-        print("|---|---|---|---|---|")
+        print("| MiB | bare all_to_all_single GiB/s/rank | EP tokens | EP dispatch+GEMM+combine ms | "
+              "EP dispatch+combine ms | EP GiB/s/rank (2 × MiB) | of bare |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r[0]} | {r[1]:.1f} | {r[2]} | {r[3]:.2f} | {r[4]:.1f} |")
+            print(f"| {r[0]} | {r[1]:.1f} | {r[2]} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.1f} | {r[6]:.0%} |")
 
 
-def bench_train(ep: int, cp: int, steps: int, seq: int, batch: int) -> None:
+def bench_train(ep: int, cp: int, steps: int, seq: int, batch: int, preset: str, recompute: bool) -> None:
     import torch.distributed as dist
     from k3.config import K3Config
     from k3.model.decoder import K3ForCausalLM
     from k3.parallel.mesh import ParallelDims, ParallelMesh, init_distributed
     from k3.parallel.parallelize import ParallelK3, clip_grad_norm_
     rank, world = init_distributed()
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _device()
     torch.manual_seed(0)
     # bf16 weights (no autocast: the grouped expert GEMM wants one dtype for tokens and weights)
-    model = K3ForCausalLM(K3Config.preset("small")).to(dev, torch.bfloat16)
+    model = K3ForCausalLM(K3Config.preset(preset)).to(dev, torch.bfloat16)
+    model.model.gradient_checkpointing = recompute
     runner = ParallelK3(model, ParallelMesh(ParallelDims(dp=world // cp, ep=ep, cp=cp))) if world > 1 else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=dev)
@@ -128,7 +149,8 @@ def bench_train(ep: int, cp: int, steps: int, seq: int, batch: int) -> None:
 
     t = _timeit(step, iters=steps, warmup=2)
     if rank == 0:
-        print(f"| small | gpus {world} | ep {ep} | cp {cp} | batch {batch}×{seq} | {batch * seq / t:,.0f} tokens/s |")
+        print(f"| {preset} | gpus {world} | ep {ep} | cp {cp} | batch {batch}×{seq} | recompute {recompute} | "
+              f"{batch * seq / t:,.0f} tokens/s |")
     if world > 1:
         dist.barrier()
 
@@ -141,11 +163,14 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--mib", default="16,128,512", help="a2a: buffer sizes per rank")
     ap.add_argument("--device", default="cpu", help="planner: where the device plan runs")
+    ap.add_argument("--preset", default="small", help="train: the model (scale-out: the preset meant for 2-4 GPUs)")
+    ap.add_argument("--recompute", action="store_true", help="train: activation checkpointing (per layer)")
     a = ap.parse_args()
     if a.part == "planner":
         bench_planner(a.device)
     elif a.part == "a2a":
-        bench_a2a()
+        bench_a2a([int(m) for m in a.mib.split(",")])
     else:
-        bench_train(a.ep, a.cp, a.steps, a.seq, a.batch)
+        bench_train(a.ep, a.cp, a.steps, a.seq, a.batch, a.preset, a.recompute)

@@ -109,17 +109,16 @@ class ExpertParallelCombine:
         home = torch.arange(e.first, e.first + per, device=dev)
         if not any(n_replicas):  # the plan is global, so every rank skips the fetch together
             return e.w1, e.w3, e.w2, home
-        shapes = [e.w1.shape[1:], e.w3.shape[1:], e.w2.shape[1:]]
-        packed = torch.cat([e.w1.flatten(1), e.w3.flatten(1), e.w2.flatten(1)], dim=1)  # [per, P]
         send_counts = [n_replicas[j] if donor[j] == me else 0 for j in range(R)]
         # rows for the ranks that replicate my experts: by taker, then expert (first n true entries, no sync)
         wanted = plan.replica_mask[:, e.first:e.first + per] & (plan.donor == me)[:, None]
         send_rows = torch.argsort((~wanted).flatten().to(torch.int8), stable=True)[:sum(send_counts)] % per
-        fetched = all_to_all(packed[send_rows], [n_replicas[me] if j == donor[me] else 0 for j in range(R)],
+        own = (e.w1, e.w3, e.w2)
+        packed = torch.cat([w[send_rows].flatten(1) for w in own], dim=1)  # only the rows that leave: [n, P]
+        fetched = all_to_all(packed, [n_replicas[me] if j == donor[me] else 0 for j in range(R)],
                              send_counts, self.group)
-        stacked = torch.cat([packed, fetched], dim=0)
-        sizes = [s.numel() for s in shapes]
-        w1, w3, w2 = (t.reshape(-1, *s) for t, s in zip(stacked.split(sizes, dim=1), shapes))
+        parts = fetched.split([w[0].numel() for w in own], dim=1)
+        w1, w3, w2 = (torch.cat([w, f.reshape(-1, *w.shape[1:])]) for w, f in zip(own, parts))
         mine = torch.argsort((~plan.replica_mask[me]).to(torch.int8), stable=True)[:n_replicas[me]]
         return w1, w3, w2, torch.cat([home, mine])
 
