@@ -2,13 +2,14 @@
 
   planner  (one process)          MoonEP plan time per layer at K3 shapes (896 experts, top-16), device vs host
   a2a      (torchrun, 2+ GPUs)    EP dispatch+combine bandwidth against a bare NCCL all_to_all_single
-  train    (torchrun, 1–2 GPUs)   tokens/s of the `small` preset: 1 GPU, EP=2 (dp 2), CP=2
+  train    (torchrun, 1–2 GPUs)   tokens/s of a preset (`small`; `scale-out` at 32K): 1 GPU, EP=2 (dp 2), CP=2
 
   python benchmarks/bench_parallel.py planner [--device cuda]
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py a2a
   torchrun --nproc-per-node 1 benchmarks/bench_parallel.py train      # baseline
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --ep 2
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --cp 2
+  torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --preset scale-out --seq 32768 --batch 2 --ep 2 --recompute
 """
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def bench_train(ep: int, cp: int, steps: int, seq: int, batch: int, preset: str,
     dev = _device()
     torch.manual_seed(0)
     # bf16 weights (no autocast: the grouped expert GEMM wants one dtype for tokens and weights)
-    model = K3ForCausalLM(K3Config.preset(preset)).to(dev, torch.bfloat16)
+    with torch.device(dev):  # built in place: scale-out's 3.5B parameters initialise in seconds on a GPU
+        model = K3ForCausalLM(K3Config.preset(preset)).to(torch.bfloat16)
     model.model.gradient_checkpointing = recompute
     runner = ParallelK3(model, ParallelMesh(ParallelDims(dp=world // cp, ep=ep, cp=cp))) if world > 1 else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
