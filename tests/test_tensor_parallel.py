@@ -43,8 +43,8 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def forward_checks(model) -> dict:
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 8192, (2, 13), generator=g)
-    docs = torch.tensor([[0] * 5 + [1] * 8, [0] * 9 + [1] * 4])
+    ids = torch.randint(0, 8192, (2, 13), generator=g).to(model.device)
+    docs = torch.tensor([[0] * 5 + [1] * 8, [0] * 9 + [1] * 4], device=model.device)
     with torch.no_grad():
         out = {"logits": model(ids).logits, "packed": model(ids, doc_ids=docs).logits,
                "generate": model.generate(ids[:1, :7], max_new_tokens=6, eos_token_id=None)}
@@ -90,7 +90,9 @@ def serve_checks(model) -> dict:
                                                                                         **GREEDY))
     return {"requests": first + hits + scored + swapped, "preemptions": eng2.scheduler.num_preemptions,
             "swaps": eng2.pool.stats["swaps_in"], "kda_state": tuple(eng.pool.state[1].shape),
-            "latents": tuple(eng.pool.kv[eng.pool.mla_layers[0]].shape)}
+            "latents": tuple(eng.pool.kv[eng.pool.mla_layers[0]].shape),
+            "fixed_shape_steps": len(eng.runner.graphs.entries),
+            "captured_graphs": sum(graph is not None for _, graph, _ in eng.runner.graphs.entries.values())}
 
 
 def loader_checks(path: str) -> dict:
@@ -185,7 +187,7 @@ def test_tensor_parallel_equals_one_process(world, saved, reference):
         assert serve["kda_state"] == (ref["kda_state"][0], H // world, *ref["kda_state"][2:])
         # (the same budget holds more latent blocks, as the slots are smaller)
         assert serve["latents"][1:] == ref["latents"][1:] and serve["latents"][0] > ref["latents"][0]
-        assert serve["preemptions"] > 0 and serve["swaps"] > 0
+        assert serve["preemptions"] > 0 and serve["swaps"] > 0 and serve["fixed_shape_steps"] > 0
         assert [r["restored"] for r in serve["requests"]] == [r["restored"] for r in ref["requests"]]
         assert serve["requests"][1]["restored"] == 28  # the first prompt's checkpoint at its last match boundary
         for got, want in zip(serve["requests"], ref["requests"], strict=True):
