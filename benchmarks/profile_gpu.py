@@ -4,7 +4,8 @@ Not a benchmark (no peer, no limit): the question it answers is which kernels to
 prints the step's wall time, the summed kernel time, the number of kernels launched, and the top ops by self
 CUDA time. Decode is profiled without a CUDA graph (a graph hides its kernels from the profiler; the kernels
 are the same, only the launch gaps between them differ), eager and, with --compile, compiled.
-Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--rows 25] [--stack 4]
+Each decode batch also times the same step replayed from a CUDA graph: graph time minus kernel time = gaps.
+Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--decode-batches 1,64] [--rows 25] [--stack 4]
 """
 import argparse
 import os
@@ -16,9 +17,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu_decode import filled_cache  # noqa: E402
-from gpu_bench_util import save  # noqa: E402
+from gpu_bench_util import save, time_ms  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
+from k3.model.cuda_graph import GraphedDecodeStep  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 
 
@@ -56,6 +58,7 @@ def main():
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--compile", action="store_true", help="also profile the compiled decode step")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--decode-batches", default="1", help="comma-separated decode batch sizes")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--stack", type=int, default=0, help="also group the training step's ops by N stack frames")
     a = ap.parse_args()
@@ -81,19 +84,31 @@ def main():
         torch.cuda.empty_cache()
     if "decode" in a.case:
         model.eval()
-        tok = torch.randint(0, cfg.vocab_size, (1, 1), device="cuda")
-        with torch.no_grad():
-            cache = filled_cache(model, cfg, 1, 4096)
-            out.append(profiled("decode B1 ctx4096 eager", lambda: model(tok, cache=cache), a.rows))
-            if a.compile:
-                core = torch.compile(model.model)
-                cache = filled_cache(model, cfg, 1, 4096)
+        for B in (int(b) for b in a.decode_batches.split(",")):
+            tok = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
+            with torch.no_grad():
+                cache = filled_cache(model, cfg, B, 4096)
+                out.append(profiled(f"decode B{B} ctx4096 eager", lambda: model(tok, cache=cache), a.rows))
+                if a.compile:
+                    core = torch.compile(model.model)
+                    cache = filled_cache(model, cfg, B, 4096)
 
-                def compiled_step():
-                    h = core(tok, cache=cache)
-                    cache.advance(1)
-                    return model.lm_head(h[:, -1])
-                out.append(profiled("decode B1 ctx4096 compiled", compiled_step, a.rows))
+                    def compiled_step():
+                        h = core(tok, cache=cache)
+                        cache.advance(1)
+                        return model.lm_head(h[:, -1])
+                    out.append(profiled(f"decode B{B} ctx4096 compiled", compiled_step, a.rows))
+                # the same step replayed from a graph: its time minus the kernels' is what launches and gaps cost
+                cache = filled_cache(model, cfg, B, 4096)
+                graphed = GraphedDecodeStep(model, cache, compile=a.compile)
+                graph_ms = time_ms(lambda: graphed.step(tok), warmup=3, reps=20)
+                last = out[-1]
+                last["graph_ms"] = graph_ms
+                last["gap_us_per_kernel"] = (graph_ms - last["kernel_ms"]) * 1e3 / max(1, last["kernels"])
+                print(f"graph{'+compile' if a.compile else ''} B{B}: {graph_ms:.2f} ms/step; kernels "
+                      f"{last['kernel_ms']:.2f} ms; gap {last['gap_us_per_kernel']:.2f} us per kernel", flush=True)
+                cache = graphed = None
+                torch.cuda.empty_cache()
     save("profile", {"cases": out})
 
 

@@ -1,0 +1,247 @@
+"""Where a continuous batch loses to a static one: the engine's step timeline at N streams, without HTTP.
+
+Not a benchmark with a peer table of its own (that is `k3 bench serve`); it answers why the engine's tokens/s
+trail the static graphed batch. It drives an LLMEngine directly the way `k3 bench serve --concurrency N` does
+(N requests in flight, a new one added as one finishes; random prompts, EOS ignored, greedy), after one untimed
+wave, and then times the model's own `generate` over static batches of N on the same prompts' shape.
+Per engine step it records the kind (prefill only, mixed prefill+decode, decode from a graph, decode eager),
+rows, tokens, the block-table columns a graph's attention reads against the blocks the rows hold, and the host
+time of each phase: schedule, runner.run (launching; a graph replay is one call), sample_tokens (which holds
+the one read of the sampled ids, so it includes waiting for the device) and the rest. A second, shorter pass
+under torch.profiler gives the device's busy time per step kind (kernels' summed time) and its kernel count.
+Run: PYTHONPATH=src python benchmarks/profile_serve.py [--preset small --device cuda --streams 64]
+"""
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench_util import save, table  # noqa: E402
+
+import k3.serve.engine as engine_mod  # noqa: E402
+from k3.config import K3Config  # noqa: E402
+from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
+from k3.serve.sampling import SamplingParams  # noqa: E402
+
+
+class StepRecorder:
+    """Wraps the engine's phases (schedule, runner.run, sample_tokens) with host timers; one record per step."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine, self.steps, self.cur = engine, [], None
+        sched, run, sample = engine.scheduler.schedule, engine.runner.run, engine_mod.sample_tokens
+        graphs = engine.runner.graphs
+
+        def timed_schedule():
+            t = time.perf_counter()
+            seqs, lens = sched()
+            prefill = sum(1 for s in seqs if s.in_prefill)
+            fits = graphs is not None and graphs.fits(seqs, lens)
+            kind = "prefill" if prefill == len(seqs) else ("mixed" if prefill else
+                                                           ("decode graph" if fits else "decode eager"))
+            real = sum(len(s.block_table) for s in seqs) if seqs else 0
+            if seqs and fits:
+                rows = 1 << (len(seqs) - 1).bit_length()
+                read = rows * (1 << (max(len(s.block_table) for s in seqs) - 1).bit_length())
+            else:
+                read = len(seqs) * max((len(s.block_table) for s in seqs), default=0)
+            self.cur = dict(t0=t, kind=kind, rows=len(seqs), tokens=sum(lens), blocks_real=real, blocks_read=read,
+                            sched_ms=(time.perf_counter() - t) * 1e3, run_ms=0.0, sample_ms=0.0)
+            return seqs, lens
+
+        def timed_run(*a, **k):
+            t = time.perf_counter()
+            out = run(*a, **k)
+            self.cur["run_ms"] = (time.perf_counter() - t) * 1e3
+            return out
+
+        def timed_sample(*a, **k):
+            t = time.perf_counter()
+            out = sample(*a, **k)
+            self.cur["sample_ms"] = (time.perf_counter() - t) * 1e3
+            return out
+
+        engine.scheduler.schedule, engine.runner.run, engine_mod.sample_tokens = timed_schedule, timed_run, timed_sample
+        # the engine's bookkeeping between the forward and the sampler, and its per-token output work
+        for obj, name, key in ((engine.pool, "register_computed", "book_ms"), (engine, "_maybe_checkpoint", "book_ms"),
+                               (engine.pool, "flush_checkpoint_copies", "book_ms"), (engine, "_append_token", "append_ms")):
+            setattr(obj, name, self._summed(getattr(obj, name), key))
+
+    def _summed(self, fn, key):
+        def wrapped(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if self.cur is not None:
+                self.cur[key] = self.cur.get(key, 0.0) + (time.perf_counter() - t) * 1e3
+            return out
+        return wrapped
+
+    def step(self):
+        outs = self.engine.step()
+        if self.cur is not None and self.cur["rows"]:
+            c = self.cur
+            c["wall_ms"] = (time.perf_counter() - c.pop("t0")) * 1e3
+            c.setdefault("book_ms", 0.0)
+            c.setdefault("append_ms", 0.0)
+            c["other_ms"] = c["wall_ms"] - c["sched_ms"] - c["run_ms"] - c["sample_ms"] - c["book_ms"] - c["append_ms"]
+            self.steps.append(c)
+        self.cur = None
+        return outs
+
+
+def drive(rec, prompts, params, streams, on_step=None) -> tuple[float, int]:
+    """Keep `streams` requests in flight until every prompt is done → (wall s, output tokens)."""
+    eng, todo, live, n_out = rec.engine, list(prompts), 0, 0
+    t0 = time.perf_counter()
+    while todo or eng.has_unfinished():
+        while todo and live < streams:
+            eng.add_request(todo.pop(0), params)
+            live += 1
+        if on_step is not None:
+            on_step()
+        for out in rec.step():
+            n_out += len(out.new_token_ids)
+            live -= out.finished
+    return time.perf_counter() - t0, n_out
+
+
+def summarize_steps(steps: list[dict]) -> list[dict]:
+    rows = []
+    by = collections.defaultdict(list)
+    for s in steps:
+        by[s["kind"]].append(s)
+    for kind, ss in sorted(by.items()):
+        med = lambda key: statistics.median(x[key] for x in ss)  # noqa: E731
+        rows.append(dict(kind=kind, steps=len(ss), total_ms=sum(x["wall_ms"] for x in ss), wall_ms=med("wall_ms"),
+                         sched_ms=med("sched_ms"), run_ms=med("run_ms"), sample_ms=med("sample_ms"),
+                         book_ms=med("book_ms"), append_ms=med("append_ms"), other_ms=med("other_ms"), rows=med("rows"), tokens=med("tokens"),
+                         blocks_read_over_real=sum(x["blocks_read"] for x in ss) / max(1, sum(x["blocks_real"] for x in ss))))
+    return rows
+
+
+def device_profile(rec, prompts, params, streams) -> list[dict]:
+    """Kernels per step kind under torch.profiler: summed kernel time, count, and the step's wall."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    marks = []
+    inner = rec.step
+
+    def marked_step():
+        with record_function("k3_step"):
+            outs = inner()
+        if rec.steps:
+            marks.append(rec.steps[-1]["kind"])
+        return outs
+    rec.step = marked_step
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        drive(rec, prompts, params, streams)
+        torch.cuda.synchronize()
+    rec.step = inner
+    # which lines hold the host: the ops and runtime calls with the most self CPU time, by their Python caller
+    print(prof.key_averages(group_by_stack_n=3).table(sort_by="self_cpu_time_total", row_limit=14,
+                                                      max_name_column_width=36, max_src_column_width=90), flush=True)
+    evs = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in evs if e.name == "k3_step")
+    kernels = sorted((e.time_range.start, e.device_time) for e in evs
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    # a kernel belongs to the step whose host span launched it: its device start falls after that step's start
+    starts = [a for a, _ in spans] + [float("inf")]
+    per = [[0.0, 0] for _ in spans]
+    j = 0
+    for t, d in kernels:
+        while j + 1 < len(spans) and t >= starts[j + 1]:
+            j += 1
+        if spans and t >= starts[0]:
+            per[j][0] += d
+            per[j][1] += 1
+    by = collections.defaultdict(list)
+    for (a, b), (busy, n), kind in zip(spans, per, marks):
+        by[kind].append(((b - a) / 1e3, busy / 1e3, n))
+    return [dict(kind=k, steps=len(v), wall_ms=statistics.median(x[0] for x in v),
+                 kernel_ms=statistics.median(x[1] for x in v), kernels=statistics.median(x[2] for x in v),
+                 idle_share=1 - sum(x[1] for x in v) / sum(x[0] for x in v)) for k, v in sorted(by.items())]
+
+
+def static_batches(model, prompts, streams, out_len) -> tuple[float, int]:
+    ids = torch.tensor(prompts, device=next(model.parameters()).device)
+    model.generate(ids[:streams], max_new_tokens=2, eos_token_id=None)  # untimed: graphs and autotuning
+    sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), streams):
+        model.generate(ids[i:i + streams], max_new_tokens=out_len, eos_token_id=None)
+    sync()
+    return time.perf_counter() - t0, len(prompts) * out_len
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=2, help="requests = waves x streams")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--profile-requests", type=int, default=None, help="requests in the profiled pass (default: streams)")
+    ap.add_argument("--profile-output-len", type=int, default=24, help="output tokens in the profiled pass")
+    ap.add_argument("--no-static", action="store_true")
+    ap.add_argument("--engine-kw", default="", help="extra EngineConfig fields, k=v,k=v (ints or true/false)")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    cfg = K3Config.preset(a.preset)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = K3ForCausalLM(cfg)
+    if dev.type == "cuda":
+        model = model.to(torch.bfloat16)
+    model.eval()
+    extra = {k: (v == "true" if v in ("true", "false") else int(v))
+             for k, v in (kv.split("=") for kv in a.engine_kw.split(",") if kv)}
+    ecfg = EngineConfig(memory_bytes=16 << 30 if dev.type == "cuda" else 1 << 28, block_size=256, match_unit=16,
+                        max_batch_tokens=2048, max_num_seqs=a.streams, num_state_slots=512 if dev.type == "cuda"
+                        else 2 * a.streams, **extra)
+    g = torch.Generator().manual_seed(0)
+    lo = 64  # clear of the special tokens
+    make = lambda n, seed: torch.randint(lo, cfg.vocab_size, (n, a.input_len),  # noqa: E731
+                                         generator=g.manual_seed(seed)).tolist()
+    params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
+    eng = LLMEngine(model, None, ecfg)
+    rec = StepRecorder(eng)
+    with torch.inference_mode():
+        drive(rec, make(a.streams, 1), params, a.streams)  # untimed wave: graph captures, autotuning
+        rec.steps.clear()
+        wall, n_out = drive(rec, make(a.waves * a.streams, 2), params, a.streams)
+    steps = rec.steps
+    res = dict(engine_tok_s=n_out / wall, engine_wall_s=wall, steps=len(steps), by_kind=summarize_steps(steps))
+    print(f"\n== engine, {a.streams} streams, {a.waves * a.streams} requests: {n_out / wall:.0f} output tok/s, "
+          f"{len(steps)} steps in {wall:.2f} s", flush=True)
+    print(table(res["by_kind"], ["kind", "steps", "total_ms", "wall_ms", "sched_ms", "run_ms", "sample_ms",
+                                 "book_ms", "append_ms", "other_ms", "rows", "tokens", "blocks_read_over_real"]), flush=True)
+    if not a.no_static:
+        with torch.inference_mode():
+            sw, sn = static_batches(model, make(a.waves * a.streams, 2), a.streams, a.output_len)
+        res["static_tok_s"] = sn / sw
+        print(f"static generate, batches of {a.streams}: {sn / sw:.0f} output tok/s; engine/static = "
+              f"{res['engine_tok_s'] / res['static_tok_s']:.1%}", flush=True)
+    if dev.type == "cuda":
+        rec.steps.clear()
+        with torch.inference_mode():
+            short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
+            res["device"] = device_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
+        print("\n== under torch.profiler (slower host): per step, kernels' summed device time and count")
+        print(table(res["device"], ["kind", "steps", "wall_ms", "kernel_ms", "kernels", "idle_share"]), flush=True)
+    if dev.type == "cuda":
+        save("profile_serve", res)
+
+
+if __name__ == "__main__":
+    main()
