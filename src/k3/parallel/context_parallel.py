@@ -64,20 +64,26 @@ class ContextParallelState:
 
     def halo(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """The `width` inputs just before this shard, zeros before the sequence start. x: [B, T_r, C] →
-        [B, width, C]. Each rank shares its last `width` rows; several ranks contribute when shards are short."""
+        [B, width, C]. Each rank shares its last `width` rows; several ranks contribute when shards are short.
+        The halo is cut from the gathered rows by slices at offsets known from the shard bounds (no index
+        tensor to build and copy to the device), and always from that one table, so that every rank's result
+        depends on the gather (whose backward every rank must join)."""
         B, T, C = x.shape
         mine = x[:, -width:] if T >= width else torch.cat([x.new_zeros(B, width - T, C), x], dim=1)
-        gathered = all_gather(mine.transpose(0, 1), self.group)  # [R·width, B, C]
-        table = torch.cat([gathered.new_zeros(1, B, C), gathered], dim=0)
-        start = self.bounds[self.rank][0]
-        index = []
-        for p in range(start - width, start):
-            if p < 0:
-                index.append(0)
-                continue
-            j = next(r for r, (s, e) in enumerate(self.bounds) if s <= p < e)
-            index.append(1 + j * width + width - (self.bounds[j][1] - p))
-        return table[torch.tensor(index, device=x.device)].transpose(0, 1)
+        gathered = all_gather(mine.transpose(0, 1), self.group)  # [R·width, B, C]: rank j's block at j·width
+        table = torch.cat([gathered.new_zeros(width, B, C), gathered], dim=0)  # zeros first: before the start
+        pieces, need = [], width
+        for j in range(self.rank - 1, -1, -1):  # the shards before mine, nearest first, until width rows
+            s, e = self.bounds[j]
+            take = min(need, e - s)
+            end = width + (j + 1) * width  # block j ends here in table; its real rows are the last e − s
+            pieces.insert(0, table[end - take:end])
+            need -= take
+            if not need:
+                break
+        if need:
+            pieces.insert(0, table[width - need:width])
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).transpose(0, 1)
 
     def halo_segments(self, width: int) -> torch.Tensor | None:
         """Global segment ids of the halo positions, −1 before the sequence start. [B, width]."""
@@ -88,13 +94,15 @@ class ContextParallelState:
         return pad[:, start:start + width]
 
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """All shards of x: [B, T_r, F] → [B, T, F] (shards padded to equal length for the gather)."""
+        """All shards of x: [B, T_r, F] → [B, T, F] (shards padded to equal length for the gather, the padding
+        cut off again by slices)."""
         B, T, Fdim = x.shape
         longest = max(e - s for s, e in self.bounds)
         padded = torch.cat([x, x.new_zeros(B, longest - T, Fdim)], dim=1) if T < longest else x
-        gathered = all_gather(padded.transpose(0, 1), self.group)  # [R·longest, B, F]
-        keep = [r * longest + i for r, (s, e) in enumerate(self.bounds) for i in range(e - s)]
-        return gathered[torch.tensor(keep, device=x.device)].transpose(0, 1)
+        gathered = all_gather(padded.transpose(0, 1), self.group).view(self.size, longest, B, Fdim)
+        if all(e - s == longest for s, e in self.bounds):
+            return gathered.flatten(0, 1).transpose(0, 1)
+        return torch.cat([gathered[r, :e - s] for r, (s, e) in enumerate(self.bounds)]).transpose(0, 1)
 
 
 def _incoming_state(summaries: torch.Tensor, rank: int, V: int) -> torch.Tensor:
@@ -154,7 +162,8 @@ class ContextParallelKDA:
             row_last = torch.cat([row_first[1:], row_first.new_tensor([starts.numel()])]) - 1
             continues = seg[:, 0] == halo_seg[:, -1]  # the row's first document began on an earlier rank
             init = torch.zeros(starts.numel(), H, K, V + K, dtype=sdt, device=q.device)
-            init[row_first[continues], :, :, V:] = eye
+            # (a product, not init[row_first[continues]]: a boolean mask would read the device back)
+            init[row_first, :, :, V:] = eye * continues[:, None, None, None]
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
             o_aug, final = kda_core(*map(flat, (q, k, v_aug, f, beta_logits)), *params, initial_state=init,
                                     output_final_state=True, cu_seqlens=cu)
