@@ -1,8 +1,9 @@
 """Tensor parallelism (k3.parallel.tensor_parallel) on 2 and 4 gloo processes against one process (float32):
-the plain forward (rows and packed documents), K3Cache and StaticCache decode; the paged serving path through LLMEngine with
-chunked prefill, prefix-cache hits, preemption by swapping and prompt logprobs (greedy tokens equal, logprobs
-close); a TP model built from a rank-sharded load equal bit for bit to one sliced from the full load (MXFP4
-experts dequantised and kept packed); and the refusals of head counts and vocabularies T does not divide.
+the plain forward (rows and packed documents), K3Cache and StaticCache decode; the paged serving path through
+LLMEngine with chunked prefill, prefix-cache hits, preemption by swapping, prompt logprobs and the fixed-shape
+decode step (greedy tokens equal, logprobs close); a TP model built from a rank-sharded load equal bit for bit
+to one sliced from the full load (MXFP4 experts dequantised and kept packed); and the refusals: head counts and
+vocabularies T does not divide, a second split, another rank's shard, saving a rank's blocks as a checkpoint.
 One spawned job per world size runs every check."""
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import torch.distributed as dist
 
 from k3 import K3Config, K3ForCausalLM
 from k3.checkpoint.hf import load_pretrained
-from k3.parallel.tensor_parallel import apply_tensor_parallel, load_tensor_parallel
+from k3.checkpoint.sharded import RankLayout, load_rank_shard
+from k3.parallel.tensor_parallel import apply_tensor_parallel, load_tensor_parallel, model_from_rank_shard
 from k3.serve import EngineConfig, LLMEngine, SamplingParams
 from parallel_harness import launch
 
@@ -110,6 +112,13 @@ def loader_checks(path: str) -> dict:
                                   if n not in b or a[n].dtype != b[n].dtype or not torch.equal(a[n], b[n])],
                        "shapes": {n: tuple(t.shape) for n, t in a.items()},
                        "logits_equal": torch.equal(la, lb), "logits": la}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    other = load_rank_shard(path, RankLayout(tp_rank=(rank + 1) % world, tp=world), dtype=torch.float32)
+    try:  # another rank's blocks have this rank's shapes: only the layout tells them apart
+        model_from_rank_shard(K3Config.from_pretrained(path), other)
+        out["other_rank"] = None
+    except ValueError as e:
+        out["other_rank"] = str(e)
     return out
 
 
@@ -200,6 +209,8 @@ def test_tensor_parallel_equals_one_process(world, saved, reference):
                 torch.testing.assert_close(torch.tensor(got["prompt_lps"][1:]), torch.tensor(want["prompt_lps"][1:]),
                                            rtol=0, atol=1e-4)
         # rank-sharded load == slicing the full load, bit for bit, unpacked and packed experts
+        assert res["loader"].pop("other_rank") == (f"the shard was loaded for TP rank {(rank + 1) % world} of "
+                                                   f"{world}, but this process is TP rank {rank} of {world}")
         for packed, check in res["loader"].items():
             assert check["keys_equal"] and check["differ"] == [] and check["logits_equal"]
             full = reference["loaded"][packed]

@@ -105,8 +105,8 @@ def _group_layout(group) -> RankLayout:
 @torch.no_grad()
 def apply_tensor_parallel(model: nn.Module, group=None) -> nn.Module:
     """Turn a full K3ForCausalLM (every rank holding the same weights) into this rank's TP shard of `group`
-    (default: the world), in place; returns the model, frozen. Meta-device models are sliced too (their shapes
-    become the rank's), so a model can be shaped first and filled from a rank shard (`model_from_rank_shard`)."""
+    (default: the world), in place; returns the model, frozen and in eval mode. To read only the rank's blocks
+    of a checkpoint instead, use `load_tensor_parallel` (or `model_from_rank_shard`)."""
     from k3.model.decoder import K3ForCausalLM
 
     if not isinstance(model, K3ForCausalLM):
@@ -125,7 +125,7 @@ def _shard_modules(model: nn.Module, layout: RankLayout, group, take) -> None:
     check_heads(config, tp)
     params = dict(model.named_parameters())
     cuts = {n: tp_slice(n, tuple(p.shape), config, layout) for n, p in params.items()}
-    model.requires_grad_(False)
+    model.requires_grad_(False).eval()  # inference only: the collectives below carry no gradients
     if tp == 1:
         model.tensor_parallel_size = 1
         return
@@ -198,4 +198,4 @@ def load_tensor_parallel(path, group=None, device="cpu", dtype: torch.dtype | st
     config = K3Config.from_pretrained(path)
     check_heads(config, layout.tp)
     shard = load_rank_shard(path, layout, device=device, dtype=dtype, packed_experts=packed_experts)
-    return model_from_rank_shard(config, shard, group).eval()
+    return model_from_rank_shard(config, shard, group)
