@@ -165,6 +165,7 @@ class PlanTensors:
     seg_rank: torch.Tensor
     donor: torch.Tensor
     replica_mask: torch.Tensor
+    home_segments: tuple = ()  # [E, R] start and end of the segment of expert e's home range that rank j processes
 
     def slot_ranks(self, positions: torch.Tensor) -> torch.Tensor:
         """Processing rank of each slot position on the global axis (a zero-length segment never wins: the
@@ -174,12 +175,15 @@ class PlanTensors:
 
     def _home_segments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[E, R] start and end on the slot axis of the segment of expert e's home range processed by rank j."""
+        if self.home_segments:
+            return self.home_segments
         R = self.num_ranks
         start = torch.empty_like(self.take).view(-1).scatter_(
             0, torch.arange(R, device=self.take.device).repeat_interleave(R) * R + self.seg_rank, self.seg_start)
         start = start.view(R, R)
         home_of = torch.arange(self.load.numel(), device=self.load.device) // (self.load.numel() // R)
-        return start[home_of], (start + self.take)[home_of]
+        self.home_segments = start[home_of], (start + self.take)[home_of]
+        return self.home_segments
 
     def sent(self, all_counts: torch.Tensor, source: int) -> torch.Tensor:
         """[R] slots that rank `source` sends to each rank. all_counts: [R, E] every rank's expert counts."""
