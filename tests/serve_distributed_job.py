@@ -1,6 +1,6 @@
 """The serving workload the distributed-engine tests run twice, on one process and on N lockstep ranks, and the
 rank entry points (torch.multiprocessing spawn through parallel_harness, or a torchrun node:
-`python -m torch.distributed.run ... tests/serve_distributed_job.py MODEL_DIR OUT EP`)."""
+`python -m torch.distributed.run ... tests/serve_distributed_job.py MODEL_DIR OUT EP TP`)."""
 from __future__ import annotations
 
 import sys
@@ -10,8 +10,8 @@ import torch
 
 from k3.serve import EngineConfig, SamplingParams
 
-# A small pool (preemption), a 5-token step budget (chunked prefill) and a 4-token match unit (prefix hits).
-ENGINE = dict(memory_bytes=16 << 20, block_size=8, match_unit=4, max_batch_tokens=5, max_num_seqs=4, num_blocks=8)
+# A small pool (preemption), an 8-token step budget (chunked prefill) and a 4-token match unit (prefix hits).
+ENGINE = dict(memory_bytes=16 << 20, block_size=8, match_unit=4, max_batch_tokens=8, max_num_seqs=4, num_blocks=8)
 
 
 def engine_config() -> EngineConfig:
@@ -29,9 +29,9 @@ def workload(engine) -> dict:
     """Three waves on one engine: greedy requests with logprobs (one scoring its prompt too) that outgrow the
     pool; two of the prompts again (prefix hits); then a seeded sampled request beside one aborted mid-way.
     Returns what a client sees of each request, plus the engine's preemption and prefix-hit counts."""
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
-    scored = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, prompt_logprobs=1, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=11, logprobs=0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=7, temperature=0.0, logprobs=2, ignore_eos=True)
+    scored = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=6, temperature=0.9, top_k=50, seed=11, logprobs=0, ignore_eos=True)
     seen: dict[str, dict] = {}
     for i, (p, sp) in enumerate(zip(prompts(), [greedy, greedy, scored, greedy])):
         engine.add_request(p, sp, f"first-{i}")
@@ -63,20 +63,20 @@ def run(engine, seen: dict, abort_at: int | None = None) -> None:
         step += 1
 
 
-def rank_job(rank: int, world: int, model_dir: str, layouts: list[tuple[int, bool]]) -> list:
-    """For each (ep, packed?) in layouts: this rank's engine over the model directory; rank 0 runs the workload
-    and returns it with the expert rows this rank holds, the others follow."""
+def rank_job(rank: int, world: int, model_dir: str, layouts: list[tuple[int, int, bool]]) -> list:
+    """For each (ep, tp, mxfp4?) in layouts: this rank's engine over the model directory; rank 0 runs the workload
+    and returns it with what this rank holds, the others follow."""
     from k3.model.moe import LatentMoE
     from k3.serve.distributed import ServeLayout, build_rank_engine
 
     results = []
-    for ep, mxfp4 in layouts:
+    for ep, tp, mxfp4 in layouts:
         path = Path(model_dir) / ("mxfp4" if mxfp4 else "f32")
-        engine = build_rank_engine(path, ServeLayout(world, ep), engine_config())
-        experts = [m.experts for m in engine.model.modules() if isinstance(m, LatentMoE)]
-        held = {"rows": {(e.w1_packed if e.packed else e.w1).shape[0] for e in experts},
-                "packed": {e.packed for e in experts},
-                "first": {m.combine_experts.first for m in engine.model.modules() if isinstance(m, LatentMoE)}}
+        engine = build_rank_engine(path, ServeLayout(world, ep, tp), engine_config())
+        moes = [m for m in engine.model.modules() if isinstance(m, LatentMoE)]
+        held = {"rows": {(m.experts.w1_packed if m.experts.packed else m.experts.w1).shape[0] for m in moes},
+                "packed": {m.experts.packed for m in moes}, "first": {m.combine_experts.first for m in moes},
+                "vocab_rows": engine.model.lm_head.weight.shape[0]}
         if rank == 0:
             results.append((workload(engine), held))
             engine.close()
@@ -86,13 +86,13 @@ def rank_job(rank: int, world: int, model_dir: str, layouts: list[tuple[int, boo
     return results
 
 
-if __name__ == "__main__":  # one torchrun rank: MODEL_DIR OUT EP
+if __name__ == "__main__":  # one torchrun rank: MODEL_DIR OUT EP TP
     import torch.distributed as dist
 
     from k3.parallel.mesh import init_distributed
 
     torch.set_num_threads(1)
     init_distributed(120, "cpu")
-    res = rank_job(dist.get_rank(), dist.get_world_size(), sys.argv[1], [(int(sys.argv[3]), False)])
+    res = rank_job(dist.get_rank(), dist.get_world_size(), sys.argv[1], [(int(sys.argv[3]), int(sys.argv[4]), False)])
     torch.save(res, f"{sys.argv[2]}.{dist.get_rank()}")
     dist.destroy_process_group()

@@ -84,24 +84,27 @@ def assert_same_serving(got: dict, want: dict) -> None:
 
 
 def test_two_ranks_equal_one_process(model_dir, single):
-    layouts = [(2, False), (2, True)]  # experts 2 ways, float32 and packed MXFP4
+    # experts 2 ways with attention replicated; experts 2 ways (packed MXFP4) with attention 2 ways by heads
+    layouts = [(2, 1, False), (2, 2, True)]
     results = launch(rank_job, 2, str(model_dir), layouts)
-    for i, (ep, mxfp4) in enumerate(layouts):
+    V = K3Config.preset("tiny").vocab_size
+    for i, (ep, tp, mxfp4) in enumerate(layouts):
         got, held0 = results[0][i]
         _, held1 = results[1][i]
         assert_same_serving(got, single["mxfp4" if mxfp4 else "f32"])
         assert held0["rows"] == held1["rows"] == {E // ep}  # each rank holds only its experts
         assert held0["packed"] == held1["packed"] == {mxfp4}
-        assert (held0["first"], held1["first"]) == (({0}, {E // 2}) if ep == 2 else ({0}, {0}))
+        assert (held0["first"], held1["first"]) == ({0}, {E // 2})
+        assert held0["vocab_rows"] == held1["vocab_rows"] == V // tp
 
 
 def test_four_ranks_equal_one_process(model_dir, single):
-    layouts = [(4, False)]
-    results = launch(rank_job, 4, str(model_dir), layouts)
-    for i, (ep, _) in enumerate(layouts):
-        assert_same_serving(results[0][i][0], single["f32"])
-        assert [r[i][1]["first"] for r in results] == [{(rank % ep) * E // ep} for rank in range(4)]
-        assert {n for r in results for n in r[i][1]["rows"]} == {E // ep}
+    # experts 4 ways; attention by heads over {0, 1} and over {2, 3} (two copies)
+    results = launch(rank_job, 4, str(model_dir), [(4, 2, False)])
+    assert_same_serving(results[0][0][0], single["f32"])
+    assert [r[0][1]["first"] for r in results] == [{rank * E // 4} for rank in range(4)]
+    assert {n for r in results for n in r[0][1]["rows"]} == {E // 4}
+    assert {r[0][1]["vocab_rows"] for r in results} == {K3Config.preset("tiny").vocab_size // 2}
 
 
 def _free_port() -> int:
@@ -116,7 +119,7 @@ def test_two_torchrun_nodes_equal_one_process(model_dir, single, tmp_path):
                                                                                  os.environ.get("PYTHONPATH", "")])}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               str(REPO / "tests" / "serve_distributed_job.py"), str(model_dir), str(out), "2"],
+                               str(REPO / "tests" / "serve_distributed_job.py"), str(model_dir), str(out), "2", "1"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     logs = [n.communicate(timeout=180)[0].decode() for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], logs
@@ -171,6 +174,13 @@ def test_http_nproc2_equals_nproc1(model_dir, tmp_path):
     for n in (1, 2):
         with k3_serve(model_dir / "f32", "k", "m", tmp_path / f"log{n}", "--nproc", str(n)) as url:
             answers[n] = [complete(url, p) for p in ("ROMEO:", "To be, or not to be")]
+            workers = children_of(_serving_pid(url))
+            assert len(workers) == n - 1
+        deadline = time.monotonic() + 20
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(w) for w in workers)  # a stopped server leaves no rank behind
+        assert "error" not in (tmp_path / f"log{n}").read_text()  # the worker was released, not cut off
     for a, b in zip(answers[1], answers[2]):
         assert a["text"] == b["text"] and len(a["text"]) > 0
         torch.testing.assert_close(torch.tensor(a["logprobs"]["token_logprobs"]),
@@ -191,11 +201,24 @@ def test_killed_worker_stops_rank_0_with_an_error(model_dir, tmp_path):
             assert r.status_code >= 500 or "error" in r.text, r.text
         except httpx.TransportError:
             pass
-        while _alive(server) and time.monotonic() - start < 60:
+        while _alive(server) and time.monotonic() - start < 30:
             time.sleep(0.2)
         assert not _alive(server), "rank 0 kept running after its worker died"
     text = log.read_text()
-    assert "k3 serve: error:" in text and "rank 1 was killed by SIGKILL" in text, text[-2000:]
+    assert "k3 serve: error: a serving rank failed: rank 1 was killed by SIGKILL" in text, text[-2000:]
+
+
+def test_killed_rank_0_stops_its_worker(model_dir, tmp_path):
+    """The other way round: rank 0 (the HTTP server) dies at once; its worker must not linger."""
+    with k3_serve(model_dir / "f32", "k", "m", tmp_path / "log", "--nproc", "2") as url:
+        server = _serving_pid(url)
+        worker, = children_of(server)
+        os.kill(server, signal.SIGKILL)
+        start = time.monotonic()
+        while _alive(worker) and time.monotonic() - start < 30:
+            time.sleep(0.2)
+        assert not _alive(worker), "the worker outlived rank 0"
+    assert "rank 1: lost the serving group" in (tmp_path / "log").read_text()
 
 
 def _alive(pid: int) -> bool:
