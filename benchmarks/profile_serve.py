@@ -7,9 +7,10 @@ wave, and then times the model's own `generate` over static batches of N on the 
 Per engine step it records the kind (prefill only, mixed prefill+decode, decode from a graph, decode eager),
 rows, tokens, the block-table columns a graph's attention reads against the blocks the rows hold, and the host
 time of each phase: schedule, runner.run (launching; a graph replay is one call), sample_tokens (which holds
-the one read of the sampled ids, so it includes waiting for the device) and the rest. A second, shorter pass
+the one read of the sampled ids, so it includes waiting for the device) and the rest. With --profile, a second, shorter pass
 under torch.profiler gives the device's busy time per step kind (kernels' summed time) and its kernel count.
 Run: PYTHONPATH=src python benchmarks/profile_serve.py [--preset small --device cuda --streams 64]
+    [--variants ';split_mixed_steps=false'] [--profile]
 """
 import argparse
 import collections
@@ -29,13 +30,15 @@ from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
 
+SAMPLE_TOKENS = engine_mod.sample_tokens  # the engine's own, before a recorder wraps it
+
 
 class StepRecorder:
     """Wraps the engine's phases (schedule, runner.run, sample_tokens) with host timers; one record per step."""
 
     def __init__(self, engine: LLMEngine):
         self.engine, self.steps, self.cur = engine, [], None
-        sched, run, sample = engine.scheduler.schedule, engine.runner.run, engine_mod.sample_tokens
+        sched, run, sample = engine.scheduler.schedule, engine.runner.run, SAMPLE_TOKENS
         graphs = engine.runner.graphs
 
         def timed_schedule():
@@ -194,7 +197,9 @@ def main():
     ap.add_argument("--profile-requests", type=int, default=None, help="requests in the profiled pass (default: streams)")
     ap.add_argument("--profile-output-len", type=int, default=24, help="output tokens in the profiled pass")
     ap.add_argument("--no-static", action="store_true")
-    ap.add_argument("--engine-kw", default="", help="extra EngineConfig fields, k=v,k=v (ints or true/false)")
+    ap.add_argument("--profile", action="store_true", help="also the pass under torch.profiler (first variant)")
+    ap.add_argument("--variants", default="", help="engines to time, ';'-separated, each extra EngineConfig "
+                    "fields k=v,k=v (ints or true/false); '' = the defaults. E.g. ';split_mixed_steps=false'")
     a = ap.parse_args()
     dev = torch.device(a.device)
     cfg = K3Config.preset(a.preset)
@@ -204,41 +209,50 @@ def main():
     if dev.type == "cuda":
         model = model.to(torch.bfloat16)
     model.eval()
-    extra = {k: (v == "true" if v in ("true", "false") else int(v))
-             for k, v in (kv.split("=") for kv in a.engine_kw.split(",") if kv)}
-    ecfg = EngineConfig(memory_bytes=16 << 30 if dev.type == "cuda" else 1 << 28, block_size=256, match_unit=16,
-                        max_batch_tokens=2048, max_num_seqs=a.streams, num_state_slots=512 if dev.type == "cuda"
-                        else 2 * a.streams, **extra)
     g = torch.Generator().manual_seed(0)
     lo = 64  # clear of the special tokens
     make = lambda n, seed: torch.randint(lo, cfg.vocab_size, (n, a.input_len),  # noqa: E731
                                          generator=g.manual_seed(seed)).tolist()
     params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
-    eng = LLMEngine(model, None, ecfg)
-    rec = StepRecorder(eng)
-    with torch.inference_mode():
-        drive(rec, make(a.streams, 1), params, a.streams)  # untimed wave: graph captures, autotuning
-        rec.steps.clear()
-        wall, n_out = drive(rec, make(a.waves * a.streams, 2), params, a.streams)
-    steps = rec.steps
-    res = dict(engine_tok_s=n_out / wall, engine_wall_s=wall, steps=len(steps), by_kind=summarize_steps(steps))
-    print(f"\n== engine, {a.streams} streams, {a.waves * a.streams} requests: {n_out / wall:.0f} output tok/s, "
-          f"{len(steps)} steps in {wall:.2f} s", flush=True)
-    print(table(res["by_kind"], ["kind", "steps", "total_ms", "wall_ms", "sched_ms", "run_ms", "sample_ms",
-                                 "book_ms", "append_ms", "other_ms", "rows", "tokens", "blocks_read_over_real"]), flush=True)
+    res = dict(variants=[])
+    for variant in a.variants.split(";"):
+        extra = {k: (v == "true" if v in ("true", "false") else int(v))
+                 for k, v in (kv.split("=") for kv in variant.split(",") if kv)}
+        ecfg = EngineConfig(memory_bytes=16 << 30 if dev.type == "cuda" else 1 << 28, block_size=256,
+                            match_unit=16, max_batch_tokens=2048, max_num_seqs=a.streams,
+                            num_state_slots=512 if dev.type == "cuda" else 2 * a.streams, **extra)
+        eng = LLMEngine(model, None, ecfg)
+        rec = StepRecorder(eng)
+        with torch.inference_mode():
+            drive(rec, make(a.streams, 1), params, a.streams)  # untimed wave: graph captures, autotuning
+            rec.steps.clear()
+            wall, n_out = drive(rec, make(a.waves * a.streams, 2), params, a.streams)
+        steps = rec.steps
+        row = dict(variant=variant or "defaults", engine_tok_s=n_out / wall, engine_wall_s=wall, steps=len(steps),
+                   by_kind=summarize_steps(steps))
+        res["variants"].append(row)
+        print(f"\n== engine [{row['variant']}], {a.streams} streams, {a.waves * a.streams} requests: "
+              f"{n_out / wall:.0f} output tok/s, {len(steps)} steps in {wall:.2f} s", flush=True)
+        print(table(row["by_kind"], ["kind", "steps", "total_ms", "wall_ms", "sched_ms", "run_ms", "sample_ms",
+                                     "book_ms", "append_ms", "other_ms", "rows", "tokens", "blocks_read_over_real"]),
+              flush=True)
+        if a.profile and dev.type == "cuda" and len(res["variants"]) == 1:
+            rec.steps.clear()
+            with torch.inference_mode():
+                short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
+                row["device"] = device_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
+            print("\n== under torch.profiler (slower host): per step, kernels' summed device time and count")
+            print(table(row["device"], ["kind", "steps", "wall_ms", "kernel_ms", "kernels", "idle_share"]), flush=True)
+        eng.close()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     if not a.no_static:
         with torch.inference_mode():
             sw, sn = static_batches(model, make(a.waves * a.streams, 2), a.streams, a.output_len)
         res["static_tok_s"] = sn / sw
-        print(f"static generate, batches of {a.streams}: {sn / sw:.0f} output tok/s; engine/static = "
-              f"{res['engine_tok_s'] / res['static_tok_s']:.1%}", flush=True)
-    if dev.type == "cuda":
-        rec.steps.clear()
-        with torch.inference_mode():
-            short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
-            res["device"] = device_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
-        print("\n== under torch.profiler (slower host): per step, kernels' summed device time and count")
-        print(table(res["device"], ["kind", "steps", "wall_ms", "kernel_ms", "kernels", "idle_share"]), flush=True)
+        print(f"static generate, batches of {a.streams}: {sn / sw:.0f} output tok/s; engine/static = " +
+              ", ".join(f"{v['variant']}: {v['engine_tok_s'] / res['static_tok_s']:.1%}" for v in res["variants"]),
+              flush=True)
     if dev.type == "cuda":
         save("profile_serve", res)
 

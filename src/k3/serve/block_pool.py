@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from k3.config import K3Config
-from k3.model.cache import kda_local_heads
+from k3.model.cache import BatchCacheView, kda_local_heads
 from k3.serve.sequence import CacheReport, Sequence
 
 _ROOT_HASH = 0x6B33  # the hash of the empty prefix
@@ -338,8 +338,9 @@ class CachePool:
         so no copy reads another's target."""
         if not self.pending_copies:
             return
-        dst = torch.tensor(list(self.pending_copies), dtype=torch.long, device=self.device)
-        src = torch.tensor(list(self.pending_copies.values()), dtype=torch.long, device=self.device)
+        # pinned and non-blocking: a copy from pageable memory would wait for the step still running on the device
+        # (at 64 streams some sequence reaches a match boundary in most decode steps)
+        dst, src = BatchCacheView.upload([list(self.pending_copies), list(self.pending_copies.values())], self.device)
         self.pending_copies.clear()
         for l in self.kda_layers:
             self.state[l][dst] = self.state[l][src]

@@ -30,6 +30,7 @@ class EngineConfig:
     prefix_caching: bool = True
     num_blocks: int | None = None       # exact block count (overrides the budget's share; tests, benchmarks)
     decode_graphs: bool | None = None   # decode-only steps from CUDA graphs (default: on CUDA; see ModelRunner)
+    split_mixed_steps: bool = True      # with graphs: a step's decodes replay their graph beside its prompt chunks
 
     def validate(self) -> None:
         for name in ("memory_bytes", "block_size", "match_unit", "max_batch_tokens", "max_num_seqs"):
@@ -75,7 +76,8 @@ class LLMEngine:
         # A model's vocabulary may be padded past its tokenizer's: never sample an id that has no text.
         vocab = model.config.vocab_size
         self.sample_vocab = min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
-        self.runner = ModelRunner(model, self.pool, config.decode_graphs, config.max_num_seqs, self.sample_vocab)
+        self.runner = ModelRunner(model, self.pool, config.decode_graphs, config.max_num_seqs, self.sample_vocab,
+                                  config.split_mixed_steps)
         self.seqs: dict[str, Sequence] = {}
 
     def describe_capacity(self) -> str:
