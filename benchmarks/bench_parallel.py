@@ -9,7 +9,8 @@
   torchrun --nproc-per-node 1 benchmarks/bench_parallel.py train      # baseline
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --ep 2
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --cp 2
-  torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --preset scale-out --seq 32768 --batch 2 --ep 2 --recompute
+  torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --preset scale-out --seq 32768 --batch 2 --ep 2 \
+      --recompute
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def sequence(T: int) -> torch.Tensor:
     return torch.randn(B, T, C, generator=torch.Generator().manual_seed(T), dtype=torch.float64)
 
 
-def weights(T: int) -> torch.Tensor:
+def weights() -> torch.Tensor:
     """Loss weights of the halo rows, different per position, so that the gradient says which row went where."""
     return torch.arange(1, B * WIDTH * C + 1, dtype=torch.float64).view(B, WIDTH, C) / 7
 
@@ -43,7 +43,7 @@ def worker(rank, world):
         with IndexWatch() as watch:
             halo = cp.halo(x, WIDTH)
             whole = cp.gather_sequence(x)
-        ((halo * weights(T)).sum() + (whole * whole).sum()).backward()
+        ((halo * weights()).sum() + (whole * whole).sum()).backward()
         res[T] = {"halo": halo.detach(), "whole": whole.detach(), "grad": x.grad, "seen": watch.seen}
     return res
 
@@ -66,7 +66,7 @@ def test_halo_and_gather_equal_slices_of_the_sequence(results, T):
         torch.testing.assert_close(res["whole"], full, rtol=0, atol=0)
         for i, p in enumerate(range(s - WIDTH, s)):
             if p >= 0:
-                want_grad[:, p] += weights(T)[:, i]
+                want_grad[:, p] += weights()[:, i]
     for rank, (s, e) in enumerate(shard_bounds(T, 4)):
         torch.testing.assert_close(results[rank][T]["grad"], want_grad[:, s:e], rtol=1e-12, atol=1e-12)
 
