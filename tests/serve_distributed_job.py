@@ -8,10 +8,35 @@ from pathlib import Path
 
 import torch
 
+from k3 import K3Config, K3ForCausalLM
+from k3.data import Tokenizer
 from k3.serve import EngineConfig, SamplingParams
 
 # A small pool (preemption), an 8-token step budget (chunked prefill) and a 4-token match unit (prefix hits).
 ENGINE = dict(memory_bytes=16 << 20, block_size=8, match_unit=4, max_batch_tokens=8, max_num_seqs=4, num_blocks=8)
+
+
+def save_models(root: Path) -> Path:
+    """A tiny random K3 with non-trivial AttnRes mixes and router bias, saved in float32 (bit-exact on reload)
+    and with MXFP4 experts, beside the bundled tokenizer."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny"))
+    model.reset_parameters(seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("res_proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            elif name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0, generator=g)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    model.save_pretrained(root / "f32", dtype=None, max_shard_bytes=400_000)  # several shards: ranks skip some
+    model.save_pretrained(root / "mxfp4", dtype=None, experts="mxfp4", max_shard_bytes=400_000)
+    for d in ("f32", "mxfp4"):
+        Tokenizer.from_file().save_pretrained(root / d)
+    return root
 
 
 def engine_config() -> EngineConfig:
@@ -63,27 +88,51 @@ def run(engine, seen: dict, abort_at: int | None = None) -> None:
         step += 1
 
 
-def rank_job(rank: int, world: int, model_dir: str, layouts: list[tuple[int, int, bool]]) -> list:
+def rank_job(rank: int, world: int, model_dir: str, layouts: list[tuple[int, int, bool]], device: str = "cpu") -> list:
     """For each (ep, tp, mxfp4?) in layouts: this rank's engine over the model directory; rank 0 runs the workload
-    and returns it with what this rank holds, the others follow."""
+    and returns it with what this rank holds (and the decode graphs it captured), the others follow."""
     from k3.model.moe import LatentMoE
     from k3.serve.distributed import ServeLayout, build_rank_engine
 
     results = []
     for ep, tp, mxfp4 in layouts:
         path = Path(model_dir) / ("mxfp4" if mxfp4 else "f32")
-        engine = build_rank_engine(path, ServeLayout(world, ep, tp), engine_config())
+        engine = build_rank_engine(path, ServeLayout(world, ep, tp), engine_config(), device)
         moes = [m for m in engine.model.modules() if isinstance(m, LatentMoE)]
         held = {"rows": {(m.experts.w1_packed if m.experts.packed else m.experts.w1).shape[0] for m in moes},
                 "packed": {m.experts.packed for m in moes}, "first": {m.combine_experts.first for m in moes},
                 "vocab_rows": engine.model.lm_head.weight.shape[0]}
+        runner, got = engine.runner, None
         if rank == 0:
-            results.append((workload(engine), held))
+            got = workload(engine)
             engine.close()
         else:
             engine.follow()
-            results.append((None, held))
+        graphs = runner.graphs.entries.values() if runner.graphs is not None else []
+        held["captured_graphs"] = sum(graph is not None for _, graph, _ in graphs)
+        results.append((got, held))
     return results
+
+
+def assert_same_serving(got: dict, want: dict, atol: float = 1e-4) -> None:
+    assert want["preemptions"] > 0 and want["hits"] > 0  # the workload really preempts and hits the cache
+    assert (got["preemptions"], got["hits"]) == (want["preemptions"], want["hits"])
+    assert want["requests"]["abort returned"] and "finish" not in want["requests"].get("aborted", {})
+    assert got["requests"].keys() == want["requests"].keys()
+    for rid, w in want["requests"].items():
+        if not isinstance(w, dict):
+            assert got["requests"][rid] == w
+            continue
+        g = got["requests"][rid]
+        assert g["ids"] == w["ids"], rid
+        assert [g.get(k) for k in ("text", "finish", "restored")] == [w.get(k) for k in ("text", "finish", "restored")]
+        torch.testing.assert_close(torch.tensor(g["logprobs"]), torch.tensor(w["logprobs"]), rtol=1e-4, atol=atol)
+        assert [[i for i, _ in t] for t in g["top"]] == [[i for i, _ in t] for t in w["top"]], rid
+        if "prompt_logprobs" in w:
+            assert g["prompt_logprobs"][0] is None and len(g["prompt_logprobs"]) == len(w["prompt_logprobs"])
+            torch.testing.assert_close(torch.tensor(g["prompt_logprobs"][1:]), torch.tensor(w["prompt_logprobs"][1:]),
+                                       rtol=1e-4, atol=atol)
+    assert sum(r.get("restored", 0) for r in got["requests"].values() if isinstance(r, dict)) > 0
 
 
 if __name__ == "__main__":  # one torchrun rank: MODEL_DIR OUT EP TP

@@ -1,9 +1,9 @@
 """Distributed serving (k3.serve.distributed, k3.serve.expert_shard): one engine as N gloo ranks in lockstep,
 routed experts sharded over the ranks. The engine's greedy tokens, logprobs, sampled tokens and prefix-cache
 results equal the single-process engine's, with prefix hits, preemption, chunked prefill and an abort in play,
-on 2 and 4 spawned processes (experts sharded 2 and 4 ways, and replicated), MXFP4 experts kept packed, and on
-two torchrun "nodes"; `k3 serve --nproc 2` answers HTTP as `--nproc 1` does; a killed worker makes rank 0
-report it and exit; bad layouts are refused by flag."""
+on 2 and 4 spawned processes (experts sharded 2 and 4 ways, attention replicated or split 2 ways by heads),
+MXFP4 experts kept packed, and on two torchrun "nodes"; `k3 serve --nproc 2` answers HTTP as `--nproc 1` does; a
+killed worker makes rank 0 report it and exit (and a killed rank 0 its worker); bad layouts are refused by flag."""
 import os
 import signal
 import socket
@@ -24,7 +24,7 @@ from k3.serve import LLMEngine
 from k3.serve.expert_shard import ExpertShardCombine
 from live_serve import k3_serve
 from parallel_harness import launch
-from serve_distributed_job import engine_config, rank_job, workload
+from serve_distributed_job import assert_same_serving, engine_config, rank_job, save_models, workload
 
 E = 16  # the tiny preset's routed experts
 REPO = Path(__file__).resolve().parents[1]
@@ -32,27 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny random K3 with non-trivial AttnRes mixes and router bias, saved in float32 (bit-exact on reload)
-    and with MXFP4 experts, beside the bundled tokenizer."""
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny"))
-    model.reset_parameters(seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("res_proj.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-            elif name.endswith("A_log"):
-                p.uniform_(-1.0, 1.0, generator=g)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
-    root = tmp_path_factory.mktemp("served")
-    model.save_pretrained(root / "f32", dtype=None, max_shard_bytes=400_000)  # several shards: ranks skip some
-    model.save_pretrained(root / "mxfp4", dtype=None, experts="mxfp4", max_shard_bytes=400_000)
-    for d in ("f32", "mxfp4"):
-        Tokenizer.from_file().save_pretrained(root / d)
-    return root
+    return save_models(tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module")
@@ -60,27 +40,6 @@ def single(model_dir):
     """The single-process engine's workload on each checkpoint (MXFP4 experts dequantised, as `k3 serve` does)."""
     return {fmt: workload(LLMEngine(K3ForCausalLM.from_pretrained(model_dir / fmt).eval(),
                                     Tokenizer.from_file(), engine_config())) for fmt in ("f32", "mxfp4")}
-
-
-def assert_same_serving(got: dict, want: dict) -> None:
-    assert want["preemptions"] > 0 and want["hits"] > 0  # the workload really preempts and hits the cache
-    assert (got["preemptions"], got["hits"]) == (want["preemptions"], want["hits"])
-    assert want["requests"]["abort returned"] and "finish" not in want["requests"].get("aborted", {})
-    assert got["requests"].keys() == want["requests"].keys()
-    for rid, w in want["requests"].items():
-        if not isinstance(w, dict):
-            assert got["requests"][rid] == w
-            continue
-        g = got["requests"][rid]
-        assert g["ids"] == w["ids"], rid
-        assert (g.get("text"), g.get("finish"), g.get("restored")) == (w.get("text"), w.get("finish"), w.get("restored"))
-        torch.testing.assert_close(torch.tensor(g["logprobs"]), torch.tensor(w["logprobs"]), rtol=1e-4, atol=1e-4)
-        assert [[i for i, _ in t] for t in g["top"]] == [[i for i, _ in t] for t in w["top"]], rid
-        if "prompt_logprobs" in w:
-            assert g["prompt_logprobs"][0] is None and len(g["prompt_logprobs"]) == len(w["prompt_logprobs"])
-            torch.testing.assert_close(torch.tensor(g["prompt_logprobs"][1:]), torch.tensor(w["prompt_logprobs"][1:]),
-                                       rtol=1e-4, atol=1e-4)
-    assert sum(r.get("restored", 0) for r in got["requests"].values() if isinstance(r, dict)) > 0
 
 
 def test_two_ranks_equal_one_process(model_dir, single):
