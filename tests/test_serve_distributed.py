@@ -206,6 +206,29 @@ def _serving_pid(url: str) -> int:
     raise AssertionError(f"no process listens on {port}")
 
 
+def test_a_rank_failing_to_load_stops_the_launch(tmp_path):
+    """A shard only rank 1 reads is truncated (a bad disk on one node): rank 1 fails loading, and rank 0, which
+    loaded fine and waits for it, exits with an error naming it instead of waiting out the load timeout."""
+    import json
+
+    from k3.checkpoint.names import parse_name
+    model = K3ForCausalLM(K3Config.preset("tiny"))
+    model.save_pretrained(tmp_path, dtype=None, max_shard_bytes=60_000)
+    Tokenizer.from_file().save_pretrained(tmp_path)
+    experts_of: dict[str, set] = {}
+    for raw, f in json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].items():
+        experts_of.setdefault(f, set()).add(parse_name(raw)[1])
+    only_rank_1 = next(f for f, es in experts_of.items() if None not in es and min(es) >= E // 2)
+    shard = tmp_path / only_rank_1
+    shard.write_bytes(shard.read_bytes()[:100])
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "k3.cli", "serve", "--model", str(tmp_path), "--nproc", "2", "--port",
+                        str(_free_port())], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "K3_CPU_THREADS": "1"})
+    assert r.returncode == 2 and time.monotonic() - start < 100
+    assert "rank 1 exited with status 2" in r.stderr and only_rank_1 in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--nproc", "4", "--ep", "3"], "--ep 3 must divide --nproc 4"),
     (["--nproc", "32"], "--ep 32 must divide the model's 16 routed experts"),

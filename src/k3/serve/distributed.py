@@ -28,6 +28,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -292,8 +294,8 @@ def spawn_local_ranks(nproc: int, serve_args: list[str]) -> list[subprocess.Pope
 
 
 def describe_exits(children: list[subprocess.Popen], wait_s: float = 2.0) -> str:
-    """'rank 1 was killed by SIGKILL; ...' for the local ranks that have ended with a failure ('' for none)."""
-    import time
+    """'rank 1 was killed by SIGKILL; ...' for the local ranks that have ended with a failure ('' for none),
+    waiting up to wait_s for one to end."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and all(p.poll() is None for p in children):
         time.sleep(0.05)
@@ -318,6 +320,28 @@ def stop_local_ranks(children: list[subprocess.Popen], timeout_s: float = 10.0) 
             p.wait()
 
 
+class StartupWatch:
+    """Until every rank has loaded, a local rank that fails ends rank 0 too: rank 0 may be waiting for it in the
+    process group's rendezvous, which no Python exception interrupts (it would wait out LOAD_TIMEOUT_S)."""
+
+    def __init__(self, children: list[subprocess.Popen], poll_s: float = 0.5):
+        self.children, self.poll_s, self.armed = children, poll_s, True
+        if children:
+            threading.Thread(target=self._watch, name="k3-rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while self.armed:
+            failed = describe_exits(self.children, wait_s=0)
+            if failed and self.armed:
+                print(f"k3 serve: error: {failed} while the ranks were starting", file=sys.stderr, flush=True)
+                stop_local_ranks(self.children)
+                os._exit(2)
+            time.sleep(self.poll_s)
+
+    def disarm(self) -> None:
+        self.armed = False
+
+
 def serve_rank(model_dir, layout: ServeLayout, engine_config: EngineConfig | None = None, device: str = "cpu",
                host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, model_name: str | None = None,
                max_request_bytes: int | None = None, timeout_keep_alive: float = 5.0,
@@ -327,12 +351,14 @@ def serve_rank(model_dir, layout: ServeLayout, engine_config: EngineConfig | Non
     from k3.parallel.mesh import init_distributed
 
     children = children or []
+    watch = StartupWatch(children)
     device_type = torch.device(device).type
     rank, _ = init_distributed(LOAD_TIMEOUT_S, device_type)
     if device_type == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     try:
         engine = build_rank_engine(model_dir, layout, engine_config, device)
+        watch.disarm()  # every rank is up: from here a lost rank fails rank 0's next collective
         if rank == 0:
             _serve_http(engine, Path(model_dir), host, port, api_key, model_name, max_request_bytes,
                         timeout_keep_alive, children)
@@ -347,6 +373,7 @@ def serve_rank(model_dir, layout: ServeLayout, engine_config: EngineConfig | Non
         exits = describe_exits(children)
         raise RankFailure(f"rank {rank}: {exits or _one_line(e)}") from None
     finally:
+        watch.disarm()
         stop_local_ranks(children)
         if dist.is_initialized():
             dist.destroy_process_group()
