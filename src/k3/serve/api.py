@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from k3.data.chat_template import THINKING_EFFORTS
 from k3.serve import protocol as P
 from k3.serve.chat_template import render_chat
-from k3.serve.engine import EngineThread, LLMEngine
+from k3.serve.engine import EngineThread, LLMEngine, fit_engine_config
 from k3.serve.grammar import Grammar, GrammarError, chat_grammar
 from k3.serve.render import ChatRenderer, CompletionRenderer
 from k3.serve.sampling import SamplingParams
@@ -517,20 +517,6 @@ def _tokenizer_info(tokenizer, max_len: int) -> dict:
             "eos_token": text(getattr(tokenizer, "eos_id", None)),
             "pad_token": text(getattr(tokenizer, "pad_id", None)),
             "chat_template": template, "model_max_length": max_len, "vocab_size": tokenizer.vocab_size}
-
-
-def fit_engine_config(config, engine_config=None):
-    """The engine settings for a model of `config`: max_model_len defaults to its max_position_embeddings and
-    may not exceed them."""
-    from k3.serve.engine import EngineConfig
-
-    engine_config = engine_config or EngineConfig()
-    if engine_config.max_model_len is None:
-        engine_config.max_model_len = config.max_position_embeddings
-    elif engine_config.max_model_len > config.max_position_embeddings:
-        raise ValueError(f"--max-model-len {engine_config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings ({config.max_position_embeddings})")
-    return engine_config
 
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from k3.checkpoint.sharded import RankLayout
-from k3.serve.engine import EngineConfig, EngineThread, LLMEngine
+from k3.serve.engine import EngineConfig, EngineThread, LLMEngine, fit_engine_config
 
 HEARTBEAT_S = 1.0         # an idle rank 0 steps this often (the other ranks wait in its broadcast meanwhile)
 STEP_TIMEOUT_S = 300.0    # a serving collective that waits longer than this fails (a hung rank)
@@ -228,7 +228,6 @@ def build_rank_engine(model_dir, layout: ServeLayout, engine_config: EngineConfi
     checkpoint (rank-sharded), the tokenizer. Collective: every rank calls it."""
     from k3.config import K3Config
     from k3.data import model_tokenizer
-    from k3.serve.api import fit_engine_config
     from k3.serve.expert_shard import load_rank_model
 
     rank, world = dist.get_rank(), dist.get_world_size()

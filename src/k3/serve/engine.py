@@ -41,6 +41,18 @@ class EngineConfig:
             raise ValueError(f"block_size ({self.block_size}) must be a multiple of match_unit ({self.match_unit})")
 
 
+def fit_engine_config(config, engine_config: EngineConfig | None = None) -> EngineConfig:
+    """The engine settings for a model of `config`: max_model_len defaults to its max_position_embeddings and
+    may not exceed them."""
+    engine_config = engine_config or EngineConfig()
+    if engine_config.max_model_len is None:
+        engine_config.max_model_len = config.max_position_embeddings
+    elif engine_config.max_model_len > config.max_position_embeddings:
+        raise ValueError(f"--max-model-len {engine_config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({config.max_position_embeddings})")
+    return engine_config
+
+
 def check_policy_version(policy_version) -> None:
     """policy_version: None, an int or a str (raise ValueError otherwise: other types hash ambiguously)."""
     if policy_version is not None and (isinstance(policy_version, bool)
