@@ -45,7 +45,8 @@ for step in $steps; do
         tests) xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
             run tests 480 python3 -m pytest -v -rfE -p no:cacheprovider $xdist tests/test_gpu.py \
                 tests/test_mla_decode_triton.py tests/test_attn_res_triton.py tests/test_norm_triton.py \
-                tests/test_conv_triton.py tests/test_situ_triton.py tests/test_mxfp4_triton.py ;;
+                tests/test_conv_triton.py tests/test_situ_triton.py tests/test_mxfp4_triton.py \
+                tests/test_serve_split_steps.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;
