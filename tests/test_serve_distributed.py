@@ -2,7 +2,8 @@
 routed experts sharded over the ranks. The engine's greedy tokens, logprobs, sampled tokens and prefix-cache
 results equal the single-process engine's, with prefix hits, preemption, chunked prefill and an abort in play,
 on 2 and 4 spawned processes (experts sharded 2 and 4 ways, attention replicated or split 2 ways by heads),
-MXFP4 experts kept packed, and on two torchrun "nodes"; `k3 serve --nproc 2` answers HTTP as `--nproc 1` does; a
+MXFP4 experts kept packed, and on two torchrun "nodes"; `k3 serve --nproc 2`, and `k3 serve` as two torchrun
+nodes, answer HTTP as `--nproc 1` does; a
 killed worker makes rank 0 report it and exit (and a killed rank 0 its worker); bad layouts are refused by flag."""
 import os
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -28,6 +30,7 @@ from serve_distributed_job import assert_same_serving, engine_config, rank_job, 
 
 E = 16  # the tiny preset's routed experts
 REPO = Path(__file__).resolve().parents[1]
+SERVE_FLAGS = ("--memory-gib", "0.25", "--block-size", "64", "--match-unit", "16")  # as live_serve.k3_serve's
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +143,48 @@ def test_http_nproc2_equals_nproc1(model_dir, tmp_path):
             time.sleep(0.2)
         assert not any(_alive(w) for w in workers)  # a stopped server leaves no rank behind
         assert "error" not in (tmp_path / f"log{n}").read_text()  # the worker was released, not cut off
-    for a, b in zip(answers[1], answers[2]):
-        assert a["text"] == b["text"] and len(a["text"]) > 0
-        torch.testing.assert_close(torch.tensor(a["logprobs"]["token_logprobs"]),
-                                   torch.tensor(b["logprobs"]["token_logprobs"]), rtol=1e-4, atol=1e-4)
+    with torchrun_serve(model_dir / "f32", tmp_path) as url:  # `k3 serve` as two torchrun nodes
+        answers["nodes"] = [complete(url, p) for p in ("ROMEO:", "To be, or not to be")]
+    for key in (2, "nodes"):
+        for a, b in zip(answers[1], answers[key]):
+            assert a["text"] == b["text"] and len(a["text"]) > 0
+            torch.testing.assert_close(torch.tensor(a["logprobs"]["token_logprobs"]),
+                                       torch.tensor(b["logprobs"]["token_logprobs"]), rtol=1e-4, atol=1e-4)
+
+
+@contextmanager
+def torchrun_serve(model: Path, log_dir: Path, timeout: float = 180.0):
+    """`torchrun --nnodes 2 --node-rank r ... -m k3.cli serve` for r = 0, 1 on this machine; yields rank 0's URL."""
+    port, http = _free_port(), _free_port()
+    env = {**os.environ, "K3_CPU_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "-m", "k3.cli", "serve", "--model", str(model), "--port", str(http), "--api-key", "k",
+                               "--served-model-name", "m", *SERVE_FLAGS],
+                              env=env, stdout=open(log_dir / f"node{r}.log", "wb"), stderr=subprocess.STDOUT)
+             for r in range(2)]
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, \
+                (log_dir / "node0.log").read_text()[-2000:] + (log_dir / "node1.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        yield url
+    finally:
+        for n in nodes:
+            n.terminate()  # torchrun's agent stops its worker
+        for n in nodes:
+            try:
+                n.wait(30)
+            except subprocess.TimeoutExpired:
+                n.kill()
+                n.wait()
 
 
 def test_killed_worker_stops_rank_0_with_an_error(model_dir, tmp_path):
