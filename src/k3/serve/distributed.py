@@ -4,7 +4,7 @@ machines), gloo on CPU, NCCL on GPU. Rank 0 serves HTTP and schedules; every ran
 Why lockstep rather than a coordinator shipping batches: every rank runs the same `LLMEngine` (scheduler,
 prefix cache, pool metadata: plain host code, deterministic given the same inputs), so the only things that
 must cross between ranks are what rank 0 alone learns: the requests that arrived or were aborted since the last
-step (one `broadcast_object_list` over a gloo group before each step: host objects, no device sync), and the
+step (one broadcast over a gloo group before each step: host objects, no device sync), and the
 sampled ids (rank 0's, broadcast before any sampler state advances, so grammar matchers, penalties and outputs
 can never drift apart even if two ranks' floats did). Block tables, KV pages, KDA slots, preemption and prefix
 hits then come out the same on every rank, and each rank's decode steps are its own CUDA graphs.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -102,19 +103,28 @@ def make_groups(layout: ServeLayout, rank: int, timeout_s: float = STEP_TIMEOUT_
 
 
 class Lockstep:
-    """The per-step channel: rank 0 publishes, every other rank receives the same list."""
+    """The per-step channel: rank 0 publishes, every other rank receives the same list. A step with nothing new
+    (every decode step) costs one broadcast of its length, 0; otherwise the pickled events follow (the ranks
+    trust rank 0 as broadcast_object_list would, which takes two broadcasts every time)."""
 
     def __init__(self, groups: RankGroups):
         self.groups = groups
         self.rank = dist.get_rank()
 
     def publish(self, events) -> None:
-        dist.broadcast_object_list([events], src=0, group=self.groups.control)
+        payload = pickle.dumps(events) if events else b""
+        dist.broadcast(torch.tensor([len(payload)]), src=0, group=self.groups.control)
+        if payload:
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.groups.control)
 
     def receive(self):
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.groups.control)
-        return box[0]
+        size = torch.zeros(1, dtype=torch.long)
+        dist.broadcast(size, src=0, group=self.groups.control)
+        if not size.item():
+            return []
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.groups.control)
+        return pickle.loads(payload.numpy().tobytes())
 
     def agree(self, picked: torch.Tensor) -> torch.Tensor:
         """Every rank's sampled ids become rank 0's (in place, on the device: no host read)."""
