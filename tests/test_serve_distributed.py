@@ -276,6 +276,7 @@ def test_a_rank_failing_to_load_stops_the_launch(tmp_path):
     (["--nproc", "3", "--ep", "3"], "--ep 3 must divide the model's 16 routed experts"),
     (["--nproc", "1", "--ep", "2"], "--ep 2 must divide --nproc 1"),
     (["--nproc", "4", "--tp", "3"], "--tp 3 must divide --nproc 4"),
+    (["--nproc", "8", "--ep", "8", "--tp", "8"], "--tp 8: tensor parallel size 8 must divide the attention heads"),
 ])
 def test_bad_layouts_are_refused_by_flag(model_dir, capsys, flags, message):
     rc = main(["serve", "--model", str(model_dir / "f32"), "--port", str(_free_port()), *flags])

@@ -441,7 +441,10 @@ def serve_from_cli(a, engine_config: EngineConfig, api_key: str | None) -> None:
     config = K3Config.from_pretrained(d)
     layout = ServeLayout(world, a.ep or world, a.tp).validate(config.num_experts)
     if layout.tp > 1:
-        _tensor_parallel().check_heads(config, layout.tp)
+        try:
+            _tensor_parallel().check_heads(config, layout.tp)
+        except ValueError as e:
+            raise ValueError(f"--tp {layout.tp}: {e}") from None
     if torch.device(a.device).index is not None and world > 1:
         raise ValueError(f"--device {a.device}: with several ranks give the type only (cuda); each rank "
                          f"takes the GPU of its LOCAL_RANK")
