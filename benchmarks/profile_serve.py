@@ -10,7 +10,7 @@ time of each phase: schedule, runner.run (launching; a graph replay is one call)
 the one read of the sampled ids, so it includes waiting for the device) and the rest. With --profile, a second, shorter pass
 under torch.profiler gives the device's busy time per step kind (kernels' summed time) and its kernel count.
 Run: PYTHONPATH=src python benchmarks/profile_serve.py [--preset small --device cuda --streams 64]
-    [--variants ';split_mixed_steps=false'] [--profile]
+    [--variants ';split_mixed_steps=true'] [--profile]
 """
 import argparse
 import collections
@@ -199,7 +199,7 @@ def main():
     ap.add_argument("--no-static", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also the pass under torch.profiler (first variant)")
     ap.add_argument("--variants", default="", help="engines to time, ';'-separated, each extra EngineConfig "
-                    "fields k=v,k=v (ints or true/false); '' = the defaults. E.g. ';split_mixed_steps=false'")
+                    "fields k=v,k=v (ints or true/false); '' = the defaults. E.g. ';split_mixed_steps=true'")
     a = ap.parse_args()
     dev = torch.device(a.device)
     cfg = K3Config.preset(a.preset)
