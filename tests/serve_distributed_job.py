@@ -11,6 +11,7 @@ import torch
 from k3 import K3Config, K3ForCausalLM
 from k3.data import Tokenizer
 from k3.serve import EngineConfig, SamplingParams
+from k3.serve.grammar import Grammar, chat_grammar
 
 # A small pool (preemption), an 8-token step budget (chunked prefill) and a 4-token match unit (prefix hits).
 ENGINE = dict(memory_bytes=16 << 20, block_size=8, match_unit=4, max_batch_tokens=8, max_num_seqs=4, num_blocks=8)
@@ -52,7 +53,8 @@ def prompts() -> list[list[int]]:
 
 def workload(engine) -> dict:
     """Three waves on one engine: greedy requests with logprobs (one scoring its prompt too) that outgrow the
-    pool; two of the prompts again (prefix hits); then a seeded sampled request beside one aborted mid-way.
+    pool; two of the prompts again (prefix hits); then a seeded sampled request, a grammar-constrained one, and
+    one aborted mid-way.
     Returns what a client sees of each request, plus the engine's preemption and prefix-hit counts."""
     greedy = SamplingParams(max_tokens=7, temperature=0.0, logprobs=2, ignore_eos=True)
     scored = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, prompt_logprobs=1, ignore_eos=True)
@@ -66,6 +68,9 @@ def workload(engine) -> dict:
         run(engine, seen)
     engine.add_request(prompts()[0], sampled, "sampled")
     engine.add_request(prompts()[1], greedy, "aborted")
+    tok = engine.tokenizer  # a JSON-object grammar: its matcher must cross to the other ranks and stay in step
+    json_only = Grammar(tok, chat_grammar(tok, thinking=False, response_format={"type": "json_object"}))
+    engine.add_request(prompts()[2], SamplingParams(max_tokens=8, seed=5, logprobs=0, grammar=json_only), "json")
     run(engine, seen, abort_at=3)
     return {"requests": seen, "preemptions": engine.scheduler.num_preemptions, "hits": engine.pool.stats["hits"]}
 

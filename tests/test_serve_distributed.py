@@ -1,7 +1,7 @@
 """Distributed serving (k3.serve.distributed, k3.serve.expert_shard): one engine as N gloo ranks in lockstep,
 routed experts sharded over the ranks. The engine's greedy tokens, logprobs, sampled tokens and prefix-cache
-results equal the single-process engine's, with prefix hits, preemption, chunked prefill and an abort in play,
-on 2 and 4 spawned processes (experts sharded 2 and 4 ways, attention replicated or split 2 ways by heads),
+results equal the single-process engine's, with prefix hits, preemption, chunked prefill, an abort and a grammar in
+play, on 2 and 4 spawned processes (experts sharded 2 and 4 ways, attention replicated or split 2 ways by heads),
 MXFP4 experts kept packed, and on two torchrun "nodes"; `k3 serve --nproc 2`, and `k3 serve` as two torchrun
 nodes, answer HTTP as `--nproc 1` does; a killed worker makes rank 0 report it and exit (and a killed rank 0 its
 worker), as does a rank that fails to load; bad layouts are refused by flag."""
