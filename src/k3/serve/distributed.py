@@ -329,6 +329,17 @@ def stop_local_ranks(children: list[subprocess.Popen], timeout_s: float = 10.0) 
             p.wait()
 
 
+def share_cpu_threads() -> None:
+    """CPU ranks on one machine split its cores: each takes 1/LOCAL_WORLD_SIZE of what k3's policy gave one
+    process (a count fixed by K3_CPU_THREADS or OMP_NUM_THREADS is left as it is)."""
+    from k3.cpu_threads import configure_torch_threads
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    policy = configure_torch_threads()
+    if policy.mode == "auto" and local > 1:
+        torch.set_num_threads(max(1, policy.threads // local))
+
+
 class StartupWatch:
     """Until every rank has loaded, a local rank that fails ends rank 0 too: rank 0 may be waiting for it in the
     process group's rendezvous, which no Python exception interrupts (it would wait out LOAD_TIMEOUT_S)."""
@@ -365,6 +376,8 @@ def serve_rank(model_dir, layout: ServeLayout, engine_config: EngineConfig | Non
     rank, _ = init_distributed(LOAD_TIMEOUT_S, device_type)
     if device_type == "cuda":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    else:
+        share_cpu_threads()
     try:
         engine = build_rank_engine(model_dir, layout, engine_config, device)
         watch.disarm()  # every rank is up: from here a lost rank fails rank 0's next collective
