@@ -40,11 +40,11 @@ def test_version_names_k3_and_torch(capsys):
 
 
 @pytest.mark.parametrize("argv, shown", [
-    (["train", "--help"], ["--max-steps MAX_STEPS optimizer steps (default: 300)", "{kimi-k3,tiny,small}",
+    (["train", "--help"], ["--max-steps MAX_STEPS optimizer steps (default: 300)", "{kimi-k3,tiny,small,scale-out}",
                            "(default: tiny)", "--seed SEED (default: 0)",
                            "--balance {quantile,sign,none}", "(default: quantile)"]),
     (["serve", "--help"], ["(default: 8000)", "(default: 127.0.0.1)"]),
-    (["bench", "serve", "--help"], ["(default: 1,8,32)", "(default: random,multiturn)", "{kimi-k3,tiny,small}"]),
+    (["bench", "serve", "--help"], ["(default: 1,8,32)", "(default: random,multiturn)", "{kimi-k3,tiny,small,scale-out}"]),
     (["plan", "--help"], ["(default: 141GB)", "a bare number is bytes"]),
     (["agentenv", "serve", "--help"], ["(default: 49982)", "(default: bwrap)"]),
 ])
