@@ -232,12 +232,13 @@ def _build_serve_tensors(config: K3Config) -> list:
     return out
 
 
-def cache_bytes_per_token_and_sequence(config: K3Config) -> tuple[int, int]:
-    """(bf16 MLA latent bytes per token, KDA state bytes per sequence): the serving pool's own arithmetic."""
+def cache_bytes_per_token_and_sequence(config: K3Config, tp: int = 1) -> tuple[int, int]:
+    """(bf16 MLA latent bytes per token, KDA state bytes per sequence) on one rank of a tp-wide tensor-parallel
+    group (its H/tp KDA heads): the serving pool's own arithmetic."""
     import torch
 
     from k3.serve.block_pool import plan_capacity
-    cap = plan_capacity(config, 0, 1, 0, torch.bfloat16, num_blocks=1)
+    cap = plan_capacity(config, 0, 1, 0, torch.bfloat16, num_blocks=1, tp=tp)
     return cap.bytes_per_token, cap.bytes_per_slot
 
 
@@ -283,11 +284,11 @@ def plan_serve(config: K3Config, gpus: int, gpu_memory: int, context: int = 1310
         "activations (prefill chunk, logits)": prefill_chunk * working + DECODE_ROWS * config.vocab_size * 4,
         "runtime reserve": RUNTIME_RESERVE,
     }
-    per_token, per_seq = cache_bytes_per_token_and_sequence(config)
-    if layout == "tp":  # a TP group shares its sequences: each GPU keeps every latent and 1/tp of the KDA heads
-        seq_bytes, groups = per_seq // tp, gpus // tp
-    else:  # each GPU serves its own sequences
-        seq_bytes, groups = per_seq, gpus
+    # a TP group shares its sequences: each GPU keeps every latent and 1/tp of the KDA heads; under data-parallel
+    # attention each GPU serves its own sequences
+    tp_cache = tp if layout == "tp" else 1
+    per_token, seq_bytes = cache_bytes_per_token_and_sequence(config, tp_cache)
+    groups = gpus // tp_cache
     plan = ServePlan(gpus, ep, tp, layout, gpu_memory, context, experts + split + whole, parts, per_token, seq_bytes)
     plan.sequences = max(plan.cache_bytes, 0) // (context * per_token + seq_bytes) * groups
     return plan
