@@ -650,7 +650,8 @@ def cmd_serve(a) -> int:
     try:
         serve(a.model, host=a.host, port=a.port, api_key=api_key, engine_config=engine_config,
               model_name=a.served_model_name, device=a.device, max_request_bytes=a.max_request_bytes,
-              timeout_keep_alive=a.timeout_keep_alive)
+              timeout_keep_alive=a.timeout_keep_alive, header_timeout=a.header_timeout,
+              limit_concurrency=a.limit_concurrency)
     except ImportError as e:
         raise CLIError(f"{e.name} is missing: install the serve extra (pip install 'k3[serve]')") from None
     return 0
@@ -866,6 +867,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-request-bytes", type=_size, default=64 * 2**20, help="largest request body, e.g. 64M")
     sv.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0,
                     help="seconds an idle keep-alive connection is held open")
+    sv.add_argument("--header-timeout", type=_positive_float, default=10.0,
+                    help="seconds a connection may take to send a request's line and headers (slow or silent "
+                         "clients are cut off, with a 408 if they sent part of one)")
+    sv.add_argument("--limit-concurrency", type=_positive_int, default=1024,
+                    help="open connections + running requests past which a request gets a 503")
     sv.add_argument("--served-model-name", default=None, help="model id clients use (default: directory name)")
     sv.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N")
     sv.add_argument("--nproc", type=_positive_int, default=None,

@@ -35,8 +35,10 @@ from k3.serve import protocol as P
 from k3.serve.chat_template import render_chat
 from k3.serve.engine import EngineThread, LLMEngine, fit_engine_config
 from k3.serve.grammar import Grammar, GrammarError, chat_grammar
+from k3.serve.head_timeout import (HEADER_TIMEOUT_S, LIMIT_CONCURRENCY, fit_connection_limit,
+                                   head_deadline_protocol)
 from k3.serve.render import ChatRenderer, CompletionRenderer
-from k3.serve.sampling import SamplingParams
+from k3.serve.sampling import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams
 from k3.serve.serving import APIError, Job, LoopMailbox, Serving, error_response, new_id
 
 MAX_REQUEST_BYTES = 64 << 20  # a 1M-token prompt as token ids is ~8 MB of JSON; images as data URLs add more
@@ -298,6 +300,19 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                 raise APIError(400, f"{where}: {e}" if field == "prompt" else str(e),
                                field if field in _SAMPLING_FIELDS else "prompt")
 
+    def check_prompt_logprobs(prompts: list[list[int]], k: int | None, req) -> None:
+        """Every choice scores its prompt: the request's prompt tokens × n × (k+1) entries must stay within
+        MAX_PROMPT_LOGPROB_ENTRIES (the host memory they take; see sampling.py)."""
+        if k is None:
+            return
+        entries = sum(len(p) for p in prompts) * req.n * (k + 1)
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            param = "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"
+            raise APIError(400, f"{param}: scoring {sum(len(p) for p in prompts)} prompt tokens × n={req.n} with "
+                                f"top {k} would keep {entries} logprobs (tokens × n × (k+1)); at most "
+                                f"{MAX_PROMPT_LOGPROB_ENTRIES} per request: ask for fewer or score shorter prompts",
+                           param)
+
     # ---- probes, models, tokenizer ------------------------------------------------------------------------
     @app.get("/health", responses=_responses(P.Health, 503))
     async def health():
@@ -392,6 +407,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
 
         def prepare():  # tokenising a long prompt takes seconds: never on the event loop
             ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+            check_prompt_logprobs(ids, prompt_k, req)
             check_prompts(ids, params)
             if ckpt is not None and not all(0 <= c <= len(i) for c in ckpt for i in ids):
                 raise APIError(400, "checkpoint_at: positions must lie in the prompt", "checkpoint_at")
@@ -521,9 +537,12 @@ def _tokenizer_info(tokenizer, max_len: int) -> dict:
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           engine_config=None, model_name: str | None = None, device: str = "cpu",
-          max_request_bytes: int = MAX_REQUEST_BYTES, timeout_keep_alive: float = 5.0) -> None:
+          max_request_bytes: int = MAX_REQUEST_BYTES, timeout_keep_alive: float = 5.0,
+          header_timeout: float = HEADER_TIMEOUT_S, limit_concurrency: int = LIMIT_CONCURRENCY) -> None:
     """Load a model directory and serve it until Ctrl-C. The engine's max_model_len defaults to the model's
-    max_position_embeddings (capped by what the cache pool holds)."""
+    max_position_embeddings (capped by what the cache pool holds). header_timeout: seconds a connection may take
+    to send a request head (slow or silent clients are cut off); limit_concurrency: open connections + running
+    requests past which a request gets a 503 (lowered to what the open-files limit allows)."""
     from pathlib import Path
 
     import uvicorn
@@ -539,5 +558,16 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
     engine = LLMEngine(model, tokenizer, fit_engine_config(model.config, engine_config))
     print(f"k3 serve: {engine.describe_capacity()}", flush=True)
     app = create_app(engine, tokenizer, model_name or d.name, api_key, max_request_bytes=max_request_bytes)
-    # keep-alive: an idle connection is closed after this many seconds (slow or idle clients hold no slot)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=timeout_keep_alive)
+    uvicorn.run(app, **uvicorn_settings(host, port, timeout_keep_alive, header_timeout, limit_concurrency))
+
+
+def uvicorn_settings(host: str, port: int, timeout_keep_alive: float = 5.0, header_timeout: float = HEADER_TIMEOUT_S,
+                     limit_concurrency: int = LIMIT_CONCURRENCY) -> dict:
+    """uvicorn's keyword arguments for a k3 server: no client, slow, idle or many, holds it for long."""
+    limit = fit_connection_limit(limit_concurrency)
+    if limit < limit_concurrency:
+        print(f"k3 serve: --limit-concurrency lowered to {limit} (the open-files limit)", flush=True)
+    # keep-alive: an idle connection is closed after this many seconds; header_timeout: one that dawdles over a
+    # request head (uvicorn has no such limit of its own); past `limit` connections or requests: 503
+    return dict(host=host, port=port, log_level="warning", timeout_keep_alive=timeout_keep_alive,
+                http=head_deadline_protocol(header_timeout), limit_concurrency=limit)

@@ -12,8 +12,8 @@ import torch
 from k3.serve.block_pool import CachePool, plan_capacity
 from k3.serve.metrics import Metrics
 from k3.serve.runner import ModelRunner, PromptScores
-from k3.serve.sampling import (SamplingParams, make_adjuster, make_generator, make_grammar_state, sample_tokens,
-                               token_logprobs)
+from k3.serve.sampling import (MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams, make_adjuster, make_generator,
+                               make_grammar_state, sample_tokens, token_logprobs)
 from k3.serve.scheduler import Scheduler
 from k3.serve.sequence import OutputIds, RequestOutput, Sequence, Status
 
@@ -113,6 +113,12 @@ class LLMEngine:
             bad = next((t for t in ids if t >= V), None)
             if bad is not None:
                 raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {V})")
+        if params.prompt_logprobs is not None:
+            entries = len(prompt) * (params.prompt_logprobs + 1)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise ValueError(f"prompt_logprobs {params.prompt_logprobs} over {len(prompt)} prompt tokens would "
+                                 f"keep {entries} logprobs (tokens × (k+1)); at most {MAX_PROMPT_LOGPROB_ENTRIES} "
+                                 f"per sequence: ask for fewer top logprobs or score a shorter prompt")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"maximum sequence length {self.max_model_len}")

@@ -26,6 +26,11 @@ MAX_STOP_STRING_CHARS = 1024   # each stop string: the text held back from a str
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024          # entries of logit_bias
 MAX_SEED = 2**64               # seeds lie in [0, MAX_SEED): what torch.Generator.manual_seed takes
+# Prompt logprobs held per sequence: prompt tokens × (k + 1) (each token's own logprob and its top k). On the host an
+# entry costs ~120 B as kept by the engine and ~600 B at the peak of rendering the JSON reply, so this bounds one
+# sequence to ~0.6 GB; it still admits lm-eval's loglikelihood_rolling (k = 1) over a 512K-token document, or the
+# top 20 over ~50K tokens. Unbounded, a 1M-token prompt at k = 20 would need ~13 GB of host memory.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 20
 # repetition_penalty's range: past it a float32 logit scaled by it overflows to inf or underflows to 0 (and 0 × inf is
 # NaN), which left every step sampling the last id; 100 already turns a logit of 30 into 0.3
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
