@@ -3,6 +3,8 @@ never sent, connection floods (--limit-concurrency), and prompt-logprob requests
 with prompt length × top-k. The connection tests drive a real `k3 serve` process over raw sockets."""
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -138,6 +140,18 @@ def test_connections_past_the_concurrency_limit_get_503_until_they_go(live):
         status = httpx.get(f"{live}/health", timeout=2).status_code
         time.sleep(0.05)
     assert status == 200
+
+
+@pytest.mark.parametrize("soft, hard, limit, soft_after", [
+    (300, 300, 300 - 256, 300),     # the hard cap binds: the limit shrinks to what fits beside the server's files
+    (300, 1300, 1024, 1024 + 256),  # the soft limit is raised so that 1024 sockets fit
+])
+def test_the_connection_limit_fits_the_open_files_limit(soft, hard, limit, soft_after):
+    code = ("import resource; from k3.serve.head_timeout import fit_connection_limit; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+            "print(fit_connection_limit(1024), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(limit), str(soft_after)]
 
 
 # ---- prompt logprobs: a bound on what one request keeps ----------------------------------------------------
