@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from k3 import K3Config, K3ForCausalLM
+from random_model import randomize_trivial_parts
 
 
 def tiny_config(**changes) -> K3Config:
@@ -25,16 +26,11 @@ def make_model(seed: int = 0, config: K3Config | None = None, hot_experts: list[
     model = K3ForCausalLM(config or tiny_config())
     model.reset_parameters(seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("res_proj.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-            elif name.endswith("A_log"):
-                p.uniform_(-1.0, 1.0, generator=g)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.01)
-                if hot_experts:
+    randomize_trivial_parts(model, g, bias_scale=0.01)
+    if hot_experts:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
                     b[hot_experts] += 10.0
     return model.double()
 

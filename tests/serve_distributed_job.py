@@ -12,6 +12,7 @@ from k3 import K3Config, K3ForCausalLM
 from k3.data import Tokenizer
 from k3.serve import EngineConfig, SamplingParams
 from k3.serve.grammar import Grammar, chat_grammar
+from random_model import randomize_trivial_parts
 
 # A small pool (preemption), an 8-token step budget (chunked prefill) and a 4-token match unit (prefix hits).
 ENGINE = dict(memory_bytes=16 << 20, block_size=8, match_unit=4, max_batch_tokens=8, max_num_seqs=4, num_blocks=8)
@@ -24,15 +25,7 @@ def save_models(root: Path) -> Path:
     model = K3ForCausalLM(K3Config.preset("tiny"))
     model.reset_parameters(seed=0)
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("res_proj.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-            elif name.endswith("A_log"):
-                p.uniform_(-1.0, 1.0, generator=g)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    randomize_trivial_parts(model, g, bias_scale=0.05)
     model.save_pretrained(root / "f32", dtype=None, max_shard_bytes=400_000)  # several shards: ranks skip some
     model.save_pretrained(root / "mxfp4", dtype=None, experts="mxfp4", max_shard_bytes=400_000)
     for d in ("f32", "mxfp4"):

@@ -10,6 +10,7 @@ from k3.ops import kda_core as kda_module  # where the KDA core computes the gat
 from k3.model.attn_res import attn_res_mix
 from k3.model.moe import LatentMoE, route
 from k3.model.norm import RMSNorm
+from random_model import randomize_trivial_parts
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -26,17 +27,7 @@ def make_model(seed: int, config: K3Config | None = None) -> K3ForCausalLM:
     model = K3ForCausalLM(config or K3Config.preset("tiny"))
     model.reset_parameters(seed=seed)
     g = gen(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("res_proj.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-            elif name.endswith("A_log"):
-                p.uniform_(-1.0, 1.0, generator=g)
-            elif name.endswith("norm.weight"):
-                p.mul_(1 + 0.1 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.01)
+    randomize_trivial_parts(model, g, bias_scale=0.01, norm_scale=0.1)
     return model.double().eval()
 
 

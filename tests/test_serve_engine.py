@@ -15,6 +15,7 @@ from k3 import K3Config, K3ForCausalLM
 from k3.data import Tokenizer
 from k3.serve import EngineConfig, LLMEngine, SamplingParams
 from k3.serve.chat_template import render_chat
+from random_model import randomize_trivial_parts
 
 GREEDY = dict(temperature=0.0)
 
@@ -26,12 +27,7 @@ def model():
     m = K3ForCausalLM(K3Config.preset("tiny"))
     m.reset_parameters(seed=0)
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # make the AttnRes mixes and gates non-trivial so every path matters
-        for name, p in m.named_parameters():
-            if name.endswith("res_proj.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-            elif name.endswith("A_log"):
-                p.uniform_(-1.0, 1.0, generator=g)
+    randomize_trivial_parts(m, g)  # non-trivial AttnRes mixes and gates, so every path matters
     return m.eval()
 
 

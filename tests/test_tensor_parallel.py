@@ -17,6 +17,7 @@ from k3.checkpoint.sharded import RankLayout, load_rank_shard
 from k3.parallel.tensor_parallel import apply_tensor_parallel, load_tensor_parallel, model_from_rank_shard
 from k3.serve import EngineConfig, LLMEngine, SamplingParams
 from parallel_harness import launch
+from random_model import randomize_trivial_parts
 
 GREEDY = dict(temperature=0.0)
 
@@ -27,15 +28,7 @@ def make_model(config: K3Config | None = None) -> K3ForCausalLM:
     model = K3ForCausalLM(config or K3Config.preset("tiny"))
     model.reset_parameters(seed=0)
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("res_proj.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-            elif name.endswith("A_log"):
-                p.uniform_(-1.0, 1.0, generator=g)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.01)
+    randomize_trivial_parts(model, g, bias_scale=0.01)
     return model.eval()
 
 
