@@ -209,8 +209,14 @@ def test_killed_worker_stops_rank_0_with_an_error(model_dir, tmp_path):
 
 
 def test_killed_rank_0_stops_its_worker(model_dir, tmp_path):
-    """The other way round: rank 0 (the HTTP server) dies at once; its worker must not linger."""
-    with k3_serve(model_dir / "f32", "k", "m", tmp_path / "log", "--nproc", "2") as url:
+    """The other way round: rank 0 (the HTTP server) dies at once; its worker must not linger. First, the
+    distributed server keeps one process's request-head deadline: a connection that sends nothing is closed."""
+    with k3_serve(model_dir / "f32", "k", "m", tmp_path / "log", "--nproc", "2", "--header-timeout", "1") as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.settimeout(10)
+            start = time.monotonic()
+            assert s.recv(100) == b"" and time.monotonic() - start < 3  # closed after ~1 s, not held
         server = _serving_pid(url)
         worker, = children_of(server)
         os.kill(server, signal.SIGKILL)

@@ -365,6 +365,7 @@ class StartupWatch:
 def serve_rank(model_dir, layout: ServeLayout, engine_config: EngineConfig | None = None, device: str = "cpu",
                host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, model_name: str | None = None,
                max_request_bytes: int | None = None, timeout_keep_alive: float = 5.0,
+               header_timeout: float | None = None, limit_concurrency: int | None = None,
                children: list[subprocess.Popen] | None = None) -> None:
     """Join the process group the environment describes, load this rank's part and serve: rank 0 over HTTP
     until stopped, the others following it. Raises RankFailure when another rank fails."""
@@ -383,7 +384,7 @@ def serve_rank(model_dir, layout: ServeLayout, engine_config: EngineConfig | Non
         watch.disarm()  # every rank is up: from here a lost rank fails rank 0's next collective
         if rank == 0:
             _serve_http(engine, Path(model_dir), host, port, api_key, model_name, max_request_bytes,
-                        timeout_keep_alive, children)
+                        timeout_keep_alive, header_timeout, limit_concurrency, children)
         else:
             try:
                 engine.follow()
@@ -402,10 +403,10 @@ def serve_rank(model_dir, layout: ServeLayout, engine_config: EngineConfig | Non
 
 
 def _serve_http(engine: DistributedEngine, d: Path, host, port, api_key, model_name, max_request_bytes,
-                timeout_keep_alive, children) -> None:
+                timeout_keep_alive, header_timeout, limit_concurrency, children) -> None:
     import uvicorn
 
-    from k3.serve.api import MAX_REQUEST_BYTES, create_app
+    from k3.serve.api import HEADER_TIMEOUT_S, LIMIT_CONCURRENCY, MAX_REQUEST_BYTES, create_app, uvicorn_settings
 
     failure: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -419,8 +420,9 @@ def _serve_http(engine: DistributedEngine, d: Path, host, port, api_key, model_n
     print(f"k3 serve: {engine.describe_capacity()}; {dist.get_world_size()} ranks", flush=True)
     app = create_app(engine, engine.tokenizer, model_name or d.name, api_key,
                      max_request_bytes=max_request_bytes or MAX_REQUEST_BYTES, runner=runner)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_keep_alive=timeout_keep_alive))
+    # the same guards as one process: keep-alive, the request-head deadline, the connection limit
+    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_settings(
+        host, port, timeout_keep_alive, header_timeout or HEADER_TIMEOUT_S, limit_concurrency or LIMIT_CONCURRENCY)))
     server.run()
     if failure:
         exits = describe_exits(children)
@@ -463,4 +465,4 @@ def serve_from_cli(a, engine_config: EngineConfig, api_key: str | None) -> None:
                          f"takes the GPU of its LOCAL_RANK")
     children = [] if inside else spawn_local_ranks(world, a.argv[1:])
     serve_rank(d, layout, engine_config, a.device, a.host, a.port, api_key, a.served_model_name,
-               a.max_request_bytes, a.timeout_keep_alive, children)
+               a.max_request_bytes, a.timeout_keep_alive, a.header_timeout, a.limit_concurrency, children)
