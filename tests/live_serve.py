@@ -33,6 +33,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(url: str, alive, timeout: float, last_output) -> None:
+    """Poll `url`/health until it answers 200; raise RuntimeError with `last_output()` (the servers' logs) when
+    `alive()` turns false or `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"k3 serve did not start: {last_output()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+
+
 @contextmanager
 def k3_serve(model_dir: Path, api_key: str, name: str, log_path: Path, *extra: str, timeout: float = 180.0):
     """Start `k3 serve` (one torch thread: the test machine's CPU is shared) and yield its base URL once /health
@@ -46,16 +61,7 @@ def k3_serve(model_dir: Path, api_key: str, name: str, log_path: Path, *extra: s
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"k3 serve did not start: {log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        wait_until_healthy(url, lambda: proc.poll() is None, timeout, lambda: log_path.read_text()[-2000:])
         yield url
     finally:
         proc.terminate()

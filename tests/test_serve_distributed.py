@@ -24,7 +24,7 @@ from k3.data import Tokenizer
 from k3.model.moe import LatentMoE
 from k3.serve import LLMEngine
 from k3.serve.expert_shard import ExpertShardCombine
-from live_serve import k3_serve
+from live_serve import k3_serve, wait_until_healthy
 from parallel_harness import launch
 from serve_distributed_job import assert_same_serving, engine_config, rank_job, save_models, workload
 
@@ -165,16 +165,8 @@ def torchrun_serve(model: Path, log_dir: Path, timeout: float = 180.0):
              for r in range(2)]
     url = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, \
-                (log_dir / "node0.log").read_text()[-2000:] + (log_dir / "node1.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        wait_until_healthy(url, lambda: all(n.poll() is None for n in nodes), timeout,
+                           lambda: "".join((log_dir / f"node{r}.log").read_text()[-2000:] for r in range(2)))
         yield url
     finally:
         for n in nodes:

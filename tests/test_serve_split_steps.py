@@ -8,21 +8,7 @@ import torch
 from k3 import K3Config, K3ForCausalLM
 from k3.serve import EngineConfig, LLMEngine, SamplingParams
 from k3.serve.runner import ModelRunner
-from random_model import randomize_trivial_parts
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    m = K3ForCausalLM(K3Config.preset("tiny"))
-    m.reset_parameters(seed=0)
-    g = torch.Generator().manual_seed(1)
-    randomize_trivial_parts(m, g)  # non-trivial AttnRes mixes and gates, so every path matters
-    return m.eval()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(10, 8192, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from test_serve_engine import model, prompt  # noqa: F401  (the serving tests' tiny model and prompts)
 
 
 def run(model, split: bool, requests, budget: int = 12, reverse: bool = False):

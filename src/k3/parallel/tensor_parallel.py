@@ -28,8 +28,8 @@ from k3.ops.mx_experts import pack_experts_
 from k3.parallel.comm import all_gather
 
 
-class RowParallelLinear(nn.Linear):
-    """`x @ Wᵀ` over this rank's block of input features; the ranks' partial outputs summed by one all-reduce."""
+class _ShardLinear(nn.Linear):
+    """A bias-free, frozen nn.Linear around this rank's block of a weight, and the group its ranks share."""
 
     def __init__(self, weight: torch.Tensor, group):
         nn.Module.__init__(self)
@@ -37,6 +37,10 @@ class RowParallelLinear(nn.Linear):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_parameter("bias", None)
         self.group = group
+
+
+class RowParallelLinear(_ShardLinear):
+    """`x @ Wᵀ` over this rank's block of input features; the ranks' partial outputs summed by one all-reduce."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -64,15 +68,8 @@ class VocabParallelEmbedding(nn.Embedding):
         return out
 
 
-class VocabParallelLMHead(nn.Linear):
+class VocabParallelLMHead(_ShardLinear):
     """Logits of this rank's vocabulary block, all-gathered so that every rank holds the full [..., V]."""
-
-    def __init__(self, weight: torch.Tensor, group):
-        nn.Module.__init__(self)
-        self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.register_parameter("bias", None)
-        self.group = group
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         part = F.linear(h, self.weight)
