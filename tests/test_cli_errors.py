@@ -3,6 +3,7 @@ or overwritten: devices this machine lacks, ports out of range or taken, missing
 serve` flags (before the warm-up), `--json` that cannot be written, `k3 info FILE --verify`, a unit-less
 `--gpu-memory`, training sizes that cannot fit in memory. Also `--version` and help texts with defaults."""
 import json
+import math
 from pathlib import Path
 import socket
 import subprocess
@@ -301,3 +302,20 @@ def test_a_missing_corpus_is_not_reported_as_a_failed_write(capsys, tmp_path):
     code, _, err = run(capsys, ["train", "--out", str(tmp_path / "r"), "--corpus", str(tmp_path / "none.jsonl.xz")])
     assert_one_line_error(code, err, "k3 train", "none.jsonl.xz")
     assert "writing the run" not in err and "--resume" not in err  # nothing was being written
+
+
+# ---- numbers that must be finite ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, flag", [(["serve", "--model", "m"], "--header-timeout"),
+                                        (["serve", "--model", "m"], "--timeout-keep-alive"),
+                                        (["train"], "--lr"), (["train"], "--time-budget")])
+def test_an_infinite_timeout_budget_or_rate_of_learning_is_refused(capsys, argv, flag):
+    code, _, err = run(capsys, [*argv, flag, "inf"])
+    assert_one_line_error(code, err, f"k3 {argv[0]}", flag, "must be a finite number > 0", "'inf'")
+
+
+def test_request_rate_inf_means_all_at_once(capsys):
+    from k3.cli import build_parser
+    a = build_parser().parse_args(["bench", "serve", "--request-rate", "inf"])
+    assert math.isinf(a.request_rate)
+    code, _, err = run(capsys, ["bench", "serve", "--request-rate", "0"])
+    assert_one_line_error(code, err, "k3 bench serve", "--request-rate", "must be > 0")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -54,13 +55,22 @@ def _positive_int(s: str) -> int:
     return v
 
 
-def _positive_float(s: str) -> float:
+def _positive_rate(s: str) -> float:
+    """A number > 0; `inf` allowed (a rate: as fast as possible, as vLLM's --request-rate inf)."""
     try:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    """A finite number > 0 (a timeout, budget or size of `inf` would never end or never fit)."""
+    v = _positive_rate(s)
+    if math.isinf(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s!r}")
     return v
 
 
@@ -892,7 +902,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     bs.add_argument("--concurrency", type=_concurrency_levels, default="1,8,32",
                     help="comma-separated max concurrency levels ('' for none: --request-rate paces arrivals)")
-    bs.add_argument("--request-rate", type=_positive_float, default=None, help="Poisson arrivals per second")
+    bs.add_argument("--request-rate", type=_positive_rate, default=None,
+                    help="Poisson arrivals per second (inf: all at once)")
     bs.add_argument("--dataset", type=_datasets, default="random,multiturn", help="random and/or multiturn")
     bs.add_argument("--num-prompts", type=_positive_int, default=32, help="requests per level, at least")
     bs.add_argument("--prompts-per-concurrency", type=_positive_int, default=1,
