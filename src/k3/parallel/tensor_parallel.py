@@ -154,10 +154,11 @@ def _shard_modules(model: nn.Module, layout: RankLayout, group, take) -> None:
 def model_from_rank_shard(config: K3Config, shard: RankShard, group=None) -> nn.Module:
     """A TP model of `group` holding exactly the tensors of `shard` (from `load_rank_shard` with this rank's
     RankLayout): shaped on the meta device, then every parameter and buffer is the shard's tensor itself.
-    The routed experts are the shard's stacks as loaded (all of them when shard.layout.ep == 1)."""
+    The routed experts are the shard's stacks as loaded (all of them when shard.layout.ep == 1). group=None
+    with a shard of tp == 1: no tensor parallelism (an expert-parallel rank's model, k3.serve.expert_shard)."""
     from k3.model.decoder import K3ForCausalLM
 
-    layout = _group_layout(group)
+    layout = RankLayout() if group is None and shard.layout.tp == 1 else _group_layout(group)
     if (shard.layout.tp_rank, shard.layout.tp) != (layout.tp_rank, layout.tp):
         raise ValueError(f"the shard was loaded for TP rank {shard.layout.tp_rank} of {shard.layout.tp}, but this "
                          f"process is TP rank {layout.tp_rank} of {layout.tp}")

@@ -247,39 +247,11 @@ def build_rank_engine(model_dir, layout: ServeLayout, engine_config: EngineConfi
     config = K3Config.from_pretrained(d)
     layout.validate(config.num_experts)
     groups = make_groups(layout, rank, step_timeout_s)
-    rank_layout = layout.rank_layout(rank)
-    if layout.tp > 1:
-        model = _load_tp_ep(d, rank_layout, device, groups)
-    else:
-        model = load_rank_model(d, rank_layout, device=device, group=groups.ep)
+    model = load_rank_model(d, layout.rank_layout(rank), device=device, ep_group=groups.ep, tp_group=groups.tp)
     engine = DistributedEngine(model, model_tokenizer(d), fit_engine_config(config, engine_config),
                                Lockstep(groups))
     dist.barrier()  # every rank has loaded (the load timeout); from here on the step timeout bounds each wait
     return engine
-
-
-def _tensor_parallel():
-    try:
-        import k3.parallel.tensor_parallel as tp
-    except ImportError:
-        raise ValueError("--tp: tensor-parallel serving needs k3.parallel.tensor_parallel, which this k3 lacks; "
-                         "serve with --ep only") from None
-    return tp
-
-
-def _load_tp_ep(d: Path, rank_layout: RankLayout, device, groups: RankGroups):
-    model_from_rank_shard = _tensor_parallel().model_from_rank_shard
-    from k3.checkpoint.sharded import load_rank_shard
-    from k3.config import K3Config
-    from k3.model.moe import LatentMoE
-    from k3.serve.expert_shard import ExpertShardCombine, checkpoint_has_packed_experts
-
-    config = K3Config.from_pretrained(d)
-    shard = load_rank_shard(d, rank_layout, device=device, packed_experts=checkpoint_has_packed_experts(config))
-    model = model_from_rank_shard(config, shard, groups.tp)
-    for moe in (m for m in model.modules() if isinstance(m, LatentMoE)):
-        moe.combine_experts = ExpertShardCombine(moe, shard.experts.start, groups.ep)
-    return model.eval()
 
 
 # ---- processes -----------------------------------------------------------------------------------------------
@@ -456,8 +428,9 @@ def serve_from_cli(a, engine_config: EngineConfig, api_key: str | None) -> None:
     config = K3Config.from_pretrained(d)
     layout = ServeLayout(world, a.ep or world, a.tp).validate(config.num_experts)
     if layout.tp > 1:
+        from k3.parallel.tensor_parallel import check_heads
         try:
-            _tensor_parallel().check_heads(config, layout.tp)
+            check_heads(config, layout.tp)
         except ValueError as e:
             raise ValueError(f"--tp {layout.tp}: {e}") from None
     if torch.device(a.device).index is not None and world > 1:

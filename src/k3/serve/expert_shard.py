@@ -2,8 +2,8 @@
 loading, MXFP4 kept packed) and computes their share of every token's routed sum; one all-reduce over the EP
 group adds the shares. Every rank holds the whole batch (replicated or tensor-parallel attention), so no token
 moves between ranks: the combine is a sum of [N, latent] partials, with no host read while a CUDA graph
-captures (the training `ExpertParallelCombine` plans its all-to-all on the host per layer and cannot be
-captured)."""
+captures (the training `ExpertParallelCombine` reads its all-to-all splits on the host every layer and cannot
+be captured)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +15,7 @@ import torch.distributed as dist
 from k3.checkpoint.convert import config_experts_format
 from k3.checkpoint.sharded import RankLayout, load_rank_shard
 from k3.config import K3Config
-from k3.model.moe import Experts, LatentMoE
-from k3.ops.mx_experts import pack_experts_
+from k3.model.moe import LatentMoE
 
 MODES = ("auto", "masked", "sparse")
 
@@ -62,37 +61,19 @@ class ExpertShardCombine:
         return r.index_add_(0, tokens, y)
 
 
-def checkpoint_has_packed_experts(config: K3Config) -> bool:
-    """Whether the checkpoint stores its routed experts as MXFP4 (they then stay packed on the rank)."""
-    return config_experts_format(config) == "mxfp4"
-
-
-def load_rank_model(path, layout: RankLayout, device="cpu", dtype=None, group=None,
+def load_rank_model(path, layout: RankLayout, device="cpu", dtype=None, ep_group=None, tp_group=None,
                     packed_experts: bool | None = None, mode: str = "auto"):
-    """The K3ForCausalLM of one serving rank: every non-expert tensor, and of the routed experts only the EP
-    rank's own (read by `load_rank_shard`, nothing else materialised), each LatentMoE combining over `group`.
-    packed_experts: keep MXFP4 experts packed (default: when the checkpoint stores them so)."""
-    from k3.model.decoder import K3ForCausalLM
+    """The K3ForCausalLM of one serving rank: its TP block of every non-expert tensor (`tp_group`; None: whole)
+    and of the routed experts only the EP rank's own (read by `load_rank_shard`, nothing else materialised), each
+    LatentMoE combining over `ep_group`. packed_experts: keep MXFP4 experts packed (default: when the checkpoint
+    stores them so)."""
+    from k3.parallel.tensor_parallel import model_from_rank_shard
 
-    path = Path(path)
-    config = K3Config.from_pretrained(path)
-    if layout.tp > 1:
-        raise ValueError("load_rank_model loads expert-parallel ranks; tensor parallelism (tp > 1) is applied "
-                         "by k3.parallel.tensor_parallel")
+    config = K3Config.from_pretrained(Path(path))
     if packed_experts is None:
-        packed_experts = checkpoint_has_packed_experts(config)
+        packed_experts = config_experts_format(config) == "mxfp4"
     shard = load_rank_shard(path, layout, device=device, dtype=dtype, packed_experts=packed_experts)
-    with torch.device("meta"):
-        model = K3ForCausalLM(config, init=False)
-        for moe in _moe_layers(model):
-            moe.experts = Experts(len(shard.experts), config.routed_expert_hidden_size, config.moe_intermediate_size)
-            if packed_experts:
-                pack_experts_(moe.experts, empty=True)
-    model.load_state_dict(shard.tensors, strict=True, assign=True)
-    for moe in _moe_layers(model):
-        moe.combine_experts = ExpertShardCombine(moe, shard.experts.start, group, mode)
+    model = model_from_rank_shard(config, shard, tp_group)
+    for moe in (m for m in model.modules() if isinstance(m, LatentMoE)):
+        moe.combine_experts = ExpertShardCombine(moe, shard.experts.start, ep_group, mode)
     return model.eval()
-
-
-def _moe_layers(model) -> list[LatentMoE]:
-    return [m for m in model.modules() if isinstance(m, LatentMoE)]
