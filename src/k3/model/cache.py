@@ -151,7 +151,9 @@ class BatchCacheView:
     - `decode_rows`, `decode_rows_t`: the decoding sequences; `decode_tokens_t`: their tokens' flat positions;
       `decode_max_len`: their longest kv_len (0 when none).
     - `prefill_rows`, `prefill_rows_t`: the others, in order; `prefill_tokens_t`: their tokens' flat positions,
-      in order; `prefill_cu_seqlens`: offsets [P+1] of each chunk within those tokens.
+      in order; `prefill_cu_seqlens`: offsets [P+1] of each chunk within those tokens, and
+      `prefill_cu_seqlens_cpu` the same on the host: fla plans its chunks from it instead of reading the device
+      copy back, and it is one object for the whole step, so fla's per-tensor cache plans once, not per layer.
     `shared` keeps what layers derive from the layout alike (built by the first, reused by the rest);
     `upload` sends host lists to the device without waiting for queued work.
     """
@@ -175,6 +177,7 @@ class BatchCacheView:
          self.prefill_tokens_t, self.prefill_cu_seqlens) = self.upload(
             [cu, kv_lens, decode, [cu[r] for r in decode], prefill,
              [t for r in prefill for t in range(cu[r], cu[r + 1])], prefill_cu], device)
+        self.prefill_cu_seqlens_cpu = torch.tensor(prefill_cu, dtype=torch.long)
         self._shared = {}
 
     @staticmethod

@@ -139,7 +139,8 @@ class VarlenLayout:
         if view.prefill_rows:  # one packed row of chunks
             rows, t = view.prefill_rows_t, view.prefill_tokens_t
             op, sp = kda_core(*(x[None, t] for x in feats), *params, initial_state=st.state[rows],
-                              output_final_state=True, cu_seqlens=view.prefill_cu_seqlens)
+                              output_final_state=True, cu_seqlens=view.prefill_cu_seqlens,
+                              cu_seqlens_cpu=view.prefill_cu_seqlens_cpu)
             o[t] = op[0].to(o.dtype)
             state[rows] = sp.to(state.dtype)
         view.set_kda_state(m.layer_idx, KDAState(state, *tails))

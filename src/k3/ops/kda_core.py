@@ -51,7 +51,8 @@ def select_backend(q: torch.Tensor) -> str:
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
              A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float, *,
              initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-             cu_seqlens: torch.Tensor | None = None, recurrent: bool = False, state_in_place: bool = False,
+             cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
+             recurrent: bool = False, state_in_place: bool = False,
              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kda(l2(q), l2(k), v, kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(beta_logits)).
 
@@ -61,6 +62,8 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     the same function. Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).
     state_in_place (decode over a preallocated cache): the final state is written over initial_state and that
     tensor is returned; fla's recurrent kernel does it without a copy (fp32 contiguous states).
+    cu_seqlens_cpu: cu_seqlens' values on the host, when the caller knows them (the serving layout does): both
+    backends then plan the documents from it instead of reading the device tensor back.
     """
     backend = backend or select_backend(q)
     if backend not in BACKENDS:
@@ -69,23 +72,25 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
         raise ValueError("state_in_place needs an initial_state to write the final state over")
     state_args = dict(initial_state=initial_state, output_final_state=output_final_state or state_in_place,
                       cu_seqlens=cu_seqlens)
+    fla_args = dict(state_args, cu_seqlens_cpu=cu_seqlens_cpu)
     in_kernel = (state_in_place and recurrent and initial_state.dtype == torch.float32
                  and initial_state.is_contiguous() and not (torch.is_grad_enabled() and q.requires_grad))
     if backend == "fla" and safe_gate_ok(lower_bound):  # gate, L2 norms and beta inside fla's kernels
         if in_kernel:
             return fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, recurrent=True,
-                                 state_in_place=True, **state_args)
+                                 state_in_place=True, **fla_args)
         o, state = fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound,
-                                 recurrent=None if recurrent else False, **state_args)
+                                 recurrent=None if recurrent else False, **fla_args)
         return _written_over(o, state, initial_state if state_in_place else None)
     q, k = l2_norm(q), l2_norm(k)
     beta = torch.sigmoid(beta_logits.float() if beta_logits.dtype != torch.float64 else beta_logits)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     if backend == "fla":  # gates below fla's safe bound: its general kernels on the gates computed here
-        op = fla_kda_recurrent if recurrent else fla_kda_chunk
-    else:
-        op = kda_recurrent if recurrent else kda_chunk
-    o, state = op(q, k, v, g, beta, **state_args)
+        o, state = (fla_kda_recurrent if recurrent else fla_kda_chunk)(q, k, v, g, beta, **fla_args)
+    else:  # the references read the bounds only, on the host
+        if cu_seqlens_cpu is not None:
+            state_args["cu_seqlens"] = cu_seqlens_cpu
+        o, state = (kda_recurrent if recurrent else kda_chunk)(q, k, v, g, beta, **state_args)
     return _written_over(o, state, initial_state if state_in_place else None)
 
 

@@ -100,11 +100,15 @@ def _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens):
         raise ValueError(f"initial_state must be [N, H, K, V]={[n, H, K, v.shape[3]]}, got {list(initial_state.shape)}")
 
 
-def _cu(cu_seqlens, device):
-    """fla wants int64 cu_seqlens on the device; a CPU copy spares it a sync when it plans the chunks."""
+def _cu(cu_seqlens, device, cu_seqlens_cpu=None):
+    """fla wants int64 cu_seqlens on the device; a CPU copy spares it a sync when it plans the chunks. A given
+    host copy is passed on as it is: fla caches its chunk plan by the tensors' identity, so one host tensor
+    for a whole step plans once, not once per layer."""
     if cu_seqlens is None:
         return None, None
-    cpu = cu_seqlens.to("cpu", torch.int64) if not cu_seqlens.is_cuda else None
+    if cu_seqlens_cpu is None and not cu_seqlens.is_cuda:
+        cu_seqlens_cpu = cu_seqlens
+    cpu = None if cu_seqlens_cpu is None else cu_seqlens_cpu.to("cpu", torch.int64)
     return cu_seqlens.to(device=device, dtype=torch.int64), cpu
 
 
@@ -113,14 +117,15 @@ def _state(initial_state):
 
 
 def fla_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                  cu_seqlens=None, safe_gate=False):
+                  cu_seqlens=None, safe_gate=False, cu_seqlens_cpu=None):
     """`kda_chunk` through fla's chunk_kda. q, k: [B, T, H, K] (L2-normalised); g: [B, T, H, K] log-decay
     <= 0, and >= -5 when safe_gate; v: [B, T, H, V]; beta: [B, T, H] in (0, 1); initial_state: [N, H, K, V]
-    fp32 (K-first). Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None)."""
+    fp32 (K-first). cu_seqlens_cpu: cu_seqlens' values on the host, if known (spares fla a read-back).
+    Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None)."""
     from fla.ops.kda import chunk_kda
 
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
-    cu, cu_cpu = _cu(cu_seqlens, q.device)
+    cu, cu_cpu = _cu(cu_seqlens, q.device, cu_seqlens_cpu)
     # safe_gate (see SAFE_GATE_BOUND): only the caller, who knows the gates' bound, may ask for it
     o, state = chunk_kda(q, k.to(q.dtype), v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
                          initial_state=_state(initial_state), output_final_state=output_final_state,
@@ -129,13 +134,14 @@ def fla_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final
 
 
 def fla_kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                      cu_seqlens=None):
+                      cu_seqlens=None, cu_seqlens_cpu=None):
     """`kda_recurrent` on CUDA: fla's fused recurrent kernel without autograd (decode), else the chunked
     kernel, which computes the same function and has a backward. Layouts as `fla_kda_chunk`."""
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
     if needs_grad:  # general gates: the recurrent contract has no bound below
-        return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        return fla_kda_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                             cu_seqlens_cpu=cu_seqlens_cpu)
     from fla.ops.kda import fused_recurrent_kda
 
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -147,7 +153,8 @@ def fla_kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_f
 
 
 def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, scale=None, initial_state=None,
-                  output_final_state=False, cu_seqlens=None, recurrent=None, state_in_place=False):
+                  output_final_state=False, cu_seqlens=None, recurrent=None, state_in_place=False,
+                  cu_seqlens_cpu=None):
     """The K3 mixer's inner op with gate, q/k L2 norm and beta sigmoid fused into fla's kernels.
 
     q, k: [B, T, H, K] raw (after conv and SiLU, before the L2 norm); v: [B, T, H, V];
@@ -156,6 +163,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
     recurrent: use the fused recurrent kernel (forward only); default: when T == 1 and no gradient is needed.
     state_in_place: the recurrent kernel writes the final state over initial_state (fp32, contiguous) and
     returns it: a decode step over a preallocated cache then reads and writes each state once, no copy.
+    cu_seqlens_cpu: cu_seqlens' values on the host, if known (the chunked kernel plans from it, no read-back).
     Computes kda_recurrent(l2(q), l2(k), v, kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(beta_logits)).
     """
     B, T, H, K = q.shape
@@ -164,7 +172,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
         raise ValueError(f"lower_bound must be in [{SAFE_GATE_BOUND}, 0) for fla's safe gate, got {lower_bound!r}")
     A = A_log[:H].float().contiguous()
     bias = dt_bias.reshape(H * K).float().contiguous()
-    cu, cu_cpu = _cu(cu_seqlens, q.device)
+    cu, cu_cpu = _cu(cu_seqlens, q.device, cu_seqlens_cpu)
     dt = q.dtype
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, f, beta_logits, A_log, dt_bias, initial_state))
