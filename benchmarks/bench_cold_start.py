@@ -3,7 +3,10 @@
 Run it with an empty TRITON_CACHE_DIR to measure a fresh machine: the first step then pays for every Triton
 autotune and compile (k3's kernels and fla's), the second shows the steady step. Phases printed: imports, model
 build, first forward, first backward, first optimizer step, second step; with TRITON_PRINT_AUTOTUNING=1 Triton
-also prints each autotune it runs. Run: PYTHONPATH=src python benchmarks/bench_cold_start.py [--batch 8 --seq 4096]
+also prints each autotune it runs. The shipped autotune choices (k3.ops.tuning) are pinned before the first step:
+K3_AUTOTUNE_TABLE=off times a start without them; --save-table PATH writes this run's choices (merged into PATH's
+other GPUs) after the steps, as `k3 tune` does.
+Run: PYTHONPATH=src python benchmarks/bench_cold_start.py [--batch 8 --seq 4096] [--save-table PATH]
 """
 import time
 
@@ -19,6 +22,7 @@ from gpu_bench_util import save  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from k3.ops import tuning  # noqa: E402
 
 
 def files_under(path):
@@ -30,6 +34,7 @@ def main():
     ap.add_argument("--preset", default="small")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--save-table", help="write the autotune choices of this run's first step here (JSON)")
     a = ap.parse_args()
     marks = {"imports_s": time.perf_counter() - T0}
 
@@ -45,6 +50,7 @@ def main():
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device="cuda")
+    marks["autotune_choices_pinned"] = tuning.pin_for_device(torch.device("cuda"))
     mark("model_built_s")
     for step in (1, 2):
         loss = model(ids, labels=ids).loss
@@ -54,6 +60,11 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         mark(f"step{step}_end_s")
+        marks[f"step{step}_loss"] = loss.item()  # pinned or tuned, the same configs give the same loss
+    if a.save_table:  # after the timed steps (the steps tune nothing new after the first)
+        old = tuning.read_table(a.save_table) if os.path.exists(a.save_table) else None
+        made_by = f"benchmarks/bench_cold_start.py --preset {a.preset} --batch {a.batch} --seq {a.seq}"
+        tuning.save(tuning.merge(old, torch.cuda.get_device_name(), tuning.record(), made_by), a.save_table)
     marks["triton_cache_files"] = files_under(os.environ.get("TRITON_CACHE_DIR"))
     print(marks)
     save(f"cold_start_{a.preset}", {"args": vars(a), "marks": marks})

@@ -4,6 +4,8 @@
 - K3_NO_TRITON: "1" turns every k3 Triton kernel off; or a comma list of kernel modules ("_conv_triton,...").
 - K3_TRITON: "all", or a comma list of opt-in kernel modules to switch on (k3.ops.triton_dispatch.OPT_IN).
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
+- K3_AUTOTUNE_TABLE: the autotune choices pinned before fla's kernels first run (k3.ops.tuning): unset, the shipped
+  table; a path, that file; "off", none (Triton autotunes every kernel).
 - K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
 - K3_API_KEY: the key `k3 serve` requires ('Authorization: Bearer KEY') when --api-key is not given (as vLLM's
   VLLM_API_KEY): a key on the command line shows in `ps`, one in the environment does not.
@@ -37,6 +39,7 @@ class Switches:
     triton_opt_in: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     require_fla: bool = False
     commit: str | None = None
+    autotune_table: str | None = None  # None: the shipped table; "off"; or a path
     api_key: str | None = dataclasses.field(default=None, repr=False)  # a secret: never in a repr or a log
 
     def triton_off(self, name: str) -> bool:
@@ -61,7 +64,8 @@ def parse(environ: Mapping[str, str]) -> Switches:
     get = lambda name: environ.get(name, "")  # noqa: E731
     return Switches(no_fla=_flag(get("K3_NO_FLA")), no_triton=_names(get("K3_NO_TRITON"), "1"),
                     triton_opt_in=_names(get("K3_TRITON"), ALL), require_fla=get("K3_REQUIRE_FLA") == "1",
-                    commit=get("K3_COMMIT") or None, api_key=get("K3_API_KEY") or None)
+                    commit=get("K3_COMMIT") or None,
+                    autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None, api_key=get("K3_API_KEY") or None)
 
 
 _current = parse(os.environ)

@@ -1,0 +1,316 @@
+"""Autotune choices shipped with k3: each Triton autotuned kernel k3 runs is pinned, before its first call, to the
+config a GPU of the same name chose for the same key, so a fresh machine compiles one config per kernel instead
+of benchmarking (and compiling) every candidate.
+
+The table (`autotune_table.json` beside this file; `K3_AUTOTUNE_TABLE=PATH` another, `off` none) holds, per GPU
+name (`torch.cuda.get_device_name`) and fla version, kernel name -> [{key, config}]:
+- kernel: `module.attribute` of an autotuned kernel in `fla.ops`, `fla.modules` or `k3.ops` (no other module is
+  ever imported on a table's word);
+- key: Triton's autotune key for a call (the key arguments' values, then each tensor argument's dtype);
+- config: kwargs, num_warps, num_stages, num_ctas, maxnreg, and it must equal one of the kernel's own candidates,
+  so a pinned kernel runs a config its authors ship (and the table cannot make up launch parameters).
+Pinning fills `Autotuner.cache[key]`, the dict Triton consults before tuning: a call with another key, a kernel
+with no entry, a GPU or fla version the table lacks all autotune as before. A malformed table fails with one line
+naming the file and the field. `k3 tune` regenerates this GPU's section (`record` + `merge` + `save`).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from k3 import envs
+
+__all__ = ["TABLE_PATH", "FORMAT", "TableError", "load_table", "read_table", "parse_table", "resolve_kernel",
+           "pin", "record", "merge", "save", "tune", "table_path", "pin_for_device", "pinned_count", "fla_version"]
+
+TABLE_PATH = Path(__file__).with_name("autotune_table.json")
+FORMAT = "k3-autotune-table/1"
+KERNEL_PREFIXES = ("fla.ops.", "fla.modules.", "k3.ops.")  # the only packages a table may name kernels in
+CONFIG_FIELDS = ("kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg")
+MAX_TABLE_BYTES = 4 << 20
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
+_log = logging.getLogger(__name__)
+_pinned_devices: dict[int, int] = {}  # CUDA device index -> number of choices pinned there
+
+
+class TableError(ValueError):
+    """A table file that is not a valid autotune table (the message names the file and the field)."""
+
+
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value))
+
+
+def _check_config(config, where: str) -> dict:
+    if not isinstance(config, dict):
+        raise TableError(f"{where}: must be an object with {list(CONFIG_FIELDS)}, got {type(config).__name__}")
+    unknown = sorted(set(config) - set(CONFIG_FIELDS))
+    if unknown:
+        raise TableError(f"{where}: unknown field(s) {unknown}; a config has {list(CONFIG_FIELDS)}")
+    kwargs = config.get("kwargs", {})
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and _scalar(v) for k, v in kwargs.items()):
+        raise TableError(f"{where}.kwargs: must map parameter names to numbers, booleans or strings")
+    for field in ("num_warps", "num_stages", "num_ctas"):
+        value = config.get(field, 1)
+        if type(value) is not int or not 0 <= value <= 64:
+            raise TableError(f"{where}.{field}: must be an integer in [0, 64], got {value!r}")
+    maxnreg = config.get("maxnreg")
+    if maxnreg is not None and (type(maxnreg) is not int or not 0 < maxnreg <= 65536):
+        raise TableError(f"{where}.maxnreg: must be null or a positive integer, got {maxnreg!r}")
+    return {"kwargs": dict(kwargs), "num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 3),
+            "num_ctas": config.get("num_ctas", 1), "maxnreg": maxnreg}
+
+
+def parse_table(data, source: str = "<table>") -> dict[str, dict]:
+    """Validate a decoded table: {gpu name: {"fla": version, "kernels": {kernel: [(key tuple, config dict)]}}}.
+    Checks structure and types only; `pin` checks each entry against its kernel."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise TableError(f"{source}: not an autotune table (format must be {FORMAT!r})")
+    unknown = sorted(set(data) - {"format", "gpus"})
+    if unknown:
+        raise TableError(f"{source}: unknown top-level field(s) {unknown}")
+    gpus = data.get("gpus", {})
+    if not isinstance(gpus, dict):
+        raise TableError(f"{source}: gpus must be an object keyed by GPU name")
+    parsed = {}
+    for gpu, section in gpus.items():
+        where = f"{source}: gpus[{gpu!r}]"
+        if not isinstance(section, dict) or not isinstance(section.get("kernels"), dict):
+            raise TableError(f"{where}: must be an object with a 'kernels' object")
+        unknown = sorted(set(section) - {"fla", "triton", "made_by", "kernels"})
+        if unknown:
+            raise TableError(f"{where}: unknown field(s) {unknown}")
+        for field in ("fla", "triton", "made_by"):
+            if not isinstance(section.get(field, ""), str):
+                raise TableError(f"{where}.{field}: must be a string")
+        kernels = {}
+        for kernel, entries in section["kernels"].items():
+            if not _NAME.fullmatch(kernel) or not kernel.startswith(KERNEL_PREFIXES):
+                raise TableError(f"{where}.kernels: {kernel!r} is not a kernel of {list(KERNEL_PREFIXES)}")
+            if not isinstance(entries, list):
+                raise TableError(f"{where}.kernels[{kernel!r}]: must be a list of {{key, config}}")
+            checked = []
+            for i, entry in enumerate(entries):
+                at = f"{where}.kernels[{kernel!r}][{i}]"
+                if not isinstance(entry, dict) or set(entry) != {"key", "config"}:
+                    raise TableError(f"{at}: must be an object with exactly 'key' and 'config'")
+                key = entry["key"]
+                if not isinstance(key, list) or not all(_scalar(v) for v in key):
+                    raise TableError(f"{at}.key: must be a list of numbers, booleans, strings or nulls")
+                checked.append((tuple(key), _check_config(entry["config"], f"{at}.config")))
+            kernels[kernel] = checked
+        parsed[gpu] = {"fla": section.get("fla", ""), "triton": section.get("triton", ""), "kernels": kernels}
+    return parsed
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def load_table(path: str | os.PathLike) -> dict[str, dict]:
+    """Read and validate a table file, parsed as `parse_table` returns it."""
+    return parse_table(read_table(path), str(path))
+
+
+def read_table(path: str | os.PathLike) -> dict:
+    """A table file's JSON, once it validates; a missing, oversized or undecodable file is a TableError."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TABLE_BYTES + 1)
+    except OSError as e:
+        raise TableError(f"{path}: cannot read the autotune table ({e.strerror or e})") from None
+    if len(raw) > MAX_TABLE_BYTES:
+        raise TableError(f"{path}: larger than {MAX_TABLE_BYTES} bytes, not an autotune table")
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise TableError(f"{path}: not valid JSON ({str(e).splitlines()[0][:200]})") from None
+    parse_table(data, str(path))
+    return data
+
+
+def _autotuner_of(obj):
+    """The Autotuner in a kernel object (it may sit under @triton.heuristics), or None."""
+    for _ in range(4):
+        if all(hasattr(obj, a) for a in ("cache", "configs", "keys", "arg_names")) and isinstance(obj.cache, dict):
+            return obj
+        obj = getattr(obj, "fn", None)
+        if obj is None:
+            return None
+    return None
+
+
+def resolve_kernel(name: str):
+    """The Autotuner of kernel `module.attribute` (importing the module, which must lie in KERNEL_PREFIXES)."""
+    module_name, _, attr = name.rpartition(".")
+    if not name.startswith(KERNEL_PREFIXES) or not _NAME.fullmatch(name):
+        raise TableError(f"unknown kernel {name!r}: not in {list(KERNEL_PREFIXES)}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        raise TableError(f"unknown kernel {name!r}: module {module_name} does not import") from None
+    tuner = _autotuner_of(getattr(module, attr, None))
+    if tuner is None:
+        raise TableError(f"unknown kernel {name!r}: {module_name} has no autotuned kernel {attr!r}")
+    return tuner
+
+
+def _as_dict(config) -> dict:
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
+
+
+def pin(kernels: dict[str, list], resolve=resolve_kernel, source: str = "<table>") -> int:
+    """Pin each (key, config) of `kernels` (one GPU section's "kernels" from `parse_table`) into its kernel's
+    autotune cache; a key the process already tuned keeps its own result. Every entry is checked before any is
+    pinned: a config must name only the kernel's parameters and equal one of its candidates. Returns the count."""
+    plan = []
+    for name, entries in kernels.items():
+        tuner = resolve(name)
+        params = set(tuner.arg_names)
+        candidates = [(_as_dict(c), c) for c in tuner.configs]
+        for i, (key, config) in enumerate(entries):
+            at = f"{source}: kernel {name!r} entry {i}"
+            stray = sorted(set(config["kwargs"]) - params)
+            if stray:
+                raise TableError(f"{at}: config field(s) {stray} are not parameters of the kernel")
+            if len(key) > len(tuner.keys) + len(params):  # key arguments, then at most one dtype per argument
+                raise TableError(f"{at}: key {list(key)} is longer than the kernel's autotune key can be")
+            match = next((c for d, c in candidates if d == config), None)
+            if match is None:
+                raise TableError(f"{at}: config {config} is not one of the kernel's {len(candidates)} candidates")
+            plan.append((tuner, key, match))
+    for tuner, key, config in plan:
+        tuner.cache.setdefault(key, config)
+    return len(plan)
+
+
+def record(prefixes=("fla.", "k3.")) -> dict[str, list]:
+    """This process's autotune results, as a table section's "kernels": every autotuned kernel (more than one
+    candidate) of an imported module under `prefixes`, with the config chosen for each key it tuned."""
+    kernels = {}
+    for module_name, module in sorted(list(sys.modules.items()), key=lambda item: item[0]):
+        if module is None or not module_name.startswith(prefixes):
+            continue
+        for attr, obj in sorted(vars(module).items(), key=lambda item: item[0]):
+            tuner = _autotuner_of(obj)
+            if tuner is None or len(tuner.configs) < 2 or not tuner.cache:
+                continue
+            if getattr(getattr(tuner, "base_fn", None), "__module__", module_name) != module_name:
+                continue  # imported from elsewhere: recorded under the module that defines it
+            entries = [{"key": list(key), "config": _as_dict(config)} for key, config in tuner.cache.items()
+                       if all(_scalar(v) for v in key)]
+            if entries:
+                kernels[f"{module_name}.{attr}"] = sorted(entries, key=lambda e: json.dumps(e["key"]))
+    return kernels
+
+
+def merge(table: dict | None, gpu: str, kernels: dict[str, list], made_by: str = "") -> dict:
+    """A table (JSON, as `read_table` returns) with `gpu`'s section replaced by `kernels` (other GPUs' kept)."""
+    table = {"format": FORMAT, "gpus": dict((table or {}).get("gpus", {}))}
+    table["gpus"][gpu] = {"fla": fla_version(), "triton": _triton_version(), "made_by": made_by, "kernels": kernels}
+    return table
+
+
+def save(table: dict, path: str | os.PathLike) -> None:
+    """Write `table` atomically (a temporary file beside it, then a rename), after checking it reads back."""
+    parse_table(table, str(path))
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def tune(preset: str, batch: int, seq: int, path: str | os.PathLike, device: str = "cuda") -> tuple[str, int]:
+    """`k3 tune`: autotune every kernel of one training step (forward and backward) of `preset` at batch x seq
+    on this GPU, pinning nothing, then write the choices into `path` as this GPU's section.
+    Returns (GPU name, kernels recorded)."""
+    import torch
+
+    from k3.config import K3Config
+    from k3.model.decoder import K3ForCausalLM
+
+    old = read_table(path) if Path(path).exists() else None  # a file it may not replace fails before the work
+    config = K3Config.preset(preset)
+    with envs.override(autotune_table="off"):
+        with torch.device(device):
+            model = K3ForCausalLM(config).to(torch.bfloat16)
+        model.train()
+        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+        model(ids, labels=ids).loss.backward()
+        torch.cuda.synchronize(device)
+    gpu = torch.cuda.get_device_name(device)
+    kernels = record()
+    save(merge(old, gpu, kernels, made_by=f"k3 tune --preset {preset} --batch-size {batch} --seq-len {seq}"), path)
+    return gpu, len(kernels)
+
+
+def fla_version() -> str:
+    fla = sys.modules.get("fla")
+    if fla is None:
+        try:
+            import fla
+        except Exception:  # no fla, or triton failing to start without a GPU
+            return ""
+    return getattr(fla, "__version__", "")
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except Exception:
+        return ""
+    return triton.__version__
+
+
+def table_path() -> Path | None:
+    """The table this process pins from: K3_AUTOTUNE_TABLE's path, None for `off`, else the shipped one."""
+    setting = envs.current().autotune_table
+    if setting == "off":
+        return None
+    return Path(setting) if setting else TABLE_PATH
+
+
+def pin_for_device(device) -> int:
+    """Pin the table's choices for `device`'s GPU, once per device per process (cheap after the first call).
+    Returns how many were pinned there. A GPU or fla version the table lacks pins nothing (Triton autotunes)."""
+    import torch
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index in _pinned_devices:
+        return _pinned_devices[index]
+    _pinned_devices[index] = 0
+    path = table_path()
+    if path is None:
+        return 0
+    gpu = torch.cuda.get_device_name(index)
+    section = load_table(path).get(gpu)
+    if section is None:
+        _log.info("autotune table %s has no choices for %s: Triton autotunes", path, gpu)
+        return 0
+    if section["fla"] != fla_version():
+        _log.info("autotune table %s was made with fla %s, this is fla %s: Triton autotunes", path,
+                  section["fla"] or "-", fla_version() or "-")
+        return 0
+    count = _pinned_devices[index] = pin(section["kernels"], source=str(path))
+    _log.info("pinned %d autotune choices for %s from %s", count, gpu, path)
+    return count
+
+
+def pinned_count(device_index: int = 0) -> int:
+    return _pinned_devices.get(device_index, 0)

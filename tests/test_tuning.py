@@ -1,0 +1,278 @@
+"""k3.ops.tuning: the shipped autotune choices, pinned into kernels' autotune caches (CPU, Autotuner-shaped fakes;
+the real Triton Autotuner under the interpreter where triton is installed)."""
+import json
+import sys
+import types
+
+import pytest
+
+from k3 import envs
+from k3.ops import tuning
+
+MODULE = "k3.ops._fake_tuned"  # a module under k3.ops that only these tests create
+GPU = "NVIDIA H200"
+
+
+class FakeConfig:
+    """The fields of triton.Config that a table names."""
+
+    def __init__(self, kwargs, num_warps=4, num_stages=3, num_ctas=1, maxnreg=None):
+        self.kwargs, self.num_warps, self.num_stages = kwargs, num_warps, num_stages
+        self.num_ctas, self.maxnreg = num_ctas, maxnreg
+
+
+class FakeAutotuner:
+    """What Triton's Autotuner exposes: cache (key tuple -> config), configs, keys, arg_names, base_fn."""
+
+    def __init__(self, configs, keys=("n",), arg_names=("x", "n", "BLOCK"), module=MODULE):
+        self.configs, self.keys, self.arg_names, self.cache = list(configs), list(keys), list(arg_names), {}
+        self.base_fn = types.SimpleNamespace(__module__=module)
+
+
+class FakeHeuristics:
+    """@triton.heuristics over an autotuner: the tuner is its .fn."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+SMALL = FakeConfig({"BLOCK": 32}, num_warps=4, num_stages=2)
+LARGE = FakeConfig({"BLOCK": 128}, num_warps=8, num_stages=3)
+KEY = [4096, "torch.bfloat16"]
+
+
+def config_json(block=128, num_warps=8, num_stages=3, **extra):
+    return {"kwargs": {"BLOCK": block}, "num_warps": num_warps, "num_stages": num_stages, "num_ctas": 1,
+            "maxnreg": None, **extra}
+
+
+def table(kernels, gpu=GPU, fla="0.6.0"):
+    return {"format": tuning.FORMAT, "gpus": {gpu: {"fla": fla, "triton": "3.6.0", "made_by": "test",
+                                                    "kernels": kernels}}}
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """A fake kernel module: `plain` (an autotuner), `wrapped` (one under heuristics), `single` (one config)."""
+    module = types.ModuleType(MODULE)
+    module.plain = FakeAutotuner([SMALL, LARGE])
+    module.wrapped = FakeHeuristics(FakeAutotuner([SMALL, LARGE]))
+    module.single = FakeAutotuner([SMALL])
+    module.not_a_kernel = 42
+    monkeypatch.setitem(sys.modules, MODULE, module)
+    monkeypatch.setattr(tuning, "_pinned_devices", {})
+    return module
+
+
+def pin_table(data):
+    parsed = tuning.parse_table(data)
+    return tuning.pin(parsed[GPU]["kernels"])
+
+
+def test_pin_fills_exactly_the_tables_keys_with_the_kernels_own_config(kernels):
+    n = pin_table(table({f"{MODULE}.plain": [{"key": KEY, "config": config_json()}],
+                         f"{MODULE}.wrapped": [{"key": [1, "torch.float32"], "config": config_json(32, 4, 2)}]}))
+    assert n == 2
+    assert kernels.plain.cache == {(4096, "torch.bfloat16"): LARGE}
+    assert kernels.plain.cache[(4096, "torch.bfloat16")] is LARGE  # the candidate itself, not a copy
+    assert kernels.wrapped.fn.cache == {(1, "torch.float32"): SMALL}
+    assert (4096, "torch.float32") not in kernels.plain.cache  # another key: Triton autotunes it
+
+
+def test_pin_keeps_a_result_the_process_tuned_itself(kernels):
+    kernels.plain.cache[tuple(KEY)] = SMALL
+    pin_table(table({f"{MODULE}.plain": [{"key": KEY, "config": config_json()}]}))
+    assert kernels.plain.cache[tuple(KEY)] is SMALL
+
+
+@pytest.mark.parametrize("name, message", [
+    (f"{MODULE}.missing", "has no autotuned kernel 'missing'"),
+    (f"{MODULE}.not_a_kernel", "has no autotuned kernel 'not_a_kernel'"),
+    ("k3.ops.no_such_module.kernel", "does not import"),
+    ("k3.ops.tuning.os", "has no autotuned kernel 'os'"),
+])
+def test_an_unknown_kernel_is_refused_by_name(kernels, name, message):
+    with pytest.raises(tuning.TableError, match=message):
+        pin_table(table({name: [{"key": KEY, "config": config_json()}]}))
+
+
+@pytest.mark.parametrize("name", ["os.system", "subprocess.Popen", "k3.cli.main", "fla", "builtins.eval",
+                                  "k3.ops.x;import os", "fla.ops..x"])
+def test_a_kernel_outside_the_kernel_packages_is_refused_before_any_import(kernels, name, monkeypatch):
+    imported = []
+    monkeypatch.setattr(tuning.importlib, "import_module", lambda m: imported.append(m))
+    with pytest.raises(tuning.TableError, match="is not a kernel of"):
+        tuning.parse_table(table({name: [{"key": KEY, "config": config_json()}]}))
+    with pytest.raises(tuning.TableError, match="unknown kernel"):
+        tuning.resolve_kernel(name)
+    assert imported == []
+
+
+def test_a_config_field_the_kernel_does_not_take_is_refused_and_nothing_is_pinned(kernels):
+    bad = config_json()
+    bad["kwargs"] = {"BLOCK": 128, "BLOCK_Q": 64}
+    data = table({f"{MODULE}.wrapped": [{"key": KEY, "config": config_json()}],
+                  f"{MODULE}.plain": [{"key": KEY, "config": bad}]})
+    with pytest.raises(tuning.TableError, match=r"\['BLOCK_Q'\] are not parameters of the kernel"):
+        pin_table(data)
+    assert kernels.wrapped.fn.cache == {} and kernels.plain.cache == {}  # checked all, then pinned: none
+
+
+@pytest.mark.parametrize("change", [dict(num_warps=16), dict(num_stages=7), dict(block=64), dict(maxnreg=128)])
+def test_a_config_that_is_not_one_of_the_kernels_candidates_is_refused(kernels, change):
+    block = change.pop("block", 128)
+    with pytest.raises(tuning.TableError, match="is not one of the kernel's 2 candidates"):
+        pin_table(table({f"{MODULE}.plain": [{"key": KEY, "config": config_json(block, **change)}]}))
+    assert kernels.plain.cache == {}
+
+
+def test_a_key_longer_than_the_kernel_can_build_is_refused(kernels):
+    with pytest.raises(tuning.TableError, match="longer than the kernel's autotune key"):
+        pin_table(table({f"{MODULE}.plain": [{"key": [1] * 5, "config": config_json()}]}))
+
+
+@pytest.mark.parametrize("data, field", [
+    ([], "not an autotune table"),
+    ({"format": "k3-autotune-table/0", "gpus": {}}, "not an autotune table"),
+    ({"format": tuning.FORMAT, "gpus": {}, "extra": 1}, r"unknown top-level field\(s\) \['extra'\]"),
+    ({"format": tuning.FORMAT, "gpus": []}, "gpus must be an object"),
+    ({"format": tuning.FORMAT, "gpus": {GPU: {"kernels": []}}}, "must be an object with a 'kernels' object"),
+    ({"format": tuning.FORMAT, "gpus": {GPU: {"kernels": {}, "fla": 6}}}, r"\.fla: must be a string"),
+    (table({f"{MODULE}.plain": {"key": KEY}}), "must be a list of"),
+    (table({f"{MODULE}.plain": [{"key": KEY}]}), "exactly 'key' and 'config'"),
+    (table({f"{MODULE}.plain": [{"key": [[1]], "config": config_json()}]}), r"\.key: must be a list of numbers"),
+    (table({f"{MODULE}.plain": [{"key": "4096", "config": config_json()}]}), r"\.key: must be a list of numbers"),
+    (table({f"{MODULE}.plain": [{"key": KEY, "config": [128]}]}), r"\.config: must be an object"),
+    (table({f"{MODULE}.plain": [{"key": KEY, "config": config_json(pre_hook="os.system")}]}),
+     r"unknown field\(s\) \['pre_hook'\]"),
+    (table({f"{MODULE}.plain": [{"key": KEY, "config": config_json(num_warps="8")}]}), r"\.num_warps: must be an"),
+    (table({f"{MODULE}.plain": [{"key": KEY, "config": config_json(num_warps=True)}]}), r"\.num_warps: must be an"),
+    (table({f"{MODULE}.plain": [{"key": KEY, "config": config_json(num_stages=10 ** 9)}]}), r"\.num_stages: must be"),
+    (table({f"{MODULE}.plain": [{"key": KEY, "config": config_json(maxnreg=-1)}]}), r"\.maxnreg: must be null"),
+    (table({f"{MODULE}.plain": [{"key": KEY, "config": dict(config_json(), kwargs={"BLOCK": [1]})}]}),
+     r"\.kwargs: must map parameter names"),
+])
+def test_a_malformed_table_is_refused_naming_the_field(data, field):
+    with pytest.raises(tuning.TableError, match=field):
+        tuning.parse_table(data, "t.json")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not valid JSON"),
+    ('{"format": "k3-autotune-table/1", "gpus": {"g": {"kernels": {"k3.ops.a.b": [{"key": [NaN], '
+     '"config": {}}]}}}}', "not valid JSON"),
+    ("[" * 200_000 + "]" * 200_000, "not valid JSON"),  # nesting deep enough to exhaust the recursion limit
+    ("\udcff", "not valid JSON"),
+])
+def test_a_hostile_table_file_is_a_table_error_not_a_crash(tmp_path, text, message):
+    path = tmp_path / "t.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(tuning.TableError, match=message):
+        tuning.load_table(path)
+
+
+def test_an_oversized_or_missing_table_file_is_refused(tmp_path):
+    path = tmp_path / "big.json"
+    path.write_text(" " * (tuning.MAX_TABLE_BYTES + 1))
+    with pytest.raises(tuning.TableError, match="larger than"):
+        tuning.load_table(path)
+    with pytest.raises(tuning.TableError, match="cannot read"):
+        tuning.load_table(tmp_path / "absent.json")
+
+
+def fake_gpu(monkeypatch, name, fla="0.6.0"):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tuning, "fla_version", lambda: fla)
+
+
+def write(tmp_path, data):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_pin_for_device_pins_the_gpus_section_once(kernels, tmp_path, monkeypatch):
+    path = write(tmp_path, table({f"{MODULE}.plain": [{"key": KEY, "config": config_json()}]}))
+    fake_gpu(monkeypatch, GPU)
+    with envs.override(autotune_table=str(path)):
+        assert tuning.pin_for_device("cuda:0") == 1
+        kernels.plain.cache.clear()
+        assert tuning.pin_for_device("cuda:0") == 1  # once per device: the second call reads nothing
+    assert kernels.plain.cache == {} and tuning.pinned_count(0) == 1
+
+
+@pytest.mark.parametrize("gpu, fla, setting", [("NVIDIA A100-SXM4-80GB", "0.6.0", None),
+                                               (GPU, "0.7.0", None), (GPU, "0.6.0", "off")])
+def test_another_gpu_fla_version_or_off_leaves_triton_to_autotune(kernels, tmp_path, monkeypatch, gpu, fla,
+                                                                  setting):
+    path = write(tmp_path, table({f"{MODULE}.plain": [{"key": KEY, "config": config_json()}]}))
+    fake_gpu(monkeypatch, gpu, fla)
+    with envs.override(autotune_table=setting or str(path)):
+        assert tuning.pin_for_device("cuda:0") == 0
+    assert kernels.plain.cache == {}
+
+
+def test_a_malformed_table_named_by_the_switch_fails_at_the_first_kernel(kernels, tmp_path, monkeypatch):
+    path = write(tmp_path, table({f"{MODULE}.plain": [{"key": KEY, "config": config_json(num_warps=3)}]}))
+    fake_gpu(monkeypatch, GPU)
+    with envs.override(autotune_table=str(path)), pytest.raises(tuning.TableError, match=str(path)):
+        tuning.pin_for_device("cuda:0")
+
+
+def test_the_switch_is_parsed_from_the_environment():
+    assert envs.parse({}).autotune_table is None
+    assert envs.parse({"K3_AUTOTUNE_TABLE": "off"}).autotune_table == "off"
+    assert envs.parse({"K3_AUTOTUNE_TABLE": " /t/choices.json "}).autotune_table == "/t/choices.json"
+    with envs.override(autotune_table="off"):
+        assert tuning.table_path() is None
+    with envs.override(autotune_table=None):
+        assert tuning.table_path() == tuning.TABLE_PATH
+
+
+def test_record_save_load_pin_round_trip(kernels, tmp_path, monkeypatch):
+    kernels.plain.cache[(4096, True, None, "torch.bfloat16")] = LARGE
+    kernels.wrapped.fn.cache[(64, "torch.float32")] = SMALL
+    kernels.single.cache[(1,)] = SMALL  # one candidate: Triton never tunes it, nothing to record
+    other = types.ModuleType("k3.ops._fake_importer")
+    other.plain = kernels.plain  # imported from MODULE: recorded once, under MODULE
+    monkeypatch.setitem(sys.modules, "k3.ops._fake_importer", other)
+    recorded = tuning.record()
+    assert sorted(recorded) == [f"{MODULE}.plain", f"{MODULE}.wrapped"]
+    monkeypatch.setattr(tuning, "fla_version", lambda: "0.6.0")
+    path = tmp_path / "table.json"
+    tuning.save(tuning.merge(table({}, gpu="NVIDIA B200"), GPU, recorded, "test"), path)
+    tuned = {k: dict(v.cache) for k, v in (("plain", kernels.plain), ("wrapped", kernels.wrapped.fn))}
+    kernels.plain.cache.clear()
+    kernels.wrapped.fn.cache.clear()
+    loaded = tuning.load_table(path)
+    assert sorted(loaded) == ["NVIDIA B200", GPU]  # the other GPU's section kept
+    assert tuning.pin(loaded[GPU]["kernels"]) == 2
+    assert kernels.plain.cache == tuned["plain"] and kernels.wrapped.fn.cache == tuned["wrapped"]
+
+
+def test_save_refuses_an_invalid_table_and_keeps_the_old_file(tmp_path):
+    path = write(tmp_path, table({}))
+    before = path.read_bytes()
+    with pytest.raises(tuning.TableError):
+        tuning.save({"format": tuning.FORMAT, "gpus": {GPU: {"kernels": {"os.system": []}}}}, path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["table.json"]
+
+
+def test_the_shipped_table_is_valid():
+    shipped = tuning.load_table(tuning.TABLE_PATH)
+    for section in shipped.values():
+        assert all(name.startswith(tuning.KERNEL_PREFIXES) for name in section["kernels"])
+
+
+def test_k3_tune_without_a_gpu_is_one_error_line(capsys, monkeypatch):
+    import torch
+
+    from k3.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["tune"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3 tune: error: needs a CUDA GPU") and err.count("\n") == 1
