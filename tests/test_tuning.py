@@ -276,3 +276,15 @@ def test_k3_tune_without_a_gpu_is_one_error_line(capsys, monkeypatch):
     assert main(["tune"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("k3 tune: error: needs a CUDA GPU") and err.count("\n") == 1
+
+
+def test_k3s_fla_calls_pin_before_fla_runs_and_only_on_a_gpu(monkeypatch):
+    import torch
+
+    from k3.ops import kda_fla
+
+    asked = []
+    monkeypatch.setattr(tuning, "pin_for_device", lambda device: asked.append(device))
+    kda_fla._pin_choices(torch.zeros(1))
+    kda_fla._pin_choices(types.SimpleNamespace(is_cuda=True, device="cuda:1"))
+    assert asked == ["cuda:1"]

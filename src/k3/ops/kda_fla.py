@@ -22,6 +22,7 @@ import functools
 import torch
 
 from k3 import envs
+from k3.ops import tuning
 
 __all__ = ["fla_available", "fla_usable", "fla_kda_chunk", "fla_kda_recurrent", "fla_kda_gated", "fla_output_gate",
            "fp32_allowed", "safe_gate_ok", "SAFE_GATE_BOUND", "MIN_FLA_VERSION"]
@@ -112,6 +113,12 @@ def _cu(cu_seqlens, device, cu_seqlens_cpu=None):
     return cu_seqlens.to(device=device, dtype=torch.int64), cpu
 
 
+def _pin_choices(x: torch.Tensor) -> None:
+    """Before fla's first kernel on x's GPU: pin the shipped autotune choices (k3.ops.tuning; once per device)."""
+    if x.is_cuda:
+        tuning.pin_for_device(x.device)
+
+
 def _state(initial_state):
     return None if initial_state is None else initial_state.float().contiguous()
 
@@ -125,6 +132,7 @@ def fla_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final
     from fla.ops.kda import chunk_kda
 
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    _pin_choices(q)
     cu, cu_cpu = _cu(cu_seqlens, q.device, cu_seqlens_cpu)
     # safe_gate (see SAFE_GATE_BOUND): only the caller, who knows the gates' bound, may ask for it
     o, state = chunk_kda(q, k.to(q.dtype), v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
@@ -145,6 +153,7 @@ def fla_kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_f
     from fla.ops.kda import fused_recurrent_kda
 
     _check_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    _pin_choices(q)
     cu, _ = _cu(cu_seqlens, q.device)
     o, state = fused_recurrent_kda(q, k.to(q.dtype), v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
                                    initial_state=_state(initial_state), output_final_state=output_final_state,
@@ -168,6 +177,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
     """
     B, T, H, K = q.shape
     _check_shapes(q, k, v, f, beta_logits, initial_state, cu_seqlens)
+    _pin_choices(q)
     if not safe_gate_ok(lower_bound):
         raise ValueError(f"lower_bound must be in [{SAFE_GATE_BOUND}, 0) for fla's safe gate, got {lower_bound!r}")
     A = A_log[:H].float().contiguous()
@@ -220,4 +230,5 @@ def fla_output_gate(o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps:
     each a pass over [B, T, H, K] both ways). o, g: [..., K]; weight: [K] (fp32 in the checkpoint)."""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
+    _pin_choices(o)
     return rms_norm_gated(o, g.to(o.dtype), weight, None, activation="sigmoid", eps=eps)
