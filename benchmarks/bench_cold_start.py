@@ -3,9 +3,10 @@
 Run it with an empty TRITON_CACHE_DIR to measure a fresh machine: the first step then pays for every Triton
 autotune and compile (k3's kernels and fla's), the second shows the steady step. Phases printed: imports, model
 build, first forward, first backward, first optimizer step, second step; with TRITON_PRINT_AUTOTUNING=1 Triton
-also prints each autotune it runs. The shipped autotune choices (k3.ops.tuning) are pinned at the first fla call:
-K3_AUTOTUNE_TABLE=off times a start without them; --save-table PATH writes this run's choices (merged into PATH's
-other GPUs) after the steps, as `k3 tune` does.
+also prints each autotune it runs. The shipped autotune choices (k3.ops.tuning) are pinned, and their kernels
+start compiling in worker processes (k3.ops.precompile), before the model is built: K3_AUTOTUNE_TABLE=off times a
+start without them, K3_PRECOMPILE_WORKERS=0 one without precompiling; --save-table PATH writes this run's choices
+and compiles (merged into PATH's other GPUs) after the steps, as `k3 tune` does.
 Run: PYTHONPATH=src python benchmarks/bench_cold_start.py [--batch 8 --seq 4096] [--save-table PATH]
 """
 import time
@@ -43,6 +44,8 @@ def main():
         marks[name] = time.perf_counter() - T0
         print(f"{name:>22}: {marks[name]:7.1f} s since start", flush=True)
 
+    # the table's choices pinned and its kernels compiling ahead while the model is built (else: at the first fla call)
+    marks["autotune_choices_pinned"] = tuning.pin_for_device(torch.device("cuda"))
     cfg = K3Config.preset(a.preset)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -60,11 +63,13 @@ def main():
         opt.zero_grad(set_to_none=True)
         mark(f"step{step}_end_s")
         marks[f"step{step}_loss"] = loss.item()  # pinned or tuned, the same configs give the same loss
-    marks["autotune_choices_pinned"] = tuning.pinned_count(torch.cuda.current_device())  # by k3's fla calls
-    if a.save_table:  # after the timed steps (the steps tune nothing new after the first)
+    if a.save_table:  # after the timed steps: the choices, then the compiles a third step needs with them
         old = tuning.read_table(a.save_table) if os.path.exists(a.save_table) else None
         made_by = f"benchmarks/bench_cold_start.py --preset {a.preset} --batch {a.batch} --seq {a.seq}"
-        tuning.save(tuning.merge(old, torch.cuda.get_device_name(), tuning.record(), made_by), a.save_table)
+        kernels = tuning.record()
+        compiles = tuning.record_compiles(lambda: model(ids, labels=ids).loss.backward())
+        tuning.save(tuning.merge(old, torch.cuda.get_device_name(), kernels, made_by, compiles), a.save_table)
+        marks["table_compiles"] = len(compiles)
     marks["triton_cache_files"] = files_under(os.environ.get("TRITON_CACHE_DIR"))
     print(marks)
     save(f"cold_start_{a.preset}", {"args": vars(a), "marks": marks})

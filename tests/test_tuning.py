@@ -288,3 +288,81 @@ def test_k3s_fla_calls_pin_before_fla_runs_and_only_on_a_gpu(monkeypatch):
     kda_fla._pin_choices(torch.zeros(1))
     kda_fla._pin_choices(types.SimpleNamespace(is_cuda=True, device="cuda:1"))
     assert asked == ["cuda:1"]
+
+
+def spec(name=f"{MODULE}.plain", **options):
+    """Triton's specialisation data for one compile (the fields JITFunction.preload reads)."""
+    return {"name": name, "signature": {"x": "*fp32", "n": "i32"}, "constant_keys": [[2]], "constant_vals": [128],
+            "attrs_keys": [[0]], "attrs_vals": [[["tt.divisibility", 16]]],
+            "options": {"num_warps": 8, "num_stages": 3, **options}, "key": "k"}
+
+
+def with_compiles(compiles):
+    data = table({})
+    data["gpus"][GPU]["compiles"] = compiles
+    return data
+
+
+def test_a_tables_compiles_are_kept_in_order():
+    compiles = [spec(), spec(f"{MODULE}.wrapped")]
+    assert tuning.parse_table(with_compiles(compiles))[GPU]["compiles"] == compiles
+
+
+@pytest.mark.parametrize("compiles, field", [
+    ({}, "compiles: must be a list"),
+    ([dict(spec(), extra=1)], "must be an object with exactly"),
+    ([spec("os.system")], r"\.name: 'os.system' is not a kernel of"),
+    ([spec("k3.ops.<locals>.f")], r"\.name: .* is not a kernel of"),
+    ([spec(ir_override="/tmp/evil.ptx")], "ir_override and extern_libs are not taken from a table"),
+    ([spec(extern_libs=[["libdevice", "/tmp/evil.bc"]])], "ir_override and extern_libs are not taken"),
+    ([dict(spec(), options=[])], r"\.options: must be an object"),
+    ([dict(spec(), constant_keys={})], r"\.constant_keys: must be a list"),
+])
+def test_a_malformed_compile_is_refused_naming_the_field(compiles, field):
+    with pytest.raises(tuning.TableError, match=field):
+        tuning.parse_table(with_compiles(compiles))
+
+
+def test_precompile_splits_the_compiles_round_robin_over_its_workers(monkeypatch):
+    from k3.ops import precompile
+
+    started = []
+
+    def popen(argv, **kwargs):
+        with open(argv[-1]) as f:
+            started.append((argv[1:4], json.load(f)))
+        return argv
+    monkeypatch.setattr(precompile.subprocess, "Popen", popen)
+    specs = [spec(f"{MODULE}.k{i}") for i in range(5)]
+    with envs.override(precompile_workers=2):
+        assert len(precompile.start(specs, 3)) == 2
+    assert [argv for argv, _ in started] == [["-m", "k3.ops.precompile", "3"]] * 2
+    assert [[s["name"][-2:] for s in share] for _, share in started] == [["k0", "k2", "k4"], ["k1", "k3"]]
+    with envs.override(precompile_workers=0):
+        assert precompile.start(specs, 0) == []
+    with envs.override(precompile_workers=None):
+        assert precompile.start([], 0) == []
+
+
+def test_a_precompile_worker_preloads_each_spec_and_reports_what_failed(kernels, tmp_path, monkeypatch, capsys):
+    import torch
+
+    from k3.ops import precompile
+
+    preloaded = []
+    kernels.plain.fn = types.SimpleNamespace(device_caches={}, preload=lambda data: preloaded.append(json.loads(data)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps([spec(), spec(f"{MODULE}.missing")]))
+    assert precompile.main(["0", str(path)]) == 0
+    assert preloaded == [spec()] and not path.exists()
+    err = capsys.readouterr().err
+    assert "1 of 2 kernels not compiled ahead" in err and "missing" in err
+
+
+def test_the_precompile_worker_count_switch():
+    assert envs.parse({}).precompile_workers is None
+    assert envs.parse({"K3_PRECOMPILE_WORKERS": "0"}).precompile_workers == 0
+    for bad in ("-1", "two"):
+        with pytest.raises(ValueError, match=f"K3_PRECOMPILE_WORKERS must be a count >= 0, got '{bad}'"):
+            envs.parse({"K3_PRECOMPILE_WORKERS": bad})

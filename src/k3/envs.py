@@ -6,6 +6,8 @@
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
 - K3_AUTOTUNE_TABLE: the autotune choices pinned before fla's kernels first run (k3.ops.tuning): unset, the shipped
   table; a path, that file; "off", none (Triton autotunes every kernel).
+- K3_PRECOMPILE_WORKERS: processes that compile the table's kernels ahead of their first call (k3.ops.precompile);
+  default half the cores, at most 8; 0: none.
 - K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
 - K3_API_KEY: the key `k3 serve` requires ('Authorization: Bearer KEY') when --api-key is not given (as vLLM's
   VLLM_API_KEY): a key on the command line shows in `ps`, one in the environment does not.
@@ -40,6 +42,7 @@ class Switches:
     require_fla: bool = False
     commit: str | None = None
     autotune_table: str | None = None  # None: the shipped table; "off"; or a path
+    precompile_workers: int | None = None  # None: automatic
     api_key: str | None = dataclasses.field(default=None, repr=False)  # a secret: never in a repr or a log
 
     def triton_off(self, name: str) -> bool:
@@ -59,13 +62,27 @@ def _names(text: str, all_word: str) -> frozenset[str] | str:
     return frozenset(n.strip() for n in text.split(",") if n.strip())
 
 
+def _count(name: str, text: str) -> int | None:
+    if not text.strip():
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a count >= 0, got {text!r}")
+    return value
+
+
 def parse(environ: Mapping[str, str]) -> Switches:
     """The switches an environment sets (unset variables take their defaults)."""
     get = lambda name: environ.get(name, "")  # noqa: E731
     return Switches(no_fla=_flag(get("K3_NO_FLA")), no_triton=_names(get("K3_NO_TRITON"), "1"),
                     triton_opt_in=_names(get("K3_TRITON"), ALL), require_fla=get("K3_REQUIRE_FLA") == "1",
                     commit=get("K3_COMMIT") or None,
-                    autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None, api_key=get("K3_API_KEY") or None)
+                    autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None,
+                    precompile_workers=_count("K3_PRECOMPILE_WORKERS", get("K3_PRECOMPILE_WORKERS")),
+                    api_key=get("K3_API_KEY") or None)
 
 
 _current = parse(os.environ)

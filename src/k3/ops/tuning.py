@@ -26,14 +26,17 @@ import tempfile
 from pathlib import Path
 
 from k3 import envs
+from k3.ops import precompile
 
 __all__ = ["TABLE_PATH", "FORMAT", "TableError", "load_table", "read_table", "parse_table", "resolve_kernel",
-           "pin", "record", "merge", "save", "tune", "table_path", "pin_for_device", "pinned_count", "fla_version"]
+           "resolve_jit_function", "pin", "record", "record_compiles", "merge", "save", "tune", "table_path",
+           "pin_for_device", "pinned_count", "fla_version"]
 
 TABLE_PATH = Path(__file__).with_name("autotune_table.json")
 FORMAT = "k3-autotune-table/1"
 KERNEL_PREFIXES = ("fla.ops.", "fla.modules.", "k3.ops.")  # the only packages a table may name kernels in
 CONFIG_FIELDS = ("kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg")
+SPEC_FIELDS = ("name", "signature", "constant_keys", "constant_vals", "attrs_keys", "attrs_vals", "options", "key")
 MAX_TABLE_BYTES = 4 << 20
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 _log = logging.getLogger(__name__)
@@ -68,6 +71,23 @@ def _check_config(config, where: str) -> dict:
             "num_ctas": config.get("num_ctas", 1), "maxnreg": maxnreg}
 
 
+def _check_compile(spec, where: str) -> dict:
+    """One compile of the table: Triton's specialisation data (JITFunction.preload's input) for a kernel of
+    KERNEL_PREFIXES, with no IR override (a table never supplies code)."""
+    if not isinstance(spec, dict) or set(spec) != set(SPEC_FIELDS):
+        raise TableError(f"{where}: must be an object with exactly {list(SPEC_FIELDS)}")
+    name = spec["name"]
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or not name.startswith(KERNEL_PREFIXES):
+        raise TableError(f"{where}.name: {name!r} is not a kernel of {list(KERNEL_PREFIXES)}")
+    for field, kind in (("signature", dict), ("options", dict), ("constant_keys", list), ("constant_vals", list),
+                        ("attrs_keys", list), ("attrs_vals", list)):
+        if not isinstance(spec[field], kind):
+            raise TableError(f"{where}.{field}: must be a{'n object' if kind is dict else ' list'}")
+    if spec["options"].get("ir_override") is not None or "extern_libs" in spec["options"]:
+        raise TableError(f"{where}.options: ir_override and extern_libs are not taken from a table")
+    return spec
+
+
 def parse_table(data, source: str = "<table>") -> dict[str, dict]:
     """Validate a decoded table: {gpu name: {"fla": version, "kernels": {kernel: [(key tuple, config dict)]}}}.
     Checks structure and types only; `pin` checks each entry against its kernel."""
@@ -84,7 +104,7 @@ def parse_table(data, source: str = "<table>") -> dict[str, dict]:
         where = f"{source}: gpus[{gpu!r}]"
         if not isinstance(section, dict) or not isinstance(section.get("kernels"), dict):
             raise TableError(f"{where}: must be an object with a 'kernels' object")
-        unknown = sorted(set(section) - {"fla", "triton", "made_by", "kernels"})
+        unknown = sorted(set(section) - {"fla", "triton", "made_by", "kernels", "compiles"})
         if unknown:
             raise TableError(f"{where}: unknown field(s) {unknown}")
         for field in ("fla", "triton", "made_by"):
@@ -106,7 +126,11 @@ def parse_table(data, source: str = "<table>") -> dict[str, dict]:
                     raise TableError(f"{at}.key: must be a list of numbers, booleans, strings or nulls")
                 checked.append((tuple(key), _check_config(entry["config"], f"{at}.config")))
             kernels[kernel] = checked
-        parsed[gpu] = {"fla": section.get("fla", ""), "triton": section.get("triton", ""), "kernels": kernels}
+        compiles = section.get("compiles", [])
+        if not isinstance(compiles, list):
+            raise TableError(f"{where}.compiles: must be a list of Triton specialisations")
+        parsed[gpu] = {"fla": section.get("fla", ""), "triton": section.get("triton", ""), "kernels": kernels,
+                       "compiles": [_check_compile(c, f"{where}.compiles[{i}]") for i, c in enumerate(compiles)]}
     return parsed
 
 
@@ -163,6 +187,60 @@ def resolve_kernel(name: str):
     return tuner
 
 
+def _jit_function_of(obj):
+    """The JITFunction in a kernel object (under any autotuner or heuristics), or None."""
+    for _ in range(4):
+        if hasattr(obj, "preload") and hasattr(obj, "device_caches"):
+            return obj
+        obj = getattr(obj, "fn", None)
+        if obj is None:
+            return None
+    return None
+
+
+def resolve_jit_function(name: str):
+    """The JITFunction of kernel `module.attribute` (importing the module, which must lie in KERNEL_PREFIXES)."""
+    module_name, _, attr = name.rpartition(".")
+    if not name.startswith(KERNEL_PREFIXES) or not _NAME.fullmatch(name):
+        raise TableError(f"unknown kernel {name!r}: not in {list(KERNEL_PREFIXES)}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        raise TableError(f"unknown kernel {name!r}: module {module_name} does not import") from None
+    fn = _jit_function_of(getattr(module, attr, None))
+    if fn is None:
+        raise TableError(f"unknown kernel {name!r}: {module_name} has no Triton kernel {attr!r}")
+    return fn
+
+
+def record_compiles(step, prefixes=("fla.", "k3.")) -> list[dict]:
+    """The Triton compiles `step` needs, in the order it first needs them, as specialisation data for
+    `JITFunction.preload`. Run it where every autotuned kernel is already tuned or pinned: each kernel's
+    in-process binaries are dropped first, so `step` loads again (from Triton's disk cache) each one it runs, and
+    Triton's post-compile hook sees it."""
+    from triton import knobs
+
+    seen = {}
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith(prefixes):
+            for obj in list(vars(module).values()):
+                fn = _jit_function_of(obj)
+                if fn is not None:
+                    fn.device_caches.clear()
+
+    def hook(*, compile, **_):
+        spec = json.loads(compile["specialization_data"])
+        spec["options"].pop("extern_libs", None)  # this machine's libdevice path: the loader's default
+        if _NAME.fullmatch(spec["name"]) and spec["name"].startswith(KERNEL_PREFIXES):  # a module-level kernel
+            seen.setdefault(json.dumps(spec, sort_keys=True), spec)
+    saved, knobs.runtime.jit_post_compile_hook = knobs.runtime.jit_post_compile_hook, hook
+    try:
+        step()
+    finally:
+        knobs.runtime.jit_post_compile_hook = saved
+    return list(seen.values())
+
+
 def _as_dict(config) -> dict:
     return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
             "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
@@ -213,10 +291,13 @@ def record(prefixes=("fla.", "k3.")) -> dict[str, list]:
     return kernels
 
 
-def merge(table: dict | None, gpu: str, kernels: dict[str, list], made_by: str = "") -> dict:
-    """A table (JSON, as `read_table` returns) with `gpu`'s section replaced by `kernels` (other GPUs' kept)."""
+def merge(table: dict | None, gpu: str, kernels: dict[str, list], made_by: str = "",
+          compiles: list[dict] | None = None) -> dict:
+    """A table (JSON, as `read_table` returns) with `gpu`'s section replaced by `kernels` and `compiles` (other
+    GPUs' sections kept)."""
     table = {"format": FORMAT, "gpus": dict((table or {}).get("gpus", {}))}
-    table["gpus"][gpu] = {"fla": fla_version(), "triton": _triton_version(), "made_by": made_by, "kernels": kernels}
+    table["gpus"][gpu] = {"fla": fla_version(), "triton": _triton_version(), "made_by": made_by, "kernels": kernels,
+                          "compiles": list(compiles or [])}
     return table
 
 
@@ -251,11 +332,17 @@ def tune(preset: str, batch: int, seq: int, path: str | os.PathLike, device: str
             model = K3ForCausalLM(config).to(torch.bfloat16)
         model.train()
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-        model(ids, labels=ids).loss.backward()
-        torch.cuda.synchronize(device)
+
+        def step():
+            model(ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+        step()  # tunes
+        compiles = record_compiles(step)  # the chosen configs' compiles, for precompiling
     gpu = torch.cuda.get_device_name(device)
     kernels = record()
-    save(merge(old, gpu, kernels, made_by=f"k3 tune --preset {preset} --batch-size {batch} --seq-len {seq}"), path)
+    made_by = f"k3 tune --preset {preset} --batch-size {batch} --seq-len {seq}"
+    save(merge(old, gpu, kernels, made_by, compiles), path)
     return gpu, len(kernels)
 
 
@@ -286,8 +373,10 @@ def table_path() -> Path | None:
 
 
 def pin_for_device(device) -> int:
-    """Pin the table's choices for `device`'s GPU, once per device per process (cheap after the first call).
-    Returns how many were pinned there. A GPU or fla version the table lacks pins nothing (Triton autotunes)."""
+    """Pin the table's choices for `device`'s GPU and start compiling its kernels ahead in worker processes
+    (k3.ops.precompile), once per device per process (cheap after the first call): call it early (before building
+    the model) for the most overlap. Returns how many choices were pinned. A GPU or fla version the table lacks
+    pins nothing (Triton autotunes)."""
     import torch
 
     index = torch.device(device).index
@@ -308,7 +397,9 @@ def pin_for_device(device) -> int:
                   section["fla"] or "-", fla_version() or "-")
         return 0
     count = _pinned_devices[index] = pin(section["kernels"], source=str(path))
-    _log.info("pinned %d autotune choices for %s from %s", count, gpu, path)
+    workers = precompile.start(section["compiles"], index)
+    _log.info("pinned %d autotune choices for %s from %s; %d kernels compiling ahead in %d processes", count, gpu,
+              path, len(section["compiles"]), len(workers))
     return count
 
 

@@ -1,0 +1,67 @@
+"""Compile Triton kernels ahead of their first call, in worker processes: Triton compiles lazily, one kernel at a
+time, on the first call of each; a fresh machine's first step waits for each in turn. The workers compile the
+autotune table's recorded specialisations (k3.ops.tuning) with Triton's own `JITFunction.preload` into the shared
+disk cache (TRITON_CACHE_DIR), while the main process builds the model and runs; its own compile of a kernel a
+worker has finished is then a cache read. A kernel no worker reached yet is compiled by the main process as
+always, so precompiling can only save time; a failed precompile is reported by the worker and costs nothing else.
+
+Workers: K3_PRECOMPILE_WORKERS (default: half the cores, at most 8; 0: none). Worker:
+`python -m k3.ops.precompile DEVICE_INDEX SPECS.json` (the file is removed once read).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from k3 import envs
+
+__all__ = ["worker_count", "start", "main"]
+
+
+def worker_count(n_specs: int) -> int:
+    setting = envs.current().precompile_workers
+    auto = max(1, min(8, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2) // 2))
+    return min(n_specs, auto if setting is None else setting)
+
+
+def start(specs: list[dict], device_index: int) -> list[subprocess.Popen]:
+    """Start worker processes compiling `specs` (round robin, so the first needed compile first); returns them
+    without waiting (they exit when done)."""
+    n = worker_count(len(specs))
+    workers = []
+    for share in (specs[i::n] for i in range(n)):
+        fd, path = tempfile.mkstemp(prefix="k3-precompile-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(share, f)
+        workers.append(subprocess.Popen([sys.executable, "-m", "k3.ops.precompile", str(device_index), path],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+    return workers
+
+
+def main(argv: list[str] | None = None) -> int:
+    device_index, path = (argv if argv is not None else sys.argv[1:])
+    with open(path) as f:
+        specs = json.load(f)
+    os.unlink(path)
+    import torch
+
+    from k3.ops.tuning import resolve_jit_function
+
+    torch.cuda.set_device(int(device_index))
+    failed = []
+    for spec in specs:
+        try:
+            resolve_jit_function(spec["name"]).preload(json.dumps(spec))
+        except Exception as e:  # a kernel this fla/Triton compiles differently: the main process compiles it
+            failed.append(f"{spec.get('name')}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    if failed:
+        print(f"k3 precompile: {len(failed)} of {len(specs)} kernels not compiled ahead: " + "; ".join(failed[:3]),
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
