@@ -2,6 +2,7 @@
 key autotunes as before, and `record` reads Triton's cache back in the table's form. On CUDA where there is one,
 else on the CPU under the Triton interpreter. Skipped where triton is not installed (tests/test_tuning.py covers
 the table with Autotuner-shaped fakes there)."""
+import json
 import os
 import sys
 import types
@@ -69,3 +70,27 @@ def test_record_reads_tritons_cache_in_the_tables_form(kernel):
     recorded = tuning.record()
     assert recorded[f"{MODULE}.fill_with_block"] == [{"key": [40, "torch.int32"], "config": {
         "kwargs": {"BLOCK": 16}, "num_warps": 1, "num_stages": 3, "num_ctas": 1, "maxnreg": None}}]
+
+
+def test_record_compiles_keeps_each_kernels_specialisation_once_in_first_use_order(kernel):
+    from triton import knobs
+
+    def spec(name, warps):
+        return {"name": name, "signature": {"out_ptr": "*i32"}, "constant_keys": [[2]], "constant_vals": [32],
+                "attrs_keys": [], "attrs_vals": [], "key": "k",
+                "options": {"num_warps": warps, "extern_libs": [["libdevice", "/site/libdevice.10.bc"]]}}
+    compiled = [spec(f"{MODULE}.b", 4), spec(f"{MODULE}.a", 2), spec(f"{MODULE}.b", 4),
+                spec("tests.test_x.kernel", 1), spec(f"{MODULE}.outer.<locals>.inner", 1)]
+    jit_like = types.SimpleNamespace(preload=None, device_caches={"sentinel": "compiled before"})
+    sys.modules[MODULE].jit_like = jit_like  # a JITFunction's two fields that matter here (the interpreter has none)
+    before = knobs.runtime.jit_post_compile_hook
+
+    def step():  # what Triton's JITFunction does after each compile (or disk-cache load)
+        for s in compiled:
+            knobs.runtime.jit_post_compile_hook(key="k", repr="r", fn=None, compile={
+                "specialization_data": json.dumps(s)}, is_manual_warmup=False, already_compiled=False)
+    recorded = tuning.record_compiles(step)
+    assert [(s["name"], s["options"]) for s in recorded] == [(f"{MODULE}.b", {"num_warps": 4}),
+                                                             (f"{MODULE}.a", {"num_warps": 2})]
+    assert jit_like.device_caches == {}  # dropped, so the step loads each kernel again
+    assert knobs.runtime.jit_post_compile_hook is before

@@ -161,15 +161,24 @@ def read_table(path: str | os.PathLike) -> dict:
     return data
 
 
+def _unwrap(obj, is_it):
+    """The object in `obj`'s chain of `.fn` (autotuner, heuristics, JIT function) that `is_it` accepts, or None."""
+    try:
+        for _ in range(4):
+            if is_it(obj):
+                return obj
+            obj = getattr(obj, "fn", None)
+            if obj is None:
+                return None
+    except Exception:  # a module attribute with a strange __getattr__ is no kernel
+        return None
+    return None
+
+
 def _autotuner_of(obj):
     """The Autotuner in a kernel object (it may sit under @triton.heuristics), or None."""
-    for _ in range(4):
-        if all(hasattr(obj, a) for a in ("cache", "configs", "keys", "arg_names")) and isinstance(obj.cache, dict):
-            return obj
-        obj = getattr(obj, "fn", None)
-        if obj is None:
-            return None
-    return None
+    return _unwrap(obj, lambda o: all(hasattr(o, a) for a in ("cache", "configs", "keys", "arg_names"))
+                   and isinstance(o.cache, dict))
 
 
 def resolve_kernel(name: str):
@@ -189,13 +198,7 @@ def resolve_kernel(name: str):
 
 def _jit_function_of(obj):
     """The JITFunction in a kernel object (under any autotuner or heuristics), or None."""
-    for _ in range(4):
-        if hasattr(obj, "preload") and hasattr(obj, "device_caches"):
-            return obj
-        obj = getattr(obj, "fn", None)
-        if obj is None:
-            return None
-    return None
+    return _unwrap(obj, lambda o: hasattr(o, "preload") and hasattr(o, "device_caches"))
 
 
 def resolve_jit_function(name: str):
@@ -213,7 +216,7 @@ def resolve_jit_function(name: str):
     return fn
 
 
-def record_compiles(step, prefixes=("fla.", "k3.")) -> list[dict]:
+def record_compiles(step, prefixes=KERNEL_PREFIXES) -> list[dict]:
     """The Triton compiles `step` needs, in the order it first needs them, as specialisation data for
     `JITFunction.preload`. Run it where every autotuned kernel is already tuned or pinned: each kernel's
     in-process binaries are dropped first, so `step` loads again (from Triton's disk cache) each one it runs, and
@@ -271,7 +274,7 @@ def pin(kernels: dict[str, list], resolve=resolve_kernel, source: str = "<table>
     return len(plan)
 
 
-def record(prefixes=("fla.", "k3.")) -> dict[str, list]:
+def record(prefixes=KERNEL_PREFIXES) -> dict[str, list]:
     """This process's autotune results, as a table section's "kernels": every autotuned kernel (more than one
     candidate) of an imported module under `prefixes`, with the config chosen for each key it tuned."""
     kernels = {}
@@ -285,7 +288,7 @@ def record(prefixes=("fla.", "k3.")) -> dict[str, list]:
             if getattr(getattr(tuner, "base_fn", None), "__module__", module_name) != module_name:
                 continue  # imported from elsewhere: recorded under the module that defines it
             entries = [{"key": list(key), "config": _as_dict(config)} for key, config in tuner.cache.items()
-                       if all(_scalar(v) for v in key)]
+                       if all(_scalar(v) for v in key) and all(_scalar(v) for v in config.kwargs.values())]
             if entries:
                 kernels[f"{module_name}.{attr}"] = sorted(entries, key=lambda e: json.dumps(e["key"]))
     return kernels
