@@ -366,3 +366,11 @@ def test_the_precompile_worker_count_switch():
     for bad in ("-1", "two"):
         with pytest.raises(ValueError, match=f"K3_PRECOMPILE_WORKERS must be a count >= 0, got '{bad}'"):
             envs.parse({"K3_PRECOMPILE_WORKERS": bad})
+
+
+def test_save_keeps_a_specialisations_parameters_in_their_order(tmp_path):
+    compile_ = spec()
+    compile_["signature"] = {"z_ptr": "*fp32", "a": "i32", "m_ptr": "*bf16"}  # the kernel's order, not sorted
+    path = tmp_path / "table.json"
+    tuning.save(with_compiles([compile_]), path)
+    assert list(tuning.load_table(path)[GPU]["compiles"][0]["signature"]) == ["z_ptr", "a", "m_ptr"]

@@ -181,28 +181,14 @@ def _autotuner_of(obj):
                    and isinstance(o.cache, dict))
 
 
-def resolve_kernel(name: str):
-    """The Autotuner of kernel `module.attribute` (importing the module, which must lie in KERNEL_PREFIXES)."""
-    module_name, _, attr = name.rpartition(".")
-    if not name.startswith(KERNEL_PREFIXES) or not _NAME.fullmatch(name):
-        raise TableError(f"unknown kernel {name!r}: not in {list(KERNEL_PREFIXES)}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        raise TableError(f"unknown kernel {name!r}: module {module_name} does not import") from None
-    tuner = _autotuner_of(getattr(module, attr, None))
-    if tuner is None:
-        raise TableError(f"unknown kernel {name!r}: {module_name} has no autotuned kernel {attr!r}")
-    return tuner
-
-
 def _jit_function_of(obj):
     """The JITFunction in a kernel object (under any autotuner or heuristics), or None."""
     return _unwrap(obj, lambda o: hasattr(o, "preload") and hasattr(o, "device_caches"))
 
 
-def resolve_jit_function(name: str):
-    """The JITFunction of kernel `module.attribute` (importing the module, which must lie in KERNEL_PREFIXES)."""
+def _resolve(name: str, find, what: str):
+    """find(the attribute) for kernel `module.attribute`, importing the module, which must lie in
+    KERNEL_PREFIXES (a table never makes k3 import anything else)."""
     module_name, _, attr = name.rpartition(".")
     if not name.startswith(KERNEL_PREFIXES) or not _NAME.fullmatch(name):
         raise TableError(f"unknown kernel {name!r}: not in {list(KERNEL_PREFIXES)}")
@@ -210,10 +196,20 @@ def resolve_jit_function(name: str):
         module = importlib.import_module(module_name)
     except ImportError:
         raise TableError(f"unknown kernel {name!r}: module {module_name} does not import") from None
-    fn = _jit_function_of(getattr(module, attr, None))
-    if fn is None:
-        raise TableError(f"unknown kernel {name!r}: {module_name} has no Triton kernel {attr!r}")
-    return fn
+    found = find(getattr(module, attr, None))
+    if found is None:
+        raise TableError(f"unknown kernel {name!r}: {module_name} has no {what} {attr!r}")
+    return found
+
+
+def resolve_kernel(name: str):
+    """The Autotuner of kernel `module.attribute`."""
+    return _resolve(name, _autotuner_of, "autotuned kernel")
+
+
+def resolve_jit_function(name: str):
+    """The JITFunction of kernel `module.attribute` (what JITFunction.preload compiles)."""
+    return _resolve(name, _jit_function_of, "Triton kernel")
 
 
 def record_compiles(step, prefixes=KERNEL_PREFIXES) -> list[dict]:
@@ -305,13 +301,13 @@ def merge(table: dict | None, gpu: str, kernels: dict[str, list], made_by: str =
 
 
 def save(table: dict, path: str | os.PathLike) -> None:
-    """Write `table` atomically (a temporary file beside it, then a rename), after checking it reads back."""
+    """Write `table` atomically (a temporary file beside it, then a rename), after checking it is valid."""
     parse_table(table, str(path))
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
+            json.dump(table, f, indent=1)  # in order: a specialisation's signature lists the parameters in order
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
