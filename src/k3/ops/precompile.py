@@ -22,17 +22,23 @@ __all__ = ["worker_count", "start", "main"]
 
 
 def worker_count(n_specs: int) -> int:
+    """K3_PRECOMPILE_WORKERS, else half the cores this process may use, shared by the ranks of this host, at most 8."""
     setting = envs.current().precompile_workers
-    auto = max(1, min(8, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2) // 2))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    auto = max(1, min(8, cores // 2 // ranks))
     return min(n_specs, auto if setting is None else setting)
 
 
 def start(specs: list[dict], device_index: int) -> list[subprocess.Popen]:
-    """Start worker processes compiling `specs` (round robin, so the first needed compile first); returns them
-    without waiting (they exit when done)."""
+    """Start worker processes compiling `specs` (given in first-use order); returns them without waiting (they
+    exit when done). The workers take the specs from the last needed back, round robin, while the main process
+    meets its kernels from the first: the two meet in the middle instead of compiling the same kernels at once
+    (a kernel the main process compiled first is a disk-cache read for the worker)."""
     n = worker_count(len(specs))
     workers = []
-    for share in (specs[i::n] for i in range(n)):
+    last_first = specs[::-1]
+    for share in (last_first[i::n] for i in range(n)):
         fd, path = tempfile.mkstemp(prefix="k3-precompile-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(share, f)

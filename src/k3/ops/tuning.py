@@ -395,8 +395,8 @@ def pin_for_device(device) -> int:
         _log.info("autotune table %s was made with fla %s, this is fla %s: Triton autotunes", path,
                   section["fla"] or "-", fla_version() or "-")
         return 0
+    workers = precompile.start(section["compiles"], index)  # first: the workers take seconds to start
     count = _pinned_devices[index] = pin(section["kernels"], source=str(path))
-    workers = precompile.start(section["compiles"], index)
     _log.info("pinned %d autotune choices for %s from %s; %d kernels compiling ahead in %d processes", count, gpu,
               path, len(section["compiles"]), len(workers))
     return count
