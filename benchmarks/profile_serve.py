@@ -9,15 +9,19 @@ rows, tokens, the block-table columns a graph's attention reads against the bloc
 time of each phase: schedule, runner.run (launching; a graph replay is one call), sample_tokens (which holds
 the one read of the sampled ids, so it includes waiting for the device) and the rest. With --profile, a second, shorter pass
 under torch.profiler gives the device's busy time per step kind (kernels' summed time) and its kernel count.
+With --sync-trace, a short pass per variant counts where each step makes the host wait for the device (CUDA's
+sync debug mode: reads of device values, copies from pageable memory, stream syncs), by file and line.
 Run: PYTHONPATH=src python benchmarks/profile_serve.py [--preset small --device cuda --streams 64]
-    [--variants ';split_mixed_steps=true'] [--profile]
+    [--variants ';split_mixed_steps=true'] [--profile] [--sync-trace]
 """
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -170,6 +174,51 @@ def device_profile(rec, prompts, params, streams) -> list[dict]:
                  idle_share=1 - sum(x[1] for x in v) / sum(x[0] for x in v)) for k, v in sorted(by.items())]
 
 
+@contextlib.contextmanager
+def device_waits():
+    """Where the block makes the host wait for the device, as "file:line" of the Python line that asked (filled in
+    when the block ends). CUDA's sync debug mode warns at each synchronizing call: a read of device values
+    (.item(), .tolist(), a bool of a tensor), a copy to or from pageable memory, a stream or device sync."""
+    sites = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            path = w.filename.replace("\\", "/")
+            for root in ("/site-packages/", "/src/"):
+                path = path.split(root)[-1]
+            sites.append(f"{path}:{w.lineno}")
+
+
+def sync_trace(rec, prompts, params, streams) -> list[dict]:
+    """Host waits per step kind over a short pass: steps, waits per step (median, max) and the commonest sites."""
+    inner, per_kind = rec.step, collections.defaultdict(list)
+
+    def traced_step():
+        with device_waits() as sites:
+            outs = inner()
+        if rec.steps:
+            per_kind[rec.steps[-1]["kind"]].append(sites)
+        return outs
+    rec.step = traced_step
+    try:
+        drive(rec, prompts, params, streams)
+    finally:
+        rec.step = inner
+    rows = []
+    for kind, steps in sorted(per_kind.items()):
+        top = collections.Counter(s for sites in steps for s in sites).most_common(6)
+        rows.append(dict(kind=kind, steps=len(steps), waits_median=statistics.median(len(x) for x in steps),
+                         waits_max=max(len(x) for x in steps),
+                         sites=", ".join(f"{site} x{n / len(steps):.2g}" for site, n in top)))
+    return rows
+
+
 def static_batches(model, prompts, streams, out_len) -> tuple[float, int]:
     ids = torch.tensor(prompts, device=next(model.parameters()).device)
     model.generate(ids[:streams], max_new_tokens=2, eos_token_id=None)  # untimed: graphs and autotuning
@@ -198,6 +247,8 @@ def main():
     ap.add_argument("--profile-output-len", type=int, default=24, help="output tokens in the profiled pass")
     ap.add_argument("--no-static", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also the pass under torch.profiler (first variant)")
+    ap.add_argument("--sync-trace", action="store_true", help="also a short pass per variant counting the host's "
+                    "waits for the device per step, by site (CUDA only)")
     ap.add_argument("--variants", default="", help="engines to time, ';'-separated, each extra EngineConfig "
                     "fields k=v,k=v (ints or true/false); '' = the defaults. E.g. ';split_mixed_steps=true'")
     a = ap.parse_args()
@@ -243,6 +294,13 @@ def main():
                 row["device"] = device_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
             print("\n== under torch.profiler (slower host): per step, kernels' summed device time and count")
             print(table(row["device"], ["kind", "steps", "wall_ms", "kernel_ms", "kernels", "idle_share"]), flush=True)
+        if a.sync_trace and dev.type == "cuda":
+            rec.steps.clear()
+            with torch.inference_mode():
+                short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
+                row["waits"] = sync_trace(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
+            print("\n== host waits for the device per step (CUDA sync debug mode), commonest sites (per step)")
+            print(table(row["waits"], ["kind", "steps", "waits_median", "waits_max", "sites"]), flush=True)
         eng.close()
         if dev.type == "cuda":
             torch.cuda.empty_cache()

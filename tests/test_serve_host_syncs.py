@@ -6,20 +6,26 @@
 - A step reads the device once, for the sampled ids (and their logprobs in the same copy): a spy on every way of
   reading a tensor on the host counts them for decode, mixed and sampled steps, so a new read fails here.
 """
+import inspect
 import sys
 import types
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 import k3.model.kda as kda_mod
 import k3.ops.kda_core as core_mod
+from k3 import K3Config, K3ForCausalLM
 from k3.model.cache import BatchCacheView
 from k3.ops import kda_fla
 from k3.ops.norm import rms_norm
 from k3.serve import EngineConfig, LLMEngine, SamplingParams
+from k3.serve.sampling import read_back
 from test_serve_engine import model, prompt  # noqa: F401  (the serving tests' tiny model and prompts)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # profile_serve's device_waits
 
 GREEDY = dict(temperature=0.0)
 
@@ -125,3 +131,130 @@ def test_fla_entry_points_pass_the_host_cu_seqlens_through(monkeypatch):
         assert kw["cu_seqlens_cpu"] is host and kw["cu_seqlens"] is dev
     kda_fla.fla_kda_chunk(q, k, v, f.sigmoid().log(), beta.sigmoid(), cu_seqlens=dev)  # host copy from a CPU one
     assert seen[-1]["cu_seqlens_cpu"].tolist() == [0, 3, 8]
+
+
+# Every way a step can make the host wait for the device: reading a tensor's values, a copy to the device from
+# pageable memory (`torch.tensor(..., device=)`, `.to(device)` or `.copy_` without non_blocking, indexing with a
+# Python list). On a CPU nothing waits, so the spy counts the calls where they are written.
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+# Where the serving step's own code lives (the model's KDA and MLA layers run k3.ops' CPU references here, whose
+# checks read values; on CUDA fla and k3's kernels run instead, see the CUDA test below).
+SERVING = ("k3/serve/", "k3/model/cache.py", "k3/model/kda.py", "k3/model/mla.py", "k3/model/generate.py")
+
+
+class SyncSpy:
+    def __init__(self, monkeypatch):
+        self.sites, self.on = Counter(), False
+        for name in READS:
+            self._wrap(monkeypatch, torch.Tensor, name, lambda *a, **k: True)
+        self._wrap(monkeypatch, torch, "tensor", lambda *a, **k: k.get("device") is not None)
+        to_device = lambda self_, *a, **k: (not k.get("non_blocking") and (  # noqa: E731
+            "device" in k or any(isinstance(x, (torch.device, str)) for x in a)))
+        self._wrap(monkeypatch, torch.Tensor, "to", to_device)
+        self._wrap(monkeypatch, torch.Tensor, "copy_", lambda self_, src, non_blocking=False: not non_blocking
+                   and src.device != self_.device)
+        listed = lambda self_, index, *a: isinstance(index, list) or (  # noqa: E731
+            isinstance(index, tuple) and any(isinstance(i, list) for i in index))
+        self._wrap(monkeypatch, torch.Tensor, "__getitem__", listed)
+        self._wrap(monkeypatch, torch.Tensor, "__setitem__", listed)
+
+    def _wrap(self, monkeypatch, owner, name, counts):
+        inner = getattr(owner, name)
+
+        def spied(*a, **k):
+            if self.on and counts(*a, **k):
+                self.on = False  # a spied call inside another is not a second wait
+                try:
+                    frame = sys._getframe(1)
+                    path = frame.f_code.co_filename.replace("\\", "/")
+                    if "/k3/" in path:
+                        self.sites[(path.split("/k3/")[-1], frame.f_code.co_name, name)] += 1
+                    return inner(*a, **k)
+                finally:
+                    self.on = True
+            return inner(*a, **k)
+        monkeypatch.setattr(owner, name, spied)
+
+    def step(self, eng: LLMEngine):
+        """One engine step → (its outputs, the host waits of the serving code: {(file, function, call): count})."""
+        self.sites.clear()
+        self.on = True
+        try:
+            with torch.inference_mode():
+                outs = eng.step()
+        finally:
+            self.on = False
+        return outs, Counter({k: v for k, v in self.sites.items() if ("k3/" + k[0]).startswith(SERVING)})
+
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_step_reads_the_device_once(model, monkeypatch, split):
+    """Decode steps (graph-shaped), mixed steps (split or not) and a prompt-scoring step, with greedy rows, seeded
+    top-p/top-k/min-p rows, logprobs, logit_bias, penalties and min_tokens: the serving code waits for the device
+    once a step, in read_back (the sampled ids and logprobs together); a step that also scores a prompt reads its
+    prompt logprobs once more. Every other host list goes to the device pinned and non-blocking."""
+    eng = make_engine(model, decode_graphs=True, split_mixed_steps=split, max_batch_tokens=10)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=3, logprobs=2,
+                             logit_bias={11: 2.0}, min_tokens=2, stop_token_ids=[5])
+    penalised = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5,
+                               presence_penalty=0.3, logprobs=0)
+    eng.add_request(prompt(1, 5), SamplingParams(max_tokens=12, **GREEDY))
+    eng.add_request(prompt(2, 6), sampled)
+    eng.add_request(prompt(3, 4), penalised)
+    plans = []
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    spy = SyncSpy(monkeypatch)
+    kinds = Counter()
+    for step in range(12):
+        if step == 3:
+            eng.add_request(prompt(4, 17), SamplingParams(max_tokens=3, **GREEDY))
+        if step == 6:
+            eng.add_request(prompt(5, 9), SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY))
+        outs, waits = spy.step(eng)
+        seqs, lens = plans[-1]
+        scoring = any(s.params.prompt_logprobs is not None and s.num_computed - n < s.prompt_len - 1
+                      for s, n in zip(seqs, lens))
+        prefill = sum(s.num_computed - n < s.prompt_len for s, n in zip(seqs, lens))
+        kind = "scoring" if scoring else "prefill" if prefill == len(seqs) else "mixed" if prefill else "decode"
+        want = Counter({("serve/sampling.py", "read_back", "tolist"): bool(outs) + scoring})
+        assert waits == want, (step, kind, waits)
+        kinds[kind] += 1
+    assert kinds["decode"] >= 3 and kinds["mixed"] >= 2 and kinds["scoring"] >= 1, kinds
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split", [False, True])
+def test_cuda_steps_wait_for_the_device_once(model, split):
+    """On CUDA in bf16 (fla's kernels, decode graphs): CUDA's sync debug mode reports every wait of the host for
+    the device (value reads, copies from pageable memory, stream syncs). The same requests run twice, the first
+    time to capture the graphs and compile the kernels; in the second, each step's waits from the serving code
+    (k3.serve, the model's serving layouts, the sampler) are one read_back when it samples, and no other."""
+    from profile_serve import device_waits  # benchmarks/: the one home of the trace
+
+    cuda = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
+    cuda.load_state_dict(model.state_dict())
+    cuda = cuda.to(torch.bfloat16)
+    eng = make_engine(cuda, decode_graphs=True, split_mixed_steps=split, max_batch_tokens=10, prefix_caching=False)
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, logprobs=2, repetition_penalty=1.1)
+    requests = [(prompt(1, 5), SamplingParams(max_tokens=10, **GREEDY), 0), (prompt(2, 6), sampled, 0),
+                (prompt(3, 17), SamplingParams(max_tokens=4, **GREEDY), 3)]
+    lines, first = inspect.getsourcelines(read_back)
+    read_back_sites = {f"k3/serve/sampling.py:{n}" for n in range(first, first + len(lines))}
+    measured_steps = 0
+    for measured in (False, True):
+        step = 0
+        while step < 4 or eng.has_unfinished():
+            for p, params, at in requests:
+                if at == step:
+                    eng.add_request(p, params)
+            with torch.inference_mode(), device_waits() as sites:
+                outs = eng.step()
+            step += 1
+            if measured:
+                serving = [s for s in sites if s.startswith(SERVING)]
+                assert len(serving) == bool(outs) and set(serving) <= read_back_sites, (step, sites)
+                measured_steps += 1
+    assert measured_steps >= 8

@@ -181,12 +181,20 @@ class BatchCacheView:
         self._shared = {}
 
     @staticmethod
-    def upload(lists: list[list[int]], device) -> list[torch.Tensor]:
-        """int64 tensors on `device` holding the given host lists, sent in one copy. On CUDA it leaves from
-        pinned memory without blocking: a plain copy from pageable memory waits for every queued kernel."""
+    def upload(lists: list[list], device, dtype: torch.dtype = torch.long) -> list[torch.Tensor]:
+        """Tensors of `dtype` (int64 by default) on `device` holding the given host lists, sent in one copy. On
+        CUDA it leaves from pinned memory without blocking: a plain copy from pageable memory waits for every
+        queued kernel."""
         pinned = torch.device(device).type == "cuda"
-        flat = torch.tensor([v for xs in lists for v in xs], dtype=torch.long, pin_memory=pinned)
+        flat = torch.tensor([v for xs in lists for v in xs], dtype=dtype, pin_memory=pinned)
         return list(flat.to(device, non_blocking=True).split([len(xs) for xs in lists]))
+
+    @staticmethod
+    def send(host: torch.Tensor, device) -> torch.Tensor:
+        """A host tensor on `device`, without waiting for queued kernels (from pinned memory on CUDA, as `upload`)."""
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        return host.to(device, non_blocking=True)
 
     def shared(self, key, build):
         """`build()` once per step: tensors derived from the layout alone, which every layer needs alike."""

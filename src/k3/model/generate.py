@@ -8,6 +8,7 @@ from typing import Iterator
 import torch
 
 from k3.memory import check_fits
+from k3.model.cache import BatchCacheView
 from k3.model.cuda_graph import GraphedDecodeStep, wants_graphs
 
 
@@ -37,18 +38,21 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
     of rows, where a per-row sampler launches its kernels once per row."""
     V = logits.shape[-1]
     dev = logits.device
-    z = logits.float() / torch.tensor(temperature, device=dev, dtype=torch.float32)[:, None]
+    # the settings go to the device in one copy each of floats and ints that does not wait for queued kernels
+    temp_t, min_p_t, mass = BatchCacheView.upload(
+        [temperature, min_p or [], [p if p < 1 else float("inf") for p in top_p]],  # 1: no cut, even rounded
+        dev, torch.float32)
+    k_t, = BatchCacheView.upload([[k if 0 < k < V else V for k in top_k]], dev)
+    z = logits.float() / temp_t[:, None]
     probs = torch.softmax(z, -1)
     if min_p is not None and any(m > 0 for m in min_p):
-        floor = torch.tensor(min_p, device=dev, dtype=torch.float32)[:, None] * probs.max(-1, keepdim=True).values
+        floor = min_p_t[:, None] * probs.max(-1, keepdim=True).values
         z = z.masked_fill(probs < floor, float("-inf"))
         probs = torch.softmax(z, -1)
     if any(0 < k < V for k in top_k) or any(p < 1 for p in top_p):  # the filters rank the tokens by likelihood
         ranked, order = torch.sort(z, descending=True, dim=-1)
-        k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)
-        ranked = ranked.masked_fill(torch.arange(V, device=dev) >= k[:, None], float("-inf"))
+        ranked = ranked.masked_fill(torch.arange(V, device=dev) >= k_t[:, None], float("-inf"))
         p_ranked = torch.softmax(ranked, -1)
-        mass = torch.tensor([p if p < 1 else float("inf") for p in top_p], device=dev)  # 1: no cut, even rounded
         keep = p_ranked.cumsum(-1) - p_ranked <= mass[:, None]
         keep &= p_ranked > 0
         # the CDF below stays in vocabulary order whatever the filters: a row samples the same token for the
@@ -57,7 +61,7 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
     # flat across filtered tokens by construction: a GPU's cumsum is a tree scan, whose rounding can lift a
     # zero-probability token's running sum a few ulps above the last kept token's, where a threshold may fall
     cdf = torch.where(probs > 0, probs.cumsum(-1), 0).cummax(-1).values
-    threshold = u.to(dev, torch.float32)[:, None] * cdf[:, -1:]
+    threshold = u.to(dev, torch.float32, non_blocking=True)[:, None] * cdf[:, -1:]
     idx = torch.searchsorted(cdf, threshold, right=True)[:, 0]  # the first token whose CDF passes u
     # u·total can round up to the total: fall back to the last token that has any mass
     last = V - 1 - (probs > 0).flip(-1).int().argmax(-1)

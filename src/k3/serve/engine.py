@@ -13,7 +13,7 @@ from k3.serve.block_pool import CachePool, plan_capacity
 from k3.serve.metrics import Metrics
 from k3.serve.runner import ModelRunner, PromptScores
 from k3.serve.sampling import (MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams, make_adjuster, make_generator,
-                               make_grammar_state, sample_tokens, token_logprobs)
+                               make_grammar_state, read_back, sample_tokens, token_logprobs)
 from k3.serve.scheduler import Scheduler
 from k3.serve.sequence import OutputIds, RequestOutput, Sequence, Status
 
@@ -228,8 +228,8 @@ class LLMEngine:
     @staticmethod
     def _keep_prompt_logprobs(seqs: list[Sequence], scores: PromptScores) -> None:
         """Append this step's prompt logprobs to each scoring sequence (one read-back for all of them)."""
-        targets, chosen = scores.targets.tolist(), scores.chosen.tolist()
-        top_ids, top_lps = scores.top_ids.tolist(), scores.top_lps.tolist()
+        targets, (chosen, top_ids, top_lps) = read_back(scores.targets, (scores.chosen, scores.top_ids,
+                                                                         scores.top_lps))
         a = 0
         for i, _, count in scores.spans:
             k = seqs[i].params.prompt_logprobs

@@ -16,7 +16,8 @@ import torch
 from k3.model.cache import BatchCacheView
 from k3.model.generate import sample_rows
 
-upload_ints = BatchCacheView.upload  # host int lists → device in one copy that does not wait for queued kernels
+upload = BatchCacheView.upload  # host lists → device in one copy that does not wait for queued kernels
+send = BatchCacheView.send  # a host tensor → device, the same way
 
 MAX_LOGPROBS = 20
 # Bounds on a request's lists (the HTTP layer's models use these numbers): each is read per sampled token, so an
@@ -165,13 +166,13 @@ def mask_grammar_rows(logits: torch.Tensor, states: list) -> torch.Tensor:
         return logits
     S, V = logits.shape
     words = max((V + 31) // 32, (states[rows[0]].grammar.ll.vocab_size + 31) // 32)
-    bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+    # pinned on CUDA, so its copy to the device does not wait for queued kernels
+    bitmask = torch.zeros(len(rows), words, dtype=torch.int32, pin_memory=logits.is_cuda)
     fill_bitmasks([states[i] for i in rows], bitmask)
     allowed = bitmask_to_bool(bitmask, V, logits.device)
     if len(rows) < S:
         full = torch.ones(S, V, dtype=torch.bool, device=logits.device)
-        full[torch.tensor(rows, device=logits.device)] = allowed
-        allowed = full
+        allowed = full.index_copy_(0, upload([rows], logits.device)[0], allowed)
     return logits.masked_fill(~allowed, float("-inf"))
 
 
@@ -200,14 +201,13 @@ class LogitAdjuster:
             return
         bias = [(t, float(b)) for t, b in self._bias.items() if t < vocab]  # ids past it are never sampled
         self.num_bias = len(bias)
-        self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=device)
-        self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32, device=device)
         banned = sorted(t for t in self._banned if t < vocab)
         self.num_banned = len(banned)
-        self.banned_ids = torch.tensor(banned, dtype=torch.long, device=device)
+        prompt = [t for t in self._prompt if t < vocab] if self.penalized else []
+        self.bias_ids, self.banned_ids, ids = upload([[t for t, _ in bias], banned, prompt], device)
+        self.bias_values, = upload([[b for _, b in bias]], device, torch.float32)
         if self.penalized:
             self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-            ids = torch.tensor([t for t in self._prompt if t < vocab], dtype=torch.long, device=device)
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
         self._bias = self._banned = self._prompt = None
 
@@ -217,12 +217,6 @@ def make_adjuster(params: SamplingParams, prompt: list[int], eos_ids=frozenset()
     if params.logit_bias or params.min_tokens or params.penalized:
         return LogitAdjuster(params, prompt, eos_ids)
     return None
-
-
-def _upload_floats(values: list[float], device) -> torch.Tensor:
-    """A float32 tensor on `device` in one copy that does not wait for queued kernels (see upload_ints)."""
-    pinned = torch.device(device).type == "cuda"
-    return torch.tensor(values, dtype=torch.float32, pin_memory=pinned).to(device, non_blocking=True)
 
 
 def _flat_entries(rows: torch.Tensor, sizes: torch.Tensor, total: int, parts: list[torch.Tensor],
@@ -252,7 +246,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], adjusters:
     penalised = [i for i, a in enumerate(adjusters) if a is not None and a.penalized]
     ban_sizes = [adjusters[i].num_banned for i in ban]
     bias_sizes = [adjusters[i].num_bias for i in bias]
-    ban_t, ban_sizes_t, bias_t, bias_sizes_t, pen_t = upload_ints([ban, ban_sizes, bias, bias_sizes, penalised], dev)
+    ban_t, ban_sizes_t, bias_t, bias_sizes_t, pen_t = upload([ban, ban_sizes, bias, bias_sizes, penalised], dev)
     logits = logits.clone()
     flat = logits.view(-1)
     if ban:
@@ -265,8 +259,8 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], adjusters:
         counts, seen = _stack_penalty_state([adjusters[i] for i in penalised])  # [R, V] each
         settings = [(params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty)
                     for i in penalised]
-        rep, freq, pres = _upload_floats([v for row in zip(*settings) for v in row], dev).to(logits.dtype) \
-            .view(3, len(penalised), 1)
+        rep, freq, pres = upload([[v for row in zip(*settings) for v in row]], dev, torch.float32)[0] \
+            .to(logits.dtype).view(3, len(penalised), 1)
         x = logits.index_select(0, pen_t)
         if any(r != 1 for r, _, _ in settings):  # each part only when some row uses it: passes over [R, V]
             x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
@@ -297,7 +291,7 @@ def record_tokens(adjusters: list | None, picked: torch.Tensor) -> None:
         a.stacked is not None and a.stacked[0] is first[0] and a.stacked[2] == j for j, a in enumerate(penalised))
     counts, seen = (first[0], first[1]) if same else _stack_penalty_state(penalised)
     dev, V = picked.device, counts.shape[1]
-    rows_t, = upload_ints([rows], dev)
+    rows_t, = upload([rows], dev)
     at = torch.arange(len(rows), device=dev) * V + picked.index_select(0, rows_t)
     counts.view(-1).index_add_(0, at, torch.ones(len(rows), device=dev, dtype=counts.dtype))
     seen.view(-1).index_fill_(0, at, True)
@@ -311,6 +305,23 @@ def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[tor
     lp = torch.log_softmax(logits.float(), -1)
     top = torch.topk(lp, k, dim=-1)
     return lp.gather(1, targets[:, None])[:, 0], top.indices, top.values
+
+
+def read_back(ids: torch.Tensor, scores: tuple[torch.Tensor, ...] | None = None
+              ) -> tuple[list[int], tuple[list, list, list] | None]:
+    """ids [n] and score_rows' (chosen [m], top ids [m, k], top logprobs [m, k]) as host lists, in one copy from
+    the device: each read waits for every queued kernel, so a step reads once. Float64 holds the ids and the
+    float32 logprobs exactly."""
+    if scores is None:
+        return ids.tolist(), None
+    chosen, top_ids, top_lps = scores
+    m, k = top_ids.shape
+    flat = torch.cat([ids.double(), chosen.double(), top_ids.double().flatten(), top_lps.double().flatten()]).tolist()
+    n = ids.shape[0]
+    at = n + m
+    rows = lambda xs: [xs[r * k:(r + 1) * k] for r in range(m)]  # noqa: E731
+    return ([int(t) for t in flat[:n]],
+            (flat[n:at], rows([int(t) for t in flat[at:at + m * k]]), rows(flat[at + m * k:])))
 
 
 def token_logprobs(tokens: list[int], chosen: list[float], top_ids: list[list[int]], top_lps: list[list[float]],
@@ -337,26 +348,28 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     if grammars is not None:
         logits = mask_grammar_rows(logits, grammars)
     picked = logits.argmax(-1)
+    dev = logits.device
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    rows_t, want_t = upload([rows, want], dev) if rows or want else (None, None)
     if rows:
-        u = torch.cat([torch.rand(1, generator=generators[i]) for i in rows])
-        picked[rows] = sample_rows(logits[rows], [params[i].temperature for i in rows],
-                                   [params[i].top_k for i in rows], [params[i].top_p for i in rows], u,
-                                   [params[i].min_p for i in rows])
+        u = send(torch.cat([torch.rand(1, generator=generators[i]) for i in rows]), dev)
+        drawn = sample_rows(logits.index_select(0, rows_t), [params[i].temperature for i in rows],
+                            [params[i].top_k for i in rows], [params[i].top_p for i in rows], u,
+                            [params[i].min_p for i in rows])
+        picked.index_copy_(0, rows_t, drawn)
     if agree is not None:
         picked = agree(picked)
     record_tokens(adjusters, picked)
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if want:
-        chosen, top_ids, top_lps = score_rows(raw[want], picked[want], max(params[i].logprobs for i in want))
-    tokens = picked.tolist()
+    scores = score_rows(raw.index_select(0, want_t), picked.index_select(0, want_t),
+                        max(params[i].logprobs for i in want)) if want else None
+    tokens, scores = read_back(picked, scores)
     for state, token in zip(grammars or [], tokens):
         if state is not None:
             state.advance(token)
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if want:
-        rows_lp = token_logprobs([tokens[i] for i in want], chosen.tolist(), top_ids.tolist(), top_lps.tolist(),
-                                 [params[i].logprobs for i in want])
+        rows_lp = token_logprobs([tokens[i] for i in want], *scores, [params[i].logprobs for i in want])
         for i, lp in zip(want, rows_lp):
             logprobs[i] = lp
     return tokens, logprobs
