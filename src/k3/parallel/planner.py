@@ -198,6 +198,12 @@ class PlanTensors:
         first = _exclusive_cumsum(self.load)[None] + _exclusive_cumsum(all_counts, 0)
         return _overlap(first, all_counts, lo[:, rank], hi[:, rank])
 
+    def expert_shares(self) -> torch.Tensor:
+        """[E, R] slots of expert e that rank j processes (each row sums to load[e])."""
+        lo, hi = self._home_segments()
+        ends = torch.cumsum(self.load, 0)
+        return _overlap((ends - self.load)[:, None], self.load[:, None], lo, hi)
+
     def to_plan(self) -> ExpertPlan:
         """The host-side ExpertPlan (non-empty segments only; reads the device)."""
         keep = self.take.flatten()[self._segment_order()] > 0

@@ -12,7 +12,9 @@ hits then come out the same on every rank, and each rank's decode steps are its 
 Layout: N ranks, routed experts sharded over EP groups of `ep` consecutive ranks (`owned_experts`, loaded by
 `load_rank_shard`, MXFP4 kept packed; the ranks' shares are summed by one all-reduce: k3.serve.expert_shard).
 Attention and the dense parts are replicated, or split over TP groups of `tp` consecutive ranks where
-k3.parallel.tensor_parallel is available. Why TP + EP and not data-parallel attention with MoonEP's all-to-all:
+k3.parallel.tensor_parallel is available. With `replicas` (`--ep-replicas`) each rank also holds that many of
+other ranks' experts per MoE layer, re-placed from the routed load every `rebalance_steps` steps, and a hot
+expert's slots are split between its holders (MoonEP's balanced plan, served: k3.serve.expert_balance). Why TP + EP and not data-parallel attention with MoonEP's all-to-all:
 `k3 plan --serve` finds that with every GPU keeping all of attention the released model does not fit 16 H200s,
 and the all-reduce of [tokens, latent] needs no host planning, so decode steps stay capturable.
 
@@ -42,6 +44,7 @@ from k3.checkpoint.sharded import RankLayout
 from k3.serve.engine import EngineConfig, EngineThread, LLMEngine, fit_engine_config
 
 HEARTBEAT_S = 1.0         # an idle rank 0 steps this often (the other ranks wait in its broadcast meanwhile)
+REBALANCE_STEPS = 256    # engine steps between replica placements (--ep-rebalance-steps)
 STEP_TIMEOUT_S = 300.0    # a serving collective that waits longer than this fails (a hung rank)
 LOAD_TIMEOUT_S = 3600.0   # joining and loading: ranks read their shards at their own pace
 _STOP = "stop"
@@ -58,6 +61,8 @@ class ServeLayout:
     world: int
     ep: int
     tp: int = 1
+    replicas: int = 0
+    rebalance_steps: int = REBALANCE_STEPS
 
     def validate(self, num_experts: int | None = None) -> "ServeLayout":
         """ValueError naming the flag for a layout that cannot be served."""
@@ -71,6 +76,15 @@ class ServeLayout:
             raise ValueError(f"--ep {self.ep} must divide the model's {num_experts} routed experts")
         if self.world % self.tp:
             raise ValueError(f"--tp {self.tp} must divide --nproc {self.world}")
+        for flag, v, least in (("--ep-replicas", self.replicas, 0), ("--ep-rebalance-steps", self.rebalance_steps, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{flag} must be an integer >= {least}, got {v!r}")
+        if self.replicas and self.ep == 1:
+            raise ValueError(f"--ep-replicas {self.replicas}: replicas balance expert parallelism, and this layout "
+                             f"has one rank per expert group (--ep 1); give --nproc N --ep E with E >= 2")
+        if self.replicas and num_experts is not None and self.replicas > num_experts // self.ep:
+            raise ValueError(f"--ep-replicas {self.replicas} exceeds the {num_experts // self.ep} experts each rank "
+                             f"owns: a balanced plan never gives a rank more replicas than that")
         return self
 
     def rank_layout(self, rank: int) -> RankLayout:
@@ -156,6 +170,7 @@ class DistributedEngine(LLMEngine):
         self.is_leader = channel.rank == 0
         self.idle_step_s = HEARTBEAT_S if self.is_leader else None
         self._events: list[tuple] = []
+        self.balancer = None  # a k3.serve.expert_shard.ReplicaBalancer with --ep-replicas: runs after each step
 
     def agree_tokens(self, picked: torch.Tensor) -> torch.Tensor:
         return self.channel.agree(picked)
@@ -184,7 +199,10 @@ class DistributedEngine(LLMEngine):
             raise RuntimeError("only rank 0 steps the engine; the other ranks call follow()")
         events, self._events = self._events, []
         self.channel.publish(events)
-        return super().step()
+        out = super().step()
+        if self.balancer is not None:
+            self.balancer.after_step()
+        return out
 
     def follow(self) -> None:
         """The loop of a rank other than 0: apply rank 0's events, run the same step, until rank 0 closes."""
@@ -202,6 +220,8 @@ class DistributedEngine(LLMEngine):
                     super().abort(event[1])
             with torch.inference_mode():
                 super().step()
+            if self.balancer is not None:
+                self.balancer.after_step()
         super().close()
 
     def close(self) -> None:
@@ -238,7 +258,7 @@ def build_rank_engine(model_dir, layout: ServeLayout, engine_config: EngineConfi
     checkpoint (rank-sharded), the tokenizer. Collective: every rank calls it."""
     from k3.config import K3Config
     from k3.data import model_tokenizer
-    from k3.serve.expert_shard import load_rank_model
+    from k3.serve.expert_shard import ReplicaBalancer, load_rank_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != layout.world:
@@ -247,9 +267,12 @@ def build_rank_engine(model_dir, layout: ServeLayout, engine_config: EngineConfi
     config = K3Config.from_pretrained(d)
     layout.validate(config.num_experts)
     groups = make_groups(layout, rank, step_timeout_s)
-    model = load_rank_model(d, layout.rank_layout(rank), device=device, ep_group=groups.ep, tp_group=groups.tp)
+    model = load_rank_model(d, layout.rank_layout(rank), device=device, ep_group=groups.ep, tp_group=groups.tp,
+                            replicas=layout.replicas)
     engine = DistributedEngine(model, model_tokenizer(d), fit_engine_config(config, engine_config),
                                Lockstep(groups))
+    if layout.replicas:
+        engine.balancer = ReplicaBalancer(model, groups.ep, layout.rebalance_steps)
     dist.barrier()  # every rank has loaded (the load timeout); from here on the step timeout bounds each wait
     return engine
 
@@ -426,7 +449,11 @@ def serve_from_cli(a, engine_config: EngineConfig, api_key: str | None) -> None:
     if has_vision(d):
         raise ValueError(f"--nproc: {d} is a vision-language model; distributed serving is text-only")
     config = K3Config.from_pretrained(d)
-    layout = ServeLayout(world, a.ep or world, a.tp).validate(config.num_experts)
+    replicas = getattr(a, "ep_replicas", None) or 0
+    every = getattr(a, "ep_rebalance_steps", None)
+    if every is not None and not replicas:
+        raise ValueError(f"--ep-rebalance-steps {every}: there are no replicas to re-place without --ep-replicas")
+    layout = ServeLayout(world, a.ep or world, a.tp, replicas, every or REBALANCE_STEPS).validate(config.num_experts)
     if layout.tp > 1:
         from k3.parallel.tensor_parallel import check_heads
         try:

@@ -3,7 +3,8 @@ loading, MXFP4 kept packed) and computes their share of every token's routed sum
 group adds the shares. Every rank holds the whole batch (replicated or tensor-parallel attention), so no token
 moves between ranks: the combine is a sum of [N, latent] partials, with no host read while a CUDA graph
 captures (the training `ExpertParallelCombine` reads its all-to-all splits on the host every layer and cannot
-be captured)."""
+be captured). With replicas (`k3 serve --ep-replicas`), a rank also holds other ranks' hot experts, placed from
+the load every rank counts on the device and moved between steps by `rebalance` (k3.serve.expert_balance)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,6 +17,7 @@ from k3.checkpoint.convert import config_experts_format
 from k3.checkpoint.sharded import RankLayout, load_rank_shard
 from k3.config import K3Config
 from k3.model.moe import LatentMoE
+from k3.serve.expert_balance import ReplicaPlacement, place_replicas, slot_holders
 
 MODES = ("auto", "masked", "sparse")
 
@@ -27,26 +29,58 @@ class ExpertShardCombine:
     all-reduce over `group` (None: this rank's partial sum only). Two ways to compute the partial sum:
     `sparse` runs only the slots routed here (reads their count on the host: prefill, CPU); `masked` runs all
     N·k slots with other ranks' slots weighted 0 (fixed shapes, no host read: what a CUDA-graph capture
-    takes). `auto`: masked while capturing, sparse otherwise."""
+    takes). `auto`: masked while capturing, sparse otherwise.
 
-    def __init__(self, moe: LatentMoE, first: int, group=None, mode: str = "auto"):
+    replicas > 0 (balanced replicas, k3.serve.expert_balance): the expert stacks get that many more rows for
+    other ranks' experts, and the slots of a held expert are split between its holders by the placement
+    (`install`, from `rebalance`); rank `rank` of `size` in the EP group. Then, and with track=True, the
+    device counts `seen` ([E] slots routed to each expert) and `rows` (slots computed here) accumulate."""
+
+    def __init__(self, moe: LatentMoE, first: int, group=None, mode: str = "auto", replicas: int = 0,
+                 rank: int = 0, size: int = 1, track: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.first, self.group, self.mode = first, group, mode
         e = moe.experts
         self.count = (e.w1_packed if e.packed else e.w1).shape[0]
+        self.replicas, self.rank, self.size = replicas, rank, size
+        if replicas:
+            _add_rows(e, replicas)
         # what LatentMoE.combine_experts reads, over the local experts only (one home for the expert dispatch)
-        self.local = SimpleNamespace(experts=e, num_experts=self.count, qat=moe.qat, betas=moe.betas)
+        self.local = SimpleNamespace(experts=e, num_experts=self.count + replicas, qat=moe.qat, betas=moe.betas)
+        dev = (e.w1_packed if e.packed else e.w1).device
+        E = moe.num_experts
+        self.seen = torch.zeros(E, dtype=torch.long, device=dev) if (replicas or track) else None
+        self.rows = torch.zeros((), dtype=torch.long, device=dev) if (replicas or track) else None
+        self.counted = None if self.seen is None else self.seen.clone()  # `seen` at the last placement
+        self.placement: ReplicaPlacement | None = None
+        self.slot_of: dict[int, int] = {}  # replica expert → its row in the local stacks
+        self.fetched = 0  # replica experts whose weights were brought here so far
+        self.cut = self.row_of = None
+        if replicas:
+            self.cut = torch.empty(E, size, dtype=torch.long, device=dev)
+            self.row_of = torch.empty(E, dtype=torch.long, device=dev)
+            self.install(ReplicaPlacement.home_only(E, size), None)
 
-    def __call__(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def __call__(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, meanwhile=None):
+        """meanwhile (LatentMoE's shared experts) runs while the all-reduce is in flight; then (r, its result)."""
         r = self.partial(z, idx, w)
-        if self.group is not None:
-            dist.all_reduce(r, group=self.group)
-        return r
+        work = None if self.group is None else dist.all_reduce(r, group=self.group, async_op=True)
+        extra = meanwhile() if meanwhile is not None else None
+        if work is not None:
+            work.wait()
+        return r if meanwhile is None else (r, extra)
 
     def partial(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        local = idx - self.first
-        mine = (local >= 0) & (local < self.count)
+        if self.cut is None:
+            local = idx - self.first
+            mine = (local >= 0) & (local < self.count)
+        else:  # the holder of each slot, decided alike on every rank from the routing every rank has
+            mine = slot_holders(idx, self.cut) == self.rank
+            local = self.row_of[idx]
+        if self.seen is not None:  # on the device: captured decode steps count too
+            self.seen.scatter_add_(0, idx.flatten(), torch.ones_like(idx.flatten()))
+            self.rows += mine.sum()
         capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.mode == "masked" or (self.mode == "auto" and capturing):
             # other ranks' slots run through local expert 0 with weight 0: finite values times an exact zero
@@ -60,13 +94,131 @@ class ExpertShardCombine:
         y = LatentMoE.combine_experts(self.local, z[tokens], local.flatten()[slots, None], w.flatten()[slots, None])
         return r.index_add_(0, tokens, y)
 
+    def replica_rows(self, experts: list[int]) -> torch.Tensor:
+        """[n, bytes] uint8: the stacked weights (w1, w3, w2 or their packed bytes and scales) of home experts."""
+        rows = torch.tensor(experts, dtype=torch.long, device=self.cut.device) - self.first
+        return torch.cat([t[rows].reshape(len(experts), -1).view(torch.uint8) for t in _stacks(self.local.experts)],
+                         dim=1)
+
+    def fresh(self, placement: ReplicaPlacement, rank: int | None = None) -> list[int]:
+        """The replicas `placement` gives `rank` (default this one) that it does not hold yet: all the weights a
+        re-placement moves (the current placement is the same on every rank, so any rank can tell)."""
+        rank = self.rank if rank is None else rank
+        held = set(self.placement.replicas[rank]) if self.placement is not None else set()
+        return [e for e in placement.replicas[rank] if e not in held]
+
+    @torch.no_grad()
+    def install(self, placement: ReplicaPlacement, fetched: torch.Tensor | None) -> None:
+        """Take `placement`. `fetched`: the weights of `self.fresh(placement)` ([n, bytes] as `replica_rows`
+        gives, in that order); replicas kept from the last placement stay in their rows. Every tensor is updated
+        in place: captured graphs stay valid."""
+        mine = placement.replicas[self.rank]
+        if len(mine) > self.replicas:
+            raise ValueError(f"the placement gives rank {self.rank} {len(mine)} replicas; it has room for "
+                             f"{self.replicas}")
+        fresh = self.fresh(placement)
+        kept = {e: r for e, r in self.slot_of.items() if e in mine}
+        free = [r for r in range(self.count, self.count + self.replicas) if r not in kept.values()]
+        new = dict(zip(fresh, free))
+        if fresh:
+            rows = torch.tensor(list(new.values()), dtype=torch.long, device=self.row_of.device)
+            offset = 0
+            for t in _stacks(self.local.experts):
+                width = t[0].numel() * t.element_size()
+                part = fetched[:, offset:offset + width].contiguous().view(t.dtype)
+                t.index_copy_(0, rows, part.view(len(fresh), *t.shape[1:]))
+                offset += width
+        self.slot_of = {**kept, **new}
+        self.fetched += len(fresh)
+        row_of = torch.full_like(self.row_of, -1)
+        row_of[self.first:self.first + self.count] = torch.arange(self.count, device=row_of.device)
+        for e, r in self.slot_of.items():
+            row_of[e] = r
+        self.row_of.copy_(row_of)
+        self.cut.copy_(placement.cut)
+        self.placement = placement
+
+
+def _stack_names(experts) -> tuple[str, ...]:
+    """The expert weight stacks, in the one order replica rows are laid out in (packed: bytes, then scales)."""
+    return ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale") if experts.packed \
+        else ("w1", "w3", "w2")
+
+
+def _stacks(experts) -> list[torch.Tensor]:
+    return [getattr(experts, n) for n in _stack_names(experts)]
+
+
+@torch.no_grad()
+def _add_rows(experts, n: int) -> None:
+    """Give each expert stack n more (zero) rows after the home experts, for replicas; packed stays packed."""
+    for name in _stack_names(experts):
+        t = getattr(experts, name)
+        grown = torch.cat([t.detach(), t.new_zeros(n, *t.shape[1:])])
+        if name in experts._parameters:
+            experts._parameters[name] = torch.nn.Parameter(grown, requires_grad=False)
+        else:
+            experts._buffers[name] = grown
+
+
+@torch.no_grad()
+def rebalance(combines: list[ExpertShardCombine], group=None) -> bool:
+    """Collective over the EP group: re-place every layer's replicas from the slots routed since the last
+    placement and move the replica weights (one all-to-all per layer, between steps). The load is the group's
+    first rank's (broadcast), so every rank computes the same placement even if counts could differ. Returns
+    False (and keeps the placement) when no slot was routed since."""
+    if not combines:
+        return False
+    c0 = combines[0]
+    R = c0.size
+    since = torch.stack([c.seen - c.counted for c in combines])
+    if group is not None:
+        dist.broadcast(since, src=dist.get_global_rank(group, 0), group=group)
+    since = since.cpu()
+    if not bool(since.any()):
+        return False
+    for c, load in zip(combines, since):
+        placement = place_replicas(load, R, c.replicas)
+        per = c.count
+        # what each rank lacks of my experts, and what I lack (by source rank, then id: the all-to-all's order)
+        send = [[e for e in c.fresh(placement, j) if e // per == c.rank] for j in range(R)]
+        need = c.fresh(placement)
+        fetched = None
+        if any(c.fresh(placement, j) for j in range(R)):  # the same answer on every rank: all move or all skip
+            if group is None:
+                raise ValueError("replicas of other ranks' experts need the EP group to fetch them")
+            width = sum(t[0].numel() * t.element_size() for t in _stacks(c.local.experts))
+            fetched = torch.empty(len(need), width, dtype=torch.uint8, device=c.cut.device)
+            rows = [e for es in send for e in es]
+            dist.all_to_all_single(fetched, c.replica_rows(rows) if rows else fetched.new_empty(0, width),
+                                   [sum(1 for e in need if e // per == h) for h in range(R)],
+                                   [len(es) for es in send], group=group)
+        c.install(placement, fetched)
+        c.counted = c.seen.clone()
+    return True
+
+
+class ReplicaBalancer:
+    """Re-places the replicas of `model`'s expert-shard combines every `every` engine steps (collective: every
+    rank of the EP group calls `after_step` after each step, in lockstep)."""
+
+    def __init__(self, model, group, every: int):
+        self.combines = [m.combine_experts for m in model.modules() if isinstance(m, LatentMoE)
+                         and isinstance(m.combine_experts, ExpertShardCombine) and m.combine_experts.replicas]
+        self.group, self.every, self.steps, self.placements = group, every, 0, 0
+
+    def after_step(self) -> None:
+        self.steps += 1
+        if self.combines and self.steps % self.every == 0:
+            self.placements += rebalance(self.combines, self.group)
+
 
 def load_rank_model(path, layout: RankLayout, device="cpu", dtype=None, ep_group=None, tp_group=None,
-                    packed_experts: bool | None = None, mode: str = "auto"):
+                    packed_experts: bool | None = None, mode: str = "auto", replicas: int = 0, track: bool = False):
     """The K3ForCausalLM of one serving rank: its TP block of every non-expert tensor (`tp_group`; None: whole)
     and of the routed experts only the EP rank's own (read by `load_rank_shard`, nothing else materialised), each
     LatentMoE combining over `ep_group`. packed_experts: keep MXFP4 experts packed (default: when the checkpoint
-    stores them so)."""
+    stores them so). replicas, track: as ExpertShardCombine's."""
     from k3.parallel.tensor_parallel import model_from_rank_shard
 
     config = K3Config.from_pretrained(Path(path))
@@ -75,5 +227,6 @@ def load_rank_model(path, layout: RankLayout, device="cpu", dtype=None, ep_group
     shard = load_rank_shard(path, layout, device=device, dtype=dtype, packed_experts=packed_experts)
     model = model_from_rank_shard(config, shard, tp_group)
     for moe in (m for m in model.modules() if isinstance(m, LatentMoE)):
-        moe.combine_experts = ExpertShardCombine(moe, shard.experts.start, ep_group, mode)
+        moe.combine_experts = ExpertShardCombine(moe, shard.experts.start, ep_group, mode, replicas,
+                                                 layout.ep_rank, layout.ep, track)
     return model.eval()
