@@ -79,7 +79,38 @@ def worker(rank, world):
         out.pow(2).sum().backward()
         res[mode] = {"out": out.detach(), "z_grad": z.grad, "w1_grad": moe.experts.w1.grad.clone(),
                      "reads": reads, "syncing": watch.syncing, "replicas": handle.last_plan.replicas}
+    res["overlap"] = overlap_order(rank)
     return res
+
+
+def overlap_order(rank):
+    """The order of events when the shared experts are handed to the combine: each all-to-all launch (async or
+    not), the shared experts' call, and each wait on an async exchange; plus the combine's two results."""
+    moe = layer()
+    handle = apply_expert_parallel(moe, None, "balanced")[0]
+    z, idx, w = inputs(rank)
+    events = []
+    real = torch.distributed.all_to_all_single
+
+    class Work:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("wait")
+            return self.work.wait()
+
+    def spy(*args, async_op=False, **kwargs):
+        events.append("launch async" if async_op else "launch")
+        work = real(*args, async_op=async_op, **kwargs)
+        return Work(work) if async_op else work
+
+    torch.distributed.all_to_all_single = spy
+    try:
+        out, extra = handle(z, idx, w, meanwhile=lambda: events.append("shared") or z.sum())
+    finally:
+        torch.distributed.all_to_all_single = real
+    return {"events": events, "out": out, "extra": extra, "plain": handle(z, idx, w)}
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +139,15 @@ def test_output_and_gradients_equal_one_process(results, mode):
         torch.testing.assert_close(res[mode]["z_grad"], z.grad, rtol=1e-12, atol=1e-12)
     w1_grad = moe.experts.w1.grad  # summed over both ranks' tokens
     torch.testing.assert_close(torch.cat([res[mode]["w1_grad"] for res in results]), w1_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_shared_experts_run_while_the_dispatch_travels(results):
+    """The dispatch and the replica fetch are launched async, the shared experts are queued before their waits,
+    the combine comes after;
+    and handing them over changes neither result."""
+    for rank, res in enumerate(results):
+        o = res["overlap"]
+        # dispatch and replica fetch (the skew makes replicas) in flight, shared experts, both waits, combine
+        assert o["events"] == ["launch async", "launch async", "shared", "wait", "wait", "launch"]
+        torch.testing.assert_close(o["out"], o["plain"], rtol=0, atol=0)
+        assert torch.equal(o["extra"], inputs(rank)[0].sum())

@@ -83,17 +83,24 @@ class LatentMoE(nn.Module):
             self.last_scores = scores.detach()
             self.last_mask = None if mask is None else mask.reshape(-1)
         z, *shared_in = self.in_proj(x)
-        r = self.combine_experts(z, idx, w.to(z.dtype))
+        if self.shared_experts is None:
+            r = self.combine_experts(z, idx, w.to(z.dtype))
+        else:  # SiTUMLP's forward from the fused gate and up projections, run while the experts' rows travel
+            shared = self.shared_experts
+            r, s = self.combine_experts(z, idx, w.to(z.dtype),
+                                        meanwhile=lambda: shared.down_proj(situ_glu_fast(*shared_in, *shared.betas)))
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         out = self.routed_expert_up_proj(r)
-        if self.shared_experts is not None:  # SiTUMLP's forward, from the fused gate and up projections
-            out = out + self.shared_experts.down_proj(situ_glu_fast(*shared_in, *self.shared_experts.betas))
-        return out.view(shape)
+        return out.view(shape) if self.shared_experts is None else (out + s).view(shape)
 
-    def combine_experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def combine_experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, meanwhile=None):
         """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L].
-        (The seam expert parallelism replaces: k3.parallel.expert_parallel.)"""
+        (The seam expert parallelism replaces: k3.parallel.expert_parallel, k3.serve.expert_shard.)
+        meanwhile: work to overlap with the experts' communication where there is any (the shared experts);
+        with it, (r, meanwhile()) is returned."""
+        if meanwhile is not None:  # one device: nothing travels, so nothing to overlap
+            return LatentMoE.combine_experts(self, z, idx, w), meanwhile()
         N, k = idx.shape
         e = self.experts
         needs_grad = torch.is_grad_enabled() and (z.requires_grad or (not e.packed and e.w1.requires_grad))

@@ -18,26 +18,37 @@ warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scat
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
+    def forward(ctx, x, out_splits, in_splits, group, pending):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return _exchange(x, out_splits, in_splits, group, pending)
 
     @staticmethod
     def backward(ctx, grad):
         back = grad.new_empty(sum(ctx.in_splits), *grad.shape[1:])
         dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
-        return back, None, None, None
+        return back, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None) -> torch.Tensor:
-    """Rows of x: [sum(in_splits), ...] go in_splits[j] to rank j; returns [sum(out_splits), ...] (by source)."""
+def _exchange(x, out_splits, in_splits, group, pending: list | None):
+    """all_to_all_single into a new tensor; with `pending` (a list) it is launched async and its work appended."""
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group,
+                                  async_op=pending is not None)
+    if pending is not None:
+        pending.append(work)
+    return out
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None,
+               pending: list | None = None) -> torch.Tensor:
+    """Rows of x: [sum(in_splits), ...] go in_splits[j] to rank j; returns [sum(out_splits), ...] (by source).
+
+    pending: a list to launch the exchange asynchronously: its work handle is appended, and the result must not
+    be read before `work.wait()` (on a GPU that orders the current stream after the exchange without blocking
+    the host), so the caller can queue compute that overlaps the transfer in between."""
     if not x.requires_grad:
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+        return _exchange(x, out_splits, in_splits, group, pending)
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group, pending)
 
 
 class _AllGather(torch.autograd.Function):

@@ -57,7 +57,9 @@ class ExpertParallelCombine:
     def last_plan(self) -> ExpertPlan | None:
         return None if self.last_plan_tensors is None else self.last_plan_tensors.to_plan()
 
-    def __call__(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def __call__(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, meanwhile=None):
+        """meanwhile: LatentMoE's shared-expert MLP, called while the dispatch all-to-all is in flight, so its
+        GEMMs overlap the transfer; then (r, its result) is returned instead of r."""
         R, me, E = self.size, self.rank, self.moe.num_experts
         N, k = idx.shape
         dev = z.device
@@ -80,12 +82,17 @@ class ExpertParallelCombine:
         by_dest = torch.argsort(plan.slot_ranks(pos), stable=True)
         send_slots = order[by_dest]  # slot ids (token·k + j) in send order: by destination, then expert
         unsend = inverse_permutation(send_slots)
-        x_recv = all_to_all(dispatch_rows(z, send_slots, unsend, k), recv_splits, send_splits, self.group)
+        pending = []  # the dispatch and the replica fetch travel while the shared experts compute
+        x_recv = all_to_all(dispatch_rows(z, send_slots, unsend, k), recv_splits, send_splits, self.group, pending)
+        fetched = self._fetch_replicas(plan, n_replicas, donor, pending)
+        extra = meanwhile() if meanwhile is not None else None
+        for work in pending:
+            work.wait()
         # the arrivals' experts follow from the plan: by source rank, then expert
         e_recv = torch.repeat_interleave(torch.arange(E, device=dev).repeat(R), received.flatten(),
                                          output_size=sum(recv_splits))
 
-        w1, w3, w2, table = self._weights(plan, n_replicas, donor)
+        w1, w3, w2, table = self._weights(plan, n_replicas, fetched)
         row_of = torch.full((E,), -1, dtype=torch.long, device=dev)
         row_of[table] = torch.arange(table.numel(), device=dev)
         rows = row_of[e_recv]
@@ -98,28 +105,36 @@ class ExpertParallelCombine:
                  w1, w3, w2, *self.moe.betas)
         y_back = all_to_all(permute_rows(y, arrival, by_row), send_splits, recv_splits, self.group)
         # as LatentMoE.combine_experts: back to [N, k] slot order, then one weighted sum over the k choices
-        return torch.bmm(w.unsqueeze(1), permute_rows(y_back, unsend, send_slots).view(N, k, -1)).squeeze(1)
+        r = torch.bmm(w.unsqueeze(1), permute_rows(y_back, unsend, send_slots).view(N, k, -1)).squeeze(1)
+        return r if meanwhile is None else (r, extra)
 
-    def _weights(self, plan: PlanTensors, n_replicas: list[int], donor: list[int]):
-        """Stacked (w1, w3, w2) for the local experts followed by this rank's replicas, and their global ids.
-        n_replicas, donor: the plan's per-rank replica counts and donors, already on the host."""
+    def _fetch_replicas(self, plan: PlanTensors, n_replicas: list[int], donor: list[int], pending: list):
+        """Launch the exchange of replica weights (packed w1|w3|w2 rows) and return its destination, or None
+        when the plan has no replicas. n_replicas, donor: the plan's per-rank replica counts and donors, on the
+        host. The result is complete once the work appended to `pending` is waited on."""
+        if not any(n_replicas):  # the plan is global, so every rank skips the fetch together
+            return None
         e = self.moe.experts
         R, me, per = self.size, self.rank, e.count
-        dev = e.w1.device
-        home = torch.arange(e.first, e.first + per, device=dev)
-        if not any(n_replicas):  # the plan is global, so every rank skips the fetch together
-            return e.w1, e.w3, e.w2, home
         send_counts = [n_replicas[j] if donor[j] == me else 0 for j in range(R)]
         # rows for the ranks that replicate my experts: by taker, then expert (first n true entries, no sync)
         wanted = plan.replica_mask[:, e.first:e.first + per] & (plan.donor == me)[:, None]
         send_rows = torch.argsort((~wanted).flatten().to(torch.int8), stable=True)[:sum(send_counts)] % per
+        packed = torch.cat([w[send_rows].flatten(1) for w in (e.w1, e.w3, e.w2)], dim=1)  # rows that leave: [n, P]
+        return all_to_all(packed, [n_replicas[me] if j == donor[me] else 0 for j in range(R)], send_counts,
+                          self.group, pending)
+
+    def _weights(self, plan: PlanTensors, n_replicas: list[int], fetched: torch.Tensor | None):
+        """Stacked (w1, w3, w2) for the local experts followed by this rank's fetched replicas, and their
+        global ids."""
+        e = self.moe.experts
         own = (e.w1, e.w3, e.w2)
-        packed = torch.cat([w[send_rows].flatten(1) for w in own], dim=1)  # only the rows that leave: [n, P]
-        fetched = all_to_all(packed, [n_replicas[me] if j == donor[me] else 0 for j in range(R)],
-                             send_counts, self.group)
+        home = torch.arange(e.first, e.first + e.count, device=e.w1.device)
+        if fetched is None:
+            return (*own, home)
         parts = fetched.split([w[0].numel() for w in own], dim=1)
         w1, w3, w2 = (torch.cat([w, f.reshape(-1, *w.shape[1:])]) for w, f in zip(own, parts))
-        mine = torch.argsort((~plan.replica_mask[me]).to(torch.int8), stable=True)[:n_replicas[me]]
+        mine = torch.argsort((~plan.replica_mask[self.rank]).to(torch.int8), stable=True)[:n_replicas[self.rank]]
         return w1, w3, w2, torch.cat([home, mine])
 
 
