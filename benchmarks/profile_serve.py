@@ -269,9 +269,10 @@ def main():
     for variant in a.variants.split(";"):
         extra = {k: (v == "true" if v in ("true", "false") else int(v))
                  for k, v in (kv.split("=") for kv in variant.split(",") if kv)}
-        ecfg = EngineConfig(memory_bytes=16 << 30 if dev.type == "cuda" else 1 << 28, block_size=256,
-                            match_unit=16, max_batch_tokens=2048, max_num_seqs=a.streams,
-                            num_state_slots=512 if dev.type == "cuda" else 2 * a.streams, **extra)
+        settings = dict(memory_bytes=16 << 30 if dev.type == "cuda" else 1 << 28, block_size=256, match_unit=16,
+                        max_batch_tokens=2048, max_num_seqs=a.streams,
+                        num_state_slots=512 if dev.type == "cuda" else 2 * a.streams)
+        ecfg = EngineConfig(**{**settings, **extra})  # a variant may override these (e.g. max_batch_tokens)
         eng = LLMEngine(model, None, ecfg)
         rec = StepRecorder(eng)
         with torch.inference_mode():

@@ -228,15 +228,15 @@ def test_a_step_reads_the_device_once(model, monkeypatch, split):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split", [False, True])
 def test_cuda_steps_wait_for_the_device_once(model, split):
-    """On CUDA in bf16 (fla's kernels, decode graphs): CUDA's sync debug mode reports every wait of the host for
-    the device (value reads, copies from pageable memory, stream syncs). The same requests run twice, the first
-    time to capture the graphs and compile the kernels; in the second, each step's waits from the serving code
-    (k3.serve, the model's serving layouts, the sampler) are one read_back when it samples, and no other."""
+    """On CUDA with decode graphs, CUDA's sync debug mode reports every wait of the host for the device (value
+    reads, copies from pageable memory, stream syncs). The same requests run twice, the first time to capture the
+    graphs; in the second, each step's waits from the serving code (k3.serve, the model's serving layouts, the
+    sampler) are one read_back when it samples, and no other. fp32: no kernel to compile (the KDA references' own
+    checks read values, outside the serving code; `profile_serve.py --sync-trace` lists fla's, in bf16)."""
     from profile_serve import device_waits  # benchmarks/: the one home of the trace
 
     cuda = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
     cuda.load_state_dict(model.state_dict())
-    cuda = cuda.to(torch.bfloat16)
     eng = make_engine(cuda, decode_graphs=True, split_mixed_steps=split, max_batch_tokens=10, prefix_caching=False)
     sampled = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, logprobs=2, repetition_penalty=1.1)
     requests = [(prompt(1, 5), SamplingParams(max_tokens=10, **GREEDY), 0), (prompt(2, 6), sampled, 0),
