@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, steps: int, out_dir: str) -> None:
     one = torch.ones(1, dtype=torch.long)
     ids = torch.zeros(64, dtype=torch.long)
     params = SamplingParams(max_tokens=256, temperature=0.7, logprobs=1)
-    arrivals = [("add", list(range(512)), params, f"req-{i}", None, None) for i in range(8)]
+    arrivals = [("add", list(range(512)), params, f"req-{i}", None, None, None) for i in range(8)]
 
     def send(events):
         return (lambda: channel.publish(events)) if lead else channel.receive

@@ -218,7 +218,8 @@ def load_rank_model(path, layout: RankLayout, device="cpu", dtype=None, ep_group
     """The K3ForCausalLM of one serving rank: its TP block of every non-expert tensor (`tp_group`; None: whole)
     and of the routed experts only the EP rank's own (read by `load_rank_shard`, nothing else materialised), each
     LatentMoE combining over `ep_group`. packed_experts: keep MXFP4 experts packed (default: when the checkpoint
-    stores them so). replicas, track: as ExpertShardCombine's."""
+    stores them so). replicas, track: as ExpertShardCombine's. A vision-language checkpoint gives the
+    K3ForConditionalGeneration around that text part, its vision tower and projector whole on every rank."""
     from k3.parallel.tensor_parallel import model_from_rank_shard
 
     config = K3Config.from_pretrained(Path(path))
@@ -229,4 +230,7 @@ def load_rank_model(path, layout: RankLayout, device="cpu", dtype=None, ep_group
     for moe in (m for m in model.modules() if isinstance(m, LatentMoE)):
         moe.combine_experts = ExpertShardCombine(moe, shard.experts.start, ep_group, mode, replicas,
                                                  layout.ep_rank, layout.ep, track)
+    from k3.vision.checkpoint import has_vision, load_pretrained as load_vision
+    if has_vision(path):  # every rank encodes the images it is sent (why: k3.serve.distributed)
+        return load_vision(path, device, dtype, language_model=model.eval())
     return model.eval()
