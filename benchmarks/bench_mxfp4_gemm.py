@@ -4,16 +4,18 @@ peer, bf16 `torch._grouped_mm` on the same weights dequantised ahead of time, an
 Shapes: K3's released experts (latent 3584, expert intermediate 3072, 896 experts, top-16), all 896 packed on
 the card (15.7 GB: packed bytes and E8M0 scales of w1, w3, w2), each token routed to 16 distinct random experts.
 * decode: 1, 8, 64 tokens. "selected" = the decode kernels (each (token, choice) reads its expert in place,
-  no sort; what the model takes while N·k <= E/4), "grouped" = the grouped kernels on rows sorted by expert.
+  no sort; what the model takes while N·k <= E/4), "grouped" = the grouped kernels on rows sorted by expert;
+  "(decode layout)" = the same kernels on the bytes rearranged once at load (k3.ops.mxfp4_layout: one rotate and
+  one mask a bf16 pair instead of two shifts, two masks and an or; one multiply a pair instead of two).
   Roofline = packed bytes of the experts the step touches (w1, w3, w2 and their scales) / bandwidth, both the
   H200's 4.8 TB/s datasheet figure and the copy bandwidth measured in this run (bytes read + written).
 * prefill: 2048 and 8192 tokens (32K and 128K rows); TFLOP/s = 2·rows·3·L·I / time, against the bf16 matmul
   rate measured in this run.
 The peer reads bf16 weights (4× the bytes) and is timed on the same routing; "peer+dequant" (decode) adds the
 dequantisation of the touched experts that a bf16 path needs each step.
---sweep: also time other tile configurations (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, W_LEFT) of the kernels at
-decode T=1 (selected), T=64 (grouped) and prefill T=8192, to choose `tile_config`'s defaults
-(the last entry, W_LEFT: the weight tile as the dot's left operand, else the right one).
+--sweep: also time other tile configurations (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, W_LEFT) of the kernels on
+the decode layout at decode T=1 (selected), T=64 (grouped) and prefill T=8192 (not with --sweep-decode-only), to
+choose `tile_config`'s defaults (the last entry, W_LEFT: the weight tile as the dot's left operand, else the right).
 Run: PYTHONPATH=src python benchmarks/bench_mxfp4_gemm.py [--quick] [--sweep]
 """
 import argparse
@@ -28,6 +30,7 @@ from gpu_bench_util import measure_ceilings, save, table, time_ms  # noqa: E402
 from k3.ops.grouped_mm import expert_situ_mlp_grouped  # noqa: E402
 from k3.ops.mx import mxfp4_unpack  # noqa: E402
 from k3.ops.mx_experts import EXPERT_ORDER, packed_expert_situ_mlp, packed_selected_experts_situ_mlp  # noqa: E402
+from k3.ops.mxfp4_layout import decode_layout_weight  # noqa: E402
 from k3.ops.triton_dispatch import triton_module  # noqa: E402
 
 H200_TBPS = 4.8
@@ -64,7 +67,8 @@ def routing(T, E, k, gen):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="64 experts of a quarter the width (a smoke run)")
-    ap.add_argument("--sweep", action="store_true", help="time other tile configurations too")
+    ap.add_argument("--sweep", action="store_true", help="time other tile configurations too (decode layout)")
+    ap.add_argument("--sweep-decode-only", action="store_true", help="sweep the decode shapes only (not prefill)")
     a = ap.parse_args()
     E, L, I, k = (64, 896, 768, 16) if a.quick else (896, 3584, 3072, 16)
     ceil = measure_ceilings()
@@ -74,6 +78,9 @@ def main():
     per_expert = sum(getattr(experts, f"{n}_{p}")[0].numel() for n in ("w1", "w3", "w2") for p in ("packed", "scale"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    mod = triton_module("_mxfp4_triton")
+    released = [(getattr(experts, f"{n}_packed"), getattr(experts, f"{n}_scale")) for n in EXPERT_ORDER]
+    decode = [decode_layout_weight(*w) for w in released]  # what a serving load does once
     with torch.no_grad():
         dense = {n: experts.dense(n) for n in ("w1", "w3", "w2")}  # the peer's bf16 weights (4× the bytes)
         for T in (1, 8, 64):
@@ -93,6 +100,8 @@ def main():
                 return expert_situ_mlp_grouped(x, counts, dense["w1"], dense["w3"], dense["w2"])
             times = {
                 "grouped": time_ms(lambda: packed_expert_situ_mlp(x, counts, experts), reps=20, inner=5),
+                "grouped (decode layout)": time_ms(lambda: mod.grouped_situ_mlp(x, counts, *decode, 4.0, 25.0),
+                                                   reps=20, inner=5),
                 "peer": time_ms(lambda: expert_situ_mlp_grouped(x, counts, dense["w1"], dense["w3"], dense["w2"]),
                                 reps=20, inner=5),
                 "peer+dequant": time_ms(peer_dequant, reps=10),
@@ -100,6 +109,11 @@ def main():
             if T * k <= E // 4:
                 times["selected"] = time_ms(lambda: packed_selected_experts_situ_mlp(z, idx, wt, experts),
                                             reps=20, inner=5)
+
+                def selected_decode_layout():  # packed_selected_experts_situ_mlp's work on the decode layout
+                    y = mod.selected_situ_mlp(z, idx, *decode, 4.0, 25.0)
+                    return torch.bmm(wt.unsqueeze(1), y.view(T, k, -1)).squeeze(1)
+                times["selected (decode layout)"] = time_ms(selected_decode_layout, reps=20, inner=5)
             for name, ms in times.items():
                 rows.append({"case": f"decode T={T}", "path": name, "experts read": touched, "ms": ms,
                              "floor ms (copy bw)": floor_ms, "% of copy-bw floor": 100 * floor_ms / ms,
@@ -110,34 +124,37 @@ def main():
             x = torch.randn(T * k, L, device="cuda", dtype=torch.bfloat16)
             flops = 2 * T * k * 3 * L * I
             for name, fn in (("grouped", lambda: packed_expert_situ_mlp(x, counts, experts)),
+                             ("grouped (decode layout)", lambda: mod.grouped_situ_mlp(x, counts, *decode, 4.0, 25.0)),
                              ("peer", lambda: expert_situ_mlp_grouped(x, counts, dense["w1"], dense["w3"],
                                                                       dense["w2"]))):
                 ms = time_ms(fn, reps=10)
                 rows.append({"case": f"prefill T={T}", "path": name, "ms": ms, "TFLOP/s": flops / ms / 1e9,
                              "% of matmul": 100 * flops / ms / 1e9 / ceil["matmul_TFLOPs"]})
-            print(table(rows[-2:], list(rows[-1])), flush=True)
+            print(table(rows[-3:], list(rows[-1])), flush=True)
     if a.sweep:
-        sweep(experts, E, L, k, gen, per_expert, bw)
+        sweep(decode, E, L, k, gen, per_expert, bw, a.sweep_decode_only)
     cols = ["case", "path", "experts read", "ms", "floor ms (copy bw)", "% of copy-bw floor", "% of 4.8 TB/s",
             "TB/s (packed)", "TFLOP/s", "% of matmul"]
     print(table(rows, cols))
     save("bench_mxfp4_gemm", {"shape": {"E": E, "L": L, "I": I, "k": k}, "ceilings": ceil, "rows": rows})
 
 
-DECODE_CONFIGS = [(16, 64, 128, 4, 3, True), (16, 64, 128, 4, 3, False), (16, 128, 128, 4, 3, False),
-                  (16, 64, 64, 4, 4, False), (16, 128, 64, 4, 4, False), (64, 64, 128, 4, 3, False),
-                  (16, 64, 256, 4, 3, False), (16, 128, 128, 8, 3, False)]
+DECODE_CONFIGS = [(16, 64, 128, 4, 3, False), (16, 128, 128, 4, 3, False), (16, 128, 128, 4, 4, False),
+                  (16, 128, 256, 4, 3, False), (16, 64, 256, 4, 3, False), (16, 128, 128, 8, 3, False),
+                  (16, 256, 128, 8, 3, False), (16, 128, 128, 4, 3, True)]
 PREFILL_CONFIGS = [(64, 128, 64, 4, 4, True), (64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
                    (128, 128, 64, 4, 3, False), (64, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, False)]
 
 
-def sweep(experts, E, L, k, gen, per_expert, bw):
+def sweep(w, E, L, k, gen, per_expert, bw, decode_only):
+    """w: the (w1, w3, w2) weights to time, here in the decode layout."""
     mod = triton_module("_mxfp4_triton")
-    w = [(getattr(experts, f"{n}_packed"), getattr(experts, f"{n}_scale")) for n in EXPERT_ORDER]
     rows = []
+    cases = [(1, "selected", DECODE_CONFIGS), (64, "grouped", DECODE_CONFIGS)]
+    if not decode_only:
+        cases.append((8192, "grouped", PREFILL_CONFIGS))
     with torch.no_grad():
-        for T, kind, configs in ((1, "selected", DECODE_CONFIGS), (64, "grouped", DECODE_CONFIGS),
-                                 (8192, "grouped", PREFILL_CONFIGS)):
+        for T, kind, configs in cases:
             idx, counts, order = routing(T, E, k, gen)
             z = torch.randn(T, L, device="cuda", dtype=torch.bfloat16)
             x = z.repeat_interleave(k, 0)[order]

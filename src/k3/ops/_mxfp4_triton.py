@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from k3.ops._situ_triton import _sigmoid, _tanh
+from k3.ops.mxfp4_layout import DecodeLayoutWeight
 
 
 @triton.jit
@@ -96,34 +97,150 @@ def _dequant_halves_bf16(p, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
+# bf16 pairs from one word of the decode layout (k3.ops.mxfp4_layout: $4, 4 packed bytes = 8 columns) and the
+# word's factor 2^(s - 1 - B) as bf16x2 ($5): $0 = columns (0, 2), $1 = (4, 6), $2 = (1, 3), $3 = (5, 7). The
+# load-time bit permutation leaves each pair's sign and magnitude bits one rotation away from their bf16 places
+# (pair 3: two rotations), so a pair costs a rotate, a mask and one multiply that applies 2^126 and the scale at
+# once: 13 instructions for 8 weights (the released layout's `_E2M1_BF16X2_ASM` takes 30).
+_DECODE_WORD_ASM = tl.constexpr("""
+{
+.reg .b32 t, u;
+and.b32 t, $4, 0x81C081C0;
+mul.rn.bf16x2 $0, t, $5;
+shf.r.wrap.b32 t, $4, $4, 6;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, $5;
+shf.r.wrap.b32 t, $4, $4, 12;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $2, t, $5;
+shf.r.wrap.b32 t, $4, $4, 2;
+shf.r.wrap.b32 u, $4, $4, 10;
+and.b32 t, t, 0x01000100;
+and.b32 u, u, 0x80C080C0;
+or.b32 t, t, u;
+mul.rn.bf16x2 $3, t, $5;
+}
+""")
+
+
 @triton.jit
-def _accumulate(acc, w_p, w_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, EXACT: tl.constexpr, W_LEFT: tl.constexpr):
+def _pow2(E: tl.constexpr):
+    """2^E as float32 for an integer 0 <= E <= 126."""
+    return tl.full((), 2.0 ** E, tl.float32)
+
+
+@triton.jit
+def _rotr(w, r: tl.constexpr):
+    return (w >> r) | (w << (32 - r))
+
+
+@triton.jit
+def _pair_codes(t):
+    """bf16x2 bits with each code's sign at bit 15 (31) and magnitude at 6-8 (22-24) → the two E2M1 codes."""
+    lo = ((t >> 6) & 7) | ((t >> 12) & 8)
+    hi = ((t >> 22) & 7) | ((t >> 28) & 8)
+    return lo, hi
+
+
+@triton.jit
+def _e2m1_value(c):
+    """E2M1 codes (uint32) → float32 values, exactly (the integer construction of `_dequant_tile`)."""
+    mag = c & 7
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 126 << 23, 0))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode_words_reference(p, s, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The decode layout in plain Triton, the same rotations and masks as `_DECODE_WORD_ASM` (for fp32 inputs,
+    and for the CPU interpreter, which runs no PTX): p [BLOCK_N, BLOCK_K/2] decode-layout bytes, s [BLOCK_N,
+    BLOCK_K/32] → (even columns, odd columns) as float32 [BLOCK_N, BLOCK_K/2], times 2^(s - 127 - BIAS)."""
+    b = tl.reshape(p, (BLOCK_N, BLOCK_K // 8, 4)).to(tl.uint32)
+    b0, b1 = tl.split(tl.reshape(b, (BLOCK_N, BLOCK_K // 8, 2, 2)))  # bytes (0, 2), (1, 3)
+    w0, w2 = tl.split(b0)
+    w1, w3 = tl.split(b1)
+    w = w0 | (w1 << 8) | (w2 << 16) | (w3 << 24)
+    c0, c2 = _pair_codes(w & 0x81C081C0)
+    c4, c6 = _pair_codes(_rotr(w, 6) & 0x81C081C0)
+    c1, c3 = _pair_codes(_rotr(w, 12) & 0x81C081C0)
+    c5, c7 = _pair_codes((_rotr(w, 2) & 0x01000100) | (_rotr(w, 10) & 0x80C080C0))
+    even = tl.reshape(tl.join(tl.join(c0, c4), tl.join(c2, c6)), (BLOCK_N, BLOCK_K // 2))  # c0, c2, c4, c6
+    odd = tl.reshape(tl.join(tl.join(c1, c5), tl.join(c3, c7)), (BLOCK_N, BLOCK_K // 2))
+    e = s.to(tl.int32) - BIAS  # 2^(e - 127) from float32 bits: exponent field e, or a subnormal below 1
+    scale = tl.where(e > 0, e << 23, tl.where(e > -23, 1 << (22 + e), 0)).to(tl.float32, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+    return _e2m1_value(even) * scale, _e2m1_value(odd) * scale
+
+
+@triton.jit
+def _decode_words_bf16(p, s, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The decode layout by `_DECODE_WORD_ASM`: p [BLOCK_N, BLOCK_K/2] decode-layout bytes, s [BLOCK_N,
+    BLOCK_K/32] → (even columns, odd columns), bf16 [BLOCK_N, BLOCK_K/2], times 2^-BIAS. Each asm call takes 4
+    consecutive bytes of a thread, which are one word: the bf16 dot operand's layout (kWidth 4) gives every
+    thread aligned runs of 4 bytes along K (the CUDA tests would see any other grouping). BIAS is a constexpr
+    (0 but for scales past 2^1): a runtime scalar here keeps Triton from decoding in the dot operand's layout,
+    and the dequantised tile then takes a trip through shared memory."""
+    f = (s.to(tl.uint32) + (126 - BIAS)) * 0x00800080  # 2^(s - 1 - BIAS) in both halves of a bf16x2
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+    return tl.inline_asm_elementwise(_DECODE_WORD_ASM, "=r,=r,=r,=r,r,r,r,r,r", [p, f],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _released_halves_reference(p, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The released layout's even and odd columns as float32 [BLOCK_N, BLOCK_K/2] in plain Triton (the CPU
+    interpreter's stand-in for `_E2M1_BF16X2_ASM`)."""
+    e = s.to(tl.int32)
+    scale = tl.where(e > 0, e << 23, 1 << 22).to(tl.float32, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)), (BLOCK_N, BLOCK_K // 2))
+    q = p.to(tl.uint32)
+    return _e2m1_value(q & 0xF) * scale, _e2m1_value(q >> 4) * scale
+
+
+@triton.jit
+def _accumulate(acc, w_p, w_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BIAS: tl.constexpr,
+                BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, EXACT: tl.constexpr, W_LEFT: tl.constexpr, DECODE_LAYOUT: tl.constexpr,
+                USE_ASM: tl.constexpr):
     """acc + this K block's products: W x^T [BLOCK_N, BLOCK_M] when W_LEFT, else x W^T [BLOCK_M, BLOCK_N]."""
     p = tl.load(w_p + w_off + kp[None, :], mask=p_mask, other=0)
     s = tl.load(w_s + s_off + kb[None, :], mask=s_mask, other=127)
-    if EXACT:
+    if EXACT and not DECODE_LAYOUT:
         w = _dequant_tile(p, s, BLOCK_N, BLOCK_K)
         if W_LEFT:
             acc = tl.dot(w, xt, acc, input_precision="ieee")
         else:
             acc = tl.dot(tl.trans(xt), tl.trans(w), acc, input_precision="ieee")
     else:
-        even, odd = _dequant_halves_bf16(p, s, BLOCK_N, BLOCK_K)
+        if DECODE_LAYOUT and USE_ASM and not EXACT:
+            even, odd = _decode_words_bf16(p, s, BIAS, BLOCK_N, BLOCK_K)
+        elif DECODE_LAYOUT:
+            even, odd = _decode_words_reference(p, s, BIAS, BLOCK_N, BLOCK_K)
+        elif USE_ASM:
+            even, odd = _dequant_halves_bf16(p, s, BLOCK_N, BLOCK_K)
+        else:
+            even, odd = _released_halves_reference(p, s, BLOCK_N, BLOCK_K)
+        if not EXACT:  # bf16 weights (exact but for overflow); the interpreter's bf16 dot is wrong: fp32 there
+            even, odd = even.to(tl.bfloat16), odd.to(tl.bfloat16)
+            if not USE_ASM:
+                even, odd = even.to(tl.float32), odd.to(tl.float32)
+        precision: tl.constexpr = "tf32" if USE_ASM and not EXACT else "ieee"
         if W_LEFT:
-            acc = tl.dot(even, xe, acc)
-            acc = tl.dot(odd, xo, acc)
+            acc = tl.dot(even, xe, acc, input_precision=precision)
+            acc = tl.dot(odd, xo, acc, input_precision=precision)
         else:  # the weights as the right operand: they go to shared memory as dequantised, in their own layout
-            acc = tl.dot(xe, tl.trans(even), acc)
-            acc = tl.dot(xo, tl.trans(odd), acc)
+            acc = tl.dot(xe, tl.trans(even), acc, input_precision=precision)
+            acc = tl.dot(xo, tl.trans(odd), acc, input_precision=precision)
     return acc
 
 
 @triton.jit
 def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_tiles_ptr, TOP_K,
-                        beta_gate, beta_up, N: tl.constexpr, K: tl.constexpr, SELECTED: tl.constexpr,
-                        GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EXACT: tl.constexpr, W_LEFT: tl.constexpr):
+                        beta_gate, beta_up, N: tl.constexpr, K: tl.constexpr,
+                        SELECTED: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EXACT: tl.constexpr, W_LEFT: tl.constexpr,
+                        DECODE_LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, BIAS_A: tl.constexpr,
+                        BIAS_B: tl.constexpr):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     if SELECTED:  # slot t: token t // TOP_K's row, expert sched[t], output row t
@@ -152,7 +269,7 @@ def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_til
         kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         p_mask = n_ok[:, None] & (kp[None, :] < kh)
         s_mask = n_ok[:, None] & (kb[None, :] < ks)
-        if EXACT:  # x^T [BLOCK_K, BLOCK_M] in column order
+        if EXACT and not DECODE_LAYOUT:  # x^T [BLOCK_K, BLOCK_M] in column order
             kk = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_rows + kk[:, None], mask=m_ok[None, :] & (kk[:, None] < K), other=0.0).to(tl.float32)
             xe, xo = xt, xt
@@ -160,15 +277,21 @@ def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_til
             # as whole rows (vector loads) and split in registers: strided loads cost an instruction an element
             kk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(tl.trans(x_rows) + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)
+            if EXACT or not USE_ASM:  # fp32, or the CPU interpreter (whose bf16 dot is wrong)
+                x = x.to(tl.float32)
             xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
             if W_LEFT:
                 xe, xo = tl.trans(xe), tl.trans(xo)
             xt = xe
-        acc_a = _accumulate(acc_a, wa_p, wa_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BLOCK_N,
-                            BLOCK_K, EXACT, W_LEFT)
+        acc_a = _accumulate(acc_a, wa_p, wa_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BIAS_A, BLOCK_N,
+                            BLOCK_K, EXACT, W_LEFT, DECODE_LAYOUT, USE_ASM)
         if GLU:
-            acc_b = _accumulate(acc_b, wb_p, wb_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BLOCK_N,
-                                BLOCK_K, EXACT, W_LEFT)
+            acc_b = _accumulate(acc_b, wb_p, wb_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BIAS_B,
+                                BLOCK_N, BLOCK_K, EXACT, W_LEFT, DECODE_LAYOUT, USE_ASM)
+    if BIAS_A:  # the factors left out 2^BIAS (k3.ops.mxfp4_layout.scale_bias; 0 unless scales pass 2^1)
+        acc_a = acc_a * _pow2(BIAS_A)
+    if GLU and BIAS_B:
+        acc_b = acc_b * _pow2(BIAS_B)
     out = acc_a
     if GLU:
         gate = beta_gate * _tanh(acc_a * (1.0 / beta_gate), EXACT) * _sigmoid(acc_a, EXACT)
@@ -203,15 +326,21 @@ def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
 
 def _launch(x, w_a, w_b, out, sched, num_tiles, tiles, top_k, selected, betas, config):
     block_m, block_n, block_k, num_warps, num_stages, w_left = config
-    packed_a, scale_a = w_a
-    packed_b, scale_b = w_b if w_b is not None else w_a
-    E, N, kh = packed_a.shape
+    glu = w_b is not None
+    w_b = w_b if glu else w_a
+    decode_layout = isinstance(w_a, DecodeLayoutWeight)
+    if decode_layout != isinstance(w_b, DecodeLayoutWeight):
+        raise TypeError("the gate and up weights must share one layout (released pairs or DecodeLayoutWeight)")
+    E, N, kh = w_a[0].shape
     exact = x.dtype != torch.bfloat16  # fp32 (and fp16, whose range cannot hold every weight) stay fp32
+    # the bf16 factors 2^(s - 1 - bias) need the bias; fp32 weights hold every scale as they are
+    bias_a, bias_b = (w_a.bias, w_b.bias) if decode_layout and not exact else (0, 0)
     grid = (triton.cdiv(N, block_n), tiles)
-    _expert_gemm_kernel[grid](x, packed_a, scale_a, packed_b, scale_b, out, sched, num_tiles, top_k,
+    _expert_gemm_kernel[grid](x, w_a[0], w_a[1], w_b[0], w_b[1], out, sched, num_tiles, top_k,
                               float(betas[0]), float(betas[1]), N=N, K=2 * kh, SELECTED=selected,
-                              GLU=w_b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EXACT=exact,
-                              W_LEFT=w_left, num_warps=num_warps, num_stages=num_stages)
+                              GLU=glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EXACT=exact,
+                              W_LEFT=w_left, DECODE_LAYOUT=decode_layout, USE_ASM=x.is_cuda, BIAS_A=bias_a, BIAS_B=bias_b,
+                              num_warps=num_warps, num_stages=num_stages)
 
 
 def tile_config(rows_per_tile: int, x: torch.Tensor) -> tuple[int, int, int, int, int, bool]:
