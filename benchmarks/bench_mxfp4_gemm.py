@@ -114,6 +114,11 @@ def main():
                     y = mod.selected_situ_mlp(z, idx, *decode, 4.0, 25.0)
                     return torch.bmm(wt.unsqueeze(1), y.view(T, k, -1)).squeeze(1)
                 times["selected (decode layout)"] = time_ms(selected_decode_layout, reps=20, inner=5)
+                # as the model runs it, in a CUDA graph: the gap to the row above is the host's launch cost
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    selected_decode_layout()
+                times["selected (decode layout, graphed)"] = time_ms(graph.replay, reps=20, inner=5)
             for name, ms in times.items():
                 rows.append({"case": f"decode T={T}", "path": name, "experts read": touched, "ms": ms,
                              "floor ms (copy bw)": floor_ms, "% of copy-bw floor": 100 * floor_ms / ms,
