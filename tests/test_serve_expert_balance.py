@@ -225,3 +225,48 @@ def test_expert_shares_follow_the_plan():
     shares = plan.expert_shares()
     assert torch.equal(shares.sum(1), load)
     assert shares.sum(0).tolist() == plan.to_plan().processed()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["f32", "mxfp4"])
+def test_replicas_decode_in_a_cuda_graph(hot_model_dir, fmt):
+    """Two ranks' shares with replicas, captured as CUDA graphs (the masked path: no host read), replayed on new
+    routing and again after a re-placement (tables and replica rows change in place), add to the routed sum."""
+    dev, ranks, N = "cuda", 2, 8
+    moe = _moe(K3ForCausalLM.from_pretrained(hot_model_dir / fmt).to(dev).eval())
+    combines = [_moe(load_rank_model(hot_model_dir / fmt, RankLayout(r, ranks), device=dev, replicas=2)).combine_experts
+                for r in range(ranks)]
+
+    def place(idx):
+        p = place_replicas(torch.bincount(idx.flatten().cpu(), minlength=E), ranks, 2)
+        fresh = [c.fresh(p) for c in combines]
+        for c, f in zip(combines, fresh):
+            c.install(p, torch.cat([combines[e // (E // ranks)].replica_rows([e]) for e in f]) if f else None)
+
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(N, moe.routed_expert_down_proj.out_features, generator=g).to(dev)
+    w = torch.rand(N, K, generator=g).to(dev)
+    idx = skewed_routing(N, seed=1).to(dev)
+    place(skewed_routing(256, seed=2))
+    graphs, outs = [], []
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for c in combines:
+                c.partial(z, idx, w)
+        torch.cuda.current_stream().wait_stream(side)
+        for c in combines:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs.append(c.partial(z, idx, w))
+            graphs.append(graph)
+        for seed, hot in ((5, HOT), (6, [4, 5, 8])):
+            idx.copy_(skewed_routing(N, seed=seed, hot=hot))
+            if hot != HOT:
+                place(skewed_routing(256, seed=seed, hot=hot))
+            z.normal_()
+            for graph in graphs:
+                graph.replay()
+            torch.testing.assert_close(sum(outs), moe.combine_experts(z, idx, w), rtol=2e-3, atol=2e-4)
+    assert any(combines[1].placement.replicas)
