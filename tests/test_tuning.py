@@ -222,6 +222,16 @@ def test_a_malformed_table_named_by_the_switch_fails_at_the_first_kernel(kernels
         tuning.pin_for_device("cuda:0")
 
 
+def test_the_shipped_table_that_does_not_fit_this_install_is_left_out_with_a_warning(kernels, tmp_path,
+                                                                                     monkeypatch, caplog):
+    path = write(tmp_path, table({f"{MODULE}.plain": [{"key": KEY, "config": config_json(num_warps=3)}]}))
+    monkeypatch.setattr(tuning, "TABLE_PATH", path)
+    fake_gpu(monkeypatch, GPU)
+    with envs.override(autotune_table=None):
+        assert tuning.pin_for_device("cuda:0") == 0
+    assert kernels.plain.cache == {} and "does not fit this install" in caplog.text
+
+
 def test_the_switch_is_parsed_from_the_environment():
     assert envs.parse({}).autotune_table is None
     assert envs.parse({"K3_AUTOTUNE_TABLE": "off"}).autotune_table == "off"

@@ -94,3 +94,19 @@ def test_record_compiles_keeps_each_kernels_specialisation_once_in_first_use_ord
                                                              (f"{MODULE}.a", {"num_warps": 2})]
     assert jit_like.device_caches == {}  # dropped, so the step loads each kernel again
     assert knobs.runtime.jit_post_compile_hook is before
+
+
+def test_every_kernel_of_the_shipped_table_is_an_autotuned_kernel_of_this_fla_taking_its_fields():
+    pytest.importorskip("fla")
+    sections = {gpu: s for gpu, s in tuning.load_table(tuning.TABLE_PATH).items() if s["fla"] == tuning.fla_version()}
+    if not sections:
+        pytest.skip(f"the shipped table has no section for fla {tuning.fla_version()}")
+    for gpu, section in sections.items():
+        assert section["kernels"], gpu
+        for name, entries in section["kernels"].items():
+            tuner = tuning.resolve_kernel(name)
+            for key, config in entries:
+                assert set(config["kwargs"]) <= set(tuner.arg_names), (gpu, name)
+                assert len(key) >= len(tuner.keys), (gpu, name)  # the key arguments, then the tensors' dtypes
+        for spec in section["compiles"]:
+            assert tuning.resolve_jit_function(spec["name"]) is not None

@@ -375,7 +375,8 @@ def pin_for_device(device) -> int:
     """Pin the table's choices for `device`'s GPU and start compiling its kernels ahead in worker processes
     (k3.ops.precompile), once per device per process (cheap after the first call): call it early (before building
     the model) for the most overlap. Returns how many choices were pinned. A GPU or fla version the table lacks
-    pins nothing (Triton autotunes)."""
+    pins nothing (Triton autotunes). A table named by K3_AUTOTUNE_TABLE that does not fit fails with a
+    TableError; the shipped one that does not fit this install (a patched fla) is logged and left out."""
     import torch
 
     index = torch.device(device).index
@@ -387,16 +388,22 @@ def pin_for_device(device) -> int:
     if path is None:
         return 0
     gpu = torch.cuda.get_device_name(index)
-    section = load_table(path).get(gpu)
-    if section is None:
-        _log.info("autotune table %s has no choices for %s: Triton autotunes", path, gpu)
+    try:
+        section = load_table(path).get(gpu)
+        if section is None:
+            _log.info("autotune table %s has no choices for %s: Triton autotunes", path, gpu)
+            return 0
+        if section["fla"] != fla_version():
+            _log.info("autotune table %s was made with fla %s, this is fla %s: Triton autotunes", path,
+                      section["fla"] or "-", fla_version() or "-")
+            return 0
+        workers = precompile.start(section["compiles"], index)  # first: the workers take seconds to start
+        count = _pinned_devices[index] = pin(section["kernels"], source=str(path))
+    except TableError as e:
+        if path != TABLE_PATH:
+            raise
+        _log.warning("k3's autotune table does not fit this install, Triton autotunes: %s", e)
         return 0
-    if section["fla"] != fla_version():
-        _log.info("autotune table %s was made with fla %s, this is fla %s: Triton autotunes", path,
-                  section["fla"] or "-", fla_version() or "-")
-        return 0
-    workers = precompile.start(section["compiles"], index)  # first: the workers take seconds to start
-    count = _pinned_devices[index] = pin(section["kernels"], source=str(path))
     _log.info("pinned %d autotune choices for %s from %s; %d kernels compiling ahead in %d processes", count, gpu,
               path, len(section["compiles"]), len(workers))
     return count
