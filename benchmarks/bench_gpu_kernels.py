@@ -5,15 +5,19 @@ off (K3_NO_TRITON=<module>; opt-in kernels are switched on with K3_TRITON=all). 
 forward+backward (against one fixed random upstream gradient). Hardware limit per op: the bytes the forward must move (inputs
 read once, output written once) over the copy bandwidth measured in the same run.
 Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the AttnRes mix of 5 sources
-[B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps; SiTU-GLU [B·T, 6144]
-(also in fp32).
-Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick]
+[B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps, alone and with KDA's SiLU
+after it ("triton" folds it into the conv's kernels, "torch" is the torch conv then F.silu; the row "unfused" is
+the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32).
+--sweep-norm: instead, the norm backward's kernel alone under other launch shapes (elements per row tile, warps,
+programs per SM of its persistent grid; k3.ops._norm_triton.BWD_LAUNCH).
+Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep-norm]
 """
 import argparse
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench_util import fwd_bwd, measure_ceilings, save, table, time_ms  # noqa: E402
@@ -45,6 +49,10 @@ def cases(B: int, T: int, device: str = "cuda"):
         "attn_res_mix (5 sources)": ("_attn_res_triton", lambda a: attn_res_mix(list(a), norm, proj), sources,
                                      list(norm.parameters()) + list(proj.parameters()), 6 * n),
         "short_conv (4 taps)": ("_conv_triton", lambda a: short_conv(a[0], conv_w)[0], [x], [conv_w], 2 * n),
+        "short_conv + SiLU": ("_conv_triton", lambda a: short_conv(a[0], conv_w, silu=True)[0], [x], [conv_w],
+                              2 * n),
+        "short_conv + SiLU unfused": ("_conv_triton", lambda a: F.silu(short_conv(a[0], conv_w)[0]), [x], [conv_w],
+                                      2 * n),
         "situ_glu": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate, up], [], 3 * B * T * I * 2),
         # fp32 results take the kernels' exact exp (k3.ops._situ_triton._exp_exact): what that precision costs
         "situ_glu fp32": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate.float(), up.float()], [],
@@ -52,12 +60,50 @@ def cases(B: int, T: int, device: str = "cuda"):
     }
 
 
+def sweep_norm_backward(B: int, T: int):
+    """The norm backward kernel alone (dx and dw of RMSNorm [B·T, 1536] with a weight; dx of the L2 norm over
+    [B·T·12, 128]) under each launch shape; bytes moved: x and dy read, dx written."""
+    from k3.ops import _norm_triton as nt
+
+    bw = measure_ceilings()["copy_TBps"] * 1e12
+    rows, default = [], dict(nt.BWD_LAUNCH)
+    for op, n_rows, D, has_w in (("rms_norm", B * T, 1536, True), ("l2_norm", B * T * 12, 128, False)):
+        x = torch.randn(n_rows, D, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        w = torch.ones(D, device="cuda", dtype=torch.bfloat16) if has_w else None
+        div = float(D) if has_w else 1.0
+        rstd = torch.rsqrt(x.float().pow(2).sum(-1) / div + 1e-5)
+        for tile in (2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                for per_sm in (p for p in (1, 2, 4, 8) if p * warps <= 64):  # warps resident per SM <= 64
+                    nt.BWD_LAUNCH.update(tile=tile, num_warps=warps, programs_per_sm=per_sm)
+                    try:
+                        ms = time_ms(lambda: nt.norm_backward(x, w, rstd, dy, div, True, has_w), inner=20)
+                    except Exception as e:  # a shape ptxas refuses: say so, go on
+                        print(f"{op} tile={tile} warps={warps} per_sm={per_sm}: {type(e).__name__}: {e}"[:300])
+                        continue
+                    finally:
+                        nt.BWD_LAUNCH.update(default)
+                    rows.append(dict(op=op, tile=tile, warps=warps, per_sm=per_sm, bwd_ms=ms,
+                                     GBps=3 * x.numel() * 2 / ms * 1e-6))
+                    print(rows[-1], flush=True)
+        ms = time_ms(lambda: nt.norm_backward(x, w, rstd, dy, div, True, has_w), inner=20)
+        rows.append(dict(op=op + " (default)", tile=default["tile"], warps=default["num_warps"],
+                         per_sm=default["programs_per_sm"], bwd_ms=ms, GBps=3 * x.numel() * 2 / ms * 1e-6))
+    print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(table(sorted(rows, key=lambda r: (r["op"], r["bwd_ms"])), ["op", "tile", "warps", "per_sm", "bwd_ms", "GBps"]))
+    save("norm_bwd_sweep", {"rows": rows, "B": B, "T": T})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8,4096", help="B,T")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep-norm", action="store_true", help="time the norm backward's launch shapes instead")
     a = ap.parse_args()
     B, T = (2, 512) if a.quick else map(int, a.tokens.split(","))
+    if a.sweep_norm:
+        return sweep_norm_backward(B, T)
     bw = measure_ceilings()["copy_TBps"] * 1e12
     rows = []
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():

@@ -30,10 +30,10 @@ def conv_case(seed, B, T, C, W, dtype, with_tail, with_doc):
     return tuple(None if t is None else t.to(DEVICE) for t in (x, w, tail, doc, dy, dtail))
 
 
-def run(fn, x, w, tail, doc, dy, dtail):
+def run(fn, x, w, tail, doc, dy, dtail, **kwargs):
     """fn's outputs and the gradients of ⟨y, dy⟩ (+ ⟨new_tail, dtail⟩ if dtail is given) for x, w (and tail)."""
     leaves = [t if t is None else t.detach().clone().requires_grad_() for t in (x, w, tail)]
-    y, new_tail = fn(*leaves, doc)
+    y, new_tail = fn(*leaves, doc, **kwargs)
     pairs = [(y, dy)] + ([(new_tail, dtail)] if dtail is not None else [])
     wanted = [t for t in leaves if t is not None]
     grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs])
@@ -57,6 +57,61 @@ def test_triton_short_conv_matches_the_reference(seed, B, T, C, W, dtype, with_t
             if name == "grad_weight":  # a sum over B·T products of x's dtype: scale the tolerance with it
                 tol = dict(rtol=tol["rtol"], atol=tol["atol"] * (B * T) ** 0.5)
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_tail,with_doc", [(False, False), (True, True)])
+@pytest.mark.parametrize("seed,B,T,C,W", [(21, 2, 37, 96, 4), (22, 3, 64, 200, 4), (23, 2, 9, 24, 2),
+                                          (24, 1, 5, 16, 1), (25, 1, 150, 40, 3)])
+def test_triton_short_conv_with_silu_matches_silu_after_the_reference(seed, B, T, C, W, dtype, with_tail, with_doc):
+    """silu=True: SiLU of the conv in the kernels' passes equals F.silu after the reference conv, gradients too
+    (dy through SiLU's derivative into x, the weight and the tail; the new tail's own gradient beside it).
+    In bf16 the unfused path rounds the conv's output and dy · SiLU'(y) to bf16 between its ops and the kernels
+    do not, so there both are held to float64 truth: the kernels' error may not exceed the unfused path's by
+    more than the final rounding."""
+    x, w, tail, doc, dy, dtail = conv_case(seed, B, T, C, W, dtype, with_tail, with_doc)
+    x = x * 3  # conv outputs spread over SiLU's bend and both tails
+    got = run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail, silu=True)
+    want = run(short_conv_reference, x, w, tail, doc, dy, dtail, silu=True)
+    plain = run(short_conv_reference, x, w, tail, doc, dy, dtail)
+    assert not torch.allclose(want[0].float(), plain[0].float())  # the SiLU did change y
+    as64 = lambda t: None if t is None else t.double()  # noqa: E731
+    truth = run(short_conv_reference, *map(as64, (x, w, tail)), doc, *map(as64, (dy, dtail)), silu=True)
+    for name, a, b, t in zip(("y", "new_tail", "grad_x", "grad_weight", "grad_tail"), got, want, truth):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if dtype == torch.bfloat16 and t.numel():  # (a 1-tap conv's tail is empty)
+            err, err_unfused = ((v.double() - t).abs().max().item() for v in (a, b))
+            # bf16 outputs may be an ulp off beside that: their final rounding (the interpreter truncates)
+            ulp = 2.0 ** -7 if a.dtype == torch.bfloat16 else 1e-6
+            assert err <= 1.25 * err_unfused + ulp * t.abs().max().item(), (name, err, err_unfused)
+            continue
+        tol = TOL[torch.float32]
+        if name == "grad_weight":  # a sum over B·T products: scale the tolerance with it
+            tol = dict(rtol=tol["rtol"], atol=tol["atol"] * 3 * (B * T) ** 0.5)
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_widths_past_max_taps_take_the_torch_path(monkeypatch):
+    """The kernels keep one accumulator per tap up to MAX_TAPS: a wider conv dispatches to the torch path
+    (same results), a width within it to the kernels."""
+    import k3.ops.conv as conv_mod
+
+    calls = []
+    real = _conv_triton.short_conv
+    monkeypatch.setattr(_conv_triton, "short_conv", lambda *a: calls.append(a[1].shape[-1]) or real(*a))
+    monkeypatch.setattr(conv_mod, "use_triton", lambda t, name: name == "_conv_triton")
+    W = _conv_triton.MAX_TAPS + 1
+    x, w, tail, doc, dy, dtail = conv_case(26, 1, 12, 16, W, torch.float32, True, True)
+    got = run(short_conv, x, w, tail, doc, dy, dtail, silu=True)
+    want = run(short_conv_reference, x, w, tail, doc, dy, dtail, silu=True)
+    assert calls == []
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="MAX_TAPS"):
+        real(x, w, tail, doc)
+    x, w, tail, doc, dy, dtail = conv_case(27, 1, 12, 16, W - 1, torch.float32, True, True)
+    run(short_conv, x, w, tail, doc, dy, dtail, silu=True)
+    assert calls == [W - 1]
 
 
 @pytest.mark.parametrize("with_tail,with_doc", [(False, False), (True, True)])

@@ -93,6 +93,24 @@ def test_rms_norm_computes_only_the_gradients_asked_for(need_x, need_w):
             assert_close(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("tile,num_warps", [(64, 4), (256, 8), (8192, None)])
+def test_backward_under_other_launch_shapes(monkeypatch, tile, num_warps):
+    """The backward's launch shape (rows per tile, warps) is tunable for the GPU sweep: every shape gives the
+    formula's gradients, with row counts that leave the last tile and the last program short."""
+    monkeypatch.setitem(_norm_triton.BWD_LAUNCH, "tile", tile)
+    monkeypatch.setitem(_norm_triton.BWD_LAUNCH, "num_warps", num_warps)
+    for seed, shape in ((12, (301, 64)), (13, (37, 96))):
+        x, w, dy = inputs(seed, shape, torch.float32, torch.float32)
+        _, gx, gw = run(lambda a, b: _norm_triton.rms_norm(a, b, EPS), x, w, dy)
+        _, gx_ref, gw_ref = run(lambda a, b: rms_norm_reference(a, b, EPS), x, w, dy)
+        assert_close(gx, gx_ref, 1e-5)
+        assert_close(gw, gw_ref, 1e-5)
+    x, _, dy = inputs(14, (45, 3, 32), torch.float32, None)
+    _, gx, _ = run(lambda a, _: _norm_triton.l2_norm(a, 1e-6), x, None, dy)
+    _, gx_ref, _ = run(lambda a, _: l2_norm_formula(a, 1e-6), x, None, dy)
+    assert_close(gx, gx_ref, 1e-5)
+
+
 def l2_norm_formula(x, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)

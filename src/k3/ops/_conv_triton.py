@@ -4,6 +4,9 @@ Same contract and math as `k3.ops.conv.short_conv_reference`: xp = [tail; x] in 
 a tap j of token t used only where the (−1 left-padded) document id of row t − (W−1) + j equals token t's.
 One pass over x (forward) and over x and dy (backward) in [BLOCK_T, BLOCK_C] tiles; the W − 1 halo rows are
 re-read per tap (shifted loads that hit cache) instead of building the fp32 padded copy the torch path needs.
+With `silu=True` the SiLU that KDA applies after the conv runs in the same kernels: forward stores SiLU(y) and
+keeps the pre-activation y (what a separate SiLU would keep); backward turns dy into dy · SiLU'(y) as it loads
+it, so neither pass makes an extra trip over the activations.
 """
 import torch
 import triton
@@ -13,12 +16,14 @@ from torch.autograd.function import once_differentiable
 from k3.ops.triton_dispatch import on_device
 
 # Sized by ptxas on sm_90 (bf16, C % 16 == 0): no spills; ~100 registers forward, 160 backward at 4 warps
-# (219 with a tail and its gradient).
+# (219 with a tail and its gradient; measured before backward kept one accumulator per tap, MAX_TAPS · 16 fp32
+# registers per thread, which it held before as one [taps, rows, cols] block of the same size).
 _FWD_BLOCK_T = 32
 _BWD_BLOCK_T = 16
 _BWD_TILES = 8  # tiles of _BWD_BLOCK_T rows per backward program: fewer fp32 grad_weight partials to sum
 _MAX_BLOCK_C = 128
 _NUM_WARPS = 4
+MAX_TAPS = 4  # backward keeps one fp32 weight-gradient accumulator per tap in registers; wider: the torch path
 
 
 @triton.jit
@@ -48,6 +53,18 @@ def _xp_rows(x_b, tail_b, s0, s, offs_c, T, C, W: tl.constexpr, HAS_TAIL: tl.con
 
 
 @triton.jit
+def _grad_rows(gy_b, ypre_b, rows, offs_c, T, C, SILU: tl.constexpr, WIDE: tl.constexpr):
+    """The gradient reaching the conv's output at rows: dy, or dy · SiLU'(y) = dy · σ(y)(1 + y(1 − σ(y))) with
+    the conv's output y kept by the forward (SILU); zero outside [0, T)."""
+    g = _tile(gy_b, rows, offs_c, T, C, WIDE)
+    if SILU:
+        z = _tile(ypre_b, rows, offs_c, T, C, WIDE)
+        sig = tl.sigmoid(z)
+        g = g * (sig * (1.0 + z * (1.0 - sig)))
+    return g
+
+
+@triton.jit
 def _doc_rows(doc_b, s, T):
     """Document ids of rows s, −1 left of the row (as the reference's padding) and past its end."""
     return tl.load(doc_b + s, mask=(s >= 0) & (s < T), other=-1)
@@ -60,9 +77,10 @@ def _weight(w_ptr, offs_c, C, W: tl.constexpr, j: tl.constexpr):
 
 
 @triton.jit
-def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, T, C,
+def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, ypre_ptr, new_tail_ptr, T, C,
                           W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, WIDE: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, TAIL_ROWS: tl.constexpr):
+                          SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                          TAIL_ROWS: tl.constexpr):
     pid_t = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)  # per-batch base pointers: in-row offsets are int32 unless WIDE
@@ -78,8 +96,12 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, 
         if HAS_DOC:
             v = tl.where((_doc_rows(doc_b, s, T) == doc_t)[:, None], v, 0.0)
         acc += v * _weight(w_ptr, offs_c, C, W, j)
-    tl.store(y_ptr + b * T * C + _offsets(offs_t, offs_c, C, WIDE), acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_t < T)[:, None] & (offs_c < C)[None, :])
+    out_offs = b * T * C + _offsets(offs_t, offs_c, C, WIDE)
+    out_mask = (offs_t < T)[:, None] & (offs_c < C)[None, :]
+    if SILU:  # y = SiLU(conv); the conv itself, rounded as an unfused conv would round it, is kept for backward
+        tl.store(ypre_ptr + out_offs, acc.to(ypre_ptr.dtype.element_ty), mask=out_mask)
+        acc = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     if pid_t == 0:  # new tail: the last W−1 rows of xp, tail rows included when T < W−1; no document mask
         # (names differ from the tile's: a runtime branch may not rebind a variable with another shape)
         r = tl.arange(0, TAIL_ROWS)
@@ -89,38 +111,57 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, 
 
 
 @triton.jit
-def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_ptr, gw_part_ptr, gtail_ptr, T, C,
+def _add_tap(acc0, acc1, acc2, acc3, p, j: tl.constexpr):
+    """Adds p to tap j's accumulator (j known at compile time: one add, no select over the taps)."""
+    if j == 0:
+        acc0 += p
+    elif j == 1:
+        acc1 += p
+    elif j == 2:
+        acc2 += p
+    else:
+        acc3 += p
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt_ptr, gx_ptr, gw_part_ptr,
+                          gtail_ptr, T, C,
                           W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, WIDE: tl.constexpr,
-                          HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr,
+                          SILU: tl.constexpr, HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr,
                           NEED_GX: tl.constexpr, NEED_GW: tl.constexpr, NEED_GTAIL: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
-                          W_ROWS: tl.constexpr, TAIL_ROWS: tl.constexpr):
-    """dx for this program's TILES·BLOCK_T rows, their partial Σ_t dy[t] · xp[t + j] (masked) per tap into
-    gw_part[b, pid_t], and (program 0 along T) d tail. dy flows from y (HAS_GY) and from the new tail (HAS_GNT)."""
+                          TAIL_ROWS: tl.constexpr):
+    """dx for this program's TILES·BLOCK_T rows, their partial Σ_t dz[t] · xp[t + j] (masked) per tap into
+    gw_part[b, pid_t], and (program 0 along T) d tail, where dz is the gradient at the conv's output (dy, times
+    SiLU'(y) when SILU). dy flows from y (HAS_GY) and from the new tail (HAS_GNT). W <= MAX_TAPS."""
     pid_t = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)  # per-batch base pointers: in-row offsets are int32 unless WIDE
     x_b, tail_b, doc_b = x_ptr + b * T * C, tail_ptr + b * (W - 1) * C, doc_ptr + b * T
-    gy_b, gnt_b = gy_ptr + b * T * C, gnt_ptr + b * (W - 1) * C
+    gy_b, ypre_b, gnt_b = gy_ptr + b * T * C, ypre_ptr + b * T * C, gnt_ptr + b * (W - 1) * C
     c_ok = offs_c < C
-    taps = tl.arange(0, W_ROWS)
-    # per tap, the products dy[t] · xp[t + j] of every row this program sees, summed over rows once at the end
-    # (a cross-thread reduction per tap and tile would cost a shared-memory round trip each)
-    gw_acc = tl.zeros([W_ROWS, BLOCK_T, BLOCK_C], dtype=tl.float32)
+    # per tap, the products dz[t] · xp[t + j] of every row this program sees, summed over rows once at the end
+    # (a cross-thread reduction per tap and tile would cost a shared-memory round trip each); one register
+    # tile per tap, so each product is one add
+    acc0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for i in range(TILES):
         t0 = (pid_t * TILES + i) * BLOCK_T
         offs_t = t0 + tl.arange(0, BLOCK_T)
         if HAS_DOC:
             doc_t = _doc_rows(doc_b, offs_t, T)
         if HAS_GY:
-            gy_t = _tile(gy_b, offs_t, offs_c, T, C, WIDE)
+            gz_t = _grad_rows(gy_b, ypre_b, offs_t, offs_c, T, C, SILU, WIDE)
         if NEED_GX:
             gx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
             if HAS_GY:
-                gx += gy_t * _weight(w_ptr, offs_c, C, W, W - 1)  # the last tap reads the token's own row
+                gx += gz_t * _weight(w_ptr, offs_c, C, W, W - 1)  # the last tap reads the token's own row
                 for j in tl.static_range(W - 1):
                     t = offs_t + (W - 1) - j  # the token whose tap j reads row offs_t
-                    g = _tile(gy_b, t, offs_c, T, C, WIDE)
+                    g = _grad_rows(gy_b, ypre_b, t, offs_c, T, C, SILU, WIDE)
                     if HAS_DOC:
                         g = tl.where((_doc_rows(doc_b, t, T) == doc_t)[:, None], g, 0.0)
                     gx += g * _weight(w_ptr, offs_c, C, W, j)
@@ -134,10 +175,16 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
                 v = _xp_rows(x_b, tail_b, t0 - (W - 1) + j, s, offs_c, T, C, W, HAS_TAIL, WIDE)
                 if HAS_DOC:
                     v = tl.where((_doc_rows(doc_b, s, T) == doc_t)[:, None], v, 0.0)
-                gw_acc += tl.where((taps == j)[:, None, None], (gy_t * v)[None, :, :], 0.0)
+                acc0, acc1, acc2, acc3 = _add_tap(acc0, acc1, acc2, acc3, gz_t * v, j)
     if NEED_GW:
-        tl.store(gw_part_ptr + ((b * tl.num_programs(0) + pid_t) * W + taps)[:, None] * C + offs_c[None, :],
-                 tl.sum(gw_acc, axis=1), mask=(taps < W)[:, None] & c_ok[None, :])
+        part = gw_part_ptr + (b * tl.num_programs(0) + pid_t) * W * C + offs_c
+        tl.store(part, tl.sum(acc0, axis=0), mask=c_ok)
+        if W > 1:
+            tl.store(part + C, tl.sum(acc1, axis=0), mask=c_ok)
+        if W > 2:
+            tl.store(part + 2 * C, tl.sum(acc2, axis=0), mask=c_ok)
+        if W > 3:
+            tl.store(part + 3 * C, tl.sum(acc3, axis=0), mask=c_ok)
     if NEED_GTAIL:
         if pid_t == 0:  # tail row r is xp row r: read by token r − j through tap j, and is new-tail row r − T
             # (names differ from the tiles': a runtime branch may not rebind a variable with another shape)
@@ -146,7 +193,7 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
             if HAS_GY:
                 for j in tl.static_range(W):
                     reader = r - j  # (rows r >= W−1 are padding, never stored)
-                    g_r = _tile(gy_b, reader, offs_c, T, C, False)
+                    g_r = _grad_rows(gy_b, ypre_b, reader, offs_c, T, C, SILU, False)
                     if HAS_DOC:  # the tail's padded document id is −1
                         g_r = tl.where((_doc_rows(doc_b, reader, T) == -1)[:, None], g_r, 0.0)
                     gt += g_r * _weight(w_ptr, offs_c, C, W, j)
@@ -172,37 +219,43 @@ def _tail_rows(W: int) -> int:
 
 
 class ShortConvTriton(torch.autograd.Function):
-    """`short_conv` with both passes in Triton; keeps x (its own dtype), weight, tail and doc_ids for backward."""
+    """`short_conv` with both passes in Triton; keeps x (its own dtype), weight, tail and doc_ids for backward,
+    and with `silu` the conv's output before the SiLU."""
 
     @staticmethod
-    def forward(ctx, x, weight, tail, doc_ids):
+    def forward(ctx, x, weight, tail, doc_ids, silu):
         ctx.set_materialize_grads(False)
         B, T, C = x.shape
         W = weight.shape[-1]
+        if W > MAX_TAPS:
+            raise ValueError(f"short_conv kernels: weight width {W} > MAX_TAPS {MAX_TAPS}")
         x, weight = x.contiguous(), weight.contiguous()
         tail = None if tail is None else tail.contiguous()
         doc_ids = None if doc_ids is None else doc_ids.contiguous()
         y = torch.empty_like(x)
+        ypre = torch.empty_like(x) if silu else None
         new_tail = torch.empty(B, W - 1, C, device=x.device, dtype=torch.float32)
         BLOCK_C = _block_c(C)
         grid = (triton.cdiv(T, _FWD_BLOCK_T), triton.cdiv(C, BLOCK_C), B)
         with on_device(x):
             short_conv_fwd_kernel[grid](
-                x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids, y, new_tail, T, C,
-                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C),
+                x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids, y,
+                y if ypre is None else ypre, new_tail, T, C,
+                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C), SILU=silu,
                 BLOCK_T=_FWD_BLOCK_T, BLOCK_C=BLOCK_C, TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
-        ctx.save_for_backward(x, weight, tail, doc_ids)
+        ctx.save_for_backward(x, weight, tail, doc_ids, ypre)
+        ctx.silu = silu
         return y, new_tail
 
     @staticmethod
     @once_differentiable  # the kernels' gradients are not themselves differentiable
     def backward(ctx, grad_y, grad_new_tail):
-        x, weight, tail, doc_ids = ctx.saved_tensors
+        x, weight, tail, doc_ids, ypre = ctx.saved_tensors
         need_x, need_w, need_tail = ctx.needs_input_grad[:3]
         need_w = need_w and grad_y is not None  # the new tail does not depend on the weight
         need_tail = need_tail and tail is not None
         if grad_y is None and grad_new_tail is None:
-            return None, None, None, None
+            return None, None, None, None, None
         B, T, C = x.shape
         W = weight.shape[-1]
         gy = None if grad_y is None else grad_y.contiguous()
@@ -217,19 +270,20 @@ class ShortConvTriton(torch.autograd.Function):
         with on_device(x):
             short_conv_bwd_kernel[grid](
                 x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
-                x if gy is None else gy, x if gnt is None else gnt,
+                x if gy is None else gy, x if ypre is None else ypre, x if gnt is None else gnt,
                 x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
-                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, HAS_GY=gy is not None,
-                HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w, NEED_GTAIL=need_tail, WIDE=_wide(T, C),
-                BLOCK_T=_BWD_BLOCK_T, BLOCK_C=BLOCK_C, TILES=tiles, W_ROWS=triton.next_power_of_2(W),
+                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C), SILU=ctx.silu,
+                HAS_GY=gy is not None, HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w,
+                NEED_GTAIL=need_tail, BLOCK_T=_BWD_BLOCK_T, BLOCK_C=BLOCK_C, TILES=tiles,
                 TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
         gw = None
         if need_w:
             gw = gw_part.sum((0, 1)).t().unsqueeze(1).to(weight.dtype)  # [W, C] -> [C, 1, W]
-        return gx, gw, gtail, None
+        return gx, gw, gtail, None, None
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
-               doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`k3.ops.conv.short_conv` in Triton: x [B, T, C] (T, C > 0) bf16/fp16/fp32, weight [C, 1, W]."""
-    return ShortConvTriton.apply(x, weight, tail, doc_ids)
+               doc_ids: torch.Tensor | None = None, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`k3.ops.conv.short_conv` in Triton: x [B, T, C] (T, C > 0) bf16/fp16/fp32, weight [C, 1, W] with
+    W <= MAX_TAPS; `silu`: return SiLU of the conv (the new tail is unchanged)."""
+    return ShortConvTriton.apply(x, weight, tail, doc_ids, silu)

@@ -41,14 +41,16 @@ def _norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_r
                      tiles_per_program, n_tiles,
                      HAS_WEIGHT: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Each program walks `tiles_per_program` consecutive row tiles (fewer in the last program) and writes its
-    fp32 partial Σ g⊙x̂ to row `program_id` of dw_partial [num_programs, D]."""
+    """Each program walks `tiles_per_program` consecutive row tiles (fewer in the last program) in one pass and
+    writes its fp32 partial Σ g⊙x̂ to row `program_id` of dw_partial [num_programs, D]."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # the partial of dw per row slot of the tile, summed over the slots once at the end: a sum over the tile's
+    # rows per tile would be a cross-warp (shared-memory) reduction in every iteration
+    dw_acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     tile = pid * tiles_per_program
     end = tl.minimum(tile + tiles_per_program, n_tiles)
     # a while loop: Triton's interpreter (the CPU tests) cannot run a `for` to a runtime bound under numpy 2.4
@@ -62,7 +64,7 @@ def _norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_r
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         xhat = x * rstd[:, None]
         if NEED_DW:
-            dw_acc += tl.sum(g * xhat, axis=0)
+            dw_acc += g * xhat
         if NEED_DX:
             if HAS_WEIGHT:
                 g = g * w[None, :]
@@ -71,25 +73,51 @@ def _norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_r
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         tile += 1
     if NEED_DW:
-        tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, dw_acc, mask=col_mask)
+        tl.store(dw_partial_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
-def _launch_shape(n_rows: int, D: int) -> tuple[int, int, int]:
+def _launch_shape(n_rows: int, D: int, tile: int = _TILE) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps): whole rows per program, several when D is small; about 8 elements per
     thread (ptxas for sm_90: backward then needs <= 64 registers per thread at 32 warps, ~110 at 16; with 16
     elements per thread it needs ~180, and spills at D = 8192)."""
     block_d = triton.next_power_of_2(D)
-    block_r = min(max(1, _TILE // block_d), triton.next_power_of_2(n_rows))
+    block_r = min(max(1, tile // block_d), triton.next_power_of_2(n_rows))
     num_warps = min(32, max(4, block_r * block_d // 256))
     return block_r, block_d, num_warps
 
 
-def _tiles_per_program(device: torch.device, n_tiles: int, num_warps: int) -> int:
-    """Backward's row tiles per program: a persistent grid just big enough to fill the GPU (32 warps per SM),
-    so the [programs, D] partial sums of dw stay small. The interpreter gets 3 programs, so the tests cover
-    several partials and a shorter last program."""
-    programs = sm_count(device.index) * max(1, 32 // num_warps) if device.type == "cuda" else 3
-    return triton.cdiv(n_tiles, programs)
+# Backward's launch: elements per row tile, warps (None: as the forward) and programs per SM of the persistent
+# grid. A name, so that benchmarks/bench_gpu_kernels.py --sweep-norm can time others on a GPU.
+BWD_LAUNCH = dict(tile=_TILE, num_warps=None, programs_per_sm=None)
+
+
+def _tiles_per_program(device: torch.device, n_tiles: int, num_warps: int, programs_per_sm: int | None) -> int:
+    """Backward's row tiles per program: a persistent grid just big enough to fill the GPU (32 warps per SM
+    unless programs_per_sm says otherwise), so the [programs, D] partial sums of dw stay small. The
+    interpreter gets 3 programs, so the tests cover several partials and a shorter last program."""
+    if device.type != "cuda":
+        return triton.cdiv(n_tiles, 3)
+    per_sm = programs_per_sm or max(1, 32 // num_warps)
+    return triton.cdiv(n_tiles, sm_count(device.index) * per_sm)
+
+
+def norm_backward(x2d, weight, rstd, dy, div: float, need_dx: bool, need_dw: bool):
+    """(dx [n_rows, D] or None, fp32 dw [D] or None) of y = x · rstd (⊙ weight) for upstream dy [n_rows, D]."""
+    n_rows, D = x2d.shape
+    dx = torch.empty_like(x2d) if need_dx else None
+    block_r, block_d, num_warps = _launch_shape(n_rows, D, BWD_LAUNCH["tile"])
+    num_warps = BWD_LAUNCH["num_warps"] or num_warps
+    n_tiles = triton.cdiv(n_rows, block_r)
+    tiles_per_program = _tiles_per_program(x2d.device, n_tiles, num_warps, BWD_LAUNCH["programs_per_sm"])
+    programs = triton.cdiv(n_tiles, tiles_per_program)
+    dw_partial = torch.empty(programs, D, dtype=torch.float32, device=x2d.device) if need_dw else None
+    with on_device(x2d):
+        _norm_bwd_kernel[(programs,)](
+            x2d, x2d if weight is None else weight, rstd, dy, x2d if dx is None else dx,
+            rstd if dw_partial is None else dw_partial, n_rows, D, div, tiles_per_program, n_tiles,
+            HAS_WEIGHT=weight is not None, NEED_DX=need_dx, NEED_DW=need_dw,
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    return dx, None if dw_partial is None else dw_partial.sum(0)
 
 
 class _TritonNorm(torch.autograd.Function):
@@ -116,22 +144,10 @@ class _TritonNorm(torch.autograd.Function):
     def backward(ctx, grad_y):
         x2d, weight, rstd = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
-        n_rows, D = x2d.shape
-        dy = grad_y.reshape(n_rows, D).contiguous()
-        dx = torch.empty_like(x2d) if need_dx else None
-        block_r, block_d, num_warps = _launch_shape(n_rows, D)
-        n_tiles = triton.cdiv(n_rows, block_r)
-        tiles_per_program = _tiles_per_program(x2d.device, n_tiles, num_warps)
-        programs = triton.cdiv(n_tiles, tiles_per_program)
-        dw_partial = torch.empty(programs, D, dtype=torch.float32, device=x2d.device) if need_dw else None
-        with on_device(x2d):
-            _norm_bwd_kernel[(programs,)](
-                x2d, x2d if weight is None else weight, rstd, dy, x2d if dx is None else dx,
-                rstd if dw_partial is None else dw_partial, n_rows, D, ctx.div, tiles_per_program, n_tiles,
-                HAS_WEIGHT=weight is not None, NEED_DX=need_dx, NEED_DW=need_dw,
-                BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        dy = grad_y.reshape(x2d.shape).contiguous()
+        dx, dw = norm_backward(x2d, weight, rstd, dy, ctx.div, need_dx, need_dw)
         grad_x = dx.view(ctx.x_shape) if need_dx else None
-        grad_w = dw_partial.sum(0).to(weight.dtype) if need_dw else None
+        grad_w = dw.to(weight.dtype) if need_dw else None
         return grad_x, grad_w, None, None
 
 

@@ -7,26 +7,31 @@ from k3.ops.triton_dispatch import triton_module, use_triton
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
-               doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise conv: `y[t, c] = Σ_j weight[c, 0, j] · x[t − (W−1) + j, c]`.
+               doc_ids: torch.Tensor | None = None, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv: `y[t, c] = Σ_j weight[c, 0, j] · x[t − (W−1) + j, c]`, then SiLU(y) if `silu`
+    (KDA's q/k/v; on the kernels' path in the same passes, each way).
 
     x: [B, T, C]; weight: [C, 1, W]; tail: [B, W−1, C], the previous W−1 inputs (zeros when None).
     doc_ids: [B, T] for packed rows; taps that reach into another document read zero.
     Returns (y [B, T, C] in x's dtype, new tail [B, W−1, C] in the compute dtype).
     For backward only x (in its own dtype), the tail and doc_ids are kept; the fp32 padded input is rebuilt.
     CUDA tensors take the Triton kernels of `k3.ops._conv_triton` (same math, fp32 accumulate; 8x faster than
-    this path at `small`'s training shape on an H200) unless K3_NO_TRITON names them.
+    this path at `small`'s training shape on an H200) unless K3_NO_TRITON names them; widths up to MAX_TAPS.
     """
-    if x.numel() and use_triton(x, "_conv_triton"):
-        return triton_module("_conv_triton").short_conv(x, weight, tail, doc_ids)
-    return _ShortConv.apply(x, weight, tail, doc_ids)
+    kernels = triton_module("_conv_triton") if x.numel() and use_triton(x, "_conv_triton") else None
+    if kernels is not None and weight.shape[-1] <= kernels.MAX_TAPS:
+        return kernels.short_conv(x, weight, tail, doc_ids, silu)
+    y, new_tail = _ShortConv.apply(x, weight, tail, doc_ids)
+    return (F.silu(y) if silu else y), new_tail
 
 
 def short_conv_reference(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
-                         doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`short_conv` differentiated by autograd directly (keeps the fp32 padded input): the tests' reference."""
+                         doc_ids: torch.Tensor | None = None, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv` differentiated by autograd directly (keeps the fp32 padded input): the tests' reference.
+    The SiLU is applied to the conv's output in x's dtype, as a separate op would."""
     with torch.autocast(x.device.type, enabled=False):  # SPEC: the conv runs in fp32, also under bf16 autocast
-        return _short_conv_fp32(x, weight, tail, doc_ids)
+        y, new_tail = _short_conv_fp32(x, weight, tail, doc_ids)
+    return (F.silu(y) if silu else y), new_tail
 
 
 def _short_conv_fp32(x, weight, tail, doc_ids):
