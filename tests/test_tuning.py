@@ -379,3 +379,21 @@ def test_save_keeps_a_specialisations_parameters_in_their_order(tmp_path):
     path = tmp_path / "table.json"
     tuning.save(with_compiles([compile_]), path)
     assert list(tuning.load_table(path)[GPU]["compiles"][0]["signature"]) == ["z_ptr", "a", "m_ptr"]
+
+
+def test_merge_adds_a_new_shapes_choices_and_replaces_a_retuned_key(monkeypatch):
+    monkeypatch.setattr(tuning, "fla_version", lambda: "0.6.0")
+    name = f"{MODULE}.plain"
+    old = table({name: [{"key": KEY, "config": config_json(32, 4, 2)}]})
+    old["gpus"][GPU]["compiles"] = [spec()]
+    other_key = [8192, "torch.bfloat16"]
+    new = tuning.merge(old, GPU, {name: [{"key": KEY, "config": config_json()},
+                                         {"key": other_key, "config": config_json(32, 4, 2)}]},
+                       "k3 tune --autocast", [spec(), spec(f"{MODULE}.wrapped")])
+    section = tuning.parse_table(new)[GPU]
+    assert dict(section["kernels"][name]) == {tuple(KEY): config_json(), tuple(other_key): config_json(32, 4, 2)}
+    assert [c["name"] for c in section["compiles"]] == [f"{MODULE}.plain", f"{MODULE}.wrapped"]
+    assert new["gpus"][GPU]["made_by"] == "test; k3 tune --autocast"
+    monkeypatch.setattr(tuning, "fla_version", lambda: "0.7.0")  # another fla: its section starts afresh
+    newer = tuning.parse_table(tuning.merge(old, GPU, {name: [{"key": other_key, "config": config_json()}]}))
+    assert dict(newer[GPU]["kernels"][name]) == {tuple(other_key): config_json()} and newer[GPU]["compiles"] == []

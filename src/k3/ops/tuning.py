@@ -292,11 +292,22 @@ def record(prefixes=KERNEL_PREFIXES) -> dict[str, list]:
 
 def merge(table: dict | None, gpu: str, kernels: dict[str, list], made_by: str = "",
           compiles: list[dict] | None = None) -> dict:
-    """A table (JSON, as `read_table` returns) with `gpu`'s section replaced by `kernels` and `compiles` (other
-    GPUs' sections kept)."""
+    """A table (JSON, as `read_table` returns) with `kernels` and `compiles` added to `gpu`'s section: a key
+    tuned again takes the new choice, other keys and shapes stay. A section made with another fla version is
+    replaced whole; other GPUs' sections are kept."""
     table = {"format": FORMAT, "gpus": dict((table or {}).get("gpus", {}))}
-    table["gpus"][gpu] = {"fla": fla_version(), "triton": _triton_version(), "made_by": made_by, "kernels": kernels,
-                          "compiles": list(compiles or [])}
+    old = table["gpus"].get(gpu)
+    if old is None or old.get("fla") != fla_version():
+        old = {"kernels": {}, "compiles": [], "made_by": ""}
+    merged = {name: {json.dumps(e["key"]): e for e in entries} for name, entries in old["kernels"].items()}
+    for name, entries in kernels.items():
+        merged.setdefault(name, {}).update({json.dumps(e["key"]): e for e in entries})
+    specs = {json.dumps(c, sort_keys=True): c for c in [*old.get("compiles", []), *(compiles or [])]}
+    made = [m for m in old["made_by"].split("; ") if m and m != made_by] + [made_by]
+    table["gpus"][gpu] = {"fla": fla_version(), "triton": _triton_version(), "made_by": "; ".join(made),
+                          "kernels": {name: [entries[k] for k in sorted(entries)]
+                                      for name, entries in sorted(merged.items())},
+                          "compiles": list(specs.values())}
     return table
 
 
@@ -315,10 +326,12 @@ def save(table: dict, path: str | os.PathLike) -> None:
         raise
 
 
-def tune(preset: str, batch: int, seq: int, path: str | os.PathLike, device: str = "cuda") -> tuple[str, int]:
+def tune(preset: str, batch: int, seq: int, path: str | os.PathLike, device: str = "cuda",
+         autocast: bool = False) -> tuple[str, int]:
     """`k3 tune`: autotune every kernel of one training step (forward and backward) of `preset` at batch x seq
-    on this GPU, pinning nothing, then write the choices into `path` as this GPU's section.
-    Returns (GPU name, kernels recorded)."""
+    on this GPU, pinning nothing, then add the choices and the compiles they need to `path`'s section for this
+    GPU (`merge`). autocast: the step as `k3 train` runs it, fp32 weights under bf16 autocast (the tensors' dtypes
+    are part of the autotune keys); else bf16 weights, as the GPU benchmarks. Returns (GPU name, kernels)."""
     import torch
 
     from k3.config import K3Config
@@ -328,19 +341,21 @@ def tune(preset: str, batch: int, seq: int, path: str | os.PathLike, device: str
     config = K3Config.preset(preset)
     with envs.override(autotune_table="off"):
         with torch.device(device):
-            model = K3ForCausalLM(config).to(torch.bfloat16)
-        model.train()
+            model = K3ForCausalLM(config)
+        model = model.train() if autocast else model.to(torch.bfloat16).train()
         ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
 
         def step():
-            model(ids, labels=ids).loss.backward()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize(device)
         step()  # tunes
         compiles = record_compiles(step)  # the chosen configs' compiles, for precompiling
     gpu = torch.cuda.get_device_name(device)
     kernels = record()
-    made_by = f"k3 tune --preset {preset} --batch-size {batch} --seq-len {seq}"
+    made_by = f"k3 tune --preset {preset} --batch-size {batch} --seq-len {seq}" + (" --autocast" if autocast else "")
     save(merge(old, gpu, kernels, made_by, compiles), path)
     return gpu, len(kernels)
 
