@@ -114,8 +114,9 @@ def _cu(cu_seqlens, device, cu_seqlens_cpu=None):
 
 
 def _pin_choices(x: torch.Tensor) -> None:
-    """Before fla's first kernel on x's GPU: pin the shipped autotune choices (k3.ops.tuning; once per device)."""
-    if x.is_cuda:
+    """Before fla's first kernel on x's GPU: pin the shipped autotune choices (k3.ops.tuning; once per device).
+    Not while torch.compile traces (the eager warm-up before it has pinned them)."""
+    if x.is_cuda and not torch.compiler.is_compiling():
         tuning.pin_for_device(x.device)
 
 
