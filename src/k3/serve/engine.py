@@ -30,9 +30,9 @@ class EngineConfig:
     prefix_caching: bool = True
     num_blocks: int | None = None       # exact block count (overrides the budget's share; tests, benchmarks)
     decode_graphs: bool | None = None   # decode-only steps from CUDA graphs (default: on CUDA; see ModelRunner)
-    # with graphs: a step's decodes replay their graph beside its prompt chunks. Off until its CUDA test and timing
-    # have run on a GPU (issue 21; CPU-tested only: on a CPU there are no real graphs)
-    split_mixed_steps: bool = False
+    # with graphs: a step's decodes replay their graph beside its prompt chunks (issue 21: on an H200 at 64 streams,
+    # 3,217 output tok/s against 2,422 unsplit; its CUDA test passed there)
+    split_mixed_steps: bool = True
 
     def validate(self) -> None:
         for name in ("memory_bytes", "block_size", "match_unit", "max_batch_tokens", "max_num_seqs"):
