@@ -190,7 +190,7 @@ def device_waits():
     for w in caught:
         if "synchroniz" in str(w.message):
             path = w.filename.replace("\\", "/")
-            for root in ("/site-packages/", "/src/"):
+            for root in ("/site-packages/", "/dist-packages/", "/src/"):
                 path = path.split(root)[-1]
             sites.append(f"{path}:{w.lineno}")
 
