@@ -198,3 +198,52 @@ def test_kernels_refuse_mixed_layouts(kernels):
     with pytest.raises(TypeError, match="one layout"):
         kernels.grouped_situ_mlp(torch.randn(2, 64, device=DEVICE), torch.tensor([1, 1], device=DEVICE),
                                  decode[0], released[1], decode[2], 4.0, 25.0, config=CONFIG)
+
+
+# ---- a model's experts in the decode layout --------------------------------------------------------------------
+def packed_tiny_model(seed):
+    from k3.config import K3Config
+    from k3.model.decoder import K3ForCausalLM
+    from k3.ops.mx_experts import pack_experts_
+
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(K3Config.preset("tiny")).eval()
+    for m in model.modules():
+        if getattr(m, "packed", None) is False and hasattr(m, "w1"):
+            pack_experts_(m)
+    return model
+
+
+def test_model_in_decode_layout_saves_loads_and_runs_the_released_bytes():
+    """use_decode_layout_ rearranges every expert stack in place; state_dict() still gives the released bytes,
+    bit for bit; load_state_dict of released bytes lands rearranged; the forward (the reference on the CPU)
+    is unchanged; use_released_layout_ restores the bytes exactly."""
+    from k3.ops.mx_experts import use_decode_layout_, use_released_layout_
+
+    model = packed_tiny_model(8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want = model(ids).logits
+    n = use_decode_layout_(model)
+    assert n > 0 and use_decode_layout_(model) == 0
+    packed_names = [k for k in before if k.endswith("_packed")]
+    assert packed_names
+    for k in packed_names:  # the module's own buffers hold the decode layout
+        buf = model.get_buffer(k)
+        assert torch.equal(buf, to_decode_layout(before[k])) and not torch.equal(buf, before[k])
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+
+    other = packed_tiny_model(10)  # other random weights, converted, then given the first model's bytes
+    assert not torch.equal(other.get_buffer(packed_names[0]), before[packed_names[0]])
+    use_decode_layout_(other)
+    other.load_state_dict(before)
+    assert all(torch.equal(other.get_buffer(k), to_decode_layout(before[k])) for k in packed_names)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+    assert use_released_layout_(model) == n
+    assert all(torch.equal(model.get_buffer(k), before[k]) for k in packed_names)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

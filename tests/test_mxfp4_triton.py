@@ -129,22 +129,28 @@ def test_kernels_replay_in_a_cuda_graph_with_new_counts():
     assert rel_err(sel, _selected_reference(z, idx, wt, experts)) < 2e-2
 
 
+@pytest.mark.parametrize("decode_layout", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_packed_model_decodes_in_cuda_graphs(batch):
+def test_packed_model_decodes_in_cuda_graphs(batch, decode_layout):
     """A tiny model with packed MXFP4 experts: no graph blocker now; graphed decode steps == eager steps, and
     the kernels' eager logits == the reference path's (K3_NO_TRITON=_mxfp4_triton) at bf16 tolerance.
-    Batch 1 takes the selected (decode) kernels, batch 3 the grouped ones (tiny: 4 of 16 experts a token)."""
+    Batch 1 takes the selected (decode) kernels, batch 3 the grouped ones (tiny: 4 of 16 experts a token);
+    decode_layout: the experts' bytes rearranged for the kernels (use_decode_layout_), the reference reading
+    them back."""
     from k3.config import K3Config
     from k3.model.cuda_graph import GraphedDecodeStep, graph_blocker
     from k3.model.decoder import K3ForCausalLM
     from k3.model.generate import chunked_prefill
-    from k3.ops.mx_experts import pack_experts_
+    from k3.ops.mx_experts import pack_experts_, use_decode_layout_
 
     torch.manual_seed(7)
     model = K3ForCausalLM(K3Config.preset("tiny")).cuda().to(torch.bfloat16).eval()
     for m in model.modules():
         if getattr(m, "packed", None) is False and hasattr(m, "w1"):
             pack_experts_(m)
+    if decode_layout:
+        cfg = model.config
+        assert use_decode_layout_(model) == sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers)) > 0
     assert graph_blocker(model) is None
     with envs.override(no_triton="_mxfp4_triton"):
         assert "K3_NO_TRITON" in graph_blocker(model)

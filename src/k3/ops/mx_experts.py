@@ -6,12 +6,17 @@ CUDA through k3's Triton MXFP4 kernels (`k3.ops._mxfp4_triton`: dequantised in r
 the host, so decode steps are CUDA graphs), grouped or, at decode, one slot per (token, choice) with no sort;
 `packed_expert_situ_mlp_reference` (dequantise, then matmul, expert by expert) is the definition they are
 tested against, and what runs elsewhere.
+
+Serving on a GPU may rearrange the packed bytes once into the kernels' decode layout (`use_decode_layout_`,
+k3.ops.mxfp4_layout: fewer instructions a weight); the module then still saves and loads the released layout
+(its state_dict hooks convert), and the reference reads it back through `to_released_layout`.
 """
 import torch
 
 from k3 import envs
 from k3.ops.grouped_mm import grouped_linear
 from k3.ops.mx import BLOCK, mxfp4_fake_quant, mxfp4_pack, mxfp4_unpack, mxfp8_fake_quant
+from k3.ops.mxfp4_layout import DecodeLayoutWeight, scale_bias, to_decode_layout, to_released_layout
 from k3.ops.situ import situ_glu
 from k3.ops.triton_dispatch import on_device, triton_module
 
@@ -42,8 +47,18 @@ def _kernels_take(x: torch.Tensor, quantize_activations: bool) -> bool:
             and packed_kernels_enabled())
 
 
-def _packed(experts, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
+def _packed(experts, name: str) -> tuple[torch.Tensor, torch.Tensor] | DecodeLayoutWeight:
+    """What the kernels read: (packed, scale) in the released layout, or a DecodeLayoutWeight."""
+    packed, scale = getattr(experts, f"{name}_packed"), getattr(experts, f"{name}_scale")
+    if getattr(experts, "decode_bias", None) is not None:
+        return DecodeLayoutWeight(packed, scale, experts.decode_bias[name])
+    return packed, scale
+
+
+def _released_packed(experts, name: str, e: int) -> torch.Tensor:
+    """Expert e's packed bytes of matrix `name` in the released layout, whichever layout the module holds."""
+    packed = getattr(experts, f"{name}_packed")[e]
+    return to_released_layout(packed) if getattr(experts, "decode_bias", None) is not None else packed
 
 
 def packed_expert_situ_mlp_reference(x, counts: torch.Tensor, experts, beta_gate=4.0, beta_up=25.0,
@@ -61,7 +76,7 @@ def packed_expert_situ_mlp_reference(x, counts: torch.Tensor, experts, beta_gate
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            w1, w3, w2 = (mxfp4_unpack(getattr(experts, f"{w}_packed")[e], getattr(experts, f"{w}_scale")[e], x.dtype)
+            w1, w3, w2 = (mxfp4_unpack(_released_packed(experts, w, e), getattr(experts, f"{w}_scale")[e], x.dtype)
                           for w in ("w1", "w3", "w2"))
             xe = act(x[start:start + n])
             out[start:start + n] = act(situ_glu(xe @ w1.t(), xe @ w3.t(), beta_gate, beta_up)) @ w2.t()
@@ -126,6 +141,67 @@ def pack_experts_(experts: torch.nn.Module, empty: bool = False) -> torch.nn.Mod
         experts.register_buffer(f"{name}_scale", scale)
     experts.packed = True
     return experts
+
+
+_CHUNK_BYTES = 1 << 28  # experts converted at a time: the temporaries stay small on a full GPU
+
+
+def _relayout_(experts, convert) -> None:
+    for name in EXPERT_WEIGHTS:
+        packed = getattr(experts, f"{name}_packed")
+        step = max(1, _CHUNK_BYTES // max(1, packed[0].numel()))
+        for a in range(0, packed.shape[0], step):
+            packed[a:a + step] = convert(packed[a:a + step])
+
+
+def _save_released(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook of a module in the decode layout: what it saves is the released layout."""
+    if getattr(module, "decode_bias", None) is not None:
+        for name in EXPERT_WEIGHTS:
+            key = f"{prefix}{name}_packed"
+            if key in state_dict:
+                state_dict[key] = to_released_layout(state_dict[key])
+
+
+def _load_released(module, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: released bytes coming into a module in the decode layout are rearranged."""
+    if getattr(module, "decode_bias", None) is not None:
+        for name in EXPERT_WEIGHTS:
+            key, scale = f"{prefix}{name}_packed", state_dict.get(f"{prefix}{name}_scale")
+            if key in state_dict:
+                state_dict[key] = to_decode_layout(state_dict[key])
+            if scale is not None:
+                module.decode_bias[name] = scale_bias(scale)
+
+
+@torch.no_grad()
+def use_decode_layout_(model: torch.nn.Module) -> int:
+    """Rearranges the packed bytes of every packed expert module in model into the GPU kernels' decode layout, in
+    place, a few experts at a time (k3.ops.mxfp4_layout; reads each scale stack's maximum on the host once).
+    Saving and loading still use the released layout. Returns how many modules changed (a second call: 0)."""
+    changed = 0
+    for m in model.modules():
+        if getattr(m, "packed", False) is True and hasattr(m, "w1_packed") and getattr(m, "decode_bias", None) is None:
+            _relayout_(m, to_decode_layout)
+            m.decode_bias = {name: scale_bias(getattr(m, f"{name}_scale")) for name in EXPERT_WEIGHTS}
+            if not getattr(m, "_decode_layout_hooks", False):
+                m.register_state_dict_post_hook(_save_released)
+                m.register_load_state_dict_pre_hook(_load_released)
+                m._decode_layout_hooks = True
+            changed += 1
+    return changed
+
+
+@torch.no_grad()
+def use_released_layout_(model: torch.nn.Module) -> int:
+    """Undoes `use_decode_layout_` in place (for code that reads the packed bytes themselves)."""
+    changed = 0
+    for m in model.modules():
+        if getattr(m, "decode_bias", None) is not None:
+            _relayout_(m, to_released_layout)
+            m.decode_bias = None
+            changed += 1
+    return changed
 
 
 def enable_qat(model: torch.nn.Module, enabled: bool = True) -> torch.nn.Module:
