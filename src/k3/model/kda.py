@@ -71,8 +71,8 @@ class ShortConv(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, width, dtype=torch.float32))
 
-    def forward(self, x, tail=None, doc_ids=None):
-        return short_conv(x, self.weight, tail, doc_ids)
+    def forward(self, x, tail=None, doc_ids=None, silu: bool = False):
+        return short_conv(x, self.weight, tail, doc_ids, silu)
 
 
 class DenseLayout:
@@ -82,9 +82,10 @@ class DenseLayout:
         self.cache, self.doc_ids = cache, doc_ids
 
     def short_convs(self, m: "KimiDeltaAttention", xs: list[torch.Tensor]):
+        """(SiLU(conv(x)) for q, k, v; their new tails): the SiLU in the conv's kernels where they run."""
         st = self.cache.kda_state(m.layer_idx) if self.cache is not None else None
         tails = (st.conv_q, st.conv_k, st.conv_v) if st is not None else (None,) * 3
-        outs = [conv(x, tail, self.doc_ids) for x, conv, tail in zip(xs, m.convs, tails)]
+        outs = [conv(x, tail, self.doc_ids, silu=True) for x, conv, tail in zip(xs, m.convs, tails)]
         return [y for y, _ in outs], [t for _, t in outs]
 
     def core(self, m: "KimiDeltaAttention", q, k, v, f, beta_logits, tails) -> torch.Tensor:
@@ -121,7 +122,7 @@ class VarlenLayout:
         st = view.kda_state(m.layer_idx)
         outs = [short_conv_varlen(x[0], conv.weight, tail, index)
                 for x, conv, tail in zip(xs, m.convs, (st.conv_q, st.conv_k, st.conv_v))]
-        return [y[None] for y, _ in outs], [t for _, t in outs]
+        return [F.silu(y[None]) for y, _ in outs], [t for _, t in outs]
 
     def core(self, m: "KimiDeltaAttention", q, k, v, f, beta_logits, tails) -> torch.Tensor:
         view, params = self.view, (m.A_log, m.dt_bias, m.lower_bound)
@@ -194,8 +195,8 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         xq, xk, xv, fa, beta_logits, gate = self.in_proj(x)
-        convs, tails = layout.short_convs(self, [xq, xk, xv])
-        q, k, v = (F.silu(c).view(B, T, H, K) for c in convs)
+        convs, tails = layout.short_convs(self, [xq, xk, xv])  # SiLU(conv(x)), new tails
+        q, k, v = (c.view(B, T, H, K) for c in convs)
         f = self.f_b_proj(fa).view(B, T, H, K)
         o = layout.core(self, q, k, v, f, beta_logits, tails)  # [B, T, H, V]
         return self.o_proj(self.output_gate(o, gate.view(B, T, H, K)).reshape(B, T, H * K).to(x.dtype))

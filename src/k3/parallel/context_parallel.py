@@ -133,9 +133,10 @@ class ContextParallelKDA:
         convs = []
         for x, h, conv in zip(xs, halo, m.convs):
             if seg is None:
-                y, _ = short_conv(x, conv.weight, h)
+                y, _ = short_conv(x, conv.weight, h, silu=True)
             else:  # prepend the halo as real rows so the document mask covers it too
-                y, _ = short_conv(torch.cat([h.to(x.dtype), x], 1), conv.weight, None, torch.cat([halo_seg, seg], 1))
+                y, _ = short_conv(torch.cat([h.to(x.dtype), x], 1), conv.weight, None, torch.cat([halo_seg, seg], 1),
+                                  silu=True)
                 y = y[:, W - 1:]
             convs.append(y)
         return convs, None
