@@ -43,6 +43,25 @@ def test_fused_mix_matches_reference(n, B, T, D, dtype):
         assert err < tol, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mix_backward_with_several_tiles_per_program(monkeypatch, dtype):
+    """Backward's programs stride over the row tiles, each keeping its q partial per row slot: with 3 programs
+    over 2·37 rows of 16-row tiles (the last one short) every program walks several tiles, and du, dw match."""
+    from k3.ops import _attn_res_triton
+
+    monkeypatch.setattr(_attn_res_triton, "_MAX_PROGRAMS", 3)
+    gen = torch.Generator().manual_seed(7)
+    n, B, T, D = 3, 2, 37, 96
+    sources = [(torch.randn(B, T, D, generator=gen) * (i + 1)).to(DEVICE, dtype) for i in range(n)]
+    u, w = (torch.rand(D, generator=gen) + 0.5).to(DEVICE), (torch.randn(1, D, generator=gen) * 0.5).to(DEVICE)
+    grad = torch.randn(B, T, D, generator=gen).to(DEVICE, dtype)
+    want, got = run(_AttnResMix, u, w, sources, grad), run(_AttnResMixFused, u, w, sources, grad)
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    for name, a, b in zip(["out", "du", "dw"] + [f"d_source{i}" for i in range(n)], got, want):
+        err = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-6)
+        assert err < tol, f"{name}: relative error {err:.2e}"
+
+
 def test_dispatch_switches():
     """use_triton: off on CPU tensors; on CUDA, K3_NO_TRITON turns all or listed kernels off, and the opt-in
     kernels run only when named in K3_TRITON (or K3_TRITON=all). The switches as k3.envs parses them."""

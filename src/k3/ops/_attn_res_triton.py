@@ -61,7 +61,9 @@ def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_p
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     uw = tl.load(uw_ptr + cols, mask=col_ok, other=0.0)
-    q = tl.zeros([BLOCK_D], tl.float32)
+    # q's partial per row slot of the tile, summed over the slots once at the end: a sum over the tile's rows
+    # per source and tile would be a cross-thread (shared-memory) reduction each time
+    q = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     it = 0
     while it < iters:  # a fixed grid of programs striding over the rows, so the q partials stay few
         rows = (pid + it * nprog) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -82,9 +84,12 @@ def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_p
             coef = a * (tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0) - t) * r
             dv = a[:, None] * g + coef[:, None] * uw[None, :] - (coef * s * r / D)[:, None] * v
             tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
-            q += tl.sum(tl.where(mask, coef[:, None] * v, 0.0), axis=0)
+            q += tl.where(mask, coef[:, None] * v, 0.0)
         it += 1
-    tl.store(q_ptr + pid * D + cols, q, mask=col_ok)
+    tl.store(q_ptr + pid * D + cols, tl.sum(q, axis=0), mask=col_ok)
+
+
+_MAX_PROGRAMS = 1024  # backward's grid: programs striding over the row tiles, one q partial each
 
 
 def _blocks(D: int) -> tuple[int, int]:
@@ -117,7 +122,7 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse):
     da = torch.empty_like(scores)
     grads = tuple(torch.empty_like(s) for s in sources)
     tiles = triton.cdiv(R, block_r)
-    progs = min(tiles, 1024)
+    progs = min(tiles, _MAX_PROGRAMS)
     q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
     with on_device(g):
         _mix_bwd_da_kernel[(tiles,)](tuple(sources), g, da, R, D, N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
