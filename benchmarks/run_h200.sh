@@ -3,13 +3,15 @@
 # the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests kernels kbench decode prefill train
-#   train-ckpt moe mxfp4 vision serve serve64 sampler profile pack
-#   (default: all but kernels, kbench, train-ckpt, profile and pack). tests = every GPU test (k3's Triton kernel
+#   train-ckpt moe mxfp4 vision serve serve64 sampler profile pack k3-shaped
+#   (default: all but kernels, kbench, train-ckpt, profile, pack and k3-shaped). tests = every GPU test (k3's Triton kernel
 #   tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve64 = the serving bench at 64 streams only (set K3_TRITON to time
 #   opt-in kernels); sampler = the batched sampler against a per-row loop on the GPU;
 #   kbench-ab = k3's kernel bench alternating main, $AB_SRC, main, $AB_SRC (AB_SRC: another tree's src/, e.g.
 #   `mkdir ab && git archive BRANCH src | tar x -C ab` carried, AB_SRC=$PWD/ab/src);
+#   k3-shaped = the released widths in 4 layers, 896 MXFP4 experts (57.6 GB made on the card): decode at batch 1,
+#   8, 64 and serving at 64 streams against the byte roofline (issue 22);
 #   pack = the Triton cache as 15 MB pieces $OUT/tcache.tgz.aa, .ab, ...
 #   to carry back: put them in .tpack/ and carry that; the script merges .tpack/tcache.tgz.* into the cache.
 # Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
@@ -63,6 +65,7 @@ for step in $steps; do
             tests/test_mxfp4_triton.py -k "not graphed and not chunk" ;;
         moe) run moe 120 python3 benchmarks/bench_gpu_moe.py ;;
         mxfp4) run mxfp4 240 python3 benchmarks/bench_mxfp4_gemm.py ;;
+        k3-shaped) run k3-shaped 290 python3 benchmarks/bench_k3_shaped.py ;;
         vision) run vision 120 python3 benchmarks/bench_gpu_vision.py ;;
         sampler) run sampler 60 python3 benchmarks/bench_serve_host.py --sampler --device cuda ;;
         serve64) run serve64 240 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \
