@@ -201,10 +201,14 @@ def _released_halves_reference(p, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 def _accumulate(acc, w_p, w_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BIAS: tl.constexpr,
                 BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EXACT: tl.constexpr, W_LEFT: tl.constexpr, DECODE_LAYOUT: tl.constexpr,
-                USE_ASM: tl.constexpr):
+                USE_ASM: tl.constexpr, MASKED: tl.constexpr):
     """acc + this K block's products: W x^T [BLOCK_N, BLOCK_M] when W_LEFT, else x W^T [BLOCK_M, BLOCK_N]."""
-    p = tl.load(w_p + w_off + kp[None, :], mask=p_mask, other=0)
-    s = tl.load(w_s + s_off + kb[None, :], mask=s_mask, other=127)
+    if MASKED:
+        p = tl.load(w_p + w_off + kp[None, :], mask=p_mask, other=0)
+        s = tl.load(w_s + s_off + kb[None, :], mask=s_mask, other=127)
+    else:  # whole tiles (K3's shapes): no predicates, and no select of the masked scales' stand-in per word
+        p = tl.load(w_p + w_off + kp[None, :])
+        s = tl.load(w_s + s_off + kb[None, :])
     if EXACT and not DECODE_LAYOUT:
         w = _dequant_tile(p, s, BLOCK_N, BLOCK_K)
         if W_LEFT:
@@ -262,6 +266,7 @@ def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_til
     s_off = e * N * ks + n[:, None].to(tl.int64) * ks
     x_rows = x_ptr + (x_row + m[None, :]).to(tl.int64) * K
     acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if W_LEFT else (BLOCK_M, BLOCK_N)
+    MASKED: tl.constexpr = N % BLOCK_N != 0 or K % BLOCK_K != 0  # else every weight tile is whole
     acc_a = tl.zeros(acc_shape, dtype=tl.float32)
     acc_b = tl.zeros(acc_shape, dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -284,10 +289,10 @@ def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_til
                 xe, xo = tl.trans(xe), tl.trans(xo)
             xt = xe
         acc_a = _accumulate(acc_a, wa_p, wa_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BIAS_A, BLOCK_N,
-                            BLOCK_K, EXACT, W_LEFT, DECODE_LAYOUT, USE_ASM)
+                            BLOCK_K, EXACT, W_LEFT, DECODE_LAYOUT, USE_ASM, MASKED)
         if GLU:
             acc_b = _accumulate(acc_b, wb_p, wb_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BIAS_B,
-                                BLOCK_N, BLOCK_K, EXACT, W_LEFT, DECODE_LAYOUT, USE_ASM)
+                                BLOCK_N, BLOCK_K, EXACT, W_LEFT, DECODE_LAYOUT, USE_ASM, MASKED)
     if BIAS_A:  # the factors left out 2^BIAS (k3.ops.mxfp4_layout.scale_bias; 0 unless scales pass 2^1)
         acc_a = acc_a * _pow2(BIAS_A)
     if GLU and BIAS_B:
