@@ -8,9 +8,10 @@ Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the At
 [B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps, alone and with KDA's SiLU
 after it ("triton" folds it into the conv's kernels, "torch" is the torch conv then F.silu; the row "unfused" is
 the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32).
---sweep-norm: instead, the norm backward's kernel alone under other launch shapes (elements per row tile, warps,
-programs per SM of its persistent grid; k3.ops._norm_triton.BWD_LAUNCH).
-Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep-norm]
+--sweep: instead, the norm backward's kernel alone under other launch shapes (elements per row tile, warps,
+programs per SM of its persistent grid; k3.ops._norm_triton.BWD_LAUNCH), and the AttnRes mix backward (5 sources)
+in one kernel and in two (k3.ops._attn_res_triton.BWD_ONE_PASS).
+Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep]
 """
 import argparse
 import os
@@ -60,13 +61,27 @@ def cases(B: int, T: int, device: str = "cuda"):
     }
 
 
-def sweep_norm_backward(B: int, T: int):
-    """The norm backward kernel alone (dx and dw of RMSNorm [B·T, 1536] with a weight; dx of the L2 norm over
-    [B·T·12, 128]) under each launch shape; bytes moved: x and dy read, dx written."""
+def sweep_backwards(B: int, T: int):
+    """The AttnRes mix backward (5 sources [B, T, 1536]) in one kernel and in two; the norm backward kernel alone
+    (dx and dw of RMSNorm [B·T, 1536] with a weight; dx of the L2 norm over [B·T·12, 128]) under each launch
+    shape. GB/s over the bytes that must move: inputs read once, gradients written once."""
+    from k3.ops import _attn_res_triton as ar
     from k3.ops import _norm_triton as nt
 
     bw = measure_ceilings()["copy_TBps"] * 1e12
     rows, default = [], dict(nt.BWD_LAUNCH)
+    sources = tuple(torch.randn(B, T, 1536, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+    u, w = torch.ones(1536, device="cuda"), torch.randn(1, 1536, device="cuda") * 0.05
+    g = torch.randn_like(sources[0])
+    _, scores, lse = ar.mix_forward(u, w, 1e-5, sources)
+    for one_pass in (True, False):
+        ar.BWD_ONE_PASS = one_pass
+        ms = time_ms(lambda: ar.mix_backward(g, u, w, 1e-5, sources, scores, lse), inner=20)
+        ar.BWD_ONE_PASS = True
+        # bytes that must move: g and every source read once, every source's gradient written
+        rows.append(dict(op=f"attn_res_mix bwd, {'one kernel' if one_pass else 'two kernels'}", tile="-",
+                         warps="-", per_sm="-", bwd_ms=ms, GBps=11 * g.numel() * 2 / ms * 1e-6))
+        print(rows[-1], flush=True)
     for op, n_rows, D, has_w in (("rms_norm", B * T, 1536, True), ("l2_norm", B * T * 12, 128, False)):
         x = torch.randn(n_rows, D, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
@@ -92,18 +107,18 @@ def sweep_norm_backward(B: int, T: int):
                          per_sm=default["programs_per_sm"], bwd_ms=ms, GBps=3 * x.numel() * 2 / ms * 1e-6))
     print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")
     print(table(sorted(rows, key=lambda r: (r["op"], r["bwd_ms"])), ["op", "tile", "warps", "per_sm", "bwd_ms", "GBps"]))
-    save("norm_bwd_sweep", {"rows": rows, "B": B, "T": T})
+    save("backward_sweep", {"rows": rows, "B": B, "T": T})
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8,4096", help="B,T")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep-norm", action="store_true", help="time the norm backward's launch shapes instead")
+    ap.add_argument("--sweep", action="store_true", help="time the backwards' launch shapes and forms instead")
     a = ap.parse_args()
     B, T = (2, 512) if a.quick else map(int, a.tokens.split(","))
-    if a.sweep_norm:
-        return sweep_norm_backward(B, T)
+    if a.sweep:
+        return sweep_backwards(B, T)
     bw = measure_ceilings()["copy_TBps"] * 1e12
     rows = []
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():

@@ -43,13 +43,16 @@ def test_fused_mix_matches_reference(n, B, T, D, dtype):
         assert err < tol, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_mix_backward_with_several_tiles_per_program(monkeypatch, dtype):
+def test_fused_mix_backward_with_several_tiles_per_program(monkeypatch, dtype, one_pass):
     """Backward's programs stride over the row tiles, each keeping its q partial per row slot: with 3 programs
-    over 2·37 rows of 16-row tiles (the last one short) every program walks several tiles, and du, dw match."""
+    over 2·37 rows of 16-row tiles (the last one short) every program walks several tiles, and du, dw match,
+    with ∂L/∂a formed in the same kernel (one pass) or by the kernel before it."""
     from k3.ops import _attn_res_triton
 
     monkeypatch.setattr(_attn_res_triton, "_MAX_PROGRAMS", 3)
+    monkeypatch.setattr(_attn_res_triton, "BWD_ONE_PASS", one_pass)  # and both forms of the backward
     gen = torch.Generator().manual_seed(7)
     n, B, T, D = 3, 2, 37, 96
     sources = [(torch.randn(B, T, D, generator=gen) * (i + 1)).to(DEVICE, dtype) for i in range(n)]

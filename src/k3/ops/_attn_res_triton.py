@@ -4,8 +4,10 @@ The mix `out = Σ_i softmax_i(r_i ⟨v_i, u⊙w⟩) · v_i`, r_i = rsqrt(mean(v_
 in the forward: the softmax is taken online over the sources (running max, running sum, running weighted sum
 in fp32 registers), so nothing of size [n, rows, D] is ever stacked or converted. The sources arrive as a tuple
 of tensors, so the n separate [B, T, D] blocks need no copy; each n compiles its own kernel.
-Backward is two passes over the sources: the first forms ∂L/∂a_i = ⟨g, v_i⟩ per row, the second every
-source's gradient and the per-program partial sums for ∂L/∂u and ∂L/∂w. Formulas: k3.model.attn_res.
+Backward is one kernel: per row tile it forms ∂L/∂a_i = ⟨g, v_i⟩ from every source, then (reading the same tiles
+again, from cache) every source's gradient and the per-program partial sums for ∂L/∂u and ∂L/∂w (BWD_ONE_PASS;
+else a first kernel forms ∂L/∂a over all rows and the second reads the sources again). Formulas:
+k3.model.attn_res.
 """
 import torch
 import triton
@@ -56,7 +58,9 @@ def _mix_bwd_da_kernel(srcs, g_ptr, da_ptr, R, D,
 
 @triton.jit
 def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog, iters,
-                    N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                    N: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Every source's gradient and the q partials. ONE_PASS: ∂L/∂a_i = ⟨g, v_i⟩ formed here, per tile (each
+    source tile read twice in a row, the second time from cache); else read from da (_mix_bwd_da_kernel's)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -75,13 +79,21 @@ def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_p
         t = tl.zeros([BLOCK_R], tl.float32)  # Σ_j a_j ∂L/∂a_j
         for i in tl.static_range(N):
             s = tl.load(scores_ptr + i * R + rows, mask=row_ok, other=0.0)
-            t += tl.exp(s - lse) * tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0)
+            if ONE_PASS:  # ∂L/∂a_i here: the tile's sources are read again just below, from cache
+                da = tl.sum(g * tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32), axis=1)
+            else:
+                da = tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0)
+            t += tl.exp(s - lse) * da
         for i in tl.static_range(N):
             v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
             s = tl.load(scores_ptr + i * R + rows, mask=row_ok, other=0.0)
             a = tl.exp(s - lse)
             r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-            coef = a * (tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0) - t) * r
+            if ONE_PASS:
+                da = tl.sum(g * v, axis=1)
+            else:
+                da = tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0)
+            coef = a * (da - t) * r
             dv = a[:, None] * g + coef[:, None] * uw[None, :] - (coef * s * r / D)[:, None] * v
             tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
             q += tl.where(mask, coef[:, None] * v, 0.0)
@@ -90,6 +102,9 @@ def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_p
 
 
 _MAX_PROGRAMS = 1024  # backward's grid: programs striding over the row tiles, one q partial each
+# Backward in one kernel (∂L/∂a per tile, sources re-read from cache) instead of a ∂L/∂a pass over every source
+# first; a name, so that benchmarks/bench_gpu_kernels.py --sweep can time both on a GPU.
+BWD_ONE_PASS = True
 
 
 def _blocks(D: int) -> tuple[int, int]:
@@ -119,15 +134,18 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse):
     g = grad_out.contiguous()
     uw = u.float() * w.reshape(-1).float()
     block_r, block_d = _blocks(D)
-    da = torch.empty_like(scores)
+    one_pass = BWD_ONE_PASS
+    da = scores if one_pass else torch.empty_like(scores)
     grads = tuple(torch.empty_like(s) for s in sources)
     tiles = triton.cdiv(R, block_r)
     progs = min(tiles, _MAX_PROGRAMS)
     q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
     with on_device(g):
-        _mix_bwd_da_kernel[(tiles,)](tuple(sources), g, da, R, D, N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
+        if not one_pass:
+            _mix_bwd_da_kernel[(tiles,)](tuple(sources), g, da, R, D, N=len(sources), BLOCK_R=block_r,
+                                         BLOCK_D=block_d)
         _mix_bwd_kernel[(progs,)](tuple(sources), grads, g, uw, scores, lse, da, q, R, D, eps, progs,
                                   triton.cdiv(tiles, progs),
-                                  N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
+                                  N=len(sources), ONE_PASS=one_pass, BLOCK_R=block_r, BLOCK_D=block_d)
     q = q.sum(0)
     return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads
