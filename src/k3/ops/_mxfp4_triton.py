@@ -3,7 +3,10 @@ triton). Hopper has no FP4 tensor cores, so each program dequantises its weight 
 codes a byte, the even column in the low nibble, one E8M0 scale per 32 input columns: SPEC §4) and feeds it to
 `tl.dot` in bf16 (fp32 inputs keep fp32, IEEE). In bf16 the low and high nibbles stay two separate half-tiles,
 met by the activations' even and odd columns (split in registers), and an inline-PTX routine makes two bf16
-weights from a nibble pair in ~3.5 instructions a weight (`_E2M1_BF16X2_ASM`).
+weights from a nibble pair in ~3.5 instructions a weight (`_E2M1_BF16X2_ASM`). Weights given as
+`DecodeLayoutWeight` (bytes rearranged once at load, k3.ops.mxfp4_layout) take `_DECODE_WORD_ASM` instead: a
+rotate, a mask and one multiply a pair, ~1.6 a weight. Under the CPU interpreter (no PTX) both layouts decode
+in plain Triton and the dots run in fp32.
 
 Operand order (W_LEFT): the dequantised weights as the dot's right operand (written to shared memory in their
 own layout) measured faster on the H200 than as the left one (a few-row decode tile then fills the tensor
