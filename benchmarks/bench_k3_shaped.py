@@ -14,9 +14,11 @@ model's forward; "graph" = k3.model.cuda_graph.GraphedDecodeStep, the CUDA graph
 runner replay.
 Roofline per step = the bytes a step must read: every dense weight once (the embedding: one row per token), the
 packed bytes (codes and E8M0 scales) of the experts the batch touches, expected E(1 - (1 - k/E)^B) distinct of E
-at top-k for B tokens per MoE layer, each KDA state and its q/k/v conv tails read and written (fp32), each MLA
-layer's cached latents of the context read once; over the copy bandwidth measured in this run and over the
-H200's 4.8 TB/s datasheet figure. No peer runs here: no other engine serves this architecture with MXFP4 experts.
+at top-k for B tokens per MoE layer ("experts read"; beside it "experts routed", the distinct experts the random
+model's router picked in one step, averaged over layers), each KDA state and its q/k/v conv tails read and
+written (fp32), each MLA layer's cached latents of the context read once; over the copy bandwidth measured in this
+run and over the H200's 4.8 TB/s datasheet figure. No peer runs here: no other engine serves this architecture
+with MXFP4 experts.
 Serving: k3's LLMEngine behind its HTTP server at --streams concurrent streams, loaded from a process of its own
 (as `k3 bench serve`), beside the static graphed batch (`generate` over fixed batches) in the same process; the
 roofline there is --streams tokens per decode-step floor at the mean context (prompt + half the output).
@@ -40,7 +42,7 @@ from k3.checkpoint.names import is_f32  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.cache import MLAState  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
-from k3.model.moe import Experts  # noqa: E402
+from k3.model.moe import Experts, LatentMoE, route  # noqa: E402
 from k3.ops.mx import mxfp4_pack  # noqa: E402
 from k3.ops.mx_experts import EXPERT_WEIGHTS, pack_experts_  # noqa: E402
 
@@ -136,6 +138,24 @@ def weight_bytes(model: K3ForCausalLM) -> dict:
     return out
 
 
+def routed_experts(model: K3ForCausalLM, step) -> float:
+    """Distinct experts one call of step() routes to, averaged over the MoE layers (the routing recomputed from
+    each layer's input by a hook): beside the expected count, to see how uniform the random model's routing is."""
+    counts = []
+
+    def count(moe, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        idx, _ = route(moe.router_scores(x), moe.gate.e_score_correction_bias, moe.top_k)
+        counts.append(idx.unique().numel())
+    hooks = [m.register_forward_pre_hook(count) for m in model.modules() if isinstance(m, LatentMoE)]
+    try:
+        step()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(counts) / len(counts)
+
+
 def filled_cache(model: K3ForCausalLM, cfg: K3Config, batch: int, context: int, room: int):
     """A StaticCache at length context-1, `room` more steps free: 2 real decode steps (the decode kernels only: no
     prefill kernel to compile), then random MLA latents up to the context and the length moved there."""
@@ -184,6 +204,7 @@ def decode_rows(model, cfg, batches, context, copy_bw, cuda: bool) -> list[dict]
             cache = filled_cache(model, cfg, B, context, room)
             step = lambda: model(tok, cache=cache)  # noqa: E731
             timings.append(("eager", time_ms(step, warmup=warmup, reps=reps) if cuda else cpu_ms(step, warmup, reps)))
+            routed = routed_experts(model, step)
             if cuda:
                 from k3.model.cuda_graph import GraphedDecodeStep
                 cache = None
@@ -194,6 +215,7 @@ def decode_rows(model, cfg, batches, context, copy_bw, cuda: bool) -> list[dict]
         for mode, ms in timings:
             rows.append({"batch": B, "context": context, "mode": mode, "step ms": ms, "tok/s": B / ms * 1e3,
                          "experts read": expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_token, B),
+                         "experts routed": routed,
                          "GB read": parts["total"] / 1e9, "expert GB": parts["experts"] / 1e9,
                          "floor ms (copy bw)": floor_ms, "% of copy-bw floor": 100 * floor_ms / ms,
                          "% of 4.8 TB/s": 100 * floor_ds_ms / ms})
@@ -284,8 +306,8 @@ def main(argv=None):
             with open(os.path.join(os.environ["OUT"], "k3_shaped_quick.json"), "w") as fh:
                 json.dump(result, fh, indent=1)
 
-    decode_cols = ["batch", "context", "mode", "step ms", "tok/s", "experts read", "GB read", "expert GB",
-                   "floor ms (copy bw)", "% of copy-bw floor", "% of 4.8 TB/s"]
+    decode_cols = ["batch", "context", "mode", "step ms", "tok/s", "experts read", "experts routed", "GB read",
+                   "expert GB", "floor ms (copy bw)", "% of copy-bw floor", "% of 4.8 TB/s"]
     if not a.no_decode:
         batches = [int(b) for b in a.batches.split(",")]
         result["decode"] = decode_rows(model, cfg, batches, a.context, copy_bw, cuda)

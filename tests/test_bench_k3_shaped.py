@@ -102,3 +102,16 @@ def test_built_model_holds_packed_init_draws(built):
     with torch.no_grad():
         logits = model(torch.randint(0, cfg.vocab_size, (2, 5))).logits
     assert torch.isfinite(logits).all()
+
+
+def test_routed_experts_counts_each_layers_distinct_choices(built):
+    """One token picks exactly top-k distinct experts per layer; 8 random tokens pick more, at most all E."""
+    cfg, model = built
+    k, E = cfg.num_experts_per_token, cfg.num_experts
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        one = bench.routed_experts(model, lambda: model(torch.randint(0, cfg.vocab_size, (1, 1), generator=gen)))
+        eight = bench.routed_experts(model, lambda: model(torch.randint(0, cfg.vocab_size, (8, 1), generator=gen)))
+    assert one == k
+    assert k < eight <= E
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the hooks are gone afterwards
