@@ -7,7 +7,8 @@ read once, output written once) over the copy bandwidth measured in the same run
 Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the AttnRes mix of 5 sources
 [B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps, alone and with KDA's SiLU
 after it ("triton" folds it into the conv's kernels, "torch" is the torch conv then F.silu; the row "unfused" is
-the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32).
+the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32); the training
+loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`: "torch" is its fp32 row chunks).
 --sweep: instead, the norm backward's kernel alone under other launch shapes (elements per row tile, warps,
 programs per SM of its persistent grid; k3.ops._norm_triton.BWD_LAUNCH), and the AttnRes mix backward (5 sources)
 in one kernel and in two (k3.ops._attn_res_triton.BWD_ONE_PASS).
@@ -27,6 +28,7 @@ from k3 import envs  # noqa: E402
 from k3.model.attn_res import attn_res_mix  # noqa: E402
 from k3.model.norm import RMSNorm  # noqa: E402
 from k3.ops.conv import short_conv  # noqa: E402
+from k3.ops.cross_entropy import chunked_cross_entropy  # noqa: E402
 from k3.ops.fused_situ import situ_glu_fast  # noqa: E402
 from k3.ops.norm import l2_norm, rms_norm  # noqa: E402
 
@@ -43,6 +45,7 @@ def cases(B: int, T: int, device: str = "cuda"):
     proj = torch.nn.Linear(D, 1, bias=False).to(device)
     conv_w = (torch.randn(D, 1, 4, device=device) * 0.5).requires_grad_()
     gate, up = r(B * T, I), r(B * T, I)
+    logits, labels = r(B * T, 32768), torch.randint(0, 32768, (B * T,), device=device)
     n = B * T * D * 2
     return {
         "rms_norm": ("_norm_triton", lambda a: rms_norm(a[0], w, 1e-5), [x], [w], 2 * n),
@@ -54,6 +57,8 @@ def cases(B: int, T: int, device: str = "cuda"):
                               2 * n),
         "short_conv + SiLU unfused": ("_conv_triton", lambda a: F.silu(short_conv(a[0], conv_w)[0]), [x], [conv_w],
                                       2 * n),
+        "cross_entropy [B·T, 32768]": ("_cross_entropy_triton", lambda a: chunked_cross_entropy(a[0], labels),
+                                       [logits], [], logits.numel() * 2),
         "situ_glu": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate, up], [], 3 * B * T * I * 2),
         # fp32 results take the kernels' exact exp (k3.ops._situ_triton._exp_exact): what that precision costs
         "situ_glu fp32": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate.float(), up.float()], [],

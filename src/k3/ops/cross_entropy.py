@@ -3,6 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from k3.ops.triton_dispatch import triton_module, use_triton
+
 CHUNK_ELEMENTS = 1 << 26  # fp32 working set of one row chunk: 256 MiB
 
 
@@ -18,8 +20,15 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
 
 def chunked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """The same loss with the math in fp32 one row chunk at a time; backward keeps only the logits themselves
-    and one log-sum-exp per row, where F.cross_entropy keeps [N, V] fp32 log-probabilities."""
+    and one log-sum-exp per row, where F.cross_entropy keeps [N, V] fp32 log-probabilities. On CUDA (bf16/fp16/
+    fp32 logits) both passes are k3.ops._cross_entropy_triton's kernels: one read of the logits forward, one read
+    and one write backward, instead of a conversion, subtraction, exp and scaling pass per chunk."""
     return _CrossEntropy.apply(logits, labels, ignore_index)
+
+
+def _fused(logits: torch.Tensor) -> bool:
+    """Whether the loss takes the Triton kernels: where use_triton says so, and logits that are not empty."""
+    return logits.numel() > 0 and use_triton(logits, "_cross_entropy_triton")
 
 
 def _row_chunks(logits: torch.Tensor):
@@ -33,10 +42,13 @@ class _CrossEntropy(torch.autograd.Function):
         dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
         valid = labels != ignore_index
         target = torch.where(valid, labels, 0).long()
-        lse = torch.empty(logits.shape[0], dtype=dt, device=logits.device)
-        starts, rows = _row_chunks(logits)
-        for s in starts:
-            lse[s:s + rows] = torch.logsumexp(logits[s:s + rows].to(dt), dim=-1)
+        if _fused(logits):
+            lse = triton_module("_cross_entropy_triton").log_sum_exp(logits)
+        else:
+            lse = torch.empty(logits.shape[0], dtype=dt, device=logits.device)
+            starts, rows = _row_chunks(logits)
+            for s in starts:
+                lse[s:s + rows] = torch.logsumexp(logits[s:s + rows].to(dt), dim=-1)
         picked = logits.gather(1, target[:, None])[:, 0].to(dt)
         count = valid.sum()
         loss = torch.where(valid, lse - picked, 0).sum() / count  # no valid token: 0/0 = nan, like F.cross_entropy
@@ -49,6 +61,9 @@ class _CrossEntropy(torch.autograd.Function):
         logits, target, valid, lse, count = ctx.saved_tensors
         # ∂loss/∂logits = (softmax − onehot(target)) · g / count on valid rows, zero on ignored ones
         row_scale = torch.where(valid, grad_loss.to(lse.dtype) / count, 0)
+        if _fused(logits):
+            return triton_module("_cross_entropy_triton").softmax_minus_onehot(logits, lse, target, row_scale), \
+                None, None
         grad = torch.empty_like(logits)
         starts, rows = _row_chunks(logits)
         for s in starts:
