@@ -209,8 +209,13 @@ def decode_rows(model, cfg, batches, context, copy_bw, cuda: bool) -> list[dict]
                 from k3.model.cuda_graph import GraphedDecodeStep
                 cache = None
                 cache = filled_cache(model, cfg, B, context, room)
-                graphed = GraphedDecodeStep(model, cache)
-                timings.append(("graph", time_ms(lambda: graphed.step(tok), warmup=warmup, reps=reps)))
+                try:
+                    graphed = GraphedDecodeStep(model, cache)
+                    timings.append(("graph", time_ms(lambda: graphed.step(tok), warmup=warmup, reps=reps)))
+                except Exception as e:  # noqa: BLE001 - record why and keep the other rows
+                    why = f"graph failed: {type(e).__name__}: {e}"[:200]
+                    rows.append({"batch": B, "context": context, "mode": why})
+                    print(rows[-1], flush=True)
                 graphed = None
         for mode, ms in timings:
             rows.append({"batch": B, "context": context, "mode": mode, "step ms": ms, "tok/s": B / ms * 1e3,
