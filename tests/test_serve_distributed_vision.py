@@ -1,5 +1,6 @@
 """A vision-language model served by `k3 serve --nproc 2` (experts over two ranks, the vision tower on each):
-a chat request with an image gets the text and logprobs `--nproc 1` gives, and a different image changes them."""
+a chat request with an image gets the text and logprobs `--nproc 1` gives (with expert replicas re-placed every
+two steps), and a different image changes them."""
 import httpx
 import torch
 
@@ -24,9 +25,10 @@ def test_http_nproc2_with_an_image_equals_nproc1(tmp_path):
     make_tiny_vlm().save_pretrained(d, dtype=None)
     Tokenizer.from_file().save_pretrained(d)
     answers = {}
-    for n in (1, 2):
-        with k3_serve(d, "k", "m", tmp_path / f"log{n}", "--nproc", str(n)) as url:
+    for n, extra in ((1, ()), (2, ("--ep-replicas", "1", "--ep-rebalance-steps", "2"))):  # replicas re-placed too
+        with k3_serve(d, "k", "m", tmp_path / f"log{n}", "--nproc", str(n), *extra) as url:
             answers[n] = [chat(url, png(seed)) for seed in (1, 2)]
+    assert "expert replicas 1 a rank per MoE layer, re-placed every 2 steps" in (tmp_path / "log2").read_text()
     for one, two in zip(answers[1], answers[2]):
         assert one["text"] == two["text"] and len(one["logprobs"]) == 6
         torch.testing.assert_close(torch.tensor(two["logprobs"]), torch.tensor(one["logprobs"]), rtol=1e-4, atol=1e-4)

@@ -416,7 +416,10 @@ def _serve_http(engine: DistributedEngine, d: Path, host, port, api_key, model_n
             server.should_exit = True
 
     runner = LockstepEngineThread(engine, on_failure)
-    print(f"k3 serve: {engine.describe_capacity()}; {dist.get_world_size()} ranks", flush=True)
+    balancer = engine.balancer
+    replicas = "" if balancer is None or not balancer.combines else \
+        f", expert replicas {balancer.combines[0].replicas} a rank per MoE layer, re-placed every {balancer.every} steps"
+    print(f"k3 serve: {engine.describe_capacity()}; {dist.get_world_size()} ranks{replicas}", flush=True)
     app = create_app(engine, engine.tokenizer, model_name or d.name, api_key,
                      max_request_bytes=max_request_bytes or MAX_REQUEST_BYTES, runner=runner)
     # the same guards as one process: keep-alive, the request-head deadline, the connection limit
