@@ -9,8 +9,8 @@ Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the At
 after it ("triton" folds it into the conv's kernels, "torch" is the torch conv then F.silu; the row "unfused" is
 the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32); the training
 loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`: "torch" is its fp32 row chunks).
---sweep: instead, the norm backward's kernel alone under other launch shapes (elements per row tile, warps,
-programs per SM of its persistent grid; k3.ops._norm_triton.BWD_LAUNCH), and the AttnRes mix backward (5 sources)
+--sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
+programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix backward (5 sources)
 in one kernel and in two (k3.ops._attn_res_triton.BWD_ONE_PASS).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep]
 """
@@ -66,15 +66,15 @@ def cases(B: int, T: int, device: str = "cuda"):
     }
 
 
-def sweep_backwards(B: int, T: int):
-    """The AttnRes mix backward (5 sources [B, T, 1536]) in one kernel and in two; the norm backward kernel alone
-    (dx and dw of RMSNorm [B·T, 1536] with a weight; dx of the L2 norm over [B·T·12, 128]) under each launch
+def sweep_kernels(B: int, T: int):
+    """The AttnRes mix backward (5 sources [B, T, 1536]) in one kernel and in two; the norm kernels alone (RMSNorm
+    [B·T, 1536] with a weight, backward dx and dw; the L2 norm over [B·T·12, 128], backward dx) under each launch
     shape. GB/s over the bytes that must move: inputs read once, gradients written once."""
     from k3.ops import _attn_res_triton as ar
     from k3.ops import _norm_triton as nt
 
     bw = measure_ceilings()["copy_TBps"] * 1e12
-    rows, default = [], dict(nt.BWD_LAUNCH)
+    rows, default, fwd_default = [], dict(nt.BWD_LAUNCH), dict(nt.FWD_LAUNCH)
     sources = tuple(torch.randn(B, T, 1536, device="cuda", dtype=torch.bfloat16) for _ in range(5))
     u, w = torch.ones(1536, device="cuda"), torch.randn(1, 1536, device="cuda") * 0.05
     g = torch.randn_like(sources[0])
@@ -85,7 +85,7 @@ def sweep_backwards(B: int, T: int):
         ar.BWD_ONE_PASS = True
         # bytes that must move: g and every source read once, every source's gradient written
         rows.append(dict(op=f"attn_res_mix bwd, {'one kernel' if one_pass else 'two kernels'}", tile="-",
-                         warps="-", per_sm="-", bwd_ms=ms, GBps=11 * g.numel() * 2 / ms * 1e-6))
+                         warps="-", per_sm="-", ms=ms, GBps=11 * g.numel() * 2 / ms * 1e-6))
         print(rows[-1], flush=True)
     for op, n_rows, D, has_w in (("rms_norm", B * T, 1536, True), ("l2_norm", B * T * 12, 128, False)):
         x = torch.randn(n_rows, D, device="cuda", dtype=torch.bfloat16)
@@ -93,6 +93,21 @@ def sweep_backwards(B: int, T: int):
         w = torch.ones(D, device="cuda", dtype=torch.bfloat16) if has_w else None
         div = float(D) if has_w else 1.0
         rstd = torch.rsqrt(x.float().pow(2).sum(-1) / div + 1e-5)
+        norm = (lambda: nt.rms_norm(x, w, 1e-5)) if has_w else (lambda: nt.l2_norm(x))
+        for tile in (2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                nt.FWD_LAUNCH.update(tile=tile, num_warps=warps)
+                try:
+                    with torch.no_grad():
+                        ms = time_ms(norm, inner=20)
+                except Exception as e:  # a shape ptxas refuses: say so, go on
+                    print(f"{op} fwd tile={tile} warps={warps}: {type(e).__name__}: {e}"[:300])
+                    continue
+                finally:
+                    nt.FWD_LAUNCH.update(fwd_default)
+                rows.append(dict(op=op + " fwd", tile=tile, warps=warps, per_sm="-", ms=ms,
+                                 GBps=2 * x.numel() * 2 / ms * 1e-6))
+                print(rows[-1], flush=True)
         for tile in (2048, 4096, 8192):
             for warps in (4, 8, 16):
                 for per_sm in (p for p in (1, 2, 4, 8) if p * warps <= 64):  # warps resident per SM <= 64
@@ -104,26 +119,26 @@ def sweep_backwards(B: int, T: int):
                         continue
                     finally:
                         nt.BWD_LAUNCH.update(default)
-                    rows.append(dict(op=op, tile=tile, warps=warps, per_sm=per_sm, bwd_ms=ms,
+                    rows.append(dict(op=op + " bwd", tile=tile, warps=warps, per_sm=per_sm, ms=ms,
                                      GBps=3 * x.numel() * 2 / ms * 1e-6))
                     print(rows[-1], flush=True)
         ms = time_ms(lambda: nt.norm_backward(x, w, rstd, dy, div, True, has_w), inner=20)
-        rows.append(dict(op=op + " (default)", tile=default["tile"], warps=default["num_warps"],
-                         per_sm=default["programs_per_sm"], bwd_ms=ms, GBps=3 * x.numel() * 2 / ms * 1e-6))
+        rows.append(dict(op=op + " bwd (default)", tile=default["tile"], warps=default["num_warps"],
+                         per_sm=default["programs_per_sm"], ms=ms, GBps=3 * x.numel() * 2 / ms * 1e-6))
     print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(table(sorted(rows, key=lambda r: (r["op"], r["bwd_ms"])), ["op", "tile", "warps", "per_sm", "bwd_ms", "GBps"]))
-    save("backward_sweep", {"rows": rows, "B": B, "T": T})
+    print(table(sorted(rows, key=lambda r: (r["op"], r["ms"])), ["op", "tile", "warps", "per_sm", "ms", "GBps"]))
+    save("kernel_sweep", {"rows": rows, "B": B, "T": T})
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8,4096", help="B,T")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="time the backwards' launch shapes and forms instead")
+    ap.add_argument("--sweep", action="store_true", help="time the kernels' launch shapes and forms instead")
     a = ap.parse_args()
     B, T = (2, 512) if a.quick else map(int, a.tokens.split(","))
     if a.sweep:
-        return sweep_backwards(B, T)
+        return sweep_kernels(B, T)
     bw = measure_ceilings()["copy_TBps"] * 1e12
     rows = []
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():

@@ -95,14 +95,16 @@ def test_rms_norm_computes_only_the_gradients_asked_for(need_x, need_w):
 
 @pytest.mark.parametrize("tile,num_warps", [(64, 4), (256, 8), (8192, None)])
 def test_backward_under_other_launch_shapes(monkeypatch, tile, num_warps):
-    """The backward's launch shape (rows per tile, warps) is tunable for the GPU sweep: every shape gives the
-    formula's gradients, with row counts that leave the last tile and the last program short."""
-    monkeypatch.setitem(_norm_triton.BWD_LAUNCH, "tile", tile)
-    monkeypatch.setitem(_norm_triton.BWD_LAUNCH, "num_warps", num_warps)
+    """The launch shapes (rows per tile, warps) are tunable for the GPU sweep: every shape gives the formula's
+    output and gradients, with row counts that leave the last tile and the last program short."""
+    for launch in (_norm_triton.FWD_LAUNCH, _norm_triton.BWD_LAUNCH):
+        monkeypatch.setitem(launch, "tile", tile)
+        monkeypatch.setitem(launch, "num_warps", num_warps)
     for seed, shape in ((12, (301, 64)), (13, (37, 96))):
         x, w, dy = inputs(seed, shape, torch.float32, torch.float32)
-        _, gx, gw = run(lambda a, b: _norm_triton.rms_norm(a, b, EPS), x, w, dy)
-        _, gx_ref, gw_ref = run(lambda a, b: rms_norm_reference(a, b, EPS), x, w, dy)
+        y, gx, gw = run(lambda a, b: _norm_triton.rms_norm(a, b, EPS), x, w, dy)
+        y_ref, gx_ref, gw_ref = run(lambda a, b: rms_norm_reference(a, b, EPS), x, w, dy)
+        assert_close(y, y_ref, 1e-5)
         assert_close(gx, gx_ref, 1e-5)
         assert_close(gw, gw_ref, 1e-5)
     x, _, dy = inputs(14, (45, 3, 32), torch.float32, None)

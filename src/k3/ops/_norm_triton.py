@@ -86,8 +86,9 @@ def _launch_shape(n_rows: int, D: int, tile: int = _TILE) -> tuple[int, int, int
     return block_r, block_d, num_warps
 
 
-# Backward's launch: elements per row tile, warps (None: as the forward) and programs per SM of the persistent
-# grid. A name, so that benchmarks/bench_gpu_kernels.py --sweep-norm can time others on a GPU.
+# The launches: elements per row tile, warps (None: from _launch_shape) and, backward, programs per SM of its
+# persistent grid. Names, so that benchmarks/bench_gpu_kernels.py --sweep can time others on a GPU.
+FWD_LAUNCH = dict(tile=_TILE, num_warps=None)
 BWD_LAUNCH = dict(tile=_TILE, num_warps=None, programs_per_sm=None)
 
 
@@ -130,7 +131,8 @@ class _TritonNorm(torch.autograd.Function):
         y = torch.empty_like(x2d)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         div = float(D) if mean else 1.0
-        block_r, block_d, num_warps = _launch_shape(n_rows, D)
+        block_r, block_d, num_warps = _launch_shape(n_rows, D, FWD_LAUNCH["tile"])
+        num_warps = FWD_LAUNCH["num_warps"] or num_warps
         with on_device(x):
             _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
                 x2d, x2d if weight is None else weight, y, rstd, n_rows, D, div, float(eps),
