@@ -10,8 +10,9 @@ after it ("triton" folds it into the conv's kernels, "torch" is the torch conv t
 the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32); the training
 loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`: "torch" is its fp32 row chunks).
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
-programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix backward (5 sources)
-in one kernel and in two (k3.ops._attn_res_triton.BWD_ONE_PASS).
+programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
+(5 sources) at other warp counts, backward in one kernel and in two (k3.ops._attn_res_triton.NUM_WARPS,
+BWD_ONE_PASS).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep]
 """
 import argparse
@@ -67,9 +68,9 @@ def cases(B: int, T: int, device: str = "cuda"):
 
 
 def sweep_kernels(B: int, T: int):
-    """The AttnRes mix backward (5 sources [B, T, 1536]) in one kernel and in two; the norm kernels alone (RMSNorm
-    [B·T, 1536] with a weight, backward dx and dw; the L2 norm over [B·T·12, 128], backward dx) under each launch
-    shape. GB/s over the bytes that must move: inputs read once, gradients written once."""
+    """The AttnRes mix (5 sources [B, T, 1536]) at 4, 8, 16 warps, backward in one kernel and in two; the norm
+    kernels alone (RMSNorm [B·T, 1536] with a weight, backward dx and dw; the L2 norm over [B·T·12, 128],
+    backward dx) under each launch shape. GB/s over the bytes that must move: inputs read once, gradients written once."""
     from k3.ops import _attn_res_triton as ar
     from k3.ops import _norm_triton as nt
 
@@ -79,14 +80,22 @@ def sweep_kernels(B: int, T: int):
     u, w = torch.ones(1536, device="cuda"), torch.randn(1, 1536, device="cuda") * 0.05
     g = torch.randn_like(sources[0])
     _, scores, lse = ar.mix_forward(u, w, 1e-5, sources)
-    for one_pass in (True, False):
-        ar.BWD_ONE_PASS = one_pass
-        ms = time_ms(lambda: ar.mix_backward(g, u, w, 1e-5, sources, scores, lse), inner=20)
-        ar.BWD_ONE_PASS = True
-        # bytes that must move: g and every source read once, every source's gradient written
-        rows.append(dict(op=f"attn_res_mix bwd, {'one kernel' if one_pass else 'two kernels'}", tile="-",
-                         warps="-", per_sm="-", ms=ms, GBps=11 * g.numel() * 2 / ms * 1e-6))
-        print(rows[-1], flush=True)
+    warps_default = dict(ar.NUM_WARPS)
+    for warps in (4, 8, 16):
+        ar.NUM_WARPS.update(fwd=warps, bwd=warps)
+        with torch.no_grad():
+            ms = time_ms(lambda: ar.mix_forward(u, w, 1e-5, sources), inner=20)
+        rows.append(dict(op="attn_res_mix fwd", tile="-", warps=warps, per_sm="-", ms=ms,
+                         GBps=6 * g.numel() * 2 / ms * 1e-6))
+        for one_pass in (True, False):
+            ar.BWD_ONE_PASS = one_pass
+            ms = time_ms(lambda: ar.mix_backward(g, u, w, 1e-5, sources, scores, lse), inner=20)
+            ar.BWD_ONE_PASS = True
+            # bytes that must move: g and every source read once, every source's gradient written
+            rows.append(dict(op=f"attn_res_mix bwd, {'one kernel' if one_pass else 'two kernels'}", tile="-",
+                             warps=warps, per_sm="-", ms=ms, GBps=11 * g.numel() * 2 / ms * 1e-6))
+            print(rows[-1], flush=True)
+        ar.NUM_WARPS.update(warps_default)
     for op, n_rows, D, has_w in (("rms_norm", B * T, 1536, True), ("l2_norm", B * T * 12, 128, False)):
         x = torch.randn(n_rows, D, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)

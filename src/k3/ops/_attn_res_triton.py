@@ -105,6 +105,8 @@ _MAX_PROGRAMS = 1024  # backward's grid: programs striding over the row tiles, o
 # Backward in one kernel (∂L/∂a per tile, sources re-read from cache) instead of a ∂L/∂a pass over every source
 # first; a name, so that benchmarks/bench_gpu_kernels.py --sweep can time both on a GPU.
 BWD_ONE_PASS = True
+# warps per program of the forward and the backward (4: Triton's default, what they were first timed at)
+NUM_WARPS = dict(fwd=4, bwd=4)
 
 
 def _blocks(D: int) -> tuple[int, int]:
@@ -123,7 +125,8 @@ def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[tor
     block_r, block_d = _blocks(D)
     with on_device(out):
         _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse, R, D, eps,
-                                                    N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d)
+                                                    N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d,
+                                                    num_warps=NUM_WARPS["fwd"])
     return out, scores, lse
 
 
@@ -146,6 +149,7 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse):
                                          BLOCK_D=block_d)
         _mix_bwd_kernel[(progs,)](tuple(sources), grads, g, uw, scores, lse, da, q, R, D, eps, progs,
                                   triton.cdiv(tiles, progs),
-                                  N=len(sources), ONE_PASS=one_pass, BLOCK_R=block_r, BLOCK_D=block_d)
+                                  N=len(sources), ONE_PASS=one_pass, BLOCK_R=block_r, BLOCK_D=block_d,
+                                  num_warps=NUM_WARPS["bwd"])
     q = q.sum(0)
     return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads
