@@ -144,7 +144,7 @@ def main():
     save("bench_mxfp4_gemm", {"shape": {"E": E, "L": L, "I": I, "k": k}, "ceilings": ceil, "rows": rows})
 
 
-DECODE_CONFIGS = [(16, 128, 128, 4, 3, False), (16, 64, 128, 4, 3, False), (16, 128, 128, 4, 4, False),
+DECODE_CONFIGS = [(16, 128, 128, 4, 3, False), (16, 64, 128, 4, 3, False), (16, 128, 64, 4, 4, False),
                   (16, 128, 256, 4, 3, False), (16, 256, 128, 4, 3, False), (16, 128, 128, 8, 3, False),
                   (16, 128, 128, 4, 3, True)]
 PREFILL_CONFIGS = [(64, 128, 64, 4, 4, True), (64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
