@@ -178,7 +178,9 @@ def _load_released(module, state_dict, prefix, *args) -> None:
 def use_decode_layout_(model: torch.nn.Module) -> int:
     """Rearranges the packed bytes of every packed expert module in model into the GPU kernels' decode layout, in
     place, a few experts at a time (k3.ops.mxfp4_layout; reads each scale stack's maximum on the host once).
-    Saving and loading still use the released layout. Returns how many modules changed (a second call: 0)."""
+    Saving and loading through state_dict/load_state_dict still use the released layout; call it after the
+    weights are in place (k3's checkpoint loaders copy released bytes into the buffers directly), on every rank
+    alike (replica rows travel as bytes). Returns how many modules changed (a second call: 0)."""
     changed = 0
     for m in model.modules():
         if getattr(m, "packed", False) is True and hasattr(m, "w1_packed") and getattr(m, "decode_bias", None) is None:
