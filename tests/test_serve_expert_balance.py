@@ -33,7 +33,7 @@ def skewed_routing(n: int, seed: int = 0, hot: list[int] = HOT) -> torch.Tensor:
 
 
 def holders_reference(idx: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
-    """The split, one expert at a time: its c slots in token order, ranks ≤ j taking the first ⌊cut[e, j]·c/SCALE⌋."""
+    """The split one expert at a time: of its c slots (token order) ranks ≤ j take the first ⌊cut[e,j]·c/SCALE⌋."""
     out = torch.empty_like(idx).flatten()
     flat = idx.flatten().tolist()
     for e in range(cut.shape[0]):

@@ -11,18 +11,20 @@ hits then come out the same on every rank, and each rank's decode steps are its 
 
 Images: every rank holds the vision tower and projector whole and encodes a request's images itself; rank 0
 sends the preprocessed pixels with the request. Not rank 0 encoding and sending image rows: the pixels are the
-smaller message (3·14² float32 per patch, 4 patches per image token: 9.4 KB a token, against one 7168-wide row,
-14 KB in bf16), they ride the one events broadcast there already is (no device collective of a per-request
-shape), and the tower (~0.4 B parameters, under 1 GB) is small beside a rank's share of the experts.
+smaller message (3·14² float32 per patch, 4 patches per image token: 9.4 KB a token, against one 7168-wide
+row, 14 KB in bf16), they ride the one events broadcast there already is (no device collective of a
+per-request shape), and the tower (~0.4 B parameters, under 1 GB) is small beside a rank's share of the
+experts.
 
 Layout: N ranks, routed experts sharded over EP groups of `ep` consecutive ranks (`owned_experts`, loaded by
 `load_rank_shard`, MXFP4 kept packed; the ranks' shares are summed by one all-reduce: k3.serve.expert_shard).
 Attention and the dense parts are replicated, or split over TP groups of `tp` consecutive ranks where
 k3.parallel.tensor_parallel is available. With `replicas` (`--ep-replicas`) each rank also holds that many of
 other ranks' experts per MoE layer, re-placed from the routed load every `rebalance_steps` steps, and a hot
-expert's slots are split between its holders (MoonEP's balanced plan, served: k3.serve.expert_balance). Why TP + EP and not data-parallel attention with MoonEP's all-to-all:
-`k3 plan --serve` finds that with every GPU keeping all of attention the released model does not fit 16 H200s,
-and the all-reduce of [tokens, latent] needs no host planning, so decode steps stay capturable.
+expert's slots are split between its holders (MoonEP's balanced plan, served: k3.serve.expert_balance).
+Why TP + EP and not data-parallel attention with MoonEP's all-to-all: `k3 plan --serve` finds that with every
+GPU keeping all of attention the released model does not fit 16 H200s, and the all-reduce of [tokens, latent]
+needs no host planning, so decode steps stay capturable.
 
 Failure: an idle rank 0 still steps every HEARTBEAT_S, so the other ranks never wait longer than a step; every
 serving collective has a timeout (STEP_TIMEOUT_S); a rank that dies closes its sockets, the next collective on
@@ -418,7 +420,8 @@ def _serve_http(engine: DistributedEngine, d: Path, host, port, api_key, model_n
     runner = LockstepEngineThread(engine, on_failure)
     balancer = engine.balancer
     replicas = "" if balancer is None or not balancer.combines else \
-        f", expert replicas {balancer.combines[0].replicas} a rank per MoE layer, re-placed every {balancer.every} steps"
+        f", expert replicas {balancer.combines[0].replicas} a rank per MoE layer, re-placed every " \
+        f"{balancer.every} steps"
     print(f"k3 serve: {engine.describe_capacity()}; {dist.get_world_size()} ranks{replicas}", flush=True)
     app = create_app(engine, engine.tokenizer, model_name or d.name, api_key,
                      max_request_bytes=max_request_bytes or MAX_REQUEST_BYTES, runner=runner)
