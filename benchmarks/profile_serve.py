@@ -12,7 +12,7 @@ under torch.profiler gives the device's busy time per step kind (kernels' summed
 With --sync-trace, a short pass per variant counts where each step makes the host wait for the device (CUDA's
 sync debug mode: reads of device values, copies from pageable memory, stream syncs), by file and line.
 Run: PYTHONPATH=src python benchmarks/profile_serve.py [--preset small --device cuda --streams 64]
-    [--variants ';split_mixed_steps=true'] [--profile] [--sync-trace]
+    [--variants ';split_mixed_steps=true'] [--rounds 2] [--profile] [--sync-trace]
 """
 import argparse
 import collections
@@ -249,6 +249,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also the pass under torch.profiler (first variant)")
     ap.add_argument("--sync-trace", action="store_true", help="also a short pass per variant counting the host's "
                     "waits for the device per step, by site (CUDA only)")
+    ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, each round in the "
+                    "reverse order of the one before: a process's first variant also pays for warm-up the untimed "
+                    "wave misses (autotuning of new step shapes), so compare variants from round 2 on")
     ap.add_argument("--variants", default="", help="engines to time, ';'-separated, each extra EngineConfig "
                     "fields k=v,k=v (ints or true/false); '' = the defaults. E.g. ';split_mixed_steps=true'")
     a = ap.parse_args()
@@ -266,7 +269,9 @@ def main():
                                          generator=g.manual_seed(seed)).tolist()
     params = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
     res = dict(variants=[])
-    for variant in a.variants.split(";"):
+    variants = a.variants.split(";")
+    order = [(r, v) for r in range(a.rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+    for round_, variant in order:
         extra = {k: (v == "true" if v in ("true", "false") else int(v))
                  for k, v in (kv.split("=") for kv in variant.split(",") if kv)}
         settings = dict(memory_bytes=16 << 30 if dev.type == "cuda" else 1 << 28, block_size=256, match_unit=16,
@@ -280,10 +285,11 @@ def main():
             rec.steps.clear()
             wall, n_out = drive(rec, make(a.waves * a.streams, 2), params, a.streams)
         steps = rec.steps
-        row = dict(variant=variant or "defaults", engine_tok_s=n_out / wall, engine_wall_s=wall, steps=len(steps),
-                   by_kind=summarize_steps(steps))
+        row = dict(variant=variant or "defaults", round=round_ + 1, engine_tok_s=n_out / wall, engine_wall_s=wall,
+                   steps=len(steps), by_kind=summarize_steps(steps))
         res["variants"].append(row)
-        print(f"\n== engine [{row['variant']}], {a.streams} streams, {a.waves * a.streams} requests: "
+        print(f"\n== engine [{row['variant']}] (round {round_ + 1}), {a.streams} streams, "
+              f"{a.waves * a.streams} requests: "
               f"{n_out / wall:.0f} output tok/s, {len(steps)} steps in {wall:.2f} s", flush=True)
         print(table(row["by_kind"], ["kind", "steps", "total_ms", "wall_ms", "sched_ms", "run_ms", "sample_ms",
                                      "book_ms", "append_ms", "other_ms", "rows", "tokens", "blocks_read_over_real"]),
@@ -295,7 +301,7 @@ def main():
                 row["device"] = device_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
             print("\n== under torch.profiler (slower host): per step, kernels' summed device time and count")
             print(table(row["device"], ["kind", "steps", "wall_ms", "kernel_ms", "kernels", "idle_share"]), flush=True)
-        if a.sync_trace and dev.type == "cuda":
+        if a.sync_trace and dev.type == "cuda" and round_ == a.rounds - 1:
             rec.steps.clear()
             with torch.inference_mode():
                 short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
@@ -310,7 +316,8 @@ def main():
             sw, sn = static_batches(model, make(a.waves * a.streams, 2), a.streams, a.output_len)
         res["static_tok_s"] = sn / sw
         print(f"static generate, batches of {a.streams}: {sn / sw:.0f} output tok/s; engine/static = " +
-              ", ".join(f"{v['variant']}: {v['engine_tok_s'] / res['static_tok_s']:.1%}" for v in res["variants"]),
+              ", ".join(f"{v['variant']} (round {v['round']}): {v['engine_tok_s'] / res['static_tok_s']:.1%}"
+                        for v in res["variants"]),
               flush=True)
     if dev.type == "cuda":
         save("profile_serve", res)
