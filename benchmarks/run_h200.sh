@@ -48,7 +48,8 @@ for step in $steps; do
             run tests 480 python3 -m pytest -v -rfE -p no:cacheprovider $xdist tests/test_gpu.py \
                 tests/test_mla_decode_triton.py tests/test_attn_res_triton.py tests/test_norm_triton.py \
                 tests/test_conv_triton.py tests/test_situ_triton.py tests/test_mxfp4_triton.py \
-                tests/test_serve_split_steps.py ;;
+                tests/test_mxfp4_layout.py tests/test_cross_entropy_triton.py tests/test_tuning_triton.py \
+                tests/test_serve_split_steps.py tests/test_serve_host_syncs.py tests/test_serve_expert_balance.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;
