@@ -2,6 +2,7 @@
 key autotunes as before, and `record` reads Triton's cache back in the table's form. On CUDA where there is one,
 else on the CPU under the Triton interpreter. Skipped where triton is not installed (tests/test_tuning.py covers
 the table with Autotuner-shaped fakes there)."""
+import importlib
 import json
 import os
 import sys
@@ -108,5 +109,6 @@ def test_every_kernel_of_the_shipped_table_is_an_autotuned_kernel_of_this_fla_ta
             for key, config in entries:
                 assert set(config["kwargs"]) <= set(tuner.arg_names), (gpu, name)
                 assert len(key) >= len(tuner.keys), (gpu, name)  # the key arguments, then the tensors' dtypes
-        for spec in section["compiles"]:
-            assert tuning.resolve_jit_function(spec["name"]) is not None
+        for spec in section["compiles"]:  # under the interpreter a kernel is no JITFunction: its name must exist
+            module, _, attr = spec["name"].rpartition(".")
+            assert hasattr(importlib.import_module(module), attr), (gpu, spec["name"])
