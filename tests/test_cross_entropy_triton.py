@@ -35,7 +35,7 @@ def truth(logits, labels, scale):
     return loss_and_grad(lambda x, y: F.cross_entropy(x, y, ignore_index=-100), logits.double(), labels, scale)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed,N,V,block,ignored,spread", [
     (0, 7, 11, 4096, 0, 3.0),      # one short block per row
     (1, 9, 100, 16, 3, 3.0),       # 7 blocks per row, the last one ragged; ignored rows
@@ -54,7 +54,7 @@ def test_loss_and_gradient_match_torch(kernels_on, monkeypatch, seed, N, V, bloc
     want, want_grad = truth(logits, labels, scale)
     assert got.dtype == torch.float32 and got_grad.dtype == dtype
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the gradient rounded once to bf16
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]  # 16-bit: the gradient rounded once
     torch.testing.assert_close(got_grad.double(), want_grad, rtol=tol, atol=tol * float(want_grad.abs().max()))
     if ignored:
         assert torch.equal(got_grad[labels == -100], torch.zeros_like(got_grad[labels == -100]))
