@@ -22,6 +22,8 @@ with MXFP4 experts.
 Serving: k3's LLMEngine behind its HTTP server at --streams concurrent streams, loaded from a process of its own
 (as `k3 bench serve`), beside the static graphed batch (`generate` over fixed batches) in the same process; the
 roofline there is --streams tokens per decode-step floor at the mean context (prompt + half the output).
+--decode-layout: the packed bytes rearranged once into the kernels' decode layout first (k3.ops.mx_experts.
+use_decode_layout_, as a serving load may do), to time it against the released layout.
 --quick: a shrunken k3-shaped model (width 256, 64 experts) on the CPU in float32, eager only: a smoke run of
 every path and the arithmetic (tests/test_bench_k3_shaped.py); its times say nothing.
 Run: PYTHONPATH=src python benchmarks/bench_k3_shaped.py [--experts N] [--quick] (results in $OUT/k3_shaped.json)
@@ -44,7 +46,7 @@ from k3.model.cache import MLAState  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.model.moe import Experts, LatentMoE, route  # noqa: E402
 from k3.ops.mx import mxfp4_pack  # noqa: E402
-from k3.ops.mx_experts import EXPERT_WEIGHTS, pack_experts_  # noqa: E402
+from k3.ops.mx_experts import EXPERT_WEIGHTS, pack_experts_, use_decode_layout_  # noqa: E402
 
 H200_TBPS = 4.8
 REPS, WARMUP = 20, 3
@@ -231,8 +233,9 @@ def decode_rows(model, cfg, batches, context, copy_bw, cuda: bool) -> list[dict]
     return rows
 
 
-def serve_rows(model, cfg, a, copy_bw) -> tuple[list, dict]:
-    """(the engine at a.streams streams and the static graphed batch, as `k3 bench serve` rows; the roofline)."""
+def serve_rows(model, cfg, a, copy_bw, on_row=lambda rows: None) -> tuple[list, dict]:
+    """(the engine at a.streams streams and the static graphed batch, as `k3 bench serve` rows; the roofline).
+    on_row(rows): after each row, so a run cut short keeps the rows it made."""
     from k3.data import Tokenizer
     from k3.serve import bench
     from k3.serve.engine import EngineConfig
@@ -243,16 +246,21 @@ def serve_rows(model, cfg, a, copy_bw) -> tuple[list, dict]:
                                  num_state_slots=2 * a.streams)
     n = a.waves * a.streams
     rows = []
+    t0 = time.perf_counter()
     with torch.inference_mode():
+        print(f"serving: engine, a warm-up wave of {a.streams} then {n} requests ({a.input_len} tokens in, "
+              f"{a.output_len} out)", flush=True)
         s = bench.run_engine(model, tokenizer, engine_config, "random", n, a.streams, None, a.input_len,
                              a.output_len, 1, a.seed, warmup=True,
                              on_start=lambda e: print(f"engine: {e.describe_capacity()}", flush=True))
         rows.append((f"engine c={a.streams}", s))
-        print(bench.format_table(rows[-1:]), flush=True)
+        on_row(rows)
+        print(bench.format_table(rows[-1:]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
         s = bench.static_batch_baseline(model, tokenizer, n, a.streams, a.input_len, a.output_len, a.seed,
                                         warmup=True)
         rows.append((f"static generate batch={a.streams}", s))
-        print(bench.format_table(rows[-1:]), flush=True)
+        on_row(rows)
+        print(bench.format_table(rows[-1:]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     context = a.input_len + a.output_len // 2
     floor_ms = step_bytes(model, cfg, a.streams, context)["total"] / copy_bw * 1e3
     roof = {"streams": a.streams, "context": context, "step floor ms (copy bw)": floor_ms,
@@ -275,6 +283,8 @@ def main(argv=None):
     ap.add_argument("--waves", type=int, default=2, help="timed requests per stream")
     ap.add_argument("--memory-gib", type=float, default=16.0, help="the engine's KV pool + KDA state budget")
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--decode-layout", action="store_true",
+                    help="rearrange the packed experts into the kernels' decode layout first (use_decode_layout_)")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--no-serve", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -297,11 +307,15 @@ def main(argv=None):
     t = time.perf_counter()
     model = build_packed_model(cfg, device, torch.bfloat16 if cuda else torch.float32, a.seed)
     wb = weight_bytes(model)
+    if a.decode_layout:
+        use_decode_layout_(model)
     result = {"config": {"num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_token,
                          "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers},
-              "weight_bytes": wb, "build_s": time.perf_counter() - t, "ceilings": ceil}
+              "weight_bytes": wb, "build_s": time.perf_counter() - t, "ceilings": ceil,
+              "decode_layout": a.decode_layout}
     print(f"k3-shaped, {cfg.num_experts} experts: {wb['total'] / 1e9:.2f} GB of weights ({wb['experts'] / 1e9:.2f} GB "
-          f"packed MXFP4 experts, {wb['dense'] / 1e9:.2f} GB the rest), built in {result['build_s']:.0f} s"
+          f"packed MXFP4 experts{' in the decode layout' if a.decode_layout else ''}, {wb['dense'] / 1e9:.2f} GB "
+          f"the rest), built in {result['build_s']:.0f} s"
           + (f", {torch.cuda.max_memory_allocated() / 1e9:.1f} GB peak" if cuda else ""), flush=True)
 
     def record():
@@ -319,8 +333,10 @@ def main(argv=None):
         print(table(result["decode"], decode_cols), flush=True)
         record()
     if not a.no_serve:
-        rows, roof = serve_rows(model, cfg, a, copy_bw)
-        result["serve"] = [{"run": n, **s} for n, s in rows]
+        def keep(rows):
+            result["serve"] = [{"run": n, **s} for n, s in rows]
+            record()
+        rows, roof = serve_rows(model, cfg, a, copy_bw, keep)
         result["serve_roofline"] = roof
         record()
     if "decode" in result:
