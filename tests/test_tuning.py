@@ -397,3 +397,15 @@ def test_merge_adds_a_new_shapes_choices_and_replaces_a_retuned_key(monkeypatch)
     monkeypatch.setattr(tuning, "fla_version", lambda: "0.7.0")  # another fla: its section starts afresh
     newer = tuning.parse_table(tuning.merge(old, GPU, {name: [{"key": other_key, "config": config_json()}]}))
     assert dict(newer[GPU]["kernels"][name]) == {tuple(other_key): config_json()} and newer[GPU]["compiles"] == []
+
+
+def test_precompile_without_a_process_to_spare_leaves_the_compiles_to_the_main_process(monkeypatch, tmp_path):
+    from k3.ops import precompile
+
+    def no_process(argv, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(precompile.subprocess, "Popen", no_process)
+    monkeypatch.setattr(precompile.tempfile, "tempdir", str(tmp_path))
+    with envs.override(precompile_workers=2):
+        assert precompile.start([spec(), spec(f"{MODULE}.wrapped")], 0) == []
+    assert list(tmp_path.iterdir()) == []  # the worker's share file removed too

@@ -11,6 +11,7 @@ Workers: K3_PRECOMPILE_WORKERS (default: half the cores, at most 8; 0: none). Wo
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import tempfile
 from k3 import envs
 
 __all__ = ["worker_count", "start", "main"]
+
+_log = logging.getLogger(__name__)
 
 
 def worker_count(n_specs: int) -> int:
@@ -42,8 +45,13 @@ def start(specs: list[dict], device_index: int) -> list[subprocess.Popen]:
         fd, path = tempfile.mkstemp(prefix="k3-precompile-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(share, f)
-        workers.append(subprocess.Popen([sys.executable, "-m", "k3.ops.precompile", str(device_index), path],
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        try:
+            workers.append(subprocess.Popen([sys.executable, "-m", "k3.ops.precompile", str(device_index), path],
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        except OSError as e:  # no process to spare: the main process compiles as it always did
+            os.unlink(path)
+            _log.warning("k3 precompile: no worker process (%s): kernels compile at their first call", e)
+            break
     return workers
 
 
