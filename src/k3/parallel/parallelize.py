@@ -72,6 +72,25 @@ class ParallelK3:
             experts = [p.grad for n, p in self.model.named_parameters() if p.grad is not None and is_expert_param(n)]
             _all_reduce_flat(experts, self.mesh.edp_group)
 
+    def replica_groups(self) -> dict:
+        """{parameter: process group over which it is replicated} for the plain-tensor parameters held whole by
+        several ranks: dense ones by every rank (None, the default group) unless FSDP shards them, expert shards
+        by their copies (the edp group). Distributed Muon spreads their orthogonalisation over those ranks."""
+        out = {}
+        for n, p in self.model.named_parameters():
+            if _is_dtensor(p):
+                continue
+            group = self.mesh.edp_group if is_expert_param(n) else None
+            if dist.get_world_size(group) > 1:
+                out[p] = group
+        return out
+
+    def spread_muon(self, optimizer) -> None:
+        """Let a Muon optimizer orthogonalise each replicated matrix once over its copies (AdamW: nothing)."""
+        if hasattr(optimizer, "spread_over"):
+            muon = {id(p) for g in optimizer.param_groups if g.get("use_muon") for p in g["params"]}
+            optimizer.spread_over({p: g for p, g in self.replica_groups().items() if id(p) in muon})
+
     @staticmethod
     def all_reduce_counts(t: torch.Tensor) -> None:
         """ExpertBalancer's hook: sum integer counts over every rank (all ranks hold different tokens)."""

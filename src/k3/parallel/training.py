@@ -30,6 +30,10 @@ class DistributedTraining:
     def __call__(self, input_ids, doc_ids=None, labels=None, mask=None):
         return self.runner(input_ids, doc_ids=doc_ids, labels=labels, mask=mask)
 
+    def spread_muon(self, optimizer) -> None:
+        """Distributed Muon for the replicated matrices (call once, after building the optimizer)."""
+        self.runner.spread_muon(optimizer)
+
     def sync_gradients(self) -> None:
         self.runner.sync_gradients()
 

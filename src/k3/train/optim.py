@@ -92,6 +92,7 @@ class Muon(torch.optim.Optimizer):
             ns_steps=ns_steps, ns_dtype=ns_dtype, betas=betas, eps=eps, use_muon=True,
         )
         super().__init__(params, defaults)
+        self._replica_groups: dict = {}  # id(param) → process group it is replicated over (see spread_over)
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
@@ -106,17 +107,40 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             update = self._muon_update if group["use_muon"] else self._adamw_update
-            sharded = []
+            sharded, spread = [], {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if group["use_muon"] and _is_dtensor(p):
                     sharded.append(p)
+                elif group["use_muon"] and id(p) in self._replica_groups:
+                    spread.setdefault(self._replica_groups[id(p)], []).append(p)
                 else:
                     update(p, group)
             if sharded:
                 self._sharded_muon_update(sharded, group)
+            for pg, ps in spread.items():
+                self._spread_muon_update(ps, pg, group)
         return loss
+
+    def spread_over(self, replica_groups: dict) -> None:
+        """Spread the Newton–Schulz work of replicated Muon matrices over the ranks holding their copies.
+
+        replica_groups: {parameter: process group (None for the default group)} of plain-tensor matrices that
+        every rank of that group holds identically (data parallel without FSDP; expert copies). Each matrix is
+        then orthogonalised by one owner rank and the results reach the group in one all-gather. Every rank of
+        a group must call `step` with the same matrices having gradients. A group of one rank changes nothing.
+        """
+        import torch.distributed as dist
+        muon = {id(p) for g in self.param_groups if g["use_muon"] for p in g["params"]}
+        for p, pg in replica_groups.items():
+            if id(p) not in muon:
+                raise ValueError(f"spread_over: a {tuple(p.shape)} parameter is not in a Muon group of this optimizer")
+            if _is_dtensor(p):
+                raise ValueError(f"spread_over: a {tuple(p.shape)} parameter is a DTensor (sharded matrices "
+                                 f"already take the gather/scatter path); pass replicated plain tensors only")
+            if dist.get_world_size(pg) > 1:
+                self._replica_groups[id(p)] = pg
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load like torch, but keep the saved dtype of moments (torch casts them to a bf16 param's dtype)."""
@@ -168,6 +192,12 @@ class Muon(torch.optim.Optimizer):
                                           self._ns_dtype(ps[0], group),
                                           lambda p, ortho: self._apply(p, ortho.float(), group))
 
+    def _spread_muon_update(self, params: list[Tensor], pg, group: dict) -> None:
+        """Replicated matrices over `pg`: every rank advances its (replicated) momentum, each owner orthogonalises
+        its matrices and one all-gather of the results, in the Newton–Schulz working dtype, reaches every rank."""
+        _orthogonalise_spread(params, [self._direction(p, group) for p in params], pg, group["ns_steps"],
+                              self._ns_dtype(params[0], group), lambda p, ortho: self._apply(p, ortho.float(), group))
+
     def _adamw_update(self, p: Tensor, group: dict) -> None:
         grad = p.grad.float()
         state = self.state[p]
@@ -212,14 +242,43 @@ def _row_counts(rows: int, world: int) -> list[int]:
     return [max(0, min(per, rows - r * per)) for r in range(world)]
 
 
+def owner_ranks(sizes: list[int], world: int) -> list[int]:
+    """The rank that orthogonalises each matrix (by element count): round-robin over the ranks, largest first,
+    so every rank owns the same number of matrices to within one and the big ones are spread first."""
+    owner = [0] * len(sizes)
+    for n, i in enumerate(sorted(range(len(sizes)), key=lambda i: -sizes[i])):
+        owner[i] = n % world
+    return owner
+
+
+def _orthogonalise_spread(params: list[Tensor], directions: list[Tensor], pg, steps: int, ns_dtype: torch.dtype,
+                          apply) -> None:
+    """directions[i] of matrices params[i], identical on every rank of `pg` → each orthogonalised by its owner →
+    `apply(p, result)` on every rank. One all-gather of each rank's results, padded to the longest rank's."""
+    import torch.distributed as dist
+    world, me = dist.get_world_size(pg), dist.get_rank(pg)
+    owner = owner_ranks([p.numel() for p in params], world)
+    owned = [[i for i in range(len(params)) if owner[i] == r] for r in range(world)]
+    sizes = [sum(params[i].numel() for i in owned[r]) for r in range(world)]
+    flat = torch.zeros(max(sizes), dtype=ns_dtype, device=directions[0].device)
+    if owned[me]:
+        flat[:sizes[me]] = torch.cat([newton_schulz(directions[i].to(ns_dtype), steps=steps, dtype=ns_dtype).reshape(-1)
+                                      for i in owned[me]])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat, group=pg)
+    for r in range(world):
+        parts = gathered[r][:sizes[r]].split([params[i].numel() for i in owned[r]])
+        for i, part in zip(owned[r], parts):
+            apply(params[i], part.view(params[i].shape))
+
+
 def _gather_orthogonalise_scatter(params: list[Tensor], local_dirs: list[Tensor], pg, steps: int,
                                   ns_dtype: torch.dtype, apply) -> None:
     """Shards local_dirs[i] of full matrices params[i] (DTensors over `pg`) → each full matrix orthogonalised by
     its owner → `apply(p, local rows of the result)` on every rank. Every rank of `pg` calls this together."""
     import torch.distributed as dist
     world, me = dist.get_world_size(pg), dist.get_rank(pg)
-    by_size = sorted(range(len(params)), key=lambda i: -params[i].numel())
-    owner = {i: n % world for n, i in enumerate(by_size)}
+    owner = owner_ranks([p.numel() for p in params], world)
     rows = [_row_counts(p.shape[0], world) for p in params]
     width = [math.prod(p.shape[1:]) for p in params]  # elements per row
     for i, d in enumerate(local_dirs):

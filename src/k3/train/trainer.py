@@ -180,6 +180,8 @@ class Trainer:
             if not self.dist.is_main:
                 self.log = self.warn = lambda *a, **k: None
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if self.dist:  # each replicated Muon matrix orthogonalised by one rank, not by all
+            self.dist.spread_muon(self.optimizer)
         self.balancer = ExpertBalancer(self.model, mode=cfg.balance,
                                        all_reduce=self.dist.all_reduce_counts if self.dist else None)
         self.step = 0

@@ -1,0 +1,145 @@
+"""Distributed Muon for replicated (non-FSDP) matrices on 2 and 4 gloo processes: every rank holds every matrix,
+each matrix is orthogonalised once in all (by one owner, the work spread over the ranks) and the updates equal
+single-process Muon over several steps. A K3 trained with data and expert parallelism (dense matrices spread over
+all 4 ranks, expert shards over their 2 copies) follows one process."""
+import pytest
+import torch
+from torch import nn
+
+import k3.train.optim as optim
+from k3.train.optim import build_optimizer, owner_ranks
+from parallel_harness import batch, launch, make_model
+
+SHAPES = [(16, 12), (12, 16), (7, 5), (3, 8), (9, 9), (5, 7), (2, 2)]  # uneven sizes and counts per rank
+STEPS = 3
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(i, o, bias=False) for o, i in SHAPES], nn.LayerNorm(SHAPES[-1][0]))
+    return net.double()
+
+
+def grads(step: int) -> dict:
+    g = torch.Generator().manual_seed(100 + step)
+    return {n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in model().named_parameters()}
+
+
+class CountedNewtonSchulz:
+    """Replaces optim.newton_schulz while active and records the shape of every matrix it orthogonalises."""
+
+    def __enter__(self):
+        self.calls, self.real = [], optim.newton_schulz
+
+        def counted(G, *a, **k):
+            self.calls.append(tuple(G.shape))
+            return self.real(G, *a, **k)
+
+        optim.newton_schulz = counted
+        return self
+
+    def __exit__(self, *exc):
+        optim.newton_schulz = self.real
+
+
+def worker(rank, world):
+    net = model()
+    opt = build_optimizer(net, "muon", lr=0.05, weight_decay=0.1)
+    opt.spread_over({p: None for g in opt.param_groups if g["use_muon"] for p in g["params"]})
+    with CountedNewtonSchulz() as ns:
+        for step in range(STEPS):
+            for n, p in net.named_parameters():
+                p.grad = grads(step)[n]
+            opt.step()
+    return {"params": {n: p.detach() for n, p in net.named_parameters()}, "calls": ns.calls}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def results(request, single_thread):
+    return request.param, launch(worker, request.param)
+
+
+def test_updates_equal_single_process_muon(results):
+    world, res = results
+    net = model()
+    opt = build_optimizer(net, "muon", lr=0.05, weight_decay=0.1)
+    for step in range(STEPS):
+        for n, p in net.named_parameters():
+            p.grad = grads(step)[n]
+        opt.step()
+    start = dict(model().named_parameters())
+    for r in res:
+        for n, p in net.named_parameters():
+            assert not torch.equal(p, start[n])  # it moved, so equality means something
+            torch.testing.assert_close(r["params"][n], p.detach(), rtol=0, atol=1e-12, msg=n)
+
+
+def test_each_matrix_orthogonalised_once_by_its_owner(results):
+    world, res = results
+    every = sorted(c for rank in res for c in rank["calls"])
+    assert every == sorted(SHAPES * STEPS)  # each matrix once per step over all ranks, not once per rank
+    owner = owner_ranks([o * i for o, i in SHAPES], world)
+    for r, rank in enumerate(res):
+        assert sorted(rank["calls"]) == sorted([s for s, o in zip(SHAPES, owner) if o == r] * STEPS)
+    per_rank = [len(rank["calls"]) // STEPS for rank in res]
+    assert max(per_rank) - min(per_rank) <= 1  # spread: every rank does its share
+
+
+def test_owner_ranks_round_robin_largest_first():
+    assert owner_ranks([5, 100, 7, 50, 1], 2) == [1, 0, 0, 1, 0]  # order by size: 100, 50, 7, 5, 1
+    assert owner_ranks([3, 3], 4) == [0, 1]
+    assert owner_ranks([], 3) == []
+
+
+def test_spread_over_rejects_a_parameter_muon_does_not_update():
+    net = model()
+    opt = build_optimizer(net, "muon", lr=0.05)
+    norm = net[-1].weight  # 1-D: an AdamW parameter
+    with pytest.raises(ValueError, match=r"\(2,\) parameter is not in a Muon group"):
+        opt.spread_over({norm: None})
+    with pytest.raises(ValueError, match="not in a Muon group"):
+        opt.spread_over({nn.Parameter(torch.zeros(3, 3)): None})
+
+
+def train_worker(rank, world):
+    from k3.parallel import ParallelDims, ParallelMesh
+    from k3.parallel.parallelize import ParallelK3, full_state_dict
+    model = make_model(0)
+    runner = ParallelK3(model, ParallelMesh(ParallelDims(dp=4, ep=2)))
+    opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.1)
+    runner.spread_muon(opt)
+    muon = [(n, p) for n, p in model.named_parameters()
+            if any(p is q for g in opt.param_groups if g["use_muon"] for q in g["params"])]
+    with CountedNewtonSchulz() as ns:
+        for step in range(2):
+            runner(**batch(10 + step, 4, 9)).loss.backward()
+            runner.sync_gradients()
+            opt.step()
+            opt.zero_grad()
+    return {"state": full_state_dict(runner), "calls": len(ns.calls),
+            "dense": sum(".experts.w" not in n for n, _ in muon), "experts": sum(".experts.w" in n for n, _ in muon)}
+
+
+def test_dp_ep_training_with_spread_muon_equals_one_process(single_thread):
+    res = launch(train_worker, 4)
+    model = make_model(0)
+    opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.1)
+    for step in range(2):
+        b = batch(10 + step, 4, 9)
+        logits = model(b["input_ids"]).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100).backward()
+        opt.step()
+        opt.zero_grad()
+    # dense matrices once over all 4 ranks, each rank's expert shards once over their 2 copies (ep=2)
+    dense, experts = res[0]["dense"], res[0]["experts"]
+    assert dense > 10 and experts > 0
+    assert sum(r["calls"] for r in res) == 2 * (dense + 2 * experts)
+    start = make_model(0).state_dict()
+    muon = {id(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]}
+    for r in res:
+        for n, p in model.named_parameters():
+            if id(p) in muon:  # every Muon matrix moved, so equality means something
+                assert not torch.equal(p, start[n]), n
+            # Muon's momentum and Newton-Schulz run in float32: a last-bit difference in a summed gradient
+            # may round one way or the other there
+            torch.testing.assert_close(r["state"][n], p.detach(), rtol=1e-6, atol=1e-7, msg=n)
