@@ -247,3 +247,20 @@ def test_model_in_decode_layout_saves_loads_and_runs_the_released_bytes():
     assert use_released_layout_(model) == n
     assert all(torch.equal(model.get_buffer(k), before[k]) for k in packed_names)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_per_launch_tile_configs(kernels):
+    """A pair of tile configs (gate and up, down), one with a register cap: the same answers; the two grouped
+    launches must share BLOCK_M (one tile schedule), else a ValueError naming it."""
+    from k3.ops.mx_experts import packed_expert_situ_mlp_reference
+
+    experts = Experts(3, 64, 96, 118, 124, seed=11)
+    counts = torch.tensor([2, 3, 0], device=DEVICE)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    ref = packed_expert_situ_mlp_reference(x.double(), counts, experts)
+    pair = ((16, 32, 64, 4, 1, False), (16, 64, 32, 4, 1, False, 128))
+    out = kernels.grouped_situ_mlp(x.bfloat16(), counts, *experts.weights(True), 4.0, 25.0, config=pair)
+    assert rel_err(out, ref) < 2e-2
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        kernels.grouped_situ_mlp(x.bfloat16(), counts, *experts.weights(True), 4.0, 25.0,
+                                 config=((16, 32, 64, 4, 1, False), (32, 32, 64, 4, 1, False)))

@@ -333,7 +333,8 @@ def max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 def _launch(x, w_a, w_b, out, sched, num_tiles, tiles, top_k, selected, betas, config):
-    block_m, block_n, block_k, num_warps, num_stages, w_left = config
+    block_m, block_n, block_k, num_warps, num_stages, w_left, *limit = config
+    options = {"maxnreg": limit[0]} if limit and limit[0] else {}  # a register cap: more CTAs an SM (sweeps)
     glu = w_b is not None
     w_b = w_b if glu else w_a
     decode_layout = isinstance(w_a, DecodeLayoutWeight)
@@ -348,7 +349,7 @@ def _launch(x, w_a, w_b, out, sched, num_tiles, tiles, top_k, selected, betas, c
                               float(betas[0]), float(betas[1]), N=N, K=2 * kh, SELECTED=selected,
                               GLU=glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EXACT=exact,
                               W_LEFT=w_left, DECODE_LAYOUT=decode_layout, USE_ASM=x.is_cuda, BIAS_A=bias_a, BIAS_B=bias_b,
-                              num_warps=num_warps, num_stages=num_stages)
+                              num_warps=num_warps, num_stages=num_stages, **options)
 
 
 def tile_config(rows_per_tile: int, x: torch.Tensor) -> tuple[int, int, int, int, int, bool]:
@@ -366,25 +367,33 @@ def tile_config(rows_per_tile: int, x: torch.Tensor) -> tuple[int, int, int, int
     return block_m, 128, 128, 4, 3, False
 
 
+def _per_launch(config) -> tuple[tuple, tuple]:
+    """(gate-and-up config, down config) from one tile config or a pair of them."""
+    return (config[0], config[1]) if isinstance(config[0], tuple) else (config, config)
+
+
 def grouped_situ_mlp(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, beta_gate: float, beta_up: float,
                      rows_hint: int | None = None, config=None) -> torch.Tensor:
     """Rows of x [S, L] sorted by expert, counts [E] on the device; w1, w3, w2: (packed, scale) pairs in the
     checkpoint layout ([E, I, L/2] + [E, I, L/32]; [E, L, I/2] + [E, L, I/32]). Returns [S, L] in x's dtype.
     rows_hint: the expected rows per expert (chooses the tile height; the default assumes a balanced load);
-    config: `tile_config`'s tuple, to override it (benchmarks)."""
+    config: `tile_config`'s tuple, to override it (benchmarks): one for both launches, or a pair (gate and up,
+    down) with the same BLOCK_M; a 7th entry caps the registers a thread (maxnreg)."""
     S, L = x.shape
     E, I = w1[0].shape[:2]
     x = x.contiguous()
     out = x.new_empty(S, L)
     if S == 0:
         return out
-    config = config or tile_config(rows_hint or -(-S // E), x)
-    tiles = max_tiles(S, E, config[0])
-    sched, num_tiles = tile_schedule(counts, config[0], tiles)
+    up, down = _per_launch(config or tile_config(rows_hint or -(-S // E), x))
+    if up[0] != down[0]:
+        raise ValueError(f"the two launches share one tile schedule: BLOCK_M {up[0]} and {down[0]} differ")
+    tiles = max_tiles(S, E, up[0])
+    sched, num_tiles = tile_schedule(counts, up[0], tiles)
     h = x.new_empty(S, I)
     betas = (beta_gate, beta_up)
-    _launch(x, w1, w3, h, sched, num_tiles, tiles, 1, False, betas, config)
-    _launch(h, w2, None, out, sched, num_tiles, tiles, 1, False, betas, config)
+    _launch(x, w1, w3, h, sched, num_tiles, tiles, 1, False, betas, up)
+    _launch(h, w2, None, out, sched, num_tiles, tiles, 1, False, betas, down)
     return out
 
 
@@ -396,10 +405,10 @@ def selected_situ_mlp(z: torch.Tensor, idx: torch.Tensor, w1, w3, w2, beta_gate:
     E, I = w1[0].shape[:2]
     L = z.shape[1]
     z, flat = z.contiguous(), idx.reshape(-1).to(torch.int32)
-    config = config or tile_config(1, z)
+    up, down = _per_launch(config or tile_config(1, z))
     h = z.new_empty(N * k, I)
     y = z.new_empty(N * k, L)
     betas = (beta_gate, beta_up)
-    _launch(z, w1, w3, h, flat, flat, N * k, k, True, betas, config)
-    _launch(h, w2, None, y, flat, flat, N * k, 1, True, betas, config)
+    _launch(z, w1, w3, h, flat, flat, N * k, k, True, betas, up)
+    _launch(h, w2, None, y, flat, flat, N * k, 1, True, betas, down)
     return y
