@@ -202,9 +202,8 @@ def _released_halves_reference(p, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 
 @triton.jit
 def _accumulate(acc, w_p, w_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BIAS: tl.constexpr,
-                BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, EXACT: tl.constexpr, W_LEFT: tl.constexpr, DECODE_LAYOUT: tl.constexpr,
-                USE_ASM: tl.constexpr, MASKED: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EXACT: tl.constexpr, W_LEFT: tl.constexpr,
+                DECODE_LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
     """acc + this K block's products: W x^T [BLOCK_N, BLOCK_M] when W_LEFT, else x W^T [BLOCK_M, BLOCK_N]."""
     if MASKED:
         p = tl.load(w_p + w_off + kp[None, :], mask=p_mask, other=0)
@@ -348,8 +347,8 @@ def _launch(x, w_a, w_b, out, sched, num_tiles, tiles, top_k, selected, betas, c
     _expert_gemm_kernel[grid](x, w_a[0], w_a[1], w_b[0], w_b[1], out, sched, num_tiles, top_k,
                               float(betas[0]), float(betas[1]), N=N, K=2 * kh, SELECTED=selected,
                               GLU=glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EXACT=exact,
-                              W_LEFT=w_left, DECODE_LAYOUT=decode_layout, USE_ASM=x.is_cuda, BIAS_A=bias_a, BIAS_B=bias_b,
-                              num_warps=num_warps, num_stages=num_stages, **options)
+                              W_LEFT=w_left, DECODE_LAYOUT=decode_layout, USE_ASM=x.is_cuda, BIAS_A=bias_a,
+                              BIAS_B=bias_b, num_warps=num_warps, num_stages=num_stages, **options)
 
 
 def tile_config(rows_per_tile: int, x: torch.Tensor) -> tuple[int, int, int, int, int, bool]:
