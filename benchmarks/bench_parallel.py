@@ -3,6 +3,8 @@
   planner  (one process)          MoonEP plan time per layer at K3 shapes (896 experts, top-16), device vs host
   a2a      (torchrun, 2+ GPUs)    EP dispatch+combine bandwidth against a bare NCCL all_to_all_single
   train    (torchrun, 1–2 GPUs)   tokens/s of a preset (`small`; `scale-out` at 32K): 1 GPU, EP=2 (dp 2), CP=2
+  muon     (torchrun, 2+ ranks)   Muon step of a preset's replicated matrices: every rank orthogonalising all of them
+                                  against each matrix once by its owner rank plus one all-gather (CPU: gloo)
 
   python benchmarks/bench_parallel.py planner [--device cuda]
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py a2a
@@ -11,6 +13,7 @@
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --cp 2
   torchrun --nproc-per-node 2 benchmarks/bench_parallel.py train --preset scale-out --seq 32768 --batch 2 --ep 2 \
       --recompute
+  OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/bench_parallel.py muon --preset tiny
 """
 from __future__ import annotations
 
@@ -158,9 +161,64 @@ def bench_train(ep: int, cp: int, steps: int, seq: int, batch: int, preset: str,
         dist.barrier()
 
 
+def bench_muon(preset: str, steps: int) -> None:
+    """Muon's step on replicated matrices (plain data parallel), per rank: Newton–Schulz time and the whole step,
+    every rank orthogonalising every matrix against `spread_over` (one owner each, one all-gather)."""
+    import torch.distributed as dist
+    import k3.train.optim as optim
+    from k3.config import K3Config
+    from k3.model.decoder import K3ForCausalLM
+    from k3.parallel.mesh import init_distributed
+    rank, world = init_distributed()
+    dev = _device()
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = K3ForCausalLM(K3Config.preset(preset))
+    g = torch.Generator(device=dev).manual_seed(1)
+    for p in model.parameters():  # the same gradients on every rank, as after the data-parallel all-reduce
+        p.grad = torch.randn(p.shape, generator=g, device=dev)
+    real, ns_time = optim.newton_schulz, [0.0]
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        out = real(*a, **k)
+        _sync()
+        ns_time[0] += time.perf_counter() - t
+        return out
+
+    optim.newton_schulz = timed
+    rows = {}
+    try:
+        for spread in (False, True):
+            opt = optim.build_optimizer(model, "muon", lr=1e-5)
+            muon = [p for grp in opt.param_groups if grp["use_muon"] for p in grp["params"]]
+            if spread:
+                opt.spread_over({p: None for p in muon})
+            opt.step()  # warm-up (allocates the momentum)
+            ns_time[0] = 0.0
+            step = _timeit(opt.step, iters=steps, warmup=0)
+            mine = torch.tensor([ns_time[0] / steps * 1e3, step * 1e3], dtype=torch.float64)
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            rows[spread] = (len(muon), sum(p.numel() for p in muon), torch.stack(every))
+    finally:
+        optim.newton_schulz = real
+    if rank == 0:
+        n, numel, alone = rows[False]
+        print(f"{preset}: {n} Muon matrices, {numel / 1e6:.2f} M elements, {world} ranks, device {dev.type}")
+        print("| Muon step | Newton–Schulz ms/step/rank (max, min over ranks) | step ms (max) |")
+        print("|---|---|---|")
+        for spread, label in ((False, "every rank orthogonalises all (before)"), (True, "spread_over (ours)")):
+            t = rows[spread][2]
+            print(f"| {label} | {t[:, 0].max():.1f}, {t[:, 0].min():.1f} | {t[:, 1].max():.1f} |")
+        print(f"| ideal: before / {world} ranks, no communication | {alone[:, 0].max() / world:.1f} | "
+              f"{alone[:, 1].max() - alone[:, 0].max() * (1 - 1 / world):.1f} |")
+    dist.barrier()
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["planner", "a2a", "train"])
+    ap.add_argument("part", choices=["planner", "a2a", "train", "muon"])
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
@@ -175,5 +233,7 @@ if __name__ == "__main__":
         bench_planner(a.device)
     elif a.part == "a2a":
         bench_a2a([int(m) for m in a.mib.split(",")])
+    elif a.part == "muon":
+        bench_muon(a.preset, a.steps)
     else:
         bench_train(a.ep, a.cp, a.steps, a.seq, a.batch, a.preset, a.recompute)
