@@ -298,6 +298,7 @@ def cmd_train(a) -> int:
     from k3.config import K3Config
     K3Config.preset(cfg.preset)  # unknown preset: fail before loading data
     _check_train_memory(cfg)
+    _start_kernels_early(cfg.device)
     # built outside the try: a missing corpus or tokenizer is reported as itself, not as a failed write
     trainer = Trainer(cfg, warn=lambda msg: print(f"k3 train: warning: {msg}", file=sys.stderr, flush=True))
     try:
@@ -320,6 +321,20 @@ def cmd_train(a) -> int:
     print(f"model format: {_model_format(Path(s['model_dir']), cfg.qat)}")
     print(f"sample: {s['sample']}")
     return 0
+
+
+def _start_kernels_early(device: str) -> None:
+    """On one GPU: pin the shipped autotune choices and start compiling the kernels ahead while the data and the
+    model load (k3.ops.tuning; else it happens at the first KDA layer). Ranks of a multi-process run leave it to
+    that first layer, on their own devices."""
+    import os
+
+    from k3.train.trainer import pick_device
+
+    chosen = pick_device(device)
+    if chosen.type == "cuda" and "LOCAL_RANK" not in os.environ:
+        from k3.ops import tuning
+        tuning.pin_for_device(chosen)
 
 
 def _model_format(model_dir: Path, qat: bool) -> str:
@@ -554,6 +569,19 @@ def cmd_init(a) -> int:
     return 0
 
 
+def cmd_tune(a) -> int:
+    import torch
+
+    from k3.ops import tuning
+
+    if not torch.cuda.is_available():
+        raise CLIError("needs a CUDA GPU: the choices it writes are that GPU's")
+    table = a.table or str(tuning.TABLE_PATH)
+    gpu, kernels = tuning.tune(a.preset, a.batch_size, a.seq_len, table, autocast=a.autocast)
+    print(f"wrote the autotune choices of {kernels} kernels for {gpu} to {table}")
+    return 0
+
+
 def _size(s: str) -> int:
     """A byte count with an optional K/M/G/T suffix (powers of 1024), e.g. 5G."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -650,7 +678,7 @@ def cmd_serve(a) -> int:
     _check_max_model_len(a.model, a.max_model_len)
     from k3 import envs
     api_key = a.api_key if a.api_key is not None else envs.current().api_key
-    if ranked or (a.nproc or 1) > 1 or (a.ep or 1) > 1 or a.tp > 1:
+    if ranked or (a.nproc or 1) > 1 or (a.ep or 1) > 1 or a.tp > 1 or a.ep_replicas or a.ep_rebalance_steps:
         from k3.serve.distributed import RankFailure, serve_from_cli
         try:
             serve_from_cli(a, engine_config, api_key)
@@ -866,6 +894,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="shards made at once (threads; each holds one shard in memory)")
     ini.set_defaults(func=cmd_init)
 
+    tu = sub.add_parser("tune", help="autotune the GPU kernels on one training step of this GPU and write their "
+                                     "choices, which later runs pin instead of autotuning (k3.ops.tuning)")
+    tu.add_argument("--preset", default="small", **presets)
+    tu.add_argument("--batch-size", type=_positive_int, default=8)
+    tu.add_argument("--seq-len", type=_positive_int, default=4096)
+    tu.add_argument("--autocast", action="store_true",
+                    help="tune the step as `k3 train` runs it, fp32 weights under bf16 autocast (default: bf16 weights, "
+                         "as the GPU benchmarks)")
+    tu.add_argument("--table", default=None, help="the table file: this GPU's choices are added to it (a key tuned "
+                    "again is replaced), other GPUs' kept (default: the one k3 ships, k3/ops/autotune_table.json)")
+    tu.set_defaults(func=cmd_tune)
+
     sv = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
     sv.add_argument("--model", required=True, help="a model directory (config.json + safetensors)")
     sv.add_argument("--host", default="127.0.0.1")
@@ -890,6 +930,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ep", type=_positive_int, default=None,
                     help="ranks that share one copy of the routed experts (divides the ranks; default all of them)")
     sv.add_argument("--tp", type=_positive_int, default=1, help="ranks that split attention and dense parts by heads")
+    sv.add_argument("--ep-replicas", type=_positive_int, default=None,
+                    help="other ranks' experts each EP rank also holds per MoE layer, placed from the routed load so "
+                         "that hot experts' slots are split between ranks (balanced expert parallelism)")
+    sv.add_argument("--ep-rebalance-steps", type=_positive_int, default=None,
+                    help="engine steps between re-placements of the --ep-replicas (default 256)")
     _add_engine_args(sv, block=2048, unit=512)
     sv.set_defaults(func=cmd_serve)
 
