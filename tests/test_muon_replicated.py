@@ -51,12 +51,24 @@ def worker(rank, world):
             for n, p in net.named_parameters():
                 p.grad = grads(step)[n]
             opt.step()
-    return {"params": {n: p.detach() for n, p in net.named_parameters()}, "calls": ns.calls}
+    # the 4-rank launch also trains K3 (each multi-process start costs seconds)
+    return {"params": {n: p.detach() for n, p in net.named_parameters()}, "calls": ns.calls,
+            "train": train(rank, world) if world == 4 else None}
+
+
+_LAUNCHED: dict = {}
+
+
+def launched(world: int) -> list:
+    """The ranks' results of one launch per world size, shared by the tests of this module."""
+    if world not in _LAUNCHED:
+        _LAUNCHED[world] = launch(worker, world)
+    return _LAUNCHED[world]
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def results(request, single_thread):
-    return request.param, launch(worker, request.param)
+    return request.param, launched(request.param)
 
 
 def test_updates_equal_single_process_muon(results):
@@ -101,7 +113,7 @@ def test_spread_over_rejects_a_parameter_muon_does_not_update():
         opt.spread_over({nn.Parameter(torch.zeros(3, 3)): None})
 
 
-def train_worker(rank, world):
+def train(rank, world):
     from k3.parallel import ParallelDims, ParallelMesh
     from k3.parallel.parallelize import ParallelK3, full_state_dict
     model = make_model(0)
@@ -121,7 +133,7 @@ def train_worker(rank, world):
 
 
 def test_dp_ep_training_with_spread_muon_equals_one_process(single_thread):
-    res = launch(train_worker, 4)
+    res = [r["train"] for r in launched(4)]
     model = make_model(0)
     opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.1)
     for step in range(2):
