@@ -3,27 +3,13 @@ single-process Muon (uneven shards and a rank holding no rows included), each ma
 once in all, by one owner, with the work spread over the ranks. With expert parallelism beside FSDP2 (each
 rank's experts whole, the dense matrices sharded), two training steps of K3 equal one process's."""
 import pytest
-import torch
-from torch import nn
 
-import k3.train.optim as optim
 from k3.train.optim import build_optimizer
-from parallel_harness import batch, launch, make_model
+from muon_cases import STEPS, CountedNewtonSchulz, assert_equal_single_process, assert_k3_follows_one_process, \
+    grads, k3_steps, model
+from parallel_harness import launch, make_model
 
 SHAPES = [(16, 12), (12, 16), (7, 5), (3, 8), (9, 9), (5, 7)]  # 3 rows over 4 ranks: the last rank holds none
-STEPS = 3
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    layers = [nn.Linear(i, o, bias=False) for o, i in SHAPES]
-    net = nn.Sequential(*layers, nn.LayerNorm(SHAPES[-1][0]))
-    return net.double()
-
-
-def grads(step: int) -> dict:
-    g = torch.Generator().manual_seed(100 + step)
-    return {n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in model().named_parameters()}
 
 
 def worker(rank, world):
@@ -31,27 +17,17 @@ def worker(rank, world):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,))
-    net = model()
+    net = model(SHAPES)
     for layer in net[:-1]:
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     opt = build_optimizer(net, "muon", lr=0.05, weight_decay=0.1)
-    calls = []
-    real = optim.newton_schulz
-
-    def counted(G, *a, **k):
-        calls.append(tuple(G.shape))
-        return real(G, *a, **k)
-
-    optim.newton_schulz = counted
-    try:
+    with CountedNewtonSchulz() as ns:
         for step in range(STEPS):
             for n, p in net.named_parameters():
-                p.grad = distribute_tensor(grads(step)[n], mesh, p.placements, src_data_rank=None)
+                p.grad = distribute_tensor(grads(SHAPES, step)[n], mesh, p.placements, src_data_rank=None)
             opt.step()
-    finally:
-        optim.newton_schulz = real
-    return {"params": {n: p.full_tensor() for n, p in net.named_parameters()}, "calls": calls,
+    return {"params": {n: p.full_tensor() for n, p in net.named_parameters()}, "calls": ns.calls,
             "sharded": all(hasattr(p, "full_tensor") for p in net.parameters())}
 
 
@@ -62,18 +38,8 @@ def results(request, single_thread):
 
 def test_updates_equal_single_process_muon(results):
     world, res = results
-    net = model()
-    opt = build_optimizer(net, "muon", lr=0.05, weight_decay=0.1)
-    for step in range(STEPS):
-        for n, p in net.named_parameters():
-            p.grad = grads(step)[n]
-        opt.step()
-    start = model()
-    for r in res:
-        assert r["sharded"]
-        for n, p in net.named_parameters():
-            assert not torch.equal(p, dict(start.named_parameters())[n])  # it moved, so equality means something
-            torch.testing.assert_close(r["params"][n], p.detach(), rtol=0, atol=1e-12, msg=n)
+    assert all(r["sharded"] for r in res)
+    assert_equal_single_process(SHAPES, [r["params"] for r in res])
 
 
 def test_each_matrix_orthogonalised_once_by_one_owner(results):
@@ -91,31 +57,16 @@ def ep_fsdp_worker(rank, world):
     runner = ParallelK3(model, ParallelMesh(ParallelDims(dp=2, ep=2)), fsdp=True)
     opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.1)
     sharded = sum(hasattr(p, "full_tensor") for g in opt.param_groups if g["use_muon"] for p in g["params"])
-    for step in range(2):
-        runner(**batch(10 + step, 4, 9)).loss.backward()
+
+    def step(b):
+        runner(**b).loss.backward()
         runner.sync_gradients()
-        opt.step()
-        opt.zero_grad()
+
+    k3_steps(step, model, opt)
     return {"state": full_state_dict(runner), "sharded_muon": sharded}
 
 
 def test_ep_with_fsdp_steps_equal_one_process(single_thread):
     res = launch(ep_fsdp_worker, 2)
-    model = make_model(0)
-    opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.1)
-    for step in range(2):
-        b = batch(10 + step, 4, 9)
-        logits = model(b["input_ids"]).logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100).backward()
-        opt.step()
-        opt.zero_grad()
-    start = make_model(0).state_dict()
-    muon = {id(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]}
-    for r in res:
-        assert r["sharded_muon"] > 10  # the dense matrices really took the distributed path
-        for n, p in model.named_parameters():
-            if id(p) in muon:  # every Muon matrix moved, so equality means something
-                assert not torch.equal(p, start[n]), n
-            # Muon's momentum and Newton-Schulz run in float32: a last-bit difference in a summed gradient
-            # may round one way or the other there
-            torch.testing.assert_close(r["state"][n], p.detach(), rtol=1e-6, atol=1e-7, msg=n)
+    assert all(r["sharded_muon"] > 10 for r in res)  # the dense matrices really took the distributed path
+    assert_k3_follows_one_process([r["state"] for r in res])

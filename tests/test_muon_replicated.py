@@ -6,50 +6,22 @@ import pytest
 import torch
 from torch import nn
 
-import k3.train.optim as optim
 from k3.train.optim import build_optimizer, owner_ranks
-from parallel_harness import batch, launch, make_model
+from muon_cases import STEPS, CountedNewtonSchulz, assert_equal_single_process, assert_k3_follows_one_process, \
+    grads, k3_steps, model
+from parallel_harness import launch, make_model
 
 SHAPES = [(16, 12), (12, 16), (7, 5), (3, 8), (9, 9), (5, 7), (2, 2)]  # uneven sizes and counts per rank
-STEPS = 3
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Linear(i, o, bias=False) for o, i in SHAPES], nn.LayerNorm(SHAPES[-1][0]))
-    return net.double()
-
-
-def grads(step: int) -> dict:
-    g = torch.Generator().manual_seed(100 + step)
-    return {n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in model().named_parameters()}
-
-
-class CountedNewtonSchulz:
-    """Replaces optim.newton_schulz while active and records the shape of every matrix it orthogonalises."""
-
-    def __enter__(self):
-        self.calls, self.real = [], optim.newton_schulz
-
-        def counted(G, *a, **k):
-            self.calls.append(tuple(G.shape))
-            return self.real(G, *a, **k)
-
-        optim.newton_schulz = counted
-        return self
-
-    def __exit__(self, *exc):
-        optim.newton_schulz = self.real
 
 
 def worker(rank, world):
-    net = model()
+    net = model(SHAPES)
     opt = build_optimizer(net, "muon", lr=0.05, weight_decay=0.1)
     opt.spread_over({p: None for g in opt.param_groups if g["use_muon"] for p in g["params"]})
     with CountedNewtonSchulz() as ns:
         for step in range(STEPS):
             for n, p in net.named_parameters():
-                p.grad = grads(step)[n]
+                p.grad = grads(SHAPES, step)[n]
             opt.step()
     # the 4-rank launch also trains K3 (each multi-process start costs seconds)
     return {"params": {n: p.detach() for n, p in net.named_parameters()}, "calls": ns.calls,
@@ -73,17 +45,7 @@ def results(request, single_thread):
 
 def test_updates_equal_single_process_muon(results):
     world, res = results
-    net = model()
-    opt = build_optimizer(net, "muon", lr=0.05, weight_decay=0.1)
-    for step in range(STEPS):
-        for n, p in net.named_parameters():
-            p.grad = grads(step)[n]
-        opt.step()
-    start = dict(model().named_parameters())
-    for r in res:
-        for n, p in net.named_parameters():
-            assert not torch.equal(p, start[n])  # it moved, so equality means something
-            torch.testing.assert_close(r["params"][n], p.detach(), rtol=0, atol=1e-12, msg=n)
+    assert_equal_single_process(SHAPES, [r["params"] for r in res])
 
 
 def test_each_matrix_orthogonalised_once_by_its_owner(results):
@@ -104,7 +66,7 @@ def test_owner_ranks_round_robin_largest_first():
 
 
 def test_spread_over_rejects_a_parameter_muon_does_not_update():
-    net = model()
+    net = model(SHAPES)
     opt = build_optimizer(net, "muon", lr=0.05)
     norm = net[-1].weight  # 1-D: an AdamW parameter
     with pytest.raises(ValueError, match=r"\(2,\) parameter is not in a Muon group"):
@@ -122,36 +84,20 @@ def train(rank, world):
     runner.spread_muon(opt)
     muon = [(n, p) for n, p in model.named_parameters()
             if any(p is q for g in opt.param_groups if g["use_muon"] for q in g["params"])]
+    def step(b):
+        runner(**b).loss.backward()
+        runner.sync_gradients()
+
     with CountedNewtonSchulz() as ns:
-        for step in range(2):
-            runner(**batch(10 + step, 4, 9)).loss.backward()
-            runner.sync_gradients()
-            opt.step()
-            opt.zero_grad()
+        k3_steps(step, model, opt)
     return {"state": full_state_dict(runner), "calls": len(ns.calls),
             "dense": sum(".experts.w" not in n for n, _ in muon), "experts": sum(".experts.w" in n for n, _ in muon)}
 
 
 def test_dp_ep_training_with_spread_muon_equals_one_process(single_thread):
     res = [r["train"] for r in launched(4)]
-    model = make_model(0)
-    opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.1)
-    for step in range(2):
-        b = batch(10 + step, 4, 9)
-        logits = model(b["input_ids"]).logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100).backward()
-        opt.step()
-        opt.zero_grad()
     # dense matrices once over all 4 ranks, each rank's expert shards once over their 2 copies (ep=2)
     dense, experts = res[0]["dense"], res[0]["experts"]
     assert dense > 10 and experts > 0
     assert sum(r["calls"] for r in res) == 2 * (dense + 2 * experts)
-    start = make_model(0).state_dict()
-    muon = {id(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]}
-    for r in res:
-        for n, p in model.named_parameters():
-            if id(p) in muon:  # every Muon matrix moved, so equality means something
-                assert not torch.equal(p, start[n]), n
-            # Muon's momentum and Newton-Schulz run in float32: a last-bit difference in a summed gradient
-            # may round one way or the other there
-            torch.testing.assert_close(r["state"][n], p.detach(), rtol=1e-6, atol=1e-7, msg=n)
+    assert_k3_follows_one_process([r["state"] for r in res])
