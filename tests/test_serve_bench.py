@@ -3,14 +3,17 @@ datasets and the static baseline. Its summaries must add up: every request answe
 --output-len tokens, first tokens before the ends, and the second chat turn served partly from the cache."""
 import json
 
+import pytest
+
 from k3.cli import main
 
 
-def test_bench_serve_runs_every_dataset_and_the_baseline(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--async-output"]])
+def test_bench_serve_runs_every_dataset_and_the_baseline(tmp_path, flags):
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--preset", "tiny", "--concurrency", "2", "--num-prompts", "4",
                "--prompts-per-concurrency", "2", "--input-len", "12", "--output-len", "5", "--turns", "2",
-               "--block-size", "16", "--match-unit", "4", "--json", str(out)])
+               "--block-size", "16", "--match-unit", "4", "--json", str(out), *flags])
     assert rc == 0
     rows = {r["run"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"engine random c=2", "engine multiturn c=2", "static generate batch=2"}

@@ -111,9 +111,9 @@ def test_engine_steps_read_nothing_back_inside_the_forward(model, monkeypatch):
     eng = engine(model, max_batch_tokens=24, prefix_caching=False)
     step_lens, run = [], eng.runner.run
 
-    def recording_run(seqs, lens, sample_rows):
+    def recording_run(seqs, lens, sample_rows, *ids):  # ids: async output's device input ids
         step_lens.append(list(lens))
-        return run(seqs, lens, sample_rows)
+        return run(seqs, lens, sample_rows, *ids)
 
     monkeypatch.setattr(eng.runner, "run", recording_run)
     early, late = [prompt(110, 3), prompt(111, 6)], [prompt(112, 15), prompt(113, 30)]

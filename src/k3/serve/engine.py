@@ -9,11 +9,13 @@ from typing import Callable
 
 import torch
 
+from k3.model.cache import BatchCacheView
 from k3.serve.block_pool import CachePool, plan_capacity
 from k3.serve.metrics import Metrics
 from k3.serve.runner import ModelRunner, PromptScores
-from k3.serve.sampling import (MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams, make_adjuster, make_generator,
-                               make_grammar_state, read_back, sample_tokens, token_logprobs)
+from k3.serve.sampling import (MAX_PROMPT_LOGPROB_ENTRIES, PendingSample, SamplingParams, finish_sampling,
+                               launch_sampling, make_adjuster, make_generator, make_grammar_state, read_back,
+                               token_logprobs)
 from k3.serve.scheduler import Scheduler
 from k3.serve.sequence import OutputIds, RequestOutput, Sequence, Status
 
@@ -33,6 +35,10 @@ class EngineConfig:
     # with graphs: a step's decodes replay their graph beside its prompt chunks (issue 21: its CUDA test passed on an
     # H200; at 64 streams ~7% more output tok/s and ~17% shorter mixed steps, see benchmarks/RESULTS.md)
     split_mixed_steps: bool = True
+    # async output processing: while a decode step runs on the device, the host finishes the previous one
+    # (read-back, stop checks, outputs) and launches the next, which feeds the picked ids from the device. Off
+    # by default until timed on a GPU (issue 21; benchmarks/RESULTS.md).
+    async_output: bool = False
 
     def validate(self) -> None:
         for name in ("memory_bytes", "block_size", "match_unit", "max_batch_tokens", "max_num_seqs"):
@@ -41,6 +47,17 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.block_size % self.match_unit:
             raise ValueError(f"block_size ({self.block_size}) must be a multiple of match_unit ({self.match_unit})")
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device and not yet read: its rows, the sequences that sample (in `sample`'s row
+    order), the prompt logprobs it scored, and the sequences that only scored their prompt."""
+    seqs: list[Sequence]
+    chosen: list[Sequence]
+    sample: PendingSample | None
+    scores: PromptScores | None
+    scored_only: list[Sequence]
 
 
 def fit_engine_config(config, engine_config: EngineConfig | None = None) -> EngineConfig:
@@ -93,6 +110,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pool, config.decode_graphs, config.max_num_seqs, self.sample_vocab,
                                   config.split_mixed_steps)
         self.seqs: dict[str, Sequence] = {}
+        self.in_flight: LaunchedStep | None = None  # async output: the step on the device, not yet finished
 
     def describe_capacity(self) -> str:
         return (f"{self.capacity.describe()}; max {self.scheduler.max_num_seqs} concurrent sequences, "
@@ -180,25 +198,77 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def close(self) -> None:
         """Release the pool (device memory on a GPU) now; the engine is unusable afterwards. Waiting for the
         engine to be collected is not enough: FastAPI caches endpoint functions, which keep their engine.
         Stop the EngineThread that drives it first."""
         self.seqs.clear()
+        self.in_flight = None
         self.pool = self.scheduler = self.runner = None
 
     # ---- one step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of the steps that finished in it. Synchronous by default: plan,
+        launch, read back, finish. With config.async_output, a decode step whose next step needs no host token
+        stays on the device (`in_flight`); the next call plans and launches its successor, feeding the picked
+        ids on the device, and only then finishes it, so the host's work overlaps the device's. Whatever needs
+        the host's tokens first (admission, prefill, preemption, grammar, a last token, a checkpoint boundary,
+        distributed serving's agreement) drains to the synchronous path."""
+        outputs = []
+        if self.in_flight is not None:
+            previous, self.in_flight = self.in_flight, None
+            seqs = self.scheduler.schedule_in_flight(self._may_feed_in_flight)
+            if seqs is not None:
+                self.in_flight = self._launch(seqs, [1] * len(seqs), self._picked_ids(previous, seqs))
+                return self._finish_step(previous)
+            outputs = self._finish_step(previous)
         seqs, lens = self.scheduler.schedule()
         if not seqs:
-            return []
+            return outputs
+        launched = self._launch(seqs, lens)
+        if self.config.async_output and self._may_defer(launched):
+            self.in_flight = launched
+        else:
+            outputs += self._finish_step(launched)
+        return outputs
+
+    def _may_defer(self, launched: LaunchedStep) -> bool:
+        """Whether a step may stay in flight: it samples, no row follows a grammar (the next mask needs the host
+        token) and no other rank must agree on its ids first."""
+        return (launched.sample is not None and self.agree_tokens is None
+                and all(s.grammar is None for s in launched.chosen))
+
+    def _may_feed_in_flight(self, seq: Sequence) -> bool:
+        """Whether seq's next step may feed its in-flight token before the host knows it: not when that token
+        may be its last (max_tokens, max_model_len), nor when the step would complete a match unit (registering
+        it and its checkpoint hash the token)."""
+        return (seq.grammar is None and seq.num_output + seq.in_flight < seq.params.max_tokens
+                and len(seq.tokens) + seq.in_flight < self.max_model_len
+                and (seq.num_computed + 1) % self.pool.match_unit != 0)
+
+    def _picked_ids(self, previous: LaunchedStep, seqs: list[Sequence]) -> torch.Tensor:
+        """seqs' in-flight tokens: their rows of the previous step's picked ids, still on the device."""
+        row = {id(s): i for i, s in enumerate(previous.chosen)}
+        order = [row[id(s)] for s in seqs]
+        picked = previous.sample.picked
+        if order == list(range(picked.shape[0])):
+            return picked
+        order_t, = BatchCacheView.upload([order], picked.device)
+        return picked.index_select(0, order_t)
+
+    def _launch(self, seqs: list[Sequence], lens: list[int], ids: torch.Tensor | None = None) -> LaunchedStep:
+        """Queue one step on the device: the forward, the host bookkeeping that needs no new token (progress,
+        prefix units, checkpoints) and the sampling, with no read-back. ids: a decode step's input tokens on the
+        device (the previous step's picks)."""
         self.metrics.on_step(seqs, lens, time.perf_counter())
-        done = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens)]
+        # a row samples when it feeds the last known token (an in-flight one counts as known)
+        done = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens) + s.in_flight]
         sampling = [i for i in done if seqs[i].params.max_tokens > 0]
         scored_only = [seqs[i] for i in done if seqs[i].params.max_tokens == 0]  # prompt scored, nothing to sample
-        logits, scores = self.runner.run(seqs, lens, sampling)
+        logits, scores = (self.runner.run(seqs, lens, sampling) if ids is None
+                          else self.runner.run(seqs, lens, sampling, ids))
         logits = logits[:, :self.sample_vocab]
         for s, n in zip(seqs, lens):
             decoding = not s.in_prefill
@@ -206,20 +276,34 @@ class LLMEngine:
             self.pool.register_computed(s)
             self._maybe_checkpoint(s, decoding)
         self.pool.flush_checkpoint_copies()  # before a finishing sequence frees its slot
+        chosen = [seqs[i] for i in sampling]
+        sample = None
+        if chosen:
+            sample = launch_sampling(logits, [s.params for s in chosen], [s.generator for s in chosen],
+                                     [s.grammar for s in chosen], [s.adjuster for s in chosen],
+                                     [s.num_output + s.in_flight < s.params.min_tokens for s in chosen],
+                                     agree=self.agree_tokens)
+            for s in chosen:
+                s.in_flight += 1
+        return LaunchedStep(seqs, chosen, sample, scores, scored_only)
+
+    def _finish_step(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step back and turn it into outputs. A sequence that finished (stop, abort) after this
+        step was launched ran one wasted row in it: its token is dropped."""
         outputs = []
-        if sampling:
-            chosen = [seqs[i] for i in sampling]
-            tokens, logprobs = sample_tokens(logits, [s.params for s in chosen], [s.generator for s in chosen],
-                                             [s.grammar for s in chosen], [s.adjuster for s in chosen],
-                                             [s.num_output < s.params.min_tokens for s in chosen],
-                                             agree=self.agree_tokens)
-        if scores is not None:
-            self._keep_prompt_logprobs(seqs, scores)
+        if launched.sample is not None:
+            tokens, logprobs = finish_sampling(launched.sample)
+        if launched.scores is not None:
+            self._keep_prompt_logprobs(launched.seqs, launched.scores)
         now = time.perf_counter()
-        if sampling:
-            for s, tok, lp in zip(chosen, tokens, logprobs):
-                outputs.append(self._append_token(s, tok, lp, now))
-        for s in scored_only:
+        if launched.sample is not None:
+            for s, tok, lp in zip(launched.chosen, tokens, logprobs):
+                s.in_flight -= 1
+                if not s.finished:
+                    outputs.append(self._append_token(s, tok, lp, now))
+        for s in launched.scored_only:
+            if s.finished:
+                continue
             self._finish(s, "length", now)
             outputs.append(RequestOutput(s.request_id, [], "", [], OutputIds(s.tokens, s.prompt_len, s.prompt_len),
                                          "", True, "length", s.prompt_len, s.cache, s.prompt_logprobs))

@@ -87,12 +87,14 @@ class DecodeGraphView(PagedBatchView):
         self.ids, self.kv_len, self.slots, self.slot_mapping = self.buf[:4 * rows].view(4, rows)
         self.block_tables = self.buf[4 * rows:].view(rows, width)
 
-    def load(self, seqs: list[Sequence]) -> None:
-        """This step's token, length, slot, new-token position and block table of each sequence, one copy."""
+    def load(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> None:
+        """This step's token, length, slot, new-token position and block table of each sequence, one copy.
+        ids: the tokens [len(seqs)] as a device tensor instead (async output: the previous step's picks, which
+        the host has not read yet), written over the loaded column on the device."""
         pool, bs, rows, width = self.pool, self.pool.block_size, self.rows, self.width
         pad = rows - len(seqs)
         n = [s.num_computed for s in seqs]
-        cols = [[s.tokens[p] for s, p in zip(seqs, n)] + [0] * pad,
+        cols = [([0] * len(seqs) if ids is not None else [s.tokens[p] for s, p in zip(seqs, n)]) + [0] * pad,
                 [p + 1 for p in n] + [1] * pad,
                 [s.slot for s in seqs] + [pool.scratch_slot] * pad,
                 [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, n)] + [pool.scratch_block * bs] * pad]
@@ -103,6 +105,8 @@ class DecodeGraphView(PagedBatchView):
         self.buf.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        if ids is not None:
+            self.ids[:len(seqs)].copy_(ids)
 
 
 class DecodeGraphs:
@@ -121,8 +125,9 @@ class DecodeGraphs:
         h = self.model.model(view.ids[None], cache=view)
         return self.model.lm_head(h[0])
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [len(seqs), vocab] of one decode step of seqs (each feeding its next token)."""
+    def run(self, seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(seqs), vocab] of one decode step of seqs (each feeding its next token, or ids [len(seqs)]
+        on the device when given)."""
         rows = 1 << (len(seqs) - 1).bit_length()
         width = 1 << (max(len(s.block_table) for s in seqs) - 1).bit_length()
         key = (rows, width)
@@ -131,7 +136,7 @@ class DecodeGraphs:
             self.entries[key] = (DecodeGraphView(self.pool, self.model.config.num_hidden_layers, rows, width),
                                  None, None)
         view, graph, out = self.entries[key]
-        view.load(seqs)
+        view.load(seqs, ids)
         if graph is not None:
             graph.replay()
             return out[:len(seqs)]
@@ -180,12 +185,21 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], lens: list[int],
-            sample_rows: list[int]) -> tuple[torch.Tensor, PromptScores | None]:
+    def run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int],
+            ids: torch.Tensor | None = None) -> tuple[torch.Tensor, PromptScores | None]:
         """Feed seqs[i].tokens[num_computed : num_computed + lens[i]] for every i; return the last-token
         logits [len(sample_rows), vocab] of the rows that will sample, and the prompt logprobs of the chunk's
-        positions for sequences that ask for them (None when none does). Does not advance num_computed."""
+        positions for sequences that ask for them (None when none does). Does not advance num_computed.
+        ids: for a decode-only step, its input tokens [len(seqs)] on the device (async output: the previous
+        step's picks, not yet on the host)."""
         with on_device(self.device):  # the engine's own thread starts on device 0
+            if ids is not None:
+                if any(n != 1 or s.in_prefill for s, n in zip(seqs, lens)):
+                    raise ValueError("device input ids are for decode-only steps")
+                if self.graphs is not None and self.graphs.fits(seqs, lens):
+                    logits = self.graphs.run(seqs, ids)
+                    return (logits if len(sample_rows) == len(seqs) else logits[sample_rows]), None
+                return self._run_eager(seqs, lens, sample_rows, [], ids)
             return self._run(seqs, lens, sample_rows)
 
     @staticmethod
@@ -243,15 +257,18 @@ class ModelRunner:
         return logits, scores
 
     def _run_eager(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int],
-                   spans: list[tuple[int, int, int]]) -> tuple[torch.Tensor, PromptScores | None]:
-        """One eager forward over every row of the step (the flat [1, N] row through the paged pool)."""
-        ids = [t for s, n in zip(seqs, lens) for t in s.tokens[s.num_computed:s.num_computed + n]]
+                   spans: list[tuple[int, int, int]], device_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, PromptScores | None]:
+        """One eager forward over every row of the step (the flat [1, N] row through the paged pool);
+        device_ids: a decode-only step's input tokens, already on the device."""
+        ids = ([] if device_ids is not None
+               else [t for s, n in zip(seqs, lens) for t in s.tokens[s.num_computed:s.num_computed + n]])
         view = PagedBatchView(self.pool, self.model.config.num_hidden_layers, seqs, lens)
         last = [view.cu_host[r + 1] - 1 for r in sample_rows]  # each sampling row's last token
         scored = [view.cu_host[i] + j for i, _, count in spans for j in range(count)]
         targets = [t for i, first, count in spans for t in seqs[i].tokens[first:first + count]]
         ids_t, last_t, scored_t, targets_t = view.upload([ids, last, scored, targets], self.device)
-        ids_t = ids_t[None]
+        ids_t = (device_ids if device_ids is not None else ids_t)[None]
         embeds = None
         if any(s.mm for s in seqs):  # splice image rows over the <|media_pad|> positions this chunk covers
             embeds = self.model.model.embed_tokens(ids_t)

@@ -343,6 +343,24 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     min_tokens still bans its stop ids. See adjust_logits.
     Logprobs are the model's own (vLLM's default, raw logprobs), not the adjusted distribution's.
     agree: replaces the picked ids [S] before any state advances (distributed serving: every rank takes rank 0's)."""
+    return finish_sampling(launch_sampling(logits, params, generators, grammars, adjusters, banning, agree))
+
+
+@dataclass
+class PendingSample:
+    """What `launch_sampling` queued on the device: the picked ids [S] (the next step may feed them without a
+    read-back), the logprob rows asked for, and what `finish_sampling` needs to turn them into host values."""
+    picked: torch.Tensor
+    scores: tuple[torch.Tensor, ...] | None
+    want: list[int]
+    params: list[SamplingParams]
+    grammars: list | None
+
+
+def launch_sampling(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                    grammars: list | None = None, adjusters: list | None = None, banning: list[bool] | None = None,
+                    agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PendingSample:
+    """sample_tokens' device half: pick every row's token and count it into the penalties, with no read-back."""
     raw = logits = logits.float()
     logits = adjust_logits(logits, params, adjusters, banning)
     if grammars is not None:
@@ -363,10 +381,16 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     record_tokens(adjusters, picked)
     scores = score_rows(raw.index_select(0, want_t), picked.index_select(0, want_t),
                         max(params[i].logprobs for i in want)) if want else None
-    tokens, scores = read_back(picked, scores)
-    for state, token in zip(grammars or [], tokens):
+    return PendingSample(picked, scores, want, params, grammars)
+
+
+def finish_sampling(pending: PendingSample) -> tuple[list[int], list[TokenLogprob | None]]:
+    """sample_tokens' host half: one read-back, then the grammars advance and the logprobs take their shape."""
+    tokens, scores = read_back(pending.picked, pending.scores)
+    for state, token in zip(pending.grammars or [], tokens):
         if state is not None:
             state.advance(token)
+    params, want = pending.params, pending.want
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if want:
         rows_lp = token_logprobs([tokens[i] for i in want], *scores, [params[i].logprobs for i in want])

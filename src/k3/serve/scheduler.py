@@ -3,6 +3,7 @@ chunked prefill next to decodes, FCFS admission, preemption by swapping to host 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from k3.serve.block_pool import CachePool
 from k3.serve.sequence import Sequence, Status
@@ -58,6 +59,20 @@ class Scheduler:
         seq.status = Status.SWAPPED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def schedule_in_flight(self, may_feed_in_flight: Callable[[Sequence], bool]) -> list[Sequence] | None:
+        """Plan a decode step while the previous one is still on the device (async output): every running
+        sequence feeds its in-flight token, which only the device knows yet. None when the step needs the host
+        to go first: a request waits (admission), a running sequence has no token in flight (prefill) or
+        `may_feed_in_flight` refuses it (e.g. its in-flight token may be its last), the token budget is short,
+        or a block is missing (preemption). Those steps run after the previous one finishes, via `schedule`."""
+        if self.waiting or not self.running or len(self.running) > self.max_batch_tokens:
+            return None
+        if not all(s.in_flight and may_feed_in_flight(s) for s in self.running):
+            return None
+        if not all(self.pool.ensure_blocks(s, s.num_computed + 1) for s in self.running):
+            return None
+        return list(self.running)
 
     def schedule(self) -> tuple[list[Sequence], list[int]]:
         """Plan one step → (sequences, tokens to feed for each)."""

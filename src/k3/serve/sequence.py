@@ -45,6 +45,7 @@ class Sequence:
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     num_computed: int = 0  # tokens whose KV / state went through the model
+    in_flight: int = 0  # async output: sampled tokens still on the device, not yet in `tokens` (0 or 1 between steps)
     block_table: list[int] = field(default_factory=list)
     slot: int | None = None
     unit_hashes: list[int] = field(default_factory=list)  # chained hash of each complete match unit
