@@ -34,24 +34,35 @@ from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
 
-SAMPLE_TOKENS = engine_mod.sample_tokens  # the engine's own, before a recorder wraps it
+# the engine's own sampler halves (queue the picks; read them back), before a recorder wraps them
+SAMPLERS = {name: getattr(engine_mod, name) for name in ("launch_sampling", "finish_sampling")}
 
 
 class StepRecorder:
-    """Wraps the engine's phases (schedule, runner.run, sample_tokens) with host timers; one record per step."""
+    """Wraps the engine's phases (schedule, runner.run, sampling) with host timers; one record per step. With
+    async_output, a step planned while the previous one is in flight is a "decode ... async" step, and its
+    sample_ms also holds the read-back of the step it finishes."""
 
     def __init__(self, engine: LLMEngine):
         self.engine, self.steps, self.cur = engine, [], None
-        sched, run, sample = engine.scheduler.schedule, engine.runner.run, SAMPLE_TOKENS
+        sched, run = engine.scheduler.schedule, engine.runner.run
+        sched_in_flight = engine.scheduler.schedule_in_flight
         graphs = engine.runner.graphs
 
-        def timed_schedule():
+        def timed_schedule(in_flight=None):
             t = time.perf_counter()
-            seqs, lens = sched()
+            if in_flight is not None:
+                seqs = sched_in_flight(in_flight)
+                if seqs is None:
+                    return None
+                lens = [1] * len(seqs)
+            else:
+                seqs, lens = sched()
             prefill = sum(1 for s in seqs if s.in_prefill)
             fits = graphs is not None and graphs.fits(seqs, lens)
             kind = "prefill" if prefill == len(seqs) else ("mixed" if prefill else
                                                            ("decode graph" if fits else "decode eager"))
+            kind += " async" if in_flight is not None else ""
             real = sum(len(s.block_table) for s in seqs) if seqs else 0
             if seqs and fits:
                 rows = 1 << (len(seqs) - 1).bit_length()
@@ -60,7 +71,7 @@ class StepRecorder:
                 read = len(seqs) * max((len(s.block_table) for s in seqs), default=0)
             self.cur = dict(t0=t, kind=kind, rows=len(seqs), tokens=sum(lens), blocks_real=real, blocks_read=read,
                             sched_ms=(time.perf_counter() - t) * 1e3, run_ms=0.0, sample_ms=0.0)
-            return seqs, lens
+            return seqs if in_flight is not None else (seqs, lens)
 
         def timed_run(*a, **k):
             t = time.perf_counter()
@@ -68,13 +79,10 @@ class StepRecorder:
             self.cur["run_ms"] = (time.perf_counter() - t) * 1e3
             return out
 
-        def timed_sample(*a, **k):
-            t = time.perf_counter()
-            out = sample(*a, **k)
-            self.cur["sample_ms"] = (time.perf_counter() - t) * 1e3
-            return out
-
-        engine.scheduler.schedule, engine.runner.run, engine_mod.sample_tokens = timed_schedule, timed_run, timed_sample
+        engine.scheduler.schedule, engine.runner.run = timed_schedule, timed_run
+        engine.scheduler.schedule_in_flight = lambda may: timed_schedule(may)
+        for name, fn in SAMPLERS.items():
+            setattr(engine_mod, name, self._summed(fn, "sample_ms"))
         # the engine's bookkeeping between the forward and the sampler, and its per-token output work
         for obj, name, key in ((engine.pool, "register_computed", "book_ms"), (engine, "_maybe_checkpoint", "book_ms"),
                                (engine.pool, "flush_checkpoint_copies", "book_ms"), (engine, "_append_token", "append_ms")):
@@ -95,6 +103,7 @@ class StepRecorder:
             c = self.cur
             c["wall_ms"] = (time.perf_counter() - c.pop("t0")) * 1e3
             c.setdefault("book_ms", 0.0)
+            c.setdefault("sample_ms", 0.0)
             c.setdefault("append_ms", 0.0)
             c["other_ms"] = c["wall_ms"] - c["sched_ms"] - c["run_ms"] - c["sample_ms"] - c["book_ms"] - c["append_ms"]
             self.steps.append(c)

@@ -13,9 +13,9 @@ from k3.model.cache import BatchCacheView
 from k3.serve.block_pool import CachePool, plan_capacity
 from k3.serve.metrics import Metrics
 from k3.serve.runner import ModelRunner, PromptScores
-from k3.serve.sampling import (MAX_PROMPT_LOGPROB_ENTRIES, PendingSample, SamplingParams, finish_sampling,
+from k3.serve.sampling import (MAX_PROMPT_LOGPROB_ENTRIES, DeviceRead, PendingSample, SamplingParams, finish_sampling,
                                launch_sampling, make_adjuster, make_generator, make_grammar_state, read_back,
-                               token_logprobs)
+                               start_read, token_logprobs)
 from k3.serve.scheduler import Scheduler
 from k3.serve.sequence import OutputIds, RequestOutput, Sequence, Status
 
@@ -57,6 +57,7 @@ class LaunchedStep:
     chosen: list[Sequence]
     sample: PendingSample | None
     scores: PromptScores | None
+    scores_read: DeviceRead | None  # the prompt logprobs' copy to the host, queued at launch
     scored_only: list[Sequence]
 
 
@@ -285,7 +286,9 @@ class LLMEngine:
                                      agree=self.agree_tokens)
             for s in chosen:
                 s.in_flight += 1
-        return LaunchedStep(seqs, chosen, sample, scores, scored_only)
+        scores_read = (start_read(scores.targets, (scores.chosen, scores.top_ids, scores.top_lps))
+                       if scores is not None else None)
+        return LaunchedStep(seqs, chosen, sample, scores, scores_read, scored_only)
 
     def _finish_step(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step back and turn it into outputs. A sequence that finished (stop, abort) after this
@@ -294,7 +297,7 @@ class LLMEngine:
         if launched.sample is not None:
             tokens, logprobs = finish_sampling(launched.sample)
         if launched.scores is not None:
-            self._keep_prompt_logprobs(launched.seqs, launched.scores)
+            self._keep_prompt_logprobs(launched.seqs, launched.scores, launched.scores_read)
         now = time.perf_counter()
         if launched.sample is not None:
             for s, tok, lp in zip(launched.chosen, tokens, logprobs):
@@ -310,10 +313,9 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _keep_prompt_logprobs(seqs: list[Sequence], scores: PromptScores) -> None:
+    def _keep_prompt_logprobs(seqs: list[Sequence], scores: PromptScores, read: DeviceRead) -> None:
         """Append this step's prompt logprobs to each scoring sequence (one read-back for all of them)."""
-        targets, (chosen, top_ids, top_lps) = read_back(scores.targets, (scores.chosen, scores.top_ids,
-                                                                         scores.top_lps))
+        targets, (chosen, top_ids, top_lps) = read_back(read)
         a = 0
         for i, _, count in scores.spans:
             k = seqs[i].params.prompt_logprobs

@@ -307,17 +307,45 @@ def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[tor
     return lp.gather(1, targets[:, None])[:, 0], top.indices, top.values
 
 
-def read_back(ids: torch.Tensor, scores: tuple[torch.Tensor, ...] | None = None
+@dataclass
+class DeviceRead:
+    """read_back's values on their way to the host: on CUDA a non-blocking copy into pinned memory and the
+    event after it, so the read waits for the work queued before the copy only, not for a step launched since
+    (async output). On a CPU the tensor itself."""
+    host: torch.Tensor  # the ids [n], or ids, chosen, top ids and top logprobs flattened into float64
+    event: object
+    n: int
+    m: int
+    k: int
+
+
+def start_read(ids: torch.Tensor, scores: tuple[torch.Tensor, ...] | None = None) -> DeviceRead:
+    """Queue the copy of ids [n] and score_rows' (chosen [m], top ids [m, k], top logprobs [m, k]) to the host.
+    Float64 holds the ids and the float32 logprobs exactly."""
+    m, k = scores[1].shape if scores is not None else (0, 0)
+    flat = ids if scores is None else torch.cat([ids.double(), scores[0].double(), scores[1].double().flatten(),
+                                                 scores[2].double().flatten()])
+    if not flat.is_cuda:
+        return DeviceRead(flat, None, ids.shape[0], m, k)
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return DeviceRead(host, event, ids.shape[0], m, k)
+
+
+def read_back(ids: torch.Tensor | DeviceRead, scores: tuple[torch.Tensor, ...] | None = None
               ) -> tuple[list[int], tuple[list, list, list] | None]:
     """ids [n] and score_rows' (chosen [m], top ids [m, k], top logprobs [m, k]) as host lists, in one copy from
-    the device: each read waits for every queued kernel, so a step reads once. Float64 holds the ids and the
-    float32 logprobs exactly."""
-    if scores is None:
-        return ids.tolist(), None
-    chosen, top_ids, top_lps = scores
-    m, k = top_ids.shape
-    flat = torch.cat([ids.double(), chosen.double(), top_ids.double().flatten(), top_lps.double().flatten()]).tolist()
-    n = ids.shape[0]
+    the device (or a copy `start_read` queued earlier): each read waits for the kernels queued before its copy,
+    so a step reads once."""
+    read = ids if isinstance(ids, DeviceRead) else start_read(ids, scores)
+    if read.event is not None:
+        read.event.synchronize()
+    flat = read.host.tolist()
+    n, m, k = read.n, read.m, read.k
+    if read.host.dtype != torch.float64:
+        return flat, None
     at = n + m
     rows = lambda xs: [xs[r * k:(r + 1) * k] for r in range(m)]  # noqa: E731
     return ([int(t) for t in flat[:n]],
@@ -351,7 +379,7 @@ class PendingSample:
     """What `launch_sampling` queued on the device: the picked ids [S] (the next step may feed them without a
     read-back), the logprob rows asked for, and what `finish_sampling` needs to turn them into host values."""
     picked: torch.Tensor
-    scores: tuple[torch.Tensor, ...] | None
+    read: DeviceRead
     want: list[int]
     params: list[SamplingParams]
     grammars: list | None
@@ -381,12 +409,12 @@ def launch_sampling(logits: torch.Tensor, params: list[SamplingParams], generato
     record_tokens(adjusters, picked)
     scores = score_rows(raw.index_select(0, want_t), picked.index_select(0, want_t),
                         max(params[i].logprobs for i in want)) if want else None
-    return PendingSample(picked, scores, want, params, grammars)
+    return PendingSample(picked, start_read(picked, scores), want, params, grammars)
 
 
 def finish_sampling(pending: PendingSample) -> tuple[list[int], list[TokenLogprob | None]]:
     """sample_tokens' host half: one read-back, then the grammars advance and the logprobs take their shape."""
-    tokens, scores = read_back(pending.picked, pending.scores)
+    tokens, scores = read_back(pending.read)
     for state, token in zip(pending.grammars or [], tokens):
         if state is not None:
             state.advance(token)
