@@ -27,7 +27,7 @@ def drive(eng: LLMEngine, requests, abort_at: dict | None = None):
 
     def counting_run(seqs, lens, sample_rows, ids=None):
         overlapped.append(ids is not None)
-        return run(seqs, lens, sample_rows) if ids is None else run(seqs, lens, sample_rows, ids)
+        return run(seqs, lens, sample_rows, ids)
     eng.runner.run = counting_run
     ids, recs, step = [None] * len(requests), {}, 0
     while step == 0 or eng.has_unfinished() or any(i is None for i in ids):
