@@ -24,9 +24,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        back = grad.new_empty(sum(ctx.in_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
-        return back, None, None, None, None
+        return _exchange(grad, ctx.in_splits, ctx.out_splits, ctx.group, None), None, None, None, None
 
 
 def _exchange(x, out_splits, in_splits, group, pending: list | None):
