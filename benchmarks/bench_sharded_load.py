@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_sharded_load.py [--preset small] [--ep 4] [--tp 1] [--dir DIR]
 
 Writes a random checkpoint with MXFP4 experts (`k3 init`'s writer) unless DIR holds one, then loads it in a
-subprocess per row (bf16, experts packed, on the CPU) and reports: the process's peak RSS (ru_maxrss) minus its
+subprocess per row (bf16, experts packed, on the CPU) and reports: the process's peak RSS (VmHWM) minus its
 RSS before loading (after imports), the bytes it keeps (its tensors), the difference (what loading cost beyond
 what it keeps: read buffers and mapped file pages), and the largest single tensor read from the files."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ CHILD = r"""
 import json, resource, sys, torch
 from k3.checkpoint.hf import load_pretrained
 from k3.checkpoint.sharded import RankLayout, load_rank_shard
+from k3.memory import peak_resident_bytes
 path, ep_rank, ep, tp_rank, tp = sys.argv[1], *map(int, sys.argv[2:6])
 def rss():
     with open("/proc/self/statm") as f:
@@ -32,7 +33,7 @@ if ep == 0:
 else:
     shard = load_rank_shard(path, RankLayout(ep_rank, ep, tp_rank, tp), dtype=torch.bfloat16, packed_experts=True)
     tensors, largest = list(shard.tensors.values()), shard.stats["largest_read_bytes"]
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_resident_bytes()
 kept = sum(t.numel() * t.element_size() for t in tensors)
 print(json.dumps({"before": before, "peak": peak, "kept": kept, "largest": largest}))
 """

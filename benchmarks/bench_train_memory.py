@@ -12,8 +12,9 @@ import subprocess
 import sys
 
 STEP = r"""
-import json, resource, sys, torch
+import json, sys, torch
 from k3.config import K3Config
+from k3.memory import peak_resident_bytes
 from k3.model.decoder import K3ForCausalLM
 from k3.train.optim import build_optimizer
 preset, B, T, ckpt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
@@ -26,7 +27,7 @@ for _ in range(2):
     model(ids, doc_ids=torch.zeros_like(ids), labels=ids).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base))
+print(json.dumps(peak_resident_bytes() - base))
 """
 
 

@@ -187,10 +187,8 @@ def test_streaming_load_peak_rss_is_about_one_shard(tmp_path):
         import resource, torch, gc
         from k3 import K3Config, K3ForCausalLM
         from k3.checkpoint.hf import load_pretrained
+        from k3.memory import peak_resident_bytes as rss
         torch.set_num_threads(1)
-        def rss():
-            with open("/proc/self/status") as f:
-                return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM"))
         # the first meta-device build costs ~70 MB of one-time torch initialisation: pay it before measuring
         with torch.device("meta"):
             K3ForCausalLM(K3Config.preset("tiny"), init=False)

@@ -42,6 +42,13 @@ def check_fits(what: str, need: int, device: torch.device | str | None = None) -
         raise NotEnoughMemoryError(f"{what} needs {format_bytes(need)} but only {format_bytes(free)} is free on {dev}")
 
 
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory (Linux's VmHWM). Not getrusage's ru_maxrss: that one survives
+    fork and exec, so a child started by a large parent (a test runner of 1 GB) reports the parent's size."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def _meminfo_available() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
