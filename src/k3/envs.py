@@ -8,6 +8,10 @@
   table; a path, that file; "off", none (Triton autotunes every kernel).
 - K3_PRECOMPILE_WORKERS: processes that compile the table's kernels ahead of their first call (k3.ops.precompile);
   default half the cores, at most 8; 0: none.
+- K3_NO_SHARED_INPUT_GRAD: "1" lets autograd sum the input gradients of a mixer's (or MoE's) input projections,
+  one nn.Linear each, instead of one accumulating backward (k3.ops.fused_linear).
+- K3_NO_BLOCK_GRAD_BUFFER: "1" lets autograd sum the gradients of the AttnRes blocks over the mixes that read them,
+  instead of each mix's backward adding into one buffer per block (k3.model.attn_res).
 - K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
 - K3_API_KEY: the key `k3 serve` requires ('Authorization: Bearer KEY') when --api-key is not given (as vLLM's
   VLLM_API_KEY): a key on the command line shows in `ps`, one in the environment does not.
@@ -40,6 +44,8 @@ class Switches:
     no_triton: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     triton_opt_in: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     require_fla: bool = False
+    no_shared_input_grad: bool = False
+    no_block_grad_buffer: bool = False
     commit: str | None = None
     autotune_table: str | None = None  # None: the shipped table; "off"; or a path
     precompile_workers: int | None = None  # None: automatic
@@ -79,6 +85,8 @@ def parse(environ: Mapping[str, str]) -> Switches:
     get = lambda name: environ.get(name, "")  # noqa: E731
     return Switches(no_fla=_flag(get("K3_NO_FLA")), no_triton=_names(get("K3_NO_TRITON"), "1"),
                     triton_opt_in=_names(get("K3_TRITON"), ALL), require_fla=get("K3_REQUIRE_FLA") == "1",
+                    no_shared_input_grad=_flag(get("K3_NO_SHARED_INPUT_GRAD")),
+                    no_block_grad_buffer=_flag(get("K3_NO_BLOCK_GRAD_BUFFER")),
                     commit=get("K3_COMMIT") or None,
                     autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None,
                     precompile_workers=_count("K3_PRECOMPILE_WORKERS", get("K3_PRECOMPILE_WORKERS")),

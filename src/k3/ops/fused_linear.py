@@ -1,18 +1,28 @@
-"""Several bias-free projections of the same input as one GEMM at inference: `x @ [W1; W2; …]ᵀ`, split.
+"""Several bias-free projections of the same input: one GEMM at inference, one input gradient in training.
 
 At decode a mixer's projections are matrix-vector products, each a kernel launch that reads its weight once;
 one launch over the stacked weight reads the same bytes with fewer launches and a fuller card. The modules keep
 their own parameters (the released checkpoint's names); the stacked copy is a cache that the decode drivers
 switch on (`fuse_projections(model)`: the CUDA-graphed decode step, the serving engine's runner) and that is
 refreshed in place (same storage, so a captured CUDA graph stays valid) whenever a weight changed. Until then,
-and in any call that needs a weight's gradient, the separate projections run: training, and evaluation
-inside training (FSDP's gathered weights, say), never hold the extra copy.
+and in any call that needs a gradient, the separate projections run: training, and evaluation inside training
+(FSDP's gathered weights, say), never hold the extra copy.
+
+In training the projections run as one autograd node (`_SharedInputProjections`) whose backward accumulates
+every projection's ∂L/∂x into one buffer, each GEMM after the first adding into it in its epilogue (`addmm_`,
+β = 1). Separate nn.Linear calls would each write their own ∂L/∂x and autograd would add them pairwise: n − 1
+extra passes of three activations each (read, read, write). One GEMM over the stacked gradients would need
+them copied side by side first, a pass of its own, so the adds go into the GEMMs instead.
+Under autocast the input is cast once for all n GEMMs (autocast casts it per call). Switch:
+K3_NO_SHARED_INPUT_GRAD (k3.envs).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from k3 import envs
 
 
 class FusedLinears:
@@ -31,7 +41,10 @@ class FusedLinears:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         weights = [lin.weight for lin in self.linears]
-        if self.weight is None or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+        if needs_grad and not envs.current().no_shared_input_grad and _plain_tensors(x, *weights):
+            return shared_input_projections(x, weights)
+        if self.weight is None or needs_grad:
             return [lin(x) for lin in self.linears]
         if not torch.compiler.is_compiling():  # (compiled code trusts the cache refreshed before compiling)
             self.refresh()
@@ -53,6 +66,48 @@ class FusedLinears:
             else:
                 self.weight = stacked
         self._key = (where, versions)
+
+
+def _plain_tensors(*tensors: torch.Tensor) -> bool:
+    """Plain dense tensors (not DTensors or other subclasses, which bring their own linear: tensor parallelism)."""
+    return all(type(t) is torch.Tensor or type(t) is nn.Parameter for t in tensors)
+
+
+def shared_input_projections(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`[F.linear(x, w) for w in weights]` with one accumulated ∂L/∂x (`_SharedInputProjections`). Autocast is
+    applied here, as F.linear would: x and the weights are cast to its dtype once, outside the node."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        dtype = torch.get_autocast_dtype(device)
+        x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+    with torch.autocast(device, enabled=False):
+        return list(_SharedInputProjections.apply(x, *weights))
+
+
+class _SharedInputProjections(torch.autograd.Function):
+    """Forward: one GEMM per weight (outputs contiguous, as nn.Linear's). Backward: ∂L/∂W_i = g_iᵀ x each;
+    ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing it and the others adding into it."""
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        ctx.set_materialize_grads(False)  # an unused output brings no gradient, not a zero tensor
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        dx, dws = None, []
+        for g, w, needs_dw in zip(grads, weights, ctx.needs_input_grad[1:]):
+            if g is None:
+                dws.append(None)
+                continue
+            g2 = g.reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[0]:
+                dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)
+            dws.append(g2.t().mm(x2) if needs_dw else None)
+        return (None if dx is None else dx.view(x.shape)), *dws
 
 
 def fuse_projections(model: nn.Module) -> None:
