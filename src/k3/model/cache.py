@@ -30,6 +30,18 @@ class KDAState:
 
 
 @dataclass
+class KDASlots:
+    """Where a decode step finds one KDA layer's state and conv tails and writes them back in place: state
+    [N, H, K, V] fp32, tails [N, W−1, C] fp32 (strided views allowed), and `slots` [B] (int64, on the device),
+    the slot of each decoding row, or None when row b is slot b (k3.ops.kda_decode)."""
+    state: torch.Tensor
+    conv_q: torch.Tensor
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+    slots: torch.Tensor | None = None
+
+
+@dataclass
 class MLAState:
     """One MLA layer, absorbed form: normalised latent [B, S, kv_lora_rank] and shared k_extra [B, S, rope]."""
     latent: torch.Tensor
@@ -52,6 +64,11 @@ class K3Cache:
 
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
         self.layers[layer_idx] = state
+
+    def kda_slots(self, layer_idx: int) -> KDASlots | None:
+        """The layer's KDA storage for a decode step that writes it in place; None: this cache's tensors are
+        replaced, not written (the step returns new ones through `set_kda_state`)."""
+        return None
 
     def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor):
         """Append T new tokens' latent [B, T, R] and k_extra [B, T, rope]; return the whole context
@@ -106,6 +123,10 @@ class StaticCache(K3Cache):
         for name in ("state", "conv_q", "conv_k", "conv_v"):
             if getattr(state, name) is not getattr(dst, name):  # a decode step may have written it in place
                 getattr(dst, name).copy_(getattr(state, name))
+
+    def kda_slots(self, layer_idx: int) -> KDASlots:
+        st = self.layers[layer_idx]
+        return KDASlots(st.state, st.conv_q, st.conv_k, st.conv_v)
 
     def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor):
         T = latent.shape[1]
@@ -208,6 +229,11 @@ class BatchCacheView:
 
     def set_kda_state(self, layer_idx: int, state: KDAState) -> None:
         raise NotImplementedError
+
+    def kda_slots(self, layer_idx: int) -> KDASlots | None:
+        """The pool's state and tails of the layer with each sequence's slot, for a step in which every
+        sequence decodes one token; None where the storage is not slot-addressed."""
+        return None
 
     def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor) -> None:
         """Store the new tokens' latent [N, R] and k_extra [N, rope]."""

@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import BatchCacheView, KDAState, StaticCache
+from k3.model.cache import BatchCacheView, KDASlots, KDAState, StaticCache
 from k3.model.norm import RMSNorm
 from k3.ops.conv import short_conv
 from k3.ops.fused_linear import FusedLinears
 from k3.ops.kda_core import kda_core, select_backend
+from k3.ops.kda_decode import DecodeWeights, kda_decode_step, use_fused_decode
 from k3.ops.kda_fla import fla_output_gate
 
 
@@ -88,6 +89,12 @@ class DenseLayout:
         outs = [conv(x, tail, self.doc_ids, silu=True) for x, conv, tail in zip(xs, m.convs, tails)]
         return [y for y, _ in outs], [t for _, t in outs]
 
+    def decode_slots(self, m: "KimiDeltaAttention", T: int) -> KDASlots | None:
+        """The storage a one-token step of every row writes in place (a StaticCache's), else None."""
+        if T != 1 or self.doc_ids is not None or self.cache is None:
+            return None
+        return self.cache.kda_slots(m.layer_idx)
+
     def core(self, m: "KimiDeltaAttention", q, k, v, f, beta_logits, tails) -> torch.Tensor:
         B, T = q.shape[:2]
         params = (m.A_log, m.dt_bias, m.lower_bound)
@@ -123,6 +130,10 @@ class VarlenLayout:
         outs = [short_conv_varlen(x[0], conv.weight, tail, index)
                 for x, conv, tail in zip(xs, m.convs, (st.conv_q, st.conv_k, st.conv_v))]
         return [F.silu(y[None]) for y, _ in outs], [t for _, t in outs]
+
+    def decode_slots(self, m: "KimiDeltaAttention", T: int) -> KDASlots | None:
+        """The pool's slots when every sequence of the step decodes one token (token s is sequence s)."""
+        return None if self.view.prefill_rows else self.view.kda_slots(m.layer_idx)
 
     def core(self, m: "KimiDeltaAttention", q, k, v, f, beta_logits, tails) -> torch.Tensor:
         view, params = self.view, (m.A_log, m.dt_bias, m.lower_bound)
@@ -195,11 +206,33 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         xq, xk, xv, fa, beta_logits, gate = self.in_proj(x)
+        o = self.fused_decode(layout, T, (xq, xk, xv, fa, beta_logits, gate))
+        if o is not None:  # the whole step between the projections in one kernel
+            return self.o_proj(o.view(B, T, H * K).to(x.dtype))
         convs, tails = layout.short_convs(self, [xq, xk, xv])  # SiLU(conv(x)), new tails
         q, k, v = (c.view(B, T, H, K) for c in convs)
         f = self.f_b_proj(fa).view(B, T, H, K)
         o = layout.core(self, q, k, v, f, beta_logits, tails)  # [B, T, H, V]
         return self.o_proj(self.output_gate(o, gate.view(B, T, H, K)).reshape(B, T, H * K).to(x.dtype))
+
+    def fused_decode(self, layout, T: int, feats) -> torch.Tensor | None:
+        """A decode step over in-place storage (`layout.decode_slots`) as one kernel where k3.ops.kda_decode's
+        selector takes it: o_norm(o) ⊙ σ(gate) [rows, H·V], the tails and states written; None otherwise."""
+        find = getattr(layout, "decode_slots", None)  # (a supplied layout may have none)
+        store = find(self, T) if find is not None else None
+        if store is None:
+            return None
+        rows = [t.reshape(-1, t.shape[-1]) for t in feats]  # [B, 1, C] or [1, N, C] views → [rows, C]
+        weights = DecodeWeights(self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight,
+                                self.f_b_proj.weight, self.A_log, self.dt_bias, self.o_norm.weight,
+                                self.lower_bound, self.o_norm.eps)
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (*rows, weights.conv_q, weights.conv_k, weights.conv_v, weights.f_b,
+                                      weights.A_log, weights.dt_bias, weights.norm_weight))
+        if not use_fused_decode(rows[0], store.state, (self.head_dim, self.head_dim),
+                                weights.conv_q.shape[-1], needs_grad):
+            return None
+        return kda_decode_step(*rows, weights, store.state, store.conv_q, store.conv_k, store.conv_v, store.slots)
 
     def output_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """`o_norm(o) ⊙ sigmoid(gate)` per head; fla's fused gated RMSNorm where the core ran on fla."""

@@ -17,7 +17,7 @@ from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
 from k3.ops.kda_fla import fla_kda_chunk, fla_kda_gated, fla_kda_recurrent, fla_usable, safe_gate_ok
 from k3.ops.norm import l2_norm
 
-__all__ = ["BACKENDS", "select_backend", "force_backend", "kda_core"]
+__all__ = ["BACKENDS", "select_backend", "force_backend", "forced_backend", "kda_core"]
 
 BACKENDS = ("reference", "fla")
 _log = logging.getLogger(__name__)
@@ -36,6 +36,11 @@ def force_backend(name: str | None):
         yield
     finally:
         _forced = saved
+
+
+def forced_backend() -> str | None:
+    """The backend `force_backend` pinned for the current block, or None."""
+    return _forced
 
 
 def select_backend(q: torch.Tensor) -> str:

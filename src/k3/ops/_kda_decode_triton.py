@@ -1,0 +1,141 @@
+"""A KDA layer's whole decode step (T = 1) as one Triton kernel: everything between the fused input projection
+GEMM and o_proj (SPEC §3.2). Imported only through k3.ops.triton_dispatch (needs triton); the contract and the
+plain-PyTorch reference are `k3.ops.kda_decode`.
+
+One program per (row, head) owns that head's channels of the three conv tails and its [K, V] state, so it can
+read and rewrite them in place: the three short convs with their tails shifted, SiLU, the q/k L2 norms, the
+gate's low-rank second projection (W_fb · f_a, this head's K rows) and bounded decay, beta, the delta rule on
+the fp32 state and the gated output RMSNorm (per head, so no cross-program reduction). All math in fp32
+registers; the state, each tail and each input are read once and written once. Rows find their state through
+a slot table (the serving pool's) or are their own slot (a StaticCache).
+
+Why not split V over programs, as fla's recurrent kernel does: every V tile needs the whole of q and k, hence
+the q/k conv tails, and a tile that rewrote a tail could do it before another tile had read it. One program per
+head keeps each tail with a single owner; its warps cover the [K, V] tile.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.triton_dispatch import on_device
+
+MAX_HEAD_DIM = 128  # the [K, V] state tile lives in one program's registers; wider heads take the unfused path
+
+
+@triton.jit
+def _conv_silu(x_ptr, tail_ptr, w_ptr, chans, c_ok, stride_tail_row,
+               W: tl.constexpr, TAIL_ROWS: tl.constexpr):
+    """SiLU(Σ_j w[c, j] · [tail; x][j, c]) for channels `chans`, and the shifted tail [tail[1:]; x] to store
+    once every program's warps have read the old one. x and the old tail are read here, nothing is written."""
+    r = tl.arange(0, TAIL_ROWS)[:, None]
+    c = chans[None, :]
+    ok = (r < W - 1) & c_ok[None, :]
+    x = tl.load(x_ptr + chans, mask=c_ok, other=0.0).to(tl.float32)
+    tail = tl.load(tail_ptr + r * stride_tail_row + c, mask=ok, other=0.0).to(tl.float32)
+    w_tail = tl.load(w_ptr + c * W + r, mask=ok, other=0.0).to(tl.float32)
+    w_last = tl.load(w_ptr + chans * W + (W - 1), mask=c_ok, other=0.0).to(tl.float32)
+    y = tl.sum(tail * w_tail, axis=0) + x * w_last
+    # row r of the new tail is old row r + 1, and the last row is x
+    shifted = tl.load(tail_ptr + (r + 1) * stride_tail_row + c, mask=(r < W - 2) & c_ok[None, :], other=0.0)
+    new_tail = tl.where(r == W - 2, x[None, :], shifted.to(tl.float32))
+    return y * tl.sigmoid(y), new_tail
+
+
+@triton.jit
+def kda_decode_kernel(
+        xq_ptr, xk_ptr, xv_ptr, fa_ptr, beta_ptr, gate_ptr,  # this step's projections, rows strided
+        sx_q, sx_k, sx_v, s_fa, s_beta, s_gate,  # their row strides (columns are contiguous)
+        wq_ptr, wk_ptr, wv_ptr, fb_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr,  # the layer's weights
+        state_ptr, s_state, tq_ptr, tk_ptr, tv_ptr, s_tq, s_tk, s_tv, r_tq, r_tk, r_tv,  # per-slot storage
+        slots_ptr, out_ptr,
+        H, K, V, R, scale, lower_bound, eps,
+        W: tl.constexpr, HAS_SLOTS: tl.constexpr, TAIL_ROWS: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = row
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    k_ok, v_ok = offs_k < K, offs_v < V
+    ck, cv = h * K + offs_k, h * V + offs_v  # this head's channels of the q/k and of the v/gate columns
+
+    # ---- every read: projections, tails, weights, state
+    q, tail_q = _conv_silu(xq_ptr + row * sx_q, tq_ptr + slot * s_tq, wq_ptr, ck, k_ok, r_tq, W, TAIL_ROWS)
+    k, tail_k = _conv_silu(xk_ptr + row * sx_k, tk_ptr + slot * s_tk, wk_ptr, ck, k_ok, r_tk, W, TAIL_ROWS)
+    v, tail_v = _conv_silu(xv_ptr + row * sx_v, tv_ptr + slot * s_tv, wv_ptr, cv, v_ok, r_tv, W, TAIL_ROWS)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    fa = tl.load(fa_ptr + row * s_fa + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    w_fb = tl.load(fb_ptr + ck[:, None] * R + offs_r[None, :], mask=k_ok[:, None] & r_ok[None, :],
+                   other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + ck, mask=k_ok, other=0.0).to(tl.float32)
+    rate = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    beta = tl.sigmoid(tl.load(beta_ptr + row * s_beta + h).to(tl.float32))
+    gate = tl.load(gate_ptr + row * s_gate + cv, mask=v_ok, other=0.0).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+    s_offs = slot * s_state + h * K * V + offs_k[:, None] * V + offs_v[None, :]
+    s_ok = k_ok[:, None] & v_ok[None, :]
+    S = tl.load(state_ptr + s_offs, mask=s_ok, other=0.0)
+
+    # ---- the math (SPEC §3.2), fp32
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale  # L2 norm (eps 1e-6), then the K^-1/2 scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    f = tl.sum(w_fb * fa[None, :], axis=1)  # W_fb · f_a, this head's K rows
+    alpha = tl.exp(lower_bound * tl.sigmoid(rate * (f + dt_bias)))  # exp(g), g in (lower_bound, 0)
+    S = S * alpha[:, None]
+    u = beta * (v - tl.sum(k[:, None] * S, axis=0))  # β (v − Sᵀk)
+    S = S + k[:, None] * u[None, :]
+    o = tl.sum(q[:, None] * S, axis=0)
+    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + eps) * norm_w * tl.sigmoid(gate)  # o_norm(o) ⊙ σ(gate)
+
+    # ---- every write, after all warps have read (a row or column of a small tile may sit in several warps)
+    tl.debug_barrier()
+    r = tl.arange(0, TAIL_ROWS)[:, None]
+    tail_ok = r < W - 1
+    tl.store(tq_ptr + slot * s_tq + r * r_tq + ck[None, :], tail_q, mask=tail_ok & k_ok[None, :])
+    tl.store(tk_ptr + slot * s_tk + r * r_tk + ck[None, :], tail_k, mask=tail_ok & k_ok[None, :])
+    tl.store(tv_ptr + slot * s_tv + r * r_tv + cv[None, :], tail_v, mask=tail_ok & v_ok[None, :])
+    tl.store(state_ptr + s_offs, S, mask=s_ok)
+    tl.store(out_ptr + row * H * V + cv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+def _num_warps(block_k: int, block_v: int) -> int:
+    """About 32 fp32 state values a thread: 8 warps hold a 128 × 128 tile."""
+    return max(1, min(8, block_k * block_v // 2048))
+
+
+@torch.library.custom_op("k3::kda_decode_step", mutates_args=("state", "conv_q", "conv_k", "conv_v"))
+def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: torch.Tensor,
+                    beta_logits: torch.Tensor, gate: torch.Tensor,
+                    wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, f_b: torch.Tensor,
+                    A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+                    state: torch.Tensor, conv_q: torch.Tensor, conv_k: torch.Tensor, conv_v: torch.Tensor,
+                    slots: torch.Tensor | None, lower_bound: float, eps: float) -> torch.Tensor:
+    """`k3.ops.kda_decode.kda_decode_step_reference` in one launch (checked by its caller, `kda_decode_step`
+    there). A custom op: torch.compile keeps it as one opaque call that writes the state and tails in place."""
+    B, H = beta_logits.shape
+    K, V, R, W = xq.shape[1] // H, xv.shape[1] // H, fa.shape[1], wq.shape[-1]
+    out = torch.empty(B, H * V, dtype=xq.dtype, device=xq.device)
+    if B == 0:
+        return out
+    block_k, block_v = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    with on_device(xq):
+        kda_decode_kernel[(B, H)](
+            xq, xk, xv, fa, beta_logits, gate,
+            xq.stride(0), xk.stride(0), xv.stride(0), fa.stride(0), beta_logits.stride(0), gate.stride(0),
+            wq, wk, wv, f_b, A_log, dt_bias, norm_weight,
+            state, state.stride(0), conv_q, conv_k, conv_v, conv_q.stride(0), conv_k.stride(0), conv_v.stride(0),
+            conv_q.stride(1), conv_k.stride(1), conv_v.stride(1), xq if slots is None else slots, out,
+            H, K, V, R, K ** -0.5, float(lower_bound), float(eps),
+            W=W, HAS_SLOTS=slots is not None, TAIL_ROWS=triton.next_power_of_2(max(W - 1, 1)),
+            BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_R=triton.next_power_of_2(R),
+            num_warps=_num_warps(block_k, block_v))
+    return out
+
+
+@kda_decode_step.register_fake
+def _(xq, xk, xv, fa, beta_logits, gate, wq, wk, wv, f_b, A_log, dt_bias, norm_weight, state, conv_q, conv_k,
+      conv_v, slots, lower_bound, eps):
+    return xq.new_empty(xq.shape[0], xv.shape[1])

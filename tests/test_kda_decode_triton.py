@@ -1,0 +1,237 @@
+"""KDA's decode step as one kernel (k3.ops._kda_decode_triton) against its plain-PyTorch reference
+(k3.ops.kda_decode.kda_decode_step_reference), and the model's decode through it against the full forward and
+the unfused decode: a StaticCache's rows and the serving pool's slot table (with holes and padding rows).
+Without CUDA the kernel runs on CPU under the Triton interpreter; skipped where triton is not installed."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+pytest.importorskip("triton")
+
+import k3.model.kda as kda_model  # noqa: E402
+from k3 import envs  # noqa: E402
+from k3.config import K3Config  # noqa: E402
+from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from k3.ops import kda_decode  # noqa: E402
+from k3.ops.kda_core import force_backend  # noqa: E402
+from k3.ops.kda_decode import DecodeWeights, force_fused_decode, kda_decode_step, kda_decode_step_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def step_case(seed, B, H, K, V, R, W, n_slots, dtype=torch.float32):
+    """Inputs as the fused projection hands them (strided column slices of one [B, 1, total] GEMM output), the
+    layer's weights, and storage of n_slots slots: state [N, H, K, V] and the three tails as the serving pool
+    holds them when K == V (views of one [N, 3, W−1, C] buffer), separate buffers otherwise."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    widths = [H * K, H * K, H * V, R, H, H * V]
+    feats = [t[:, 0] for t in (r(B, 1, sum(widths)) * 1.5).to(dtype).to(DEVICE).split(widths, -1)]
+    assert feats[0].stride(0) == sum(widths)  # rows strided by the whole projection
+    weights = DecodeWeights(conv_q=r(H * K, 1, W) * 0.6, conv_k=r(H * K, 1, W) * 0.6, conv_v=r(H * V, 1, W) * 0.6,
+                            f_b=(r(H * K, R) * R ** -0.5).to(dtype), A_log=r(H + 3) * 0.5,  # padded, as released
+                            dt_bias=r(H * K), norm_weight=1 + 0.3 * r(V), lower_bound=-5.0, eps=1e-5)
+    weights = DecodeWeights(*(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in vars(weights).values()))
+    state = (r(n_slots, H, K, V) * 0.3).to(DEVICE)
+    if K == V:
+        pool = r(n_slots, 3, W - 1, H * K).to(DEVICE)
+        tails = (pool[:, 0], pool[:, 1], pool[:, 2])
+    else:
+        tails = tuple(r(n_slots, W - 1, c).to(DEVICE) for c in (H * K, H * K, H * V))
+    return feats, weights, state, tails
+
+
+def run_both(feats, weights, state, tails, slots):
+    """(kernel's output, state, tails) and (reference's ...), each on its own copy of the storage."""
+    results = []
+    for fn in (kda_decode_step, kda_decode_step_reference):
+        st, tl = state.clone(), tuple(t.clone() for t in tails)
+        out = fn(*feats, weights, st, *tl, slots)
+        results.append((out, st, tl))
+    return results
+
+
+@pytest.mark.parametrize("B,H,K,V,R,W", [(1, 2, 16, 16, 16, 4), (3, 3, 32, 32, 32, 4), (2, 2, 16, 8, 12, 3),
+                                         (4, 1, 24, 24, 16, 4), (2, 2, 128, 128, 128, 4)])
+@pytest.mark.parametrize("with_slots", [False, True])
+def test_kernel_equals_the_reference_step(B, H, K, V, R, W, with_slots):
+    """fp32: output and state to rounding, tails exactly; with a slot table with holes (rows in another order
+    than the slots, slots skipped) every slot no row names is left bit for bit as it was."""
+    n_slots = 2 * B + 3 if with_slots else B
+    feats, weights, state, tails = step_case(B * 100 + H * 10 + K, B, H, K, V, R, W, n_slots)
+    slots = torch.randperm(n_slots, generator=torch.Generator().manual_seed(B))[:B].to(DEVICE) if with_slots else None
+    (out, st, tl), (want, want_st, want_tl) = run_both(feats, weights, state, tails, slots)
+    assert out.shape == (B, H * V) and out.dtype == torch.float32
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(st, want_st, rtol=2e-5, atol=2e-5)
+    for got, ref, old in zip(tl, want_tl, tails):
+        assert torch.equal(got, ref) and not torch.equal(got, old)
+    touched = slots if with_slots else torch.arange(B, device=DEVICE)
+    untouched = torch.ones(n_slots, dtype=torch.bool, device=DEVICE)
+    untouched[touched] = False
+    assert torch.equal(st[untouched], state[untouched]) and not torch.equal(st[touched], state[touched])
+    for got, old in zip(tl, tails):
+        assert torch.equal(got[untouched], old[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_keep_fp32_state_math(dtype):
+    """16-bit projections: the kernel and the reference read the same values and compute in fp32, so the fp32
+    state agrees to rounding and the output to its own dtype's rounding."""
+    feats, weights, state, tails = step_case(7, 3, 2, 32, 32, 32, 4, 5, dtype)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    (out, st, tl), (want, want_st, want_tl) = run_both(feats, weights, state, tails, slots)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(st, want_st, rtol=2e-5, atol=2e-5)
+    assert all(torch.equal(a, b) for a, b in zip(tl, want_tl))
+
+
+def test_steps_chain_like_the_recurrence():
+    """Five steps in a row through the same storage (each reading the tails and state the last one wrote)."""
+    B, H, K, W = 2, 2, 16, 4
+    feats, weights, state, tails = step_case(11, B, H, K, K, K, W, B)
+    ref_state, ref_tails = state.clone(), tuple(t.clone() for t in tails)
+    g = torch.Generator().manual_seed(12)
+    for _ in range(5):
+        step = [(torch.randn(f.shape, generator=g) * 1.5).to(DEVICE) for f in feats]
+        out = kda_decode_step(*step, weights, state, *tails)
+        want = kda_decode_step_reference(*step, weights, ref_state, *ref_tails)
+        torch.testing.assert_close(out, want, rtol=5e-5, atol=5e-5)
+    torch.testing.assert_close(state, ref_state, rtol=5e-5, atol=5e-5)
+
+
+def test_bad_inputs_are_refused_by_name():
+    feats, weights, state, tails = step_case(3, 2, 2, 16, 16, 16, 4, 4)
+    with pytest.raises(ValueError, match="slots"):
+        kda_decode_step(*feats, weights, state, *tails, torch.tensor([0, 1, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="state"):
+        kda_decode_step(*feats, weights, state.double(), *tails, torch.tensor([0, 1], device=DEVICE))
+    with pytest.raises(ValueError, match="xv"):
+        kda_decode_step(feats[0], feats[1], feats[2][:, :-1], *feats[3:], weights, state, *tails,
+                        torch.tensor([0, 1], device=DEVICE))
+    strided = feats[0].t().contiguous().t()  # same values, columns not contiguous
+    with pytest.raises(ValueError, match="xq"):
+        kda_decode_step(strided, *feats[1:], weights, state, *tails, torch.tensor([0, 1], device=DEVICE))
+
+
+def test_selector_defaults_overrides_and_refusals():
+    x = torch.zeros(2, 64)
+    state = torch.zeros(2, 2, 32, 32)
+    assert kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False) == (DEVICE == "cuda")
+    with force_fused_decode(True):
+        assert kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False)
+        assert not kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=True)  # no backward
+        assert not kda_decode.use_fused_decode(x, state.double(), (32, 32), 4, needs_grad=False)
+        assert not kda_decode.use_fused_decode(x, state, (256, 256), 4, needs_grad=False)  # past one tile
+    with force_fused_decode(False):
+        assert not kda_decode.use_fused_decode(x.to(DEVICE), state.to(DEVICE), (32, 32), 4, needs_grad=False)
+    with force_backend("reference"):  # a test pinning every KDA core pins the decode step too
+        assert not kda_decode.use_fused_decode(x.to(DEVICE), state.to(DEVICE), (32, 32), 4, needs_grad=False)
+    with envs.override(no_triton="_kda_decode_triton"):
+        assert not kda_decode.use_fused_decode(x.to(DEVICE), state.to(DEVICE), (32, 32), 4, needs_grad=False)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the layer's launches of the fused step."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return kda_decode_step(*args, **kwargs)
+
+    monkeypatch.setattr(kda_model, "kda_decode_step", counted)
+    return calls
+
+
+def test_model_decode_through_the_kernel_equals_full_forward_and_unfused_decode(kernel_calls):
+    """fp32 tiny model: StaticCache decode with the kernel == the same decode unfused == the full forward."""
+    cfg = K3Config.preset("tiny")
+    torch.manual_seed(3)
+    model = K3ForCausalLM(cfg).to(DEVICE).eval()
+    B, T, n = 2, 7, 4
+    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device=DEVICE)
+    kda_layers = sum(not cfg.is_mla(l) for l in range(cfg.num_hidden_layers))
+    with torch.no_grad():
+        full = model(ids).logits
+        steps = {}
+        for fused in (True, False):
+            cache = model.new_cache(B, T + n)
+            model(ids[:, :T], cache=cache)
+            with force_fused_decode(fused):
+                steps[fused] = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(T, T + n)], 1)
+            steps[fused, "state"] = [cache.layers[l].state.clone() for l in range(cfg.num_hidden_layers)
+                                     if not cfg.is_mla(l)]
+    assert kernel_calls == [B] * (kda_layers * n)
+    torch.testing.assert_close(steps[True], steps[False], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps[True], full[:, T:], rtol=1e-4, atol=1e-4)
+    for a, b in zip(steps[True, "state"], steps[False, "state"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_engine_decode_steps_through_the_kernel_equal_the_unfused_engine(kernel_calls):
+    """The serving engine's fixed-shape decode steps (rows padded onto the scratch slot, slots freed as requests
+    finish, so the slot table has holes) through the kernel give the unfused engine's greedy tokens and
+    logprobs; steps that mix prefill chunks take the unfused path."""
+    from k3.serve import EngineConfig, LLMEngine, SamplingParams
+
+    torch.manual_seed(2)
+    model = K3ForCausalLM(K3Config.preset("tiny")).to(DEVICE).eval()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 8000, (n,), generator=gen).tolist() for n in (3, 9, 17, 2)]
+    max_tokens = [9, 3, 6, 12]
+    outs = {}
+    for fused in (True, False):
+        eng = LLMEngine(model, None, EngineConfig(memory_bytes=64 << 20, block_size=16, match_unit=4,
+                                                  max_batch_tokens=64, max_num_seqs=8, decode_graphs=True))
+        ids = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, logprobs=1))
+               for p, n in zip(prompts, max_tokens)]
+        tokens, logprobs = {i: [] for i in ids}, {i: [] for i in ids}
+        with force_fused_decode(fused):
+            while eng.has_unfinished():
+                for o in eng.step():
+                    tokens[o.request_id] += o.new_token_ids
+                    logprobs[o.request_id] += [lp.logprob for lp in o.new_logprobs]
+        outs[fused] = [(tokens[i], logprobs[i]) for i in ids]
+        eng.close()
+    assert kernel_calls and all(n in (1, 2, 4) for n in kernel_calls)  # padded batch sizes
+    for (ids_a, lp_a), (ids_b, lp_b), n in zip(outs[True], outs[False], max_tokens):
+        assert ids_a == ids_b and len(ids_a) == n
+        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_graphed_decode_takes_the_kernel_and_matches_the_unfused_step(kernel_calls):
+    """On CUDA the default selection takes the kernel; a bf16 model's graphed decode (and the same compiled)
+    stays within bf16 tolerance of the unfused graphed decode (K3_NO_TRITON=_kda_decode_triton) and of the
+    full forward."""
+    from k3.model.cuda_graph import GraphedDecodeStep
+    from k3.model.generate import chunked_prefill
+
+    def rel_err(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    torch.manual_seed(1)
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
+    B, T, n = 3, 40, 5
+    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device="cuda")
+    logits = {}
+    with torch.no_grad():
+        full = model(ids).logits.float()
+        for case in ("fused", "unfused", "compiled"):
+            with envs.override(no_triton="_kda_decode_triton" if case == "unfused" else frozenset()):
+                cache = model.new_cache(B, T + n)
+                chunked_prefill(model, ids[:, :T], cache, 16)
+                step = GraphedDecodeStep(model, cache, compile=case == "compiled")
+                logits[case] = torch.stack([step.step(ids[:, t]).float() for t in range(T, T + n)], 1)
+            if case == "fused":
+                assert kernel_calls, "the default selection did not take the kernel on CUDA"
+    assert rel_err(logits["fused"], logits["unfused"]) < 2e-2
+    assert rel_err(logits["fused"], full[:, T:]) < 3e-2
+    assert rel_err(logits["compiled"], logits["fused"]) < 2e-2
