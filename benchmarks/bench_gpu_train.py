@@ -9,9 +9,13 @@ delta-rule arithmetic is not counted (it is O(T·H·C·d), a few % here), so the
 --activation-checkpointing recomputes each decoder layer in backward (the FLOP formula, and so MFU, still counts
 one forward: the recomputation is overhead). A shape that runs out of memory prints an OOM row with the peak
 memory reached and the run goes on to the next shape.
-Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing]
+--off SWITCHES (repeatable): after the default row of each shape, one more row with those k3.envs switches set
+(a comma list of Switches fields, e.g. no_shared_input_grad,no_block_grad_buffer), in the same process, so a
+fast path's before and after are timed side by side on the same card.
+Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing] [--off ...]
 """
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -22,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench_util import PEAK_BF16, active_params, save, table, time_ms  # noqa: E402
 
+from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 
@@ -30,7 +35,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    ap.add_argument("--off", action="append", default=[], metavar="SWITCHES",
+                    help="a further row per shape with these k3.envs switches set True (comma list of fields)")
     a = ap.parse_args()
+    variants = [()] + [tuple(sorted(n.strip() for n in v.split(",") if n.strip())) for v in a.off]
+    flags = {f.name for f in dataclasses.fields(envs.Switches) if f.type in (bool, "bool")}
+    unknown = sorted({n for names in variants for n in names} - flags)
+    if unknown:  # refused before any timing
+        ap.error(f"--off: unknown switch(es) {unknown}; on/off switches: {sorted(flags)}")
     preset = "small" if not a.quick else "tiny"
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
@@ -43,7 +55,8 @@ def main():
     H, dqk, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
     n_mla = len(cfg.mla_layer_ids)
     rows = []
-    for B, T in ([(8, 4096), (2, 16384)] if not a.quick else [(2, 512)]):
+    shapes = [(8, 4096), (2, 16384)] if not a.quick else [(2, 512)]
+    for (B, T), off in ((shape, off) for shape in shapes for off in variants):
         ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
 
         def step():
@@ -53,9 +66,11 @@ def main():
             opt.zero_grad(set_to_none=True)
         t0 = time.time()
         torch.cuda.reset_peak_memory_stats()
-        row = dict(preset=preset, ckpt=a.activation_checkpointing, B=B, T=T, active_params_M=n_act / 1e6)
+        row = dict(preset=preset, ckpt=a.activation_checkpointing, off=",".join(off) or "-", B=B, T=T,
+                   active_params_M=n_act / 1e6)
         try:
-            ms = time_ms(step, warmup=2, reps=5)
+            with envs.override(**dict.fromkeys(off, True)):
+                ms = time_ms(step, warmup=2, reps=5)
         except torch.OutOfMemoryError as e:
             row.update(step_ms="OOM", error=str(e).splitlines()[0])
         else:
@@ -70,7 +85,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
-    print(table(rows, ["preset", "ckpt", "B", "T", "step_ms", "tokens_per_s", "TFLOPs", "MFU", "peak_GiB",
+    print(table(rows, ["preset", "ckpt", "off", "B", "T", "step_ms", "tokens_per_s", "TFLOPs", "MFU", "peak_GiB",
                        "active_params_M"]))
     save("train" + ("_quick" if a.quick else "") + ("_ckpt" if a.activation_checkpointing else ""), {"rows": rows})
 
