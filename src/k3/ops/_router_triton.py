@@ -1,0 +1,92 @@
+"""Triton kernel for the MoE router at decode (imported only through k3.ops.triton_dispatch; needs triton).
+
+One launch from the hidden states x [N, D] and the router weight [E, D], both read as stored (bf16, fp16 or
+fp32) and multiplied in fp32 registers, to each row's top-k expert ids and their weights. Program (row, block of
+experts) forms its experts' sigmoid scores and writes them to an fp32 scratch row; the last program of a row to
+finish (an atomic ticket per row) reads the row's scores back and selects: k rounds of "largest score + bias,
+lowest id among equals" (the rule of k3.ops.router.route), then the chosen unbiased scores renormalised and
+scaled. That program also sets the row's ticket back to zero, so the workspace stays zero between launches and
+a CUDA graph replays it as captured; two launches sharing one workspace must not run at the same time.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, bias_ptr, scores_ptr, tickets_ptr, idx_ptr, wt_ptr, E, D, scale,
+                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = experts < E
+    acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+    d0 = 0
+    while d0 < D:  # not `for ... range(D)`: Triton's interpreter (the CPU tests) needs a constant bound there
+        cols = d0 + tl.arange(0, BLOCK_D)
+        c_ok = cols < D
+        x = tl.load(x_ptr + n * D + cols, mask=c_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + experts.to(tl.int64)[:, None] * D + cols[None, :], mask=e_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+        d0 += BLOCK_D
+    score = tl.sigmoid(tl.sum(acc, axis=1))
+    tl.store(scores_ptr + n * E + experts, score, mask=e_ok)
+    # every thread's score stores precede the ticket (the barrier), and the ticket releases them to the program
+    # that draws the last one (its acquire)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(tickets_ptr + n, 1, sem="acq_rel")
+    if ticket == tl.num_programs(1) - 1:
+        ids = tl.arange(0, E_PAD)
+        valid = ids < E
+        # .cg: from L2, where the other programs' stores are; never a stale line of this SM's L1
+        s = tl.load(scores_ptr + n * E + ids, mask=valid, other=0.0, cache_modifier=".cg")
+        key = s + tl.load(bias_ptr + ids, mask=valid, other=0.0).to(tl.float32)
+        free = valid
+        slots = tl.arange(0, K_PAD)
+        picked = tl.zeros([K_PAD], tl.int64)
+        weight = tl.zeros([K_PAD], tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(tl.where(free, key, float("-inf")), axis=0)
+            # the lowest free id holding the best key (a NaN key matches nothing: clamp to a valid id)
+            pick = tl.minimum(tl.min(tl.where(free & (key == best), ids, E_PAD), axis=0), E - 1)
+            hit = ids == pick
+            picked = tl.where(slots == j, pick.to(tl.int64), picked)
+            weight = tl.where(slots == j, tl.sum(tl.where(hit, s, 0.0), axis=0), weight)
+            free = free & ~hit
+        if RENORMALIZE:
+            weight = weight / tl.sum(weight, axis=0)
+        out = n * TOP_K + slots
+        tl.store(idx_ptr + out, picked, mask=slots < TOP_K)
+        tl.store(wt_ptr + out, weight * scale, mask=slots < TOP_K)
+        tl.store(tickets_ptr + n, 0)
+
+
+# Experts per program and the width of each step along D: names, so that a launch sweep can time others.
+LAUNCH = dict(block_e=8, block_d=512, num_warps=4)
+
+
+def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
+                 scale: float, tickets: torch.Tensor | None = None):
+    """Same contract as k3.ops.router.route_tokens: (idx [N, k] int64, weights [N, k] fp32, scores [N, E] fp32)."""
+    N, D = x.shape
+    E = weight.shape[0]
+    if not 1 <= k <= E:
+        raise ValueError(f"top_k must lie in [1, num_experts={E}], got {k}")
+    if tickets is None:
+        tickets = torch.zeros(N, dtype=torch.int32, device=x.device)
+    elif tickets.dtype != torch.int32 or tickets.numel() < N or tickets.device != x.device:
+        raise ValueError(f"tickets must be int32 zeros on {x.device} with at least {N} entries, got "
+                         f"{tickets.dtype} [{tickets.numel()}] on {tickets.device}")
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+    scores = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    idx = torch.empty(N, k, dtype=torch.int64, device=x.device)
+    w = torch.empty(N, k, dtype=torch.float32, device=x.device)
+    block_e = min(LAUNCH["block_e"], triton.next_power_of_2(E))
+    block_d = min(LAUNCH["block_d"], triton.next_power_of_2(D))
+    if N:
+        _router_kernel[(N, triton.cdiv(E, block_e))](
+            x, weight, bias, scores, tickets, idx, w, E, D, float(scale),
+            TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), RENORMALIZE=renormalize,
+            BLOCK_E=block_e, BLOCK_D=block_d, num_warps=LAUNCH["num_warps"])
+    return idx, w, scores

@@ -1,0 +1,107 @@
+"""The MoE router (SPEC §3.4): sigmoid scores in fp32, top-k of the scores plus the selection-only bias, the
+chosen experts' unbiased scores renormalised and scaled.
+
+References (plain PyTorch, never dispatching): `router_scores_reference` and `route`. Fast paths beside them:
+- `router_scores` on CUDA with bf16/fp16 x: one GEMM reading x and the weight as stored, accumulating and writing
+  fp32 (`torch.mm(..., out_dtype=torch.float32)`), with its own backward; the reference makes an fp32 copy of x
+  (and keeps it for backward) and casts its gradient back. Off with K3_ROUTER_FP32=1.
+- `route_tokens` at inference for a few rows (decode): k3's Triton kernel (`k3.ops._router_triton`) from x and
+  the weight straight to the expert ids and weights, in one launch; the same selection, ties included.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from k3 import envs
+from k3.ops.triton_dispatch import on_device, triton_module, use_triton
+
+# Rows up to which the one-launch kernel is taken at inference (each row's programs read the whole weight, from
+# L2 after the first; past a few dozen rows the GEMM + top-k path reads it once). A first guess, untimed.
+KERNEL_MAX_ROWS = 64
+
+
+def router_scores_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x Wᵀ) on fp32 copies (fp64 stays fp64). x: [N, D], weight: [E, D] → [N, E]."""
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.sigmoid(x.to(dt) @ weight.to(dt).t())
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True, scale: float = 1.0):
+    """Top-k of `scores + bias`, ties to the lower expert id; weights from the unbiased scores.
+    scores: [N, E] → (idx [N, k] int64, weights [N, k]), the k choices in descending order.
+
+    A stable descending sort, not torch.topk: topk orders tied values however its kernel happens to (on the CPU
+    ids 9 before 5 among equal scores), and it differs between devices, so the choice among ties would not be
+    defined; the fused kernel follows this rule exactly."""
+    idx = torch.sort(scores + bias.to(scores.dtype), dim=-1, descending=True, stable=True).indices[..., :k]
+    w = scores.gather(-1, idx)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return idx, w * scale
+
+
+class _LowPrecisionRouterLogits(torch.autograd.Function):
+    """x Wᵀ in fp32 from bf16/fp16 operands without fp32 copies: `torch.mm(out_dtype=float32)` forward (exact
+    products, fp32 accumulation, as the reference's fp32 GEMM of the same values). Backward with g = ∂L/∂logits
+    rounded to x's dtype (a [N, E] cast): ∂L/∂x = g W (fp32 accumulation, written in x's dtype) and
+    ∂L/∂W = gᵀ x, accumulated and written in fp32 then cast to W's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        w = weight.to(x.dtype)  # under autocast: fp32 master weights meet bf16 activations ([E, D], small)
+        ctx.save_for_backward(x, w)
+        ctx.weight_dtype = weight.dtype
+        return _mm_fp32(x, w.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        g = grad.to(x.dtype)
+        grad_x = torch.mm(g, w) if ctx.needs_input_grad[0] else None
+        grad_w = _mm_fp32(g.t(), x).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and returned in fp32 for bf16/fp16 a, b. CUDA has `mm(out_dtype=)`; elsewhere (the
+    CPU tests of the backward's formulas) the same values through fp32 copies."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def use_low_precision_gemm(x: torch.Tensor) -> bool:
+    """Whether `router_scores` takes the bf16/fp16 GEMM with fp32 output: CUDA, such an x, not switched off."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not envs.current().router_fp32
+
+
+def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`router_scores_reference`, on CUDA for bf16/fp16 x without fp32 copies of x or of its gradient."""
+    if not use_low_precision_gemm(x):
+        return router_scores_reference(x, weight)
+    with torch.autocast("cuda", enabled=False):  # the GEMM's dtypes are chosen here, not by autocast
+        return torch.sigmoid(_LowPrecisionRouterLogits.apply(x, weight))
+
+
+def use_router_kernel(x: torch.Tensor, weight: torch.Tensor, needs_grad: bool) -> bool:
+    """Whether `route_tokens` takes the one-launch Triton kernel: inference, at most KERNEL_MAX_ROWS rows,
+    CUDA tensors the kernel reads as they are (k3.ops.triton_dispatch.use_triton)."""
+    return (not needs_grad and 0 < x.shape[0] <= KERNEL_MAX_ROWS and use_triton(x, "_router_triton")
+            and weight.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
+                 scale: float = 1.0, tickets: Callable[[int, torch.device], torch.Tensor] | None = None):
+    """(idx [N, k] int64, weights [N, k] fp32 (fp64 for fp64 x), scores [N, E]) of x [N, D]: the router whole.
+    tickets(N, device): the kernel's int32 workspace of at least N zeros, which it leaves zero (see
+    `k3.ops._router_triton`), asked for only when the kernel runs; a fresh one when None."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if use_router_kernel(x, weight, needs_grad):
+        with on_device(x):
+            return triton_module("_router_triton").route_tokens(
+                x, weight, bias, k, renormalize, scale, None if tickets is None else tickets(x.shape[0], x.device))
+    scores = router_scores(x, weight)
+    idx, w = route(scores, bias, k, renormalize, scale)
+    return idx, w, scores

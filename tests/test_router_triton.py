@@ -1,0 +1,174 @@
+"""The MoE router: the reference selection's tie rule, the one-launch Triton kernel (k3.ops._router_triton)
+against the reference (native on CUDA, under Triton's interpreter on a CPU with triton installed), and the
+bf16 GEMM with fp32 output and its backward against autograd on fp32 copies."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's import
+
+from k3.ops.router import (_LowPrecisionRouterLogits, route, route_tokens, router_scores_reference,
+                           use_router_kernel)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def kernels():
+    pytest.importorskip("triton")
+    from k3.ops import _router_triton
+    return _router_triton
+
+
+def test_reference_breaks_ties_to_the_lower_expert_id():
+    """Equal keys (score + bias) go to the lower id, in every position of the top-k, whatever torch.topk does
+    with them; the weights are the unbiased scores of the picked ids."""
+    scores = torch.tensor([[0.5, 0.7, 0.7, 0.1, 0.7, 0.2],
+                           [0.3, 0.3, 0.3, 0.3, 0.3, 0.3]])
+    idx, w = route(scores, torch.zeros(6), 2, renormalize=False)
+    assert idx.tolist() == [[1, 2], [0, 1]]
+    idx, _ = route(scores, torch.zeros(6), 4, renormalize=False)
+    assert idx.tolist() == [[1, 2, 4, 0], [0, 1, 2, 3]]
+    # a tie made by the bias: keys 0.5+0.25 = 0.75 = 0.5+0.25 for ids 0 and 5; weights stay unbiased
+    bias = torch.tensor([0.25, 0.0, 0.0, 0.0, 0.0, 0.25])
+    scores = torch.tensor([[0.5, 0.625, 0.125, 0.0, 0.0, 0.5]])
+    idx, w = route(scores, bias, 2, renormalize=False, scale=2.0)
+    assert idx.tolist() == [[0, 5]] and w.tolist() == [[1.0, 1.0]]
+
+
+def exact_case(N, E, D, k, seed, ties=True):
+    """x and W of small multiples of 1/8 and 1/16 (every partial sum exact in fp32, in any order), so equal logits
+    stay exactly equal in any kernel: with `ties`, W repeats rows (duplicate experts) and the bias pairs
+    others up."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-4, 5, (N, D), generator=g).float() / 8
+    W = torch.randint(-3, 4, (E, D), generator=g).float() / 16
+    bias = torch.randint(-2, 3, (E,), generator=g).float() / 64
+    if ties:
+        W[1::3] = W[0::3][: W[1::3].shape[0]]  # experts 3j+1 copy 3j: equal scores
+        bias[1::3] = bias[0::3][: bias[1::3].shape[0]]  # and equal keys
+        x[N // 2] = 0  # one row with every score sigmoid(0): all E keys tie but for the bias
+    return x, W, bias
+
+
+@pytest.mark.parametrize("N,E,D,k", [
+    (1, 64, 1536, 8),  # small's router at batch-1 decode
+    (5, 16, 128, 4),  # tiny's
+    (3, 13, 100, 3),  # E and D not multiples of the blocks
+    (4, 24, 700, 1),  # top-1
+    (2, 12, 64, 12),  # top-k = every expert
+    (7, 40, 33, 16),
+])
+@pytest.mark.parametrize("renormalize,scale", [(True, 1.0), (False, 2.5)])
+def test_kernel_selects_exactly_as_the_reference(N, E, D, k, renormalize, scale):
+    """Same ids in the same order (ties in the keys included: duplicate experts, a row of all-equal scores),
+    weights at fp32 tolerance, fp32 scores; the ticket workspace comes back zero."""
+    kt = kernels()
+    x, W, bias = exact_case(N, E, D, k, seed=N * 1000 + E)
+    ref_scores = router_scores_reference(x.double(), W.double())
+    ref_idx, ref_w = route(ref_scores, bias.double(), k, renormalize, scale)
+    assert (ref_scores.unsqueeze(-1) == ref_scores.unsqueeze(-2)).sum() > N * E  # ties exist
+    tickets = torch.zeros(N + 3, dtype=torch.int32, device=DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):  # every value is exact in bf16 too
+        idx, w, scores = kt.route_tokens(x.to(DEVICE, dtype), W.to(DEVICE, dtype), bias.to(DEVICE), k,
+                                         renormalize, scale, tickets)
+        assert idx.dtype == torch.int64 and w.dtype == scores.dtype == torch.float32
+        assert torch.equal(idx.cpu(), ref_idx), dtype
+        torch.testing.assert_close(w.cpu().double(), ref_w, rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(scores.cpu().double(), ref_scores, rtol=2e-6, atol=1e-7)
+        assert not tickets.any()
+
+
+def test_kernel_reads_x_and_the_weight_as_stored():
+    """bf16 x with an fp32 weight (an fp32 master under bf16 activations), random values: the scores of the
+    kernel's fp32 products of the stored values equal the float64 reference of the same values."""
+    kt = kernels()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 300, generator=g).bfloat16()
+    W = torch.randn(20, 300, generator=g) * 0.05
+    bias = torch.randn(20, generator=g) * 0.01
+    idx, w, scores = kt.route_tokens(x.to(DEVICE), W.to(DEVICE), bias.to(DEVICE), 5, True, 1.0)
+    want = router_scores_reference(x.double(), W.double())
+    torch.testing.assert_close(scores.cpu().double(), want, rtol=1e-5, atol=1e-6)
+    want_idx, want_w = route(want, bias.double(), 5)
+    assert torch.equal(idx.cpu(), want_idx)  # random scores: no near-ties at this tolerance
+    torch.testing.assert_close(w.cpu().double(), want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_refuses_a_bad_top_k_and_workspace():
+    kt = kernels()
+    x, W, bias = (t.to(DEVICE) for t in exact_case(2, 8, 16, 2, seed=1, ties=False))
+    with pytest.raises(ValueError, match="top_k"):
+        kt.route_tokens(x, W, bias, 9, True, 1.0)
+    with pytest.raises(ValueError, match="tickets"):
+        kt.route_tokens(x, W, bias, 2, True, 1.0, torch.zeros(1, dtype=torch.int32, device=DEVICE))
+
+
+def test_route_tokens_takes_the_kernel_at_inference_for_few_rows_only():
+    """The dispatch: never with gradients, never past KERNEL_MAX_ROWS, never on CPU tensors (the interpreter
+    is for the kernel tests, not the model)."""
+    from k3.ops import router
+
+    x, W = torch.zeros(2, 8), torch.zeros(4, 8)
+    assert not use_router_kernel(x, W, needs_grad=False)  # CPU
+    if torch.cuda.is_available():
+        xc, Wc = x.cuda(), W.cuda()
+        assert use_router_kernel(xc, Wc, needs_grad=False)
+        assert not use_router_kernel(xc, Wc, needs_grad=True)
+        big = torch.zeros(router.KERNEL_MAX_ROWS + 1, 8, device="cuda")
+        assert not use_router_kernel(big, Wc, needs_grad=False)
+        assert not use_router_kernel(xc.double(), Wc, needs_grad=False)
+    idx, w, scores = route_tokens(x, W, torch.zeros(4), 2)  # the reference path, on the CPU
+    assert idx.tolist() == [[0, 1], [0, 1]] and torch.equal(w, torch.full((2, 2), 0.5))
+
+
+def test_low_precision_logits_backward_matches_autograd_on_fp32_copies():
+    """`_LowPrecisionRouterLogits` (on the CPU its fp32 GEMM stands in for CUDA's mm(out_dtype=fp32)): logits
+    and ∂L/∂x, ∂L/∂W against autograd through the reference's fp32 copies, for a bf16 weight and for an fp32
+    master weight; gradients land in each input's own dtype."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(33, 96, generator=g).bfloat16()
+    up = torch.randn(33, 10, generator=g)
+    for w_dtype in (torch.bfloat16, torch.float32):
+        W = (torch.randn(10, 96, generator=g) * 0.1).to(w_dtype)
+        a = x.clone().requires_grad_()
+        b = W.clone().requires_grad_()
+        logits = _LowPrecisionRouterLogits.apply(a, b)
+        (logits * up).sum().backward()
+        ra = x.float().requires_grad_()
+        rb = W.to(torch.bfloat16).float().requires_grad_()  # the values the bf16 GEMM multiplies
+        ref = ra @ rb.t()
+        (ref * up).sum().backward()
+        assert logits.dtype == torch.float32 and a.grad.dtype == torch.bfloat16 and b.grad.dtype == w_dtype
+        torch.testing.assert_close(logits, ref, rtol=1e-6, atol=1e-6)
+        # g is rounded to bf16 before its GEMMs: each gradient is within a few bf16 roundings, as a whole
+        assert rel_err(a.grad, ra.grad) < 4e-3 and rel_err(b.grad, rb.grad) < 4e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.mm(out_dtype=) has no CPU kernel")
+def test_router_scores_bf16_gemm_on_cuda_matches_fp32_copies():
+    """On CUDA `router_scores` of bf16 x takes mm(out_dtype=fp32): scores within fp32 rounding of the
+    reference's, gradients at bf16 tolerance; K3_ROUTER_FP32 gives the reference itself."""
+    from k3 import envs
+    from k3.ops.router import router_scores
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(257, 1536, generator=g).bfloat16().cuda()
+    W = (torch.randn(64, 1536, generator=g) * 0.05).bfloat16().cuda()
+    up = torch.randn(257, 64, generator=g).cuda()
+    outs = []
+    for fp32 in (False, True):
+        a, b = x.clone().requires_grad_(), W.clone().requires_grad_()
+        with envs.override(router_fp32=fp32):
+            s = router_scores(a, b)
+        (s * up).sum().backward()
+        outs.append((s, a.grad, b.grad))
+    (s, dx, dw), (rs, rdx, rdw) = outs
+    assert s.dtype == torch.float32
+    torch.testing.assert_close(s, rs, rtol=1e-5, atol=1e-6)
+    assert rel_err(dx, rdx) < 4e-3 and rel_err(dw, rdw) < 4e-3
