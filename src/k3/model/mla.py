@@ -12,6 +12,7 @@ from k3.model.cache import BatchCacheView
 from k3.model.norm import RMSNorm
 from k3.ops.attention import causal_attention
 from k3.ops.fused_linear import FusedLinears
+from k3.ops.sigmoid_gate import sigmoid_gate
 from k3.ops.triton_dispatch import triton_module, use_triton
 
 # SPEC §3.3 ⚠: the reference uses 1e-6 for q_a_layernorm / kv_a_layernorm (one port uses 1e-5).
@@ -99,8 +100,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, H, self.nope + self.rope)
         latent, k_extra = kv_a.split([self.kv_rank, self.rope], dim=-1)
         o = mla_layout(cache, doc_ids).attend(self, q, self.kv_a_layernorm(latent), k_extra)
-        o = o.reshape(B, T, H * self.v_dim) * torch.sigmoid(gate)
-        return self.o_proj(o)
+        return self.o_proj(sigmoid_gate(o, gate))  # o ⊙ σ(gate) over the heads, one kernel each way on CUDA
 
     def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
                            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
