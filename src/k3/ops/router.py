@@ -23,7 +23,7 @@ KERNEL_MAX_ROWS = 64
 
 
 def router_scores_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sigmoid(x Wᵀ) on fp32 copies (fp64 stays fp64). x: [N, D], weight: [E, D] → [N, E]."""
+    """sigmoid(x Wᵀ) on fp32 copies (fp64 stays fp64). x: [..., D], weight: [E, D] → [..., E]."""
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     return torch.sigmoid(x.to(dt) @ weight.to(dt).t())
 
@@ -82,7 +82,8 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not use_low_precision_gemm(x):
         return router_scores_reference(x, weight)
     with torch.autocast("cuda", enabled=False):  # the GEMM's dtypes are chosen here, not by autocast
-        return torch.sigmoid(_LowPrecisionRouterLogits.apply(x, weight))
+        logits = _LowPrecisionRouterLogits.apply(x.reshape(-1, x.shape[-1]), weight)
+    return torch.sigmoid(logits).view(*x.shape[:-1], weight.shape[0])
 
 
 def use_router_kernel(x: torch.Tensor, weight: torch.Tensor, needs_grad: bool) -> bool:
