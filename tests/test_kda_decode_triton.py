@@ -183,7 +183,7 @@ def test_engine_decode_steps_through_the_kernel_equal_the_unfused_engine(kernel_
     model = K3ForCausalLM(K3Config.preset("tiny")).to(DEVICE).eval()
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(10, 8000, (n,), generator=gen).tolist() for n in (3, 9, 17, 2)]
-    max_tokens = [9, 3, 6, 12]
+    max_tokens = [6, 2, 4, 8]
     outs = {}
     for fused in (True, False):
         eng = LLMEngine(model, None, EngineConfig(memory_bytes=64 << 20, block_size=16, match_unit=4,
@@ -235,3 +235,18 @@ def test_bf16_graphed_decode_takes_the_kernel_and_matches_the_unfused_step(kerne
     assert rel_err(logits["fused"], logits["unfused"]) < 2e-2
     assert rel_err(logits["fused"], full[:, T:]) < 3e-2
     assert rel_err(logits["compiled"], logits["fused"]) < 2e-2
+
+
+def test_the_step_compiles_as_one_op_that_writes_the_storage():
+    """Under torch.compile (fullgraph: no break around it) the step is one custom op whose in-place writes of
+    the state and tails reach the caller's buffers, as in eager."""
+    feats, weights, state, tails = step_case(9, 2, 2, 16, 16, 16, 4, 5)
+    slots = torch.tensor([3, 1], device=DEVICE)
+    ref_state, ref_tails = state.clone(), tuple(t.clone() for t in tails)
+    kda_decode.use_fused_decode(feats[0], state, (16, 16), 4, needs_grad=False)  # the kernels imported, eagerly
+    step = torch.compile(kda_decode_step, backend="aot_eager", fullgraph=True)
+    out = step(*feats, weights, state, *tails, slots)
+    want = kda_decode_step_reference(*feats, weights, ref_state, *ref_tails, slots)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, ref_state, rtol=2e-5, atol=2e-5)
+    assert all(torch.equal(a, b) for a, b in zip(tails, ref_tails))

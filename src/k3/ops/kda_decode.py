@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from k3 import envs
 from k3.ops.kda import kda_gate
+from k3.ops.kda_core import forced_backend
 from k3.ops.norm import rms_norm_reference
 from k3.ops.triton_dispatch import triton_module
 
@@ -35,6 +36,20 @@ KERNELS = "_kda_decode_triton"
 _log = logging.getLogger(__name__)
 _forced: bool | None = None
 _logged: set = set()
+_UNSET = object()
+_kernels = _UNSET  # the kernel module once looked up (None without triton): a plain global under torch.compile
+
+
+@torch.compiler.disable  # (importing is not traceable: a first call under torch.compile breaks its graph once)
+def _import_kernels():
+    return triton_module(KERNELS)
+
+
+def _kernel_module():
+    global _kernels
+    if _kernels is _UNSET:
+        _kernels = _import_kernels()
+    return _kernels
 
 
 @dataclass(frozen=True)
@@ -97,9 +112,7 @@ def force_fused_decode(flag: bool | None):
 def use_fused_decode(xq: torch.Tensor, state: torch.Tensor, head_dims: tuple[int, int], width: int,
                      needs_grad: bool) -> bool:
     """Whether a decode step with these inputs takes the one-kernel path (see the module's docstring)."""
-    from k3.ops.kda_core import forced_backend
-
-    kernels = triton_module(KERNELS)
+    kernels = _kernel_module()
     fits = (kernels is not None and not needs_grad and state.dtype == torch.float32 and width >= 2
             and max(head_dims) <= kernels.MAX_HEAD_DIM)
     if _forced is not None:
@@ -141,7 +154,9 @@ def kda_decode_step(xq, xk, xv, fa, beta_logits, gate, weights: DecodeWeights, s
     if slots is not None and (slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"slots must be an integer tensor [{B}], got {slots.dtype} {list(slots.shape)}")
     w = weights
-    return triton_module(KERNELS).kda_decode_step(
+    if _kernel_module() is None:
+        raise RuntimeError("the fused KDA decode step needs triton")
+    return torch.ops.k3.kda_decode_step(  # the custom op registered by the kernel module
         xq, xk, xv, fa, beta_logits, gate, w.conv_q.contiguous(), w.conv_k.contiguous(), w.conv_v.contiguous(),
         w.f_b.contiguous(), w.A_log, w.dt_bias.reshape(-1), w.norm_weight, state, conv_q, conv_k, conv_v, slots,
         float(w.lower_bound), float(w.eps))
