@@ -100,7 +100,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, H, self.nope + self.rope)
         latent, k_extra = kv_a.split([self.kv_rank, self.rope], dim=-1)
         o = mla_layout(cache, doc_ids).attend(self, q, self.kv_a_layernorm(latent), k_extra)
-        return self.o_proj(sigmoid_gate(o, gate))  # o ⊙ σ(gate) over the heads, one kernel each way on CUDA
+        return self.o_proj(sigmoid_gate(o, gate))  # o ⊙ σ(gate) over the heads (k3.ops.sigmoid_gate)
 
     def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
                            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
