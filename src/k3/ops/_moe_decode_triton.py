@@ -4,6 +4,7 @@ Each (token, choice) slot reads its own expert's rows in place, so a decode step
 experts: no gathered weight copies, no sort, no grouped-GEMM offsets. Two launches a layer:
 1. gate+up: program (slot, block of I rows) → h = SiTU-GLU(W1_e z, W3_e z), fp32 accumulation;
 2. down: program (token, block of L rows) → Σ_j weight_j · W2_{e_j} h_j, the k choices summed in registers.
+A slot whose expert id is negative (held by another expert-parallel rank) reads and computes nothing.
 """
 import torch
 import triton
@@ -18,6 +19,8 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, I, L, beta_gat
     s = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     e = tl.load(idx_ptr + s).to(tl.int64)
+    if e < 0:  # a slot another rank computes: no weight read (the down kernel skips it too)
+        return
     token = s // TOP_K
     acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
@@ -43,15 +46,16 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, I, L, TOP_K: tl.conste
     for j in tl.static_range(TOP_K):  # unrolled: the k experts' loads are in flight together
         s = n * TOP_K + j
         e = tl.load(idx_ptr + s).to(tl.int64)
-        wt = tl.load(wt_ptr + s).to(tl.float32)
-        part = tl.zeros((BLOCK_L,), dtype=tl.float32)
-        for i0 in range(0, I, BLOCK_I):
-            cols = i0 + tl.arange(0, BLOCK_I)
-            h = tl.load(h_ptr + s * I + cols, mask=cols < I, other=0.0).to(tl.float32)
-            w = tl.load(w2_ptr + e * L * I + rows[:, None] * I + cols[None, :],
-                        mask=(rows[:, None] < L) & (cols[None, :] < I), other=0.0).to(tl.float32)
-            part += tl.sum(w * h[None, :], 1)
-        acc += wt * part
+        if e >= 0:  # e < 0: held by another rank, nothing read
+            wt = tl.load(wt_ptr + s).to(tl.float32)
+            part = tl.zeros((BLOCK_L,), dtype=tl.float32)
+            for i0 in range(0, I, BLOCK_I):
+                cols = i0 + tl.arange(0, BLOCK_I)
+                h = tl.load(h_ptr + s * I + cols, mask=cols < I, other=0.0).to(tl.float32)
+                w = tl.load(w2_ptr + e * L * I + rows[:, None] * I + cols[None, :],
+                            mask=(rows[:, None] < L) & (cols[None, :] < I), other=0.0).to(tl.float32)
+                part += tl.sum(w * h[None, :], 1)
+            acc += wt * part
     tl.store(out_ptr + n * L + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < L)
 
 

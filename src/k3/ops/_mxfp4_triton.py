@@ -17,7 +17,8 @@ One kernel, two schedules; neither reads anything on the host, so both can be ca
 * grouped (prefill, big batches): rows sorted by expert, `counts` per expert on the device; a tile is BLOCK_M
   rows of one expert, from `tile_schedule`, which sizes the grid by an upper bound on the tile count;
 * selected (decode): tile t is slot t = (token t // k, choice t % k), expert idx[t]: one row, no sort, and only
-  the selected experts' bytes are read.
+  the selected experts' bytes are read; idx[t] < 0 (a slot another expert-parallel rank holds) reads nothing
+  and gives a zero row.
 GLU: the gate (w1) and up (w3) tiles of the same rows in one program, SiTU-GLU in the epilogue.
 """
 import torch
@@ -263,6 +264,12 @@ def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_til
     m_ok = m < n_rows
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    if SELECTED:
+        if e < 0:  # a slot another expert-parallel rank holds: no weight byte read, no GEMM
+            if not GLU:  # the down launch leaves a zero row for the routing weights' sum (gate/up: nothing)
+                tl.store(y_ptr + y_row.to(tl.int64) * N + n, tl.zeros((BLOCK_N,), y_ptr.dtype.element_ty),
+                         mask=n_ok)
+            return
     kh, ks = K // 2, K // 32
     w_off = e * N * kh + n[:, None].to(tl.int64) * kh
     s_off = e * N * ks + n[:, None].to(tl.int64) * ks
@@ -399,7 +406,8 @@ def grouped_situ_mlp(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, beta_gat
 def selected_situ_mlp(z: torch.Tensor, idx: torch.Tensor, w1, w3, w2, beta_gate: float,
                       beta_up: float, config=None) -> torch.Tensor:
     """Decode: y[n·k + j] = W2_e SiTU(W1_e z[n], W3_e z[n]) with e = idx[n, j], each slot reading its expert's
-    packed bytes in place. z: [N, L]; idx: [N, k]. Returns the per-slot outputs [N·k, L] in z's dtype."""
+    packed bytes in place (e < 0: a zero row, no work). z: [N, L]; idx: [N, k]. Returns the per-slot outputs
+    [N·k, L] in z's dtype."""
     N, k = idx.shape
     E, I = w1[0].shape[:2]
     L = z.shape[1]
@@ -411,3 +419,109 @@ def selected_situ_mlp(z: torch.Tensor, idx: torch.Tensor, w1, w3, w2, beta_gate:
     _launch(z, w1, w3, h, flat, flat, N * k, k, True, betas, up)
     _launch(h, w2, None, y, flat, flat, N * k, 1, True, betas, down)
     return y
+
+
+@triton.jit
+def _fused_selected_kernel(z_ptr, w1_p, w1_s, w3_p, w3_s, w2_p, w2_s, wt_ptr, y_ptr, idx_ptr, TOP_K,
+                           beta_gate, beta_up, L: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, EXACT: tl.constexpr,
+                           DECODE_LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, BIAS_1: tl.constexpr,
+                           BIAS_3: tl.constexpr, BIAS_2: tl.constexpr):
+    """Program (block of I, slot t): its block of h = SiTU-GLU(W1_e z, W3_e z) times the slot's routing weight,
+    then W2_e[:, block] h added into the token's fp32 output row (atomics: the I blocks and the k slots of a
+    token meet there), so the down GEMM is split along I inside the same program: h never goes to memory."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    e = tl.load(idx_ptr + t).to(tl.int64)
+    if e < 0:  # held by another expert-parallel rank: nothing read, nothing added
+        return
+    token = t // TOP_K
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < 1
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    kh, ks = L // 2, L // 32
+    w_off = e * I * kh + n[:, None].to(tl.int64) * kh
+    s_off = e * I * ks + n[:, None].to(tl.int64) * ks
+    x_rows = z_ptr + (token + m[None, :]).to(tl.int64) * L
+    MASKED_UP: tl.constexpr = I % BLOCK_N != 0 or L % BLOCK_K != 0
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, L, BLOCK_K):
+        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        p_mask = n_ok[:, None] & (kp[None, :] < kh)
+        s_mask = n_ok[:, None] & (kb[None, :] < ks)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if EXACT and not DECODE_LAYOUT:
+            xt = tl.load(x_rows + kk[:, None], mask=m_ok[None, :] & (kk[:, None] < L), other=0.0).to(tl.float32)
+            xe, xo = xt, xt
+        else:
+            x = tl.load(tl.trans(x_rows) + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < L), other=0.0)
+            if EXACT or not USE_ASM:
+                x = x.to(tl.float32)
+            xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+            xt = xe
+        acc_a = _accumulate(acc_a, w1_p, w1_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BIAS_1, BLOCK_N,
+                            BLOCK_K, EXACT, False, DECODE_LAYOUT, USE_ASM, MASKED_UP)
+        acc_b = _accumulate(acc_b, w3_p, w3_s, w_off, s_off, kp, kb, p_mask, s_mask, xt, xe, xo, BIAS_3, BLOCK_N,
+                            BLOCK_K, EXACT, False, DECODE_LAYOUT, USE_ASM, MASKED_UP)
+    if BIAS_1:
+        acc_a = acc_a * _pow2(BIAS_1)
+    if BIAS_3:
+        acc_b = acc_b * _pow2(BIAS_3)
+    gate = beta_gate * _tanh(acc_a * (1.0 / beta_gate), EXACT) * _sigmoid(acc_a, EXACT)
+    h = gate * (beta_up * _tanh(acc_b * (1.0 / beta_up), EXACT)) * tl.load(wt_ptr + t).to(tl.float32)
+    if not EXACT and USE_ASM:  # the down GEMM's operand in bf16, as the two-launch path stores h
+        h = h.to(tl.bfloat16)
+    # the down GEMM over this I block: W2_e [L, I] rows l, columns n (its K here is BLOCK_N)
+    if EXACT and not DECODE_LAYOUT:
+        ht = tl.trans(h)
+        he, ho = ht, ht
+    else:
+        he, ho = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_N // 2, 2)))
+        ht = he
+    ih, i_s = I // 2, I // 32
+    kp = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    kb = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+    MASKED_DOWN: tl.constexpr = L % BLOCK_L != 0 or I % BLOCK_N != 0
+    for l0 in range(0, L, BLOCK_L):
+        rows = l0 + tl.arange(0, BLOCK_L)
+        r_ok = rows < L
+        acc = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)
+        acc = _accumulate(acc, w2_p, w2_s, e * L * ih + rows[:, None].to(tl.int64) * ih,
+                          e * L * i_s + rows[:, None].to(tl.int64) * i_s, kp, kb,
+                          r_ok[:, None] & (kp[None, :] < ih), r_ok[:, None] & (kb[None, :] < i_s), ht, he, ho,
+                          BIAS_2, BLOCK_L, BLOCK_N, EXACT, False, DECODE_LAYOUT, USE_ASM, MASKED_DOWN)
+        if BIAS_2:
+            acc = acc * _pow2(BIAS_2)
+        tl.atomic_add(y_ptr + token.to(tl.int64) * L + m[:, None] * 0 + rows[None, :], acc,
+                      mask=m_ok[:, None] & r_ok[None, :])
+
+
+def fused_selected_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1, w3, w2,
+                            beta_gate: float, beta_up: float, config=None) -> torch.Tensor:
+    """Decode in one expert launch: r[n] = Σ_j weights[n, j] · W2_e SiTU(W1_e z[n], W3_e z[n]), e = idx[n, j]
+    (< 0: skipped), the down GEMM split along I into the gate-and-up programs (`_fused_selected_kernel`): no h in
+    memory, no second GEMM launch, no weighted-sum kernel; an fp32 row per token accumulated by atomics (the
+    order of the adds varies: not bit-reproducible). A candidate for decode T=1 (benchmarks/bench_mxfp4_gemm.py
+    --sweep), not yet the model's path. config: (BLOCK_N, BLOCK_K, BLOCK_L, warps, stages[, maxnreg])."""
+    N, k = idx.shape
+    I, L = w1[0].shape[1], z.shape[1]
+    block_n, block_k, block_l, num_warps, num_stages, *limit = config or (128, 128, 128, 4, 3)
+    options = {"maxnreg": limit[0]} if limit and limit[0] else {}
+    decode_layout = isinstance(w1, DecodeLayoutWeight)
+    if not (decode_layout == isinstance(w3, DecodeLayoutWeight) == isinstance(w2, DecodeLayoutWeight)):
+        raise TypeError("the three expert matrices must share one layout (released pairs or DecodeLayoutWeight)")
+    exact = z.dtype != torch.bfloat16
+    biases = tuple(w.bias for w in (w1, w3, w2)) if decode_layout and not exact else (0, 0, 0)
+    y = torch.zeros(N, L, dtype=torch.float32, device=z.device)
+    z, flat = z.contiguous(), idx.reshape(-1).to(torch.int32)
+    wt = weights.reshape(-1).float().contiguous()
+    grid = (triton.cdiv(I, block_n), N * k)
+    _fused_selected_kernel[grid](z, w1[0], w1[1], w3[0], w3[1], w2[0], w2[1], wt, y, flat, k, float(beta_gate),
+                                 float(beta_up), L=L, I=I, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                                 BLOCK_L=block_l, EXACT=exact, DECODE_LAYOUT=decode_layout, USE_ASM=z.is_cuda,
+                                 BIAS_1=biases[0], BIAS_3=biases[1], BIAS_2=biases[2], num_warps=num_warps,
+                                 num_stages=num_stages, **options)
+    return y.to(z.dtype)

@@ -24,12 +24,14 @@ def use_selected_experts(num_rows: int, top_k: int, num_experts: int, needs_grad
 def selected_experts_situ_mlp_reference(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                                         w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                                         beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
-    """r[n] = Σ_j weights[n, j] · W2_e SiTU(W1_e z[n], W3_e z[n]) with e = idx[n, j].
+    """r[n] = Σ_j weights[n, j] · W2_e SiTU(W1_e z[n], W3_e z[n]) with e = idx[n, j]; a slot with e < 0 is held
+    elsewhere (expert-parallel serving, k3.serve.expert_shard) and adds nothing (the kernels skip its work).
 
     z: [N, L]; idx: [N, k] int; weights: [N, k]; w1, w3: [E, I, L]; w2: [E, L, I]. Returns [N, L] in z's dtype.
     """
     N, k = idx.shape
-    flat = idx.flatten()
+    weights = torch.where(idx >= 0, weights, 0)
+    flat = idx.flatten().clamp(min=0)
     x = z.repeat_interleave(k, dim=0)[:, :, None]  # [N·k, L, 1]
     h = situ_glu(torch.bmm(w1[flat].to(z.dtype), x)[..., 0], torch.bmm(w3[flat].to(z.dtype), x)[..., 0],
                  beta_gate, beta_up)  # [N·k, I]

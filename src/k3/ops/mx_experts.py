@@ -111,7 +111,8 @@ def packed_selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights
                                      beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
     """Decode from packed MXFP4 experts: r[n] = Σ_j weights[n, j] · W2_e SiTU(W1_e z[n], W3_e z[n]),
     e = idx[n, j], each (token, choice) reading only its expert's bytes, with no sort (the contract of
-    `k3.ops.moe_decode.selected_experts_situ_mlp_reference`). Needs `packed_selected_experts_take(z, ...)`."""
+    `k3.ops.moe_decode.selected_experts_situ_mlp_reference`; e < 0: held elsewhere, no work, adds nothing).
+    Needs `packed_selected_experts_take(z, ...)`."""
     N, k = idx.shape
     with on_device(z):
         y = triton_module(_KERNELS).selected_situ_mlp(z, idx, *(_packed(experts, w) for w in EXPERT_ORDER),
@@ -174,24 +175,53 @@ def _load_released(module, state_dict, prefix, *args) -> None:
                 module.decode_bias[name] = scale_bias(scale)
 
 
+def wants_decode_layout(device: torch.device | str, setting: bool | None = None) -> bool:
+    """Whether a served model on `device` should hold its packed experts in the decode layout. setting: None
+    (default): on CUDA where k3's MXFP4 kernels run; True/False force it (True on the CPU: tests, as the
+    reference reads either layout)."""
+    if setting is not None:
+        return bool(setting)
+    return torch.device(device).type == "cuda" and packed_kernels_enabled()
+
+
+def in_decode_layout(experts) -> bool:
+    """Whether a packed expert module holds the decode layout (use_decode_layout_), not the released one."""
+    return getattr(experts, "decode_bias", None) is not None
+
+
 @torch.no_grad()
-def use_decode_layout_(model: torch.nn.Module) -> int:
+def use_decode_layout_(model: torch.nn.Module, group=None) -> int:
     """Rearranges the packed bytes of every packed expert module in model into the GPU kernels' decode layout, in
     place, a few experts at a time (k3.ops.mxfp4_layout; reads each scale stack's maximum on the host once).
     Saving and loading through state_dict/load_state_dict still use the released layout; call it after the
     weights are in place (k3's checkpoint loaders copy released bytes into the buffers directly), on every rank
-    alike (replica rows travel as bytes). Returns how many modules changed (a second call: 0)."""
-    changed = 0
-    for m in model.modules():
-        if getattr(m, "packed", False) is True and hasattr(m, "w1_packed") and getattr(m, "decode_bias", None) is None:
-            _relayout_(m, to_decode_layout)
-            m.decode_bias = {name: scale_bias(getattr(m, f"{name}_scale")) for name in EXPERT_WEIGHTS}
-            if not getattr(m, "_decode_layout_hooks", False):
-                m.register_state_dict_post_hook(_save_released)
-                m.register_load_state_dict_pre_hook(_load_released)
-                m._decode_layout_hooks = True
-            changed += 1
-    return changed
+    alike. Returns how many modules changed (a second call: 0).
+
+    group: the expert-parallel process group (collective: one all-reduce). A module's `decode_bias` depends on
+    the largest scale byte of each of its matrices and is baked into the kernels (a constant of captured decode
+    graphs), so under expert parallelism each module takes the largest bias over the group's ranks: a replica of
+    another rank's expert (its bytes moved as they are, k3.serve.expert_shard) then decodes with the same bias."""
+    todo = [m for m in model.modules() if getattr(m, "packed", False) is True and hasattr(m, "w1_packed")
+            and not in_decode_layout(m)]
+    if not todo:
+        return 0
+    bias = torch.tensor([[scale_bias(getattr(m, f"{name}_scale")) for name in EXPERT_WEIGHTS] for m in todo],
+                        dtype=torch.int64)
+    if group is not None:
+        import torch.distributed as dist
+
+        device = todo[0].w1_scale.device  # NCCL reduces device tensors only
+        reduced = bias.to(device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        bias = reduced.cpu()
+    for m, b in zip(todo, bias.tolist()):
+        _relayout_(m, to_decode_layout)
+        m.decode_bias = dict(zip(EXPERT_WEIGHTS, b))
+        if not getattr(m, "_decode_layout_hooks", False):
+            m.register_state_dict_post_hook(_save_released)
+            m.register_load_state_dict_pre_hook(_load_released)
+            m._decode_layout_hooks = True
+    return len(todo)
 
 
 @torch.no_grad()

@@ -264,6 +264,7 @@ def build_rank_engine(model_dir, layout: ServeLayout, engine_config: EngineConfi
     checkpoint (rank-sharded), the tokenizer. Collective: every rank calls it."""
     from k3.config import K3Config
     from k3.data import model_tokenizer
+    from k3.ops.mx_experts import use_decode_layout_, wants_decode_layout
     from k3.serve.expert_shard import ReplicaBalancer, load_rank_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -275,8 +276,10 @@ def build_rank_engine(model_dir, layout: ServeLayout, engine_config: EngineConfi
     groups = make_groups(layout, rank, step_timeout_s)
     model = load_rank_model(d, layout.rank_layout(rank), device=device, ep_group=groups.ep, tp_group=groups.tp,
                             replicas=layout.replicas)
-    engine = DistributedEngine(model, model_tokenizer(d), fit_engine_config(config, engine_config),
-                               Lockstep(groups))
+    engine_config = fit_engine_config(config, engine_config)
+    if wants_decode_layout(device, engine_config.decode_layout):  # before the engine: its biases agree over EP
+        use_decode_layout_(model, groups.ep)
+    engine = DistributedEngine(model, model_tokenizer(d), engine_config, Lockstep(groups))
     if layout.replicas:
         engine.balancer = ReplicaBalancer(model, groups.ep, layout.rebalance_steps)
     dist.barrier()  # every rank has loaded (the load timeout); from here on the step timeout bounds each wait

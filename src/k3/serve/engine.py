@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from k3.model.cache import BatchCacheView
+from k3.ops.mx_experts import use_decode_layout_, wants_decode_layout
 from k3.serve.block_pool import CachePool, plan_capacity
 from k3.serve.metrics import Metrics
 from k3.serve.runner import ModelRunner, PromptScores
@@ -39,6 +40,9 @@ class EngineConfig:
     # (read-back, stop checks, outputs) and launches the next, which feeds the picked ids from the device. Off
     # by default until timed on a GPU (issue 21; benchmarks/RESULTS.md).
     async_output: bool = False
+    # packed MXFP4 experts in the GPU kernels' decode layout, rearranged once at load (default: on CUDA where the
+    # kernels run; True forces it, e.g. on the CPU for tests; checkpoints saved from the model stay released)
+    decode_layout: bool | None = None
 
     def validate(self) -> None:
         for name in ("memory_bytes", "block_size", "match_unit", "max_batch_tokens", "max_num_seqs"):
@@ -108,6 +112,8 @@ class LLMEngine:
         # A model's vocabulary may be padded past its tokenizer's: never sample an id that has no text.
         vocab = model.config.vocab_size
         self.sample_vocab = min(vocab, tokenizer.vocab_size) if tokenizer is not None else vocab
+        if wants_decode_layout(param.device, config.decode_layout):  # a distributed load has done it already
+            use_decode_layout_(model)
         self.runner = ModelRunner(model, self.pool, config.decode_graphs, config.max_num_seqs, self.sample_vocab,
                                   config.split_mixed_steps)
         self.seqs: dict[str, Sequence] = {}

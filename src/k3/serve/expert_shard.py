@@ -17,6 +17,11 @@ from k3.checkpoint.convert import config_experts_format
 from k3.checkpoint.sharded import RankLayout, load_rank_shard
 from k3.config import K3Config
 from k3.model.moe import LatentMoE
+from k3.ops.moe_decode import selected_experts_situ_mlp, use_selected_experts
+from k3.ops.mx_experts import (in_decode_layout, packed_expert_situ_mlp, packed_selected_experts_situ_mlp,
+                               packed_selected_experts_take)
+from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
+from k3.ops.mxfp4_layout import scale_bias, to_decode_layout, to_released_layout
 from k3.serve.expert_balance import ReplicaPlacement, place_replicas, slot_holders
 
 MODES = ("auto", "masked", "sparse")
@@ -27,9 +32,9 @@ class ExpertShardCombine:
 
     z: [N, L]; idx: [N, k] global expert ids; w: [N, k]. Returns the full routed sum r: [N, L] after the
     all-reduce over `group` (None: this rank's partial sum only). Two ways to compute the partial sum:
-    `sparse` runs only the slots routed here (reads their count on the host: prefill, CPU); `masked` runs all
-    N·k slots with other ranks' slots weighted 0 (fixed shapes, no host read: what a CUDA-graph capture
-    takes). `auto`: masked while capturing, sparse otherwise.
+    `sparse` runs only the slots routed here (reads their count on the host: prefill, CPU); `masked` keeps all
+    N·k slots in fixed shapes, no host read (what a CUDA-graph capture takes), and computes only those held
+    here (`held_slots`). `auto`: masked while capturing, sparse otherwise.
 
     replicas > 0 (balanced replicas, k3.serve.expert_balance): the expert stacks get that many more rows for
     other ranks' experts, and the slots of a held expert are split between its holders by the placement
@@ -83,8 +88,7 @@ class ExpertShardCombine:
             self.rows += mine.sum()
         capturing = z.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.mode == "masked" or (self.mode == "auto" and capturing):
-            # other ranks' slots run through local expert 0 with weight 0: finite values times an exact zero
-            return LatentMoE.combine_experts(self.local, z, torch.where(mine, local, 0), torch.where(mine, w, 0))
+            return self.held_slots(z, torch.where(mine, local, -1), w)
         N, k = idx.shape
         slots = mine.flatten().nonzero().squeeze(1)  # the host learns how many slots are here
         r = z.new_zeros(N, z.shape[1])
@@ -94,11 +98,40 @@ class ExpertShardCombine:
         y = LatentMoE.combine_experts(self.local, z[tokens], local.flatten()[slots, None], w.flatten()[slots, None])
         return r.index_add_(0, tokens, y)
 
+    def held_slots(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`LatentMoE.combine_experts` over the local stacks for the slots held here, idx < 0 marking the other
+        ranks' slots: fixed shapes and no host read on CUDA (what a graph captures), and the others' slots cost
+        no GEMM work. Packed experts: the selected-experts kernels skip their programs; grouped, they sort past
+        every local expert's rows, where no tile of the device-side schedule reaches. Float experts do the same
+        on the selected path; their grouped GEMMs (torch._grouped_mm) take whole offsets, so there the others'
+        slots still run through local expert 0 with weight 0 (finite values times an exact zero)."""
+        local, (N, k) = self.local, idx.shape
+        e, E = local.experts, local.num_experts
+        held = idx >= 0
+        selected = use_selected_experts(N, k, E, needs_grad=False)
+        if e.packed:
+            if selected and packed_selected_experts_take(z, local.qat):
+                return packed_selected_experts_situ_mlp(z, idx, w, e, *local.betas)
+            flat = torch.where(held, idx, E).flatten()  # the others' slots: a sink past the last local expert
+            order = torch.argsort(flat, stable=True)
+            slot = inverse_permutation(order)
+            counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat))[:E]
+            y = packed_expert_situ_mlp(dispatch_rows(z, order, slot, k), counts, e, *local.betas,
+                                       quantize_activations=local.qat)
+            y = torch.where(held[..., None], permute_rows(y, slot, order).view(N, k, -1), 0)  # sink rows: unwritten
+            return torch.bmm(w.unsqueeze(1), y).squeeze(1)
+        if selected and not local.qat:
+            return selected_experts_situ_mlp(z, idx, w, e.w1, e.w3, e.w2, *local.betas)
+        return LatentMoE.combine_experts(local, z, torch.where(held, idx, 0), torch.where(held, w, 0))
+
     def replica_rows(self, experts: list[int]) -> torch.Tensor:
-        """[n, bytes] uint8: the stacked weights (w1, w3, w2 or their packed bytes and scales) of home experts."""
+        """[n, 1 + bytes] uint8: a layout tag (`LAYOUT_TAG`: how packed bytes are laid out) and the stacked
+        weights (w1, w3, w2 or their packed bytes and scales) of home experts."""
         rows = torch.tensor(experts, dtype=torch.long, device=self.cut.device) - self.first
-        return torch.cat([t[rows].reshape(len(experts), -1).view(torch.uint8) for t in _stacks(self.local.experts)],
-                         dim=1)
+        tag = torch.full((len(experts), 1), _layout_tag(self.local.experts), dtype=torch.uint8, device=rows.device)
+        return torch.cat([tag] + [t[rows].reshape(len(experts), -1).view(torch.uint8)
+                                  for t in _stacks(self.local.experts)], dim=1)
 
     def fresh(self, placement: ReplicaPlacement, rank: int | None = None) -> list[int]:
         """The replicas `placement` gives `rank` (default this one) that it does not hold yet: all the weights a
@@ -121,13 +154,14 @@ class ExpertShardCombine:
         free = [r for r in range(self.count, self.count + self.replicas) if r not in kept.values()]
         new = dict(zip(fresh, free))
         if fresh:
+            if fetched is None or tuple(fetched.shape) != (len(fresh), row_width(self.local.experts)):
+                got = None if fetched is None else tuple(fetched.shape)
+                raise ValueError(f"fetched replica rows must be [{len(fresh)}, {row_width(self.local.experts)}] "
+                                 f"(layout tag + weights), got {got}")
+            parts = _arriving_stacks(self.local.experts, fetched)
             rows = torch.tensor(list(new.values()), dtype=torch.long, device=self.row_of.device)
-            offset = 0
-            for t in _stacks(self.local.experts):
-                width = t[0].numel() * t.element_size()
-                part = fetched[:, offset:offset + width].contiguous().view(t.dtype)
-                t.index_copy_(0, rows, part.view(len(fresh), *t.shape[1:]))
-                offset += width
+            for t, part in zip(_stacks(self.local.experts), parts):
+                t.index_copy_(0, rows, part)
         self.slot_of = {**kept, **new}
         self.fetched += len(fresh)
         row_of = torch.full_like(self.row_of, -1)
@@ -147,6 +181,51 @@ def _stack_names(experts) -> tuple[str, ...]:
 
 def _stacks(experts) -> list[torch.Tensor]:
     return [getattr(experts, n) for n in _stack_names(experts)]
+
+
+# The first byte of a replica row: how its packed bytes are laid out (float experts: released). Ranks may hold
+# different layouts (one on a GPU in the decode layout, one not): a row is converted to the receiver's on arrival.
+LAYOUT_TAG = {"released": 0, "decode": 1}
+
+
+def _layout_tag(experts) -> int:
+    return LAYOUT_TAG["decode" if experts.packed and in_decode_layout(experts) else "released"]
+
+
+def row_width(experts) -> int:
+    """Bytes of one replica row: the layout tag and one expert's rows of every stack."""
+    return 1 + sum(t[0].numel() * t.element_size() for t in _stacks(experts))
+
+
+def _arriving_stacks(experts, fetched: torch.Tensor) -> list[torch.Tensor]:
+    """Replica rows [n, row_width] → each stack's [n, ...] part in the receiver's layout. A row in the other
+    layout is converted (the bit permutation is exact); an unknown tag is refused, never decoded; a scale
+    past what the receiver's decode bias covers (a constant of its captured graphs) is refused."""
+    n = fetched.shape[0]
+    tags = set(fetched[:, 0].tolist())
+    known = {LAYOUT_TAG["released"]} if not experts.packed else set(LAYOUT_TAG.values())
+    if not tags <= known:
+        raise ValueError(f"replica rows carry layout tag(s) {sorted(tags - known)}; this rank takes "
+                         f"{sorted(known)} ({', '.join(k for k, v in LAYOUT_TAG.items() if v in known)})")
+    mine = _layout_tag(experts)
+    convert = fetched[:, 0] != mine
+    parts, offset = [], 1
+    for name, t in zip(_stack_names(experts), _stacks(experts)):
+        width = t[0].numel() * t.element_size()
+        # a copy: past the tag byte a slice is misaligned for wider dtypes even where it is contiguous
+        part = fetched[:, offset:offset + width].clone(memory_format=torch.contiguous_format).view(t.dtype).view(n, *t.shape[1:])
+        offset += width
+        if name.endswith("_packed") and bool(convert.any()):
+            to_mine = to_decode_layout if mine == LAYOUT_TAG["decode"] else to_released_layout
+            part = torch.where(convert.view(n, *[1] * (part.dim() - 1)), to_mine(part), part)
+        if name.endswith("_scale") and in_decode_layout(experts) and part.numel():
+            matrix = name[:-len("_scale")]
+            if scale_bias(part) > experts.decode_bias[matrix]:
+                raise ValueError(f"a replica's {matrix} scales need decode bias {scale_bias(part)}, past this "
+                                 f"rank's {experts.decode_bias[matrix]} (use_decode_layout_ over the EP group sets "
+                                 f"the largest of every rank's)")
+        parts.append(part)
+    return parts
 
 
 @torch.no_grad()
@@ -187,7 +266,7 @@ def rebalance(combines: list[ExpertShardCombine], group=None) -> bool:
         if any(c.fresh(placement, j) for j in range(R)):  # the same answer on every rank: all move or all skip
             if group is None:
                 raise ValueError("replicas of other ranks' experts need the EP group to fetch them")
-            width = sum(t[0].numel() * t.element_size() for t in _stacks(c.local.experts))
+            width = row_width(c.local.experts)
             fetched = torch.empty(len(need), width, dtype=torch.uint8, device=c.cut.device)
             rows = [e for es in send for e in es]
             dist.all_to_all_single(fetched, c.replica_rows(rows) if rows else fetched.new_empty(0, width),
