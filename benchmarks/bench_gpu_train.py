@@ -10,8 +10,8 @@ delta-rule arithmetic is not counted (it is O(T·H·C·d), a few % here), so the
 one forward: the recomputation is overhead). A shape that runs out of memory prints an OOM row with the peak
 memory reached and the run goes on to the next shape.
 --off SWITCHES (repeatable): after the default row of each shape, one more row with those k3.envs switches set
-(a comma list of Switches fields, e.g. no_shared_input_grad,no_block_grad_buffer), in the same process, so a
-fast path's before and after are timed side by side on the same card.
+(a comma list of Switches fields, e.g. no_shared_input_grad,no_block_grad_buffer; a kernel list as
+no_triton:_sigmoid_gate_triton), in the same process, so a fast path's before and after are timed side by side.
 Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing] [--off ...]
 """
 import argparse
@@ -39,10 +39,13 @@ def main():
                     help="a further row per shape with these k3.envs switches set True (comma list of fields)")
     a = ap.parse_args()
     variants = [()] + [tuple(sorted(n.strip() for n in v.split(",") if n.strip())) for v in a.off]
-    flags = {f.name for f in dataclasses.fields(envs.Switches) if f.type in (bool, "bool")}
-    unknown = sorted({n for names in variants for n in names} - flags)
-    if unknown:  # refused before any timing
-        ap.error(f"--off: unknown switch(es) {unknown}; on/off switches: {sorted(flags)}")
+    known = {f.name: f.type in (bool, "bool") for f in dataclasses.fields(envs.Switches)}
+    lists = ("no_triton", "triton_opt_in")
+    bad = sorted({n for names in variants for n in names
+                  if not (known.get(n) or (n.partition(":")[0] in lists and n.partition(":")[2]))})
+    if bad:  # refused before any timing
+        ap.error(f"--off: unknown switch(es) {bad}; on/off switches: {sorted(n for n, b in known.items() if b)}, "
+                 f"or {'/'.join(lists)}:MODULE[:MODULE...]")
     preset = "small" if not a.quick else "tiny"
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
@@ -69,7 +72,7 @@ def main():
         row = dict(preset=preset, ckpt=a.activation_checkpointing, off=",".join(off) or "-", B=B, T=T,
                    active_params_M=n_act / 1e6)
         try:
-            with envs.override(**dict.fromkeys(off, True)):
+            with envs.override(**switches(off)):
                 ms = time_ms(step, warmup=2, reps=5)
         except torch.OutOfMemoryError as e:
             row.update(step_ms="OOM", error=str(e).splitlines()[0])
@@ -88,6 +91,15 @@ def main():
     print(table(rows, ["preset", "ckpt", "off", "B", "T", "step_ms", "tokens_per_s", "TFLOPs", "MFU", "peak_GiB",
                        "active_params_M"]))
     save("train" + ("_quick" if a.quick else "") + ("_ckpt" if a.activation_checkpointing else ""), {"rows": rows})
+
+
+def switches(names: tuple[str, ...]) -> dict:
+    """--off's names as k3.envs.override arguments: a flag set True, `field:a:b` a kernel list of field."""
+    out = {}
+    for n in names:
+        field, _, modules = n.partition(":")
+        out[field] = modules.split(":") if modules else True
+    return out
 
 
 if __name__ == "__main__":
