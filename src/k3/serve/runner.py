@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.model.cache import BatchCacheView, KDAState
+from k3.model.cache import BatchCacheView, KDASlots, KDAState
 from k3.model.cuda_graph import wants_graphs
 from k3.ops.fused_linear import fuse_projections
 from k3.ops.triton_dispatch import on_device
@@ -55,6 +55,10 @@ class PagedBatchView(BatchCacheView):
     def set_kda_state(self, layer_idx: int, st: KDAState) -> None:
         self.pool.state[layer_idx][self.slots] = st.state.to(torch.float32)
         self.pool.conv[layer_idx][self.slots] = torch.stack([st.conv_q, st.conv_k, st.conv_v], 1).to(torch.float32)
+
+    def kda_slots(self, layer_idx: int) -> KDASlots:
+        conv = self.pool.conv[layer_idx]  # [slots, 3, W−1, C]
+        return KDASlots(self.pool.state[layer_idx], conv[:, 0], conv[:, 1], conv[:, 2], self.slots)
 
     def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor) -> None:
         kv = self.pool.kv[layer_idx]
