@@ -17,7 +17,8 @@ from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.ops import kda_decode  # noqa: E402
 from k3.ops.kda_core import force_backend  # noqa: E402
-from k3.ops.kda_decode import DecodeWeights, force_fused_decode, kda_decode_step, kda_decode_step_reference  # noqa: E402
+from k3.ops.kda_decode import (DecodeWeights, force_fused_decode, kda_decode_step,  # noqa: E402
+                               kda_decode_step_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -121,7 +122,9 @@ def test_bad_inputs_are_refused_by_name():
 def test_selector_defaults_overrides_and_refusals():
     x = torch.zeros(2, 64)
     state = torch.zeros(2, 2, 32, 32)
-    assert kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False) == (DEVICE == "cuda")
+    default = DEVICE == "cuda" and not kda_decode.switched_off()
+    assert kda_decode.use_fused_decode(x.to(DEVICE), state.to(DEVICE), (32, 32), 4, needs_grad=False) == default
+    assert not kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False)  # CPU: the unfused path
     with force_fused_decode(True):
         assert kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False)
         assert not kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=True)  # no backward
@@ -133,6 +136,20 @@ def test_selector_defaults_overrides_and_refusals():
         assert not kda_decode.use_fused_decode(x.to(DEVICE), state.to(DEVICE), (32, 32), 4, needs_grad=False)
     with envs.override(no_triton="_kda_decode_triton"):
         assert not kda_decode.use_fused_decode(x.to(DEVICE), state.to(DEVICE), (32, 32), 4, needs_grad=False)
+
+
+def test_an_opt_in_listing_holds_the_kernel_back_until_named(monkeypatch):
+    """Listed in triton_dispatch.OPT_IN (the untimed kernels), it runs only where K3_TRITON names it."""
+    x, state = torch.zeros(2, 64, device=DEVICE), torch.zeros(2, 2, 32, 32, device=DEVICE)
+    with envs.override(triton_opt_in="_kda_decode_triton"):
+        assert not kda_decode.switched_off()
+    with envs.override(no_triton="_kda_decode_triton"):
+        assert kda_decode.switched_off()
+    monkeypatch.setattr(kda_decode, "OPT_IN", frozenset({"_kda_decode_triton"}))
+    assert kda_decode.switched_off() and not kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False)
+    with envs.override(triton_opt_in="_kda_decode_triton"):
+        assert not kda_decode.switched_off()
+        assert kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False) == (DEVICE == "cuda")
 
 
 @pytest.fixture
@@ -225,7 +242,8 @@ def test_bf16_graphed_decode_takes_the_kernel_and_matches_the_unfused_step(kerne
     with torch.no_grad():
         full = model(ids).logits.float()
         for case in ("fused", "unfused", "compiled"):
-            with envs.override(no_triton="_kda_decode_triton" if case == "unfused" else frozenset()):
+            with envs.override(no_triton="_kda_decode_triton" if case == "unfused" else frozenset(),
+                               triton_opt_in="_kda_decode_triton"):  # (taken even if listed as opt-in)
                 cache = model.new_cache(B, T + n)
                 chunked_prefill(model, ids[:, :T], cache, 16)
                 step = GraphedDecodeStep(model, cache, compile=case == "compiled")

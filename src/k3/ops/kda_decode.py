@@ -6,8 +6,9 @@ time. On CUDA the whole step runs as one Triton kernel (k3.ops._kda_decode_trito
 and the recurrent state where they live: a StaticCache's buffers (row b is slot b) or the serving pool's slots
 (a slot table). `kda_decode_step_reference` is the same step in plain PyTorch (it never dispatches); the
 selector `use_fused_decode` picks the kernel on CUDA without gradients, where triton is there and
-K3_NO_TRITON does not name `_kda_decode_triton` (k3.envs); `force_fused_decode` pins the choice in tests (True
-runs the kernel on CPU tensors too, under TRITON_INTERPRET=1). Elsewhere the layer takes its unfused path.
+K3_NO_TRITON does not name `_kda_decode_triton` (k3.envs; inside torch.compile too, where it is one custom op);
+`force_fused_decode` pins the choice in tests (True runs the kernel on CPU tensors too, under
+TRITON_INTERPRET=1). Elsewhere the layer takes its unfused path.
 
 Inputs, one row per decoding sequence (views of the fused projection's output; columns contiguous):
 xq, xk [B, H·K] and xv [B, H·V] before the conv; fa [B, R] (W_fa x); beta_logits [B, H]; gate [B, H·V] (W_g x).
@@ -27,7 +28,7 @@ from k3 import envs
 from k3.ops.kda import kda_gate
 from k3.ops.kda_core import forced_backend
 from k3.ops.norm import rms_norm_reference
-from k3.ops.triton_dispatch import triton_module
+from k3.ops.triton_dispatch import OPT_IN, triton_module
 
 __all__ = ["DecodeWeights", "kda_decode_step_reference", "use_fused_decode", "force_fused_decode",
            "kda_decode_step"]
@@ -81,7 +82,8 @@ def kda_decode_step_reference(xq, xk, xv, fa, beta_logits, gate, weights: Decode
         tails[rows] = xp[:, 1:].to(tails.dtype)
         return F.silu((xp * weight[:, 0, :].t().to(dt)).sum(1))
 
-    q, k = (conv_silu(x, t, w).view(B, H, K) for x, t, w in ((xq, conv_q, weights.conv_q), (xk, conv_k, weights.conv_k)))
+    q = conv_silu(xq, conv_q, weights.conv_q).view(B, H, K)
+    k = conv_silu(xk, conv_k, weights.conv_k).view(B, H, K)
     v = conv_silu(xv, conv_v, weights.conv_v).view(B, H, V)
     q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * K ** -0.5  # L2 norm, eps 1e-6, and the scale
     k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
@@ -109,6 +111,13 @@ def force_fused_decode(flag: bool | None):
         _forced = saved
 
 
+def switched_off() -> bool:
+    """K3_NO_TRITON names the kernel module, or it is listed in triton_dispatch.OPT_IN (kernels not yet timed
+    on a GPU) and K3_TRITON does not name it."""
+    switches = envs.current()
+    return switches.triton_off(KERNELS) or (KERNELS in OPT_IN and not switches.triton_opted_in(KERNELS))
+
+
 def use_fused_decode(xq: torch.Tensor, state: torch.Tensor, head_dims: tuple[int, int], width: int,
                      needs_grad: bool) -> bool:
     """Whether a decode step with these inputs takes the one-kernel path (see the module's docstring)."""
@@ -120,7 +129,7 @@ def use_fused_decode(xq: torch.Tensor, state: torch.Tensor, head_dims: tuple[int
     if forced_backend() is not None:  # a test pinned every KDA core to one backend: not this kernel
         return False
     chosen = (fits and xq.is_cuda and xq.dtype in (torch.bfloat16, torch.float16, torch.float32)
-              and not envs.current().triton_off(KERNELS))
+              and not switched_off())
     key = (chosen, xq.device.type, xq.dtype)
     if key not in _logged:
         _logged.add(key)
