@@ -9,11 +9,17 @@ Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the At
 after it ("triton" folds it into the conv's kernels, "torch" is the torch conv then F.silu; the row "unfused" is
 the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32); the training
 loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`: "torch" is its fp32 row chunks).
+The MoE router's GEMM over [B·T, 1536] → 64 experts ("triton" here: one bf16 GEMM with fp32 output and its own
+backward; "torch": fp32 copies of x and the weight, K3_ROUTER_FP32=1).
+Decode rows after them (forward only, no gradient, 1/8/64 rows, opt-in kernels on): the router whole ("triton":
+k3.ops._router_triton's one launch; "torch": the fp32 GEMM, sigmoid, sort-based top-k, renormalisation), and a
+layer's second AttnRes mix as decode runs it, 4 blocks + p + the attention output ("triton": the add, mix and
+RMSNorm in one launch, k3.ops._attn_res_norm_triton; "torch": the add, the mix kernel, the norm kernel).
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
 programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
 (5 sources) at other warp counts, backward in one kernel and in two (k3.ops._attn_res_triton.NUM_WARPS,
 BWD_ONE_PASS).
-Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep]
+Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
 """
 import argparse
 import os
@@ -32,6 +38,8 @@ from k3.ops.conv import short_conv  # noqa: E402
 from k3.ops.cross_entropy import chunked_cross_entropy  # noqa: E402
 from k3.ops.fused_situ import situ_glu_fast  # noqa: E402
 from k3.ops.norm import l2_norm, rms_norm  # noqa: E402
+from k3.ops.router import route_tokens, router_scores  # noqa: E402
+from k3.model.attn_res import attn_res_mix_norm  # noqa: E402
 
 
 def cases(B: int, T: int, device: str = "cuda"):
@@ -45,6 +53,7 @@ def cases(B: int, T: int, device: str = "cuda"):
     norm = RMSNorm(D, 1e-5).to(device)
     proj = torch.nn.Linear(D, 1, bias=False).to(device)
     conv_w = (torch.randn(D, 1, 4, device=device) * 0.5).requires_grad_()
+    router_w = (torch.randn(64, D, device=device) * 0.05).bfloat16().requires_grad_()
     gate, up = r(B * T, I), r(B * T, I)
     logits, labels = r(B * T, 32768), torch.randint(0, 32768, (B * T,), device=device)
     n = B * T * D * 2
@@ -60,6 +69,9 @@ def cases(B: int, T: int, device: str = "cuda"):
                                       2 * n),
         "cross_entropy [B·T, 32768]": ("_cross_entropy_triton", lambda a: chunked_cross_entropy(a[0], labels),
                                        [logits], [], logits.numel() * 2),
+        # the switch of the "torch" side as k3.envs overrides (not a kernel module)
+        "router GEMM [B·T, 1536] → 64": ({"router_fp32": True}, lambda a: router_scores(a[0], router_w), [x],
+                                         [router_w], n + 64 * D * 2),
         "situ_glu": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate, up], [], 3 * B * T * I * 2),
         # fp32 results take the kernels' exact exp (k3.ops._situ_triton._exp_exact): what that precision costs
         "situ_glu fp32": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate.float(), up.float()], [],
@@ -144,15 +156,21 @@ def main():
     ap.add_argument("--tokens", default="8,4096", help="B,T")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time the kernels' launch shapes and forms instead")
+    ap.add_argument("--only", default="", help="comma list: only the training-shape rows whose op name contains "
+                                               "one of these (the decode rows always run)")
     a = ap.parse_args()
     B, T = (2, 512) if a.quick else map(int, a.tokens.split(","))
     if a.sweep:
         return sweep_kernels(B, T)
     bw = measure_ceilings()["copy_TBps"] * 1e12
     rows = []
+    wanted = [w for w in a.only.split(",") if w]
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():
+        if wanted and not any(w in op for w in wanted):
+            continue
         for impl in ("triton", "torch"):
-            with envs.override(no_triton=[] if impl == "triton" else [module], triton_opt_in=envs.ALL):
+            off = dict(no_triton=[module]) if isinstance(module, str) else module
+            with envs.override(**({} if impl == "triton" else off), triton_opt_in=envs.ALL):
                 with torch.no_grad():  # 20 calls per timing: sub-millisecond kernels, launch cost hidden
                     f_ms = time_ms(lambda: fn(inputs), inner=20)
                 fb_ms = time_ms(fwd_bwd(fn, inputs, params), inner=20)
@@ -161,7 +179,39 @@ def main():
             print(rows[-1], flush=True)
     print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")
     print(table(rows, ["op", "impl", "fwd_ms", "fwd_bwd_ms", "floor_fwd_ms", "fwd_GBps"]))
-    save("kernels" + ("_quick" if a.quick else ""), {"rows": rows, "B": B, "T": T})
+    decode = decode_rows(bw)
+    print(table(decode, ["op", "rows", "impl", "us", "floor_us"]))
+    save("kernels" + ("_quick" if a.quick else ""), {"rows": rows, "decode_rows": decode, "B": B, "T": T})
+
+
+def decode_rows(bw: float) -> list[dict]:
+    """The decode kernels (forward, no gradient) against the torch ops they replace, at 1, 8 and 64 rows of
+    `small`: the router whole, and a layer's second AttnRes mix with the add before it and the norm after it.
+    µs per call, 50 calls back to back per timing; floor: the bytes that must move over the copy bandwidth."""
+    D, E, k = 1536, 64, 8
+    w = torch.randn(E, D, device="cuda", dtype=torch.bfloat16) * 0.05
+    bias = torch.zeros(E, device="cuda")
+    norm, out_norm = RMSNorm(D, 1e-5).cuda().bfloat16(), RMSNorm(D, 1e-5).cuda().bfloat16()
+    proj = torch.nn.Linear(D, 1, bias=False).cuda().bfloat16()
+    rows = []
+    for n in (1, 8, 64):
+        x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+        blocks = [torch.randn(n, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        p, attn = (torch.randn(n, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        tickets = torch.zeros(n, dtype=torch.int32, device="cuda")
+        ops = {"router (GEMV, sigmoid, top-8 of 64, renormalise)":
+               ("_router_triton", lambda: route_tokens(x, w, bias, k, tickets=lambda *_: tickets), (E + n) * D * 2),
+               "AttnRes mix + add + norm (4 blocks)":
+               ("_attn_res_norm_triton", lambda: attn_res_mix_norm(blocks, p, norm, proj, out_norm, add=attn),
+                8 * n * D * 2)}
+        for op, (module, fn, nbytes) in ops.items():
+            for impl in ("triton", "torch"):
+                off = [] if impl == "triton" else [module]
+                with torch.no_grad(), envs.override(no_triton=off, triton_opt_in=envs.ALL):
+                    us = time_ms(fn, inner=50) / 50 * 1e3
+                rows.append(dict(op=op, rows=n, impl=impl, us=us, floor_us=nbytes / bw * 1e6))
+                print(rows[-1], flush=True)
+    return rows
 
 
 if __name__ == "__main__":

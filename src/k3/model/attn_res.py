@@ -2,6 +2,7 @@
 import torch
 from torch.autograd.function import once_differentiable
 
+from k3 import envs
 from k3.model.norm import RMSNorm
 from k3.ops.norm import rms_norm
 from k3.ops.triton_dispatch import triton_module, use_triton
@@ -18,6 +19,97 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Line
                                                                  for s in sources):
         return _AttnResMixFused.apply(norm.weight, proj.weight, norm.eps, *sources)
     return _AttnResMix.apply(norm.weight, proj.weight, norm.eps, *sources)
+
+
+class BlockGrads:
+    """The gradients of one forward's AttnRes blocks, each summed in one buffer by the mixes that read it.
+
+    A block is a source of every later mix (the embedding of all of them), so autograd would receive one fresh
+    gradient per mix and add them pairwise: per further mix a write, then an add that reads two and writes one.
+    Here `attach(block)` returns the block as the mixes should read it (an identity node, tagged); each mix's
+    backward adds its part into the block's buffer (the first one writes it) and hands autograd nothing for
+    it; the identity node's backward, which autograd runs after every reader's, returns the buffer (plus any
+    gradient from a reader that is not a mix). Switch: K3_NO_BLOCK_GRAD_BUFFER (k3.envs)."""
+
+    def __init__(self):
+        # per slot (buffer, the backward pass that wrote it): a sum left by a pass that never reached the block
+        # (torch.autograd.grad of something upstream, retain_graph) is stale in the next pass, not added to
+        self._buffers: list[tuple[torch.Tensor, int] | None] = []
+
+    @staticmethod
+    def wanted() -> bool:
+        return torch.is_grad_enabled() and not envs.current().no_block_grad_buffer
+
+    def attach(self, block: torch.Tensor) -> torch.Tensor:
+        if not block.requires_grad:
+            return block
+        slot = len(self._buffers)
+        self._buffers.append(None)
+        out = _BlockGradSink.apply(block, self, slot)
+        out._k3_block_grad = (self, slot)  # how a mix's forward (`_sinks`) knows the tensor for a block
+        return out
+
+    def _held(self, slot: int) -> torch.Tensor | None:
+        entry = self._buffers[slot]
+        return entry[0] if entry is not None and entry[1] == torch._C._current_graph_task_id() else None
+
+    def buffer(self, slot: int, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(slot's buffer, whether it holds a sum already): a fresh uninitialised one for the first writer."""
+        buf = self._held(slot)
+        if buf is None:
+            buf = torch.empty_like(like)
+            self._buffers[slot] = (buf, torch._C._current_graph_task_id())
+            return buf, False
+        return buf, True
+
+    def add(self, slot: int, grad: torch.Tensor) -> None:
+        buf = self._held(slot)
+        if buf is None:
+            self._buffers[slot] = (grad, torch._C._current_graph_task_id())
+        else:
+            buf.add_(grad)
+
+    def take(self, slot: int) -> torch.Tensor | None:
+        buf, self._buffers[slot] = self._held(slot), None
+        return buf
+
+
+class _BlockGradSink(torch.autograd.Function):
+    """Identity forward; backward returns the block's summed buffer (see BlockGrads)."""
+
+    @staticmethod
+    def forward(ctx, block, grads, slot):
+        ctx.set_materialize_grads(False)  # mixes hand back no gradient: no zeros made for them
+        ctx.grads, ctx.slot = grads, slot
+        return block.view_as(block)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        buf = ctx.grads.take(ctx.slot)
+        if grad is not None:  # a reader that is not a mix (layer 0's norm reads the embedding)
+            buf = grad if buf is None else buf + grad
+        return buf, None, None
+
+
+def _sinks(sources) -> tuple | None:
+    """Per source its (BlockGrads, slot) where it is an attached block, or None when no source is one."""
+    sinks = tuple(getattr(s, "_k3_block_grad", None) for s in sources)
+    return sinks if any(sinks) else None
+
+
+def _hand_over(sinks, grads):
+    """Per source: its gradient for autograd, or None where a BlockGrads buffer took it (the torch path)."""
+    if sinks is None:
+        return grads
+    out = []
+    for sink, g in zip(sinks, grads):
+        if sink is None:
+            out.append(g)
+        else:
+            sink[0].add(sink[1], g)
+            out.append(None)
+    return out
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -43,7 +135,7 @@ class _AttnResMix(torch.autograd.Function):
             scores = keys @ w[0].to(dt)  # [n, B, T]
             a = torch.softmax(scores, dim=0)
             out = torch.einsum("nbt,nbtd->btd", a, v).to(sources[0].dtype)
-        ctx.eps = eps
+        ctx.eps, ctx.sinks = eps, _sinks(sources)
         ctx.save_for_backward(u, w, scores, a, *sources)
         return out
 
@@ -67,7 +159,7 @@ class _AttnResMix(torch.autograd.Function):
             q += (coef * vf).flatten(0, -2).sum(0)
         du = (q * w[0].to(dt)).to(u.dtype)
         dw = (q * u.to(dt)).to(w.dtype)[None]
-        return du, dw, None, *grads
+        return du, dw, None, *_hand_over(ctx.sinks, grads)
 
 
 class _AttnResMixFused(torch.autograd.Function):
@@ -77,9 +169,9 @@ class _AttnResMixFused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, w, eps, *sources):
         kernels = triton_module("_attn_res_triton")
+        ctx.eps, ctx.sinks = eps, _sinks(sources)
         sources = tuple(s.contiguous() for s in sources)
         out, scores, lse = kernels.mix_forward(u, w, eps, sources)
-        ctx.eps = eps
         ctx.save_for_backward(u, w, scores, lse, *sources)
         return out
 
@@ -87,6 +179,42 @@ class _AttnResMixFused(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         u, w, scores, lse, *sources = ctx.saved_tensors
+        # a block's gradient is added by the kernel into its BlockGrads buffer (written by the first mix)
+        sinks = ctx.sinks or (None,) * len(sources)
+        into = [None if sink is None else sink[0].buffer(sink[1], v) for sink, v in zip(sinks, sources)]
         du, dw, grads = triton_module("_attn_res_triton").mix_backward(grad_out, u, w, ctx.eps, tuple(sources),
-                                                                      scores, lse)
-        return du, dw, None, *grads
+                                                                      scores, lse, into=into)
+        return du, dw, None, *(g if dest is None else None for g, dest in zip(grads, into))
+
+
+def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: RMSNorm, proj: torch.nn.Linear,
+                      out_norm: RMSNorm, add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mix as a layer reads it: (p', out_norm(attn_res_mix(blocks + [p'], norm, proj))) with the partial sum
+    p' = p + add (p without add, add where p is None: a fresh block's zeros).
+
+    At inference on CUDA one launch does the add, the mix and the norm (k3.ops._attn_res_norm_triton, opt-in
+    until timed: K3_TRITON); otherwise, and whenever a gradient is wanted, the separate ops, each autograd's."""
+    if p is None:
+        p, add = add, None
+    sources = [*blocks, p]
+    if _fused_mix_norm(sources, add, norm, proj, out_norm):
+        kernels = triton_module("_attn_res_norm_triton")
+        y, total = kernels.mix_norm_forward(norm.weight, proj.weight, norm.eps,
+                                            tuple(s.contiguous() for s in sources), out_norm.weight,
+                                            out_norm.eps, None if add is None else add.contiguous())
+        return (p if total is None else total.view_as(p)), y.view_as(p)
+    if add is not None:
+        p = p + add
+    return p, out_norm(attn_res_mix([*blocks, p], norm, proj))
+
+
+def _fused_mix_norm(sources, add, norm, proj, out_norm) -> bool:
+    """Whether `attn_res_mix_norm` takes the one-launch kernel: no gradient wanted, CUDA sources (and add) of one
+    dtype and shape that the kernel takes (k3.ops.triton_dispatch.use_triton), a norm weight over their width."""
+    x = sources[0]
+    tensors = sources if add is None else [*sources, add]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [*tensors, norm.weight, proj.weight, out_norm.weight]):
+        return False
+    return (x.numel() > 0 and use_triton(x, "_attn_res_norm_triton")
+            and all(t.dtype == x.dtype and t.shape == x.shape for t in tensors)
+            and out_norm.weight.shape == x.shape[-1:])

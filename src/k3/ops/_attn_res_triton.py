@@ -7,7 +7,8 @@ of tensors, so the n separate [B, T, D] blocks need no copy; each n compiles its
 Backward is one kernel: per row tile it forms ∂L/∂a_i = ⟨g, v_i⟩ from every source, then (reading the same tiles
 again, from cache) every source's gradient and the per-program partial sums for ∂L/∂u and ∂L/∂w (BWD_ONE_PASS;
 else a first kernel forms ∂L/∂a over all rows and the second reads the sources again). Formulas:
-k3.model.attn_res.
+k3.model.attn_res. The forward kernel also serves inference's mix with the residual add before it and the norm
+after it (k3.ops._attn_res_norm_triton).
 """
 import torch
 import triton
@@ -17,8 +18,12 @@ from k3.ops.triton_dispatch import on_device
 
 
 @triton.jit
-def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, R, D, eps,
-                    N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, R, D, eps, norm_eps,
+                    N: tl.constexpr, STATS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """STATS: store the scores and log-sum-exp (for backward). ADD: the last source is srcs[N-1] + add, rounded
+    to the sources' dtype as a separate add would, and stored to sum_ptr. NORM: out is the RMSNorm (weight
+    nw, norm_eps) of the mix, itself rounded to the output dtype first, as the norm would read it."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     row_ok, col_ok = rows < R, cols < D
@@ -29,17 +34,28 @@ def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, R, D, eps,
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for i in tl.static_range(N):
-        v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(srcs[i] + offs, mask=mask, other=0.0)
+        if ADD and i == N - 1:
+            v = (v.to(tl.float32) + tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(v.dtype)
+            tl.store(sum_ptr + offs, v, mask=mask)
+        v = v.to(tl.float32)
         r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
         s = r * tl.sum(v * uw[None, :], axis=1)
-        tl.store(scores_ptr + i * R + rows, s, mask=row_ok)
+        if STATS:
+            tl.store(scores_ptr + i * R + rows, s, mask=row_ok)
         m_new = tl.maximum(m, s)
         alpha, p = tl.exp(m - m_new), tl.exp(s - m_new)
         l = l * alpha + p
         acc = acc * alpha[:, None] + p[:, None] * v
         m = m_new
-    tl.store(out_ptr + offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
+    out = acc / l[:, None]
+    if NORM:
+        out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = out * tl.rsqrt(tl.sum(out * out, axis=1) / D + norm_eps)[:, None]
+        out = out * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if STATS:
+        tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
 @triton.jit
@@ -56,11 +72,15 @@ def _mix_bwd_da_kernel(srcs, g_ptr, da_ptr, R, D,
         tl.store(da_ptr + i * R + rows, tl.sum(g * v, axis=1), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["accumulate"])
 def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog, iters,
-                    N: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                    accumulate, N: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     """Every source's gradient and the q partials. ONE_PASS: ∂L/∂a_i = ⟨g, v_i⟩ formed here, per tile (each
-    source tile read twice in a row, the second time from cache); else read from da (_mix_bwd_da_kernel's)."""
+    source tile read twice in a row, the second time from cache); else read from da (_mix_bwd_da_kernel's).
+    accumulate: a bit mask over the sources; where bit i is set, source i's gradient is added to what grads[i]
+    holds (an AttnRes block's sum over the mixes that read it) instead of written over it. A run-time value
+    (a uniform branch), so the masks a model uses share one compiled kernel per source count."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
@@ -95,6 +115,8 @@ def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_p
                 da = tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0)
             coef = a * (da - t) * r
             dv = a[:, None] * g + coef[:, None] * uw[None, :] - (coef * s * r / D)[:, None] * v
+            if (accumulate >> i) & 1:
+                dv += tl.load(grads[i] + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
             q += tl.where(mask, coef[:, None] * v, 0.0)
         it += 1
@@ -124,14 +146,16 @@ def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[tor
     lse = torch.empty(R, dtype=torch.float32, device=out.device)
     block_r, block_d = _blocks(D)
     with on_device(out):
-        _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse, R, D, eps,
-                                                    N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d,
-                                                    num_warps=NUM_WARPS["fwd"])
+        _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse, out, out, uw, R, D, eps,
+                                                    0.0, N=len(sources), STATS=True, ADD=False, NORM=False,
+                                                    BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"])
     return out, scores, lse
 
 
-def mix_backward(grad_out, u, w, eps, sources, scores, lse):
-    """(∂L/∂u, ∂L/∂w [1, D], ∂L/∂sources) of `mix_forward` given ∂L/∂out."""
+def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
+    """(∂L/∂u, ∂L/∂w [1, D], ∂L/∂sources) of `mix_forward` given ∂L/∂out. into: per source None (a fresh
+    gradient), or (buffer like the source, accumulate): the gradient is written into the buffer, or added to
+    what it holds when accumulate; the buffer is then that source's entry of the result."""
     D = sources[0].shape[-1]
     R = sources[0].numel() // D
     g = grad_out.contiguous()
@@ -139,7 +163,9 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse):
     block_r, block_d = _blocks(D)
     one_pass = BWD_ONE_PASS
     da = scores if one_pass else torch.empty_like(scores)
-    grads = tuple(torch.empty_like(s) for s in sources)
+    into = into or [None] * len(sources)
+    grads = tuple(torch.empty_like(s) if dest is None else dest[0] for s, dest in zip(sources, into))
+    accumulate = sum(1 << i for i, dest in enumerate(into) if dest is not None and dest[1])
     tiles = triton.cdiv(R, block_r)
     progs = min(tiles, _MAX_PROGRAMS)
     q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
@@ -148,7 +174,7 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse):
             _mix_bwd_da_kernel[(tiles,)](tuple(sources), g, da, R, D, N=len(sources), BLOCK_R=block_r,
                                          BLOCK_D=block_d)
         _mix_bwd_kernel[(progs,)](tuple(sources), grads, g, uw, scores, lse, da, q, R, D, eps, progs,
-                                  triton.cdiv(tiles, progs),
+                                  triton.cdiv(tiles, progs), accumulate,
                                   N=len(sources), ONE_PASS=one_pass, BLOCK_R=block_r, BLOCK_D=block_d,
                                   num_warps=NUM_WARPS["bwd"])
     q = q.sum(0)

@@ -1,0 +1,35 @@
+"""The Block AttnRes mix as a layer uses it at inference, in one launch (imported only through
+k3.ops.triton_dispatch; needs triton): the residual add before it, the mix, and the RMSNorm after it.
+
+A layer reads a mix only through the norm that follows it (input_layernorm, post_attention_layernorm, the final
+norm), and the second mix of a layer reads the partial sum just updated by `p + attn(...)`. So at decode one
+program per row tile reads the stored blocks, p and the attention output once, writes p + attn (the next
+partial sum) and the normed mix, and nothing else: the mix output, the sum's re-read, the scores and the
+log-sum-exp kept for backward are gone. The kernel is `k3.ops._attn_res_triton`'s forward with those parts
+switched on (one home for the mix's arithmetic); each rounding of the separate ops is kept (the sum and the mix
+are rounded to the model's dtype before they are read on), so it is a reordered fp32 sum away from them.
+"""
+import torch
+import triton
+
+from k3.ops._attn_res_triton import NUM_WARPS, _blocks, _mix_fwd_kernel
+from k3.ops.triton_dispatch import on_device
+
+
+def mix_norm_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[torch.Tensor, ...],
+                     norm_weight: torch.Tensor, norm_eps: float, add: torch.Tensor | None = None):
+    """(RMSNorm(mix(sources with the last one plus `add`)), that last source plus `add`, or None without add).
+    u, w: the mix's key-norm weight [D] and pseudo-query [1, D]; sources, add: contiguous [..., D], one dtype."""
+    D = sources[0].shape[-1]
+    R = sources[0].numel() // D
+    uw = u.float() * w.reshape(-1).float()
+    out = torch.empty_like(sources[0])
+    total = None if add is None else torch.empty_like(add)
+    block_r, block_d = _blocks(D)
+    with on_device(out):
+        _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, out, out,
+                                                    out if add is None else add, out if total is None else total,
+                                                    norm_weight, R, D, eps, norm_eps, N=len(sources),
+                                                    STATS=False, ADD=add is not None, NORM=True,
+                                                    BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"])
+    return out, total
