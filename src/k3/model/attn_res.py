@@ -186,3 +186,35 @@ class _AttnResMixFused(torch.autograd.Function):
                                                                       scores, lse, into=into)
         return du, dw, None, *(g if dest is None else None for g, dest in zip(grads, into))
 
+
+def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: RMSNorm, proj: torch.nn.Linear,
+                      out_norm: RMSNorm, add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mix as a layer reads it: (p', out_norm(attn_res_mix(blocks + [p'], norm, proj))) with the partial sum
+    p' = p + add (p without add, add where p is None: a fresh block's zeros).
+
+    At inference on CUDA one launch does the add, the mix and the norm (k3.ops._attn_res_norm_triton, opt-in
+    until timed: K3_TRITON); otherwise, and whenever a gradient is wanted, the separate ops, each autograd's."""
+    if p is None:
+        p, add = add, None
+    sources = [*blocks, p]
+    if _fused_mix_norm(sources, add, norm, proj, out_norm):
+        kernels = triton_module("_attn_res_norm_triton")
+        y, total = kernels.mix_norm_forward(norm.weight, proj.weight, norm.eps,
+                                            tuple(s.contiguous() for s in sources), out_norm.weight,
+                                            out_norm.eps, None if add is None else add.contiguous())
+        return (p if total is None else total.view_as(p)), y.view_as(p)
+    if add is not None:
+        p = p + add
+    return p, out_norm(attn_res_mix([*blocks, p], norm, proj))
+
+
+def _fused_mix_norm(sources, add, norm, proj, out_norm) -> bool:
+    """Whether `attn_res_mix_norm` takes the one-launch kernel: no gradient wanted, CUDA sources (and add) of one
+    dtype and shape that the kernel takes (k3.ops.triton_dispatch.use_triton), a norm weight over their width."""
+    x = sources[0]
+    tensors = sources if add is None else [*sources, add]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [*tensors, norm.weight, proj.weight, out_norm.weight]):
+        return False
+    return (x.numel() > 0 and use_triton(x, "_attn_res_norm_triton")
+            and all(t.dtype == x.dtype and t.shape == x.shape for t in tensors)
+            and out_norm.weight.shape == x.shape[-1:])

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.memory import check_fits
-from k3.model.attn_res import BlockGrads, attn_res_mix
+from k3.model.attn_res import BlockGrads, attn_res_mix_norm
 from k3.model.cache import K3Cache, StaticCache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiHeadLatentAttention
@@ -82,21 +82,25 @@ class K3Model(nn.Module):
             if starts_block:
                 blocks.append(p)
             p = p_next
-        h = attn_res_mix(blocks + [p], self.output_attn_res_norm, self.output_attn_res_proj)
-        return self.norm(h)
+        return attn_res_mix_norm(blocks, p, self.output_attn_res_norm, self.output_attn_res_proj, self.norm)[1]
 
 
 def _layer_forward(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, blocks: list[torch.Tensor],
                    doc_ids, mask, cache=None) -> torch.Tensor:
     """One layer of SPEC §3.1's loop: the partial sum p after layer l. `blocks` is read, never changed; when
     `starts_block` the caller appends the incoming p to it."""
-    x = attn_res_mix(blocks + [p], layer.self_attention_res_norm, layer.self_attention_res_proj) if blocks else p
+    # each mix is read only through the norm after it; the second one also takes the residual add before it
+    if blocks:
+        _, x = attn_res_mix_norm(blocks, p, layer.self_attention_res_norm, layer.self_attention_res_proj,
+                                 layer.input_layernorm)
+    else:
+        x = layer.input_layernorm(p)
     if starts_block:
         blocks = blocks + [p]
-        p = torch.zeros_like(p)
-    p = p + layer.self_attn(layer.input_layernorm(x), doc_ids=doc_ids, cache=cache)
-    m = attn_res_mix(blocks + [p], layer.mlp_res_norm, layer.mlp_res_proj)
-    return p + layer.ffn(layer.post_attention_layernorm(m), mask)
+    attn = layer.self_attn(x, doc_ids=doc_ids, cache=cache)
+    p, m = attn_res_mix_norm(blocks, None if starts_block else p, layer.mlp_res_norm, layer.mlp_res_proj,
+                             layer.post_attention_layernorm, add=attn)  # a new block's partial sum starts at 0
+    return p + layer.ffn(m, mask)
 
 
 def _checkpointed_layer(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, blocks: list[torch.Tensor],

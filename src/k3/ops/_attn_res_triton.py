@@ -7,7 +7,8 @@ of tensors, so the n separate [B, T, D] blocks need no copy; each n compiles its
 Backward is one kernel: per row tile it forms ∂L/∂a_i = ⟨g, v_i⟩ from every source, then (reading the same tiles
 again, from cache) every source's gradient and the per-program partial sums for ∂L/∂u and ∂L/∂w (BWD_ONE_PASS;
 else a first kernel forms ∂L/∂a over all rows and the second reads the sources again). Formulas:
-k3.model.attn_res.
+k3.model.attn_res. The forward kernel also serves inference's mix with the residual add before it and the norm
+after it (k3.ops._attn_res_norm_triton).
 """
 import torch
 import triton
@@ -17,8 +18,12 @@ from k3.ops.triton_dispatch import on_device
 
 
 @triton.jit
-def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, R, D, eps,
-                    N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, R, D, eps, norm_eps,
+                    N: tl.constexpr, STATS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """STATS: store the scores and log-sum-exp (for backward). ADD: the last source is srcs[N-1] + add, rounded
+    to the sources' dtype as a separate add would, and stored to sum_ptr. NORM: out is the RMSNorm (weight
+    nw, norm_eps) of the mix, itself rounded to the output dtype first, as the norm would read it."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     row_ok, col_ok = rows < R, cols < D
@@ -29,17 +34,28 @@ def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, R, D, eps,
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for i in tl.static_range(N):
-        v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(srcs[i] + offs, mask=mask, other=0.0)
+        if ADD and i == N - 1:
+            v = (v.to(tl.float32) + tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(v.dtype)
+            tl.store(sum_ptr + offs, v, mask=mask)
+        v = v.to(tl.float32)
         r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
         s = r * tl.sum(v * uw[None, :], axis=1)
-        tl.store(scores_ptr + i * R + rows, s, mask=row_ok)
+        if STATS:
+            tl.store(scores_ptr + i * R + rows, s, mask=row_ok)
         m_new = tl.maximum(m, s)
         alpha, p = tl.exp(m - m_new), tl.exp(s - m_new)
         l = l * alpha + p
         acc = acc * alpha[:, None] + p[:, None] * v
         m = m_new
-    tl.store(out_ptr + offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
+    out = acc / l[:, None]
+    if NORM:
+        out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = out * tl.rsqrt(tl.sum(out * out, axis=1) / D + norm_eps)[:, None]
+        out = out * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if STATS:
+        tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
 
 
 @triton.jit
@@ -130,9 +146,9 @@ def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[tor
     lse = torch.empty(R, dtype=torch.float32, device=out.device)
     block_r, block_d = _blocks(D)
     with on_device(out):
-        _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse, R, D, eps,
-                                                    N=len(sources), BLOCK_R=block_r, BLOCK_D=block_d,
-                                                    num_warps=NUM_WARPS["fwd"])
+        _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse, out, out, uw, R, D, eps,
+                                                    0.0, N=len(sources), STATS=True, ADD=False, NORM=False,
+                                                    BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"])
     return out, scores, lse
 
 
