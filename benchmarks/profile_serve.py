@@ -13,6 +13,8 @@ With --sync-trace, a short pass per variant counts where each step makes the hos
 sync debug mode: reads of device values, copies from pageable memory, stream syncs), by file and line.
 Run: PYTHONPATH=src python benchmarks/profile_serve.py [--preset small --device cuda --streams 64]
     [--variants ';split_mixed_steps=true'] [--rounds 2] [--profile] [--sync-trace]
+A variant may also set k3.envs switches, e.g. `--variants 'fla_lean=false;fla_lean=true'` (fla's public chunk_kda
+against k3.ops.kda_fla_lean).
 """
 import argparse
 import collections
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench_util import save, table  # noqa: E402
 
 import k3.serve.engine as engine_mod  # noqa: E402
+from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -262,7 +265,8 @@ def main():
                     "reverse order of the one before: a process's first variant also pays for warm-up the untimed "
                     "wave misses (autotuning of new step shapes), so compare variants from round 2 on")
     ap.add_argument("--variants", default="", help="engines to time, ';'-separated, each extra EngineConfig "
-                    "fields k=v,k=v (ints or true/false); '' = the defaults. E.g. ';split_mixed_steps=true'")
+                    "fields or k3.envs switches k=v,k=v (ints or true/false); '' = the defaults. E.g. "
+                    "';split_mixed_steps=true' or 'fla_lean=false;fla_lean=true'")
     a = ap.parse_args()
     dev = torch.device(a.device)
     cfg = K3Config.preset(a.preset)
@@ -283,6 +287,10 @@ def main():
     for round_, variant in order:
         extra = {k: (v == "true" if v in ("true", "false") else int(v))
                  for k, v in (kv.split("=") for kv in variant.split(",") if kv)}
+        # k3.envs switches (e.g. fla_lean=true) hold for this variant's engine; the rest are EngineConfig fields
+        switches = {k: extra.pop(k) for k in list(extra) if k in envs.Switches.__dataclass_fields__}
+        variant_env = contextlib.ExitStack()
+        variant_env.enter_context(envs.override(**switches))
         settings = dict(memory_bytes=16 << 30 if dev.type == "cuda" else 1 << 28, block_size=256, match_unit=16,
                         max_batch_tokens=2048, max_num_seqs=a.streams,
                         num_state_slots=512 if dev.type == "cuda" else 2 * a.streams)
@@ -318,6 +326,7 @@ def main():
             print("\n== host waits for the device per step (CUDA sync debug mode), commonest sites (per step)")
             print(table(row["waits"], ["kind", "steps", "waits_median", "waits_max", "sites"]), flush=True)
         eng.close()
+        variant_env.close()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if not a.no_static:

@@ -3,6 +3,9 @@
 - K3_NO_FLA: unset, "" or "0" leaves fla on; anything else keeps KDA's core off flash-linear-attention.
 - K3_NO_TRITON: "1" turns every k3 Triton kernel off; or a comma list of kernel modules ("_conv_triton,...").
 - K3_TRITON: "all", or a comma list of opt-in kernel modules to switch on (k3.ops.triton_dispatch.OPT_IN).
+- K3_FLA_LEAN: "1" sends inference's chunked KDA and gated output norm through k3.ops.kda_fla_lean (fla's forward
+  internals without its training entries' per-call host work; fla 0.6.x only, else its public functions). Off by
+  default until a GPU run times it.
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
 - K3_AUTOTUNE_TABLE: the autotune choices pinned before fla's kernels first run (k3.ops.tuning): unset, the shipped
   table; a path, that file; "off", none (Triton autotunes every kernel).
@@ -41,6 +44,7 @@ ALL = "all"
 @dataclasses.dataclass(frozen=True)
 class Switches:
     no_fla: bool = False
+    fla_lean: bool = False
     no_triton: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     triton_opt_in: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     require_fla: bool = False
@@ -83,7 +87,8 @@ def _count(name: str, text: str) -> int | None:
 def parse(environ: Mapping[str, str]) -> Switches:
     """The switches an environment sets (unset variables take their defaults)."""
     get = lambda name: environ.get(name, "")  # noqa: E731
-    return Switches(no_fla=_flag(get("K3_NO_FLA")), no_triton=_names(get("K3_NO_TRITON"), "1"),
+    return Switches(no_fla=_flag(get("K3_NO_FLA")), fla_lean=get("K3_FLA_LEAN") == "1",
+                    no_triton=_names(get("K3_NO_TRITON"), "1"),
                     triton_opt_in=_names(get("K3_TRITON"), ALL), require_fla=get("K3_REQUIRE_FLA") == "1",
                     no_shared_input_grad=_flag(get("K3_NO_SHARED_INPUT_GRAD")),
                     no_block_grad_buffer=_flag(get("K3_NO_BLOCK_GRAD_BUFFER")),

@@ -174,7 +174,9 @@ class BatchCacheView:
     - `prefill_rows`, `prefill_rows_t`: the others, in order; `prefill_tokens_t`: their tokens' flat positions,
       in order; `prefill_cu_seqlens`: offsets [P+1] of each chunk within those tokens, and
       `prefill_cu_seqlens_cpu` the same on the host: fla plans its chunks from it instead of reading the device
-      copy back, and it is one object for the whole step, so fla's per-tensor cache plans once, not per layer.
+      copy back, and it is one object for the whole step, so fla's per-tensor cache plans once, not per layer;
+      `prefill_span`: (rows, tokens) as two slices when the prefill rows are consecutive (their tokens are then
+      one run), else None.
     `shared` keeps what layers derive from the layout alike (built by the first, reused by the rest);
     `upload` sends host lists to the device without waiting for queued work.
     """
@@ -199,6 +201,9 @@ class BatchCacheView:
             [cu, kv_lens, decode, [cu[r] for r in decode], prefill,
              [t for r in prefill for t in range(cu[r], cu[r + 1])], prefill_cu], device)
         self.prefill_cu_seqlens_cpu = torch.tensor(prefill_cu, dtype=torch.long)
+        # consecutive prefill rows hold one run of tokens: slices (views) then replace the gathers
+        self.prefill_span = ((slice(prefill[0], prefill[-1] + 1), slice(cu[prefill[0]], cu[prefill[-1] + 1]))
+                             if prefill and prefill[-1] - prefill[0] == len(prefill) - 1 else None)
         self._shared = {}
 
     @staticmethod

@@ -149,7 +149,8 @@ class VarlenLayout:
             o[t] = od[:, 0].to(o.dtype)
             state[rows] = sd.to(state.dtype)
         if view.prefill_rows:  # one packed row of chunks
-            rows, t = view.prefill_rows_t, view.prefill_tokens_t
+            # consecutive rows (a prefill-only step, or decodes all before or after): slices, not gathers
+            rows, t = view.prefill_span or (view.prefill_rows_t, view.prefill_tokens_t)
             op, sp = kda_core(*(x[None, t] for x in feats), *params, initial_state=st.state[rows],
                               output_final_state=True, cu_seqlens=view.prefill_cu_seqlens,
                               cu_seqlens_cpu=view.prefill_cu_seqlens_cpu)

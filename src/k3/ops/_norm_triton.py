@@ -121,25 +121,31 @@ def norm_backward(x2d, weight, rstd, dy, div: float, need_dx: bool, need_dw: boo
     return dx, None if dw_partial is None else dw_partial.sum(0)
 
 
+def norm_forward(x, weight, eps: float, mean: bool):
+    """(y like x, x as [n_rows, D], weight contiguous or None, rstd [n_rows] fp32, div) of one forward launch."""
+    D = x.shape[-1]
+    x2d = x.reshape(-1, D).contiguous()
+    weight = None if weight is None else weight.contiguous()
+    n_rows = x2d.shape[0]
+    y = torch.empty_like(x2d)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    div = float(D) if mean else 1.0
+    block_r, block_d, num_warps = _launch_shape(n_rows, D, FWD_LAUNCH["tile"])
+    num_warps = FWD_LAUNCH["num_warps"] or num_warps
+    with on_device(x):
+        _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            x2d, x2d if weight is None else weight, y, rstd, n_rows, D, div, float(eps),
+            HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    return y.view(x.shape), x2d, weight, rstd, div
+
+
 class _TritonNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, mean):
-        D = x.shape[-1]
-        x2d = x.reshape(-1, D).contiguous()
-        weight = None if weight is None else weight.contiguous()
-        n_rows = x2d.shape[0]
-        y = torch.empty_like(x2d)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        div = float(D) if mean else 1.0
-        block_r, block_d, num_warps = _launch_shape(n_rows, D, FWD_LAUNCH["tile"])
-        num_warps = FWD_LAUNCH["num_warps"] or num_warps
-        with on_device(x):
-            _norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-                x2d, x2d if weight is None else weight, y, rstd, n_rows, D, div, float(eps),
-                HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        y, x2d, weight, rstd, div = norm_forward(x, weight, eps, mean)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.x_shape, ctx.div = x.shape, div
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     @once_differentiable
@@ -153,11 +159,20 @@ class _TritonNorm(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`w ⊙ x / sqrt(mean(x²) + eps)` over the last dim; x [..., D] with 0 < D ≤ MAX_D, weight [D] or None."""
+    """`w ⊙ x / sqrt(mean(x²) + eps)` over the last dim; x [..., D] with 0 < D ≤ MAX_D, weight [D] or None.
+    Without a gradient to track (inference) the launch goes straight, past autograd.Function's host work."""
+    if not _needs_grad(x, weight):
+        return norm_forward(x, weight, eps, True)[0]
     return _TritonNorm.apply(x, weight, eps, True)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(sum(x²) + eps)` over the last dim; x [..., D] with 0 < D ≤ MAX_D."""
+    if not _needs_grad(x):
+        return norm_forward(x, None, eps, False)[0]
     return _TritonNorm.apply(x, None, eps, False)

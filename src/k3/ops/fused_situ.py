@@ -21,18 +21,24 @@ def fused_situ_available(x: torch.Tensor) -> bool:
     return use_triton(x, "_situ_triton")
 
 
+def _situ_forward(gate, up, beta_gate, beta_up):
+    """(h, gate and up contiguous) of one forward launch."""
+    gate, up = gate.contiguous(), up.contiguous()
+    h = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        kern = triton_module("_situ_triton")
+        with on_device(gate):
+            kern.situ_glu_fwd_kernel[(triton_cdiv(n, _BLOCK),)](gate, up, h, n, float(beta_gate),
+                                                                float(beta_up), BLOCK=_BLOCK,
+                                                                EXACT=h.dtype == torch.float32)
+    return h, gate, up
+
+
 class _FusedSiTUGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, beta_gate, beta_up):
-        gate, up = gate.contiguous(), up.contiguous()
-        h = torch.empty_like(gate)
-        n = gate.numel()
-        if n:
-            kern = triton_module("_situ_triton")
-            with on_device(gate):
-                kern.situ_glu_fwd_kernel[(triton_cdiv(n, _BLOCK),)](gate, up, h, n, float(beta_gate),
-                                                                    float(beta_up), BLOCK=_BLOCK,
-                                                                    EXACT=h.dtype == torch.float32)
+        h, gate, up = _situ_forward(gate, up, beta_gate, beta_up)
         ctx.save_for_backward(gate, up)
         ctx.betas = (float(beta_gate), float(beta_up))
         return h
@@ -62,6 +68,8 @@ def fused_situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0,
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"fused_situ_glu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
                          f"{up.dtype} must have the same shape and dtype")
+    if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):  # inference: no Function
+        return _situ_forward(gate, up, beta_gate, beta_up)[0]
     return _FusedSiTUGLU.apply(gate, up, beta_gate, beta_up)
 
 

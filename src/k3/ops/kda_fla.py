@@ -14,6 +14,8 @@ Three entry points:
 - `fla_kda_gated`: the K3 layer's whole inner op with the gate, the q/k L2 norm and the beta sigmoid computed
   in the kernel (`use_gate_in_kernel`, `lower_bound`, `safe_gate`, `use_qk_l2norm_in_kernel`,
   `use_beta_sigmoid_in_kernel`), i.e. SPEC §3.2's g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)).
+  Without gradients and with K3_FLA_LEAN=1, its chunked form (and `fla_output_gate`) take k3.ops.kda_fla_lean:
+  the same kernels without the training entry's per-call host work.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 from k3 import envs
 from k3.ops import tuning
+from k3.ops.triton_dispatch import on_device
 
 __all__ = ["fla_available", "fla_usable", "fla_kda_chunk", "fla_kda_recurrent", "fla_kda_gated", "fla_output_gate",
            "fp32_allowed", "safe_gate_ok", "SAFE_GATE_BOUND", "MIN_FLA_VERSION"]
@@ -120,6 +123,15 @@ def _pin_choices(x: torch.Tensor) -> None:
         tuning.pin_for_device(x.device)
 
 
+def _lean() -> bool:
+    """Whether inference takes k3.ops.kda_fla_lean: switched on (K3_FLA_LEAN=1) and fla of the series it calls."""
+    if not envs.current().fla_lean:
+        return False
+    from k3.ops import kda_fla_lean
+
+    return kda_fla_lean.lean_supported()
+
+
 def _state(initial_state):
     return None if initial_state is None else initial_state.float().contiguous()
 
@@ -214,6 +226,14 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
                                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
                                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                        lower_bound=float(lower_bound), state_v_first=False, cu_seqlens=cu)
+    elif not needs_grad and _lean():  # inference: the lean entry (K3_FLA_LEAN=1), same kernels
+        from k3.ops import kda_fla_lean
+
+        plan = None if cu is None else kda_fla_lean.chunk_plan(cu, cu_cpu)
+        with on_device(q):
+            o, state = kda_fla_lean.chunk_kda_prefill(
+                *(t.to(dt).contiguous() for t in (q, k, v, f, beta_logits)), A, bias, lower_bound, scale=scale,
+                initial_state=_state(initial_state), output_final_state=output_final_state, plan=plan)
     else:
         from fla.ops.kda import chunk_kda
 
@@ -229,7 +249,12 @@ def fla_output_gate(o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps:
     """KDA's output gate `rms_norm(o, weight) ⊙ sigmoid(g)` through fla's fused gated RMSNorm: one kernel
     forward and one backward, fp32 inside, o's dtype out (the plain path is a norm, a sigmoid and a multiply,
     each a pass over [B, T, H, K] both ways). o, g: [..., K]; weight: [K] (fp32 in the checkpoint)."""
+    _pin_choices(o)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (o, g, weight))) and _lean():
+        from k3.ops import kda_fla_lean
+
+        with on_device(o):
+            return kda_fla_lean.gated_rms_norm(o, g.to(o.dtype), weight, eps)
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
-    _pin_choices(o)
     return rms_norm_gated(o, g.to(o.dtype), weight, None, activation="sigmoid", eps=eps)
