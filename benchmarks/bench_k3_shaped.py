@@ -23,7 +23,8 @@ Serving: k3's LLMEngine behind its HTTP server at --streams concurrent streams, 
 (as `k3 bench serve`), beside the static graphed batch (`generate` over fixed batches) in the same process; the
 roofline there is --streams tokens per decode-step floor at the mean context (prompt + half the output).
 --decode-layout: the packed bytes rearranged once into the kernels' decode layout first (k3.ops.mx_experts.
-use_decode_layout_, as a serving load may do), to time it against the released layout.
+use_decode_layout_, as a serving load on CUDA now does by default), to time it against the released layout; the
+engine is told the same (EngineConfig.decode_layout), so without the flag every row is the released layout.
 --quick: a shrunken k3-shaped model (width 256, 64 experts) on the CPU in float32, eager only: a smoke run of
 every path and the arithmetic (tests/test_bench_k3_shaped.py); its times say nothing.
 Run: PYTHONPATH=src python benchmarks/bench_k3_shaped.py [--experts N] [--quick] (results in $OUT/k3_shaped.json)
@@ -243,7 +244,7 @@ def serve_rows(model, cfg, a, copy_bw, on_row=lambda rows: None) -> tuple[list, 
     tokenizer = Tokenizer.from_file()
     engine_config = EngineConfig(memory_bytes=int(a.memory_gib * 2 ** 30), block_size=256, match_unit=16,
                                  max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.streams,
-                                 num_state_slots=2 * a.streams)
+                                 num_state_slots=2 * a.streams, decode_layout=a.decode_layout)
     n = a.waves * a.streams
     rows = []
     t0 = time.perf_counter()

@@ -16,8 +16,9 @@ dequantisation of the touched experts that a bf16 path needs each step.
 --sweep: also time other tile configurations of the kernels on the decode layout at decode T=1 (selected), T=64
 (grouped) and prefill T=8192 (not with --sweep-decode-only), to choose `tile_config`'s defaults: (BLOCK_M, BLOCK_N,
 BLOCK_K, warps, stages, W_LEFT[, maxnreg]) (W_LEFT: the weight tile as the dot's left operand, else the right one;
-maxnreg: a register cap), or a pair of them (the gate-and-up launch, the down launch).
-Run: PYTHONPATH=src python benchmarks/bench_mxfp4_gemm.py [--quick] [--sweep]
+maxnreg: a register cap), or a pair of them (the gate-and-up launch, the down launch); at T=1 also the one-launch
+fused kernel's configs (FUSED_CONFIGS), and every T=1 row replayed from a CUDA graph with the weighted sum.
+Run: PYTHONPATH=src python benchmarks/bench_mxfp4_gemm.py [--quick] [--sweep [--sweep-decode-only] [--sweep-only]]
 """
 import argparse
 import os
@@ -70,6 +71,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="64 experts of a quarter the width (a smoke run)")
     ap.add_argument("--sweep", action="store_true", help="time other tile configurations too (decode layout)")
     ap.add_argument("--sweep-decode-only", action="store_true", help="sweep the decode shapes only (not prefill)")
+    ap.add_argument("--sweep-only", action="store_true", help="only the sweep (no main table, no bf16 peer copy)")
     a = ap.parse_args()
     E, L, I, k = (64, 896, 768, 16) if a.quick else (896, 3584, 3072, 16)
     ceil = measure_ceilings()
@@ -83,8 +85,10 @@ def main():
     released = [(getattr(experts, f"{n}_packed"), getattr(experts, f"{n}_scale")) for n in EXPERT_ORDER]
     decode = [decode_layout_weight(*w) for w in released]  # what a serving load does once
     with torch.no_grad():
-        dense = {n: experts.dense(n) for n in ("w1", "w3", "w2")}  # the peer's bf16 weights (4× the bytes)
-        for T in (1, 8, 64):
+        main_table = not (a.sweep and a.sweep_only)
+        # the peer's bf16 weights (4× the bytes)
+        dense = {n: experts.dense(n) for n in ("w1", "w3", "w2")} if main_table else None
+        for T in (1, 8, 64) if main_table else ():
             idx, counts, order = routing(T, E, k, gen)
             z = torch.randn(T, L, device="cuda", dtype=torch.bfloat16)
             x = z.repeat_interleave(k, 0)[order]
@@ -125,7 +129,7 @@ def main():
                              "floor ms (copy bw)": floor_ms, "% of copy-bw floor": 100 * floor_ms / ms,
                              "% of 4.8 TB/s": 100 * floor_ds_ms / ms, "TB/s (packed)": touched * per_expert / ms / 1e9})
             print(table(rows[-len(times):], list(rows[-1])), flush=True)
-        for T in ((512,) if a.quick else (2048, 8192)):
+        for T in ((512,) if a.quick else (2048, 8192)) if main_table else ():
             idx, counts, order = routing(T, E, k, gen)
             x = torch.randn(T * k, L, device="cuda", dtype=torch.bfloat16)
             flops = 2 * T * k * 3 * L * I
@@ -152,38 +156,64 @@ DECODE_CONFIGS = [(16, 128, 128, 4, 3, False), (16, 64, 128, 4, 3, False), (16, 
                   # spills), and the down launch at BLOCK_N=256 (one wave of 224 programs at T=1, not 448)
                   (16, 128, 128, 4, 3, False, 128), ((16, 128, 128, 4, 3, False), (16, 256, 128, 4, 3, False)),
                   ((16, 128, 256, 4, 3, False), (16, 256, 128, 4, 3, False))]
+# the one-launch fused decode (`fused_selected_situ_mlp`: gate+up, down split along I, the weighted sum by
+# atomics): (BLOCK_N, BLOCK_K, BLOCK_L, warps, stages[, maxnreg]); `python benchmarks/sass_mxfp4_loop.py
+# --candidates` gives their registers and waves
+FUSED_CONFIGS = [(128, 128, 128, 4, 3), (128, 128, 128, 4, 3, 128), (64, 128, 128, 4, 3), (128, 128, 256, 4, 3),
+                 (128, 256, 128, 4, 3), (64, 128, 128, 4, 4)]
 PREFILL_CONFIGS = [(64, 128, 64, 4, 4, True), (64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
                    (128, 128, 64, 4, 3, False), (64, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, False)]
 
 
+def graphed_ms(fn) -> float:
+    """fn replayed from a CUDA graph (as the model's decode steps run), after one eager warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, reps=20, inner=5)
+
+
 def sweep(w, E, L, k, gen, per_expert, bw, decode_only):
-    """w: the (w1, w3, w2) weights to time, here in the decode layout."""
+    """w: the (w1, w3, w2) weights to time, here in the decode layout. T=1 rows also time the whole expert step
+    (the weighted sum included) replayed from a CUDA graph, as the model runs it: "graphed ms", "% of 4.8 TB/s"."""
     mod = triton_module("_mxfp4_triton")
     rows = []
-    cases = [(1, "selected", DECODE_CONFIGS), (64, "grouped", DECODE_CONFIGS)]
+    cases = [(1, "selected", DECODE_CONFIGS), (1, "fused", FUSED_CONFIGS), (64, "grouped", DECODE_CONFIGS)]
     if not decode_only:
         cases.append((8192, "grouped", PREFILL_CONFIGS))
     with torch.no_grad():
         for T, kind, configs in cases:
             idx, counts, order = routing(T, E, k, gen)
             z = torch.randn(T, L, device="cuda", dtype=torch.bfloat16)
+            wt = torch.rand(T, k, device="cuda", dtype=torch.bfloat16)
             x = z.repeat_interleave(k, 0)[order]
             touched = int((counts > 0).sum())
             for cfg in configs:
+                step = None  # the whole expert step (weighted sum included), for the graphed column
                 if kind == "selected":
                     fn = lambda: mod.selected_situ_mlp(z, idx, *w, 4.0, 25.0, config=cfg)  # noqa: E731
+                    step = lambda: torch.bmm(wt.unsqueeze(1), fn().view(T, k, -1))  # noqa: E731
+                elif kind == "fused":
+                    fn = step = lambda: mod.fused_selected_situ_mlp(z, idx, wt, *w, 4.0, 25.0, config=cfg)  # noqa: E731
                 else:
                     fn = lambda: mod.grouped_situ_mlp(x, counts, *w, 4.0, 25.0, config=cfg)  # noqa: E731
                 try:
                     ms = time_ms(fn, reps=10, inner=3 if T < 1000 else 1)
+                    graphed = graphed_ms(step) if step is not None else None
                 except Exception as exc:  # a configuration that does not compile or fit is a row, not a stop
                     rows.append({"case": f"T={T} {kind}", "config": str(cfg), "error": str(exc)[:80]})
                     continue
                 flops = 2 * T * k * 3 * L * w[0][0].shape[1]
-                rows.append({"case": f"T={T} {kind}", "config": str(cfg), "ms": ms,
+                rows.append({"case": f"T={T} {kind}", "config": str(cfg), "ms": ms, "graphed ms": graphed,
                              "% of copy-bw floor": 100 * touched * per_expert / bw * 1e3 / ms,
+                             "% of 4.8 TB/s": (100 * touched * per_expert / (H200_TBPS * 1e12) * 1e3 / graphed
+                                               if graphed else None),
                              "TFLOP/s": flops / ms / 1e9})
-            print(table(rows, ["case", "config", "ms", "% of copy-bw floor", "TFLOP/s", "error"]), flush=True)
+                rows[-1] = {c: v for c, v in rows[-1].items() if v is not None}
+            print(table(rows, ["case", "config", "ms", "graphed ms", "% of copy-bw floor", "% of 4.8 TB/s", "TFLOP/s",
+                               "error"]), flush=True)
             rows = []
 
 

@@ -3,9 +3,13 @@
 cuobjdump that ships with Triton, and the instructions of the loop (the longest backward branch) are counted by
 opcode. Decode is bound by instruction issue, so this is the number the decode layout is about.
 
-Run: python benchmarks/sass_mxfp4_loop.py   (needs triton; no CUDA device)
+Run: python benchmarks/sass_mxfp4_loop.py [--candidates]   (needs triton; no CUDA device)
 Rows: K3's expert shapes at the decode tile (16, 128, 128, 4 warps, 3 stages, weights as the right operand):
 gate+up (GLU, two matrices, 256 weights a thread a K step) and down (128), released and decode layout.
+--candidates: the T=1 candidates of the next sweep (decode layout; benchmarks/bench_mxfp4_gemm.py --sweep):
+registers a thread (cuobjdump -res-usage; STACK > 0: spills), CTAs an SM those registers and the shared
+memory allow, and the programs of one T=1 step (16 slots) against the 132 SMs' resident CTAs (waves):
+a 128-register cap (maxnreg), the down launch at BLOCK_N = 256, and the one-launch fused kernel.
 """
 import collections
 import os
@@ -25,16 +29,45 @@ SIGNATURE = {"x_ptr": "*bf16", "wa_p": "*u8", "wa_s": "*u8", "wb_p": "*u8", "wb_
              "sched_ptr": "*i32", "num_tiles_ptr": "*i32", "TOP_K": "i32", "beta_gate": "fp32", "beta_up": "fp32"}
 
 
-def compile_sass(**consts) -> str:
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(SIGNATURE.values()) if t.startswith("*")}
-    src = ASTSource(fn=_mxfp4_triton._expert_gemm_kernel, signature={**SIGNATURE, **{k: "constexpr" for k in consts}},
-                    constexprs=consts, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+FUSED_SIGNATURE = {"z_ptr": "*bf16", "w1_p": "*u8", "w1_s": "*u8", "w3_p": "*u8", "w3_s": "*u8", "w2_p": "*u8",
+                   "w2_s": "*u8", "wt_ptr": "*fp32", "y_ptr": "*fp32", "idx_ptr": "*i32", "TOP_K": "i32",
+                   "beta_gate": "fp32", "beta_up": "fp32"}
+SMS, SM_REGS, SM_SHARED, SM_WARPS = 132, 65536, 228 * 1024, 64  # the H200 (sm_90)
+
+
+def compile_kernel(fn=None, signature=None, options=None, **consts):
+    fn, signature = fn or _mxfp4_triton._expert_gemm_kernel, signature or SIGNATURE
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "num_stages": 3, **(options or {})})
+    return kernel
+
+
+def cuobjdump(cubin: bytes, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        return subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+        return subprocess.run([tool, flag, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def compile_sass(**consts) -> str:
+    return cuobjdump(compile_kernel(**consts).asm["cubin"], "-sass")
+
+
+def resources(kernel) -> dict:
+    """REG and STACK (spills) a thread (cuobjdump -res-usage), SHARED: the launch's shared memory (Triton's
+    pipeline buffers included) in bytes."""
+    text = cuobjdump(kernel.asm["cubin"], "-res-usage")
+    found = {k: int(v) for k, v in re.findall(r"\b(REG|STACK):(\d+)", text)}
+    return {**found, "SHARED": kernel.metadata.shared}
+
+
+def ctas_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Resident CTAs an SM by registers (allocated 256 a warp at a time), shared memory and warp slots."""
+    warp_regs = -(-regs * 32 // 256) * 256
+    return min(SM_REGS // (warp_regs * warps), SM_SHARED // max(shared, 1), SM_WARPS // warps)
 
 
 def loop_mix(sass: str) -> collections.Counter:
@@ -66,5 +99,44 @@ def main():
                   f"{top} |", flush=True)
 
 
+# (name, kernel, launch width N or None for the fused kernel, config): T=1 candidates, decode layout, K3's shapes
+CANDIDATES = [
+    ("gate+up (16,128,128) default", "gemm", True, dict(BLOCK_N=128, BLOCK_K=128), {}),
+    ("gate+up maxnreg 128", "gemm", True, dict(BLOCK_N=128, BLOCK_K=128), {"maxnreg": 128}),
+    ("down (16,128,128) default", "gemm", False, dict(BLOCK_N=128, BLOCK_K=128), {}),
+    ("down BLOCK_N=256", "gemm", False, dict(BLOCK_N=256, BLOCK_K=128), {}),
+    ("down maxnreg 128", "gemm", False, dict(BLOCK_N=128, BLOCK_K=128), {"maxnreg": 128}),
+    ("fused (128,128,128)", "fused", None, dict(BLOCK_N=128, BLOCK_K=128, BLOCK_L=128), {}),
+    ("fused (128,128,128) maxnreg 128", "fused", None, dict(BLOCK_N=128, BLOCK_K=128, BLOCK_L=128),
+     {"maxnreg": 128}),
+    ("fused (64,128,128)", "fused", None, dict(BLOCK_N=64, BLOCK_K=128, BLOCK_L=128), {}),
+    ("fused (128,128,256)", "fused", None, dict(BLOCK_N=128, BLOCK_K=128, BLOCK_L=256), {}),
+]
+
+
+def candidates():
+    L, I, slots = 3584, 3072, 16
+    print("| candidate | REG | STACK (spill) | shared bytes | CTAs an SM | programs at T=1 | waves | longest loop | "
+          "top opcodes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, kind, glu, tile, options in CANDIDATES:
+        if kind == "gemm":
+            n, k = (I, L) if glu else (L, I)
+            kernel = compile_kernel(options=options, N=n, K=k, GLU=glu, DECODE_LAYOUT=True, BLOCK_M=16, EXACT=False,
+                                  W_LEFT=False, USE_ASM=True, SELECTED=True, BIAS_A=0, BIAS_B=0, **tile)
+            programs = -(-n // tile["BLOCK_N"]) * slots
+        else:
+            kernel = compile_kernel(_mxfp4_triton._fused_selected_kernel, FUSED_SIGNATURE, options, L=L, I=I,
+                                    BLOCK_M=16, EXACT=False, DECODE_LAYOUT=True, USE_ASM=True, BIAS_1=0, BIAS_3=0,
+                                    BIAS_2=0, **tile)
+            programs = -(-I // tile["BLOCK_N"]) * slots
+        res = resources(kernel)
+        per_sm = ctas_per_sm(res["REG"], res["SHARED"], 4)
+        mix = loop_mix(cuobjdump(kernel.asm["cubin"], "-sass"))
+        top = ", ".join(f"{op} {c}" for op, c in mix.most_common(5))
+        print(f"| {name} | {res['REG']} | {res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | {programs} | "
+              f"{programs / (SMS * per_sm):.2f} | {sum(mix.values())} | {top} |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    candidates() if "--candidates" in sys.argv[1:] else main()

@@ -37,7 +37,8 @@ def test_the_engine_puts_packed_experts_in_the_decode_layout_and_saves_the_relea
     from safetensors.torch import load_file
 
     src = hot_model_dir / "mxfp4"
-    assert not wants_decode_layout("cpu") and wants_decode_layout("cpu", True) and not wants_decode_layout("cuda", False)
+    assert not wants_decode_layout("cpu") and wants_decode_layout("cpu", True)
+    assert not wants_decode_layout("cuda", False)
     plain = LLMEngine(K3ForCausalLM.from_pretrained(src, packed_experts=True).eval(), Tokenizer.from_file(),
                       engine_config())
     assert all(m.experts.packed and not in_decode_layout(m.experts) for m in _moes(plain.model))

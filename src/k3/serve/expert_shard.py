@@ -213,7 +213,8 @@ def _arriving_stacks(experts, fetched: torch.Tensor) -> list[torch.Tensor]:
     for name, t in zip(_stack_names(experts), _stacks(experts)):
         width = t[0].numel() * t.element_size()
         # a copy: past the tag byte a slice is misaligned for wider dtypes even where it is contiguous
-        part = fetched[:, offset:offset + width].clone(memory_format=torch.contiguous_format).view(t.dtype).view(n, *t.shape[1:])
+        part = fetched[:, offset:offset + width].clone(memory_format=torch.contiguous_format)
+        part = part.view(t.dtype).view(n, *t.shape[1:])
         offset += width
         if name.endswith("_packed") and bool(convert.any()):
             to_mine = to_decode_layout if mine == LAYOUT_TAG["decode"] else to_released_layout
