@@ -503,8 +503,8 @@ def fused_selected_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.T
                             beta_gate: float, beta_up: float, config=None) -> torch.Tensor:
     """Decode in one expert launch: r[n] = Σ_j weights[n, j] · W2_e SiTU(W1_e z[n], W3_e z[n]), e = idx[n, j]
     (< 0: skipped), the down GEMM split along I into the gate-and-up programs (`_fused_selected_kernel`): no h in
-    memory, no second GEMM launch, no weighted-sum kernel; an fp32 row per token accumulated by atomics (the
-    order of the adds varies: not bit-reproducible). A candidate for decode T=1 (benchmarks/bench_mxfp4_gemm.py
+    memory, no second GEMM launch, no weighted-sum bmm (a zero fill and a cast of the fp32 rows remain); an fp32
+    row per token accumulated by atomics (the order of the adds varies: not bit-reproducible). A candidate for decode T=1 (benchmarks/bench_mxfp4_gemm.py
     --sweep), not yet the model's path. config: (BLOCK_N, BLOCK_K, BLOCK_L, warps, stages[, maxnreg])."""
     N, k = idx.shape
     I, L = w1[0].shape[1], z.shape[1]
