@@ -59,10 +59,10 @@ def test_the_engine_puts_packed_experts_in_the_decode_layout_and_saves_the_relea
     assert all(torch.equal(saved[k], orig[k]) for k in orig)
 
 
-def _combines(model_dir, decode: list[bool], replicas: int = 2):
+def _combines(model_dir, decode: list[bool], replicas: int = 2, device: str = "cpu"):
     out = []
     for r, d in enumerate(decode):
-        model = load_rank_model(model_dir, RankLayout(r, len(decode)), replicas=replicas)
+        model = load_rank_model(model_dir, RankLayout(r, len(decode)), device=device, replicas=replicas)
         if d:
             use_decode_layout_(model)
         out.append(_moe(model).combine_experts)
@@ -163,6 +163,45 @@ def test_masked_steps_compute_only_the_held_slots(hot_model_dir, monkeypatch):
         assert len(unpacked) == 3 * len(rows) == 3 * len(set(c.row_of[idx[mine]].tolist()))
     assert sum(computed) == idx.numel()  # every slot once over the two ranks
     torch.testing.assert_close(sum(parts), moe.combine_experts(z, idx, w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_held_slots_replay_in_a_cuda_graph_in_the_decode_layout(hot_model_dir):
+    """On the GPU, two ranks in the decode layout: their masked partials (the grouped kernels over held slots, the
+    others sorted past every tile) captured as CUDA graphs, replayed on new routing and after a re-placement
+    (replica rows and tables changed in place), add to the routed sum of the released one-process model."""
+    dev, N = "cuda", 8
+    moe = _moe(K3ForCausalLM.from_pretrained(hot_model_dir / "mxfp4", device=dev, packed_experts=True).eval())
+    combines = _combines(hot_model_dir / "mxfp4", [True, True], device=dev)
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(N, moe.routed_expert_down_proj.out_features, generator=g).to(dev)
+    w = torch.rand(N, 4, generator=g).to(dev)
+    idx = skewed_routing(N, seed=1).to(dev)
+    _place(combines, place_replicas(torch.bincount(skewed_routing(256, seed=2).flatten(), minlength=E), RANKS, 2))
+    graphs, outs = [], []
+    with torch.inference_mode():
+        for c in combines:
+            c.mode = "masked"
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for c in combines:
+                c.partial(z, idx, w)
+        torch.cuda.current_stream().wait_stream(side)
+        for c in combines:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs.append(c.partial(z, idx, w))
+            graphs.append(graph)
+        for seed, hot in ((5, [0, 1]), (6, [4, 5, 8])):
+            idx.copy_(skewed_routing(N, seed=seed, hot=hot))
+            if hot != [0, 1]:
+                load = torch.bincount(skewed_routing(256, seed=seed, hot=hot).flatten(), minlength=E)
+                _place(combines, place_replicas(load, RANKS, 2))
+            z.normal_()
+            for graph in graphs:
+                graph.replay()
+            torch.testing.assert_close(sum(outs), moe.combine_experts(z, idx, w), rtol=2e-3, atol=2e-4)
 
 
 def test_selected_reference_skips_negative_ids():
