@@ -9,6 +9,10 @@ Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the At
 after it ("triton" folds it into the conv's kernels, "torch" is the torch conv then F.silu; the row "unfused" is
 the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32); the training
 loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`: "torch" is its fp32 row chunks).
+KDA's 6 input projections of x [B, T, 1536] with a probe loss on each output ("triton" here: one autograd
+node accumulating ∂L/∂x in the GEMMs, k3.ops.fused_linear; "torch": one nn.Linear each, summed by autograd,
+K3_NO_SHARED_INPUT_GRAD=1). MLA's output gate o ⊙ σ(gate) over [B, T, 12, 128] with o a slice of 192-wide heads
+as attention hands it (k3.ops._sigmoid_gate_triton against the reshape, sigmoid and multiply).
 The MoE router's GEMM over [B·T, 1536] → 64 experts ("triton" here: one bf16 GEMM with fp32 output and its own
 backward; "torch": fp32 copies of x and the weight, K3_ROUTER_FP32=1).
 Decode rows after them (forward only, no gradient, 1/8/64 rows, opt-in kernels on): the router whole ("triton":
@@ -18,7 +22,8 @@ RMSNorm in one launch, k3.ops._attn_res_norm_triton; "torch": the add, the mix k
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
 programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
 (5 sources) at other warp counts, backward in one kernel and in two (k3.ops._attn_res_triton.NUM_WARPS,
-BWD_ONE_PASS).
+BWD_ONE_PASS), and its backward adding 4 blocks' gradients into their buffers (BlockGrads) against returning
+them for 4 separate adds (autograd's sums).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
 """
 import argparse
@@ -40,6 +45,8 @@ from k3.ops.fused_situ import situ_glu_fast  # noqa: E402
 from k3.ops.norm import l2_norm, rms_norm  # noqa: E402
 from k3.ops.router import route_tokens, router_scores  # noqa: E402
 from k3.model.attn_res import attn_res_mix_norm  # noqa: E402
+from k3.ops.fused_linear import FusedLinears  # noqa: E402
+from k3.ops.sigmoid_gate import sigmoid_gate  # noqa: E402
 
 
 def cases(B: int, T: int, device: str = "cuda"):
@@ -57,7 +64,16 @@ def cases(B: int, T: int, device: str = "cuda"):
     gate, up = r(B * T, I), r(B * T, I)
     logits, labels = r(B * T, 32768), torch.randint(0, 32768, (B * T,), device=device)
     n = B * T * D * 2
+    kda_in = [torch.nn.Linear(D, o, bias=False, device=device, dtype=torch.bfloat16) for o in (D, D, D, K, H, D)]
+    probes = [r(o) for o in (D, D, D, K, H, D)]
+    in_proj = FusedLinears(*kda_in)
+    o_wide, o_gate = r(B, T, H, 192), r(B, T, H * K)
     return {
+        "KDA input projections (6)": ({"no_shared_input_grad": True},
+                                      lambda a: sum((y * c).sum() for y, c in zip(in_proj(a[0]), probes)), [x],
+                                      [lin.weight for lin in kda_in], n * (1 + 4) + B * T * (K + H) * 2),
+        "MLA output gate": ("_sigmoid_gate_triton", lambda a: sigmoid_gate(a[0][..., :K], a[1]), [o_wide, o_gate],
+                            [], 3 * n),
         "rms_norm": ("_norm_triton", lambda a: rms_norm(a[0], w, 1e-5), [x], [w], 2 * n),
         "l2_norm": ("_norm_triton", lambda a: l2_norm(a[0]), [heads], [], 2 * n),
         "attn_res_mix (5 sources)": ("_attn_res_triton", lambda a: attn_res_mix(list(a), norm, proj), sources,
@@ -108,6 +124,21 @@ def sweep_kernels(B: int, T: int):
                              warps=warps, per_sm="-", ms=ms, GBps=11 * g.numel() * 2 / ms * 1e-6))
             print(rows[-1], flush=True)
         ar.NUM_WARPS.update(warps_default)
+    # 4 blocks + p, as a late layer's mix: the blocks' gradients added into their buffers by the kernel, against
+    # fresh gradients that autograd then adds into the sums (one add_ each)
+    bufs = [torch.randn_like(g) for _ in range(4)]
+    into = [(b, True) for b in bufs] + [None]
+    ms_in = time_ms(lambda: ar.mix_backward(g, u, w, 1e-5, sources, scores, lse, into=into), inner=20)
+
+    def returned():
+        _, _, grads = ar.mix_backward(g, u, w, 1e-5, sources, scores, lse)
+        for b, d in zip(bufs, grads):
+            b.add_(d)
+    ms_out = time_ms(returned, inner=20)
+    for form, ms in (("added in the kernel", ms_in), ("returned, then 4 adds", ms_out)):
+        rows.append(dict(op=f"attn_res_mix bwd, 4 block grads {form}", tile="-", warps=warps_default["bwd"],
+                         per_sm="-", ms=ms, GBps=11 * g.numel() * 2 / ms * 1e-6))
+        print(rows[-1], flush=True)
     for op, n_rows, D, has_w in (("rms_norm", B * T, 1536, True), ("l2_norm", B * T * 12, 128, False)):
         x = torch.randn(n_rows, D, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
