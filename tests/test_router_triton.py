@@ -172,3 +172,19 @@ def test_router_scores_bf16_gemm_on_cuda_matches_fp32_copies():
     assert s.dtype == torch.float32
     torch.testing.assert_close(s, rs, rtol=1e-5, atol=1e-6)
     assert rel_err(dx, rdx) < 4e-3 and rel_err(dw, rdw) < 4e-3
+
+
+def test_router_keeps_every_ticket_workspace():
+    """A CUDA graph captured with a workspace keeps writing it at each replay: a router hands out one per device
+    big enough for any kernel launch, and when a larger one is ever needed the old one stays alive (freed, its
+    memory could be handed to another tensor that the replayed kernel would then overwrite)."""
+    from k3.model.moe import Router
+    from k3.ops.router import KERNEL_MAX_ROWS
+
+    r = Router(8, 16)
+    a = r.tickets(4, torch.device("cpu"))
+    assert a.dtype == torch.int32 and a.numel() == KERNEL_MAX_ROWS and not a.any()
+    assert r.tickets(KERNEL_MAX_ROWS, torch.device("cpu")) is a
+    b = r.tickets(KERNEL_MAX_ROWS + 1, torch.device("cpu"))
+    assert b is not a and b.numel() == KERNEL_MAX_ROWS + 1
+    assert any(t is a for t in r._tickets) and r.tickets(3, torch.device("cpu")) is b

@@ -7,6 +7,8 @@
   internals without its training entries' per-call host work; fla 0.6.x only, else its public functions). Off by
   default until a GPU run times it.
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
+- K3_ROUTER_FP32: "1" computes the MoE router's GEMM on fp32 copies of a bf16/fp16 x and weight (the reference,
+  k3.ops.router.router_scores_reference) instead of one GEMM of them as stored with fp32 output.
 - K3_AUTOTUNE_TABLE: the autotune choices pinned before fla's kernels first run (k3.ops.tuning): unset, the shipped
   table; a path, that file; "off", none (Triton autotunes every kernel).
 - K3_PRECOMPILE_WORKERS: processes that compile the table's kernels ahead of their first call (k3.ops.precompile);
@@ -48,6 +50,7 @@ class Switches:
     no_triton: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     triton_opt_in: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     require_fla: bool = False
+    router_fp32: bool = False
     no_shared_input_grad: bool = False
     no_block_grad_buffer: bool = False
     commit: str | None = None
@@ -90,6 +93,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
     return Switches(no_fla=_flag(get("K3_NO_FLA")), fla_lean=get("K3_FLA_LEAN") == "1",
                     no_triton=_names(get("K3_NO_TRITON"), "1"),
                     triton_opt_in=_names(get("K3_TRITON"), ALL), require_fla=get("K3_REQUIRE_FLA") == "1",
+                    router_fp32=get("K3_ROUTER_FP32") == "1",
                     no_shared_input_grad=_flag(get("K3_NO_SHARED_INPUT_GRAD")),
                     no_block_grad_buffer=_flag(get("K3_NO_BLOCK_GRAD_BUFFER")),
                     commit=get("K3_COMMIT") or None,

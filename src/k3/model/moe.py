@@ -9,6 +9,7 @@ from k3.ops.fused_linear import FusedLinears
 from k3.ops.fused_situ import situ_glu_fast
 from k3.ops.grouped_mm import expert_situ_mlp
 from k3.ops.moe_decode import selected_experts_situ_mlp, use_selected_experts
+from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores  # noqa: F401  (route: imported here)
 from k3.ops.mx_experts import (packed_expert_situ_mlp, packed_selected_experts_situ_mlp,
                                packed_selected_experts_take, qat_expert_situ_mlp)
 from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
@@ -21,6 +22,18 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        # the decode kernel's workspaces (k3.ops._router_triton), every one ever handed out: a captured CUDA graph
+        # keeps writing the one it was captured with, so none may be freed and its memory reused
+        self._tickets: list[torch.Tensor] = []
+
+    def tickets(self, rows: int, device: torch.device) -> torch.Tensor:
+        """An int32 zero workspace of at least `rows` entries on `device` for the router kernel, which leaves it
+        zero; one per router, so layers never share one."""
+        for t in reversed(self._tickets):
+            if t.device == device and t.numel() >= rows:
+                return t
+        self._tickets.append(torch.zeros(max(rows, KERNEL_MAX_ROWS), dtype=torch.int32, device=device))
+        return self._tickets[-1]
 
 
 class Experts(nn.Module):
@@ -33,15 +46,6 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, latent))
         # True after k3.ops.mx_experts.pack_experts_: uint8 buffers w*_packed, w*_scale replace w1..w3 (MXFP4).
         self.packed = False
-
-
-def route(scores: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True, scale: float = 1.0):
-    """Top-k of `scores + bias`; weights from the unbiased scores. scores: [N, E] → (idx [N, k], weights [N, k])."""
-    idx = torch.topk(scores + bias.to(scores.dtype), k, dim=-1).indices
-    w = scores.gather(-1, idx)
-    if renormalize:
-        w = w / w.sum(-1, keepdim=True)
-    return idx, w * scale
 
 
 class LatentMoE(nn.Module):
@@ -70,15 +74,19 @@ class LatentMoE(nn.Module):
 
     def router_scores(self, x: torch.Tensor) -> torch.Tensor:
         """Sigmoid router in fp32 (fp64 stays fp64). x: [N, D] → [N, E]."""
-        dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return torch.sigmoid(x.to(dt) @ self.gate.weight.to(dt).t())
+        return router_scores(x, self.gate.weight)
+
+    def route(self, x: torch.Tensor):
+        """(expert ids [N, k], their weights [N, k], scores [N, E]) of x [N, D] (k3.ops.router.route_tokens)."""
+        g = self.gate
+        return route_tokens(x, g.weight, g.e_score_correction_bias, self.top_k, self.renormalize, self.scale,
+                            tickets=g.tickets)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, D]; mask: [B, T] bool, False for padding (excluded from balancing statistics)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        scores = self.router_scores(x)
-        idx, w = route(scores, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scale)
+        idx, w, scores = self.route(x)
         if self.training:
             self.last_scores = scores.detach()
             self.last_mask = None if mask is None else mask.reshape(-1)
