@@ -133,22 +133,34 @@ def test_replica_rows_carry_their_layout(hot_model_dir):
                                        rtol=1e-5, atol=1e-6)
 
 
-def test_masked_steps_compute_only_the_held_slots(hot_model_dir, monkeypatch):
+@pytest.mark.parametrize("fmt", ["mxfp4", "f32"])
+def test_masked_steps_compute_only_the_held_slots(hot_model_dir, monkeypatch, fmt):
     """The masked path (fixed shapes: what a decode graph captures) computes each slot on the rank that holds it
-    and nowhere else: the expert GEMM rows over all ranks add up to N·k (before: N·k on every rank), only held
-    experts are dequantised, and the partial sums still add to the routed output."""
-    moe = _moe(K3ForCausalLM.from_pretrained(hot_model_dir / "mxfp4", packed_experts=True).eval())
+    and nowhere else: the expert GEMM rows over all ranks add up to N·k (before: N·k on every rank), and the
+    partial sums still add to the routed output. Packed (the reference here, as the kernels' tile schedule on
+    a GPU): rows through SiTU-GLU, and experts dequantised; float: the rows `torch._grouped_mm`'s offsets cover."""
+    packed = fmt == "mxfp4"
+    moe = _moe(K3ForCausalLM.from_pretrained(hot_model_dir / fmt, packed_experts=packed).eval())
     g = torch.Generator().manual_seed(4)
     N = 24
     idx = skewed_routing(N, seed=6)
     z = torch.randn(N, moe.routed_expert_down_proj.out_features, generator=g)
     w = torch.rand(N, idx.shape[1], generator=g)
-    combines = _combines(hot_model_dir / "mxfp4", [True, True])
+    want = moe.combine_experts(z, idx, w)
+    combines = _combines(hot_model_dir / fmt, [packed, packed])
     _place(combines, place_replicas(torch.bincount(idx.flatten(), minlength=E), RANKS, 2))
     rows, unpacked = [], []
-    glu, unpack = mx_experts.situ_glu, mx_experts.mxfp4_unpack
-    monkeypatch.setattr(mx_experts, "situ_glu", lambda a, *rest: rows.append(a.shape[0]) or glu(a, *rest))
-    monkeypatch.setattr(mx_experts, "mxfp4_unpack", lambda p, *rest: unpacked.append(1) or unpack(p, *rest))
+    if packed:
+        glu, unpack = mx_experts.situ_glu, mx_experts.mxfp4_unpack
+        monkeypatch.setattr(mx_experts, "situ_glu", lambda a, *rest: rows.append(a.shape[0]) or glu(a, *rest))
+        monkeypatch.setattr(mx_experts, "mxfp4_unpack", lambda p, *rest: unpacked.append(1) or unpack(p, *rest))
+    else:
+        grouped_mm = torch._grouped_mm
+
+        def spy(a, b, offs=None, **kw):  # the rows a grouped GEMM computes: up to its last offset
+            rows.append(int(offs[-1]))
+            return grouped_mm(a, b, offs=offs, **kw)
+        monkeypatch.setattr(torch, "_grouped_mm", spy)
     parts, computed = [], []
     for r, c in enumerate(combines):
         c.mode = "masked"
@@ -156,13 +168,15 @@ def test_masked_steps_compute_only_the_held_slots(hot_model_dir, monkeypatch):
         held_before = int(c.rows)
         parts.append(c.partial(z, idx, w))
         held = int(c.rows) - held_before  # the slots this rank holds (slot_holders' split)
-        computed.append(sum(rows))
+        computed.append(sum(rows) if packed else rows[0])
         assert computed[-1] == held < idx.numel(), (r, computed, held)
-        # one dequantisation of 3 matrices per local expert with held slots, none for the others' experts
-        mine = slot_holders(idx, c.cut) == r
-        assert len(unpacked) == 3 * len(rows) == 3 * len(set(c.row_of[idx[mine]].tolist()))
+        if packed:  # one dequantisation of 3 matrices per local expert with held slots, none for the others'
+            mine = slot_holders(idx, c.cut) == r
+            assert len(unpacked) == 3 * len(rows) == 3 * len(set(c.row_of[idx[mine]].tolist()))
+        else:  # gate, up, down: each over the held rows only
+            assert rows == [held] * 3
     assert sum(computed) == idx.numel()  # every slot once over the two ranks
-    torch.testing.assert_close(sum(parts), moe.combine_experts(z, idx, w), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sum(parts), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

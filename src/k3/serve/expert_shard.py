@@ -17,6 +17,7 @@ from k3.checkpoint.convert import config_experts_format
 from k3.checkpoint.sharded import RankLayout, load_rank_shard
 from k3.config import K3Config
 from k3.model.moe import LatentMoE
+from k3.ops.grouped_mm import expert_situ_mlp_grouped, grouped_mm_supported, host_offsets_forbidden
 from k3.ops.moe_decode import selected_experts_situ_mlp, use_selected_experts
 from k3.ops.mx_experts import (in_decode_layout, packed_expert_situ_mlp, packed_selected_experts_situ_mlp,
                                packed_selected_experts_take)
@@ -101,29 +102,35 @@ class ExpertShardCombine:
     def held_slots(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """`LatentMoE.combine_experts` over the local stacks for the slots held here, idx < 0 marking the other
         ranks' slots: fixed shapes and no host read on CUDA (what a graph captures), and the others' slots cost
-        no GEMM work. Packed experts: the selected-experts kernels skip their programs; grouped, they sort past
-        every local expert's rows, where no tile of the device-side schedule reaches. Float experts do the same
-        on the selected path; their grouped GEMMs (torch._grouped_mm) take whole offsets, so there the others'
-        slots still run through local expert 0 with weight 0 (finite values times an exact zero)."""
+        no GEMM work. On the selected-experts path the kernels skip their programs; grouped, they sort past every
+        local expert's rows, where no tile of the packed kernels' device-side schedule, and no group of
+        `torch._grouped_mm`'s offsets, reaches (those rows come back unwritten and are masked). Where neither
+        runs (QAT emulation; float grouped GEMMs that fall back to reading the offsets on the host) the others'
+        slots go through local expert 0 with weight 0 (finite values times an exact zero)."""
         local, (N, k) = self.local, idx.shape
         e, E = local.experts, local.num_experts
         held = idx >= 0
-        selected = use_selected_experts(N, k, E, needs_grad=False)
-        if e.packed:
-            if selected and packed_selected_experts_take(z, local.qat):
+        if use_selected_experts(N, k, E, needs_grad=False):
+            if e.packed and packed_selected_experts_take(z, local.qat):
                 return packed_selected_experts_situ_mlp(z, idx, w, e, *local.betas)
-            flat = torch.where(held, idx, E).flatten()  # the others' slots: a sink past the last local expert
-            order = torch.argsort(flat, stable=True)
-            slot = inverse_permutation(order)
-            counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(
-                0, flat, torch.ones_like(flat))[:E]
-            y = packed_expert_situ_mlp(dispatch_rows(z, order, slot, k), counts, e, *local.betas,
-                                       quantize_activations=local.qat)
-            y = torch.where(held[..., None], permute_rows(y, slot, order).view(N, k, -1), 0)  # sink rows: unwritten
-            return torch.bmm(w.unsqueeze(1), y).squeeze(1)
-        if selected and not local.qat:
-            return selected_experts_situ_mlp(z, idx, w, e.w1, e.w3, e.w2, *local.betas)
-        return LatentMoE.combine_experts(local, z, torch.where(held, idx, 0), torch.where(held, w, 0))
+            if not e.packed and not local.qat:
+                return selected_experts_situ_mlp(z, idx, w, e.w1, e.w3, e.w2, *local.betas)
+        float_grouped = not e.packed and not local.qat and e.w1.dtype == z.dtype and \
+            grouped_mm_supported(z, e.w1, e.w3, e.w2) and not host_offsets_forbidden(z, e.w1, e.w3, e.w2)
+        if not (e.packed or float_grouped):
+            return LatentMoE.combine_experts(local, z, torch.where(held, idx, 0), torch.where(held, w, 0))
+        flat = torch.where(held, idx, E).flatten()  # the others' slots: a sink past the last local expert
+        order = torch.argsort(flat, stable=True)
+        slot = inverse_permutation(order)
+        counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))[:E]
+        x = dispatch_rows(z, order, slot, k)
+        if e.packed:
+            y = packed_expert_situ_mlp(x, counts, e, *local.betas, quantize_activations=local.qat)
+        else:
+            y = expert_situ_mlp_grouped(x, counts, e.w1, e.w3, e.w2, *local.betas)
+        y = torch.where(held[..., None], permute_rows(y, slot, order).view(N, k, -1), 0)  # sink rows: unwritten
+        return torch.bmm(w.unsqueeze(1), y).squeeze(1)
 
     def replica_rows(self, experts: list[int]) -> torch.Tensor:
         """[n, 1 + bytes] uint8: a layout tag (`LAYOUT_TAG`: how packed bytes are laid out) and the stacked
