@@ -117,12 +117,17 @@ def test_route_tokens_takes_the_kernel_at_inference_for_few_rows_only():
     x, W = torch.zeros(2, 8), torch.zeros(4, 8)
     assert not use_router_kernel(x, W, needs_grad=False)  # CPU
     if torch.cuda.is_available():
+        from k3 import envs
+
         xc, Wc = x.cuda(), W.cuda()
-        assert use_router_kernel(xc, Wc, needs_grad=False)
-        assert not use_router_kernel(xc, Wc, needs_grad=True)
-        big = torch.zeros(router.KERNEL_MAX_ROWS + 1, 8, device="cuda")
-        assert not use_router_kernel(big, Wc, needs_grad=False)
-        assert not use_router_kernel(xc.double(), Wc, needs_grad=False)
+        with envs.override(triton_opt_in=[]):  # opt-in (k3.ops.triton_dispatch.OPT_IN)
+            assert not use_router_kernel(xc, Wc, needs_grad=False)
+        with envs.override(triton_opt_in=["_router_triton"]):
+            assert use_router_kernel(xc, Wc, needs_grad=False)
+            assert not use_router_kernel(xc, Wc, needs_grad=True)
+            big = torch.zeros(router.KERNEL_MAX_ROWS + 1, 8, device="cuda")
+            assert not use_router_kernel(big, Wc, needs_grad=False)
+            assert not use_router_kernel(xc.double(), Wc, needs_grad=False)
     idx, w, scores = route_tokens(x, W, torch.zeros(4), 2)  # the reference path, on the CPU
     assert idx.tolist() == [[0, 1], [0, 1]] and torch.equal(w, torch.full((2, 2), 0.5))
 
