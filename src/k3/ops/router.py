@@ -6,7 +6,8 @@ References (plain PyTorch, never dispatching): `router_scores_reference` and `ro
   fp32 (`torch.mm(..., out_dtype=torch.float32)`), with its own backward; the reference makes an fp32 copy of x
   (and keeps it for backward) and casts its gradient back. Off with K3_ROUTER_FP32=1.
 - `route_tokens` at inference for a few rows (decode): k3's Triton kernel (`k3.ops._router_triton`) from x and
-  the weight straight to the expert ids and weights, in one launch; the same selection, ties included.
+  the weight straight to the expert ids and weights, in one launch; the same selection, ties included. Opt-in
+  until timed on a GPU (K3_TRITON=_router_triton, k3.ops.triton_dispatch.OPT_IN).
 """
 from __future__ import annotations
 
