@@ -246,8 +246,8 @@ class BatchCacheView:
 
     def mla_context(self, layer_idx: int, rows: torch.Tensor,
                     max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Whole context of the sequences `rows` [n] (device indices, e.g. `decode_rows_t` or a slice of
-        `prefill_rows_t`) whose longest kv_len is `max_len` (from `kv_lens`): latent [n, max_len, R] and
+        """Whole context of the sequences `rows` [n] (device indices, e.g. `decode_rows_t`, or a slice of the
+        step's rows) whose longest kv_len is `max_len` (from `kv_lens`): latent [n, max_len, R] and
         k_extra [n, max_len, rope] (padded past each row's kv_len), and kv_len [n]; this step's tokens included."""
         raise NotImplementedError
 

@@ -57,8 +57,9 @@ class VarlenLayout:
             else:
                 lat, kx, kv_len = view.mla_context(m.layer_idx, rows, view.decode_max_len)
                 o[t] = m.absorbed_attention(q[0, t, None], lat, kx, kv_len=kv_len)[:, 0]
-        for i, r in enumerate(view.prefill_rows):
-            lat, kx, _ = view.mla_context(m.layer_idx, view.prefill_rows_t[i:i + 1], view.kv_lens[r])
+        for r in view.prefill_rows:
+            # the row as a slice: its block table and length are views, not index gathers
+            lat, kx, _ = view.mla_context(m.layer_idx, slice(r, r + 1), view.kv_lens[r])
             a, b = view.cu_host[r], view.cu_host[r + 1]
             o[a:b] = m.expanded_attention(q[:, a:b], lat, kx)[0]
         return o[None]

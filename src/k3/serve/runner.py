@@ -64,7 +64,7 @@ class PagedBatchView(BatchCacheView):
         kv = self.pool.kv[layer_idx]
         kv.view(-1, kv.shape[-1])[self.slot_mapping] = torch.cat([latent, k_extra], -1).to(kv.dtype)
 
-    def mla_context(self, layer_idx: int, rows: torch.Tensor, max_len: int):
+    def mla_context(self, layer_idx: int, rows: torch.Tensor | slice, max_len: int):
         kv = self.pool.kv[layer_idx]
         nb = -(-max_len // self.pool.block_size)
         ctx = kv[self.block_tables[rows, :nb]].flatten(1, 2)[:, :max_len]  # [n, max_len, R + rope]
