@@ -166,3 +166,18 @@ def test_graphed_decode_with_the_kernels_matches_eager_and_full_forward(compile)
 
     with envs.override(triton_opt_in=OURS):
         _graphed_decode_case(compile)
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_mix_norm_kernel_compiles_for_the_h200(add):
+    """The forward kernel with the add and the norm on compiled for sm_90 by ptxas (no GPU needed), and without
+    them (training's form): every form the dispatch can launch builds for the card."""
+    from sm90_compile import ptx_for_sm90
+
+    sig = {"srcs": ["*bf16"] * 5, "uw_ptr": "*fp32", "out_ptr": "*bf16", "scores_ptr": "*fp32", "lse_ptr": "*fp32",
+           "add_ptr": "*bf16", "sum_ptr": "*bf16", "nw_ptr": "*bf16", "R": "i32", "D": "i32", "eps": "fp32",
+           "norm_eps": "fp32"}
+    for norm in (False, True):
+        ptx = ptx_for_sm90("k3.ops._attn_res_triton", "_mix_fwd_kernel", sig, N=5, STATS=not norm, ADD=add,
+                           NORM=norm, BLOCK_R=2, BLOCK_D=2048)
+        assert ptx.count("st.global") >= 1 + add and ("ex2" in ptx)  # the stores (and the sum's), the softmax

@@ -193,3 +193,22 @@ def test_router_keeps_every_ticket_workspace():
     b = r.tickets(KERNEL_MAX_ROWS + 1, torch.device("cpu"))
     assert b is not a and b.numel() == KERNEL_MAX_ROWS + 1
     assert any(t is a for t in r._tickets) and r.tickets(3, torch.device("cpu")) is b
+
+
+def test_kernel_compiles_for_the_h200_with_its_ticket_ordering():
+    """The kernel compiled for sm_90 by ptxas (no GPU needed): one ticket atomic, acq_rel at GPU scope, issued by
+    one thread right after a barrier (every thread's score stores before it), and the last program's reads of
+    the row's scores from L2 (.cg), never a stale L1 line."""
+    from sm90_compile import ptx_for_sm90
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "scores_ptr": "*fp32", "tickets_ptr": "*i32",
+           "idx_ptr": "*i64", "wt_ptr": "*fp32", "E": "i32", "D": "i32", "scale": "fp32"}
+    ptx = ptx_for_sm90("k3.ops._router_triton", "_router_kernel", sig, TOP_K=8, K_PAD=8, E_PAD=64,
+                       RENORMALIZE=True, BLOCK_E=8, BLOCK_D=512)
+    ops = [line.strip() for line in ptx.splitlines()
+           if any(t in line for t in ("st.global", "bar.sync", "atom.", "ld.global.cg"))]
+    atomics = [i for i, op in enumerate(ops) if "atom." in op]
+    assert len(atomics) == 1 and "atom.global.gpu.acq_rel.add" in ops[atomics[0]], ops
+    assert ops[atomics[0]].startswith("@%p")  # predicated: one thread draws the ticket
+    assert "bar.sync" in ops[atomics[0] - 1] and "st.global" in ops[atomics[0] - 2]
+    assert any("ld.global.cg" in op for op in ops[atomics[0]:])

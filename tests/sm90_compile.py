@@ -1,0 +1,36 @@
+"""Compile a k3 Triton kernel for sm_90 (the H200) on any machine, no GPU: Triton's own ptxas, as a launch on the
+card would. Catches what the interpreter cannot (code generation, register allocation) and exposes the PTX, so
+tests can check the memory-ordering instructions a kernel relies on. Runs in a fresh process without
+TRITON_INTERPRET (in a process that set it, triton.language is the interpreter's)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, signature, constexprs, num_warps = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), name)
+signature = {k: tuple(v) if isinstance(v, list) else v for k, v in signature.items()}
+src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+sys.stdout.write(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"])
+"""
+
+
+def ptx_for_sm90(module: str, kernel: str, signature: dict, num_warps: int = 4, **constexprs) -> str:
+    """The PTX of `module.kernel` (a @triton.jit function) compiled through ptxas for sm_90, for the argument
+    types in `signature` ("*bf16", "i32", a tuple of them, ...) and the constexprs."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    args = json.dumps([module, kernel, signature, constexprs, num_warps])
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
