@@ -11,7 +11,9 @@ a slot table (the serving pool's) or are their own slot (a StaticCache).
 
 Why not split V over programs, as fla's recurrent kernel does: every V tile needs the whole of q and k, hence
 the q/k conv tails, and a tile that rewrote a tail could do it before another tile had read it. One program per
-head keeps each tail with a single owner; its warps cover the [K, V] tile.
+head keeps each tail with a single owner; it walks the [K, V] state in column tiles. The output norm needs the
+whole of o: each tile's gated o is stored with its sum of squares kept, then scaled by 1/rms in a second pass
+over the [V] output row (the unfused path rounds o to the model's dtype before its norm too).
 """
 import torch
 import triton
@@ -19,7 +21,7 @@ import triton.language as tl
 
 from k3.ops.triton_dispatch import on_device
 
-MAX_HEAD_DIM = 128  # the [K, V] state tile lives in one program's registers; wider heads take the unfused path
+MAX_HEAD_DIM = 128  # q, k, the gate and [K, TILE_V] state tiles are held whole along K; wider heads: unfused
 
 
 @triton.jit
@@ -50,62 +52,80 @@ def kda_decode_kernel(
         slots_ptr, out_ptr,
         H, K, V, R, scale, lower_bound, eps,
         W: tl.constexpr, HAS_SLOTS: tl.constexpr, TAIL_ROWS: tl.constexpr,
-        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
+        TILE_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = row
     if HAS_SLOTS:
         slot = tl.load(slots_ptr + row).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.arange(0, BLOCK_V)
-    k_ok, v_ok = offs_k < K, offs_v < V
-    ck, cv = h * K + offs_k, h * V + offs_v  # this head's channels of the q/k and of the v/gate columns
+    k_ok = offs_k < K
+    ck = h * K + offs_k  # this head's channels of the q/k columns
 
-    # ---- every read (projections, tails, weights, state), and what needs only those
+    # ---- q, k (whole heads), the gate and beta; then the q/k tails rewritten once every warp has read them
     q, tail_q = _conv_silu(xq_ptr + row * sx_q, tq_ptr + slot * s_tq, wq_ptr, ck, k_ok, r_tq, W, TAIL_ROWS)
     k, tail_k = _conv_silu(xk_ptr + row * sx_k, tk_ptr + slot * s_tk, wk_ptr, ck, k_ok, r_tk, W, TAIL_ROWS)
-    v, tail_v = _conv_silu(xv_ptr + row * sx_v, tv_ptr + slot * s_tv, wv_ptr, cv, v_ok, r_tv, W, TAIL_ROWS)
-    # the gate first: its [K, R] weight block is done with before the [K, V] state tile arrives
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R
-    fa = tl.load(fa_ptr + row * s_fa + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-    w_fb = tl.load(fb_ptr + ck[:, None] * R + offs_r[None, :], mask=k_ok[:, None] & r_ok[None, :],
-                   other=0.0).to(tl.float32)
-    f = tl.sum(w_fb * fa[None, :], axis=1)  # W_fb · f_a, this head's K rows
+    r = tl.arange(0, TAIL_ROWS)[:, None]
+    tail_ok = r < W - 1
+    tl.debug_barrier()  # (a row or column of a small tile may sit in several warps)
+    tl.store(tq_ptr + slot * s_tq + r * r_tq + ck[None, :], tail_q, mask=tail_ok & k_ok[None, :])
+    tl.store(tk_ptr + slot * s_tk + r * r_tk + ck[None, :], tail_k, mask=tail_ok & k_ok[None, :])
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale  # L2 norm (eps 1e-6), then the K^-1/2 scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    f = tl.zeros([BLOCK_K], dtype=tl.float32)  # W_fb · f_a, this head's K rows, R_CHUNK columns at a time
+    for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
+        offs_r = r0 + tl.arange(0, R_CHUNK)
+        r_ok = offs_r < R
+        fa = tl.load(fa_ptr + row * s_fa + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+        w_fb = tl.load(fb_ptr + ck[:, None] * R + offs_r[None, :], mask=k_ok[:, None] & r_ok[None, :],
+                       other=0.0).to(tl.float32)
+        f += tl.sum(w_fb * fa[None, :], axis=1)
     dt_bias = tl.load(dt_bias_ptr + ck, mask=k_ok, other=0.0).to(tl.float32)
     rate = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     alpha = tl.exp(lower_bound * tl.sigmoid(rate * (f + dt_bias)))  # exp(g), g in (lower_bound, 0) (SPEC §3.2)
     beta = tl.sigmoid(tl.load(beta_ptr + row * s_beta + h).to(tl.float32))
-    gate = tl.load(gate_ptr + row * s_gate + cv, mask=v_ok, other=0.0).to(tl.float32)
-    norm_w = tl.load(norm_w_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-    s_offs = slot * s_state + h * K * V + offs_k[:, None] * V + offs_v[None, :]
-    s_ok = k_ok[:, None] & v_ok[None, :]
-    S = tl.load(state_ptr + s_offs, mask=s_ok, other=0.0)
 
-    # ---- the rest of the math, fp32
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale  # L2 norm (eps 1e-6), then the K^-1/2 scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    S = S * alpha[:, None]
-    u = beta * (v - tl.sum(k[:, None] * S, axis=0))  # β (v − Sᵀk)
-    S = S + k[:, None] * u[None, :]
-    o = tl.sum(q[:, None] * S, axis=0)
-    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / V + eps) * norm_w * tl.sigmoid(gate)  # o_norm(o) ⊙ σ(gate)
+    # ---- the state TILE_V columns at a time (a whole [K, V] tile per thread block spills its registers):
+    # v's conv and tail, the delta rule, o gated but not yet normalised, and o's sum of squares
+    state_ptr += slot * s_state + h * K * V
+    out_ptr += row * H * V + h * V
+    sum_sq = 0.0
+    for v0 in range(0, BLOCK_V, TILE_V):
+        offs_v = v0 + tl.arange(0, TILE_V)
+        v_ok = offs_v < V
+        cv = h * V + offs_v
+        v, tail_v = _conv_silu(xv_ptr + row * sx_v, tv_ptr + slot * s_tv, wv_ptr, cv, v_ok, r_tv, W, TAIL_ROWS)
+        s_ptrs = state_ptr + offs_k[:, None] * V + offs_v[None, :]
+        s_ok = k_ok[:, None] & v_ok[None, :]
+        S = tl.load(s_ptrs, mask=s_ok, other=0.0)
+        tl.debug_barrier()
+        tl.store(tv_ptr + slot * s_tv + r * r_tv + cv[None, :], tail_v, mask=tail_ok & v_ok[None, :])
+        S = S * alpha[:, None]
+        u = beta * (v - tl.sum(k[:, None] * S, axis=0))  # β (v − Sᵀk)
+        S = S + k[:, None] * u[None, :]
+        tl.store(s_ptrs, S, mask=s_ok)
+        o = tl.sum(q[:, None] * S, axis=0)
+        sum_sq += tl.sum(o * o, axis=0)
+        gate = tl.load(gate_ptr + row * s_gate + cv, mask=v_ok, other=0.0).to(tl.float32)
+        norm_w = tl.load(norm_w_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_v, (o * norm_w * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty), mask=v_ok)
 
-    # ---- every write, after all warps have read (a row or column of a small tile may sit in several warps)
+    # ---- o_norm's 1/rms (per head, SPEC §3.2) over what this program just wrote
+    rstd = tl.rsqrt(sum_sq / V + eps)
     tl.debug_barrier()
-    r = tl.arange(0, TAIL_ROWS)[:, None]
-    tail_ok = r < W - 1
-    tl.store(tq_ptr + slot * s_tq + r * r_tq + ck[None, :], tail_q, mask=tail_ok & k_ok[None, :])
-    tl.store(tk_ptr + slot * s_tk + r * r_tk + ck[None, :], tail_k, mask=tail_ok & k_ok[None, :])
-    tl.store(tv_ptr + slot * s_tv + r * r_tv + cv[None, :], tail_v, mask=tail_ok & v_ok[None, :])
-    tl.store(state_ptr + s_offs, S, mask=s_ok)
-    tl.store(out_ptr + row * H * V + cv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+    for v0 in range(0, BLOCK_V, TILE_V):
+        offs_v = v0 + tl.arange(0, TILE_V)
+        v_ok = offs_v < V
+        y = tl.load(out_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_v, (y * rstd).to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
-def _num_warps(block_k: int, block_v: int) -> int:
-    """About 32 fp32 state values a thread (16 warps for a 128 × 128 tile): the state tile, the gate's weight
-    block and their products stay in registers. Untimed: the first GPU session sweeps it."""
-    return max(1, min(16, block_k * block_v // 1024))
+# Sized by ptxas for sm_90 at K = V = 128, bf16 (triton 3.6, compiled here without a GPU): 8 warps and 32 state
+# columns a step use 190 registers, no spills (16 warps: 115; 16 columns: 119); a whole [128, 128] tile at once
+# spilled 180-420 bytes a thread at 8 and 16 warps, 64 columns at 4 and 8. Untimed: the first GPU session sweeps.
+_TILE_V = 32
+_NUM_WARPS = 8
 
 
 @torch.library.custom_op("k3::kda_decode_step", mutates_args=("state", "conv_q", "conv_k", "conv_v"))
@@ -122,7 +142,7 @@ def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: to
     out = torch.empty(B, H * V, dtype=xq.dtype, device=xq.device)
     if B == 0:
         return out
-    block_k, block_v = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    block_k, block_v, block_r = triton.next_power_of_2(K), triton.next_power_of_2(V), triton.next_power_of_2(R)
     with on_device(xq):
         kda_decode_kernel[(B, H)](
             xq, xk, xv, fa, beta_logits, gate,
@@ -132,8 +152,8 @@ def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: to
             conv_q.stride(1), conv_k.stride(1), conv_v.stride(1), xq if slots is None else slots, out,
             H, K, V, R, K ** -0.5, float(lower_bound), float(eps),
             W=W, HAS_SLOTS=slots is not None, TAIL_ROWS=triton.next_power_of_2(max(W - 1, 1)),
-            BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_R=triton.next_power_of_2(R),
-            num_warps=_num_warps(block_k, block_v))
+            BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_R=block_r, R_CHUNK=min(block_r, 32),
+            TILE_V=min(block_v, _TILE_V), num_warps=_NUM_WARPS)
     return out
 
 
