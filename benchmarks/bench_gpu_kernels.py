@@ -127,7 +127,7 @@ def sweep_kernels(B: int, T: int):
     # 4 blocks + p, as a late layer's mix: the blocks' gradients added into their buffers by the kernel, against
     # fresh gradients that autograd then adds into the sums (one add_ each)
     bufs = [torch.randn_like(g) for _ in range(4)]
-    into = [(b, True) for b in bufs] + [None]
+    into = [(b, b) for b in bufs] + [None]
     ms_in = time_ms(lambda: ar.mix_backward(g, u, w, 1e-5, sources, scores, lse, into=into), inner=20)
 
     def returned():

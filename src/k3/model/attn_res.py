@@ -22,56 +22,102 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Line
 
 
 class BlockGrads:
-    """The gradients of one forward's AttnRes blocks, each summed in one buffer by the mixes that read it.
+    """The gradients of one forward's AttnRes sources, each summed in one buffer by the mixes that read it.
 
     A block is a source of every later mix (the embedding of all of them), so autograd would receive one fresh
     gradient per mix and add them pairwise: per further mix a write, then an add that reads two and writes one.
     Here `attach(block)` returns the block as the mixes should read it (an identity node, tagged); each mix's
     backward adds its part into the block's buffer (the first one writes it) and hands autograd nothing for
     it; the identity node's backward, which autograd runs after every reader's, returns the buffer (plus any
-    gradient from a reader that is not a mix). Switch: K3_NO_BLOCK_GRAD_BUFFER (k3.envs)."""
+    gradient from a reader that is not a mix). The partial sums p are attached too: each is read by one mix and
+    by the residual add after it (`residual_add`), whose backward leaves its gradient here, so the mix writes
+    its part plus that gradient in one pass instead of autograd adding them. Switch: K3_NO_BLOCK_GRAD_BUFFER
+    (k3.envs)."""
 
     def __init__(self):
-        # per slot (buffer, the backward pass that wrote it): a sum left by a pass that never reached the block
-        # (torch.autograd.grad of something upstream, retain_graph) is stale in the next pass, not added to
-        self._buffers: list[tuple[torch.Tensor, int] | None] = []
+        # per slot (tensor, the backward pass that left it, whether it is ours to add into): a sum left by a
+        # pass that never reached the source (autograd.grad of something upstream, retain_graph) is stale in
+        # the next pass, not added to; a residual add's gradient is read, never written
+        self._entries: list[tuple[torch.Tensor, int, bool] | None] = []
 
     @staticmethod
     def wanted() -> bool:
         return torch.is_grad_enabled() and not envs.current().no_block_grad_buffer
 
-    def attach(self, block: torch.Tensor) -> torch.Tensor:
-        if not block.requires_grad:
-            return block
-        slot = len(self._buffers)
-        self._buffers.append(None)
-        out = _BlockGradSink.apply(block, self, slot)
-        out._k3_block_grad = (self, slot)  # how a mix's forward (`_sinks`) knows the tensor for a block
+    def attach(self, source: torch.Tensor) -> torch.Tensor:
+        if not source.requires_grad:
+            return source
+        slot = len(self._entries)
+        self._entries.append(None)
+        out = _BlockGradSink.apply(source, self, slot)
+        out._k3_block_grad = (self, slot)  # how a mix's forward (`_sinks`) knows the tensor for a source
         return out
 
-    def _held(self, slot: int) -> torch.Tensor | None:
-        entry = self._buffers[slot]
-        return entry[0] if entry is not None and entry[1] == torch._C._current_graph_task_id() else None
+    def _held(self, slot: int) -> tuple[torch.Tensor, bool] | None:
+        entry = self._entries[slot]
+        if entry is None or entry[1] != torch._C._current_graph_task_id():
+            return None
+        return entry[0], entry[2]
 
-    def buffer(self, slot: int, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(slot's buffer, whether it holds a sum already): a fresh uninitialised one for the first writer."""
-        buf = self._held(slot)
-        if buf is None:
-            buf = torch.empty_like(like)
-            self._buffers[slot] = (buf, torch._C._current_graph_task_id())
-            return buf, False
-        return buf, True
+    def _hold(self, slot: int, t: torch.Tensor, owned: bool) -> None:
+        self._entries[slot] = (t, torch._C._current_graph_task_id(), owned)
+
+    def buffer(self, slot: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(where a mix's backward writes its gradient for the slot, what it adds to it or None): the sum so far
+        itself, or a fresh buffer plus the residual add's gradient, or a fresh buffer alone (the first writer)."""
+        held = self._held(slot)
+        if held is not None and held[1]:
+            return held[0], held[0]
+        buf = torch.empty_like(like)
+        self._hold(slot, buf, True)
+        return buf, (held[0] if held is not None else None)
 
     def add(self, slot: int, grad: torch.Tensor) -> None:
-        buf = self._held(slot)
-        if buf is None:
-            self._buffers[slot] = (grad, torch._C._current_graph_task_id())
+        """A mix's gradient for the slot, from the torch path (a fresh tensor, ours to keep)."""
+        held = self._held(slot)
+        if held is None:
+            self._hold(slot, grad, True)
+        elif held[1]:
+            held[0].add_(grad)
         else:
-            buf.add_(grad)
+            self._hold(slot, grad.add_(held[0]), True)
+
+    def deposit(self, slot: int, grad: torch.Tensor) -> None:
+        """A residual add's gradient for the slot (shared with the add's other operand: never written)."""
+        held = self._held(slot)
+        if held is None:
+            self._hold(slot, grad, False)
+        elif held[1]:
+            held[0].add_(grad)
+        else:
+            self._hold(slot, held[0] + grad, True)
 
     def take(self, slot: int) -> torch.Tensor | None:
-        buf, self._buffers[slot] = self._held(slot), None
-        return buf
+        held, self._entries[slot] = self._held(slot), None
+        return None if held is None else held[0]
+
+
+def residual_add(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """p + x for a partial sum p; where p is an attached AttnRes source the sum is attached too, and the add's
+    gradient for p goes to p's BlockGrads slot (see BlockGrads), not through autograd."""
+    sink = getattr(p, "_k3_block_grad", None)
+    if sink is None or not torch.is_grad_enabled():
+        return p + x
+    return sink[0].attach(_ResidualAdd.apply(p, x, *sink))
+
+
+class _ResidualAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, x, grads, slot):
+        ctx.grads, ctx.slot = grads, slot
+        return p + x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        if grad is not None:
+            ctx.grads.deposit(ctx.slot, grad)
+        return None, grad, None, None
 
 
 class _BlockGradSink(torch.autograd.Function):
@@ -204,8 +250,19 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
                                             out_norm.eps, None if add is None else add.contiguous())
         return (p if total is None else total.view_as(p)), y.view_as(p)
     if add is not None:
-        p = p + add
+        p = residual_add(p, add)
+    else:
+        p = _attached_like(p, blocks)
     return p, out_norm(attn_res_mix([*blocks, p], norm, proj))
+
+
+def _attached_like(p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+    """p attached to the blocks' BlockGrads where they have one and p is not attached yet (a fresh block's first
+    partial sum, the attention output alone), so its mix and the residual add after it sum in one pass."""
+    tag = getattr(blocks[0], "_k3_block_grad", None) if blocks else None
+    if tag is None or getattr(p, "_k3_block_grad", None) is not None:
+        return p
+    return tag[0].attach(p)
 
 
 def _fused_mix_norm(sources, add, norm, proj, out_norm) -> bool:

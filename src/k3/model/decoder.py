@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.memory import check_fits
-from k3.model.attn_res import BlockGrads, attn_res_mix_norm
+from k3.model.attn_res import BlockGrads, attn_res_mix_norm, residual_add
 from k3.model.cache import K3Cache, StaticCache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiHeadLatentAttention
@@ -100,7 +100,7 @@ def _layer_forward(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, b
     attn = layer.self_attn(x, doc_ids=doc_ids, cache=cache)
     p, m = attn_res_mix_norm(blocks, None if starts_block else p, layer.mlp_res_norm, layer.mlp_res_proj,
                              layer.post_attention_layernorm, add=attn)  # a new block's partial sum starts at 0
-    return p + layer.ffn(m, mask)
+    return residual_add(p, layer.ffn(m, mask))  # p + ffn; see BlockGrads
 
 
 def _checkpointed_layer(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, blocks: list[torch.Tensor],

@@ -73,13 +73,14 @@ def _mix_bwd_da_kernel(srcs, g_ptr, da_ptr, R, D,
 
 
 @triton.jit(do_not_specialize=["accumulate"])
-def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog, iters,
+def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog, iters,
                     accumulate, N: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     """Every source's gradient and the q partials. ONE_PASS: ∂L/∂a_i = ⟨g, v_i⟩ formed here, per tile (each
     source tile read twice in a row, the second time from cache); else read from da (_mix_bwd_da_kernel's).
-    accumulate: a bit mask over the sources; where bit i is set, source i's gradient is added to what grads[i]
-    holds (an AttnRes block's sum over the mixes that read it) instead of written over it. A run-time value
+    accumulate: a bit mask over the sources; where bit i is set, source i's gradient plus addends[i] is stored
+    (addends[i] is grads[i] itself for an AttnRes block's sum over the mixes that read it, or the gradient a
+    residual add left for a partial sum), else the gradient alone. A run-time value
     (a uniform branch), so the masks a model uses share one compiled kernel per source count."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -116,7 +117,7 @@ def _mix_bwd_kernel(srcs, grads, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_p
             coef = a * (da - t) * r
             dv = a[:, None] * g + coef[:, None] * uw[None, :] - (coef * s * r / D)[:, None] * v
             if (accumulate >> i) & 1:
-                dv += tl.load(grads[i] + offs, mask=mask, other=0.0).to(tl.float32)
+                dv += tl.load(addends[i] + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
             q += tl.where(mask, coef[:, None] * v, 0.0)
         it += 1
@@ -154,8 +155,9 @@ def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[tor
 
 def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
     """(∂L/∂u, ∂L/∂w [1, D], ∂L/∂sources) of `mix_forward` given ∂L/∂out. into: per source None (a fresh
-    gradient), or (buffer like the source, accumulate): the gradient is written into the buffer, or added to
-    what it holds when accumulate; the buffer is then that source's entry of the result."""
+    gradient), or (buffer like the source, addend or None): the gradient, plus the addend where there is one
+    (the buffer itself: added in place), is written into the buffer, which is that source's entry of the
+    result."""
     D = sources[0].shape[-1]
     R = sources[0].numel() // D
     g = grad_out.contiguous()
@@ -165,7 +167,8 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
     da = scores if one_pass else torch.empty_like(scores)
     into = into or [None] * len(sources)
     grads = tuple(torch.empty_like(s) if dest is None else dest[0] for s, dest in zip(sources, into))
-    accumulate = sum(1 << i for i, dest in enumerate(into) if dest is not None and dest[1])
+    addends = tuple(dest[1] if dest is not None and dest[1] is not None else grad for dest, grad in zip(into, grads))
+    accumulate = sum(1 << i for i, dest in enumerate(into) if dest is not None and dest[1] is not None)
     tiles = triton.cdiv(R, block_r)
     progs = min(tiles, _MAX_PROGRAMS)
     q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
@@ -173,7 +176,7 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
         if not one_pass:
             _mix_bwd_da_kernel[(tiles,)](tuple(sources), g, da, R, D, N=len(sources), BLOCK_R=block_r,
                                          BLOCK_D=block_d)
-        _mix_bwd_kernel[(progs,)](tuple(sources), grads, g, uw, scores, lse, da, q, R, D, eps, progs,
+        _mix_bwd_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse, da, q, R, D, eps, progs,
                                   triton.cdiv(tiles, progs), accumulate,
                                   N=len(sources), ONE_PASS=one_pass, BLOCK_R=block_r, BLOCK_D=block_d,
                                   num_warps=NUM_WARPS["bwd"])
