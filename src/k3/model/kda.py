@@ -127,9 +127,15 @@ class VarlenLayout:
         view, N, W = self.view, xs[0].shape[1], m.q_conv1d.weight.shape[-1]
         index = view.shared(("short_conv", W), lambda: short_conv_varlen_index(view.cu_seqlens, N, W))
         st = view.kda_state(m.layer_idx)
-        outs = [short_conv_varlen(x[0], conv.weight, tail, index)
-                for x, conv, tail in zip(xs, m.convs, (st.conv_q, st.conv_k, st.conv_v))]
-        return [F.silu(y[None]) for y, _ in outs], [t for _, t in outs]
+        # q, k and v as one depthwise conv over their channels side by side: one gather of the windows and one of
+        # the new tails for the three (each gather, cat and cast a launch in an eager step), the same sums
+        S, C = st.conv_q.shape[0], xs[0].shape[-1]
+        tails = torch.stack([st.conv_q, st.conv_k, st.conv_v], 2).view(S, W - 1, 3 * C)
+        weight = torch.cat([conv.weight for conv in m.convs])
+        y, tail = short_conv_varlen(torch.cat([x[0] for x in xs], -1), weight, tails, index)
+        y = F.silu(y.view(N, 3, C).transpose(0, 1).contiguous(), inplace=True)  # [3, N, C]: each a dense block
+        tail = tail.view(S, W - 1, 3, C)
+        return [y[i][None] for i in range(3)], [tail[:, :, i] for i in range(3)]
 
     def decode_slots(self, m: "KimiDeltaAttention", T: int) -> KDASlots | None:
         """The pool's slots when every sequence of the step decodes one token (token s is sequence s)."""
