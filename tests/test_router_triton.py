@@ -212,3 +212,33 @@ def test_kernel_compiles_for_the_h200_with_its_ticket_ordering():
     assert ops[atomics[0]].startswith("@%p")  # predicated: one thread draws the ticket
     assert "bar.sync" in ops[atomics[0] - 1] and "st.global" in ops[atomics[0] - 2]
     assert any("ld.global.cg" in op for op in ops[atomics[0]:])
+
+
+def test_reference_scores_stay_fp32_under_autocast():
+    """Autocast runs any GEMM in bf16, which would make the router's scores (and the balancing bias added to
+    them for selection, ~1e-3 against bf16's 2^-9 steps near 0.5) bf16: the reference keeps its fp32 GEMM."""
+    g = torch.Generator().manual_seed(8)
+    x, W = torch.randn(6, 64, generator=g), torch.randn(16, 64, generator=g) * 0.1
+    want = router_scores_reference(x, W)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router_scores_reference(x, W)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_router_scores_under_cuda_autocast_are_fp32_of_the_bf16_operands():
+    """k3 train's CUDA steps: fp32 x and weight under bf16 autocast. The GEMM reads them in bf16 (as autocast
+    would) but the scores are fp32: equal to float64 of the bf16-rounded operands to fp32 rounding, and their
+    gradients reach the fp32 leaves."""
+    from k3.ops.router import router_scores
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(100, 1536, generator=g).cuda().requires_grad_()
+    W = (torch.randn(64, 1536, generator=g) * 0.05).cuda().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        s = router_scores(x, W)
+    want = router_scores_reference(x.detach().bfloat16().double(), W.detach().bfloat16().double())
+    assert s.dtype == torch.float32 and rel_err(s, want) < 1e-6
+    s.sum().backward()
+    assert x.grad.dtype == W.grad.dtype == torch.float32 and x.grad.abs().sum() > 0 and W.grad.abs().sum() > 0

@@ -4,7 +4,8 @@ chosen experts' unbiased scores renormalised and scaled.
 References (plain PyTorch, never dispatching): `router_scores_reference` and `route`. Fast paths beside them:
 - `router_scores` on CUDA with bf16/fp16 x: one GEMM reading x and the weight as stored, accumulating and writing
   fp32 (`torch.mm(..., out_dtype=torch.float32)`), with its own backward; the reference makes an fp32 copy of x
-  (and keeps it for backward) and casts its gradient back. Off with K3_ROUTER_FP32=1.
+  (and keeps it for backward) and casts its gradient back. Under bf16 autocast an fp32 x is read in bf16, as
+  autocast reads it for any GEMM, but the scores stay fp32. Off with K3_ROUTER_FP32=1.
 - `route_tokens` at inference for a few rows (decode): k3's Triton kernel (`k3.ops._router_triton`) from x and
   the weight straight to the expert ids and weights, in one launch; the same selection, ties included. Opt-in
   until timed on a GPU (K3_TRITON=_router_triton, k3.ops.triton_dispatch.OPT_IN).
@@ -24,9 +25,11 @@ KERNEL_MAX_ROWS = 64
 
 
 def router_scores_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sigmoid(x Wᵀ) on fp32 copies (fp64 stays fp64). x: [..., D], weight: [E, D] → [..., E]."""
+    """sigmoid(x Wᵀ) on fp32 copies (fp64 stays fp64). x: [..., D], weight: [E, D] → [..., E].
+    Under autocast too: autocast would run the GEMM, and so the scores and the bias added to them, in bf16."""
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.sigmoid(x.to(dt) @ weight.to(dt).t())
+    with torch.autocast(x.device.type, enabled=False):
+        return torch.sigmoid(x.to(dt) @ weight.to(dt).t())
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True, scale: float = 1.0):
@@ -73,18 +76,28 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def use_low_precision_gemm(x: torch.Tensor) -> bool:
-    """Whether `router_scores` takes the bf16/fp16 GEMM with fp32 output: CUDA, such an x, not switched off."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not envs.current().router_fp32
+def low_precision_gemm_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype in which `router_scores` reads x for the GEMM with fp32 output, or None for the fp32 reference:
+    on CUDA (unless K3_ROUTER_FP32) a bf16/fp16 x's own, and under bf16/fp16 autocast an fp32 x's autocast dtype
+    (the cast autocast makes for any GEMM; k3 train's CUDA steps run so)."""
+    if not x.is_cuda or envs.current().router_fp32:
+        return None
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return x.dtype
+    if x.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        dt = torch.get_autocast_dtype("cuda")
+        return dt if dt in (torch.bfloat16, torch.float16) else None
+    return None
 
 
 def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`router_scores_reference`, on CUDA for bf16/fp16 x without fp32 copies of x or of its gradient."""
-    if not use_low_precision_gemm(x):
+    """`router_scores_reference`, on CUDA for bf16/fp16 x (or autocast) without fp32 copies of x or its gradient."""
+    dt = low_precision_gemm_dtype(x)
+    if dt is None:
         return router_scores_reference(x, weight)
     with torch.autocast("cuda", enabled=False):  # the GEMM's dtypes are chosen here, not by autocast
-        logits = _LowPrecisionRouterLogits.apply(x.reshape(-1, x.shape[-1]), weight)
-    return torch.sigmoid(logits).view(*x.shape[:-1], weight.shape[0])
+        logits = _LowPrecisionRouterLogits.apply(x.reshape(-1, x.shape[-1]).to(dt), weight)
+        return torch.sigmoid(logits).view(*x.shape[:-1], weight.shape[0])
 
 
 def use_router_kernel(x: torch.Tensor, weight: torch.Tensor, needs_grad: bool) -> bool:
