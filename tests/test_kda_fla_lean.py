@@ -123,7 +123,7 @@ def kda_args(lens, H=2, K=8, requires_grad=False):
         cu_seqlens_cpu=torch.tensor(cu), recurrent=False)
 
 
-def test_lean_path_is_taken_only_when_switched_on_and_without_gradients(monkeypatch):
+def test_lean_path_is_taken_only_when_switched_on_without_gradients_or_compile(monkeypatch):
     fake = FakeFla(monkeypatch, "0.6.0")
     args, kw = kda_args([1, 65, 7])
     with torch.inference_mode():
@@ -146,6 +146,12 @@ def test_lean_path_is_taken_only_when_switched_on_and_without_gradients(monkeypa
     assert gate_kw["lower_bound"] == -5.0 and gate_kw["chunk_size"] == CHUNK_SIZE
 
     fake.public.clear()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with envs.override(fla_lean=True), torch.inference_mode():  # torch.compile tracing: fla's public entry
+        kda_fla.fla_kda_gated(*args, **kw)
+    assert fake.public == ["chunk_kda"]
+    monkeypatch.undo()
+    fake = FakeFla(monkeypatch, "0.6.0")
     grad_args, kw = kda_args([4, 3], requires_grad=True)
     with envs.override(fla_lean=True):  # training: the autograd entry even when switched on
         kda_fla.fla_kda_gated(*grad_args, **kw)

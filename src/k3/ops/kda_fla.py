@@ -124,8 +124,9 @@ def _pin_choices(x: torch.Tensor) -> None:
 
 
 def _lean() -> bool:
-    """Whether inference takes k3.ops.kda_fla_lean: switched on (K3_FLA_LEAN=1) and fla of the series it calls."""
-    if not envs.current().fla_lean:
+    """Whether inference takes k3.ops.kda_fla_lean: switched on (K3_FLA_LEAN=1), fla of the series it calls, and
+    not inside torch.compile (fla's public entries keep their stages out of the graph; the lean calls do not)."""
+    if not envs.current().fla_lean or torch.compiler.is_compiling():
         return False
     from k3.ops import kda_fla_lean
 
