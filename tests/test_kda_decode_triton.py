@@ -105,6 +105,24 @@ def test_steps_chain_like_the_recurrence():
     torch.testing.assert_close(state, ref_state, rtol=5e-5, atol=5e-5)
 
 
+def test_slots_outside_the_storage_touch_nothing():
+    """A slot table naming slots past the storage or below 0 (a caller's bug; checking it would cost a device
+    read) makes the kernel read zeros for those rows and write nothing for them: the storage outside the valid
+    rows' slots stays bit for bit, the valid row gets the reference's result, and every output is finite."""
+    feats, weights, state, tails = step_case(21, 3, 2, 16, 16, 16, 4, 4)
+    before = (state.clone(), tuple(t.clone() for t in tails))
+    out = kda_decode_step(*feats, weights, state, *tails, torch.tensor([9, 2, -1], device=DEVICE))
+    ref_state, ref_tails = before[0].clone(), tuple(t.clone() for t in before[1])
+    want = kda_decode_step_reference(*(f[1:2] for f in feats), weights, ref_state, *ref_tails,
+                                     torch.tensor([2], device=DEVICE))
+    torch.testing.assert_close(out[1:2], want, rtol=2e-5, atol=2e-5)
+    assert torch.isfinite(out).all()
+    others = torch.tensor([0, 1, 3], device=DEVICE)
+    assert torch.equal(state[others], before[0][others])
+    torch.testing.assert_close(state[2], ref_state[2], rtol=2e-5, atol=2e-5)
+    assert all(torch.equal(a, b) for a, b in zip(tails, ref_tails))
+
+
 def test_bad_inputs_are_refused_by_name():
     feats, weights, state, tails = step_case(3, 2, 2, 16, 16, 16, 4, 4)
     with pytest.raises(ValueError, match="slots"):

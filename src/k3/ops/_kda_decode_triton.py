@@ -25,20 +25,22 @@ MAX_HEAD_DIM = 128  # q, k, the gate and [K, TILE_V] state tiles are held whole 
 
 
 @triton.jit
-def _conv_silu(x_ptr, tail_ptr, w_ptr, chans, c_ok, stride_tail_row,
+def _conv_silu(x_ptr, tail_ptr, w_ptr, chans, c_ok, slot_ok, stride_tail_row,
                W: tl.constexpr, TAIL_ROWS: tl.constexpr):
     """SiLU(Σ_j w[c, j] · [tail; x][j, c]) for channels `chans`, and the shifted tail [tail[1:]; x] to store
-    once every program's warps have read the old one. x and the old tail are read here, nothing is written."""
+    once every program's warps have read the old one. x and the old tail are read here, nothing is written;
+    the tail reads as zeros where not slot_ok."""
     r = tl.arange(0, TAIL_ROWS)[:, None]
     c = chans[None, :]
     ok = (r < W - 1) & c_ok[None, :]
     x = tl.load(x_ptr + chans, mask=c_ok, other=0.0).to(tl.float32)
-    tail = tl.load(tail_ptr + r * stride_tail_row + c, mask=ok, other=0.0).to(tl.float32)
+    tail = tl.load(tail_ptr + r * stride_tail_row + c, mask=ok & slot_ok, other=0.0).to(tl.float32)
     w_tail = tl.load(w_ptr + c * W + r, mask=ok, other=0.0).to(tl.float32)
     w_last = tl.load(w_ptr + chans * W + (W - 1), mask=c_ok, other=0.0).to(tl.float32)
     y = tl.sum(tail * w_tail, axis=0) + x * w_last
     # row r of the new tail is old row r + 1, and the last row is x
-    shifted = tl.load(tail_ptr + (r + 1) * stride_tail_row + c, mask=(r < W - 2) & c_ok[None, :], other=0.0)
+    shifted = tl.load(tail_ptr + (r + 1) * stride_tail_row + c, mask=(r < W - 2) & c_ok[None, :] & slot_ok,
+                      other=0.0)
     new_tail = tl.where(r == W - 2, x[None, :], shifted.to(tl.float32))
     return y * tl.sigmoid(y), new_tail
 
@@ -49,7 +51,7 @@ def kda_decode_kernel(
         sx_q, sx_k, sx_v, s_fa, s_beta, s_gate,  # their row strides (columns are contiguous)
         wq_ptr, wk_ptr, wv_ptr, fb_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr,  # the layer's weights
         state_ptr, s_state, tq_ptr, tk_ptr, tv_ptr, s_tq, s_tk, s_tv, r_tq, r_tk, r_tv,  # per-slot storage
-        slots_ptr, out_ptr,
+        slots_ptr, n_slots, out_ptr,
         H, K, V, R, scale, lower_bound, eps,
         W: tl.constexpr, HAS_SLOTS: tl.constexpr, TAIL_ROWS: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
@@ -59,15 +61,17 @@ def kda_decode_kernel(
     slot = row
     if HAS_SLOTS:
         slot = tl.load(slots_ptr + row).to(tl.int64)
+    # a slot outside the storage is neither read nor written (its row reads zero state): never memory corruption
+    slot_ok = (slot >= 0) & (slot < n_slots)
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     ck = h * K + offs_k  # this head's channels of the q/k columns
 
     # ---- q, k (whole heads), the gate and beta; then the q/k tails rewritten once every warp has read them
-    q, tail_q = _conv_silu(xq_ptr + row * sx_q, tq_ptr + slot * s_tq, wq_ptr, ck, k_ok, r_tq, W, TAIL_ROWS)
-    k, tail_k = _conv_silu(xk_ptr + row * sx_k, tk_ptr + slot * s_tk, wk_ptr, ck, k_ok, r_tk, W, TAIL_ROWS)
+    q, tail_q = _conv_silu(xq_ptr + row * sx_q, tq_ptr + slot * s_tq, wq_ptr, ck, k_ok, slot_ok, r_tq, W, TAIL_ROWS)
+    k, tail_k = _conv_silu(xk_ptr + row * sx_k, tk_ptr + slot * s_tk, wk_ptr, ck, k_ok, slot_ok, r_tk, W, TAIL_ROWS)
     r = tl.arange(0, TAIL_ROWS)[:, None]
-    tail_ok = r < W - 1
+    tail_ok = (r < W - 1) & slot_ok
     tl.debug_barrier()  # (a row or column of a small tile may sit in several warps)
     tl.store(tq_ptr + slot * s_tq + r * r_tq + ck[None, :], tail_q, mask=tail_ok & k_ok[None, :])
     tl.store(tk_ptr + slot * s_tk + r * r_tk + ck[None, :], tail_k, mask=tail_ok & k_ok[None, :])
@@ -95,9 +99,10 @@ def kda_decode_kernel(
         offs_v = v0 + tl.arange(0, TILE_V)
         v_ok = offs_v < V
         cv = h * V + offs_v
-        v, tail_v = _conv_silu(xv_ptr + row * sx_v, tv_ptr + slot * s_tv, wv_ptr, cv, v_ok, r_tv, W, TAIL_ROWS)
+        v, tail_v = _conv_silu(xv_ptr + row * sx_v, tv_ptr + slot * s_tv, wv_ptr, cv, v_ok, slot_ok, r_tv, W,
+                               TAIL_ROWS)
         s_ptrs = state_ptr + offs_k[:, None] * V + offs_v[None, :]
-        s_ok = k_ok[:, None] & v_ok[None, :]
+        s_ok = k_ok[:, None] & v_ok[None, :] & slot_ok
         S = tl.load(s_ptrs, mask=s_ok, other=0.0)
         tl.debug_barrier()
         tl.store(tv_ptr + slot * s_tv + r * r_tv + cv[None, :], tail_v, mask=tail_ok & v_ok[None, :])
@@ -122,8 +127,9 @@ def kda_decode_kernel(
 
 
 # Sized by ptxas for sm_90 at K = V = 128, bf16 (triton 3.6, compiled here without a GPU): 8 warps and 32 state
-# columns a step use 190 registers, no spills (16 warps: 115; 16 columns: 119); a whole [128, 128] tile at once
-# spilled 180-420 bytes a thread at 8 and 16 warps, 64 columns at 4 and 8. Untimed: the first GPU session sweeps.
+# columns a step use 204 registers, no spills (before the slot check: 16 warps 115, 16 columns 119); a whole
+# [128, 128] tile at once spilled 180-420 bytes a thread at 8 and 16 warps, 64 columns at 4 and 8 warps.
+# Untimed: the first GPU session sweeps them.
 _TILE_V = 32
 _NUM_WARPS = 8
 
@@ -149,7 +155,8 @@ def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: to
             xq.stride(0), xk.stride(0), xv.stride(0), fa.stride(0), beta_logits.stride(0), gate.stride(0),
             wq, wk, wv, f_b, A_log, dt_bias, norm_weight,
             state, state.stride(0), conv_q, conv_k, conv_v, conv_q.stride(0), conv_k.stride(0), conv_v.stride(0),
-            conv_q.stride(1), conv_k.stride(1), conv_v.stride(1), xq if slots is None else slots, out,
+            conv_q.stride(1), conv_k.stride(1), conv_v.stride(1), xq if slots is None else slots, state.shape[0],
+            out,
             H, K, V, R, K ** -0.5, float(lower_bound), float(eps),
             W=W, HAS_SLOTS=slots is not None, TAIL_ROWS=triton.next_power_of_2(max(W - 1, 1)),
             BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_R=block_r, R_CHUNK=min(block_r, 32),
