@@ -6,7 +6,7 @@ One program per (row, head) owns that head's channels of the three conv tails an
 read and rewrite them in place: the three short convs with their tails shifted, SiLU, the q/k L2 norms, the
 gate's low-rank second projection (W_fb · f_a, this head's K rows) and bounded decay, beta, the delta rule on
 the fp32 state and the gated output RMSNorm (per head, so no cross-program reduction). All math in fp32
-registers; the state, each tail and each input are read once and written once. Rows find their state through
+registers; the state and each tail are read once and written once. Rows find their state through
 a slot table (the serving pool's) or are their own slot (a StaticCache).
 
 Why not split V over programs, as fla's recurrent kernel does: every V tile needs the whole of q and k, hence
