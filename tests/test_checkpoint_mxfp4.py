@@ -138,6 +138,21 @@ def test_packed_model_resaves_identically(mx_dir, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_serving_load_keeps_mxfp4_packed_and_never_quantizes_float_experts(model, mx_dir, tmp_path):
+    """k3 serve on a GPU loads with keep_mxfp4: an MXFP4 checkpoint stays packed (same logits as the dequantised
+    load), while a float checkpoint keeps float experts (packing them would quantize the weights silently)."""
+    from k3.vision.multimodal import load_model
+    packed = load_model(mx_dir, keep_mxfp4=True)
+    assert any(n.endswith("w1_packed") for n, _ in packed.named_buffers())
+    assert not any(n.endswith(".experts.w1") for n, _ in packed.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(packed.eval()(ids()).logits, load_model(mx_dir).eval()(ids()).logits)
+    model.save_pretrained(tmp_path, dtype=None)  # float experts
+    kept = load_model(tmp_path, keep_mxfp4=True)
+    assert not any(n.endswith("_packed") for n, _ in kept.named_buffers())
+    assert all(torch.equal(a, b) for a, b in zip(kept.state_dict().values(), model.state_dict().values()))
+
+
 def test_qat_export_reproduces_the_qat_forward(tmp_path):
     torch.manual_seed(3)
     qat = enable_qat(K3ForCausalLM(small_config()).eval())

@@ -545,6 +545,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
     requests past which a request gets a 503 (lowered to what the open-files limit allows)."""
     from pathlib import Path
 
+    import torch
     import uvicorn
 
     from k3.data import model_tokenizer
@@ -554,7 +555,9 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"--model {d}: no config.json there")
     tokenizer = model_tokenizer(d)
-    model = load_model(d, device=device)  # a vision model when config.json has a vision_config
+    # a vision model when config.json has a vision_config; on a GPU MXFP4 experts stay packed (the MXFP4 kernels,
+    # a quarter of the bytes), as every --nproc rank keeps them; on a CPU dequantised experts run faster
+    model = load_model(d, device=device, keep_mxfp4=torch.device(device).type == "cuda")
     engine = LLMEngine(model, tokenizer, fit_engine_config(model.config, engine_config))
     print(f"k3 serve: {engine.describe_capacity()}", flush=True)
     app = create_app(engine, tokenizer, model_name or d.name, api_key, max_request_bytes=max_request_bytes)

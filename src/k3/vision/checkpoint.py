@@ -65,10 +65,12 @@ def save_pretrained(model, path, dtype: torch.dtype | None = torch.bfloat16, **k
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None, language_model=None):
+def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None, language_model=None,
+                    packed_experts: bool = False):
     """Builds the text model with k3.checkpoint.hf.load_pretrained and the vision modules from the same
     shards. Missing, unexpected and mis-shaped vision tensors are reported together in one CheckpointError.
-    language_model: the text model to wrap instead (a serving rank's own part, k3.serve.expert_shard)."""
+    language_model: the text model to wrap instead (a serving rank's own part, k3.serve.expert_shard);
+    packed_experts: keep MXFP4 experts packed (as k3.checkpoint.hf.load_pretrained)."""
     from k3.checkpoint.hf import load_pretrained as load_text
     from k3.vision.multimodal import MEDIA_PLACEHOLDER_TOKEN_ID, K3ForConditionalGeneration
 
@@ -82,7 +84,7 @@ def load_pretrained(path, device="cpu", dtype: torch.dtype | None = None, langua
     if lm is None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"skipped \d+ vision tensors")
-            lm = load_text(path, device=device, dtype=dtype)
+            lm = load_text(path, device=device, dtype=dtype, packed_experts=packed_experts)
     with torch.device("meta"):
         model = K3ForConditionalGeneration(text_cfg, vcfg, top.get("media_placeholder_token_id",
                                                                    MEDIA_PLACEHOLDER_TOKEN_ID), init=False)

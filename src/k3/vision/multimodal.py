@@ -135,9 +135,10 @@ class K3ForConditionalGeneration(nn.Module):
         save_pretrained(self, path, dtype=dtype, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype: torch.dtype | None = None) -> "K3ForConditionalGeneration":
+    def from_pretrained(cls, path, device="cpu", dtype: torch.dtype | None = None,
+                        packed_experts: bool = False) -> "K3ForConditionalGeneration":
         from k3.vision.checkpoint import load_pretrained
-        return load_pretrained(path, device=device, dtype=dtype)
+        return load_pretrained(path, device=device, dtype=dtype, packed_experts=packed_experts)
 
 
 def image_token_ids(tokenizer, image: ImageInput) -> list[int]:
@@ -157,9 +158,15 @@ def vision_parameter_count(vision_config: VisionConfig) -> dict:
             "tensors": (len(tower.state_dict()), len(proj.state_dict()))}
 
 
-def load_model(path, device="cpu", dtype: torch.dtype | None = None):
-    """A model directory → K3ForConditionalGeneration if its config.json has a vision_config, else K3ForCausalLM."""
+def load_model(path, device="cpu", dtype: torch.dtype | None = None, keep_mxfp4: bool = False):
+    """A model directory → K3ForConditionalGeneration if its config.json has a vision_config, else K3ForCausalLM.
+    keep_mxfp4: a checkpoint's MXFP4 experts stay packed (unquantized experts are never packed here: that would
+    quantize them)."""
+    from k3.checkpoint.convert import config_experts_format
+    from k3.config import K3Config
     from k3.vision.checkpoint import has_vision
+    packed_experts = keep_mxfp4 and config_experts_format(K3Config.from_pretrained(path)) == "mxfp4"
     if has_vision(path):
-        return K3ForConditionalGeneration.from_pretrained(path, device=device, dtype=dtype)
-    return K3ForCausalLM.from_pretrained(path, device=device, dtype=dtype)
+        return K3ForConditionalGeneration.from_pretrained(path, device=device, dtype=dtype,
+                                                          packed_experts=packed_experts)
+    return K3ForCausalLM.from_pretrained(path, device=device, dtype=dtype, packed_experts=packed_experts)
