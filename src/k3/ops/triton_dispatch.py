@@ -19,8 +19,10 @@ import torch
 from k3 import envs
 
 
-# _router_triton, _attn_res_norm_triton: decode's router and mix + norm, tested under the interpreter only so far
-OPT_IN = frozenset({"_mla_decode_triton", "_router_triton", "_attn_res_norm_triton", "_sigmoid_gate_triton"})
+# _router_triton, _attn_res_norm_triton, _kda_decode_triton: decode's router, mix + norm and KDA step, tested under
+# the interpreter only so far
+OPT_IN = frozenset({"_mla_decode_triton", "_router_triton", "_attn_res_norm_triton", "_sigmoid_gate_triton",
+                    "_kda_decode_triton"})
 
 
 @functools.lru_cache(maxsize=None)
