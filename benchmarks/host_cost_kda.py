@@ -9,6 +9,7 @@ the host work does not depend on the sizes). Each "step" is 12 KDA layers sharin
 a 2,048-token prefill (`--tokens`, `--seqs`, `--layers`, `--heads`, `--head-dim`).
 
     PYTHONPATH=src:/tmp/flaw python benchmarks/host_cost_kda.py   # fla on the path; triton installed
+    python benchmarks/host_cost_kda.py --serve-step   # the serving layout's gathers per eager step (tiny, CPU)
 
 Entries: fla's public `chunk_kda` as k3 calls it (`fla_kda_gated`), the lean entry (`K3_FLA_LEAN=1`:
 k3.ops.kda_fla_lean), KDA's gated output norm both ways, and two of k3's own launchers (RMSNorm, SiTU-GLU)
@@ -132,6 +133,46 @@ def measure(name, layer_call, args, launches) -> dict:
                 ops={k: v / L for k, v in sorted(rec.ops.items())})
 
 
+def serve_step_ops(args) -> int:
+    """`--serve-step`: ops per eager engine step with prompt chunks (`tiny` on the CPU, torch.profiler's counts):
+    the serving layout's gathers and scatters, which need neither triton nor fla."""
+    from k3.config import K3Config
+    from k3.model.decoder import K3ForCausalLM
+    from k3.serve.engine import EngineConfig, LLMEngine
+    from k3.serve.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM(cfg).eval()
+    eng = LLMEngine(model, None, EngineConfig(memory_bytes=1 << 28, block_size=64, match_unit=16,
+                                              max_batch_tokens=256, max_num_seqs=16, num_state_slots=64,
+                                              decode_graphs=True))
+    prompts = torch.randint(64, cfg.vocab_size, (32, 64), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    counts, eager = [], eng.runner._run_eager
+
+    def counted(seqs, lens, *a, **k):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = eager(seqs, lens, *a, **k)
+        if any(n > 1 for n in lens):
+            counts.append(collections.Counter(e.name for e in prof.events()))
+        return out
+    eng.runner._run_eager = counted
+    with torch.inference_mode():
+        todo, live = list(prompts), 0
+        while todo or eng.has_unfinished():
+            while todo and live < 16:
+                eng.add_request(todo.pop(0), params)
+                live += 1
+            live -= sum(o.finished for o in eng.step())
+    ops = ("aten::index", "aten::index_put_", "aten::cat", "aten::copy_", "aten::silu", "aten::silu_")
+    print(f"tiny, 16 streams of 64-token prompts, 256-token steps: {len(counts)} eager steps with prompt chunks; "
+          "median per step:")
+    for op in ops:
+        print(f"  {op}: {sorted(c[op] for c in counts)[len(counts) // 2]}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=2048)
@@ -142,7 +183,11 @@ def main(argv=None) -> int:
     p.add_argument("--time-tokens", type=int, default=128, help="tokens of the timed CPU steps")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--detail", action="store_true", help="list the launches and torch ops of each entry")
+    p.add_argument("--serve-step", action="store_true", help="instead: the serving layout's ops per eager step "
+                   "(tiny on the CPU; needs neither triton nor fla)")
     args = p.parse_args(argv)
+    if args.serve_step:
+        return serve_step_ops(args)
     try:
         import fla  # noqa: F401
         import triton  # noqa: F401
