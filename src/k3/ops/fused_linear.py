@@ -5,7 +5,7 @@ one launch over the stacked weight reads the same bytes with fewer launches and 
 their own parameters (the released checkpoint's names); the stacked copy is a cache that the decode drivers
 switch on (`fuse_projections(model)`: the CUDA-graphed decode step, the serving engine's runner) and that is
 refreshed in place (same storage, so a captured CUDA graph stays valid) whenever a weight changed. Until then,
-and in any call that needs a gradient, the separate projections run: training, and evaluation inside training
+and in any call that needs a gradient, one GEMM per projection runs: training, and evaluation inside training
 (FSDP's gathered weights, say), never hold the extra copy.
 
 In training the projections run as one autograd node (`_SharedInputProjections`) whose backward accumulates
@@ -13,8 +13,8 @@ every projection's ∂L/∂x into one buffer, each GEMM after the first adding i
 β = 1). Separate nn.Linear calls would each write their own ∂L/∂x and autograd would add them pairwise: n − 1
 extra passes of three activations each (read, read, write). One GEMM over the stacked gradients would need
 them copied side by side first, a pass of its own, so the adds go into the GEMMs instead.
-Under autocast the input is cast once for all n GEMMs (autocast casts it per call). Switch:
-K3_NO_SHARED_INPUT_GRAD (k3.envs).
+Under autocast the input is cast once for all n GEMMs (autocast casts it per call). Tensor subclasses (a
+DTensor's own linear) keep the nn.Linear calls. Switch: K3_NO_SHARED_INPUT_GRAD (k3.envs).
 """
 from __future__ import annotations
 
