@@ -27,6 +27,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+import k3.model.attn_res as attn_res_mod
 import k3.model.decoder as decoder_mod
 import k3.model.kda as kda_mod
 import k3.model.mla as mla_mod
@@ -217,7 +218,7 @@ def measure(model: K3ForCausalLM, input_ids: torch.Tensor, gpu_paths: bool = Tru
     with contextlib.ExitStack() as stack:
         if gpu_paths:
             stack.enter_context(gpu_path_stand_ins())
-        for mod, fn, name in ((decoder_mod, "attn_res_mix", "AttnRes mixes"),
+        for mod, fn, name in ((attn_res_mod, "attn_res_mix", "AttnRes mixes"),
                               (kda_core_mod, "kda_chunk", "KDA delta-rule core"),
                               (kda_core_mod, "fla_kda_gated", "KDA delta-rule core")):
             stack.enter_context(patched(mod, fn, _labelled(meter, name, getattr(mod, fn))))
