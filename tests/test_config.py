@@ -89,7 +89,7 @@ def test_tiny_preset_config_has_every_component():
 
 
 def test_tiny_preset_model_has_every_component(monkeypatch):
-    from k3.model import attn_res, decoder
+    from k3.model import attn_res
     from k3.model.kda import KimiDeltaAttention
     from k3.model.mla import MultiHeadLatentAttention
     from k3.model.mlp import SiTUMLP
