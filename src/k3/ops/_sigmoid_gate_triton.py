@@ -12,8 +12,9 @@ from k3.ops.triton_dispatch import on_device
 
 
 @triton.jit
-def _gate_fwd_kernel(o_ptr, g_ptr, out_ptr, N, stride_on, stride_oh,
-                     H: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+def _load_tile(o_ptr, g_ptr, N, stride_on, stride_oh, H: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """This program's tile of o (strided) and gate in fp32, with the mask and the dense [N, H·V] offsets."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # over H·V
     mask = (rows < N)[:, None] & (cols < H * V)[None, :]
@@ -22,20 +23,20 @@ def _gate_fwd_kernel(o_ptr, g_ptr, out_ptr, N, stride_on, stride_oh,
     offs = r64 * (H * V) + cols[None, :]
     o = tl.load(o_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return o, g, offs, mask
+
+
+@triton.jit
+def _gate_fwd_kernel(o_ptr, g_ptr, out_ptr, N, stride_on, stride_oh,
+                     H: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    o, g, offs, mask = _load_tile(o_ptr, g_ptr, N, stride_on, stride_oh, H, V, BLOCK_N, BLOCK_C)
     tl.store(out_ptr + offs, (o * tl.sigmoid(g)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gate_bwd_kernel(o_ptr, g_ptr, dy_ptr, do_ptr, dg_ptr, N, stride_on, stride_oh,
                      H: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < N)[:, None] & (cols < H * V)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    o_offs = r64 * stride_on + (cols // V * stride_oh + cols % V)[None, :]
-    offs = r64 * (H * V) + cols[None, :]
-    o = tl.load(o_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    o, g, offs, mask = _load_tile(o_ptr, g_ptr, N, stride_on, stride_oh, H, V, BLOCK_N, BLOCK_C)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     tl.store(do_ptr + offs, (dy * s).to(do_ptr.dtype.element_ty), mask=mask)
