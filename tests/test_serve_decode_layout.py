@@ -21,7 +21,7 @@ from k3.serve.expert_balance import place_replicas, slot_holders
 from k3.serve.expert_shard import LAYOUT_TAG, load_rank_model
 from parallel_harness import launch
 from serve_distributed_job import ENGINE, assert_same_serving, engine_config, workload
-from test_serve_expert_balance import E, _moe, hot_model_dir, skewed_routing  # noqa: F401 (a fixture)
+from test_serve_expert_balance import E, _moe, capture_partials, hot_model_dir, skewed_routing  # noqa: F401 (a fixture)
 
 RANKS = 2
 
@@ -192,21 +192,10 @@ def test_held_slots_replay_in_a_cuda_graph_in_the_decode_layout(hot_model_dir):
     w = torch.rand(N, 4, generator=g).to(dev)
     idx = skewed_routing(N, seed=1).to(dev)
     _place(combines, place_replicas(torch.bincount(skewed_routing(256, seed=2).flatten(), minlength=E), RANKS, 2))
-    graphs, outs = [], []
     with torch.inference_mode():
         for c in combines:
             c.mode = "masked"
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for c in combines:
-                c.partial(z, idx, w)
-        torch.cuda.current_stream().wait_stream(side)
-        for c in combines:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs.append(c.partial(z, idx, w))
-            graphs.append(graph)
+        graphs, outs = capture_partials(combines, z, idx, w)
         for seed, hot in ((5, [0, 1]), (6, [4, 5, 8])):
             idx.copy_(skewed_routing(N, seed=seed, hot=hot))
             if hot != [0, 1]:

@@ -227,6 +227,24 @@ def test_expert_shares_follow_the_plan():
     assert shares.sum(0).tolist() == plan.to_plan().processed()
 
 
+def capture_partials(combines, z, idx, w) -> tuple[list, list]:
+    """Each rank's share `c.partial(z, idx, w)` warmed up on a side stream, then captured as a CUDA graph:
+    (graphs, their output tensors). Call under inference_mode."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in combines:
+            c.partial(z, idx, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, outs = [], []
+    for c in combines:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(c.partial(z, idx, w))
+        graphs.append(graph)
+    return graphs, outs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", ["f32", "mxfp4"])
 def test_replicas_decode_in_a_cuda_graph(hot_model_dir, fmt):
@@ -248,19 +266,8 @@ def test_replicas_decode_in_a_cuda_graph(hot_model_dir, fmt):
     w = torch.rand(N, K, generator=g).to(dev)
     idx = skewed_routing(N, seed=1).to(dev)
     place(skewed_routing(256, seed=2))
-    graphs, outs = [], []
     with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for c in combines:
-                c.partial(z, idx, w)
-        torch.cuda.current_stream().wait_stream(side)
-        for c in combines:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs.append(c.partial(z, idx, w))
-            graphs.append(graph)
+        graphs, outs = capture_partials(combines, z, idx, w)
         for seed, hot in ((5, HOT), (6, [4, 5, 8])):
             idx.copy_(skewed_routing(N, seed=seed, hot=hot))
             if hot != HOT:
