@@ -94,17 +94,71 @@ def test_attn_res_mix_norm_dispatch():
     torch.testing.assert_close(y2, want2.detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_add", [False, True])
+def test_mix_norm_kernel_compiles_as_one_custom_op(with_add):
+    """Under torch.compile (fullgraph: no break around it) the launch is the one op k3::attn_res_mix_norm,
+    with the eager kernel's outputs and the separate ops' values."""
+    from compile_recording import recording_backend
+
+    from k3.ops import _attn_res_norm_triton as kernels
+
+    gen = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    sources = tuple((r(2, 3, 96) * (i + 1)).to(DEVICE) for i in range(3))
+    add = r(2, 3, 96).to(DEVICE) if with_add else None
+    u, w, nw = (torch.rand(96, generator=gen) + 0.5).to(DEVICE), (r(1, 96) * 0.5).to(DEVICE), r(96).to(DEVICE)
+    ops = []
+    compiled = torch.compile(kernels.mix_norm_forward, backend=recording_backend(ops), fullgraph=True)
+    got, got_sum = compiled(u, w, 1e-5, sources, nw, 1e-6, add)
+    eager, eager_sum = kernels.mix_norm_forward(u, w, 1e-5, sources, nw, 1e-6, add)
+    want, want_sum = reference(sources, add, u, w, 1e-5, nw, 1e-6)
+    assert [op for op in ops if "k3." in op] == ["k3.attn_res_mix_norm"], ops
+    assert torch.equal(got, eager)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if with_add:
+        assert torch.equal(got_sum, eager_sum) and torch.equal(got_sum, want_sum)
+    else:
+        assert got_sum is None
+
+
+def test_the_op_kernels_stay_chosen_inside_torch_compile():
+    """Inside a compiled region (fullgraph: the selection itself traces, the kernel modules looked up without an
+    import) the two custom-op kernels are chosen as in eager (on CUDA: chosen), while the training kernels'
+    `use_triton` leaves the region to inductor."""
+    from k3.ops.router import use_router_kernel
+    from k3.ops.triton_dispatch import use_triton, use_triton_op
+
+    x, W = torch.zeros(2, 64, device=DEVICE), torch.zeros(8, 64, device=DEVICE)
+
+    def choices(x, W):
+        return (use_router_kernel(x, W, needs_grad=False), use_triton_op(x, "_attn_res_norm_triton"),
+                use_triton(x, "_attn_res_norm_triton"), use_triton(x, "_attn_res_triton"))
+
+    with envs.override(triton_opt_in=OURS):
+        eager = choices(x, W)
+        torch._dynamo.reset()  # (a fresh trace of `choices`)
+        seen = []
+
+        def traced(x, W):
+            seen.append(choices(x, W))  # the values the trace saw, recorded as it runs
+            return x + 1
+
+        torch.compile(traced, backend="aot_eager", fullgraph=True)(x, W)
+    assert eager == (DEVICE == "cuda",) * 4
+    assert seen == [(DEVICE == "cuda", DEVICE == "cuda", False, False)]
+
+
 def _force_on_cpu(monkeypatch):
     """Route k3's own dispatch of the two kernels to them on CPU tensors too (the interpreter runs them)."""
-    real = triton_dispatch.use_triton
+    real = triton_dispatch.use_triton_op
 
-    def use_triton(x, name):
+    def use_triton_op(x, name):
         return name in OURS if x.device.type == "cpu" else real(x, name)
 
     import k3.model.attn_res as attn_res
     import k3.ops.router as router
-    monkeypatch.setattr(attn_res, "use_triton", use_triton)
-    monkeypatch.setattr(router, "use_triton", use_triton)
+    monkeypatch.setattr(attn_res, "use_triton_op", use_triton_op)
+    monkeypatch.setattr(router, "use_triton_op", use_triton_op)
 
 
 def _counting(monkeypatch):
@@ -151,6 +205,49 @@ def test_tiny_model_decode_with_the_kernels_equals_the_full_forward(monkeypatch)
     moe_layers = sum(cfg.is_moe(l) for l in range(cfg.num_hidden_layers))
     forwards = n + 1  # the prefill (10 rows) too
     assert calls == {"mix_norm": mixes * forwards, "router": moe_layers * forwards}, calls
+    for i, got in enumerate(steps):
+        torch.testing.assert_close(got, full[:, T + i], rtol=2e-4, atol=2e-4)
+        assert torch.equal(got.argmax(-1), full[:, T + i].argmax(-1))
+
+
+def test_tiny_model_compiled_decode_with_the_kernels_equals_the_full_forward(monkeypatch):
+    """GraphedDecodeStep's compiled core (torch.compile of the decoder stack over a StaticCache; here aot_eager,
+    without the CUDA graph) with the two kernels opted in (forced on, the interpreter on a CPU): both are ops in
+    the compiled graphs, and the decode's logits equal the full forward's."""
+    from compile_recording import recording_backend
+
+    from k3.config import K3Config
+    from k3.model.decoder import K3ForCausalLM
+    from k3.ops import grouped_mm
+    from k3.ops.fused_linear import fuse_projections
+
+    torch.manual_seed(5)
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM(cfg).to(DEVICE).eval()
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if name.endswith("res_proj.weight"):  # non-zero pseudo-queries: softmaxes that are not means
+                prm.normal_(0.0, 0.5)
+    B, T, n = 2, 5, 3
+    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device=DEVICE)
+    ops = []
+    with torch.no_grad(), envs.override(triton_opt_in=OURS):
+        full = model(ids).logits
+        if DEVICE == "cpu":
+            _force_on_cpu(monkeypatch)
+            # the experts through the loop: torch 2.13's fake _grouped_mm takes only bf16, so Dynamo cannot trace
+            # the fp32 grouped GEMMs that eager runs on the CPU
+            monkeypatch.setattr(grouped_mm, "grouped_mm_supported", lambda *args: False)
+        cache = model.new_cache(B, T + n)
+        model(ids[:, :T], cache=cache)
+        fuse_projections(model)
+        core = torch.compile(model.model, backend=recording_backend(ops))
+        steps = []
+        for t in range(T, T + n):
+            h = core(ids[:, t:t + 1], cache=cache)
+            cache.advance(1)
+            steps.append(model.lm_head(h[:, -1]))
+    assert "k3.route_tokens_decode" in ops and "k3.attn_res_mix_norm" in ops, sorted(set(ops))
     for i, got in enumerate(steps):
         torch.testing.assert_close(got, full[:, T + i], rtol=2e-4, atol=2e-4)
         assert torch.equal(got.argmax(-1), full[:, T + i].argmax(-1))

@@ -100,6 +100,27 @@ def test_kernel_reads_x_and_the_weight_as_stored():
     torch.testing.assert_close(w.cpu().double(), want_w, rtol=1e-5, atol=1e-6)
 
 
+def test_kernel_compiles_as_one_custom_op():
+    """Under torch.compile (fullgraph: no break around it) the kernel is the one op k3::route_tokens_decode:
+    the same ids, weights and scores as the eager kernel and the reference, the caller's workspace left zero."""
+    kt = kernels()
+    x, W, bias = (t.to(DEVICE) for t in exact_case(3, 24, 200, 4, seed=11))
+    tickets = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    from compile_recording import recording_backend
+
+    ops = []
+    compiled = torch.compile(kt.route_tokens, backend=recording_backend(ops), fullgraph=True)
+    idx, w, scores = compiled(x, W, bias, 4, True, 1.5, tickets)
+    eager_idx, eager_w, eager_scores = kt.route_tokens(x, W, bias, 4, True, 1.5)
+    ref_scores = router_scores_reference(x.double(), W.double())
+    ref_idx, ref_w = route(ref_scores, bias.double(), 4, True, 1.5)
+    assert [op for op in ops if "k3." in op] == ["k3.route_tokens_decode"], ops
+    assert torch.equal(idx, eager_idx) and torch.equal(w, eager_w) and torch.equal(scores, eager_scores)
+    assert torch.equal(idx.cpu(), ref_idx)
+    torch.testing.assert_close(w.cpu().double(), ref_w, rtol=2e-6, atol=1e-7)
+    assert not tickets.any()
+
+
 def test_kernel_refuses_a_bad_top_k_and_workspace():
     kt = kernels()
     x, W, bias = (t.to(DEVICE) for t in exact_case(2, 8, 16, 2, seed=1, ties=False))

@@ -5,7 +5,7 @@ from torch.autograd.function import once_differentiable
 from k3 import envs
 from k3.model.norm import RMSNorm
 from k3.ops.norm import rms_norm
-from k3.ops.triton_dispatch import triton_module, use_triton
+from k3.ops.triton_dispatch import triton_module, use_triton, use_triton_op
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Linear) -> torch.Tensor:
@@ -267,11 +267,12 @@ def _attached_like(p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
 
 def _fused_mix_norm(sources, add, norm, proj, out_norm) -> bool:
     """Whether `attn_res_mix_norm` takes the one-launch kernel: no gradient wanted, CUDA sources (and add) of one
-    dtype and shape that the kernel takes (k3.ops.triton_dispatch.use_triton), a norm weight over their width."""
+    dtype and shape that the kernel takes (k3.ops.triton_dispatch.use_triton_op: inside torch.compile too, where
+    the kernel is the custom op k3::attn_res_mix_norm), a norm weight over their width."""
     x = sources[0]
     tensors = sources if add is None else [*sources, add]
     if torch.is_grad_enabled() and any(t.requires_grad for t in [*tensors, norm.weight, proj.weight, out_norm.weight]):
         return False
-    return (x.numel() > 0 and use_triton(x, "_attn_res_norm_triton")
+    return (x.numel() > 0 and use_triton_op(x, "_attn_res_norm_triton")
             and all(t.dtype == x.dtype and t.shape == x.shape for t in tensors)
             and out_norm.weight.shape == x.shape[-1:])

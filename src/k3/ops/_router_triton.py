@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops.triton_dispatch import on_device
+
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, bias_ptr, scores_ptr, tickets_ptr, idx_ptr, wt_ptr, E, D, scale,
@@ -68,7 +70,8 @@ LAUNCH = dict(block_e=8, block_d=512, num_warps=4)
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
                  scale: float, tickets: torch.Tensor | None = None):
-    """Same contract as k3.ops.router.route_tokens: (idx [N, k] int64, weights [N, k] fp32, scores [N, E] fp32)."""
+    """Same contract as k3.ops.router.route_tokens: (idx [N, k] int64, weights [N, k] fp32, scores [N, E] fp32).
+    Checks its inputs, then launches through the custom op `k3::route_tokens_decode`."""
     N, D = x.shape
     E = weight.shape[0]
     if not 1 <= k <= E:
@@ -78,15 +81,35 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     elif tickets.dtype != torch.int32 or tickets.numel() < N or tickets.device != x.device:
         raise ValueError(f"tickets must be int32 zeros on {x.device} with at least {N} entries, got "
                          f"{tickets.dtype} [{tickets.numel()}] on {tickets.device}")
-    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+    return tuple(torch.ops.k3.route_tokens_decode(x.contiguous(), weight.contiguous(), bias.contiguous(), tickets, k,
+                                                  renormalize, float(scale)))
+
+
+# A custom op so that torch.compile keeps the launch as one opaque call (Dynamo cannot trace a Triton launch on
+# the interpreter, and inductor would not fuse this selection). The workspace is declared written: the kernel's
+# atomics do write it, even though they leave it zero.
+@torch.library.custom_op("k3::route_tokens_decode", mutates_args=("tickets",))
+def _route_tokens_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tickets: torch.Tensor, k: int,
+                     renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch, on inputs `route_tokens` checked (x, weight and bias contiguous)."""
+    N, D = x.shape
+    E = weight.shape[0]
     scores = torch.empty(N, E, dtype=torch.float32, device=x.device)
     idx = torch.empty(N, k, dtype=torch.int64, device=x.device)
     w = torch.empty(N, k, dtype=torch.float32, device=x.device)
     block_e = min(LAUNCH["block_e"], triton.next_power_of_2(E))
     block_d = min(LAUNCH["block_d"], triton.next_power_of_2(D))
     if N:
-        _router_kernel[(N, triton.cdiv(E, block_e))](
-            x, weight, bias, scores, tickets, idx, w, E, D, float(scale),
-            TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), RENORMALIZE=renormalize,
-            BLOCK_E=block_e, BLOCK_D=block_d, num_warps=LAUNCH["num_warps"])
+        with on_device(x):
+            _router_kernel[(N, triton.cdiv(E, block_e))](
+                x, weight, bias, scores, tickets, idx, w, E, D, scale,
+                TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), RENORMALIZE=renormalize,
+                BLOCK_E=block_e, BLOCK_D=block_d, num_warps=LAUNCH["num_warps"])
     return idx, w, scores
+
+
+@_route_tokens_op.register_fake
+def _(x, weight, bias, tickets, k, renormalize, scale):
+    N, E = x.shape[0], weight.shape[0]
+    return (x.new_empty(N, k, dtype=torch.int64), x.new_empty(N, k, dtype=torch.float32),
+            x.new_empty(N, E, dtype=torch.float32))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from k3 import envs
-from k3.ops.triton_dispatch import on_device, triton_module, use_triton
+from k3.ops.triton_dispatch import triton_module, use_triton_op
 
 # Rows up to which the one-launch kernel is taken at inference (each row's programs read the whole weight, from
 # L2 after the first; past a few dozen rows the GEMM + top-k path reads it once). A first guess, untimed.
@@ -102,8 +102,9 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def use_router_kernel(x: torch.Tensor, weight: torch.Tensor, needs_grad: bool) -> bool:
     """Whether `route_tokens` takes the one-launch Triton kernel: inference, at most KERNEL_MAX_ROWS rows,
-    CUDA tensors the kernel reads as they are (k3.ops.triton_dispatch.use_triton)."""
-    return (not needs_grad and 0 < x.shape[0] <= KERNEL_MAX_ROWS and use_triton(x, "_router_triton")
+    CUDA tensors the kernel reads as they are (k3.ops.triton_dispatch.use_triton_op: inside torch.compile too,
+    where the kernel is the custom op k3::route_tokens_decode)."""
+    return (not needs_grad and 0 < x.shape[0] <= KERNEL_MAX_ROWS and use_triton_op(x, "_router_triton")
             and weight.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
@@ -114,9 +115,8 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     `k3.ops._router_triton`), asked for only when the kernel runs; a fresh one when None."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if use_router_kernel(x, weight, needs_grad):
-        with on_device(x):
-            return triton_module("_router_triton").route_tokens(
-                x, weight, bias, k, renormalize, scale, None if tickets is None else tickets(x.shape[0], x.device))
+        return triton_module("_router_triton").route_tokens(
+            x, weight, bias, k, renormalize, scale, None if tickets is None else tickets(x.shape[0], x.device))
     scores = router_scores(x, weight)
     idx, w = route(scores, bias, k, renormalize, scale)
     return idx, w, scores

@@ -25,9 +25,19 @@ OPT_IN = frozenset({"_mla_decode_triton", "_router_triton", "_attn_res_norm_trit
                     "_kda_decode_triton"})
 
 
-@functools.lru_cache(maxsize=None)
+_modules: dict[str, ModuleType | None] = {}
+
+
 def triton_module(name: str) -> ModuleType | None:
-    """`k3.ops.<name>`, or None when it cannot be imported (no triton)."""
+    """`k3.ops.<name>`, or None when it cannot be imported (no triton). Cached in a plain dict, which a
+    torch.compile region reads as a constant (an import cannot be traced: a first call there breaks its graph)."""
+    if name not in _modules:
+        _modules[name] = _import_kernels(name)
+    return _modules[name]
+
+
+@torch.compiler.disable
+def _import_kernels(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(f"k3.ops.{name}")
     except ImportError:
@@ -51,7 +61,14 @@ def sm_count(device_index: int | None) -> int:
 def use_triton(x: torch.Tensor, name: str) -> bool:
     """Whether x should take the kernels of `k3.ops.<name>`: CUDA, a float dtype, triton there, not disabled,
     and not inside torch.compile (inductor fuses the plain-PyTorch path itself)."""
-    if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor):
+    return not torch.compiler.is_compiling() and use_triton_op(x, name)
+
+
+def use_triton_op(x: torch.Tensor, name: str) -> bool:
+    """`use_triton` inside torch.compile too, for inference kernels entered through a torch.library custom op
+    (decode's router and AttnRes mix + norm): a compiled region keeps such an op as one opaque call, where
+    inductor would not fuse what the kernel does."""
+    if not isinstance(x, torch.Tensor):
         return False
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return False
