@@ -1,7 +1,9 @@
 """When k3's own Triton kernels run: CUDA tensors, triton importable, not switched off by K3_NO_TRITON
 (=1 for all, or a comma-separated list of kernel modules). Kernels in OPT_IN pass their tests but have no speed
 measured on a GPU yet: they run only when named in K3_TRITON (a comma-separated list, or "all"). Both are
-parsed once, in k3.envs (tests switch them with `k3.envs.override`).
+parsed once, in k3.envs (tests switch them with `k3.envs.override`). `use_triton` leaves compiled regions to
+inductor; `use_triton_op` also chooses, inside torch.compile, the inference kernels entered through a
+torch.library custom op (decode's router and AttnRes mix + norm), which a compiled graph keeps as one call.
 
 Kernel modules (`k3.ops._*_triton`) import triton at the top, so they are imported only through
 `triton_module`, which returns None where triton is missing (the CPU install). Tests may call a kernel module's
