@@ -86,6 +86,16 @@ def run(engine, seen: dict, abort_at: int | None = None) -> None:
         step += 1
 
 
+def serve_or_follow(engine, rank: int) -> dict | None:
+    """Rank 0 runs the workload and closes the engine (the others' follow loops end with it); the others follow."""
+    if rank != 0:
+        engine.follow()
+        return None
+    got = workload(engine)
+    engine.close()
+    return got
+
+
 def rank_job(rank: int, world: int, model_dir: str, layouts: list[tuple[int, int, bool]], device: str = "cpu") -> list:
     """For each (ep, tp, mxfp4?) in layouts: this rank's engine over the model directory; rank 0 runs the workload
     and returns it with what this rank holds (and the decode graphs it captured), the others follow."""
@@ -100,12 +110,8 @@ def rank_job(rank: int, world: int, model_dir: str, layouts: list[tuple[int, int
         held = {"rows": {(m.experts.w1_packed if m.experts.packed else m.experts.w1).shape[0] for m in moes},
                 "packed": {m.experts.packed for m in moes}, "first": {m.combine_experts.first for m in moes},
                 "vocab_rows": engine.model.lm_head.weight.shape[0]}
-        runner, got = engine.runner, None
-        if rank == 0:
-            got = workload(engine)
-            engine.close()
-        else:
-            engine.follow()
+        runner = engine.runner
+        got = serve_or_follow(engine, rank)
         graphs = runner.graphs.entries.values() if runner.graphs is not None else []
         held["captured_graphs"] = sum(graph is not None for _, graph, _ in graphs)
         results.append((got, held))

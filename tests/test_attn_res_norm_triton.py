@@ -177,22 +177,28 @@ def _counting(monkeypatch):
     return calls
 
 
-def test_tiny_model_decode_with_the_kernels_equals_the_full_forward(monkeypatch):
-    """`tiny` (fp32) decoding token by token over a cache with the router kernel and the fused mix + norm
-    (forced on, the interpreter on a CPU) gives the full forward's logits, and the same greedy picks as the
-    model with them off; both kernels did run, at every mix and every MoE layer."""
+def _tiny_case(seed: int):
+    """`tiny` (fp32, eval) with non-zero AttnRes pseudo-queries (softmaxes that are not means) and ids for a
+    T-token prefill and n decode steps: (cfg, model, ids, (B, T, n))."""
     from k3.config import K3Config
     from k3.model.decoder import K3ForCausalLM
 
-    torch.manual_seed(4)
+    torch.manual_seed(seed)
     cfg = K3Config.preset("tiny")
     model = K3ForCausalLM(cfg).to(DEVICE).eval()
     with torch.no_grad():
         for name, prm in model.named_parameters():
-            if name.endswith("res_proj.weight"):  # non-zero pseudo-queries: softmaxes that are not means
+            if name.endswith("res_proj.weight"):
                 prm.normal_(0.0, 0.5)
     B, T, n = 2, 5, 3
-    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device=DEVICE)
+    return cfg, model, torch.randint(0, cfg.vocab_size, (B, T + n), device=DEVICE), (B, T, n)
+
+
+def test_tiny_model_decode_with_the_kernels_equals_the_full_forward(monkeypatch):
+    """`tiny` (fp32) decoding token by token over a cache with the router kernel and the fused mix + norm
+    (forced on, the interpreter on a CPU) gives the full forward's logits, and the same greedy picks as the
+    model with them off; both kernels did run, at every mix and every MoE layer."""
+    cfg, model, ids, (_, T, n) = _tiny_case(seed=4)
     with torch.no_grad(), envs.override(triton_opt_in=OURS):
         full = model(ids).logits
         if DEVICE == "cpu":
@@ -216,20 +222,10 @@ def test_tiny_model_compiled_decode_with_the_kernels_equals_the_full_forward(mon
     the compiled graphs, and the decode's logits equal the full forward's."""
     from compile_recording import recording_backend
 
-    from k3.config import K3Config
-    from k3.model.decoder import K3ForCausalLM
     from k3.ops import grouped_mm
     from k3.ops.fused_linear import fuse_projections
 
-    torch.manual_seed(5)
-    cfg = K3Config.preset("tiny")
-    model = K3ForCausalLM(cfg).to(DEVICE).eval()
-    with torch.no_grad():
-        for name, prm in model.named_parameters():
-            if name.endswith("res_proj.weight"):  # non-zero pseudo-queries: softmaxes that are not means
-                prm.normal_(0.0, 0.5)
-    B, T, n = 2, 5, 3
-    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device=DEVICE)
+    _, model, ids, (B, T, n) = _tiny_case(seed=5)
     ops = []
     with torch.no_grad(), envs.override(triton_opt_in=OURS):
         full = model(ids).logits

@@ -20,7 +20,7 @@ from k3.serve import EngineConfig, LLMEngine
 from k3.serve.expert_balance import place_replicas, slot_holders
 from k3.serve.expert_shard import LAYOUT_TAG, load_rank_model
 from parallel_harness import launch
-from serve_distributed_job import ENGINE, assert_same_serving, engine_config, workload
+from serve_distributed_job import ENGINE, assert_same_serving, engine_config, serve_or_follow, workload
 from test_serve_expert_balance import E, _moe, capture_partials, hot_model_dir, skewed_routing  # noqa: F401 (a fixture)
 
 RANKS = 2
@@ -249,12 +249,7 @@ def decode_layout_job(rank: int, world: int, model_dir: str) -> list:
         combines = engine.balancer.combines
         for c in combines:
             c.mode = mode
-        got = None
-        if rank == 0:
-            got = workload(engine)
-            engine.close()
-        else:
-            engine.follow()
+        got = serve_or_follow(engine, rank)
         out.append({"got": got, "placements": engine.balancer.placements,
                     "decode": all(in_decode_layout(c.local.experts) for c in combines),
                     "fetched": sum(c.fetched for c in combines), "rows": sum(int(c.rows) for c in combines),

@@ -19,7 +19,7 @@ from k3.serve.expert_balance import SCALE, ReplicaPlacement, home_ranks, place_r
 from k3.serve.expert_shard import ExpertShardCombine, load_rank_model
 from parallel_harness import launch
 from random_model import randomize_trivial_parts
-from serve_distributed_job import assert_same_serving, engine_config, workload
+from serve_distributed_job import assert_same_serving, engine_config, serve_or_follow, workload
 
 E, K = 16, 4  # the tiny preset's routed experts and top-k
 HOT = [0, 1]  # both homed on rank 0 for 2 and 4 ranks: every token picks them
@@ -167,12 +167,7 @@ def replica_job(rank: int, world: int, model_dir: str, fmts: list[str]) -> list:
     for fmt in fmts:
         engine = build_rank_engine(f"{model_dir}/{fmt}", ServeLayout(world, world, 1, replicas=2, rebalance_steps=4),
                                    engine_config())
-        got = None
-        if rank == 0:
-            got = workload(engine)
-            engine.close()
-        else:
-            engine.follow()
+        got = serve_or_follow(engine, rank)
         combines = engine.balancer.combines
         out.append({"got": got, "placements": engine.balancer.placements,
                     "rows": sum(int(c.rows) for c in combines), "seen": sum(c.seen for c in combines),
