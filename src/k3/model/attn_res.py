@@ -74,23 +74,21 @@ class BlockGrads:
 
     def add(self, slot: int, grad: torch.Tensor) -> None:
         """A mix's gradient for the slot, from the torch path (a fresh tensor, ours to keep)."""
-        held = self._held(slot)
-        if held is None:
-            self._hold(slot, grad, True)
-        elif held[1]:
-            held[0].add_(grad)
-        else:
-            self._hold(slot, grad.add_(held[0]), True)
+        self._accumulate(slot, grad, owned=True)
 
     def deposit(self, slot: int, grad: torch.Tensor) -> None:
         """A residual add's gradient for the slot (shared with the add's other operand: never written)."""
+        self._accumulate(slot, grad, owned=False)
+
+    def _accumulate(self, slot: int, grad: torch.Tensor, owned: bool) -> None:
+        """Adds grad into the slot's sum, writing in place only into tensors this object owns."""
         held = self._held(slot)
         if held is None:
-            self._hold(slot, grad, False)
+            self._hold(slot, grad, owned)
         elif held[1]:
             held[0].add_(grad)
         else:
-            self._hold(slot, held[0] + grad, True)
+            self._hold(slot, grad.add_(held[0]) if owned else held[0] + grad, True)
 
     def take(self, slot: int) -> torch.Tensor | None:
         held, self._entries[slot] = self._held(slot), None

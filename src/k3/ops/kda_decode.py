@@ -37,22 +37,6 @@ KERNELS = "_kda_decode_triton"
 _log = logging.getLogger(__name__)
 _forced: bool | None = None
 _logged: set = set()
-_UNSET = object()
-_kernels = _UNSET  # the kernel module once looked up (None without triton): a plain global under torch.compile
-
-
-@torch.compiler.disable  # (importing is not traceable: a first call under torch.compile breaks its graph once)
-def _import_kernels():
-    return triton_module(KERNELS)
-
-
-def _kernel_module():
-    global _kernels
-    if _kernels is _UNSET:
-        _kernels = _import_kernels()
-    return _kernels
-
-
 @dataclass(frozen=True)
 class DecodeWeights:
     """A KDA layer's weights past its input projections: conv weights [C, 1, W] (q, k, v), the gate's second
@@ -121,7 +105,7 @@ def switched_off() -> bool:
 def use_fused_decode(xq: torch.Tensor, state: torch.Tensor, head_dims: tuple[int, int], width: int,
                      needs_grad: bool) -> bool:
     """Whether a decode step with these inputs takes the one-kernel path (see the module's docstring)."""
-    kernels = _kernel_module()
+    kernels = triton_module(KERNELS)
     fits = (kernels is not None and not needs_grad and state.dtype == torch.float32 and width >= 2
             and max(head_dims) <= kernels.MAX_HEAD_DIM)
     if _forced is not None:
@@ -163,7 +147,7 @@ def kda_decode_step(xq, xk, xv, fa, beta_logits, gate, weights: DecodeWeights, s
     if slots is not None and (slots.shape != (B,) or slots.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"slots must be an integer tensor [{B}], got {slots.dtype} {list(slots.shape)}")
     w = weights
-    if _kernel_module() is None:
+    if triton_module(KERNELS) is None:
         raise RuntimeError("the fused KDA decode step needs triton")
     return torch.ops.k3.kda_decode_step(  # the custom op registered by the kernel module
         xq, xk, xv, fa, beta_logits, gate, w.conv_q.contiguous(), w.conv_k.contiguous(), w.conv_v.contiguous(),
