@@ -183,6 +183,7 @@ def main(argv=None) -> int:
     p.add_argument("--time-tokens", type=int, default=128, help="tokens of the timed CPU steps")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--detail", action="store_true", help="list the launches and torch ops of each entry")
+    p.add_argument("--only", default="", help="comma-separated words: measure only the entries naming one")
     p.add_argument("--serve-step", action="store_true", help="instead: the serving layout's ops per eager step "
                    "(tiny on the CPU; needs neither triton nor fla)")
     args = p.parse_args(argv)
@@ -200,17 +201,21 @@ def main(argv=None) -> int:
     launches = collections.Counter()
     stub_triton(launches)
 
-    def kda(lean):
+    from k3.ops import kda_fla_lean
+
+    def kda(lean, tuned_launches=True):
         def call(feats, beta, A_log, dt_bias, state, dev, host):
             q, k, v, f = feats
+            kda_fla_lean.TUNED_LAUNCHES = tuned_launches  # False: the eleventh session's lean path
             with envs.override(fla_lean=lean):
                 return kda_fla.fla_kda_gated(q, k, v, f, beta, A_log, dt_bias, -5.0, initial_state=state,
                                              output_final_state=True, cu_seqlens=dev, cu_seqlens_cpu=host,
                                              recurrent=False)
         return call
 
-    def norm(lean):
+    def norm(lean, tuned_launches=True):
         def call(feats, beta, A_log, dt_bias, state, dev, host):
+            kda_fla_lean.TUNED_LAUNCHES = tuned_launches
             with envs.override(fla_lean=lean):
                 return kda_fla.fla_output_gate(feats[2], feats[3], A_log.new_empty(feats[2].shape[-1]), 1e-6)
         return call
@@ -232,14 +237,18 @@ def main(argv=None) -> int:
             return fused_situ.fused_situ_glu(feats[0], feats[1])
         return call
 
-    rows = [measure("chunk_kda (fla's public entry)", kda(False), args, launches),
-            measure("chunk_kda lean (K3_FLA_LEAN=1)", kda(True), args, launches),
-            measure("gated output norm (fla's public)", norm(False), args, launches),
-            measure("gated output norm lean", norm(True), args, launches),
-            measure("k3 RMSNorm through its autograd.Function", k3_norm(True), args, launches),
-            measure("k3 RMSNorm, inference launch", k3_norm(False), args, launches),
-            measure("k3 SiTU-GLU through its autograd.Function", k3_situ(True), args, launches),
-            measure("k3 SiTU-GLU, inference launch", k3_situ(False), args, launches)]
+    entries = [("chunk_kda (fla's public entry)", kda(False)),
+               ("chunk_kda lean, through the autotuner wrappers", kda(True, tuned_launches=False)),
+               ("chunk_kda lean (K3_FLA_LEAN=1), tuned launches", kda(True)),
+               ("gated output norm (fla's public)", norm(False)),
+               ("gated output norm lean, through the autotuner wrappers", norm(True, tuned_launches=False)),
+               ("gated output norm lean, tuned launches", norm(True)),
+               ("k3 RMSNorm through its autograd.Function", k3_norm(True)),
+               ("k3 RMSNorm, inference launch", k3_norm(False)),
+               ("k3 SiTU-GLU through its autograd.Function", k3_situ(True)),
+               ("k3 SiTU-GLU, inference launch", k3_situ(False))]
+    rows = [measure(name, call, args, launches) for name, call in entries
+            if not args.only or any(word in name for word in args.only.split(","))]
     print(f"{args.layers} KDA layers a step, {args.tokens} tokens in {args.seqs} sequences, H={args.heads}, "
           f"K={args.head_dim}; counted on meta, timed on small CPU tensors, Triton launches stubbed; torch {torch.__version__}")
     print("| entry | host us / call (best) | Triton launches / call | torch kernels / call "

@@ -53,10 +53,18 @@ def lean_supported(version: str | None = None) -> bool:
     return ok
 
 
-@functools.lru_cache(maxsize=None)
+TUNED_LAUNCHES = True  # False: the stages' kernels launch through fla's and Triton's wrappers (a benchmark's baseline)
+
+
 def _stages() -> dict:
-    """fla's forward stages with their dispatch (and input-guard) wrappers peeled off: each wrapper costs the
-    host more than the launch it wraps (benchmarks/host_cost_kda.py)."""
+    """fla's forward stages with their dispatch (and input-guard) wrappers peeled off (each costs the host more than
+    the launch it wraps, benchmarks/host_cost_kda.py), and with TUNED_LAUNCHES their autotuned kernels launched past
+    the heuristics and autotuner wrappers on keys already tuned (k3.ops.tuned_launch)."""
+    return _stage_set(TUNED_LAUNCHES)
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_set(tuned: bool) -> dict:
     from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -69,7 +77,13 @@ def _stages() -> dict:
     fns = dict(l2norm=l2norm_fwd, beta_sigmoid=fused_beta_sigmoid_fwd, gate_cumsum=kda_gate_chunk_cumsum,
                intra=chunk_kda_fwd_intra, states=chunk_gated_delta_rule_fwd_h, output=chunk_gla_fwd_o_gk,
                gated_norm=layer_norm_gated_fwd)
-    return {name: inspect.unwrap(fn) for name, fn in fns.items()} | {"rcp_ln2": RCP_LN2}
+    if not tuned:
+        return {name: inspect.unwrap(fn) for name, fn in fns.items()} | {"rcp_ln2": RCP_LN2}
+    from k3.ops.tuned_launch import lean_copy
+    # the intra stage's w/u recompute sits behind a dispatcher of its own, peeled as the stages' are (its one
+    # other backend is Ascend's)
+    peel = dict(intra={"recompute_w_u_fwd": None})
+    return {name: lean_copy(fn, peel.get(name)) for name, fn in fns.items()} | {"rcp_ln2": RCP_LN2}
 
 
 @dataclasses.dataclass(frozen=True)
