@@ -4,15 +4,17 @@ Every Triton launch is replaced by a recorder (Triton's interpreter is the drive
 triton and fla installed), so what is left is the Python and dispatch work that an eager GPU step does before its
 kernels run. Per call it counts, with every tensor on torch's `meta` device (shapes, no data, no kernels): Triton
 launches (by kernel), torch ops that launch a kernel on a GPU (views and empty allocations excluded) and
-host-to-device copies; and it times the host on small CPU tensors (best step of `--repeat`: this CPU is shared;
-the host work does not depend on the sizes). Each "step" is 12 KDA layers sharing one layout, as `small` serving
+host-to-device copies; and it times the host on small CPU tensors (best and median step of `--repeat` rounds that
+take one step of each entry in turn: this CPU is shared; the host work does not depend on the sizes). Each "step" is 12 KDA layers sharing one layout, as `small` serving
 a 2,048-token prefill (`--tokens`, `--seqs`, `--layers`, `--heads`, `--head-dim`).
 
     PYTHONPATH=src:/tmp/flaw python benchmarks/host_cost_kda.py   # fla on the path; triton installed
+    ... host_cost_kda.py --only "chunk_kda lean,norm lean" --repeat 40   # just the entries naming a word
     python benchmarks/host_cost_kda.py --serve-step   # the serving layout's gathers per eager step (tiny, CPU)
 
 Entries: fla's public `chunk_kda` as k3 calls it (`fla_kda_gated`), the lean entry (`K3_FLA_LEAN=1`:
-k3.ops.kda_fla_lean), KDA's gated output norm both ways, and two of k3's own launchers (RMSNorm, SiTU-GLU)
+k3.ops.kda_fla_lean) with its kernels launched through fla's and Triton's autotuner wrappers (the eleventh session's)
+and past them (k3.ops.tuned_launch), KDA's gated output norm the same three ways, and two of k3's own launchers (RMSNorm, SiTU-GLU)
 through their autograd.Function and as inference launches them (straight, no Function). A read of a device
 value raises on `meta`: a path that reads one back fails here instead of waiting on a GPU.
 """
@@ -97,19 +99,27 @@ def make_inputs(args, device, tokens, heads=None, head_dim=None, dtype=torch.bfl
     return feats, beta, A_log, dt_bias, state, cu
 
 
-def measure(name, layer_call, args, launches) -> dict:
-    """Steps of `args.layers` calls sharing one layout (fresh cu_seqlens tensors per step, as the engine makes).
-    Counted on `meta` at the given sizes; timed on CPU tensors of `--time-tokens` tokens, 2 heads of 32 (meta's
-    shape functions are Python, far slower than a GPU's dispatch; the host work does not depend on the sizes,
-    and the CPU's fills of a few KB cost little)."""
-    def steps(device, tokens, repeat, *dims):
-        feats, beta, A_log, dt_bias, state, cu = make_inputs(args, device, tokens, *dims)
+def make_step(layer_call, args, device, tokens, *dims):
+    """One step: `args.layers` calls sharing one layout (fresh cu_seqlens tensors per step, as the engine makes)."""
+    feats, beta, A_log, dt_bias, state, cu = make_inputs(args, device, tokens, *dims)
 
-        def step():
-            dev, host = torch.tensor(cu, device=device), torch.tensor(cu)
-            for _ in range(args.layers):
-                layer_call(feats, beta, A_log, dt_bias, state, dev, host)
-        with torch.inference_mode():
+    def step():
+        dev, host = torch.tensor(cu, device=device), torch.tensor(cu)
+        for _ in range(args.layers):
+            layer_call(feats, beta, A_log, dt_bias, state, dev, host)
+    return step
+
+
+def measure(entries, args, launches) -> list[dict]:
+    """Each entry counted on `meta` at the given sizes, then timed on CPU tensors of `--time-tokens` tokens, 2 heads
+    of 32 (meta's shape functions are Python, far slower than a GPU's dispatch; the host work does not depend on
+    the sizes, and the CPU's fills of a few KB cost little). The timed steps go round the entries, one step each
+    per round, so that load from other work on a shared CPU falls on all of them alike."""
+    rows, timed = [], []
+    L = args.layers
+    with torch.inference_mode():
+        for name, layer_call in entries:
+            step = make_step(layer_call, args, "meta", args.tokens)
             for _ in range(2):
                 step()  # warm-up: first-call work (imports, autotuner choices)
             launches.clear()
@@ -117,20 +127,21 @@ def measure(name, layer_call, args, launches) -> dict:
             with rec:
                 step()
             counted = collections.Counter(launches)
-            times = []
-            for _ in range(repeat):
+            rows.append(dict(name=name, triton=sum(counted.values()) / L, torch=sum(rec.ops.values()) / L,
+                             h2d_per_step=rec.h2d, kernels={k: v / L for k, v in sorted(counted.items())},
+                             ops={k: v / L for k, v in sorted(rec.ops.items())}, times=[]))
+            timed.append(make_step(layer_call, args, "cpu", args.time_tokens, 2, 32))
+            for _ in range(2):
+                timed[-1]()
+        for _ in range(args.repeat):
+            for row, step in zip(rows, timed):
                 t0 = time.perf_counter()
                 step()
-                times.append(time.perf_counter() - t0)
-        return rec, counted, times
-
-    rec, counted, _ = steps("meta", args.tokens, 0)
-    _, _, times = steps("cpu", args.time_tokens, args.repeat, 2, 32)
-    L = args.layers
-    return dict(name=name, us_per_layer=min(times) / L * 1e6,  # the best step: the least disturbed by other load
-                triton=sum(counted.values()) / L, torch=sum(rec.ops.values()) / L, h2d_per_step=rec.h2d,
-                kernels={k: v / L for k, v in sorted(counted.items())},
-                ops={k: v / L for k, v in sorted(rec.ops.items())})
+                row["times"].append(time.perf_counter() - t0)
+    for row in rows:  # the best step: the least disturbed by other load; the median for the spread
+        times = sorted(row.pop("times"))
+        row["us_per_layer"], row["median_us"] = times[0] / L * 1e6, times[len(times) // 2] / L * 1e6
+    return rows
 
 
 def serve_step_ops(args) -> int:
@@ -247,15 +258,16 @@ def main(argv=None) -> int:
                ("k3 RMSNorm, inference launch", k3_norm(False)),
                ("k3 SiTU-GLU through its autograd.Function", k3_situ(True)),
                ("k3 SiTU-GLU, inference launch", k3_situ(False))]
-    rows = [measure(name, call, args, launches) for name, call in entries
-            if not args.only or any(word in name for word in args.only.split(","))]
+    rows = measure([(name, call) for name, call in entries
+                    if not args.only or any(word in name for word in args.only.split(","))], args, launches)
     print(f"{args.layers} KDA layers a step, {args.tokens} tokens in {args.seqs} sequences, H={args.heads}, "
           f"K={args.head_dim}; counted on meta, timed on small CPU tensors, Triton launches stubbed; torch {torch.__version__}")
-    print("| entry | host us / call (best) | Triton launches / call | torch kernels / call "
+    print("| entry | host us / call (best) | (median) | Triton launches / call | torch kernels / call "
           "| host->device copies / step |")
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['name']} | {r['us_per_layer']:.0f} | {r['triton']:g} | {r['torch']:g} | {r['h2d_per_step']} |")
+        print(f"| {r['name']} | {r['us_per_layer']:.0f} | {r['median_us']:.0f} | {r['triton']:g} | {r['torch']:g} "
+              f"| {r['h2d_per_step']} |")
     if args.detail:
         for r in rows:
             print(f"\n{r['name']}:\n  Triton: {r['kernels']}\n  torch:  {r['ops']}")

@@ -12,7 +12,10 @@ per KDA layer with the same layout. Here, under no autograd:
   training path fuses them (`use_qk_l2norm_in_kernel`, `use_beta_sigmoid_in_kernel`, `use_gate_in_kernel`), calling
   fla's stage functions past their dispatchers (on NVIDIA no other backend serves these forward stages; the
   dispatcher fla keeps inside its intra-chunk stage stays);
-- `gated_rms_norm` is fla's gated RMSNorm forward without its autograd.Function and input guard.
+- `gated_rms_norm` is fla's gated RMSNorm forward without its autograd.Function and input guard;
+- in both, the stages are copies (k3.ops.tuned_launch) whose autotuned kernels launch past Triton's and fla's
+  heuristics/autotuner wrappers with the config the autotuner holds for the call's key (a new key is tuned through
+  them): the same kernels, configs and grids, without building the key twice and the argument dicts per launch.
 
 These reach into fla's internals, so they run only on the fla series they were written against
 (`SUPPORTED_SERIES`); any other version falls back to the public functions, with one log line. The CUDA test
