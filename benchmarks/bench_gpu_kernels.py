@@ -19,14 +19,22 @@ Decode rows after them (forward only, no gradient, 1/8/64 rows, opt-in kernels o
 k3.ops._router_triton's one launch; "torch": the fp32 GEMM, sigmoid, sort-based top-k, renormalisation), and a
 layer's second AttnRes mix as decode runs it, 4 blocks + p + the attention output ("triton": the add, mix and
 RMSNorm in one launch, k3.ops._attn_res_norm_triton; "torch": the add, the mix kernel, the norm kernel).
+Decode's linears ("gemv" rows: every linear a `small` decode step runs, its shape read from the model, at 1 and 8
+rows, bf16): k3.ops._gemv_triton's kernel ("triton") against cuBLAS (F.linear, plus the add where the call
+site has a residual: "cublas"), each timed as a CUDA graph of calls over enough copies of the weight to leave
+L2 cold (50 MB on an H200) as decode finds it; floor: the weight's bytes (and x, y, residual) over the copy
+bandwidth; per_step_us: µs × the count of such calls in one decode step. --gemv: only these rows;
+--gemv-sweep: the kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at two of them.
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
 programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
 (5 sources) at other warp counts, backward in one kernel and in two (k3.ops._attn_res_triton.NUM_WARPS,
 BWD_ONE_PASS), and its backward adding 4 blocks' gradients into their buffers (BlockGrads) against returning
 them for 4 separate adds (autograd's sums).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
+     [--gemv] [--gemv-sweep]
 """
 import argparse
+import math
 import os
 import sys
 
@@ -47,6 +55,9 @@ from k3.ops.router import route_tokens, router_scores  # noqa: E402
 from k3.model.attn_res import attn_res_mix_norm  # noqa: E402
 from k3.ops.fused_linear import FusedLinears  # noqa: E402
 from k3.ops.sigmoid_gate import sigmoid_gate  # noqa: E402
+from k3.config import K3Config  # noqa: E402
+from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from k3.ops.gemv import DecodeLinear, linear, use_gemv  # noqa: E402
 
 
 def cases(B: int, T: int, device: str = "cuda"):
@@ -187,6 +198,8 @@ def main():
     ap.add_argument("--tokens", default="8,4096", help="B,T")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time the kernels' launch shapes and forms instead")
+    ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
+    ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
     ap.add_argument("--only", default="", help="comma list: only the training-shape rows whose op name contains "
                                                "one of these (the decode rows always run)")
     a = ap.parse_args()
@@ -194,6 +207,12 @@ def main():
     if a.sweep:
         return sweep_kernels(B, T)
     bw = measure_ceilings()["copy_TBps"] * 1e12
+    if a.gemv or a.gemv_sweep:
+        gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw)
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+        cols = ["op", "N", "K", "rows", "impl", "us", "floor_us", "GBps"]
+        print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))
+        return save("gemv_sweep" if a.gemv_sweep else "gemv", {"rows": gemv, "copy_TBps": bw / 1e12})
     rows = []
     wanted = [w for w in a.only.split(",") if w]
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():
@@ -212,7 +231,10 @@ def main():
     print(table(rows, ["op", "impl", "fwd_ms", "fwd_bwd_ms", "floor_fwd_ms", "fwd_GBps"]))
     decode = decode_rows(bw)
     print(table(decode, ["op", "rows", "impl", "us", "floor_us"]))
-    save("kernels" + ("_quick" if a.quick else ""), {"rows": rows, "decode_rows": decode, "B": B, "T": T})
+    gemv = gemv_rows(bw)
+    print(table(gemv, ["op", "N", "K", "rows", "impl", "us", "floor_us", "GBps", "per_step_us"]))
+    save("kernels" + ("_quick" if a.quick else ""), {"rows": rows, "decode_rows": decode, "gemv_rows": gemv,
+                                                      "B": B, "T": T})
 
 
 def decode_rows(bw: float) -> list[dict]:
@@ -243,6 +265,101 @@ def decode_rows(bw: float) -> list[dict]:
                 rows.append(dict(op=op, rows=n, impl=impl, us=us, floor_us=nbytes / bw * 1e6))
                 print(rows[-1], flush=True)
     return rows
+
+
+def decode_linears(preset: str = "small") -> dict[tuple[str, int, int, bool], int]:
+    """(name, N, K, residual) → calls per decode step, read from the model built on the meta device: each mixer's
+    and MoE's stacked input projections (FusedLinears, one GEMM at decode) and every DecodeLinear called on its
+    own (not one of those stacked: the shared experts' gate and up; not KDA's f_b, which the one-kernel decode
+    step reads itself)."""
+    from k3.ops.fused_linear import FusedLinears
+    cfg = K3Config.preset(preset)
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    shapes, stacked = {}, set()
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, FusedLinears):
+                stacked.update(id(lin) for lin in value.linears)
+                key = (f"{type(module).__name__} input projections", sum(lin.out_features for lin in value.linears),
+                       value.linears[0].in_features, False)
+                shapes[key] = shapes.get(key, 0) + 1
+    for name, module in model.named_modules():
+        short = name.rpartition(".")[2]
+        if isinstance(module, DecodeLinear) and id(module) not in stacked and short != "f_b_proj":
+            residual = short == "routed_expert_up_proj" and cfg.num_shared_experts > 0
+            key = (short, module.out_features, module.in_features, residual)
+            shapes[key] = shapes.get(key, 0) + 1
+    return shapes
+
+
+def time_gemv(N: int, K: int, M: int, residual: bool, impl: str, bw: float) -> dict:
+    """µs per call of one decode linear, from a CUDA graph of calls over copies of the weight (L2 cold)."""
+    copies = min(64, max(2, math.ceil(256e6 / (N * K * 2))))
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if residual else None
+    with torch.no_grad(), envs.override(triton_opt_in=["_gemv_triton"] if impl == "triton" else []):
+        if impl == "triton":
+            assert use_gemv(x, ws[0], None, r), "the GEMV kernel was not chosen"
+            fn = lambda w: linear(x, w, residual=r)  # noqa: E731
+        else:
+            fn = lambda w: F.linear(x, w) if r is None else F.linear(x, w) + r  # noqa: E731
+        for w in ws[:2]:
+            fn(w)  # compile, cuBLAS's workspace
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in ws:
+                fn(w)
+    us = time_ms(graph.replay, warmup=2, reps=10) / copies * 1e3
+    nbytes = (N * K + M * K + M * N * (2 if residual else 1)) * 2
+    del graph, ws
+    return dict(N=N, K=K, rows=M, impl=impl, us=us, floor_us=nbytes / bw * 1e6, GBps=nbytes / us * 1e-3)
+
+
+def gemv_rows(bw: float, rows=(1, 8)) -> list[dict]:
+    """Every decode linear of `small` at 1 and 8 rows: the kernel against cuBLAS, and their sums per step."""
+    out = []
+    for M in rows:
+        total = {"triton": 0.0, "cublas": 0.0}
+        for (name, N, K, residual), count in decode_linears().items():
+            for impl in ("triton", "cublas"):
+                row = dict(op=name + (" + residual" if residual else ""), **time_gemv(N, K, M, residual, impl, bw))
+                row["per_step_us"] = row["us"] * count
+                total[impl] += row["per_step_us"]
+                out.append(row)
+                print(row, flush=True)
+        for impl, us in total.items():
+            out.append(dict(op="all decode linears, one step", N="-", K="-", rows=M, impl=impl, us="-",
+                            floor_us="-", GBps="-", per_step_us=us))
+    return out
+
+
+def gemv_sweep(bw: float) -> list[dict]:
+    """The kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at o_proj's [1536, 1536] and KDA's stacked input
+    projections [6284, 1536], 1 and 8 rows."""
+    from k3.ops import _gemv_triton  # (needs triton)
+    default, out = dict(_gemv_triton.LAUNCH), []
+    variants = [{}, dict(fma_block_n=4), dict(fma_block_n=16), dict(fma_tile_elems=4096),
+                dict(fma_tile_elems=16384), dict(fma_warps=8), dict(programs_per_sm=1), dict(programs_per_sm=4),
+                dict(dot_block_n=32), dict(dot_block_k=128), dict(dot_block_k=512), dict(dot_warps=8),
+                dict(min_split_k=128), dict(min_split_k=512)]
+    try:
+        for N, K in ((1536, 1536), (6284, 1536)):
+            for M in (1, 8):
+                for change in variants:
+                    if M == 1 and any(k.startswith("dot") for k in change):
+                        continue
+                    _gemv_triton.LAUNCH.update(default, **change)
+                    row = dict(op="gemv", launch=",".join(f"{k}={v}" for k, v in change.items()) or "default",
+                               **time_gemv(N, K, M, False, "triton", bw))
+                    out.append(row)
+                    print(row, flush=True)
+                out.append(dict(op="gemv", launch="cublas", **time_gemv(N, K, M, False, "cublas", bw)))
+    finally:
+        _gemv_triton.LAUNCH.update(default)
+    return out
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from k3.model.mlp import SiTUMLP
 from k3.model.moe import LatentMoE
 from k3.model.norm import RMSNorm
 from k3.ops.cross_entropy import cross_entropy
+from k3.ops.gemv import DecodeLinear
 
 
 @dataclass
@@ -148,7 +149,7 @@ class K3ForCausalLM(nn.Module):
                        K3ForCausalLM.parameter_bytes(config, dtype), device)
         self.config = config
         self.model = K3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = DecodeLinear(config.hidden_size, config.vocab_size, bias=False)
         if init and not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
 

@@ -14,6 +14,7 @@ from k3.model.cache import BatchCacheView, KDASlots, KDAState, StaticCache
 from k3.model.norm import RMSNorm
 from k3.ops.conv import short_conv
 from k3.ops.fused_linear import FusedLinears
+from k3.ops.gemv import DecodeLinear
 from k3.ops.kda_core import kda_core, select_backend
 from k3.ops.kda_decode import DecodeWeights, kda_decode_step, use_fused_decode
 from k3.ops.kda_fla import fla_output_gate
@@ -191,14 +192,14 @@ class KimiDeltaAttention(nn.Module):
         self.k_conv1d = ShortConv(H * K, W)
         self.v_conv1d = ShortConv(H * K, W)
         self.f_a_proj = nn.Linear(D, K, bias=False)
-        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.f_b_proj = DecodeLinear(K, H * K, bias=False)
         self.b_proj = nn.Linear(D, H, bias=False)
         self.g_proj = nn.Linear(D, H * K, bias=False)
         self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.zeros(H * K, dtype=torch.float32))
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
         self.o_norm.weight.data = self.o_norm.weight.data.float()
-        self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.o_proj = DecodeLinear(H * K, D, bias=False)  # (decode: k3.ops.gemv)
         # the six projections that read x, one GEMM at inference (the parameters keep their released names)
         self.in_proj = FusedLinears(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_proj)
 

@@ -4,6 +4,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.ops.fused_situ import situ_glu_fast
+from k3.ops.gemv import DecodeLinear
 
 
 class SiTUMLP(nn.Module):
@@ -11,9 +12,10 @@ class SiTUMLP(nn.Module):
 
     def __init__(self, config: K3Config, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        # nn.Linear's, taking k3.ops.gemv's kernel for a decode step's few rows where chosen
+        self.gate_proj = DecodeLinear(hidden, intermediate, bias=False)
+        self.up_proj = DecodeLinear(hidden, intermediate, bias=False)
+        self.down_proj = DecodeLinear(intermediate, hidden, bias=False)
         self.betas = (config.activation_situ_beta, config.activation_situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

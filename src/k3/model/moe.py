@@ -7,6 +7,7 @@ from k3.model.mlp import SiTUMLP
 from k3.model.norm import RMSNorm
 from k3.ops.fused_linear import FusedLinears
 from k3.ops.fused_situ import situ_glu_fast
+from k3.ops.gemv import DecodeLinear
 from k3.ops.grouped_mm import expert_situ_mlp
 from k3.ops.moe_decode import selected_experts_situ_mlp, use_selected_experts
 from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores  # noqa: F401  (route: imported here)
@@ -59,7 +60,7 @@ class LatentMoE(nn.Module):
         self.experts = Experts(config.num_experts, L, config.moe_intermediate_size)
         self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
         self.routed_expert_norm = RMSNorm(L, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
-        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        self.routed_expert_up_proj = DecodeLinear(L, D, bias=False)
         self.shared_experts = (SiTUMLP(config, D, config.shared_intermediate_size)
                                if config.num_shared_experts > 0 else None)
         # Router scores of the last training forward, for the load balancer (k3.balance); never used at inference.
@@ -92,15 +93,15 @@ class LatentMoE(nn.Module):
             self.last_mask = None if mask is None else mask.reshape(-1)
         z, *shared_in = self.in_proj(x)
         if self.shared_experts is None:
-            r = self.combine_experts(z, idx, w.to(z.dtype))
+            r, s = self.combine_experts(z, idx, w.to(z.dtype)), None
         else:  # SiTUMLP's forward from the fused gate and up projections, run while the experts' rows travel
             shared = self.shared_experts
             r, s = self.combine_experts(z, idx, w.to(z.dtype),
                                         meanwhile=lambda: shared.down_proj(situ_glu_fast(*shared_in, *shared.betas)))
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
-        out = self.routed_expert_up_proj(r)
-        return out.view(shape) if self.shared_experts is None else (out + s).view(shape)
+        # + the shared experts' output: in the GEMV kernel's epilogue where decode takes it (k3.ops.gemv)
+        return self.routed_expert_up_proj(r, residual=s).view(shape)
 
     def combine_experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, meanwhile=None):
         """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L].

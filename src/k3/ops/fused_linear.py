@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3 import envs
+from k3.ops.gemv import linear
 
 
 class FusedLinears:
@@ -48,7 +49,7 @@ class FusedLinears:
             return [lin(x) for lin in self.linears]
         if not torch.compiler.is_compiling():  # (compiled code trusts the cache refreshed before compiling)
             self.refresh()
-        return list(F.linear(x, self.weight).split([w.shape[0] for w in weights], dim=-1))
+        return list(linear(x, self.weight).split([w.shape[0] for w in weights], dim=-1))
 
     def refresh(self, force: bool = False) -> None:
         """Bring the stacked weight up to date: rebuilt when a weight moved or changed dtype, rewritten in

@@ -1,0 +1,157 @@
+"""Triton GEMV / skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]ᵀ (+ bias) (+ residual), M ≤ 16 rows.
+Imported only through k3.ops.triton_dispatch (needs triton); the contract, the reference and the selector are
+`k3.ops.gemv`.
+
+At decode the linears are weight-bound: every byte of W is read once and each weight meets only M rows, so the
+kernel's job is to keep enough loads in flight to fill the card. W is read as nn.Linear stores it ([N, K],
+K contiguous) in tiles of BLOCK_N rows by BLOCK_K columns. Program (n block, k split) sums its tiles in fp32
+registers:
+- few rows (M ≤ DOT_MIN_ROWS, or fp32 weights): products on the FMA units, a [BLOCK_M, BLOCK_N, BLOCK_K] tile
+  reduced along K (exact fp32 products of the stored values);
+- more rows with 16-bit weights: `tl.dot` on x padded to 16 rows (tensor cores, fp32 accumulation), as 8 or 16
+  rows of FMA work would take longer than the weight's bytes.
+When N alone gives too few programs to fill the SMs (o_proj's 1536 rows in 16-row tiles: 96 programs for 132
+SMs), K is split as well: each split writes its fp32 partial sums to a workspace and a second, small kernel adds
+the splits and applies the epilogue. The splits are summed in a fixed order (no atomics), so a result is the
+same on every run. Epilogue: + bias, + residual (the call site's add after the GEMM), in fp32, one rounding to
+the output dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.triton_dispatch import on_device, sm_count
+
+# Rows from which 16-bit weights go through tl.dot (x padded to 16 rows); below it the FMA units. A first guess.
+DOT_MIN_ROWS = 4
+# Launch shapes, names so a sweep can time others (benchmarks/bench_gpu_kernels.py --gemv-sweep). Untimed:
+# fma: rows of W per program and the element budget of one [M, N, K] product tile (its registers);
+# dot: the tile of W per step. programs_per_sm: the grid aimed at before K is split.
+LAUNCH = dict(fma_block_n=8, fma_tile_elems=8192, fma_warps=4, dot_block_n=16, dot_block_k=256, dot_warps=4,
+              programs_per_sm=2, min_split_k=256, reduce_block=256)
+# SMs assumed off the GPU (the Triton interpreter on CPU tensors): the H200's, so the CPU tests plan the
+# same grids as the card.
+_INTERPRETER_SMS = 132
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stride_om,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """acc [rows, cols] fp32 (+ bias[cols]) (+ residual[rows, cols]) stored once in the output's dtype."""
+    ok = (rows[:, None] < M) & (cols[None, :] < N)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr,
+                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, k_per_split,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
+                 DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    m_ok = rows < M
+    n_ok = cols < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k0 = k_start
+    while k0 < k_end:  # not `for ... range(...)`: the Triton interpreter (the CPU tests) needs constant bounds there
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_end
+        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if USE_DOT and DOT_IN_FP32:  # the same exact products and fp32 sums (see plan)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        elif USE_DOT:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        k0 += BLOCK_K
+    if SPLIT:  # this split's partial sums; the reduce kernel adds the splits and applies the epilogue
+        ok = m_ok[:, None] & n_ok[None, :]
+        tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
+    else:
+        _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stride_om, HAS_BIAS, HAS_RES)
+
+
+@triton.jit
+def _reduce_splits_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, M, N, n_splits, stride_rm, stride_om,
+                          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, cols] = Σ_s part[s, m, cols] (s in order) with the epilogue; one program per (row, column block)."""
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros([1, BLOCK], dtype=tl.float32)
+    s = 0
+    while s < n_splits:
+        acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=ok, other=0.0)[None, :]
+        s += 1
+    rows = m + tl.arange(0, 1)
+    _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stride_om, HAS_BIAS, HAS_RES)
+
+
+def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
+    """The launch for these shapes: dot or FMA, the tile, the warps, and how many splits of K (1: none).
+    Off the GPU (the interpreter) the dot's 16-bit tiles are upcast to fp32 first: the interpreter multiplies
+    bf16 tiles as their raw uint16 bits (triton 3.6); the products are exact either way, the sums fp32."""
+    use_dot = M > DOT_MIN_ROWS and dtype in (torch.bfloat16, torch.float16)
+    if use_dot:
+        block_m, block_n, warps = 16, LAUNCH["dot_block_n"], LAUNCH["dot_warps"]
+        block_k = min(LAUNCH["dot_block_k"], max(16, triton.next_power_of_2(K)))
+    else:
+        block_m, block_n, warps = triton.next_power_of_2(M), LAUNCH["fma_block_n"], LAUNCH["fma_warps"]
+        block_k = min(max(16, LAUNCH["fma_tile_elems"] // (block_m * block_n)), max(16, triton.next_power_of_2(K)))
+    n_blocks = triton.cdiv(N, block_n)
+    want = LAUNCH["programs_per_sm"] * sms
+    split = 1
+    if n_blocks < want:  # too few programs along N: split K, each split at least min_split_k wide
+        split = max(1, min(triton.cdiv(want, n_blocks), K // LAUNCH["min_split_k"]))
+    k_per_split = triton.cdiv(triton.cdiv(max(K, 1), split), block_k) * block_k  # whole tiles per split
+    split = triton.cdiv(max(K, 1), k_per_split)
+    return dict(use_dot=use_dot, block_m=block_m, block_n=block_n, block_k=block_k, warps=warps, split=split,
+                k_per_split=k_per_split, n_blocks=n_blocks)
+
+
+@torch.library.custom_op("k3::decode_gemv", mutates_args=())
+def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (columns contiguous) @ weight [N, K]ᵀ (+ bias [N]) (+ residual [M, N]) → [M, N] in x's dtype;
+    inputs checked by the caller (k3.ops.gemv.linear). A custom op: torch.compile keeps it as one call."""
+    M, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    sms = sm_count(x.device.index) if x.is_cuda else _INTERPRETER_SMS
+    p = plan(M, N, K, weight.dtype, sms)
+    split = p["split"] > 1
+    part = torch.empty(p["split"], M, N, dtype=torch.float32, device=x.device) if split else out
+    res = residual if residual is not None else out  # (an unread stand-in pointer)
+    b = bias if bias is not None else out
+    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None)
+    with on_device(x):
+        _gemv_kernel[(p["n_blocks"], p["split"])](
+            x, weight, b, res, out, part, M, N, K, x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
+            p["k_per_split"], SPLIT=split, USE_DOT=p["use_dot"], DOT_IN_FP32=not x.is_cuda, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"],
+            BLOCK_K=p["block_k"], num_warps=p["warps"], **flags)
+        if split:
+            block = min(LAUNCH["reduce_block"], triton.next_power_of_2(N))
+            _reduce_splits_kernel[(M, triton.cdiv(N, block))](
+                part, b, res, out, M, N, p["split"], res.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+                **flags)
+    return out
+
+
+@decode_gemv.register_fake
+def _(x, weight, bias, residual):
+    return x.new_empty(x.shape[0], weight.shape[0])

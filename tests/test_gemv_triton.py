@@ -1,0 +1,262 @@
+"""Decode's GEMV kernel (k3.ops._gemv_triton) against an fp64 matmul, its selector (k3.ops.gemv.use_gemv), and a
+model's decode through it against the full forward. Without CUDA the kernel runs on CPU tensors under the Triton
+interpreter (which rounds fp32 → bf16 toward zero: bf16 results are held to one bf16 ulp); skipped where triton
+is not installed."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+pytest.importorskip("triton")
+
+from k3 import envs  # noqa: E402
+from k3.config import K3Config  # noqa: E402
+from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from k3.ops import _gemv_triton, gemv  # noqa: E402
+from k3.ops.fused_linear import fuse_projections  # noqa: E402
+from k3.ops.gemv import DecodeLinear, force_gemv, linear, use_gemv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# rtol: one ulp of the output dtype (bf16 8 bits, fp16 11); atol: fp32 summation of K products of ~N(0, 1) values
+TOL = {torch.float32: (2e-6, 1e-4), torch.bfloat16: (2 ** -7, 1e-3), torch.float16: (2 ** -10, 1e-3)}
+# (M, N, K): K not a multiple of any tile, N = 1, M = 1..16; FMA and tl.dot tiles, with and without split K
+SHAPES = [(1, 1, 1), (1, 1, 300), (1, 37, 129), (2, 300, 70), (3, 100, 513), (5, 1, 700), (8, 45, 96),
+          (8, 40, 1031), (13, 300, 257), (16, 7, 2000)]
+
+
+def operands(seed, M, N, K, dtype, bias=False, residual=False):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEVICE)  # noqa: E731
+    return r(M, K), r(N, K), r(N) if bias else None, r(M, N) if residual else None
+
+
+def reference(x, w, b=None, res=None):
+    y = x.double() @ w.double().t()
+    y = y if b is None else y + b.double()
+    return y if res is None else y + res.double()
+
+
+def check(y, want, dtype):
+    rtol, atol = TOL[dtype]
+    assert y.dtype == dtype and y.shape == want.shape
+    torch.testing.assert_close(y.double(), want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_kernel_equals_the_fp64_matmul(M, N, K, dtype):
+    x, w, _, _ = operands(M * 1000 + N + K, M, N, K, dtype)
+    with force_gemv(True):
+        assert use_gemv(x, w)
+        y = linear(x, w)
+    check(y, reference(x, w), dtype)
+
+
+def test_the_shapes_cover_every_launch_form():
+    """The shapes above reach FMA and dot tiles, each with K whole and split (else a path would go untested)."""
+    forms = {(p["use_dot"], p["split"] > 1) for p in (_gemv_triton.plan(M, N, K, torch.bfloat16, 132)
+                                                       for M, N, K in SHAPES)}
+    assert forms == {(False, False), (False, True), (True, False), (True, True)}
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 37, 129), (5, 1, 700), (8, 300, 96), (16, 7, 2000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_and_residual_in_the_epilogue(M, N, K, dtype):
+    x, w, b, res = operands(7 + M, M, N, K, dtype, bias=True, residual=True)
+    with force_gemv(True):
+        assert use_gemv(x, w, b, res)
+        check(linear(x, w, b, res), reference(x, w, b, res), dtype)
+        check(linear(x, w, residual=res), reference(x, w, None, res), dtype)
+        check(linear(x, w, b), reference(x, w, b), dtype)
+
+
+def test_strided_rows_and_leading_dims():
+    """Rows of x and the residual strided (slices of wider tensors, as `h[:, -1]` and the fused projection's
+    outputs are), W a column block of a wider weight, x with leading dims [B, 1, K]."""
+    g = torch.Generator().manual_seed(4)
+    wide_x = torch.randn(3, 2, 300, generator=g).to(DEVICE)
+    wide_w = torch.randn(50, 400, generator=g).to(DEVICE)
+    wide_r = torch.randn(3, 2, 90, generator=g).to(DEVICE)
+    x, w, res = wide_x[:, -1:, 17:217], wide_w[:, 100:300], wide_r[:, -1:, 5:55]
+    assert x.stride(1) != 200 and w.stride(0) == 400
+    with force_gemv(True):
+        assert use_gemv(x, w, None, res)
+        y = linear(x, w, residual=res)
+    assert y.shape == (3, 1, 50)
+    check(y, reference(x.reshape(3, 200), w, None, res.reshape(3, 50)).view(3, 1, 50), torch.float32)
+
+
+def test_selector_defaults_overrides_and_refusals():
+    x, w = torch.zeros(4, 64, device=DEVICE), torch.zeros(32, 64, device=DEVICE)
+    opted = DEVICE == "cuda"
+    assert not use_gemv(x, w)  # listed in OPT_IN: not taken until K3_TRITON names it
+    with envs.override(triton_opt_in="_gemv_triton"):
+        assert use_gemv(x, w) == opted
+        assert not use_gemv(x.cpu(), w.cpu())  # CPU: the plain matmul unless forced
+        with envs.override(no_triton="_gemv_triton"):
+            assert not use_gemv(x, w)
+        with force_gemv(False):
+            assert not use_gemv(x, w)
+    with force_gemv(True):
+        assert use_gemv(x, w) and use_gemv(x.view(4, 1, 64), w)
+        assert not use_gemv(torch.zeros(17, 64, device=DEVICE), w)  # past a decode batch
+        assert not use_gemv(torch.zeros(4, 5, 64, device=DEVICE), w)  # 20 rows
+        assert not use_gemv(torch.zeros(0, 64, device=DEVICE), w)
+        assert not use_gemv(x.double(), w.double())
+        assert not use_gemv(x, w.bfloat16())  # mixed dtypes: F.linear's own error or promotion
+        assert not use_gemv(x, w, residual=torch.zeros(4, 31, device=DEVICE))  # a broadcast residual
+        assert not use_gemv(x, w.t().contiguous().t())  # W's rows not contiguous
+        assert not use_gemv(x, torch.zeros(32, 63, device=DEVICE))  # K mismatch: F.linear raises its error
+        assert not use_gemv(x, w.requires_grad_())  # a gradient is wanted
+        with torch.no_grad():
+            assert use_gemv(x, w)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            assert not use_gemv(x, w.detach())
+
+
+def test_refused_inputs_get_the_plain_linear_and_its_errors():
+    """What the kernel does not take runs F.linear: gradients flow, and a wrong width raises F.linear's error."""
+    lin = DecodeLinear(64, 8).to(DEVICE)
+    plain = torch.nn.Linear(64, 8).to(DEVICE)
+    plain.load_state_dict(lin.state_dict())
+    x = torch.randn(3, 64, device=DEVICE, requires_grad=True)
+    with force_gemv(True):
+        y = lin(x)
+        y.square().sum().backward()
+        plain(x.detach()).square().sum().backward()
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            lin(torch.zeros(2, 63, device=DEVICE))
+    assert y.grad_fn is not None
+    torch.testing.assert_close(lin.weight.grad, plain.weight.grad)
+    assert set(lin.state_dict()) == {"weight", "bias"}
+
+
+def test_the_kernel_compiles_as_one_op():
+    """torch.compile (fullgraph: no break) keeps the launch as the custom op k3::decode_gemv."""
+    x, w, b, res = operands(5, 3, 40, 100, torch.float32, bias=True, residual=True)
+    ops = []
+
+    def recording(gm, example_inputs):
+        ops.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    with force_gemv(True), torch.no_grad():
+        y = torch.compile(linear, backend=recording, fullgraph=True)(x, w, b, res)
+    assert torch.ops.k3.decode_gemv in ops or torch.ops.k3.decode_gemv.default in ops
+    check(y, reference(x, w, b, res), torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_kernel_compiles_for_the_h200(rows):
+    """The launch `plan` picks for o_proj's shape at 1 and 8 bf16 rows, K split, compiled for sm_90 by ptxas (no
+    GPU needed): one row on the FMA units, eight on the tensor cores (an mma in the PTX); the main kernel and the
+    split reduction both build."""
+    from sm90_compile import ptx_for_sm90
+
+    p = _gemv_triton.plan(rows, 1536, 1536, torch.bfloat16, 132)
+    assert p["split"] > 1 and p["use_dot"] == (rows == 8)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
+           "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+           "stride_rm": "i32", "stride_om": "i32", "k_per_split": "i32"}
+    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", sig, num_warps=p["warps"], HAS_BIAS=False,
+                       HAS_RES=False, SPLIT=True, USE_DOT=p["use_dot"], DOT_IN_FP32=False, BLOCK_M=p["block_m"],
+                       BLOCK_N=p["block_n"], BLOCK_K=p["block_k"])
+    assert ("mma" in ptx) == p["use_dot"] and (p["use_dot"] or "fma.rn.f32" in ptx)
+    sig = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+           "n_splits": "i32", "stride_rm": "i32", "stride_om": "i32"}
+    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_reduce_splits_kernel", sig, HAS_BIAS=True, HAS_RES=True, BLOCK=256)
+    assert "st.global" in ptx
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """(rows, N, K, with residual) of each launch."""
+    calls = []
+    launch = gemv._launch
+
+    def counted(x, w, b, res):
+        calls.append((x.shape[0], w.shape[0], w.shape[1], res is not None))
+        return launch(x, w, b, res)
+
+    monkeypatch.setattr(gemv, "_launch", counted)
+    return calls
+
+
+def test_model_decode_through_the_kernel_equals_the_full_forward(kernel_calls, monkeypatch):
+    """fp32 tiny model: StaticCache decode with every decode linear on the kernel == the same decode on F.linear
+    == the full forward; the kernel ran for the fused input projections, o_proj, the MLPs, the MoE's up
+    projection with the shared experts added in its epilogue, and the lm_head."""
+    monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_block_n", 64)  # fewer, larger programs: the interpreter's pace
+    monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_tile_elems", 1 << 16)
+    cfg = K3Config.preset("tiny")
+    torch.manual_seed(3)
+    model = K3ForCausalLM(cfg).to(DEVICE).eval()
+    fuse_projections(model)  # the stacked input projections, as the decode drivers switch them on
+    B, T, n = 2, 7, 2
+    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device=DEVICE)
+    steps = {}
+    with torch.no_grad():
+        full = model(ids).logits
+        for on in (True, False):
+            cache = model.new_cache(B, T + n)
+            model(ids[:, :T], cache=cache)
+            with force_gemv(on):
+                steps[on] = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(T, T + n)], 1)
+    D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
+    assert all(c[0] == B for c in kernel_calls)
+    assert (B, cfg.vocab_size, D, False) in kernel_calls  # lm_head
+    assert (B, D, L, True) in kernel_calls  # routed_expert_up_proj + the shared experts
+    kda = next(layer.self_attn for layer in model.model.layers if not layer.is_mla)
+    assert (B, kda.in_proj.weight.shape[0], D, False) in kernel_calls  # KDA's six input projections
+    per_step = len(kernel_calls) // n
+    assert len(kernel_calls) == n * per_step and per_step >= 3 * cfg.num_hidden_layers
+    torch.testing.assert_close(steps[True], steps[False], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps[True], full[:, T:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 4, 5, 8, 16])
+def test_cuda_kernel_at_small_decode_shapes(M):
+    """On the card (tensor cores for bf16 from 5 rows): `small`'s decode shapes against the fp64 matmul."""
+    for N, K in [(6284, 1536), (1536, 1536), (1536, 768), (1536, 1024), (2304, 384), (32768, 1536)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            x, w, b, res = operands(M + N, M, N, K, dtype, bias=True, residual=True)
+            with envs.override(triton_opt_in="_gemv_triton"), torch.no_grad():
+                assert use_gemv(x, w, b, res)
+                check(linear(x, w, b, res), reference(x, w, b, res), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_graphed_decode_through_the_kernel(kernel_calls):
+    """A bf16 tiny model's graphed decode (and the same compiled) with the kernel opted in stays within bf16
+    tolerance of the graphed decode without it and of the full forward."""
+    from k3.model.cuda_graph import GraphedDecodeStep
+    from k3.model.generate import chunked_prefill
+
+    def rel_err(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    torch.manual_seed(1)
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
+    B, T, n = 3, 40, 5
+    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device="cuda")
+    logits = {}
+    with torch.no_grad():
+        full = model(ids).logits.float()
+        for case in ("kernel", "plain", "compiled"):
+            with envs.override(triton_opt_in="_gemv_triton" if case != "plain" else frozenset()):
+                cache = model.new_cache(B, T + n)
+                chunked_prefill(model, ids[:, :T], cache, 16)
+                step = GraphedDecodeStep(model, cache, compile=case == "compiled")
+                logits[case] = torch.stack([step.step(ids[:, t]).float() for t in range(T, T + n)], 1)
+            if case == "kernel":
+                assert kernel_calls, "the opted-in kernel did not run"
+    assert rel_err(logits["kernel"], logits["plain"]) < 2e-2
+    assert rel_err(logits["kernel"], full[:, T:]) < 3e-2
+    assert rel_err(logits["compiled"], logits["kernel"]) < 2e-2
