@@ -12,7 +12,7 @@ routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per
 each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer's cached latent+k_extra read
 once. Fraction =
 (bytes / copy bandwidth measured in the same run) / measured step time. Target (issue 6): batch-1 >= 60%.
-Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile]
+Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--contexts 4096] [--batches 1,8]
 """
 import argparse
 import os
@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compile", action="store_true", help="also time the graph of a torch.compile'd step")
     ap.add_argument("--contexts", default="4096,32768", help="comma-separated context lengths")
+    ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     a = ap.parse_args()
     ceil = measure_ceilings()
     copy_bw = ceil["copy_TBps"] * 1e12
@@ -76,7 +77,7 @@ def main():
     n_kda, n_mla = cfg.num_hidden_layers - len(cfg.mla_layer_ids), len(cfg.mla_layer_ids)
     rows = []
     for ctx in ([int(c) for c in a.contexts.split(",")] if not a.quick else [512]):
-        for B in ([1, 8, 64] if not a.quick else [1, 4]):
+        for B in ([int(b) for b in a.batches.split(",")] if not a.quick else [1, 4]):
             tails = 3 * (la.short_conv_kernel_size - 1) * la.num_heads * la.head_dim  # q, k, v conv tails
             state_bytes = n_kda * B * (la.num_heads * la.head_dim ** 2 + tails) * 4 * 2
             kv_bytes = n_mla * B * ctx * (R + rope) * 2
