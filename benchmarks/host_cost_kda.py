@@ -5,18 +5,21 @@ triton and fla installed), so what is left is the Python and dispatch work that 
 kernels run. Per call it counts, with every tensor on torch's `meta` device (shapes, no data, no kernels): Triton
 launches (by kernel), torch ops that launch a kernel on a GPU (views and empty allocations excluded) and
 host-to-device copies; and it times the host on small CPU tensors (best and median step of `--repeat` rounds that
-take one step of each entry in turn: this CPU is shared; the host work does not depend on the sizes). Each "step" is 12 KDA layers sharing one layout, as `small` serving
-a 2,048-token prefill (`--tokens`, `--seqs`, `--layers`, `--heads`, `--head-dim`).
+take one step of each entry in turn: this CPU is shared; the host work does not depend on the sizes). Each "step"
+is 12 KDA layers sharing one layout, as `small` serving a 2,048-token prefill (`--tokens`, `--seqs`, `--layers`,
+`--heads`, `--head-dim`). With `--cuda` (and TRITON_INTERPRET=0) nothing is stubbed: the steps launch for real on
+a GPU at the small timing sizes (host-bound), timed to a synchronise, uncounted.
 
     PYTHONPATH=src:/tmp/flaw python benchmarks/host_cost_kda.py   # fla on the path; triton installed
     ... host_cost_kda.py --only "chunk_kda lean,norm lean" --repeat 40   # just the entries naming a word
     python benchmarks/host_cost_kda.py --serve-step   # the serving layout's gathers per eager step (tiny, CPU)
 
 Entries: fla's public `chunk_kda` as k3 calls it (`fla_kda_gated`), the lean entry (`K3_FLA_LEAN=1`:
-k3.ops.kda_fla_lean) with its kernels launched through fla's and Triton's autotuner wrappers (the eleventh session's)
-and past them (k3.ops.tuned_launch), KDA's gated output norm the same three ways, and two of k3's own launchers (RMSNorm, SiTU-GLU)
-through their autograd.Function and as inference launches them (straight, no Function). A read of a device
-value raises on `meta`: a path that reads one back fails here instead of waiting on a GPU.
+k3.ops.kda_fla_lean) with its kernels launched through fla's and Triton's autotuner wrappers (the eleventh
+session's) and past them (k3.ops.tuned_launch), KDA's gated output norm the same three ways, and two of k3's own
+launchers (RMSNorm, SiTU-GLU) through their autograd.Function and as inference launches them (straight, no
+Function). A read of a device value raises on `meta`: a path that reads one back fails here instead of waiting on a
+GPU.
 """
 from __future__ import annotations
 
@@ -116,9 +119,17 @@ def measure(entries, args, launches) -> list[dict]:
     the sizes, and the CPU's fills of a few KB cost little). The timed steps go round the entries, one step each
     per round, so that load from other work on a shared CPU falls on all of them alike."""
     rows, timed = [], []
-    L = args.layers
+    L, cuda = args.layers, args.cuda
     with torch.inference_mode():
         for name, layer_call in entries:
+            if cuda:  # real launches: timed only (a step's wall time, synchronised; the device work is tiny)
+                rows.append(dict(name=name, triton=float("nan"), torch=float("nan"), h2d_per_step="-",
+                                 kernels={}, ops={}, times=[]))
+                timed.append(make_step(layer_call, args, "cuda", args.time_tokens, 2, 32))
+                for _ in range(3):
+                    timed[-1]()  # the first calls autotune
+                torch.cuda.synchronize()
+                continue
             step = make_step(layer_call, args, "meta", args.tokens)
             for _ in range(2):
                 step()  # warm-up: first-call work (imports, autotuner choices)
@@ -137,6 +148,8 @@ def measure(entries, args, launches) -> list[dict]:
             for row, step in zip(rows, timed):
                 t0 = time.perf_counter()
                 step()
+                if cuda:
+                    torch.cuda.synchronize()
                 row["times"].append(time.perf_counter() - t0)
     for row in rows:  # the best step: the least disturbed by other load; the median for the spread
         times = sorted(row.pop("times"))
@@ -194,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-tokens", type=int, default=128, help="tokens of the timed CPU steps")
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--detail", action="store_true", help="list the launches and torch ops of each entry")
+    p.add_argument("--cuda", action="store_true", help="instead of stubbing Triton: time real launches on the GPU "
+                   "(set TRITON_INTERPRET=0), uncounted")
     p.add_argument("--only", default="", help="comma-separated words: measure only the entries naming one")
     p.add_argument("--serve-step", action="store_true", help="instead: the serving layout's ops per eager step "
                    "(tiny on the CPU; needs neither triton nor fla)")
@@ -210,7 +225,8 @@ def main(argv=None) -> int:
     from k3.ops import kda_fla
 
     launches = collections.Counter()
-    stub_triton(launches)
+    if not args.cuda:
+        stub_triton(launches)
 
     from k3.ops import kda_fla_lean
 
@@ -261,7 +277,10 @@ def main(argv=None) -> int:
     rows = measure([(name, call) for name, call in entries
                     if not args.only or any(word in name for word in args.only.split(","))], args, launches)
     print(f"{args.layers} KDA layers a step, {args.tokens} tokens in {args.seqs} sequences, H={args.heads}, "
-          f"K={args.head_dim}; counted on meta, timed on small CPU tensors, Triton launches stubbed; torch {torch.__version__}")
+          f"K={args.head_dim}; "
+          + (f"timed on the GPU at {args.time_tokens} tokens, H=2, K=32, real launches, synchronised steps"
+             if args.cuda else "counted on meta, timed on small CPU tensors, Triton launches stubbed")
+          + f"; torch {torch.__version__}")
     print("| entry | host us / call (best) | (median) | Triton launches / call | torch kernels / call "
           "| host->device copies / step |")
     print("|---|---:|---:|---:|---:|---:|")
