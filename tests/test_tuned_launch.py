@@ -83,6 +83,7 @@ def test_a_held_key_launches_what_the_wrappers_launch_without_tuning():
 
     fast = TunedLaunch(kernel)
     assert fast.direct and fast.autotune_key(dict(x=x, y=y, n=64, n_cols=7)) in tuner.cache
+    assert fast.values is kernel.values and fast.run == kernel.run  # other attributes are the kernel's
     wrapper_runs = []
     for layer in (kernel, tuner):
         layer.run = lambda *a, _run=layer.run, **k: wrapper_runs.append(a) or _run(*a, **k)

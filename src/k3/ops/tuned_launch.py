@@ -81,6 +81,11 @@ class TunedLaunch:
                 self.direct = False
         self._merged: dict[tuple, tuple] = {}  # autotune key -> (its Config, the Config's keyword arguments)
 
+    def __getattr__(self, name):  # anything else (`.run`, `.configs`, `.fn`) is the kernel's own
+        if name == "kernel":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.kernel, name)
+
     def __getitem__(self, grid):
         if not self.direct:
             return self.kernel[grid]
