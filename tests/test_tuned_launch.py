@@ -338,3 +338,14 @@ def test_lean_stages_leave_fla_modules_and_public_entries_alone():
     assert {n for n, v in st["l2norm"].__globals__.items() if isinstance(v, TunedLaunch)} == {
         "l2norm_fwd_kernel", "l2norm_fwd_kernel_row"}
     assert not isinstance(st["beta_sigmoid"].__globals__["fused_beta_sigmoid_fwd_kernel"], TunedLaunch)  # no wrapper
+
+
+@needs_fla
+def test_fla_cache_mode_always_goes_through_fla_s_autotuner(monkeypatch):
+    """FLA_CACHE_MODE=always re-reads fla's config files on every call: its kernels keep their wrappers."""
+    from fla.ops.utils import cache
+    jit = RecordingJIT()
+    kernel, _ = autotuned(jit, tuner_class=cache.CachedAutotuner)
+    assert TunedLaunch(kernel).direct
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.ALWAYS)
+    assert not TunedLaunch(kernel).direct
