@@ -344,7 +344,8 @@ def gemv_sweep(bw: float) -> list[dict]:
     variants = [{}, dict(fma_block_n=4), dict(fma_block_n=16), dict(fma_tile_elems=4096),
                 dict(fma_tile_elems=16384), dict(fma_warps=8), dict(programs_per_sm=1), dict(programs_per_sm=4),
                 dict(dot_block_n=32), dict(dot_block_k=128), dict(dot_block_k=512), dict(dot_warps=8),
-                dict(min_split_k=128), dict(min_split_k=512)]
+                dict(min_split_k=128), dict(min_split_k=512), dict(fma_stages=1), dict(fma_stages=3),
+                dict(dot_stages=2), dict(dot_stages=4)]
     try:
         for N, K in ((1536, 1536), (6284, 1536)):
             for M in (1, 8):

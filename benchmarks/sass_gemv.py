@@ -1,6 +1,7 @@
 """Registers and spills of the decode GEMV kernel (k3.ops._gemv_triton) compiled for sm_90 without a GPU
 (Triton's own ptxas, as in benchmarks/sass_mxfp4_loop.py): for `small`'s decode linears at 1, 8 and 16 rows,
-the launch `plan` picks, the registers a thread and spill bytes (STACK), the CTAs an SM those registers allow,
+the launch `plan` picks, the registers a thread and spill bytes (STACK), the shared memory of the pipelined
+loop, the CTAs an SM those allow,
 the programs of the launch and the waves they make on 132 SMs, and the bytes of W each program has in flight a
 loop step (what keeps HBM busy).
 
@@ -19,28 +20,29 @@ from k3.ops import _gemv_triton  # noqa: E402
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
              "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-             "stride_rm": "i32", "stride_om": "i32", "k_per_split": "i32"}
+             "stride_rm": "i32", "stride_om": "i32"}
 SHAPES = [("KDA input projections", 6284, 1536), ("o_proj", 1536, 1536), ("routed_expert_up_proj", 1536, 768),
           ("lm_head", 32768, 1536)]
 
 
 def main():
-    print("| linear | rows | form | tile (M, N, K) | splits | REG | STACK | CTAs an SM | programs | waves | "
-          "W bytes a step |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| linear | rows | form | tile (M, N, K) | stages | splits | REG | STACK | shared bytes | CTAs an SM | "
+          "programs | waves | W bytes a step |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, N, K in SHAPES:
         for M in (1, 8, 16):
             p = _gemv_triton.plan(M, N, K, torch.bfloat16, SMS)
             kernel = compile_kernel(_gemv_triton._gemv_kernel, SIGNATURE, {"num_warps": p["warps"]},
                                     HAS_BIAS=False, HAS_RES=name == "routed_expert_up_proj", SPLIT=p["split"] > 1,
                                     USE_DOT=p["use_dot"], DOT_IN_FP32=False, BLOCK_M=p["block_m"],
-                                    BLOCK_N=p["block_n"], BLOCK_K=p["block_k"])
+                                    BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"],
+                                    NUM_STAGES=p["stages"])
             res = resources(kernel)
             per_sm = ctas_per_sm(res["REG"], res["SHARED"], p["warps"])
             programs = p["n_blocks"] * p["split"]
             print(f"| {name} [{N}, {K}] | {M} | {'dot' if p['use_dot'] else 'fma'} | "
-                  f"({p['block_m']}, {p['block_n']}, {p['block_k']}) | {p['split']} | {res['REG']} | "
-                  f"{res.get('STACK', 0)} | {per_sm} | {programs} | {programs / (SMS * per_sm):.2f} | "
+                  f"({p['block_m']}, {p['block_n']}, {p['block_k']}) | {p['stages']} | {p['split']} | {res['REG']} | "
+                  f"{res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | {programs} | {programs / (SMS * per_sm):.2f} | "
                   f"{p['block_n'] * p['block_k'] * 2} |", flush=True)
 
 

@@ -160,10 +160,11 @@ def test_kernel_compiles_for_the_h200(rows):
     assert p["split"] > 1 and p["use_dot"] == (rows == 8)
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
            "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_rm": "i32", "stride_om": "i32", "k_per_split": "i32"}
+           "stride_rm": "i32", "stride_om": "i32"}
     ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", sig, num_warps=p["warps"], HAS_BIAS=False,
                        HAS_RES=False, SPLIT=True, USE_DOT=p["use_dot"], DOT_IN_FP32=False, BLOCK_M=p["block_m"],
-                       BLOCK_N=p["block_n"], BLOCK_K=p["block_k"])
+                       BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"],
+                       NUM_STAGES=p["stages"])
     assert ("mma" in ptx) == p["use_dot"] and (p["use_dot"] or "fma.rn.f32" in ptx)
     sig = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
            "n_splits": "i32", "stride_rm": "i32", "stride_om": "i32"}

@@ -28,9 +28,10 @@ from k3.ops.triton_dispatch import on_device, sm_count
 DOT_MIN_ROWS = 4
 # Launch shapes, names so a sweep can time others (benchmarks/bench_gpu_kernels.py --gemv-sweep). Untimed:
 # fma: rows of W per program and the element budget of one [M, N, K] product tile (its registers);
-# dot: the tile of W per step. programs_per_sm: the grid aimed at before K is split.
-LAUNCH = dict(fma_block_n=8, fma_tile_elems=8192, fma_warps=4, dot_block_n=16, dot_block_k=256, dot_warps=4,
-              programs_per_sm=2, min_split_k=256, reduce_block=256)
+# dot: the tile of W per step; stages: the loads in flight of the pipelined K loop. programs_per_sm: the grid
+# aimed at before K is split.
+LAUNCH = dict(fma_block_n=8, fma_tile_elems=8192, fma_warps=4, fma_stages=2, dot_block_n=16, dot_block_k=256,
+              dot_warps=4, dot_stages=3, programs_per_sm=2, min_split_k=256, reduce_block=256)
 # SMs assumed off the GPU (the Triton interpreter on CPU tensors): the H200's, so the CPU tests plan the
 # same grids as the card.
 _INTERPRETER_SMS = 132
@@ -50,24 +51,24 @@ def _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stri
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr,
-                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, k_per_split,
+                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                 DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 K_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
     m_ok = rows < M
     n_ok = cols < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    k_start = pid_k * K_SPLIT  # this split's K_SPLIT columns (a whole number of tiles; the last split is cut at K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k0 = k_start
-    while k0 < k_end:  # not `for ... range(...)`: the Triton interpreter (the CPU tests) needs constant bounds there
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_end
+    # constant bounds: a software-pipelined loop on the GPU, and what the interpreter (the CPU tests) can run
+    for k0 in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        ks = k_start + k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         if USE_DOT and DOT_IN_FP32:  # the same exact products and fp32 sums (see plan)
@@ -76,7 +77,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr,
             acc += tl.dot(x, tl.trans(w))
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        k0 += BLOCK_K
     if SPLIT:  # this split's partial sums; the reduce kernel adds the splits and applies the epilogue
         ok = m_ok[:, None] & n_ok[None, :]
         tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
@@ -106,10 +106,11 @@ def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
     bf16 tiles as their raw uint16 bits (triton 3.6); the products are exact either way, the sums fp32."""
     use_dot = M > DOT_MIN_ROWS and dtype in (torch.bfloat16, torch.float16)
     if use_dot:
-        block_m, block_n, warps = 16, LAUNCH["dot_block_n"], LAUNCH["dot_warps"]
+        block_m, block_n, warps, stages = 16, LAUNCH["dot_block_n"], LAUNCH["dot_warps"], LAUNCH["dot_stages"]
         block_k = min(LAUNCH["dot_block_k"], max(16, triton.next_power_of_2(K)))
     else:
-        block_m, block_n, warps = triton.next_power_of_2(M), LAUNCH["fma_block_n"], LAUNCH["fma_warps"]
+        block_m, block_n = triton.next_power_of_2(M), LAUNCH["fma_block_n"]
+        warps, stages = LAUNCH["fma_warps"], LAUNCH["fma_stages"]
         block_k = min(max(16, LAUNCH["fma_tile_elems"] // (block_m * block_n)), max(16, triton.next_power_of_2(K)))
     n_blocks = triton.cdiv(N, block_n)
     want = LAUNCH["programs_per_sm"] * sms
@@ -118,8 +119,8 @@ def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
         split = max(1, min(triton.cdiv(want, n_blocks), K // LAUNCH["min_split_k"]))
     k_per_split = triton.cdiv(triton.cdiv(max(K, 1), split), block_k) * block_k  # whole tiles per split
     split = triton.cdiv(max(K, 1), k_per_split)
-    return dict(use_dot=use_dot, block_m=block_m, block_n=block_n, block_k=block_k, warps=warps, split=split,
-                k_per_split=k_per_split, n_blocks=n_blocks)
+    return dict(use_dot=use_dot, block_m=block_m, block_n=block_n, block_k=block_k, warps=warps, stages=stages,
+                split=split, k_per_split=k_per_split, n_blocks=n_blocks)
 
 
 @torch.library.custom_op("k3::decode_gemv", mutates_args=())
@@ -142,8 +143,8 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     with on_device(x):
         _gemv_kernel[(p["n_blocks"], p["split"])](
             x, weight, b, res, out, part, M, N, K, x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
-            p["k_per_split"], SPLIT=split, USE_DOT=p["use_dot"], DOT_IN_FP32=not x.is_cuda, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"],
-            BLOCK_K=p["block_k"], num_warps=p["warps"], **flags)
+            SPLIT=split, USE_DOT=p["use_dot"], DOT_IN_FP32=not x.is_cuda, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"],
+            BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"], NUM_STAGES=p["stages"], num_warps=p["warps"], **flags)
         if split:
             block = min(LAUNCH["reduce_block"], triton.next_power_of_2(N))
             _reduce_splits_kernel[(M, triton.cdiv(N, block))](
