@@ -78,8 +78,9 @@ def test_attn_res_mix_norm_dispatch():
     D = 64
     gen = torch.Generator().manual_seed(2)
     norm, out_norm = RMSNorm(D, 1e-5).to(DEVICE), RMSNorm(D, 1e-6).to(DEVICE)
-    proj = torch.nn.Linear(D, 1, bias=False).to(DEVICE)
-    torch.nn.init.normal_(proj.weight, std=0.3, generator=gen)
+    proj = torch.nn.Linear(D, 1, bias=False)
+    torch.nn.init.normal_(proj.weight, std=0.3, generator=gen)  # drawn on the CPU (gen is a CPU generator)
+    proj = proj.to(DEVICE)
     blocks = [torch.randn(2, 3, D, generator=gen).to(DEVICE) for _ in range(2)]
     attn = torch.randn(2, 3, D, generator=gen).to(DEVICE)
     p, y = attn_res_mix_norm(blocks, None, norm, proj, out_norm, add=attn)

@@ -19,7 +19,7 @@ import tempfile
 
 from k3 import envs
 
-__all__ = ["worker_count", "start", "main"]
+__all__ = ["worker_count", "start", "stale", "compile_spec", "main"]
 
 _log = logging.getLogger(__name__)
 
@@ -55,6 +55,53 @@ def start(specs: list[dict], device_index: int) -> list[subprocess.Popen]:
     return workers
 
 
+def stale(spec: dict, fn) -> str | None:
+    """Why `spec` no longer fits the JIT function `fn` (the kernel's parameters changed since the table was
+    recorded: Triton would fail to compile it), or None."""
+    params = [p.name for p in getattr(fn, "params", ())]
+    recorded = list(spec["signature"])
+    if params and recorded != params:
+        missing = [p for p in params if p not in recorded] or [p for p in recorded if p not in params]
+        return (f"stale: recorded with parameters {recorded}, the kernel has {params} (differ in {missing}); "
+                "`k3 tune` records the table again")
+    return None
+
+
+def compile_spec(spec: dict, target=None):
+    """Compile one recorded specialisation with Triton's compiler into its disk cache, as `JITFunction.preload`
+    does, for `target` (a triton GPUTarget; None: the spec's own arch, CUDA): no GPU is needed, so a machine
+    without one can check that a table's compiles still fit the kernels. Returns the CompiledKernel."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k3.ops.tuning import resolve_jit_function
+
+    fn = resolve_jit_function(spec["name"])
+    reason = stale(spec, fn)
+    if reason:
+        raise ValueError(f"{spec['name']}: {reason}")
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    if target is None:
+        target = GPUTarget("cuda", int(options["arch"].removeprefix("sm")), options.get("warp_size", 32))
+
+    def constant(value):  # as preload reads them: dtypes by name, wrapped constexprs
+        if tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        return tl.constexpr(value["constexpr"]) if isinstance(value, dict) and "constexpr" in value else value
+
+    constexprs = {tuple(k): constant(v) for k, v in zip(spec["constant_keys"], spec["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(spec["attrs_keys"], spec["attrs_vals"])}
+    # JSON made the tuple parameters' types lists; Triton wants tuples (as preload converts them)
+    signature = {k: _as_tuple(v) for k, v in spec["signature"].items()}
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options)
+
+
+def _as_tuple(value):
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+
+
 def main(argv: list[str] | None = None) -> int:
     device_index, path = (argv if argv is not None else sys.argv[1:])
     with open(path) as f:
@@ -68,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for spec in specs:
         try:
-            resolve_jit_function(spec["name"]).preload(json.dumps(spec))
+            fn = resolve_jit_function(spec["name"])
+            reason = stale(spec, fn)
+            if reason:
+                failed.append(f"{spec['name']}: {reason}")
+                continue
+            fn.preload(json.dumps(spec))
         except Exception as e:  # a kernel this fla/Triton compiles differently: the main process compiles it
             failed.append(f"{spec.get('name')}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     if failed:
