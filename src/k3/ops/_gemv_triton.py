@@ -71,7 +71,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr,
         k_ok = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if USE_DOT and DOT_IN_FP32:  # the same exact products and fp32 sums (see plan)
+        # off the GPU the dot's 16-bit tiles go in as fp32: the interpreter (triton 3.6) multiplies bf16 tiles as
+        # their raw uint16 bits. The products are exact either way and the sums fp32.
+        if USE_DOT and DOT_IN_FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         elif USE_DOT:
             acc += tl.dot(x, tl.trans(w))
@@ -101,9 +103,7 @@ def _reduce_splits_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, M, N, n_splits, 
 
 
 def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
-    """The launch for these shapes: dot or FMA, the tile, the warps, and how many splits of K (1: none).
-    Off the GPU (the interpreter) the dot's 16-bit tiles are upcast to fp32 first: the interpreter multiplies
-    bf16 tiles as their raw uint16 bits (triton 3.6); the products are exact either way, the sums fp32."""
+    """The launch for these shapes: dot or FMA, the tile, the warps and stages, and how many splits of K (1: none)."""
     use_dot = M > DOT_MIN_ROWS and dtype in (torch.bfloat16, torch.float16)
     if use_dot:
         block_m, block_n, warps, stages = 16, LAUNCH["dot_block_n"], LAUNCH["dot_warps"], LAUNCH["dot_stages"]
