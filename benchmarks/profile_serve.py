@@ -190,21 +190,34 @@ def device_profile(rec, prompts, params, streams) -> list[dict]:
 def device_waits():
     """Where the block makes the host wait for the device, as "file:line" of the Python line that asked (filled in
     when the block ends). CUDA's sync debug mode warns at each synchronizing call: a read of device values
-    (.item(), .tolist(), a bool of a tensor), a copy to or from pageable memory, a stream or device sync."""
-    sites = []
+    (.item(), .tolist(), a bool of a tensor), a copy to or from pageable memory, a stream or device sync. It does
+    not warn at `torch.cuda.Event.synchronize` (cudaEventSynchronize: the wait of a read queued into pinned
+    memory, k3.serve.sampling.read_back's), so those calls are recorded here, where they are made; one on an event
+    that had already completed (no wait, though a synchronizing call) is marked " (complete)"."""
+    sites, event_sites = [], []
+    event_sync = torch.cuda.Event.synchronize
+
+    def recorded_event_sync(event):
+        caller = sys._getframe(1)
+        mark = " (complete)" if event.query() else ""
+        event_sites.append((caller.f_code.co_filename, f"{caller.f_lineno}{mark}"))
+        return event_sync(event)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize = recorded_event_sync
         try:
             yield sites
         finally:
+            torch.cuda.Event.synchronize = event_sync
             torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            path = w.filename.replace("\\", "/")
-            for root in ("/site-packages/", "/dist-packages/", "/src/"):
-                path = path.split(root)[-1]
-            sites.append(f"{path}:{w.lineno}")
+    waits = [(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)] + event_sites
+    for filename, lineno in waits:
+        path = filename.replace("\\", "/")
+        for root in ("/site-packages/", "/dist-packages/", "/src/"):
+            path = path.split(root)[-1]
+        sites.append(f"{path}:{lineno}")
 
 
 def sync_trace(rec, prompts, params, streams) -> list[dict]:
