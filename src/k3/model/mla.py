@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import BatchCacheView
+from k3.model.cache import BatchCacheView, StaticCache
 from k3.model.norm import RMSNorm
 from k3.ops.attention import causal_attention
 from k3.ops.fused_linear import FusedLinears
+from k3.ops.mla_static_decode import static_decode_attention, use_static_decode_kernel
 from k3.ops.sigmoid_gate import sigmoid_gate
 from k3.ops.triton_dispatch import triton_module, use_triton
 
@@ -30,11 +31,33 @@ class DenseLayout:
         if self.cache is None:
             return m.expanded_attention(q, latent, k_extra, self.doc_ids)
         T = q.shape[1]
+        o = self.static_decode(m, q, latent, k_extra) if T == 1 and isinstance(self.cache, StaticCache) else None
+        if o is not None:
+            return o
         lat, kx, kv_len = self.cache.mla_append(m.layer_idx, latent, k_extra)
         if T == 1:  # decode: W_kvb folded into q and the output, no per-token K/V expansion
             return m.absorbed_attention(q, lat, kx, kv_len=kv_len)
         S = self.cache.seq_len + T  # prefill chunk: expand the cached latents once, SDPA bottom-right causal
         return m.expanded_attention(q, lat[:, :S], kx[:, :S])
+
+    def static_decode(self, m: "MultiHeadLatentAttention", q, latent, k_extra) -> torch.Tensor | None:
+        """`absorbed_attention` of one new token over a StaticCache with the cache write, scores, mask, softmax
+        and context in one kernel (k3.ops.mla_static_decode), where its selector takes it; else None."""
+        cache, H = self.cache, m.num_heads
+        st = cache.layers[m.layer_idx]
+        w = m.kv_b_proj.weight
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, latent, k_extra, w))
+        if not use_static_decode_kernel(q, st.latent, needs_grad):
+            return None
+        # (as StaticCache.mla_append: not while compiling, where the host length would be a guard)
+        if not torch.compiler.is_compiling() and cache.seq_len + 1 > cache.max_len:
+            raise ValueError(f"StaticCache holds {cache.max_len} tokens; {cache.seq_len} cached + 1 new do not fit")
+        w = w.view(H, m.nope + m.v_dim, m.kv_rank)
+        q_nope, q_extra = q[:, 0].split([m.nope, m.rope], dim=-1)
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w[:, :m.nope])
+        ctx = static_decode_attention(q_lat, q_extra, latent[:, 0], k_extra[:, 0], st.latent, st.k_extra,
+                                      cache.length, m.scale)
+        return torch.einsum("bhr,hvr->bhv", ctx, w[:, m.nope:])[:, None]
 
 
 class VarlenLayout:

@@ -24,7 +24,7 @@ from k3 import envs
 # _router_triton, _attn_res_norm_triton, _kda_decode_triton: decode's router, mix + norm and KDA step, tested under
 # the interpreter only so far
 OPT_IN = frozenset({"_mla_decode_triton", "_router_triton", "_attn_res_norm_triton", "_sigmoid_gate_triton",
-                    "_kda_decode_triton"})
+                    "_kda_decode_triton", "_mla_static_decode_triton"})
 
 
 _modules: dict[str, ModuleType | None] = {}

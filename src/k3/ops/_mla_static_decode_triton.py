@@ -1,0 +1,154 @@
+"""Triton kernel for MLA's absorbed decode over a StaticCache, in one launch (imported only through
+k3.ops.triton_dispatch; needs triton): the new token's latent and k_rope written into the cache at the device
+length, the scores of every head over the cached tokens and the new one, the masked softmax and `p · latent`.
+
+Program (row, block of heads, split of the cache) walks its split with an online softmax, as
+k3.ops._mla_decode_triton does over the paged pool (all heads share MLA's one latent, so each loaded tile serves
+every head), and writes its partial (acc, max, sum) to an fp32 scratch. The last program of a (row, head block)
+to finish (an atomic ticket, as in k3.ops._router_triton) merges the splits into the context and sets the ticket
+back to zero, so the workspace stays zero between launches and a CUDA graph replays it as captured; launches
+sharing one workspace must not run at the same time. The new token is never read back from the cache: the
+split that holds its slot takes it from the inputs, and only that split's first head block writes it there.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.triton_dispatch import on_device, sm_count
+
+
+@triton.jit
+def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_row, q_rope_head, new_lat_ptr,
+                          new_lat_row, new_rope_ptr, new_rope_row, lat_ptr, rope_ptr, length_ptr, acc_ptr, m_ptr,
+                          l_ptr, tickets_ptr, out_ptr, H, R, E, max_len, scale, split_len, splits, head_blocks,
+                          BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    b, hb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    r, e = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_E)
+    h_ok, r_ok, e_ok = heads < H, r < R, e < E
+    q_rows = b * H + heads
+    # the products in fp32: a bf16/fp16 value is exact in tf32, which PRECISION then names for them
+    q_lat = tl.load(q_lat_ptr + b * q_lat_row + heads[:, None] * q_lat_head + r[None, :],
+                    mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    q_rope = tl.load(q_rope_ptr + b * q_rope_row + heads[:, None] * q_rope_head + e[None, :],
+                     mask=h_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+    pos = tl.load(length_ptr)  # the new token's slot; the context is tokens 0..pos
+    start = sp * split_len
+    end = tl.minimum(tl.minimum(start + split_len, pos + 1), max_len)  # (a full cache: nothing read past it)
+    # the new token in the cache's dtype: the value every later step reads back
+    new_lat = tl.load(new_lat_ptr + b * new_lat_row + r, mask=r_ok, other=0.0).to(lat_ptr.dtype.element_ty)
+    new_rope = tl.load(new_rope_ptr + b * new_rope_row + e, mask=e_ok, other=0.0).to(rope_ptr.dtype.element_ty)
+    cache_row = b * max_len
+    if (hb == 0) & (start <= pos) & (pos < start + split_len) & (pos < max_len):
+        tl.store(lat_ptr + (cache_row + pos) * R + r, new_lat, mask=r_ok)
+        tl.store(rope_ptr + (cache_row + pos) * E + e, new_rope, mask=e_ok)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    t0 = start
+    while t0 < end:  # a while loop: Triton's CPU interpreter cannot run `range` over runtime bounds
+        tok = t0 + tl.arange(0, BLOCK_N)
+        t_ok = tok < end
+        old = tok < pos  # written by earlier steps; the new one comes from the inputs
+        is_new = (tok == pos)[:, None]
+        rows = (cache_row + tok)[:, None]
+        lat = tl.load(lat_ptr + rows * R + r[None, :], mask=old[:, None] & r_ok[None, :], other=0.0)
+        lat = tl.where(is_new, new_lat[None, :], lat).to(tl.float32)
+        k_rope = tl.load(rope_ptr + rows * E + e[None, :], mask=old[:, None] & e_ok[None, :], other=0.0)
+        k_rope = tl.where(is_new, new_rope[None, :], k_rope).to(tl.float32)
+        sc = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
+        sc += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+        sc = tl.where(t_ok[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, lat, input_precision=PRECISION)
+        m = m_new
+        t0 += BLOCK_N
+    part = (b * splits + sp) * H + heads
+    tl.store(acc_ptr + part[:, None] * R + r[None, :], acc, mask=h_ok[:, None] & r_ok[None, :])
+    tl.store(m_ptr + part, m, mask=h_ok)
+    tl.store(l_ptr + part, l, mask=h_ok)
+    # every thread's partial stores precede the ticket (the barrier); the ticket releases them to the program
+    # that draws the last one (its acquire)
+    tl.debug_barrier()
+    ticket_ptr = tickets_ptr + b * head_blocks + hb
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if ticket == splits - 1:
+        # a split past the context has m = -inf and weighs 0; split 0 always holds token 0, so m_max is finite
+        m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        s = 0
+        while s < splits:
+            # .cg: from L2, where the other programs' stores are; never a stale line of this SM's L1
+            m_s = tl.load(m_ptr + (b * splits + s) * H + heads, mask=h_ok, other=0.0, cache_modifier=".cg")
+            m_max = tl.maximum(m_max, m_s)
+            s += 1
+        total = tl.zeros([BLOCK_H], tl.float32)
+        ctx = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        s = 0
+        while s < splits:
+            row = (b * splits + s) * H + heads
+            w = tl.exp(tl.load(m_ptr + row, mask=h_ok, other=0.0, cache_modifier=".cg") - m_max)
+            total += w * tl.load(l_ptr + row, mask=h_ok, other=0.0, cache_modifier=".cg")
+            ctx += w[:, None] * tl.load(acc_ptr + row[:, None] * R + r[None, :], mask=h_ok[:, None] & r_ok[None, :],
+                                        other=0.0, cache_modifier=".cg")
+            s += 1
+        ctx = ctx / tl.where(h_ok, total, 1.0)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * R + r[None, :], ctx.to(out_ptr.dtype.element_ty),
+                 mask=h_ok[:, None] & r_ok[None, :])
+        tl.store(ticket_ptr, 0)
+
+
+# Heads per program (tl.dot needs every dimension >= 16), tokens per tile, the fewest tokens a split takes, warps.
+LAUNCH = dict(block_h=16, block_n=32, min_split=256, num_warps=8)
+
+
+def launch_shape(B: int, H: int, max_len: int, device: torch.device) -> tuple[int, int, int]:
+    """(head blocks, splits, tokens a split): enough programs to fill the GPU when rows are few, each split at
+    least LAUNCH["min_split"] tokens of the cache's capacity (fixed by it, so a CUDA graph replays the launch at
+    any length). The interpreter gets a few splits, for the tests."""
+    head_blocks = triton.cdiv(H, LAUNCH["block_h"])
+    sms = sm_count(device.index) if device.type == "cuda" else 4
+    splits = max(1, min(triton.cdiv(max_len, LAUNCH["min_split"]), sms // (B * head_blocks)))
+    split_len = LAUNCH["block_n"] * triton.cdiv(triton.cdiv(max_len, splits), LAUNCH["block_n"])
+    return head_blocks, triton.cdiv(max_len, split_len), split_len
+
+
+def static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length, scale: float,
+                            tickets: torch.Tensor) -> torch.Tensor:
+    """k3.ops.mla_static_decode.static_decode_attention_reference's contract, through the custom op
+    `k3::mla_static_decode` (inputs checked by the caller, k3.ops.mla_static_decode.static_decode_attention)."""
+    return torch.ops.k3.mla_static_decode(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length,
+                                          float(scale), tickets)
+
+
+# A custom op so that torch.compile keeps the launch as one opaque call. The cache buffers are written (the new
+# token), and the workspace is declared written too: the kernel's atomics do write it, though they leave it zero.
+@torch.library.custom_op("k3::mla_static_decode", mutates_args=("cache_latent", "cache_k_rope", "tickets"))
+def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                      cache_latent: torch.Tensor, cache_k_rope: torch.Tensor, length: torch.Tensor, scale: float,
+                      tickets: torch.Tensor) -> torch.Tensor:
+    B, H, R = q_lat.shape
+    E, max_len = q_rope.shape[-1], cache_latent.shape[1]
+    out = torch.empty(B, H, R, dtype=cache_latent.dtype, device=q_lat.device)
+    head_blocks, splits, split_len = launch_shape(B, H, max_len, q_lat.device)
+    acc = torch.empty(B, splits, H, R, dtype=torch.float32, device=q_lat.device)
+    m = torch.empty(B, splits, H, dtype=torch.float32, device=q_lat.device)
+    l = torch.empty_like(m)
+    block_r = max(16, triton.next_power_of_2(R))
+    with on_device(q_lat):
+        _static_decode_kernel[(B, head_blocks, splits)](
+            q_lat, q_lat.stride(0), q_lat.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1), latent,
+            latent.stride(0), k_rope, k_rope.stride(0), cache_latent, cache_k_rope, length, acc, m, l, tickets, out,
+            H, R, E, max_len, scale, split_len, splits, head_blocks, BLOCK_H=LAUNCH["block_h"], BLOCK_R=block_r,
+            BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_N=LAUNCH["block_n"],
+            PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",  # (tf32: exact for bf16/fp16 values)
+            num_warps=LAUNCH["num_warps"])
+    return out
+
+
+@_static_decode_op.register_fake
+def _(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length, scale, tickets):
+    return q_lat.new_empty(q_lat.shape, dtype=cache_latent.dtype)
