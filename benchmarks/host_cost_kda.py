@@ -8,7 +8,8 @@ host-to-device copies; and it times the host on small CPU tensors (best and medi
 take one step of each entry in turn: this CPU is shared; the host work does not depend on the sizes). Each "step"
 is 12 KDA layers sharing one layout, as `small` serving a 2,048-token prefill (`--tokens`, `--seqs`, `--layers`,
 `--heads`, `--head-dim`). With `--cuda` (and TRITON_INTERPRET=0) nothing is stubbed: the steps launch for real on
-a GPU at the small timing sizes (host-bound), timed to a synchronise, uncounted.
+a GPU with `--time-tokens` tokens and the model's heads (host-bound; the shipped autotune table's keys), timed to
+a synchronise, uncounted.
 
     PYTHONPATH=src:/tmp/flaw python benchmarks/host_cost_kda.py   # fla on the path; triton installed
     ... host_cost_kda.py --only "chunk_kda lean,norm lean" --repeat 40   # just the entries naming a word
@@ -125,7 +126,7 @@ def measure(entries, args, launches) -> list[dict]:
             if cuda:  # real launches: timed only (a step's wall time, synchronised; the device work is tiny)
                 rows.append(dict(name=name, triton=float("nan"), torch=float("nan"), h2d_per_step="-",
                                  kernels={}, ops={}, times=[]))
-                timed.append(make_step(layer_call, args, "cuda", args.time_tokens, 2, 32))
+                timed.append(make_step(layer_call, args, "cuda", args.time_tokens))  # the model's heads: pinned keys
                 for _ in range(3):
                     timed[-1]()  # the first calls autotune
                 torch.cuda.synchronize()
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
                     if not args.only or any(word in name for word in args.only.split(","))], args, launches)
     print(f"{args.layers} KDA layers a step, {args.tokens} tokens in {args.seqs} sequences, H={args.heads}, "
           f"K={args.head_dim}; "
-          + (f"timed on the GPU at {args.time_tokens} tokens, H=2, K=32, real launches, synchronised steps"
+          + (f"timed on the GPU at {args.time_tokens} tokens, real launches, synchronised steps"
              if args.cuda else "counted on meta, timed on small CPU tensors, Triton launches stubbed")
           + f"; torch {torch.__version__}")
     print("| entry | host us / call (best) | (median) | Triton launches / call | torch kernels / call "
