@@ -10,8 +10,8 @@ per KDA layer with the same layout. Here, under no autograd:
   cu_seqlens, and sends it up in one pinned, non-blocking copy: the step no longer waits inside fla;
 - `chunk_kda_prefill` runs the same forward kernels with the L2 norms, the beta sigmoid and the gate fused as the
   training path fuses them (`use_qk_l2norm_in_kernel`, `use_beta_sigmoid_in_kernel`, `use_gate_in_kernel`), calling
-  fla's stage functions past their dispatchers (on NVIDIA no other backend serves these forward stages; the
-  dispatcher fla keeps inside its intra-chunk stage stays);
+  fla's stage functions past their dispatchers (on NVIDIA no other backend serves these forward stages; with
+  TUNED_LAUNCHES the one inside the intra-chunk stage, before its w/u recompute, is peeled too);
 - `gated_rms_norm` is fla's gated RMSNorm forward without its autograd.Function and input guard;
 - in both, the stages are copies (k3.ops.tuned_launch) whose autotuned kernels launch past Triton's and fla's
   heuristics/autotuner wrappers with the config the autotuner holds for the call's key (a new key is tuned through
