@@ -12,6 +12,7 @@ from k3.model.cache import BatchCacheView, StaticCache
 from k3.model.norm import RMSNorm
 from k3.ops.attention import causal_attention
 from k3.ops.fused_linear import FusedLinears
+from k3.ops.gemv import DecodeLinear
 from k3.ops.mla_static_decode import static_decode_attention, use_static_decode_kernel
 from k3.ops.sigmoid_gate import sigmoid_gate
 from k3.ops.triton_dispatch import triton_module, use_triton
@@ -107,12 +108,12 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = config.qk_head_dim ** -0.5
         self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=LORA_NORM_EPS)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, H * config.qk_head_dim, bias=False)
+        self.q_b_proj = DecodeLinear(config.q_lora_rank, H * config.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_rank + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
-        self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+        self.o_proj = DecodeLinear(H * self.v_dim, D, bias=False)  # (decode: k3.ops.gemv)
         # the three projections that read x, one GEMM at inference (the parameters keep their released names)
         self.in_proj = FusedLinears(self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)
 
