@@ -58,6 +58,8 @@ from k3.ops.sigmoid_gate import sigmoid_gate  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.ops.gemv import DecodeLinear, linear, use_gemv  # noqa: E402
+from k3.ops.mla_static_decode import (static_decode_attention, static_decode_attention_reference,  # noqa: E402
+                                      use_static_decode_kernel)
 
 
 def cases(B: int, T: int, device: str = "cuda"):
@@ -239,7 +241,8 @@ def main():
 
 def decode_rows(bw: float) -> list[dict]:
     """The decode kernels (forward, no gradient) against the torch ops they replace, at 1, 8 and 64 rows of
-    `small`: the router whole, and a layer's second AttnRes mix with the add before it and the norm after it.
+    `small`: the router whole, a layer's second AttnRes mix with the add before it and the norm after it, and
+    MLA's attention over a StaticCache at 4K tokens.
     µs per call, 50 calls back to back per timing; floor: the bytes that must move over the copy bandwidth."""
     D, E, k = 1536, 64, 8
     w = torch.randn(E, D, device="cuda", dtype=torch.bfloat16) * 0.05
@@ -257,6 +260,7 @@ def decode_rows(bw: float) -> list[dict]:
                "AttnRes mix + add + norm (4 blocks)":
                ("_attn_res_norm_triton", lambda: attn_res_mix_norm(blocks, p, norm, proj, out_norm, add=attn),
                 8 * n * D * 2)}
+        ops.update(_mla_static_decode_case(n, 4096))
         for op, (module, fn, nbytes) in ops.items():
             for impl in ("triton", "torch"):
                 off = [] if impl == "triton" else [module]
@@ -265,6 +269,26 @@ def decode_rows(bw: float) -> list[dict]:
                 rows.append(dict(op=op, rows=n, impl=impl, us=us, floor_us=nbytes / bw * 1e6))
                 print(rows[-1], flush=True)
     return rows
+
+
+def _mla_static_decode_case(n: int, context: int) -> dict:
+    """{op: (module, fn, bytes)} of MLA's absorbed decode over a StaticCache of `small` (12 heads, latent 256,
+    k_extra 64) at `context` tokens: the kernel (k3.ops.mla_static_decode) or the torch ops it replaces (the
+    cache write, scores, mask, softmax, context product); the same slot rewritten each call."""
+    H, R, E = 12, 256, 64
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q_lat, q_rope = torch.randn(n, H, R, **bf), torch.randn(n, H, E, **bf)
+    latent, k_rope = torch.randn(n, R, **bf), torch.randn(n, E, **bf)
+    cache_latent, cache_k_rope = torch.randn(n, context + 1, R, **bf), torch.randn(n, context + 1, E, **bf)
+    length = torch.tensor(context, device="cuda")
+
+    def fn():
+        if use_static_decode_kernel(q_lat, cache_latent, needs_grad=False):
+            return static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length, 0.07)
+        return static_decode_attention_reference(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope,
+                                                 length, 0.07)
+    return {f"MLA decode over a StaticCache ({context} tokens)":
+            ("_mla_static_decode_triton", fn, n * (context + 1) * (R + E) * 2)}
 
 
 def decode_linears(preset: str = "small") -> dict[tuple[str, int, int, bool], int]:
