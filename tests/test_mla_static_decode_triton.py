@@ -64,7 +64,8 @@ def test_kernel_matches_the_reference(B, H, R, E, S, length, dtype):
         others[length] = False
         assert torch.equal(args[4][:, others], ref_args[4][:, others])
         assert torch.equal(args[5][:, others], ref_args[5][:, others])
-    assert not mla_static_decode.tickets(1, torch.device(DEVICE)).any()
+    workspaces = [t for t in mla_static_decode._tickets if t.device == got.device]
+    assert workspaces and not any(t.any() for t in workspaces)
 
 
 def test_kernel_compiles_as_one_custom_op():
