@@ -335,12 +335,38 @@ def test_engine_decode_graphs_equal_eager_engine():
     assert outs[True] == outs[False]
 
 
-def test_triton_norm_and_attn_res_dispatch_match_reference():
-    """rms_norm and the AttnRes mix take k3's Triton kernels on CUDA: under bf16 autocast, the loss and the
-    norm and AttnRes gradients of a whole model are as close to the fp32 model's as the plain-PyTorch paths'
-    (K3_NO_TRITON=1) are. bf16 puts both ~5% from each other in the first layer's gradients, so each path is
-    judged by its distance from fp32, not by their distance from each other."""
+NORM_AND_MIX = ("_norm_triton", "_attn_res_triton")
+
+
+def _other_triton_kernels() -> frozenset[str]:
+    """Every k3.ops Triton kernel module but the norm's and the AttnRes mix's (switched off by K3_NO_TRITON)."""
+    import pkgutil
+
+    import k3.ops
+    return frozenset(m.name for m in pkgutil.iter_modules(k3.ops.__path__)
+                     if m.name.endswith("_triton") and m.name not in NORM_AND_MIX)
+
+
+@pytest.mark.parametrize("weights", ["fp32 under bf16 autocast", "bf16"])
+def test_triton_norm_and_attn_res_dispatch_match_reference(weights, monkeypatch):
+    """rms_norm and the AttnRes mix take k3's Triton kernels on CUDA: in bf16, the loss and the norm and AttnRes
+    gradients of a whole model are as close to the fp32 model's as the plain-PyTorch paths' are. The two bf16
+    runs differ in those kernels alone (every other Triton kernel off in both). Under autocast the mixes read
+    the fp32 embedding beside bf16 blocks, so they take the torch path and only the norm kernels are compared;
+    with bf16 weights every source is bf16 and the fused mix (with its BlockGrads accumulate) runs.
+
+    Bars: a bf16 gradient's distance from fp32 is a sample of rounding noise and, through MoE routing, of
+    discrete flips, so one gradient's ratio is no measure: on the CPU (Triton's interpreter, its bf16 casts made
+    to round to nearest as the GPU's do) swapping the norm alone for its kernel, a faithful fp32 computation,
+    moved single gradients' errors up to 4× either way; on the GPU (session 12) a pairing that differed in every
+    Triton kernel had one gradient 3.1× off (0.222 against 0.071) and failed a per-gradient 2× bar. The
+    geometric mean of the ratios over the ~50 gradients is held to 1.2 (CPU, this test: 0.99 under autocast,
+    0.92 with bf16 weights), each gradient only to 4× + 0.05 (a wrong or missing gradient is ~100% off; CPU:
+    the worst at a quarter of that bar)."""
+    import math
+
     from k3.config import K3Config
+    from k3.model import attn_res
     from k3.model.decoder import K3ForCausalLM
 
     torch.manual_seed(3)
@@ -350,21 +376,36 @@ def test_triton_norm_and_attn_res_dispatch_match_reference():
         for name, p in model.named_parameters():
             if name.endswith("res_proj.weight"):
                 p.normal_(0, 0.2)
+            p.copy_(p.bfloat16().float())  # bf16 values: the fp32 truth runs the bf16 model's own weights
+    bf16_model = copy.deepcopy(model).bfloat16() if weights == "bf16" else model
+    fused = []
+    fused_apply = attn_res._AttnResMixFused.apply
+    monkeypatch.setattr(attn_res._AttnResMixFused, "apply", lambda *a: fused.append(1) or fused_apply(*a))
     ids = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
     results = {}
     # the fp32 truth runs on the references throughout (no fla either: no fp32 fla kernels to compile)
-    for run, off, bf16 in (("fast", frozenset(), True), ("ref", envs.ALL, True), ("truth", envs.ALL, False)):
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), envs.override(no_triton=off, no_fla=not bf16):
-            loss = model(ids, labels=ids).loss
+    others = _other_triton_kernels()
+    for run, off, bf16 in (("fast", others, True), ("ref", envs.ALL, True), ("truth", envs.ALL, False)):
+        m = bf16_model if bf16 else model
+        m.zero_grad(set_to_none=True)
+        autocast = bf16 and m is model
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), envs.override(no_triton=off,
+                                                                                           no_fla=not bf16):
+            loss = m(ids, labels=ids).loss
         loss.backward()
-        results[run] = (float(loss.detach()), {n: p.grad.float().clone() for n, p in model.named_parameters()
+        results[run] = (float(loss.detach()), {n: p.grad.float().clone() for n, p in m.named_parameters()
                                                if p.grad is not None and ("res_" in n or "norm" in n)})
+        if run == "fast":
+            assert bool(fused) == (weights == "bf16"), len(fused)  # the fused mix ran where its sources allow
     (fast, g_fast), (ref, g_ref), (truth, g_truth) = results["fast"], results["ref"], results["truth"]
     assert abs(fast - truth) < 2 * abs(ref - truth) + 1e-3 * truth
     assert g_fast.keys() == g_ref.keys() == g_truth.keys() and len(g_ref) > 10
+    err_fast = {n: rel_err(g_fast[n], g_truth[n]) for n in g_ref}
+    err_ref = {n: rel_err(g_ref[n], g_truth[n]) for n in g_ref}
+    mean_ratio = math.exp(sum(math.log(err_fast[n] / err_ref[n]) for n in g_ref) / len(g_ref))
+    assert mean_ratio < 1.2, (mean_ratio, err_fast, err_ref)
     for n in g_ref:
-        assert rel_err(g_fast[n], g_truth[n]) < 2 * rel_err(g_ref[n], g_truth[n]) + 1e-3, n
+        assert err_fast[n] < 4 * err_ref[n] + 0.05, (n, err_fast[n], err_ref[n], mean_ratio)
 
 
 def test_moe_decode_kernels_match_reference():
