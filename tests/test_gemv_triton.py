@@ -144,6 +144,7 @@ def test_the_kernel_compiles_as_one_op():
         return gm.forward
 
     with force_gemv(True), torch.no_grad():
+        assert use_gemv(x, w, b, res)  # (the kernel module imported, eagerly)
         y = torch.compile(linear, backend=recording, fullgraph=True)(x, w, b, res)
     assert torch.ops.k3.decode_gemv in ops or torch.ops.k3.decode_gemv.default in ops
     check(y, reference(x, w, b, res), torch.float32)
