@@ -20,8 +20,8 @@ def k3_compiles():
 def test_the_table_lists_k3s_kernels_of_a_training_step():
     names = {spec["name"] for _, spec in k3_compiles()}
     # forward and backward of the AttnRes mix, the norm, the SiTU GLU (what a step of the small preset runs)
-    for kernel in ("_attn_res_triton._mix_fwd_kernel", "_attn_res_triton._mix_bwd_kernel", "_norm_triton._norm_fwd_kernel",
-                   "_norm_triton._norm_bwd_kernel", "_situ_triton.situ_glu_bwd_kernel"):
+    for kernel in ("_attn_res_triton._mix_fwd_kernel", "_attn_res_triton._mix_bwd_kernel",
+                   "_norm_triton._norm_fwd_kernel", "_norm_triton._norm_bwd_kernel", "_situ_triton.situ_glu_bwd_kernel"):
         assert f"k3.ops.{kernel}" in names
 
 

@@ -63,7 +63,7 @@ def stale(spec: dict, fn) -> str | None:
     if params and recorded != params:
         missing = [p for p in params if p not in recorded] or [p for p in recorded if p not in params]
         return (f"stale: recorded with parameters {recorded}, the kernel has {params} (differ in {missing}); "
-                "`k3 tune` records the table again")
+                "re-record it (`k3 tune` on that GPU, the kernel's old compiles removed first: merge keeps them)")
     return None
 
 
