@@ -13,9 +13,12 @@ TRITON_INTERPRET=1 (the lead's /work/tvenv): the kernels are then chosen as on C
 (K3_TRITON, K3_NO_TRITON; `--switches default,all` runs both), so the census reflects them. Without triton the
 references run and are counted. fla never runs off CUDA: at the default switches KDA's core is counted as k3's
 reference (fla's recurrent step is ~4 kernels there), with K3_TRITON=all it is k3's one-kernel step anyway.
+The decode GEMV (k3.ops.gemv) stands for one GEMM each, so `all-_gemv_triton` counts the same and spares the
+interpreter its slowest kernel (lm_head's); the float decode experts' two kernels cannot run there and are
+counted as launched, their values from the reference.
 
 Run: TRITON_INTERPRET=1 PYTHONPATH=src /work/tvenv/bin/python benchmarks/decode_op_census.py
-     [--preset small] [--batch 1,64] [--layers N] [--switches default,all] [--ops 8]
+     [--preset small] [--batch 1,64] [--layers N] [--switches default,all-_gemv_triton] [--ops 8]
 """
 from __future__ import annotations
 
@@ -266,8 +269,8 @@ def print_tables(cfg, results: dict, top_ops: int) -> None:
 
 
 def switch_values(spec: str) -> dict:
-    """k3.envs fields of a run: 'default' (no opt-in kernels), 'all' (K3_TRITON=all), 'all-NAME' (all but the
-    kernel module NAME: the census before it), 'env' (the switches as set)."""
+    """k3.envs fields of a run: 'default' (no opt-in kernels), 'all' (K3_TRITON=all), 'all-NAME[-NAME...]' (all
+    but those kernel modules: the census before one), 'env' (the switches as set)."""
     if spec == "env":
         return {}
     if spec == "default":
@@ -275,7 +278,7 @@ def switch_values(spec: str) -> dict:
     if spec == "all":
         return dict(triton_opt_in="all")
     if spec.startswith("all-"):
-        return dict(triton_opt_in="all", no_triton=[spec.removeprefix("all-")])
+        return dict(triton_opt_in="all", no_triton=spec.removeprefix("all-").split("-"))
     raise SystemExit(f"--switches: unknown run {spec!r} (default, all, all-KERNEL_MODULE or env)")
 
 
@@ -285,7 +288,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=None, help="cut the preset to this many layers (same widths)")
     ap.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
     ap.add_argument("--switches", default="default,all",
-                    help="comma-separated runs: default, all, all-KERNEL_MODULE (all but one), env (as set)")
+                    help="comma-separated runs: default, all, all-MODULE[-MODULE...] (all but those), env (as set)")
     ap.add_argument("--ops", type=int, default=8, help="ops shown per kind")
     args = ap.parse_args(argv)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
