@@ -18,6 +18,9 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Line
     if x.numel() and use_triton(x, "_attn_res_triton") and all(s.dtype == x.dtype and s.shape == x.shape
                                                                  for s in sources):
         return _AttnResMixFused.apply(norm.weight, proj.weight, norm.eps, *sources)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in [*sources, norm.weight, proj.weight])):
+        # inference: the forward alone (Dynamo mis-binds a Function's *sources when no gradient is recorded)
+        return _mix_forward(norm.weight, proj.weight, norm.eps, sources)[0]
     return _AttnResMix.apply(norm.weight, proj.weight, norm.eps, *sources)
 
 
@@ -160,6 +163,19 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _mix_forward(u, w, eps, sources) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, scores [n, B, T], softmax weights a [n, B, T]) of the mix, in fp32 (fp64 for fp64 sources)."""
+    dt = _compute_dtype(sources[0])
+    # autocast would run the two matmuls in bf16; the mix is fp32 (and backward assumes it)
+    with torch.autocast(sources[0].device.type, enabled=False):
+        v = torch.stack(sources).to(dt)  # [n, B, T, D]
+        keys = rms_norm(v, u, eps)
+        scores = keys @ w[0].to(dt)  # [n, B, T]
+        a = torch.softmax(scores, dim=0)
+        out = torch.einsum("nbt,nbtd->btd", a, v).to(sources[0].dtype)
+    return out, scores, a
+
+
 class _AttnResMix(torch.autograd.Function):
     """Forward: the SPEC formula on the stacked sources. Backward: recomputed one source at a time.
 
@@ -171,14 +187,7 @@ class _AttnResMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, w, eps, *sources):
-        dt = _compute_dtype(sources[0])
-        # autocast would run the two matmuls in bf16; the mix is fp32 (and backward assumes it)
-        with torch.autocast(sources[0].device.type, enabled=False):
-            v = torch.stack(sources).to(dt)  # [n, B, T, D]
-            keys = rms_norm(v, u, eps)
-            scores = keys @ w[0].to(dt)  # [n, B, T]
-            a = torch.softmax(scores, dim=0)
-            out = torch.einsum("nbt,nbtd->btd", a, v).to(sources[0].dtype)
+        out, scores, a = _mix_forward(u, w, eps, sources)
         ctx.eps, ctx.sinks = eps, _sinks(sources)
         ctx.save_for_backward(u, w, scores, a, *sources)
         return out

@@ -130,7 +130,9 @@ class StaticCache(K3Cache):
 
     def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor):
         T = latent.shape[1]
-        if self.seq_len + T > self.max_len:
+        # (not in a compiled step: the host length would be a guard, so every step would compile anew; a
+        # compiled step's caller checks the room itself, as GraphedDecodeStep.step does)
+        if not torch.compiler.is_compiling() and self.seq_len + T > self.max_len:
             raise ValueError(f"StaticCache holds {self.max_len} tokens; {self.seq_len} cached + {T} new do not fit")
         st = self.layers[layer_idx]
         pos = self.length + torch.arange(T, device=latent.device)
@@ -204,7 +206,7 @@ class BatchCacheView:
         # consecutive prefill rows hold one run of tokens: slices (views) then replace the gathers
         self.prefill_span = ((slice(prefill[0], prefill[-1] + 1), slice(cu[prefill[0]], cu[prefill[-1] + 1]))
                              if prefill and prefill[-1] - prefill[0] == len(prefill) - 1 else None)
-        self._shared = {}
+        self.forget_shared()
 
     @staticmethod
     def upload(lists: list[list], device, dtype: torch.dtype = torch.long) -> list[torch.Tensor]:
@@ -227,6 +229,10 @@ class BatchCacheView:
         if key not in self._shared:
             self._shared[key] = build()
         return self._shared[key]
+
+    def forget_shared(self) -> None:
+        """Drop what `shared` kept: the next reader builds it anew."""
+        self._shared = {}
 
     def kda_state(self, layer_idx: int) -> KDAState:
         """state [S, H, K, V] fp32 and conv tails [S, W−1, C] (zeros for fresh sequences)."""

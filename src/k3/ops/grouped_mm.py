@@ -2,6 +2,7 @@
 import torch
 
 from k3.ops.fused_situ import situ_glu_fast
+from k3.ops.host_sync import host_reads_forbidden
 from k3.ops.situ import situ_glu
 
 
@@ -29,10 +30,10 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def host_offsets_forbidden(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """True while a CUDA graph captures and `_grouped_mm` could not take x: its kernel takes aligned bf16 only,
-    and its fallback for other dtypes, like the loop, reads the offsets on the host, which capture forbids."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing() and not (
-        x.dtype == torch.bfloat16 and grouped_mm_supported(x, *weights))
+    """True while a CUDA graph captures or torch.compile traces and `_grouped_mm` could not take x: its kernel
+    (and its fake-tensor rule, which tracing runs) takes aligned bf16 only, and its fallback for other dtypes,
+    like the loop, reads the offsets on the host, which capture forbids and which splits a compiled graph."""
+    return host_reads_forbidden(x) and not (x.dtype == torch.bfloat16 and grouped_mm_supported(x, *weights))
 
 
 def rows_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -45,8 +46,8 @@ def rows_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch
 
 def grouped_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Per-expert `x_e @ W_e^T`. x: [S, in] sorted by expert; counts: [E] int; w: [E, out, in] → [S, out].
-    One `_grouped_mm` where it can run; per-row gathered weights while a CUDA graph captures what it cannot
-    take; else a loop over the experts."""
+    One `_grouped_mm` where it can run; per-row gathered weights while a CUDA graph captures (or torch.compile
+    traces) what it cannot take; else a loop over the experts."""
     if w.dtype != x.dtype:  # autocast does not cover _grouped_mm: bf16 activations meet fp32 master weights
         w = w.to(x.dtype)
     if host_offsets_forbidden(x, w):
@@ -69,7 +70,8 @@ def expert_situ_mlp_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Ten
 
 def expert_situ_mlp(x, counts: torch.Tensor, w1, w3, w2, beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
     """Dispatch: the three grouped GEMMs on one set of offsets where `_grouped_mm` takes them, else the same
-    products through `grouped_linear` (per-row weights in a CUDA-graph capture, a loop over experts elsewhere)."""
+    products through `grouped_linear` (per-row weights in a CUDA-graph capture or torch.compile, a loop over
+    experts elsewhere)."""
     if w1.dtype != x.dtype:  # autocast does not cover _grouped_mm: bf16 activations meet fp32 master weights
         w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
     if x.shape[0] and grouped_mm_supported(x, w1, w2) and not host_offsets_forbidden(x, w1, w2):

@@ -17,6 +17,8 @@ from numbers import Real
 
 import torch
 
+from k3.ops.host_sync import host_reads_forbidden
+
 __all__ = ["kda_gate", "kda_recurrent", "kda_chunk"]
 
 # --------------------------------------------------------------------------------------------- gate
@@ -55,9 +57,13 @@ def kda_gate(
     g = lower_bound * torch.sigmoid(rate * z)
     # sigmoid saturates to exactly 0 or 1 in finite precision; keep g strictly inside the open interval
     # (lower_bound, 0) the spec promises, e.g. so that g < 0 holds for callers that check it.
-    lo = torch.nextafter(torch.tensor(float(lower_bound), dtype=dtype), torch.tensor(0.0, dtype=dtype))
-    hi = -torch.finfo(dtype).tiny
-    return g.clamp(min=lo.item(), max=hi)
+    return g.clamp(min=_above(float(lower_bound), dtype), max=-torch.finfo(dtype).tiny)
+
+
+@torch.compiler.assume_constant_result  # a host number: torch.compile takes it as a constant, no graph break
+def _above(bound: float, dtype: torch.dtype) -> float:
+    """The `dtype` number next to `bound` towards zero."""
+    return torch.nextafter(torch.tensor(bound, dtype=dtype), torch.tensor(0.0, dtype=dtype)).item()
 
 
 # -------------------------------------------------------------------------------------- validation
@@ -83,8 +89,7 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must be [B, T, H, V] with [B, T, H]={[B, T, H]}, got {list(v.shape)}")
     V = v.shape[3]
-    capturing = g.is_cuda and torch.cuda.is_current_stream_capturing()  # a CUDA graph forbids the sync
-    if T and not capturing and bool((g > 0).any()):
+    if T and not host_reads_forbidden(g) and bool((g > 0).any()):
         raise ValueError("g must be <= 0 (it is a log-decay, e.g. from kda_gate)")
     if beta.shape != (B, T, H):
         raise ValueError(f"beta must be [B, T, H]={[B, T, H]}, got {list(beta.shape)}")

@@ -20,7 +20,6 @@ from k3.ops.norm import l2_norm
 __all__ = ["BACKENDS", "select_backend", "force_backend", "forced_backend", "kda_core"]
 
 BACKENDS = ("reference", "fla")
-_log = logging.getLogger(__name__)
 _forced: str | None = None
 _logged: set = set()
 
@@ -46,11 +45,17 @@ def forced_backend() -> str | None:
 def select_backend(q: torch.Tensor) -> str:
     """The backend for features like q [..., H, K]: the forced one, else fla where usable, else the reference."""
     name = _forced or ("fla" if q.numel() and fla_usable(q, q.shape[-1]) else "reference")
-    key = (name, q.device.type, q.dtype)
-    if key not in _logged:
-        _logged.add(key)
-        _log.info("KDA core on %s %s: %s", q.device.type, str(q.dtype).removeprefix("torch."), name)
+    log_once(__name__, f"KDA core on {q.device.type} {str(q.dtype).removeprefix('torch.')}: {name}")
     return name
+
+
+@torch.compiler.assume_constant_result  # Dynamo runs it as it traces: a logger call in a compiled region breaks it
+def log_once(logger: str, message: str) -> bool:
+    """Log `message` at INFO on `logger` the first time it comes (a backend choice, said once per process)."""
+    if (logger, message) not in _logged:
+        _logged.add((logger, message))
+        logging.getLogger(logger).info(message)
+    return True
 
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,

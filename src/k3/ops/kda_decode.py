@@ -18,7 +18,6 @@ slots [B] int64 (row b's index into N; None: row b is slot b). Returns o_norm(o)
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 from k3 import envs
 from k3.ops.kda import kda_gate
-from k3.ops.kda_core import forced_backend
+from k3.ops.kda_core import forced_backend, log_once
 from k3.ops.norm import rms_norm_reference
 from k3.ops.triton_dispatch import OPT_IN, triton_module
 
@@ -34,9 +33,7 @@ __all__ = ["DecodeWeights", "kda_decode_step_reference", "use_fused_decode", "fo
            "kda_decode_step"]
 
 KERNELS = "_kda_decode_triton"
-_log = logging.getLogger(__name__)
 _forced: bool | None = None
-_logged: set = set()
 @dataclass(frozen=True)
 class DecodeWeights:
     """A KDA layer's weights past its input projections: conv weights [C, 1, W] (q, k, v), the gate's second
@@ -114,11 +111,8 @@ def use_fused_decode(xq: torch.Tensor, state: torch.Tensor, head_dims: tuple[int
         return False
     chosen = (fits and xq.is_cuda and xq.dtype in (torch.bfloat16, torch.float16, torch.float32)
               and not switched_off())
-    key = (chosen, xq.device.type, xq.dtype)
-    if key not in _logged:
-        _logged.add(key)
-        _log.info("KDA decode step on %s %s: %s", xq.device.type, str(xq.dtype).removeprefix("torch."),
-                  "one kernel" if chosen else "unfused")
+    log_once(__name__, f"KDA decode step on {xq.device.type} {str(xq.dtype).removeprefix('torch.')}: "
+                       f"{'one kernel' if chosen else 'unfused'}")
     return chosen
 
 

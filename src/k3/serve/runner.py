@@ -126,6 +126,8 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
     def _forward(self, view: DecodeGraphView) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled step builds its layout tensors in its own graph: reading
+            view.forget_shared()           # those of the previous step would guard on them (a second compile)
         h = self.model.model(view.ids[None], cache=view)
         return self.model.lm_head(h[0])
 
