@@ -206,6 +206,21 @@ def test_wrappers_it_does_not_mirror_are_gone_through():
     assert hooked == [16, 16] and [r["BLOCK"] for r in jit.take()] == [32, 32]
 
 
+def test_other_triton_series_go_through_the_wrappers(monkeypatch):
+    import triton
+
+    from k3.ops import tuned_launch
+    assert tuned_launch.triton_mirrored("3.6.0") and tuned_launch.triton_mirrored("3.6.1+git")
+    assert not tuned_launch.triton_mirrored("3.7.0") and not tuned_launch.triton_mirrored("3.5.1")
+    kernel, _ = autotuned(RecordingJIT())
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    tuned_launch.triton_mirrored.cache_clear()
+    try:
+        assert not TunedLaunch(kernel).direct
+    finally:
+        tuned_launch.triton_mirrored.cache_clear()
+
+
 def test_lean_copy_binds_the_kernels_of_the_copy_only():
     """The copy's kernels (and a peeled callee's) launch through TunedLaunch; the module's function and names
     are untouched; a decorator on the function is peeled."""

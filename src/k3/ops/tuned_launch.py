@@ -10,7 +10,8 @@ the autotune key built as Triton builds it, the config read from the autotuner's
 tuning, fla's config files and k3's pinned table all land there) with its keyword arguments merged once per key,
 then the JIT function run with them: the same kernel, config and grid. A key the autotuner lacks goes through
 the wrappers, so a new shape still autotunes; so does every kernel with a wrapper kind, a config pre-hook or an fla
-cache mode (`FLA_CACHE_MODE=always` re-reads its files per call) whose behaviour this does not repeat.
+cache mode (`FLA_CACHE_MODE=always` re-reads its files per call) whose behaviour this does not repeat, and every
+kernel on a Triton series other than the one whose wrappers were read for this (`MIRRORED_TRITON`).
 
 `lean_copy(fn)` copies an fla function with its autotuned kernels bound to such launchers. The copy reads the
 module's other names as they were when it was made; fla's module itself is left as it is, so fla's public entries
@@ -20,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import types
 
 import torch
 
-__all__ = ["TunedLaunch", "lean_copy"]
+__all__ = ["TunedLaunch", "lean_copy", "triton_mirrored", "MIRRORED_TRITON"]
 
 _MISSING = object()
 _NO_DTYPE = frozenset({type(None), bool, int, float, str})  # argument types without a `dtype` (skipped quickly)
@@ -44,6 +46,25 @@ def _wrapper_kinds() -> tuple[type, tuple[type, ...]]:
     return Heuristics, tuple(tuners)
 
 
+MIRRORED_TRITON = ((3, 6),)  # Triton series whose Autotuner.run and Heuristics.run `TunedLaunch` repeats
+_log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_mirrored(version: str | None = None) -> bool:
+    """Whether Triton (installed, or `version`) is a series whose wrappers are mirrored here; logged once when not
+    (its kernels then launch through their wrappers)."""
+    if version is None:
+        import triton
+        version = triton.__version__
+    parts = version.split(".")[:2]
+    ok = len(parts) == 2 and all(p.isdigit() for p in parts) and tuple(map(int, parts)) in MIRRORED_TRITON
+    if not ok:
+        _log.info("triton %s is not a series k3.ops.tuned_launch mirrors: fla's kernels launch through their "
+                  "autotuner wrappers", version)
+    return ok
+
+
 def _fla_rereads_configs() -> bool:
     """fla's ALWAYS cache mode loads its config files on every call: its choice may change between calls."""
     try:
@@ -60,7 +81,7 @@ class TunedLaunch:
     def __init__(self, kernel):
         heuristics, tuners = _wrapper_kinds()
         self.kernel, self.tuner, self.above, self.below = kernel, None, [], []
-        self.direct, layer = True, kernel
+        self.direct, layer = triton_mirrored(), kernel
         while isinstance(layer, (heuristics, *tuners)):
             if type(layer) is heuristics:
                 (self.below if self.tuner is not None else self.above).extend(layer.values.items())
