@@ -399,6 +399,23 @@ def test_merge_adds_a_new_shapes_choices_and_replaces_a_retuned_key(monkeypatch)
     assert dict(newer[GPU]["kernels"][name]) == {tuple(other_key): config_json()} and newer[GPU]["compiles"] == []
 
 
+def test_merge_drops_a_kernels_compiles_recorded_with_its_old_parameters(monkeypatch):
+    """A kernel whose parameters changed (a new spec lists others) loses its old specs, which would fail to compile
+    in every precompile worker; other kernels' specs, and old specs with the same parameters, stay."""
+    monkeypatch.setattr(tuning, "fla_version", lambda: "0.6.0")
+    stale, other = spec(), spec(f"{MODULE}.wrapped")
+    renamed = spec()
+    renamed["signature"] = {"x": "*fp32", "y_ptr": "*fp32", "n": "i32"}
+    same_params = spec(num_warps=4)  # another compile of the kernel as it still is
+    old = table({})
+    old["gpus"][GPU]["compiles"] = [stale, other]
+    section = tuning.parse_table(tuning.merge(old, GPU, {}, "k3 tune", [renamed]))[GPU]
+    assert [(c["name"], list(c["signature"])) for c in section["compiles"]] == [
+        (other["name"], list(other["signature"])), (renamed["name"], list(renamed["signature"]))]
+    kept = tuning.parse_table(tuning.merge(old, GPU, {}, "k3 tune", [same_params]))[GPU]["compiles"]
+    assert stale in kept and same_params in kept and other in kept
+
+
 def test_precompile_without_a_process_to_spare_leaves_the_compiles_to_the_main_process(monkeypatch, tmp_path):
     from k3.ops import precompile
 

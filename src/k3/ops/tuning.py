@@ -293,8 +293,9 @@ def record(prefixes=KERNEL_PREFIXES) -> dict[str, list]:
 def merge(table: dict | None, gpu: str, kernels: dict[str, list], made_by: str = "",
           compiles: list[dict] | None = None) -> dict:
     """A table (JSON, as `read_table` returns) with `kernels` and `compiles` added to `gpu`'s section: a key
-    tuned again takes the new choice, other keys and shapes stay. A section made with another fla version is
-    replaced whole; other GPUs' sections are kept."""
+    tuned again takes the new choice, other keys and shapes stay; a kernel's compiles recorded with other
+    parameters than its new ones go. A section made with another fla version is replaced whole; other GPUs'
+    sections are kept."""
     table = {"format": FORMAT, "gpus": dict((table or {}).get("gpus", {}))}
     old = table["gpus"].get(gpu)
     if old is None or old.get("fla") != fla_version():
@@ -302,7 +303,11 @@ def merge(table: dict | None, gpu: str, kernels: dict[str, list], made_by: str =
     merged = {name: {json.dumps(e["key"]): e for e in entries} for name, entries in old["kernels"].items()}
     for name, entries in kernels.items():
         merged.setdefault(name, {}).update({json.dumps(e["key"]): e for e in entries})
-    specs = {json.dumps(c, sort_keys=True): c for c in [*old.get("compiles", []), *(compiles or [])]}
+    # an old compile of a kernel whose parameters have changed since (a new spec of that name lists others) is
+    # dropped: kept, it would fail in every precompile worker
+    params = {c["name"]: list(c["signature"]) for c in compiles or []}
+    kept = [c for c in old.get("compiles", []) if params.get(c["name"], list(c["signature"])) == list(c["signature"])]
+    specs = {json.dumps(c, sort_keys=True): c for c in [*kept, *(compiles or [])]}
     made = [m for m in old["made_by"].split("; ") if m and m != made_by] + [made_by]
     table["gpus"][gpu] = {"fla": fla_version(), "triton": _triton_version(), "made_by": "; ".join(made),
                           "kernels": {name: [entries[k] for k in sorted(entries)]
