@@ -219,6 +219,35 @@ def test_model_decode_through_the_kernel_equals_the_full_forward(kernel_calls, m
     torch.testing.assert_close(steps[True], full[:, T:], rtol=1e-4, atol=1e-4)
 
 
+def test_compiled_decode_step_keeps_the_kernel_in_one_graph(monkeypatch):
+    """torch.compile(fullgraph) of the tiny model's decode step over a StaticCache with the kernel forced on: one
+    graph holding k3::decode_gemv, and its logits equal the eager step's."""
+    monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_block_n", 64)
+    monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_tile_elems", 1 << 16)
+    torch.manual_seed(5)
+    model = K3ForCausalLM(K3Config.preset("tiny")).to(DEVICE).eval()
+    fuse_projections(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), device=DEVICE)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    core = torch.compile(model.model, fullgraph=True, backend=recording)
+    logits = {}
+    with torch.no_grad(), force_gemv(True):
+        for name, step in (("eager", model.model), ("compiled", core)):
+            cache = model.new_cache(2, 6)
+            model(ids[:, :5], cache=cache)
+            h = step(ids[:, 5:], cache=cache)
+            logits[name] = model.lm_head(h[:, -1])
+    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert len(graphs) == 1 and any(op.startswith("k3.decode_gemv") for op in ops)
+    torch.testing.assert_close(logits["compiled"], logits["eager"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 4, 5, 8, 16])
