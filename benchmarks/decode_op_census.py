@@ -200,14 +200,14 @@ def _experts_counted_not_interpreted(z, idx, weights, w1, w3, w2, beta_gate, bet
         return selected_experts_situ_mlp_reference(z, idx, weights, w1, w3, w2, beta_gate, beta_up)
 
 
-def model_for(preset: str, layers: int | None) -> tuple[K3Config, K3ForCausalLM]:
+def model_for(preset: str, layers: int | None, device: str = "cpu") -> tuple[K3Config, K3ForCausalLM]:
     cfg = K3Config.preset(preset)
     if layers is not None and layers != cfg.num_hidden_layers:
         mla = mla_layers_for(layers)
         cfg = cfg.replace(num_hidden_layers=layers, linear_attn_config={
             "full_attn_layers": mla, "kda_layers": [l for l in range(1, layers + 1) if l not in mla]})
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).eval()
+    model = K3ForCausalLM(cfg).to(device).eval()
     with torch.no_grad():  # non-zero AttnRes queries: softmaxes that are not means (the counts do not care)
         for name, p in model.named_parameters():
             if name.endswith("res_proj.weight"):
@@ -220,15 +220,18 @@ def census_of_step(model: K3ForCausalLM, batch: int, prompt: int = 8) -> Census:
     """The counts of one decode step at `batch` rows after a `prompt`-token prefill (not counted)."""
     cfg = model.config
     cache = model.new_cache(batch, prompt + 3)
-    ids = torch.randint(0, cfg.vocab_size, (batch, prompt))
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=model.device)
     logits = model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
     tokens = logits.argmax(-1)[:, None]
     fuse_projections(model)  # as GraphedDecodeStep does before capture
-    with kernels_chosen_as_on_cuda():  # a warm-up step, as before a capture: workspaces made once are not counted
+    # k3's kernels as on CUDA where they can run: on CUDA, or on the CPU under Triton's interpreter
+    runnable = model.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    chosen = kernels_chosen_as_on_cuda if runnable else contextlib.nullcontext
+    with chosen():  # a warm-up step, as before a capture: workspaces made once are not counted
         tokens = model(tokens, cache=cache).logits.argmax(-1)
     census = Census()
     _active_census.append(census)
-    with kernels_chosen_as_on_cuda(), kinds_from_modules(model, census), counting_triton_launches(census), census:
+    with chosen(), kinds_from_modules(model, census), counting_triton_launches(census), census:
         h = model.model(tokens, cache=cache)  # GraphedDecodeStep's forward: the stack, advance, lm_head
         cache.advance(1)
         with census.kind("head"):
@@ -290,6 +293,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
     ap.add_argument("--switches", default="default,all",
                     help="comma-separated runs: default, all, all-MODULE[-MODULE...] (all but those), env (as set)")
+    ap.add_argument("--device", default="cpu", help="where the step runs (fp32): cpu (kernels interpreted) or cuda")
     ap.add_argument("--ops", type=int, default=8, help="ops shown per kind")
     args = ap.parse_args(argv)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -297,7 +301,7 @@ def main(argv=None) -> None:
         print("note: k3's Triton kernels cannot run here (no triton, or no TRITON_INTERPRET=1 on a CPU): the "
               "references are counted", file=sys.stderr)
     t0 = time.time()
-    cfg, model = model_for(args.preset, args.layers)
+    cfg, model = model_for(args.preset, args.layers, args.device)
     print(f"{args.preset}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts "
           f"top-{cfg.num_experts_per_token}, vocab {cfg.vocab_size}; built in {time.time() - t0:.0f} s",
           file=sys.stderr)
