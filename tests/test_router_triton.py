@@ -141,9 +141,9 @@ def test_route_tokens_takes_the_kernel_at_inference_for_few_rows_only():
         from k3 import envs
 
         xc, Wc = x.cuda(), W.cuda()
-        with envs.override(triton_opt_in=[]):  # opt-in (k3.ops.triton_dispatch.OPT_IN)
+        with envs.override(no_triton=["_router_triton"]):  # K3_NO_TRITON names it: off
             assert not use_router_kernel(xc, Wc, needs_grad=False)
-        with envs.override(triton_opt_in=["_router_triton"]):
+        with envs.override(triton_opt_in=[]):  # on by default on CUDA (no longer in triton_dispatch.OPT_IN)
             assert use_router_kernel(xc, Wc, needs_grad=False)
             assert not use_router_kernel(xc, Wc, needs_grad=True)
             big = torch.zeros(router.KERNEL_MAX_ROWS + 1, 8, device="cuda")

@@ -245,8 +245,8 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
     """A mix as a layer reads it: (p', out_norm(attn_res_mix(blocks + [p'], norm, proj))) with the partial sum
     p' = p + add (p without add, add where p is None: a fresh block's zeros).
 
-    At inference on CUDA one launch does the add, the mix and the norm (k3.ops._attn_res_norm_triton, opt-in
-    until timed: K3_TRITON); otherwise, and whenever a gradient is wanted, the separate ops, each autograd's."""
+    At inference on CUDA one launch does the add, the mix and the norm (k3.ops._attn_res_norm_triton;
+    K3_NO_TRITON=_attn_res_norm_triton turns it off); otherwise, and whenever a gradient is wanted, the separate ops, each autograd's."""
     if p is None:
         p, add = add, None
     sources = [*blocks, p]

@@ -7,8 +7,8 @@ References (plain PyTorch, never dispatching): `router_scores_reference` and `ro
   (and keeps it for backward) and casts its gradient back. Under bf16 autocast an fp32 x is read in bf16, as
   autocast reads it for any GEMM, but the scores stay fp32. Off with K3_ROUTER_FP32=1.
 - `route_tokens` at inference for a few rows (decode): k3's Triton kernel (`k3.ops._router_triton`) from x and
-  the weight straight to the expert ids and weights, in one launch; the same selection, ties included. Opt-in
-  until timed on a GPU (K3_TRITON=_router_triton, k3.ops.triton_dispatch.OPT_IN).
+  the weight straight to the expert ids and weights, in one launch; the same selection, ties included. On by
+  default on CUDA (K3_NO_TRITON=_router_triton turns it off).
 """
 from __future__ import annotations
 

@@ -19,26 +19,34 @@ from types import ModuleType
 import torch
 
 from k3 import envs
+from k3 import ops as ops_package  # (this module's package: its kernel modules are its attributes)
 
 
-# _router_triton, _attn_res_norm_triton, _kda_decode_triton: decode's router, mix + norm and KDA step, tested under
-# the interpreter only so far
-OPT_IN = frozenset({"_mla_decode_triton", "_router_triton", "_attn_res_norm_triton", "_sigmoid_gate_triton",
-                    "_kda_decode_triton", "_mla_static_decode_triton"})
+# Kernels that pass their tests but are not yet shown faster on a GPU run only where K3_TRITON names them.
+# _gemv_triton and _mla_static_decode_triton (decode's linears, MLA's StaticCache attention): interpreter-tested,
+# untimed alone. Decode's router, mix + norm and KDA step left this list in session 12 (H200: CUDA tests passed,
+# a graphed small decode step 15% faster at batch 1 and 8; benchmarks/RESULTS.md).
+OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton", "_mla_static_decode_triton"})
 
 
 _modules: dict[str, ModuleType | None] = {}
 
 
 def triton_module(name: str) -> ModuleType | None:
-    """`k3.ops.<name>`, or None when it cannot be imported (no triton). Cached in a plain dict, which a
-    torch.compile region reads as a constant (an import cannot be traced: a first call there breaks its graph)."""
+    """`k3.ops.<name>`, or None when it cannot be imported (no triton); imported once. Inside torch.compile too: the
+    import runs as the region is traced (`_importable`; an import cannot be traced), and the module is then read as
+    an attribute of k3.ops, which Dynamo sees as the module itself (its kernels callable) with no guard on the
+    import cache (a first import changes it: the region would compile again)."""
+    return getattr(ops_package, name) if _importable(name) else None
+
+
+@torch.compiler.assume_constant_result  # Dynamo runs it as it traces, its answer a constant: no graph break
+def _importable(name: str) -> bool:
     if name not in _modules:
         _modules[name] = _import_kernels(name)
-    return _modules[name]
+    return _modules[name] is not None
 
 
-@torch.compiler.disable
 def _import_kernels(name: str) -> ModuleType | None:
     try:
         return importlib.import_module(f"k3.ops.{name}")
