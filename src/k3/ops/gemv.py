@@ -11,19 +11,17 @@ that follows it at its call site); FusedLinears' stacked projections call `linea
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.ops.triton_dispatch import triton_module, use_triton_op
+from k3.ops.triton_dispatch import Forced, triton_module, use_triton_op
 
 __all__ = ["MAX_ROWS", "linear_reference", "use_gemv", "force_gemv", "linear", "DecodeLinear"]
 
 KERNELS = "_gemv_triton"
 MAX_ROWS = 16  # a decode batch; past it the weight is shared by enough rows for cuBLAS's GEMM tiles
-_forced: bool | None = None
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -33,16 +31,7 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y if residual is None else y + residual
 
 
-@contextlib.contextmanager
-def force_gemv(flag: bool | None):
-    """Within the block `linear` takes the kernel wherever its inputs fit it (True: on CPU tensors too, under the
-    Triton interpreter), never (False), or as `use_gemv` decides (None)."""
-    global _forced
-    saved, _forced = _forced, flag
-    try:
-        yield
-    finally:
-        _forced = saved
+force_gemv = Forced()  # `with force_gemv(True | False | None):` for `linear`, as triton_dispatch.Forced says
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -54,7 +43,7 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """Whether `linear` takes the kernel: 1..MAX_ROWS rows, no gradient wanted, one float dtype throughout, a 2-D
     weight with contiguous rows, a residual of the output's shape, no autocast, and the kernel chosen for x
     (k3.ops.triton_dispatch.use_triton_op, so inside torch.compile too) or forced on."""
-    if _forced is False or (_forced is None and not x.is_cuda) or x.dim() == 0 or x.shape[-1] == 0:
+    if force_gemv.value is False or (force_gemv.value is None and not x.is_cuda) or x.dim() == 0 or x.shape[-1] == 0:
         return False  # (the CPU's training and tests leave here)
     rows = x.numel() // x.shape[-1]
     fits = (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
@@ -66,7 +55,7 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual)):
         return False
-    if _forced:
+    if force_gemv.value:
         return triton_module(KERNELS) is not None
     return use_triton_op(x, KERNELS)
 

@@ -17,7 +17,6 @@ slots [B] int64 (row b's index into N; None: row b is slot b). Returns o_norm(o)
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +26,12 @@ from k3 import envs
 from k3.ops.kda import kda_gate
 from k3.ops.kda_core import forced_backend, log_once
 from k3.ops.norm import rms_norm_reference
-from k3.ops.triton_dispatch import OPT_IN, triton_module
+from k3.ops.triton_dispatch import OPT_IN, Forced, triton_module
 
 __all__ = ["DecodeWeights", "kda_decode_step_reference", "use_fused_decode", "force_fused_decode",
            "kda_decode_step"]
 
 KERNELS = "_kda_decode_triton"
-_forced: bool | None = None
 @dataclass(frozen=True)
 class DecodeWeights:
     """A KDA layer's weights past its input projections: conv weights [C, 1, W] (q, k, v), the gate's second
@@ -80,16 +78,7 @@ def kda_decode_step_reference(xq, xk, xv, fa, beta_logits, gate, weights: Decode
     return y.reshape(B, H * V).to(xq.dtype)
 
 
-@contextlib.contextmanager
-def force_fused_decode(flag: bool | None):
-    """Within the block the layer's decode step takes the kernel (True; on CPU tensors under the Triton
-    interpreter too), never (False), or as `use_fused_decode` decides (None)."""
-    global _forced
-    saved, _forced = _forced, flag
-    try:
-        yield
-    finally:
-        _forced = saved
+force_fused_decode = Forced()  # `with force_fused_decode(True | False | None):` for a layer's decode step
 
 
 def switched_off() -> bool:
@@ -105,8 +94,8 @@ def use_fused_decode(xq: torch.Tensor, state: torch.Tensor, head_dims: tuple[int
     kernels = triton_module(KERNELS)
     fits = (kernels is not None and not needs_grad and state.dtype == torch.float32 and width >= 2
             and max(head_dims) <= kernels.MAX_HEAD_DIM)
-    if _forced is not None:
-        return _forced and fits
+    if force_fused_decode.value is not None:
+        return force_fused_decode.value and fits
     if forced_backend() is not None:  # a test pinned every KDA core to one backend: not this kernel
         return False
     chosen = (fits and xq.is_cuda and xq.dtype in (torch.bfloat16, torch.float16, torch.float32)

@@ -54,6 +54,23 @@ def _import_kernels(name: str) -> ModuleType | None:
         return None
 
 
+class Forced:
+    """A kernel selector's override for tests: `with force(True):` takes the kernel wherever the inputs fit it
+    (on CPU tensors too, under the Triton interpreter), `force(False)` never, `force(None)` as the selector
+    decides; `.value` is the setting of the innermost block."""
+
+    def __init__(self):
+        self.value: bool | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, flag: bool | None):
+        saved, self.value = self.value, flag
+        try:
+            yield
+        finally:
+            self.value = saved
+
+
 def on_device(t: torch.Tensor | torch.device):
     """A context on the CUDA device of t (a tensor or a device); nothing on the CPU. Triton kernels, new streams,
     events and graphs follow the current device, which need not be t's (a model on cuda:1, or the engine's own
