@@ -306,7 +306,7 @@ class Trainer:
         batches = self.val_batches[:max_batches]
         if progress and not (self.dist and not self.dist.is_main):
             from tqdm import tqdm
-            batches = tqdm(batches, desc=progress, leave=False, dynamic_ncols=True)
+            batches = tqdm(batches, desc=progress, leave=False, dynamic_ncols=True, mininterval=0)  # every batch drawn
         for b in batches:
             b = {k: v.to(self.device) for k, v in b.items()}
             if self.dist:
