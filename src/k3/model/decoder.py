@@ -19,6 +19,7 @@ from k3.model.moe import LatentMoE
 from k3.model.norm import RMSNorm
 from k3.ops.cross_entropy import cross_entropy
 from k3.ops.gemv import DecodeLinear
+from k3.ops.host_sync import host_reads_forbidden
 
 
 @dataclass
@@ -246,10 +247,9 @@ class K3ForCausalLM(nn.Module):
             raise TypeError(f"input_ids must be int64 or int32, got {input_ids.dtype}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty (sequence length 0)")
-        # The range check syncs with the device, which a CUDA graph capture forbids (the graphed decode
-        # feeds back its own sampled tokens, always in range).
-        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-        if input_ids.numel() and not capturing and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+        # The range check reads the ids on the host, which a CUDA graph capture forbids and which would split a
+        # compiled graph (the graphed decode feeds back its own sampled tokens, always in range).
+        if input_ids.numel() and not host_reads_forbidden(input_ids) and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size}); got range "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         for name, t in (("doc_ids", doc_ids), ("labels", labels), ("mask", mask)):
