@@ -40,6 +40,10 @@ class EngineConfig:
     # (read-back, stop checks, outputs) and launches the next, which feeds the picked ids from the device. Off
     # by default until timed on a GPU (issue 21; benchmarks/RESULTS.md).
     async_output: bool = False
+    # steps that feed prompt chunks (their decodes too, unless split off) through piecewise CUDA graphs, one per
+    # token bucket, broken at the mixers' cores (k3.serve.prefill_graphs). Off by default until timed on a GPU
+    # (issue 21: a 2,048-token eager step spent 115-170 ms launching on the H200 host, its kernels ~45-70 ms).
+    prefill_graphs: bool = False
     # packed MXFP4 experts in the GPU kernels' decode layout, rearranged once at load (default: on CUDA where the
     # kernels run; True forces it, e.g. on the CPU for tests; checkpoints saved from the model stay released)
     decode_layout: bool | None = None
@@ -115,7 +119,7 @@ class LLMEngine:
         if wants_decode_layout(param.device, config.decode_layout):  # a distributed load has done it already
             use_decode_layout_(model)
         self.runner = ModelRunner(model, self.pool, config.decode_graphs, config.max_num_seqs, self.sample_vocab,
-                                  config.split_mixed_steps)
+                                  config.split_mixed_steps, config.prefill_graphs, config.max_batch_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.in_flight: LaunchedStep | None = None  # async output: the step on the device, not yet finished
 

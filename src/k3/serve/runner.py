@@ -12,6 +12,7 @@ from k3.model.cuda_graph import wants_graphs
 from k3.ops.fused_linear import fuse_projections
 from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
+from k3.serve.prefill_graphs import PrefillGraphs
 from k3.serve.sampling import score_rows
 from k3.serve.sequence import Sequence
 
@@ -177,11 +178,14 @@ class DecodeGraphs:
 
 class ModelRunner:
     def __init__(self, model, pool: CachePool, decode_graphs: bool | None = None, max_num_seqs: int = 64,
-                 vocab: int | None = None, split_mixed: bool = False):
+                 vocab: int | None = None, split_mixed: bool = False, prefill_graphs: bool = False,
+                 max_batch_tokens: int = 2048):
         """decode_graphs: replay decode-only steps from CUDA graphs (default: on CUDA). On CPU, True runs the
         same fixed-shape decode step eagerly (for tests). vocab: the ids prompt logprobs range over (the
         engine's sampling vocabulary; default the model's). split_mixed: with graphs, a step that mixes decodes
-        with prefill chunks replays the decodes' graph and runs only the chunks eagerly (see `_run`)."""
+        with prefill chunks replays the decodes' graph and runs only the chunks eagerly (see `_run`).
+        prefill_graphs: the other steps (up to max_batch_tokens tokens) through piecewise CUDA graphs broken at
+        the mixers' cores (k3.serve.prefill_graphs; on CPU the same pieces and breaks run eagerly)."""
         self.model, self.pool, self.split_mixed = model, pool, split_mixed
         self.vocab = vocab or model.config.vocab_size
         self.device = next(model.parameters()).device
@@ -189,6 +193,8 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         use = wants_graphs(model, self.device, decode_graphs)
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
+        self.prefill_graphs = (PrefillGraphs(model, max_batch_tokens, self.device, capture=on_cuda)
+                               if prefill_graphs and wants_graphs(model, self.device, True) else None)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int],
@@ -273,6 +279,13 @@ class ModelRunner:
         last = [view.cu_host[r + 1] - 1 for r in sample_rows]  # each sampling row's last token
         scored = [view.cu_host[i] + j for i, _, count in spans for j in range(count)]
         targets = [t for i, first, count in spans for t in seqs[i].tokens[first:first + count]]
+        pieces = self.prefill_graphs
+        if (pieces is not None and device_ids is None and not any(s.mm for s in seqs)
+                and pieces.fits(len(ids))):  # (image rows are spliced into the embeddings eagerly)
+            last_t, scored_t, targets_t = view.upload([last, scored, targets], self.device)
+            h = pieces.run(view, ids)  # [bucket, D]: the step's rows first
+            scores = self._score(spans, seqs, h, scored_t, targets_t) if spans else None
+            return self.model.lm_head(h[last_t]), scores
         ids_t, last_t, scored_t, targets_t = view.upload([ids, last, scored, targets], self.device)
         ids_t = (device_ids if device_ids is not None else ids_t)[None]
         embeds = None
