@@ -1,0 +1,160 @@
+"""Piecewise graphs for the engine's eager steps (k3.serve.prefill_graphs, EngineConfig.prefill_graphs): a step
+padded to a token bucket runs as pieces broken at each mixer's core, the cores eagerly over the step's real rows.
+On a CPU the pieces run eagerly in one pass with the same padding, static ids and breaks, so every output must
+equal the plain engine's and the model's one-shot `generate`: tokens, sampled logprobs, prompt logprobs, with
+chunked prefill, split and unsplit mixed steps, preemption and prefix hits in play; pad rows must never reach a
+real row."""
+import pytest
+import torch
+
+from k3 import K3Config, K3ForCausalLM
+from k3.serve import EngineConfig, LLMEngine, SamplingParams
+from k3.serve import prefill_graphs as pg
+from test_serve_engine import GREEDY, assert_pool_empty, model, prompt, reference  # noqa: F401
+
+
+def make(model, pieces: bool, **kw) -> LLMEngine:
+    cfg = dict(memory_bytes=16 << 20, block_size=16, match_unit=4, max_batch_tokens=24, max_num_seqs=8,
+               decode_graphs=True, prefill_graphs=pieces)
+    cfg.update(kw)
+    return LLMEngine(model, None, EngineConfig(**cfg))
+
+
+def drive(eng: LLMEngine, requests):
+    """Requests (prompt, params, step to arrive at) through eng → (per request: tokens, sampled logprobs as
+    (id, logprob, top ids), prompt logprobs; the piecewise steps as (real tokens, bucket); core breaks run)."""
+    steps, breaks = [], []
+    graphs = eng.runner.prefill_graphs
+    if graphs is not None:
+        run = graphs.run
+
+        def counted(view, ids):
+            h = run(view, ids)
+            steps.append((len(ids), h.shape[0]))
+            return h
+        graphs.run = counted
+        split = pg.PrefillGraph.split
+
+        def counted_split(self, *a):
+            breaks.append(self.tokens)
+            return split(self, *a)
+        pg.PrefillGraph.split = counted_split
+    ids, recs, step = [None] * len(requests), {}, 0
+    try:
+        while step == 0 or eng.has_unfinished() or any(i is None for i in ids):
+            for k, (p, params, at) in enumerate(requests):
+                if at == step:
+                    ids[k] = eng.add_request(p, params)
+            for o in eng.step():
+                rec = recs.setdefault(o.request_id, {"ids": [], "lp": [], "prompt": None})
+                rec["ids"] += o.new_token_ids
+                rec["lp"] += [(x.token_id, x.logprob, [t for t, _ in x.top]) for x in o.new_logprobs]
+                if o.prompt_logprobs is not None:
+                    rec["prompt"] = o.prompt_logprobs
+            step += 1
+            assert step < 500
+    finally:
+        if graphs is not None:
+            pg.PrefillGraph.split = split
+    assert_pool_empty(eng)
+    return [recs[i] for i in ids], steps, breaks
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["ids"] == b["ids"]
+    assert len(a["lp"]) == len(b["lp"])
+    for x, y in zip(a["lp"], b["lp"]):
+        assert x[0] == y[0] and x[2] == y[2] and x[1] == pytest.approx(y[1], abs=1e-5)
+    assert (a["prompt"] is None) == (b["prompt"] is None)
+    if a["prompt"] is not None:
+        assert len(a["prompt"]) == len(b["prompt"])
+        for x, y in zip(a["prompt"][1:], b["prompt"][1:]):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-5)
+
+
+ARRIVALS = [(prompt(1, 5), SamplingParams(max_tokens=12, logprobs=2, **GREEDY), 0),
+            (prompt(2, 19), SamplingParams(max_tokens=9, **GREEDY), 0),
+            (prompt(3, 30), SamplingParams(max_tokens=6, logprobs=0, prompt_logprobs=2, **GREEDY), 3),
+            (prompt(4, 3), SamplingParams(max_tokens=1, **GREEDY), 5),
+            (prompt(5, 40), SamplingParams(max_tokens=7, temperature=0.9, top_p=0.95, seed=3, logprobs=1), 6)]
+
+
+def test_token_buckets():
+    assert pg.token_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert pg.token_buckets(100) == [16, 32, 64, 100]
+    assert pg.token_buckets(16) == [16] and pg.token_buckets(5) == [5]
+
+
+@pytest.mark.parametrize("split,decode_graphs", [(True, True), (False, True), (False, False)])
+def test_pieces_equal_plain_engine_and_generate(model, split, decode_graphs):
+    """Requests arriving while others decode (chunks of several prompts in one step, split or unsplit mixed
+    steps, decode-only steps through the pieces when decode graphs are off, a prompt scored, seeded sampling):
+    outputs equal the plain engine's, greedy tokens equal generate's, steps ran padded, one break per layer."""
+    cfg = dict(split_mixed_steps=split, decode_graphs=decode_graphs)
+    got, steps, breaks = drive(make(model, True, **cfg), ARRIVALS)
+    want, none, _ = drive(make(model, False, **cfg), ARRIVALS)
+    assert none == [] and len(steps) >= 4, steps
+    assert any(n < bucket for n, bucket in steps) and any(n > 16 for n, _ in steps), steps
+    assert len(breaks) == len(steps) * model.config.num_hidden_layers
+    for (p, params, _), a, b in zip(ARRIVALS, got, want):
+        assert_same(a, b)
+        if params.temperature == 0:
+            assert a["ids"] == reference(model, p, params.max_tokens)
+
+
+def test_pieces_under_preemption_and_prefix_hits(model):
+    """A pool too small for every sequence (preemption by swap, chunks resumed), then a follow-up prompt that
+    hits the first run's prefix units and KDA checkpoints: still generate's tokens through the pieces."""
+    prompts = [prompt(40 + i, 18) for i in range(3)]
+    eng = make(model, True, num_blocks=7, prefix_caching=False)
+    got, steps, _ = drive(eng, [(p, SamplingParams(max_tokens=20, **GREEDY), 0) for p in prompts])
+    assert eng.scheduler.num_preemptions > 0 and steps
+    for p, r in zip(prompts, got):
+        assert r["ids"] == reference(model, p, 20)
+    eng = make(model, True)
+    p = prompt(90, 10)
+    first, _, _ = drive(eng, [(p, SamplingParams(max_tokens=13, **GREEDY), 0)])
+    follow = p + first[0]["ids"] + prompt(91, 3)
+    out = eng.generate([follow], SamplingParams(max_tokens=6, **GREEDY))[0]
+    assert out.cache.restored_tokens >= 20, out.cache
+    assert list(out.output_ids) == reference(model, follow, 6)
+
+
+def test_pad_rows_never_reach_real_rows(model, monkeypatch):
+    """The attack: every pad row of every step holds a different random token (and so routes to other experts
+    and carries other values through every per-token part). The real rows' outputs do not move."""
+    calm, steps, _ = drive(make(model, True), ARRIVALS)
+    load = pg.PrefillGraph.load
+    gen = torch.Generator().manual_seed(7)
+
+    def hostile_load(self, ids):
+        load(self, ids)
+        pad = torch.randint(0, model.config.vocab_size, (self.tokens - len(ids),), generator=gen)
+        self.host[len(ids):] = pad
+        self.ids.copy_(self.host)
+    monkeypatch.setattr(pg.PrefillGraph, "load", hostile_load)
+    hostile, steps2, _ = drive(make(model, True), ARRIVALS)
+    assert steps2 == steps and sum(b - n for n, b in steps) > 20
+    for a, b in zip(hostile, calm):
+        assert_same(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pieces_replay_equal_plain_engine(model):
+    """On CUDA each bucket is captured after its first (eager) step as num_layers + 1 graphs with the cores
+    between them, and later steps of that bucket replay them: fp32 tokens equal the plain engine's and
+    generate's, split and unsplit."""
+    cuda = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
+    cuda.load_state_dict(model.state_dict())
+    greedy = [(p, SamplingParams(max_tokens=params.max_tokens, **GREEDY), at) for p, params, at in ARRIVALS]
+    for split in (True, False):
+        eng = make(cuda, True, split_mixed_steps=split)
+        with torch.inference_mode():
+            got, steps, _ = drive(eng, greedy)
+            want, _, _ = drive(make(cuda, False, split_mixed_steps=split), greedy)
+        entries = eng.runner.prefill_graphs.entries
+        assert entries and all(len(g.pieces) == cuda.config.num_hidden_layers + 1 for g in entries.values())
+        assert len(steps) > len(entries)  # some steps replayed a captured bucket
+        for (p, params, _), a, b in zip(greedy, got, want):
+            assert a["ids"] == b["ids"] == reference(model, p, params.max_tokens)
