@@ -158,3 +158,17 @@ def test_cuda_pieces_replay_equal_plain_engine(model):
         assert len(steps) > len(entries)  # some steps replayed a captured bucket
         for (p, params, _), a, b in zip(greedy, got, want):
             assert a["ids"] == b["ids"] == reference(model, p, params.max_tokens)
+
+
+def test_cli_flag_reaches_the_engine_and_distributed_serving_refuses_it():
+    """`--prefill-graphs` sets EngineConfig.prefill_graphs for `k3 serve` and `k3 bench serve`; serving over
+    several ranks refuses it by name before starting any rank (its pieces would capture collectives)."""
+    from k3.cli import _engine_config, build_parser
+    from k3.serve.distributed import serve_from_cli
+    for argv in (["serve", "--model", "m"], ["bench", "serve"]):
+        assert not _engine_config(build_parser().parse_args(argv)).prefill_graphs
+        a = build_parser().parse_args(argv + ["--prefill-graphs"])
+        assert _engine_config(a).prefill_graphs
+    a = build_parser().parse_args(["serve", "--model", "m", "--nproc", "2", "--prefill-graphs"])
+    with pytest.raises(ValueError, match="--prefill-graphs"):
+        serve_from_cli(a, _engine_config(a), None)

@@ -638,7 +638,8 @@ def _engine_config(a):
 
     config = EngineConfig(memory_bytes=int(a.memory_gib * 2**30), block_size=a.block_size, match_unit=a.match_unit,
                           max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.max_num_seqs,
-                          prefix_caching=not a.no_prefix_caching, async_output=a.async_output)
+                          prefix_caching=not a.no_prefix_caching, async_output=a.async_output,
+                          prefill_graphs=a.prefill_graphs)
     if a.block_size % a.match_unit:  # the engine's own rule, said in flags
         raise CLIError(f"--block-size {a.block_size} must be a multiple of --match-unit {a.match_unit}")
     config.validate()  # now, not once the model is loaded
@@ -654,6 +655,9 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--async-output", action="store_true",
                    help="launch each decode step before reading the previous one back (host work overlaps the device)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="run prompt-chunk steps through piecewise CUDA graphs (one per token bucket, broken at the "
+                        "mixers' cores)")
 
 
 def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:

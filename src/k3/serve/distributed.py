@@ -451,6 +451,9 @@ def serve_from_cli(a, engine_config: EngineConfig, api_key: str | None) -> None:
     (ValueError naming the flag), start the local ranks (outside torchrun), then serve as this rank."""
     from k3.config import K3Config
 
+    if engine_config.prefill_graphs:  # captured pieces would hold the experts' and TP's collectives: not yet tried
+        raise ValueError("--prefill-graphs serves from one process only; leave it off with --nproc, --ep, --tp or "
+                         "--ep-replicas")
     inside = is_torchrun_rank()
     world = int(os.environ["WORLD_SIZE"]) if inside else (a.nproc or 1)
     if inside and a.nproc is not None and a.nproc != world:
