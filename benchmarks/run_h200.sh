@@ -7,7 +7,8 @@
 #   (default: all but kernels, kbench, train-ckpt, profile, pack and k3-shaped). tests = every GPU test (k3's Triton kernel
 #   tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve64 = the serving bench at 64 streams only (set K3_TRITON to time
-#   opt-in kernels; SERVE_BATCH_TOKENS=8192: steps of up to 8,192 tokens, default 2,048); sampler = the batched
+#   opt-in kernels; SERVE_BATCH_TOKENS=8192: steps of up to 8,192 tokens, default 2,048; SERVE_FLAGS: more engine
+#   flags, e.g. --prefill-graphs); sampler = the batched
 #   sampler against a per-row loop on the GPU;
 #   kbench-ab = k3's kernel bench alternating main, $AB_SRC, main, $AB_SRC (AB_SRC: another tree's src/, e.g.
 #   `mkdir ab && git archive BRANCH src | tar x -C ab` carried, AB_SRC=$PWD/ab/src);
@@ -78,7 +79,7 @@ for step in $steps; do
         serve64) run serve64 240 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \
             --concurrency 64 --num-prompts 1 --prompts-per-concurrency 2 --turns 2 --input-len 256 \
             --output-len 128 --memory-gib 16 --num-state-slots 512 --max-num-seqs 64 \
-            --max-batch-tokens "${SERVE_BATCH_TOKENS:-2048}" --block-size 256 --match-unit 16 \
+            --max-batch-tokens "${SERVE_BATCH_TOKENS:-2048}" --block-size 256 --match-unit 16 ${SERVE_FLAGS:-} \
             --json "$OUT/serve64${SERVE_BATCH_TOKENS:+-$SERVE_BATCH_TOKENS}.json" ;;
         serve) run serve 420 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \
             --concurrency 1,8,32,64 --num-prompts 1 --prompts-per-concurrency 2 --turns 2 --input-len 256 \
