@@ -9,7 +9,7 @@ from k3.ops.fused_linear import FusedLinears
 from k3.ops.fused_situ import situ_glu_fast
 from k3.ops.gemv import DecodeLinear
 from k3.ops.grouped_mm import expert_situ_mlp
-from k3.ops.moe_decode import selected_experts_situ_mlp, use_selected_experts
+from k3.ops.moe_decode import selected_experts_situ_mlp, use_expert_major, use_selected_experts
 from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores  # noqa: F401  (route: imported here)
 from k3.ops.mx_experts import (packed_expert_situ_mlp, packed_selected_experts_situ_mlp,
                                packed_selected_experts_take, qat_expert_situ_mlp)
@@ -119,6 +119,9 @@ class LatentMoE(nn.Module):
                 return selected_experts_situ_mlp(z, idx, w, e.w1, e.w3, e.w2, *self.betas)
             if e.packed and packed_selected_experts_take(z, self.qat):
                 return packed_selected_experts_situ_mlp(z, idx, w, e, *self.betas)
+        elif not (e.packed or self.qat) and use_expert_major(z, k, self.num_experts, e.w1.dtype, needs_grad):
+            # decode batches: each expert reads the rows routed to it, its weights once, no sort or scatter
+            return selected_experts_situ_mlp(z, idx, w, e.w1, e.w3, e.w2, *self.betas)
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)  # the N·k (token, choice) slots sorted by expert
         slot = inverse_permutation(order)

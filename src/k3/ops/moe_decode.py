@@ -3,22 +3,48 @@ grouped-GEMM offsets (the training path's permutation costs a dozen small kernel
 take longer than reading the experts).
 
 `selected_experts_situ_mlp_reference` gathers each slot's expert weights and multiplies (plain PyTorch, any
-device: the definition). On CUDA, k3's Triton kernels (`k3.ops._moe_decode_triton`) do the same in two launches
-that read the weights in place: gate and up with SiTU-GLU in the epilogue, then down with the routing weights'
-sum over the k choices. Worth it only while N·k rows touch few experts (`use_selected_experts`).
+device: the definition). On CUDA, k3's Triton kernels do the same reading the weights in place, two ways:
+- slot by slot (`k3.ops._moe_decode_triton`, two launches: gate and up with SiTU-GLU in the epilogue, then down
+  with the routing weights' sum over the k choices), while N·k rows touch few experts (`use_selected_experts`);
+- expert by expert past that, up to N·k = EXPERT_MAJOR_MAX_SLOTS (`k3.ops._moe_expert_major_triton`, three
+  launches through the custom op k3::moe_expert_major; opt-in until timed): each expert's programs find the
+  slots routed to it and read its weights once for all of them (`use_expert_major`).
+`force_expert_major(True)` takes the expert-major kernel on CPU tensors too (tests, under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
 import torch
 
 from k3.ops.situ import situ_glu
-from k3.ops.triton_dispatch import on_device, triton_module, use_triton
+from k3.ops.triton_dispatch import Forced, on_device, triton_module, use_triton, use_triton_op
+
+EXPERT_MAJOR = "_moe_expert_major_triton"
+# N·k past which the grouped GEMMs take over from the expert-major kernel (N = 128 at top-8): each of its
+# programs scans all N·k routing ids, and by then every expert has rows enough for the GEMMs' tiles. Untimed.
+EXPERT_MAJOR_MAX_SLOTS = 1024
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+force_expert_major = Forced()  # `with force_expert_major(True | False | None):`, as triton_dispatch.Forced says
 
 
 def use_selected_experts(num_rows: int, top_k: int, num_experts: int, needs_grad: bool) -> bool:
     """Whether a MoE call should take this path: inference, and N·k slots at most a quarter of the experts
     (beyond that most experts are read anyway, and the grouped GEMMs read each once)."""
     return not needs_grad and 0 < num_rows * top_k <= num_experts // 4
+
+
+def use_expert_major(z: torch.Tensor, top_k: int, num_experts: int, weight_dtype: torch.dtype,
+                     needs_grad: bool) -> bool:
+    """Whether a MoE call past `use_selected_experts`' bound should read its experts in place, expert by expert:
+    inference, E/4 < N·k ≤ EXPERT_MAJOR_MAX_SLOTS (z: [N, L]), expert weights in z's dtype, and the kernel chosen
+    for z (triton_dispatch.use_triton_op, so inside torch.compile too) or forced on."""
+    slots = z.shape[0] * top_k
+    if needs_grad or force_expert_major.value is False or weight_dtype != z.dtype or z.dtype not in _KERNEL_DTYPES:
+        return False
+    if not (num_experts // 4 < slots <= EXPERT_MAJOR_MAX_SLOTS):
+        return False
+    if force_expert_major.value:
+        return triton_module(EXPERT_MAJOR) is not None
+    return use_triton_op(z, EXPERT_MAJOR)
 
 
 def selected_experts_situ_mlp_reference(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
@@ -40,7 +66,11 @@ def selected_experts_situ_mlp_reference(z: torch.Tensor, idx: torch.Tensor, weig
 
 
 def selected_experts_situ_mlp(z, idx, weights, w1, w3, w2, beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
-    """`selected_experts_situ_mlp_reference`, by k3's Triton kernels on CUDA where they can run."""
+    """`selected_experts_situ_mlp_reference`, by k3's Triton kernels where they can run (the module docstring)."""
+    N, k = idx.shape
+    if w1.dtype == w2.dtype == w3.dtype and use_expert_major(z, k, w1.shape[0], w1.dtype, needs_grad=False):
+        return triton_module(EXPERT_MAJOR).expert_major_situ_mlp(z, idx, weights, w1, w3, w2, float(beta_gate),
+                                                                   float(beta_up))
     if use_triton(z, "_moe_decode_triton") and w1.dtype == w2.dtype == w3.dtype == z.dtype:
         with on_device(z):
             return triton_module("_moe_decode_triton").selected_experts_situ_mlp(

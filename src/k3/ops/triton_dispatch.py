@@ -25,8 +25,10 @@ from k3 import ops as ops_package  # (this module's package: its kernel modules 
 # Kernels that pass their tests but are not yet shown faster on a GPU run only where K3_TRITON names them.
 # _gemv_triton and _mla_static_decode_triton (decode's linears, MLA's StaticCache attention): interpreter-tested,
 # untimed alone. Decode's router, mix + norm and KDA step left this list in session 12 (H200: CUDA tests passed,
-# a graphed small decode step 15% faster at batch 1 and 8; benchmarks/RESULTS.md).
-OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton", "_mla_static_decode_triton"})
+# a graphed small decode step 15% faster at batch 1 and 8; benchmarks/RESULTS.md). _moe_expert_major_triton
+# (decode's routed experts at batch 8-128, expert by expert): interpreter-tested, untimed.
+OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton", "_mla_static_decode_triton",
+                    "_moe_expert_major_triton"})
 
 
 _modules: dict[str, ModuleType | None] = {}

@@ -1,0 +1,161 @@
+"""Triton kernels for decode-time routed experts at batch 8–128, expert by expert (imported only through
+k3.ops.triton_dispatch; needs triton). The contract, reference and selector are `k3.ops.moe_decode`.
+
+Past a few tokens the N·k (token, choice) slots land on most experts, so `k3.ops._moe_decode_triton`'s programs,
+one a slot, would read the same expert many times. Here each program owns one expert (and a block of its rows):
+it scans the [N, k] routing ids itself (N·k ≤ ~1024 ints, a few loads), gathers the slots routed to it,
+BLOCK_M at a time, and reads its weight tile once for all of them. No sort, histogram, offsets or permuted
+copies (the grouped path's dozen kernels). Three launches a layer:
+1. gate+up: program (expert, block of I rows) → h[slot] = SiTU-GLU(W1_e z, W3_e z) for every slot routed to e;
+2. down: program (expert, block of L rows) → y[slot] = W2_e h[slot], fp32;
+3. combine: program (token, block of L) → Σ_j weight_j · y[token·k + j] in the order j = 0..k-1.
+Every output element is written by one program and summed in a fixed order (no atomics): the same bits on every
+run. An expert no slot chose stops after its scan; a slot with a negative id (held by another expert-parallel
+rank), or any id outside [0, E), matches no expert and adds nothing (the ids are compared, never used as an
+address); a token that picks an expert twice gets both slots.
+The products go through tl.dot (tensor cores for 16-bit weights, exact fp32 FMA for fp32 ones), accumulating in
+fp32. L and I are compile-time constants (the pipelined loops, and the bounds the interpreter can run).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops._situ_triton import _sigmoid, _tanh
+from k3.ops.triton_dispatch import on_device
+
+# Launch shapes (names so a sweep can time others). Untimed first guesses: block_m slots a step (tl.dot's
+# minimum), 64-row weight tiles (≥ 8 programs an expert at small's widths: 512 and 768 programs a launch),
+# scan: routing ids read a step of the scan (256 spills in gate+up for sm_90: benchmarks/sass_moe_expert_major.py).
+LAUNCH = dict(block_m=16, gate_up_block_i=64, gate_up_block_l=64, down_block_l=64, down_block_i=64, stages=3,
+              warps=4, scan=128, combine_block=256)
+
+
+@triton.jit
+def _routed_slots(idx_ptr, S, e, base, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
+    """(the slots routed to expert e with ranks base .. base+BLOCK_M-1 among them in slot order, -1 past the
+    last; how many slots e has) from the flat routing ids idx[0:S]."""
+    want = base + tl.arange(0, BLOCK_M)
+    found = tl.zeros((BLOCK_M,), dtype=tl.int32)  # slot + 1 of each wanted rank, 0 while not found
+    seen = tl.sum(tl.zeros((1,), dtype=tl.int32), 0)  # slots of e before this step's
+    s0 = 0
+    while s0 < S:
+        s = s0 + tl.arange(0, SCAN)
+        hit = (tl.load(idx_ptr + s, mask=s < S, other=-1) == e).to(tl.int32)
+        rank = seen + tl.cumsum(hit, 0) - 1
+        match = (hit[None, :] > 0) & (rank[None, :] == want[:, None])  # [BLOCK_M, SCAN]: one match a row at most
+        found += tl.sum(tl.where(match, s[None, :] + 1, 0), 1)
+        seen += tl.sum(hit, 0)
+        s0 += SCAN
+    return found - 1, seen
+
+
+@triton.jit
+def _dot(a, b, DOT_IN_FP32: tl.constexpr):
+    """a [M, K] @ b [K, N] in fp32. fp32 inputs exactly (ieee, not tf32); off the GPU 16-bit inputs as fp32: the
+    interpreter (triton 3.6) multiplies bf16 tiles as their raw bits. The products are exact either way."""
+    if DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, beta_gate, beta_up, TOP_K: tl.constexpr,
+                    I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                    BLOCK_L: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
+                    DOT_IN_FP32: tl.constexpr):
+    e = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # rows of W1_e, W3_e = columns of h
+    w_rows = e.to(tl.int64) * I * L + rows[:, None] * L
+    slots, count = _routed_slots(idx_ptr, S, e, 0, BLOCK_M, SCAN)
+    base = 0
+    while base < count:  # no slot: nothing read (an empty expert's programs end here)
+        ok = slots >= 0
+        x_rows = z_ptr + (tl.where(ok, slots, 0) // TOP_K).to(tl.int64)[:, None] * L
+        acc_g = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+        for l0 in tl.range(0, L, BLOCK_L, num_stages=STAGES):
+            cols = l0 + tl.arange(0, BLOCK_L)
+            x = tl.load(x_rows + cols[None, :], mask=ok[:, None] & (cols[None, :] < L), other=0.0)
+            m = (rows[:, None] < I) & (cols[None, :] < L)
+            w1 = tl.load(w1_ptr + w_rows + cols[None, :], mask=m, other=0.0)
+            w3 = tl.load(w3_ptr + w_rows + cols[None, :], mask=m, other=0.0)
+            acc_g += _dot(x, tl.trans(w1), DOT_IN_FP32)
+            acc_u += _dot(x, tl.trans(w3), DOT_IN_FP32)
+        a = beta_gate * _tanh(acc_g * (1.0 / beta_gate), EXACT) * _sigmoid(acc_g, EXACT)
+        b = beta_up * _tanh(acc_u * (1.0 / beta_up), EXACT)
+        tl.store(h_ptr + slots.to(tl.int64)[:, None] * I + rows[None, :], (a * b).to(h_ptr.dtype.element_ty),
+                 mask=ok[:, None] & (rows[None, :] < I))
+        base += BLOCK_M
+        slots, _ = _routed_slots(idx_ptr, S, e, base, BLOCK_M, SCAN)
+
+
+@triton.jit
+def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr,
+                 DOT_IN_FP32: tl.constexpr):
+    e = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)  # rows of W2_e = columns of y
+    w_rows = e.to(tl.int64) * L * I + rows[:, None] * I
+    slots, count = _routed_slots(idx_ptr, S, e, 0, BLOCK_M, SCAN)
+    base = 0
+    while base < count:
+        ok = slots >= 0
+        h_rows = h_ptr + tl.where(ok, slots, 0).to(tl.int64)[:, None] * I
+        acc = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)
+        for i0 in tl.range(0, I, BLOCK_I, num_stages=STAGES):
+            cols = i0 + tl.arange(0, BLOCK_I)
+            h = tl.load(h_rows + cols[None, :], mask=ok[:, None] & (cols[None, :] < I), other=0.0)
+            w = tl.load(w2_ptr + w_rows + cols[None, :], mask=(rows[:, None] < L) & (cols[None, :] < I), other=0.0)
+            acc += _dot(h, tl.trans(w), DOT_IN_FP32)
+        tl.store(y_ptr + slots.to(tl.int64)[:, None] * L + rows[None, :], acc, mask=ok[:, None] & (rows[None, :] < L))
+        base += BLOCK_M
+        slots, _ = _routed_slots(idx_ptr, S, e, base, BLOCK_M, SCAN)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, idx_ptr, wt_ptr, out_ptr, E, L, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # a fixed order: the same sum on every run
+        s = n * TOP_K + j
+        e = tl.load(idx_ptr + s)
+        held = (e >= 0) & (e < E)  # no expert program matched the others: their y rows were never written
+        wt = tl.where(held, tl.load(wt_ptr + s).to(tl.float32), 0.0)
+        acc += wt * tl.load(y_ptr + s.to(tl.int64) * L + cols, mask=(cols < L) & held, other=0.0)
+    tl.store(out_ptr + n.to(tl.int64) * L + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < L)
+
+
+# A custom op so that torch.compile and CUDA graphs keep the three launches as one call (inference only).
+@torch.library.custom_op("k3::moe_expert_major", mutates_args=())
+def expert_major_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                          w3: torch.Tensor, w2: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+    """Same contract as k3.ops.moe_decode.selected_experts_situ_mlp_reference (z: [N, L], idx/weights: [N, k];
+    w1, w2, w3 in z's dtype; inputs checked by the caller)."""
+    N, k = idx.shape
+    E, I, L = w1.shape
+    out = torch.empty(N, L, dtype=z.dtype, device=z.device)
+    if N * k == 0:
+        return out.zero_()
+    z, idx, weights = z.contiguous(), idx.contiguous(), weights.contiguous()
+    w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
+    h = torch.empty(N * k, I, dtype=z.dtype, device=z.device)  # rounded as the reference rounds SiTU's output
+    y = torch.empty(N * k, L, dtype=torch.float32, device=z.device)
+    p = LAUNCH
+    common = dict(BLOCK_M=p["block_m"], SCAN=p["scan"], STAGES=p["stages"], DOT_IN_FP32=not z.is_cuda,
+                  num_warps=p["warps"])
+    with on_device(z):
+        _gate_up_kernel[(E, triton.cdiv(I, p["gate_up_block_i"]))](
+            z, idx, w1, w3, h, N * k, float(beta_gate), float(beta_up), TOP_K=k, I=I, L=L,
+            BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=z.dtype == torch.float32, **common)
+        _down_kernel[(E, triton.cdiv(L, p["down_block_l"]))](
+            h, idx, w2, y, N * k, I=I, L=L, BLOCK_L=p["down_block_l"], BLOCK_I=p["down_block_i"], **common)
+        block = min(p["combine_block"], triton.next_power_of_2(L))
+        _combine_kernel[(N, triton.cdiv(L, block))](y, idx, weights, out, E, L, TOP_K=k, BLOCK=block, num_warps=4)
+    return out
+
+
+@expert_major_situ_mlp.register_fake
+def _(z, idx, weights, w1, w3, w2, beta_gate, beta_up):
+    return z.new_empty(idx.shape[0], w1.shape[2])

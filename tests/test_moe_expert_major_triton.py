@@ -1,0 +1,210 @@
+"""Decode's routed experts expert by expert (k3.ops._moe_expert_major_triton, the custom op k3::moe_expert_major)
+against `selected_experts_situ_mlp_reference` in float64: batch sizes 1..64, top-k 1..8, widths that are no
+multiple of the tiles, slots held by another rank (ids < 0) and ids past the stack, a token picking one expert
+more than once, every token on one expert; the weight tiles each expert reads (once per 16 of its slots, none
+for an expert nobody chose); the selector; the op under torch.compile; a tiny model's batched decode through it
+against the full forward. On CUDA where there is one, else on the CPU under the Triton interpreter; skipped
+where triton is not installed."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated: before the import below
+pytest.importorskip("triton")
+
+from k3 import envs  # noqa: E402
+from k3.config import K3Config  # noqa: E402
+from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from k3.ops import _moe_expert_major_triton as kernels  # noqa: E402
+from k3.ops.moe_decode import (EXPERT_MAJOR_MAX_SLOTS, force_expert_major, selected_experts_situ_mlp,  # noqa: E402
+                               selected_experts_situ_mlp_reference, use_expert_major)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def case(N, k, E, L, I, seed, idx=None):
+    """z [N, L], ids [N, k] (random distinct experts a token unless given), routing weights, w1, w3, w2."""
+    g = torch.Generator().manual_seed(seed)
+    w1, w3 = (torch.randn(E, I, L, generator=g) / L ** 0.5 for _ in range(2))
+    w2 = torch.randn(E, L, I, generator=g) / I ** 0.5
+    z = torch.randn(N, L, generator=g) * 2
+    if idx is None:
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    wt = torch.rand(N, k, generator=g)
+    return z, idx, wt, w1, w3, w2
+
+
+def run(z, idx, wt, w1, w3, w2, dtype=torch.float32):
+    """The kernel on `dtype` copies (the routing weights too, as LatentMoE passes them), and the float64 reference
+    of those same rounded inputs."""
+    args = [t.to(DEVICE, dtype) for t in (z, wt, w1, w3, w2)]
+    z_, wt_, w1_, w3_, w2_ = args
+    out = kernels.expert_major_situ_mlp(z_, idx.to(DEVICE), wt_, w1_, w3_, w2_, 4.0, 25.0)
+    want = selected_experts_situ_mlp_reference(*(t.cpu().double() if t.is_floating_point() else t.cpu()
+                                                 for t in (z_, idx, wt_, w1_, w3_, w2_)))
+    return out, want
+
+
+@pytest.mark.parametrize("N,k,E,L,I", [
+    (1, 8, 16, 48, 64),  # one token, 8 of 16 experts
+    (7, 3, 8, 40, 72),  # odd widths, most experts shared by several tokens
+    (33, 2, 16, 24, 40),  # 66 slots: experts with more than 16 slots (two row blocks)
+    (64, 8, 32, 48, 40),  # small's batch and top-k: 512 slots over 32 experts
+    (5, 1, 4, 130, 17),  # top-1; L past two 64-wide tiles, I narrower than one
+])
+def test_kernel_equals_the_reference(N, k, E, L, I):
+    z, idx, wt, w1, w3, w2 = case(N, k, E, L, I, seed=N * 100 + k)
+    out, want = run(z, idx, wt, w1, w3, w2)
+    assert out.shape == (N, L) and out.dtype == torch.float32
+    assert rel_err(out, want) < 1e-5
+    if DEVICE == "cuda":  # (the interpreter runs the programs one by one)
+        again, _ = run(z, idx, wt, w1, w3, w2)
+        assert torch.equal(out, again)  # no atomics: the same bits on every run
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weights_accumulate_in_fp32(dtype):
+    """h is rounded to the model's dtype as the reference rounds it; the sums are fp32 (within a 16-bit rounding
+    of the float64 reference of the same rounded inputs, where 16-bit sums over 48-80 terms would not be)."""
+    z, idx, wt, w1, w3, w2 = case(33, 4, 16, 48, 80, seed=3)
+    out, want = run(z, idx, wt, w1, w3, w2, dtype)
+    assert out.dtype == dtype
+    assert rel_err(out, want) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_other_ranks_slots_repeated_experts_and_ids_past_the_stack():
+    """ids < 0 (held by another rank) and ids ≥ E (nobody's) add nothing, read nothing and leave no unwritten
+    memory in the sum, even with a NaN routing weight; a token picking expert 2 three times gets it three times."""
+    E = 6
+    idx = torch.tensor([[2, 2, 2], [-1, 4, 0], [5, -1, -7], [E, 1, 10 ** 12], [3, 3, -1]])
+    z, _, wt, w1, w3, w2 = case(5, 3, E, 40, 24, seed=7, idx=idx)
+    wt[1, 0] = wt[2, 1] = wt[3, 0] = float("nan")  # weights of slots that are not computed here
+    out = kernels.expert_major_situ_mlp(*(t.to(DEVICE) for t in (z, idx, wt, w1, w3, w2)), 4.0, 25.0)
+    mine = (idx >= 0) & (idx < E)
+    want = selected_experts_situ_mlp_reference(z.double(), torch.where(mine, idx, 0),
+                                               torch.where(mine, wt, 0).double(), w1.double(), w3.double(),
+                                               w2.double())
+    assert torch.isfinite(out).all()
+    assert rel_err(out, want) < 1e-5
+    # the reference's own contract for ids < 0 is the same sum (rows 1, 2 and 4 hold only ids < E)
+    ref = selected_experts_situ_mlp_reference(z[[1, 2, 4]].double(), idx[[1, 2, 4]], wt[[1, 2, 4]].double(),
+                                              w1.double(), w3.double(), w2.double())
+    assert rel_err(out[[1, 2, 4]], ref) < 1e-5
+    # the three picks of expert 2 are three times one pick
+    one = selected_experts_situ_mlp_reference(z[:1].double(), idx[:1, :1], wt[:1].sum(1, keepdim=True).double(),
+                                              w1.double(), w3.double(), w2.double())
+    assert rel_err(out[:1], one) < 1e-5
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_every_token_on_one_expert(k):
+    """33 tokens × k slots on expert 1 (k > 1: the same expert k times a token): 33·k rows in blocks of 16."""
+    idx = torch.ones(33, k, dtype=torch.long)
+    z, _, wt, w1, w3, w2 = case(33, k, 8, 40, 72, seed=k, idx=idx)
+    out, want = run(z, idx, wt, w1, w3, w2)
+    assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts the interpreter's calls of a jitted helper (no seam in a "
+                    "compiled kernel)")
+def test_each_chosen_expert_tile_is_read_once_per_16_slots_and_no_other(monkeypatch):
+    """A spy on `_dot` (one call per weight tile multiplied): gate+up read each chosen expert's W1 and W3 tiles,
+    down its W2 tiles, once per 16 of its slots; an expert nobody chose is never read."""
+    calls = []
+    inner = kernels._dot
+
+    def spy(a, b, *rest):
+        calls.append(tuple(b.shape))
+        return inner(a, b, *rest)
+
+    monkeypatch.setattr(kernels, "_dot", spy)
+    E, L, I = 12, 40, 72
+    g = torch.Generator().manual_seed(9)
+    idx = torch.randint(0, 5, (9, 4), generator=g)  # experts 5..11 never chosen
+    idx[:, :2] = 3  # expert 3: ≥ 18 slots, two row blocks (a token picks it twice)
+    z, _, wt, w1, w3, w2 = case(9, 4, E, L, I, seed=9, idx=idx)
+    out, want = run(z, idx, wt, w1, w3, w2)
+    assert rel_err(out, want) < 1e-5
+    p = kernels.LAUNCH
+    counts = torch.bincount(idx.flatten(), minlength=E)
+    blocks = (-(-counts // p["block_m"])).sum().item()  # row blocks over the chosen experts
+    assert counts[3] > 16 and blocks == (counts > 0).sum().item() + 1
+    gate_up = 2 * -(-I // p["gate_up_block_i"]) * -(-L // p["gate_up_block_l"])
+    down = -(-L // p["down_block_l"]) * -(-I // p["down_block_i"])
+    assert len(calls) == blocks * (gate_up + down)
+
+
+def test_no_slots_gives_an_empty_sum():
+    z, idx, wt, w1, w3, w2 = case(0, 4, 8, 40, 24, seed=1, idx=torch.zeros(0, 4, dtype=torch.long))
+    out = kernels.expert_major_situ_mlp(z.to(DEVICE), idx.to(DEVICE), wt.to(DEVICE), w1.to(DEVICE),
+                                        w3.to(DEVICE), w2.to(DEVICE), 4.0, 25.0)
+    assert out.shape == (0, 40)
+
+
+def test_selector_bounds_and_switches():
+    """Taken past the slot kernel's bound (N·k > E/4) up to EXPERT_MAJOR_MAX_SLOTS, at inference, weights in z's
+    dtype; on CPU tensors only when forced; on CUDA only once K3_TRITON names it (opt-in until timed)."""
+    z = torch.zeros(8, 16)
+    with force_expert_major(True):
+        assert use_expert_major(z, 8, 64, torch.float32, needs_grad=False)  # 64 slots > 16
+        assert not use_expert_major(z[:2], 8, 64, torch.float32, needs_grad=False)  # 16 slots: the slot kernel's
+        assert not use_expert_major(z, 8, 64, torch.float32, needs_grad=True)
+        assert not use_expert_major(z, 8, 64, torch.bfloat16, needs_grad=False)  # weights in another dtype
+        assert not use_expert_major(z.double(), 8, 64, torch.float64, needs_grad=False)
+        n = EXPERT_MAJOR_MAX_SLOTS // 8
+        assert use_expert_major(torch.zeros(n, 16), 8, 64, torch.float32, needs_grad=False)
+        assert not use_expert_major(torch.zeros(n + 1, 16), 8, 64, torch.float32, needs_grad=False)
+    assert not use_expert_major(z, 8, 64, torch.float32, needs_grad=False)  # CPU, not forced
+    if DEVICE == "cuda":
+        zc = z.cuda()
+        with envs.override(triton_opt_in=[]):
+            assert not use_expert_major(zc, 8, 64, torch.float32, needs_grad=False)
+        with envs.override(triton_opt_in=["_moe_expert_major_triton"]):
+            assert use_expert_major(zc, 8, 64, torch.float32, needs_grad=False)
+            with force_expert_major(False):
+                assert not use_expert_major(zc, 8, 64, torch.float32, needs_grad=False)
+
+
+def test_dispatch_takes_the_op_and_compiles_as_one_call():
+    """`selected_experts_situ_mlp` takes k3::moe_expert_major when chosen; under torch.compile (fullgraph) it is
+    the one k3 op of the graph, with the eager op's answer."""
+    from compile_recording import recording_backend
+
+    z, idx, wt, w1, w3, w2 = (t.to(DEVICE) for t in case(6, 4, 16, 40, 24, seed=5))
+    want = selected_experts_situ_mlp_reference(z.double(), idx, wt.double(), w1.double(), w3.double(), w2.double())
+    ops = []
+    with force_expert_major(True):
+        eager = selected_experts_situ_mlp(z, idx, wt, w1, w3, w2)
+        compiled = torch.compile(selected_experts_situ_mlp, backend=recording_backend(ops), fullgraph=True)
+        got = compiled(z, idx, wt, w1, w3, w2)
+    assert [op for op in ops if "k3." in op] == ["k3.moe_expert_major.default"], ops
+    assert rel_err(eager, want) < 1e-5 and torch.equal(got, eager)
+
+
+def test_tiny_model_batched_decode_through_the_kernel_equals_the_full_forward(monkeypatch):
+    """fp32 tiny model (16 experts, top-4), 3 sequences: a prefill of 5 tokens (60 slots) and 2 decode steps
+    (12 slots, past the slot kernel's 4) with the kernel forced on, against one full forward on the grouped
+    path; the kernel ran at every MoE layer of every step."""
+    cfg = K3Config.preset("tiny")
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).to(DEVICE).eval()
+    ids = torch.randint(0, cfg.vocab_size, (3, 7), device=DEVICE)
+    calls = []
+    inner = kernels.expert_major_situ_mlp
+    monkeypatch.setattr(kernels, "expert_major_situ_mlp", lambda z, *a: calls.append(z.shape[0]) or inner(z, *a))
+    with torch.no_grad():
+        with force_expert_major(False):
+            full = model(ids).logits
+        cache = model.new_cache()
+        with force_expert_major(True):
+            steps = [model(ids[:, :5], cache=cache).logits]
+            steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(5, 7)]
+    moe_layers = sum(1 for m in model.modules() if type(m).__name__ == "LatentMoE")
+    assert moe_layers > 0 and calls == [15] * moe_layers + [3] * (2 * moe_layers)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
