@@ -25,13 +25,15 @@ site has a residual: "cublas"), each timed as a CUDA graph of calls over enough 
 L2 cold (50 MB on an H200) as decode finds it; floor: the weight's bytes (and x, y, residual) over the copy
 bandwidth; per_step_us: µs × the count of such calls in one decode step. --gemv: only these rows;
 --gemv-sweep: the kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at two of them.
+Decode's routed experts ("moe" rows, `moe_expert_rows`: small's 64 experts, top-8, at 8 and 64 tokens, bf16): the
+expert-major kernel against the grouped path k3 takes there today and the slot-major kernel; --moe: only these.
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
 programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
 (5 sources) at other warp counts, backward in one kernel and in two (k3.ops._attn_res_triton.NUM_WARPS,
 BWD_ONE_PASS), and its backward adding 4 blocks' gradients into their buffers (BlockGrads) against returning
 them for 4 separate adds (autograd's sums).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep]
+     [--gemv] [--gemv-sweep] [--moe]
 """
 import argparse
 import math
@@ -202,6 +204,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time the kernels' launch shapes and forms instead")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
+    ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
     ap.add_argument("--only", default="", help="comma list: only the training-shape rows whose op name contains "
                                                "one of these (the decode rows always run)")
     a = ap.parse_args()
@@ -215,6 +218,12 @@ def main():
         cols = ["op", "N", "K", "rows", "impl", "us", "floor_us", "GBps"]
         print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))
         return save("gemv_sweep" if a.gemv_sweep else "gemv", {"rows": gemv, "copy_TBps": bw / 1e12})
+    moe_cols = ["op", "rows", "impl", "us", "floor_us", "GBps", "rel_err"]
+    if a.moe:
+        moe = moe_expert_rows(bw)
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+        print(table(moe, moe_cols))
+        return save("moe_experts", {"rows": moe, "copy_TBps": bw / 1e12})
     rows = []
     wanted = [w for w in a.only.split(",") if w]
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():
@@ -235,8 +244,10 @@ def main():
     print(table(decode, ["op", "rows", "impl", "us", "floor_us"]))
     gemv = gemv_rows(bw)
     print(table(gemv, ["op", "N", "K", "rows", "impl", "us", "floor_us", "GBps", "per_step_us"]))
+    moe = moe_expert_rows(bw)
+    print(table(moe, moe_cols))
     save("kernels" + ("_quick" if a.quick else ""), {"rows": rows, "decode_rows": decode, "gemv_rows": gemv,
-                                                      "B": B, "T": T})
+                                                      "moe_rows": moe, "B": B, "T": T})
 
 
 def decode_rows(bw: float) -> list[dict]:
@@ -385,6 +396,70 @@ def gemv_sweep(bw: float) -> list[dict]:
     finally:
         _gemv_triton.LAUNCH.update(default)
     return out
+
+
+def moe_expert_rows(bw: float, batches=(8, 64)) -> list[dict]:
+    """`small`'s routed experts at decode (64 experts, top-8, latent 768, width 512, bf16; each token's 8
+    experts drawn at random, distinct): the expert-major kernel (k3::moe_expert_major, opt-in), the grouped path
+    LatentMoE.combine_experts takes past N·k = E/4 without it (sort, counts, permute, torch._grouped_mm ×3,
+    SiTU, unpermute, weighted sum) and the slot-major kernel (k3.ops._moe_decode_triton, one program a slot).
+    µs per call from a CUDA graph of calls over 2 copies of the expert stacks (2 × 151 MB: L2 cold); floor: the
+    chosen experts' weights, z and r over the copy bandwidth; rel_err: against the grouped path's answer."""
+    from types import SimpleNamespace
+
+    from k3.model.moe import Experts, LatentMoE
+    from k3.ops.moe_decode import force_expert_major, use_expert_major
+    from k3.ops.triton_dispatch import triton_module
+
+    E, k, L, I = 64, 8, 768, 512
+    stacks = []
+    for _ in range(2):
+        with torch.device("cuda"):
+            experts = Experts(E, L, I).bfloat16()
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=L ** -0.5)
+        stacks.append(SimpleNamespace(experts=experts, num_experts=E, qat=False, betas=(4.0, 25.0)))
+    slot_kernels = triton_module("_moe_decode_triton")
+    rows = []
+    for n in batches:
+        z = torch.randn(n, L, device="cuda", dtype=torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(n)])
+        w = torch.rand(n, k, device="cuda", dtype=torch.bfloat16)
+        nbytes = idx.unique().numel() * 3 * I * L * 2 + 2 * n * L * 2
+
+        def combine(s):
+            return LatentMoE.combine_experts(s, z, idx, w)
+
+        def slot_major(s):
+            e = s.experts
+            return slot_kernels.selected_experts_situ_mlp(z, idx, w.float(), e.w1, e.w3, e.w2, 4.0, 25.0)
+        impls = {"grouped (today)": (False, combine), "expert-major": (True, combine), "slot-major": (None, slot_major)}
+        want = None
+        for impl, (force, fn) in impls.items():
+            with torch.no_grad(), envs.override(triton_opt_in=envs.ALL), force_expert_major(force):
+                taken = use_expert_major(z, k, E, torch.bfloat16, needs_grad=False)
+                assert taken == (impl == "expert-major") or force is None, (impl, taken)
+                out = fn(stacks[0]).float()
+                want = out if want is None else want
+                us = _graphed_us(fn, stacks)
+            rows.append(dict(op="decode MoE experts (small)", rows=n, impl=impl, us=us, floor_us=nbytes / bw * 1e6,
+                             GBps=nbytes / us * 1e-3, rel_err=((out - want).norm() / want.norm()).item()))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def _graphed_us(fn, args: list) -> float:
+    """µs per call of fn(a), from one CUDA graph of fn over every a in args."""
+    for a in args:
+        fn(a)  # compile, workspaces
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a in args:
+            fn(a)
+    us = time_ms(graph.replay, warmup=2, reps=10) / len(args) * 1e3
+    del graph
+    return us
 
 
 if __name__ == "__main__":
