@@ -43,16 +43,20 @@ def test_fused_mix_matches_reference(n, B, T, D, dtype):
         assert err < tol, f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("kernel,one_pass", [("rows", True), ("tiles", True), ("tiles", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_mix_backward_with_several_tiles_per_program(monkeypatch, dtype, one_pass):
-    """Backward's programs stride over the row tiles, each keeping its q partial per row slot: with 3 programs
-    over 2·37 rows of 16-row tiles (the last one short) every program walks several tiles, and du, dw match,
-    with ∂L/∂a formed in the same kernel (one pass) or by the kernel before it."""
+def test_fused_mix_backward_with_several_rows_per_program(monkeypatch, dtype, kernel, one_pass):
+    """Backward's programs stride over the rows, each keeping one q partial: with 3 programs over 2·37 rows
+    (the rows kernel: a row a step, the last program one row short; the tiles kernel: 16-row tiles, the last
+    one short) every program walks several steps, and du, dw and the sources' gradients match, for the rows
+    kernel and the tiles kernel it replaced (∂L/∂a formed in the same kernel, one pass, or by the kernel before
+    it)."""
     from k3.ops import _attn_res_triton
 
+    monkeypatch.setattr(_attn_res_triton, "BWD_KERNEL", kernel)
+    monkeypatch.setattr(_attn_res_triton, "_programs", lambda device: 3)
     monkeypatch.setattr(_attn_res_triton, "_MAX_PROGRAMS", 3)
-    monkeypatch.setattr(_attn_res_triton, "BWD_ONE_PASS", one_pass)  # and both forms of the backward
+    monkeypatch.setattr(_attn_res_triton, "BWD_ONE_PASS", one_pass)
     gen = torch.Generator().manual_seed(7)
     n, B, T, D = 3, 2, 37, 96
     sources = [(torch.randn(B, T, D, generator=gen) * (i + 1)).to(DEVICE, dtype) for i in range(n)]
@@ -63,6 +67,31 @@ def test_fused_mix_backward_with_several_tiles_per_program(monkeypatch, dtype, o
     for name, a, b in zip(["out", "du", "dw"] + [f"d_source{i}" for i in range(n)], got, want):
         err = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-6)
         assert err < tol, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("mask", [0b00, 0b01, 0b10, 0b11])
+def test_backward_adds_into_the_buffers_it_is_given(mask):
+    """mix_backward's `into`: where bit i of mask is set, source i's gradient is added to an addend (source 0:
+    the buffer itself, in place, as a block's sum over its mixes; source 1: a separate addend, as a residual
+    add's gradient), else it overwrites the buffer's (garbage) contents; at 5 rows over D 1000, odd both."""
+    from k3.ops import _attn_res_triton
+
+    gen = torch.Generator().manual_seed(11)
+    n, R, D = 2, 5, 1000
+    sources = tuple((torch.randn(R, D, generator=gen) * (i + 1)).to(DEVICE) for i in range(n))
+    u, w = (torch.rand(D, generator=gen) + 0.5).to(DEVICE), (torch.randn(1, D, generator=gen) * 0.5).to(DEVICE)
+    grad = torch.randn(R, D, generator=gen).to(DEVICE)
+    _, scores, lse = _attn_res_triton.mix_forward(u, w, 1e-5, sources)
+    du0, dw0, fresh = _attn_res_triton.mix_backward(grad, u, w, 1e-5, sources, scores, lse)
+    prior = [torch.randn(R, D, generator=gen).to(DEVICE) for _ in range(n)]
+    bufs = [prior[0].clone(), torch.full((R, D), float("nan"), device=DEVICE)]
+    into = [(bufs[0], bufs[0] if mask & 1 else None), (bufs[1], prior[1] if mask & 2 else None)]
+    du, dw, got = _attn_res_triton.mix_backward(grad, u, w, 1e-5, sources, scores, lse, into=into)
+    assert got[0] is bufs[0] and got[1] is bufs[1]
+    for i in range(n):
+        want = fresh[i] + prior[i] if mask >> i & 1 else fresh[i]
+        torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(du, du0) and torch.equal(dw, dw0)
 
 
 def test_dispatch_switches():

@@ -4,9 +4,14 @@ The mix `out = Σ_i softmax_i(r_i ⟨v_i, u⊙w⟩) · v_i`, r_i = rsqrt(mean(v_
 in the forward: the softmax is taken online over the sources (running max, running sum, running weighted sum
 in fp32 registers), so nothing of size [n, rows, D] is ever stacked or converted. The sources arrive as a tuple
 of tensors, so the n separate [B, T, D] blocks need no copy; each n compiles its own kernel.
-Backward is one kernel: per row tile it forms ∂L/∂a_i = ⟨g, v_i⟩ from every source, then (reading the same tiles
-again, from cache) every source's gradient and the per-program partial sums for ∂L/∂u and ∂L/∂w (BWD_ONE_PASS;
-else a first kernel forms ∂L/∂a over all rows and the second reads the sources again). Formulas:
+Backward is one kernel (_mix_bwd_kernel): a persistent grid of programs, each taking one row a step, issues every
+load of the row at once (∂L/∂out, the sources, the addends), forms ∂L/∂a_i = ⟨g, v_i⟩ and Σ v_i² in one
+reduction per source, then every source's gradient, with one q partial (for ∂L/∂u, ∂L/∂w) per program summed
+after it in a fixed order. Its bytes floor is ∂L/∂out once plus, per source, one read, one write and the addend
+read: (1 + 3n) · rows · D · 2 bytes in bf16 (1.16 GB, ~260 µs at 4.5 TB/s, for `small`'s average mix of 3.5
+sources at 8 × 4096 tokens). The kernel before it (_mix_bwd_tiles_kernel, 583 µs there on an H200) took 2-row
+tiles with each source re-read per use and its addend loaded after the previous source's store: 255 registers
+and spills on sm_90, two programs an SM, one load in flight at a time in its second half. Formulas:
 k3.model.attn_res. The forward kernel also serves inference's mix with the residual add before it and the norm
 after it (k3.ops._attn_res_norm_triton).
 """
@@ -72,8 +77,66 @@ def _mix_bwd_da_kernel(srcs, g_ptr, da_ptr, R, D,
         tl.store(da_ptr + i * R + rows, tl.sum(g * v, axis=1), mask=row_ok)
 
 
+@triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
 @triton.jit(do_not_specialize=["accumulate"])
-def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog, iters,
+def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q_ptr, R, D, eps, iters, accumulate,
+                    N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Every source's gradient and the q partials, one row a step: program p takes rows p, p + P, p + 2P, ...
+    (P programs, each holding one fp32 q partial in registers: P partials, summed by the caller in a fixed
+    order). A step issues every load of its row at once (∂L/∂out, each source, each addend: nothing is
+    stored before them, so an addend that is the gradient's own buffer is read first) and keeps them in
+    registers through both halves: the per-source sums (⟨g, v_i⟩ and Σ v_i², one reduction each source),
+    then the gradients. accumulate: as in _mix_bwd_tiles_kernel."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    q = tl.zeros([BLOCK_D], tl.float32)
+    it = 0
+    while it < iters:  # (a while: the interpreter cannot range over a run-time 1)
+        row = pid + it * nprog
+        row_ok = row < R
+        mask = col_ok & row_ok
+        offs = row.to(tl.int64) * D + cols
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
+        vs = ()
+        adds = ()
+        for i in tl.static_range(N):
+            vs = vs + (tl.load(srcs[i] + offs, mask=mask, other=0.0),)
+        for i in tl.static_range(N):
+            adds = adds + (tl.load(addends[i] + offs, mask=mask & ((accumulate >> i) & 1 != 0), other=0.0),)
+        das = ()
+        coefs = ()
+        for i in tl.static_range(N):
+            v = vs[i].to(tl.float32)
+            da, sq = tl.reduce((g * v, v * v), 0, _add_pairs)
+            s = tl.load(scores_ptr + i * R + row, mask=row_ok, other=0.0)
+            a = tl.exp(s - lse)
+            r = tl.rsqrt(sq / D + eps)
+            das = das + (da,)
+            coefs = coefs + ((a, r, s),)
+        t = coefs[0][0] * das[0]  # Σ_j a_j ∂L/∂a_j
+        for i in tl.static_range(1, N):
+            t += coefs[i][0] * das[i]
+        uw = tl.load(uw_ptr + cols, mask=col_ok, other=0.0)  # read per row (from cache): registers are short
+        for i in tl.static_range(N):
+            a, r, s = coefs[i]
+            v = vs[i].to(tl.float32)
+            coef = a * (das[i] - t) * r
+            dv = a * g + coef * uw - (coef * s * r / D) * v + adds[i].to(tl.float32)
+            tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
+            q += coef * v
+        it += 1
+    tl.store(q_ptr + pid * D + cols, q, mask=col_ok)
+
+
+@triton.jit(do_not_specialize=["accumulate"])
+def _mix_bwd_tiles_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog, iters,
                     accumulate, N: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr):
     """Every source's gradient and the q partials. ONE_PASS: ∂L/∂a_i = ⟨g, v_i⟩ formed here, per tile (each
@@ -124,12 +187,24 @@ def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, da
     tl.store(q_ptr + pid * D + cols, tl.sum(q, axis=0), mask=col_ok)
 
 
-_MAX_PROGRAMS = 1024  # backward's grid: programs striding over the row tiles, one q partial each
-# Backward in one kernel (∂L/∂a per tile, sources re-read from cache) instead of a ∂L/∂a pass over every source
-# first; a name, so that benchmarks/bench_gpu_kernels.py --sweep can time both on a GPU.
+_MAX_PROGRAMS = 1024  # the tiles kernel's grid: programs striding over the row tiles, one q partial each
+# Backward: "rows" (_mix_bwd_kernel, the default) or "tiles" (_mix_bwd_tiles_kernel, the kernel before session 13,
+# kept until the two are timed side by side on a GPU: benchmarks/bench_gpu_kernels.py --sweep)
+BWD_KERNEL = "rows"
+# The tiles kernel in one pass (∂L/∂a per tile, sources re-read from cache) instead of a ∂L/∂a pass first
 BWD_ONE_PASS = True
-# warps per program of the forward and the backward (4: Triton's default, what they were first timed at)
+# warps per program of the forward and the backward (4: Triton's default; the rows kernel at 4 warps holds a
+# row of five sources and their addends in 249 registers a thread, no spills, on sm_90)
 NUM_WARPS = dict(fwd=4, bwd=4)
+# The rows kernel's programs per SM: each runs to the end (a persistent grid), so all of them should be resident
+# at once (sm_90, bf16, D 1536: 2 at five sources, 3 at two, by registers)
+BWD_PROGRAMS_PER_SM = 2
+
+
+def _programs(device: torch.device) -> int:
+    """The rows kernel's grid: fixed per device, so a device's q partials always sum in the same order."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return sms * BWD_PROGRAMS_PER_SM
 
 
 def _blocks(D: int) -> tuple[int, int]:
@@ -162,13 +237,30 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
     R = sources[0].numel() // D
     g = grad_out.contiguous()
     uw = u.float() * w.reshape(-1).float()
-    block_r, block_d = _blocks(D)
-    one_pass = BWD_ONE_PASS
-    da = scores if one_pass else torch.empty_like(scores)
     into = into or [None] * len(sources)
     grads = tuple(torch.empty_like(s) if dest is None else dest[0] for s, dest in zip(sources, into))
     addends = tuple(dest[1] if dest is not None and dest[1] is not None else grad for dest, grad in zip(into, grads))
     accumulate = sum(1 << i for i, dest in enumerate(into) if dest is not None and dest[1] is not None)
+    if BWD_KERNEL == "tiles":
+        q = _tiles_backward(g, uw, eps, sources, scores, lse, grads, addends, accumulate)
+    else:
+        progs = min(R, _programs(g.device))
+        q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
+        with on_device(g):
+            _mix_bwd_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse, q, R, D, eps,
+                                      triton.cdiv(R, progs), accumulate, N=len(sources),
+                                      BLOCK_D=triton.next_power_of_2(D), num_warps=NUM_WARPS["bwd"])
+    q = q.sum(0)  # the second stage of q's sum: the programs' partials in a fixed order (no atomics)
+    return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads
+
+
+def _tiles_backward(g, uw, eps, sources, scores, lse, grads, addends, accumulate):
+    """The q partials of _mix_bwd_tiles_kernel (after _mix_bwd_da_kernel unless BWD_ONE_PASS)."""
+    D = sources[0].shape[-1]
+    R = sources[0].numel() // D
+    block_r, block_d = _blocks(D)
+    one_pass = BWD_ONE_PASS
+    da = scores if one_pass else torch.empty_like(scores)
     tiles = triton.cdiv(R, block_r)
     progs = min(tiles, _MAX_PROGRAMS)
     q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
@@ -176,9 +268,8 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
         if not one_pass:
             _mix_bwd_da_kernel[(tiles,)](tuple(sources), g, da, R, D, N=len(sources), BLOCK_R=block_r,
                                          BLOCK_D=block_d)
-        _mix_bwd_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse, da, q, R, D, eps, progs,
-                                  triton.cdiv(tiles, progs), accumulate,
-                                  N=len(sources), ONE_PASS=one_pass, BLOCK_R=block_r, BLOCK_D=block_d,
-                                  num_warps=NUM_WARPS["bwd"])
-    q = q.sum(0)
-    return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads
+        _mix_bwd_tiles_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse, da, q, R, D, eps, progs,
+                                        triton.cdiv(tiles, progs), accumulate,
+                                        N=len(sources), ONE_PASS=one_pass, BLOCK_R=block_r, BLOCK_D=block_d,
+                                        num_warps=NUM_WARPS["bwd"])
+    return q
