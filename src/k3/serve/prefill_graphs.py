@@ -119,6 +119,7 @@ class PrefillGraph:
         """Record the pieces of the loaded shape (nothing runs: the cores are skipped, the pool is not written).
         The caller has run the same bucket eagerly first (autotuning and workspaces happen outside capture)."""
         device, self.mempool = self.device, mempool
+        torch.cuda.synchronize(device)  # as torch.cuda.graph does: nothing queued while the allocator turns to the pool
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         self.pieces, self.breaks, self.capturing = [torch.cuda.CUDAGraph()], [], True
