@@ -1,9 +1,9 @@
 """Registers and spills of the expert-major decode MoE kernels (k3.ops._moe_expert_major_triton) compiled for
 sm_90 without a GPU (Triton's own ptxas, as benchmarks/sass_gemv.py does): at `small`'s widths (latent 768,
-expert width 512, 64 experts, top-8), bf16, the launch shapes of `LAUNCH`: registers a thread, spill bytes
-(STACK), the shared memory of the pipelined loop, the CTAs an SM those allow, the programs of the launch and
-the waves they make on 132 SMs (every expert's programs; an expert no slot chose ends after its scan), and the
-weight bytes each program reads a loop step.
+expert width 512, 64 experts, top-8), bf16, at batch 64 and 128 (16 and 32 slots a pass), the launch shapes of
+`LAUNCH`: registers a thread, spill bytes (STACK), the shared memory of the pipelined loop, the CTAs an SM those
+allow, the programs of the launch and the waves they make on 132 SMs (every expert's programs; an expert no slot
+chose ends after its scan), and the weight bytes each program reads a loop step.
 
 Run: python benchmarks/sass_moe_expert_major.py   (needs triton; no CUDA device)
 """
@@ -24,8 +24,14 @@ COMBINE = {"y_ptr": "*fp32", "idx_ptr": "*i64", "wt_ptr": "*fp32", "out_ptr": "*
 
 
 def main():
+    for batch in (64, 128):  # 16 slots a pass, then 32 (kernels.block_m)
+        launches(batch)
+
+
+def launches(batch: int):
     p = kernels.LAUNCH
-    common = dict(BLOCK_M=p["block_m"], SCAN=p["scan"], STAGES=p["stages"], DOT_IN_FP32=False)
+    bm = kernels.block_m(batch * TOP_K, E)
+    common = dict(BLOCK_M=bm, SCAN=p["scan"], STAGES=p["stages"], DOT_IN_FP32=False)
     launches = [
         ("gate+up", kernels._gate_up_kernel, GATE_UP,
          dict(TOP_K=TOP_K, I=I, L=L, BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=False, **common),
@@ -33,10 +39,10 @@ def main():
         ("down", kernels._down_kernel, DOWN,
          dict(I=I, L=L, BLOCK_L=p["down_block_l"], BLOCK_I=p["down_block_i"], **common),
          E * -(-L // p["down_block_l"]), p["down_block_l"] * p["down_block_i"] * 2),
-        ("combine (batch 64)", kernels._combine_kernel, COMBINE, dict(TOP_K=TOP_K, BLOCK=p["combine_block"]),
-         64 * -(-L // p["combine_block"]), 0),
+        ("combine", kernels._combine_kernel, COMBINE, dict(TOP_K=TOP_K, BLOCK=p["combine_block"]),
+         batch * -(-L // p["combine_block"]), 0),
     ]
-    print(f"small: E={E}, L={L}, I={I}, top-{TOP_K}, bf16; block_m={p['block_m']}, stages={p['stages']}, "
+    print(f"small: E={E}, L={L}, I={I}, top-{TOP_K}, bf16, batch {batch}: block_m={bm}, stages={p['stages']}, "
           f"warps={p['warps']}")
     print("| launch | REG | STACK | shared bytes | CTAs an SM | programs | waves | W bytes a step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -104,8 +104,10 @@ def test_other_ranks_slots_repeated_experts_and_ids_past_the_stack():
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_every_token_on_one_expert(k):
-    """33 tokens × k slots on expert 1 (k > 1: the same expert k times a token): 33·k rows in blocks of 16."""
+    """33 tokens × k slots on expert 1 of 8 (k > 1: the same expert k times a token): 33 rows in passes of 16,
+    and 99 in passes of 32 (more than 12 slots an expert on average)."""
     idx = torch.ones(33, k, dtype=torch.long)
+    assert kernels.block_m(33 * k, 8) == (16 if k == 1 else 32)
     z, _, wt, w1, w3, w2 = case(33, k, 8, 40, 72, seed=k, idx=idx)
     out, want = run(z, idx, wt, w1, w3, w2)
     assert rel_err(out, want) < 1e-5
@@ -132,8 +134,9 @@ def test_each_chosen_expert_tile_is_read_once_per_16_slots_and_no_other(monkeypa
     out, want = run(z, idx, wt, w1, w3, w2)
     assert rel_err(out, want) < 1e-5
     p = kernels.LAUNCH
+    assert kernels.block_m(idx.numel(), E) == 16
     counts = torch.bincount(idx.flatten(), minlength=E)
-    blocks = (-(-counts // p["block_m"])).sum().item()  # row blocks over the chosen experts
+    blocks = (-(-counts // 16)).sum().item()  # row blocks over the chosen experts
     assert counts[3] > 16 and blocks == (counts > 0).sum().item() + 1
     gate_up = 2 * -(-I // p["gate_up_block_i"]) * -(-L // p["gate_up_block_l"])
     down = -(-L // p["down_block_l"]) * -(-I // p["down_block_i"])

@@ -4,7 +4,7 @@ k3.ops.triton_dispatch; needs triton). The contract, reference and selector are 
 Past a few tokens the N·k (token, choice) slots land on most experts, so `k3.ops._moe_decode_triton`'s programs,
 one a slot, would read the same expert many times. Here each program owns one expert (and a block of its rows):
 it scans the [N, k] routing ids itself (N·k ≤ ~1024 ints, a few loads), gathers the slots routed to it,
-BLOCK_M at a time, and reads its weight tile once for all of them. No sort, histogram, offsets or permuted
+16 or 32 at a time, and reads its weight tile once for all of them. No sort, histogram, offsets or permuted
 copies (the grouped path's dozen kernels). Three launches a layer:
 1. gate+up: program (expert, block of I rows) → h[slot] = SiTU-GLU(W1_e z, W3_e z) for every slot routed to e;
 2. down: program (expert, block of L rows) → y[slot] = W2_e h[slot], fp32;
@@ -23,11 +23,18 @@ import triton.language as tl
 from k3.ops._situ_triton import _sigmoid, _tanh
 from k3.ops.triton_dispatch import on_device
 
-# Launch shapes (names so a sweep can time others). Untimed first guesses: block_m slots a step (tl.dot's
-# minimum), 64-row weight tiles (≥ 8 programs an expert at small's widths: 512 and 768 programs a launch),
-# scan: routing ids read a step of the scan (256 spills in gate+up for sm_90: benchmarks/sass_moe_expert_major.py).
-LAUNCH = dict(block_m=16, gate_up_block_i=64, gate_up_block_l=64, down_block_l=64, down_block_i=64, stages=3,
-              warps=4, scan=128, combine_block=256)
+# Launch shapes (names so a sweep can time others). Untimed first guesses: 64-row weight tiles (≥ 8 programs an
+# expert at small's widths: 512 and 768 programs a launch), scan: routing ids read a step of the scan (256 spills
+# in gate+up for sm_90: benchmarks/sass_moe_expert_major.py). The slots a pass: `block_m`.
+LAUNCH = dict(gate_up_block_i=64, gate_up_block_l=64, down_block_l=64, down_block_i=64, stages=3, warps=4,
+              scan=128, combine_block=256)
+
+
+def block_m(slots: int, experts: int) -> int:
+    """Slots an expert's programs take a pass over its weight tile: 16 (tl.dot's least), 32 once the experts
+    average more than 12 slots (N > 96 at top-8 of 64), where a second pass, whose tiles come from HBM again,
+    would be common. (32 at small's widths: 168 registers, no spills, 3 CTAs an SM.)"""
+    return 32 if slots > 12 * experts else 16
 
 
 @triton.jit
@@ -143,7 +150,7 @@ def expert_major_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Ten
     h = torch.empty(N * k, I, dtype=z.dtype, device=z.device)  # rounded as the reference rounds SiTU's output
     y = torch.empty(N * k, L, dtype=torch.float32, device=z.device)
     p = LAUNCH
-    common = dict(BLOCK_M=p["block_m"], SCAN=p["scan"], STAGES=p["stages"], DOT_IN_FP32=not z.is_cuda,
+    common = dict(BLOCK_M=block_m(N * k, E), SCAN=p["scan"], STAGES=p["stages"], DOT_IN_FP32=not z.is_cuda,
                   num_warps=p["warps"])
     with on_device(z):
         _gate_up_kernel[(E, triton.cdiv(I, p["gate_up_block_i"]))](
