@@ -15,11 +15,14 @@ memory rows × expert size): serve bf16, where `_grouped_mm` captures as it is."
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from k3.model import kda as kda_mixer, mla as mla_mixer
 from k3.model.cache import BatchCacheView
+
+_log = logging.getLogger(__name__)
 
 # Smallest bucket: below it the step's host work is small anyway, and every bucket is one more capture.
 MIN_BUCKET_TOKENS = 16
@@ -149,7 +152,8 @@ class PrefillGraph:
 
 class PrefillGraphs:
     """The engine's eager steps through piecewise graphs, one `PrefillGraph` per token bucket, captured on first
-    use after an eager pass of that step (capture=False: every step is that eager pass, pieces and breaks alike).
+    use after an eager pass of that step (capture=False: every step is that eager pass, pieces and breaks alike;
+    a bucket whose capture fails stays eager, with one warning).
     All buckets share one memory pool of their own (one step replays at a time; the decode graphs keep theirs,
     whose logits a split step still reads after this replay)."""
 
@@ -183,7 +187,11 @@ class PrefillGraphs:
             with torch.cuda.stream(side):
                 hidden = graph.forward()
             torch.cuda.current_stream(self.device).wait_stream(side)
-            graph.capture(self.mempool)
+            try:
+                graph.capture(self.mempool)
+            except Exception as e:  # the step has run; this bucket stays eager rather than fail the engine
+                _log.warning("prefill graphs: the %d-token bucket could not be captured (%s: %s); its steps run "
+                             "eagerly", tokens, type(e).__name__, e)
             return hidden
         finally:
             graph.layout.view = None  # the view holds the step's device tensors: not kept past the step
