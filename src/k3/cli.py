@@ -192,7 +192,7 @@ _VISION_FIXED = {"preset": "tiny", "optimizer": "adamw", "balance": "quantile"} 
 _VISION_REFUSED = {
     **dict.fromkeys(("resume", "save_every"), "it trains in one go and writes no checkpoints"),
     **dict.fromkeys(("nproc", "dp", "ep", "cp", "fsdp"), "it trains in one process"),
-    **dict.fromkeys(("qat", "activation_checkpointing"), "not implemented for the vision-language model"),
+    **dict.fromkeys(("qat", "activation_checkpointing", "compile"), "not implemented for the vision-language model"),
     **dict.fromkeys(("corpus", "data", "tokenizer", "seq_len", "grad_accum"),
                     "its data are synthetic scenes, one question per row, in the bundled tokenizer"),
     "preset": "it trains its own tiny vision-language model (--preset tiny)",
@@ -294,7 +294,8 @@ def cmd_train(a) -> int:
         "grad_accum": a.grad_accum, "lr": a.lr, "optimizer": a.optimizer, "balance": a.balance,
         "eval_every": a.eval_every, "save_every": a.save_every, "seed": a.seed, "resume": a.resume,
         "overwrite": a.overwrite, "device": a.device, "warmup_steps": a.warmup_steps, "qat": a.qat,
-        "dp": a.dp or 1, "ep": a.ep, "cp": a.cp, "fsdp": a.fsdp, "activation_checkpointing": a.activation_checkpointing})
+        "dp": a.dp or 1, "ep": a.ep, "cp": a.cp, "fsdp": a.fsdp, "activation_checkpointing": a.activation_checkpointing,
+        "compile": a.compile})
     from k3.config import K3Config
     K3Config.preset(cfg.preset)  # unknown preset: fail before loading data
     _check_train_memory(cfg)
@@ -822,6 +823,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--activation-checkpointing", action="store_true",
                    help="keep only each decoder layer's inputs and recompute the layer in backward "
                         "(far less activation memory, about one more forward of compute)")
+    t.add_argument("--compile", action="store_true",
+                   help="run the MLA, MoE and dense MLP layers' training forwards through torch.compile "
+                        "(one compile per layer kind at the first step)")
     t.add_argument("--nproc", type=_positive_int, default=1, help="processes to launch through torchrun")
     t.add_argument("--dp", type=_positive_int, default=None, help="data parallel size (default nproc / cp)")
     t.add_argument("--ep", type=_positive_int, default=1, help="expert parallel size (divides dp × cp and the experts)")

@@ -65,6 +65,7 @@ class TrainConfig:
     fsdp: bool = False  # FSDP2: shard the non-expert parameters (and their optimizer state) over all ranks
     qat: bool = False  # MXFP4 expert weights / MXFP8 expert activations fake-quantized (k3.ops.mx_experts)
     activation_checkpointing: bool = False  # keep each decoder layer's inputs only; recompute it in backward
+    compile: bool = False  # MLA, MoE and dense MLP training forwards through torch.compile (k3.train.compiled_regions)
 
     def __post_init__(self):
         if self.out is None:
@@ -86,6 +87,8 @@ class TrainConfig:
         need(self.balance in ("quantile", "sign", "none"), "balance", "one of quantile, sign, none")
         need(self.sample_tokens >= 0, "sample_tokens", "must be >= 0")
         need(not self.fsdp or self.dp * self.cp > 1, "fsdp", "needs more than one process (--nproc N, N > 1)")
+        need(not self.compile or self.ep == 1, "compile", "does not combine with --ep > 1 (expert parallelism "
+             "exchanges tokens between processes inside the MoE layer); leave one of them off")
         need(self.batch_size % self.dp == 0, "batch_size", f"must be divisible by --dp {self.dp} (rows split over ranks)")
 
 
@@ -179,6 +182,9 @@ class Trainer:
             self.dist = DistributedTraining(self.model, cfg.dp, cfg.ep, cfg.cp, cfg.seq_len, fsdp=cfg.fsdp)
             if not self.dist.is_main:
                 self.log = self.warn = lambda *a, **k: None
+        if cfg.compile:  # after FSDP2 wraps the modules: the compiled forwards run between its hooks
+            from k3.train.compiled_regions import compile_regions
+            compile_regions(self.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay)
         if self.dist:  # each replicated Muon matrix orthogonalised by one rank, not by all
             self.dist.spread_muon(self.optimizer)
@@ -403,7 +409,8 @@ class Trainer:
         self.log(f"k3 train: preset {cfg.preset} ({n_params / 1e6:.2f}M parameters), {self.device}, "
                  f"optimizer {cfg.optimizer}, balance {cfg.balance}, batch {cfg.batch_size}x{cfg.seq_len}"
                  f"x{cfg.grad_accum}, {cfg.max_steps} steps{', QAT (MXFP4/MXFP8 experts)' if cfg.qat else ''}"
-                 f"{', activation checkpointing' if cfg.activation_checkpointing else ''}, out {self.out}")
+                 f"{', activation checkpointing' if cfg.activation_checkpointing else ''}"
+                 f"{', compiled MLA/MoE/MLP regions' if cfg.compile else ''}, out {self.out}")
         metrics_f = open(self.out / "metrics.jsonl" if not self.dist or self.dist.is_main else os.devnull, "a")
         start = time.perf_counter()
         stopped_early = False

@@ -1,0 +1,76 @@
+"""Opt-in compiled regions of the training step (`TrainConfig.compile`, `k3 train --compile`).
+
+Compiled: every MLA mixer, LatentMoE (router, dispatch plan, expert GEMMs, slot-order sum, shared experts) and
+dense MLP, through one torch.compile'd function per kind that every layer of that kind shares: the function is the
+class's forward and the layer its first argument, so Dynamo guards on the layer's configuration, never on which
+layer it is (16 layers, three graphs). fullgraph=True: a graph break is an error, not a silent split. Inside a
+region k3's training Triton kernels step aside (`triton_dispatch.use_triton` is False while compiling) and inductor
+fuses their plain-PyTorch paths with the casts, gates and gathers around them; SDPA and `_grouped_mm` stay single
+calls, as do any custom ops (`use_triton_op`).
+
+Left eager: the KDA mixers (their short conv recomputes in backward through autograd.grad and fla's chunk_kda
+plans on the host: both break a graph) and the AttnRes mixes (their BlockGrads buffers are Python state per
+backward pass). Only training forwards take a region (module in training mode, gradients on, no decode cache or
+context-parallel layout): evaluation and generation stay eager, as do expert-parallel MoE layers, whose
+`combine_experts` exchanges tokens between processes (such a run is refused in TrainConfig.validate).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from k3.model.mla import MultiHeadLatentAttention
+from k3.model.mlp import SiTUMLP
+from k3.model.moe import LatentMoE
+
+# A kind compiles once with the shapes it first sees and, when they change, once more with dynamic shapes;
+# anything past that is a guard that should not exist (on a layer, say), so it raises instead of running eagerly.
+RECOMPILE_LIMIT = 2
+
+
+def compile_regions(model: nn.Module, backend="inductor", recompile_limit: int = RECOMPILE_LIMIT) -> list[nn.Module]:
+    """Route the training forwards of `model`'s MLA mixers, MoE layers and dense MLPs (a K3ForCausalLM, or anything
+    holding its decoder `model.layers`) through compiled functions, one per kind; returns the modules. backend:
+    torch.compile's (tests pass a recording one). Parameters, names and checkpoints are unchanged."""
+    layers = model.model.layers
+    compiled: dict[type, object] = {}
+    regions = []
+    for layer in layers:
+        for module in (layer.self_attn, getattr(layer, "block_sparse_moe", None), getattr(layer, "mlp", None)):
+            if not isinstance(module, (MultiHeadLatentAttention, LatentMoE, SiTUMLP)):
+                continue  # a KDA mixer, or the absent one of moe/mlp
+            if "combine_experts" in vars(module):
+                continue  # expert parallelism's exchange between processes (k3.parallel.expert_parallel)
+            if "forward" in vars(module):
+                raise ValueError(f"{type(module).__name__} of layer {layer.layer_idx} already has its own forward "
+                                 f"(compile_regions applied twice?)")
+            kind = _plain_class(module)
+            if kind not in compiled:
+                compiled[kind] = torch.compile(kind.forward, fullgraph=True, backend=backend)
+            module.forward = types.MethodType(_dispatch(kind.forward, compiled[kind], recompile_limit), module)
+            regions.append(module)
+    return regions
+
+
+def _plain_class(module: nn.Module) -> type:
+    """The model's own class of `module` (FSDP2's fully_shard swaps in a subclass of it)."""
+    return next(c for c in type(module).__mro__ if c in (MultiHeadLatentAttention, LatentMoE, SiTUMLP))
+
+
+def _dispatch(eager, compiled, recompile_limit: int):
+    """A forward that takes the compiled function in a training forward, the eager one otherwise."""
+    def forward(self, *args, **kwargs):
+        # (MLA's cache is its third argument; the MoE's and MLP's forwards take two at most)
+        if self.training and torch.is_grad_enabled() and kwargs.get("cache") is None and len(args) < 3:
+            with torch._dynamo.config.patch(recompile_limit=recompile_limit, fail_on_recompile_limit_hit=True):
+                return compiled(self, *args, **kwargs)
+        return eager(self, *args, **kwargs)
+    return forward
+
+
+def compiled_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` whose forward `compile_regions` replaced."""
+    return [m for m in model.modules() if "forward" in vars(m) and isinstance(m, (MultiHeadLatentAttention,
+                                                                                  LatentMoE, SiTUMLP))]

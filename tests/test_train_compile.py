@@ -1,0 +1,211 @@
+"""k3.train.compiled_regions (`k3 train --compile`): the training step with its MLA, MoE and dense MLP forwards
+compiled equals the eager step (loss, every gradient, the router scores the balancer reads), with activation
+checkpointing too; each kind is one fullgraph graph (a break is an error) that every layer of the kind reuses;
+recompiles stay bounded and one past the limit raises instead of quietly running eagerly.
+
+The graphs go through aot_eager (AOTAutograd's traced backward, no C compiler); one test runs inductor itself."""
+import copy
+import dataclasses
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+
+from random_model import randomize_trivial_parts
+
+from k3.config import K3Config
+from k3.model.decoder import K3ForCausalLM
+from k3.model.mla import MultiHeadLatentAttention
+from k3.model.mlp import SiTUMLP
+from k3.model.moe import LatentMoE
+from k3.train import compiled_regions
+from k3.train.compiled_regions import compile_regions
+from k3.train.optim import build_optimizer
+from k3.train.trainer import TrainConfig, Trainer
+
+KINDS = 3  # MLA mixer, LatentMoE, dense MLP
+
+
+class GraphLog:
+    """A torch.compile backend that counts the graphs it is given and the calls of each, then runs them through
+    aot_eager."""
+
+    def __init__(self):
+        self.graphs, self.calls = 0, 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        run = lookup_backend("aot_eager")(gm, example_inputs)
+
+        def counted(*args):
+            self.calls += 1
+            return run(*args)
+        return counted
+
+
+def make_model(seed: int = 0, layers: int | None = None) -> K3ForCausalLM:
+    config = K3Config.preset("tiny")
+    if layers is not None:  # MLA every fourth layer, as in K3
+        la = config.linear_attn_config
+        full = list(range(4, layers + 1, 4))
+        kda = [l for l in range(1, layers + 1) if l not in full]
+        config = config.replace(num_hidden_layers=layers, linear_attn_config=dict(
+            dataclasses.asdict(la), full_attn_layers=full, kda_layers=kda))
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(config)
+    model.reset_parameters(seed=seed)
+    randomize_trivial_parts(model, torch.Generator().manual_seed(seed + 1), bias_scale=0.01, norm_scale=0.1)
+    return model.train()
+
+
+def batch(B: int, T: int, seed: int, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    doc_ids = (torch.rand(B, T, generator=g) < 0.1).long().cumsum(1)  # packed documents: MLA's masks, KDA's splits
+    return {"input_ids": ids, "labels": ids.roll(-1, 1), "doc_ids": doc_ids}
+
+
+def run_step(model, b) -> tuple[float, list[torch.Tensor]]:
+    """Forward + backward: (loss, the router scores of every MoE layer)."""
+    loss = model(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"]).loss
+    loss.backward()
+    scores = [m.last_scores.clone() for m in model.modules() if isinstance(m, LatentMoE)]
+    return float(loss.detach()), scores
+
+
+def assert_same_gradients(got_model, want_model, bar: float) -> None:
+    """Every parameter's gradient equal to the reference's within fp32 reordering: elementwise to `bar` times the
+    gradient's largest entry, and in norm to `bar` of its norm."""
+    for (name, want), got in zip(want_model.named_parameters(), got_model.parameters()):
+        assert (got.grad is None) == (want.grad is None), name
+        if want.grad is None:  # (layer 0's first mix has no blocks to read: its weights get no gradient)
+            continue
+        scale = float(want.grad.abs().max())
+        assert scale > 0, name  # a gradient that vanished would compare equal for nothing
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=bar * scale, msg=lambda m: f"{name}: {m}")
+        assert float((got.grad - want.grad).norm()) <= bar * float(want.grad.norm()), name
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_compiled_steps_equal_eager_steps(checkpointing):
+    """Two steps at two sequence lengths (the second from the first one's updated weights, through the dynamic-shape
+    graphs)."""
+    eager = make_model()
+    compiled = copy.deepcopy(eager)
+    for m in (eager, compiled):
+        m.model.gradient_checkpointing = checkpointing
+    log = GraphLog()
+    regions = compile_regions(compiled, backend=log)
+    assert len(regions) == 8  # tiny: MLA at layers 3 and 5, MoE at 1..5, the dense MLP at 0
+    opt = build_optimizer(eager, "muon", lr=0.02, weight_decay=0.1)
+    vocab = eager.config.vocab_size
+    for step, T in enumerate((32, 48)):
+        b = batch(2, T, seed=step, vocab=vocab)
+        want_loss, want_scores = run_step(eager, b)
+        calls = log.calls
+        got_loss, got_scores = run_step(compiled, b)
+        # every region's forward ran its graph (recomputed once more in backward under checkpointing)
+        assert log.calls - calls == len(regions) * (2 if checkpointing else 1)
+        assert got_loss == pytest.approx(want_loss, rel=1e-6)
+        for got, want in zip(got_scores, want_scores):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert_same_gradients(compiled, eager, bar=2e-5)
+        # the next step from the same new weights (Adam's g/sqrt(v) turns a gradient's last-bit differences, where
+        # it is ~0, into lr-sized ones: two optimizers would compare the optimizer, not the step)
+        opt.step()
+        compiled.load_state_dict(eager.state_dict())
+        for m in (eager, compiled):
+            m.zero_grad(set_to_none=True)
+    assert log.graphs == 2 * KINDS  # per kind: the first shapes, then one dynamic-shape graph
+
+
+def test_one_graph_per_kind_serves_sixteen_layers_and_any_length():
+    model = make_model(layers=16)
+    log = GraphLog()
+    regions = compile_regions(model, backend=log)
+    assert {type(m) for m in regions} == {MultiHeadLatentAttention, LatentMoE, SiTUMLP}
+    for step, T in enumerate((16, 24, 40, 8)):
+        calls = log.calls
+        run_step(model, batch(2, T, seed=step, vocab=model.config.vocab_size))
+        model.zero_grad(set_to_none=True)
+        assert log.calls - calls == len(regions) == 4 + 15 + 1  # 4 MLA mixers, 15 MoE layers, 1 dense MLP
+    assert log.graphs == 2 * KINDS
+
+
+def test_a_recompile_past_the_limit_raises():
+    """A layer whose configuration differs from its kind's (here one MoE's routed scaling) needs a graph of its own;
+    at the limit that is an error, not a silent fall back to eager code."""
+    model = make_model()
+    compile_regions(model, backend=GraphLog(), recompile_limit=1)
+    b = batch(2, 16, seed=0, vocab=model.config.vocab_size)
+    run_step(model, b)  # the layers as built share their kind's graph: one compile each, within the limit
+    moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
+    moes[-1].scale = moes[-1].scale * 2
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        run_step(model, b)
+
+
+def test_evaluation_and_generation_stay_eager():
+    model = make_model()
+    log = GraphLog()
+    compile_regions(model, backend=log)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    model.eval()
+    with torch.no_grad():
+        model(ids)
+    model.generate(ids, max_new_tokens=3, temperature=0.0)
+    model.train()
+    with torch.no_grad():
+        model(ids)
+    assert log.graphs == 0 and log.calls == 0
+
+
+def test_regions_are_not_compiled_twice():
+    model = make_model()
+    compile_regions(model, backend=GraphLog())
+    with pytest.raises(ValueError, match="already has its own forward"):
+        compile_regions(model, backend=GraphLog())
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_inductor_step_equals_eager():
+    eager = make_model(seed=4)
+    compiled = copy.deepcopy(eager)
+    compile_regions(compiled)  # torch.compile's default backend
+    b = batch(2, 32, seed=4, vocab=eager.config.vocab_size)
+    want_loss, _ = run_step(eager, b)
+    got_loss, _ = run_step(compiled, b)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    assert_same_gradients(compiled, eager, bar=1e-4)
+
+
+def test_trainer_compile_switch(tmp_path, monkeypatch):
+    """TrainConfig(compile=True) trains through the regions (aot_eager here) with the eager run's losses."""
+    log = GraphLog()
+    monkeypatch.setattr(compiled_regions, "compile_regions",
+                        lambda model: compile_regions(model, backend=log))
+
+    def losses(out, compile):
+        cfg = TrainConfig(out=str(out), max_steps=2, batch_size=2, seq_len=32, warmup_steps=1, seed=5,
+                          compile=compile)
+        t = Trainer(cfg, log=lambda *a: None)
+        return [t.train_step()["loss"] for _ in range(2)]
+
+    want = losses(tmp_path / "eager", False)
+    assert log.graphs == 0
+    got = losses(tmp_path / "compiled", True)
+    assert log.graphs == KINDS and log.calls == 2 * 8
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_compile_with_expert_parallelism_is_refused():
+    with pytest.raises(ValueError, match=r"--compile=True: does not combine with --ep > 1"):
+        TrainConfig(compile=True, dp=2, ep=2).validate()
