@@ -205,3 +205,25 @@ def test_a_failed_capture_leaves_its_bucket_eager_and_the_outputs_right(model, m
     want, _, _ = drive(make(model, False), ARRIVALS)
     for a, b in zip(got, want):
         assert_same(a, b)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_step_through_the_pieces_reads_the_device_once(model, monkeypatch, split):
+    """The pieces add no wait for the device: the padded ids go up pinned and non-blocking, every core takes its
+    shapes from the host layout, so a step's one read is still read_back's (spied as in test_serve_host_syncs)."""
+    from collections import Counter
+
+    from test_serve_host_syncs import SyncSpy
+    eng = make(model, True, split_mixed_steps=split, max_batch_tokens=10)
+    for i in range(3):
+        eng.add_request(prompt(60 + i, 5 + 4 * i), SamplingParams(max_tokens=8, logprobs=1, **GREEDY))
+    runs = []
+    run = eng.runner.prefill_graphs.run
+    eng.runner.prefill_graphs.run = lambda view, ids: runs.append(len(ids)) or run(view, ids)
+    spy = SyncSpy(monkeypatch)
+    for step in range(10):
+        if step == 3:
+            eng.add_request(prompt(70, 17), SamplingParams(max_tokens=3, **GREEDY))
+        outs, waits = spy.step(eng)
+        assert waits == Counter({("serve/sampling.py", "read_back", "tolist"): bool(outs)}), (step, waits)
+    assert len(runs) >= 4, runs
