@@ -12,7 +12,11 @@ memory reached and the run goes on to the next shape.
 --off SWITCHES (repeatable): after the default row of each shape, one more row with those k3.envs switches set
 (a comma list of Switches fields, e.g. no_shared_input_grad,no_block_grad_buffer; a kernel list as
 no_triton:_sigmoid_gate_triton), in the same process, so a fast path's before and after are timed side by side.
-Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing] [--off ...]
+--compile: each shape's rows once more with the MLA, MoE and dense MLP forwards compiled (k3.train.compiled_regions,
+`k3 train --compile`), in the same process after the eager rows (which run the compiled functions eagerly:
+torch.compiler.set_stance("force_eager")); first_step_s is a compiled row's first step, compile included, from an
+empty Dynamo cache (reset per shape, so each shape gets its own static-shape graphs).
+Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing] [--compile] [--off ...]
 """
 import argparse
 import dataclasses
@@ -35,6 +39,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
+    ap.add_argument("--compile", action="store_true",
+                    help="a further row per shape with the MLA, MoE and dense MLP forwards compiled")
     ap.add_argument("--off", action="append", default=[], metavar="SWITCHES",
                     help="a further row per shape with these k3.envs switches set True (comma list of fields)")
     a = ap.parse_args()
@@ -53,13 +59,17 @@ def main():
         model = K3ForCausalLM(cfg).to(torch.bfloat16)
     model.train()
     model.model.gradient_checkpointing = a.activation_checkpointing
+    if a.compile:
+        from k3.train.compiled_regions import compile_regions
+        compile_regions(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     n_act = active_params(model, cfg)
     H, dqk, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
     n_mla = len(cfg.mla_layer_ids)
     rows = []
     shapes = [(8, 4096), (2, 16384)] if not a.quick else [(2, 512)]
-    for (B, T), off in ((shape, off) for shape in shapes for off in variants):
+    modes = (False, True) if a.compile else (False,)
+    for (B, T), compiled, off in ((shape, c, off) for shape in shapes for c in modes for off in variants):
         ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
 
         def step():
@@ -69,10 +79,17 @@ def main():
             opt.zero_grad(set_to_none=True)
         t0 = time.time()
         torch.cuda.reset_peak_memory_stats()
-        row = dict(preset=preset, ckpt=a.activation_checkpointing, off=",".join(off) or "-", B=B, T=T,
-                   active_params_M=n_act / 1e6)
+        row = dict(preset=preset, ckpt=a.activation_checkpointing, compiled=compiled, off=",".join(off) or "-", B=B,
+                   T=T, active_params_M=n_act / 1e6)
+        if compiled and not off:  # this shape's first compiled row: its graphs compile from scratch
+            torch._dynamo.reset()
         try:
-            with envs.override(**switches(off)):
+            with envs.override(**switches(off)), torch.compiler.set_stance("default" if compiled else "force_eager"):
+                if compiled:
+                    t1 = time.time()
+                    step()
+                    torch.cuda.synchronize()
+                    row.update(first_step_s=time.time() - t1)
                 ms = time_ms(step, warmup=2, reps=5)
         except torch.OutOfMemoryError as e:
             row.update(step_ms="OOM", error=str(e).splitlines()[0])
@@ -88,9 +105,10 @@ def main():
         opt.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
-    print(table(rows, ["preset", "ckpt", "off", "B", "T", "step_ms", "tokens_per_s", "TFLOPs", "MFU", "peak_GiB",
-                       "active_params_M"]))
-    save("train" + ("_quick" if a.quick else "") + ("_ckpt" if a.activation_checkpointing else ""), {"rows": rows})
+    print(table(rows, ["preset", "ckpt", "compiled", "off", "B", "T", "step_ms", "tokens_per_s", "TFLOPs", "MFU",
+                       "peak_GiB", "first_step_s", "active_params_M"]))
+    save("train" + ("_quick" if a.quick else "") + ("_ckpt" if a.activation_checkpointing else "")
+         + ("_compile" if a.compile else ""), {"rows": rows})
 
 
 def switches(names: tuple[str, ...]) -> dict:

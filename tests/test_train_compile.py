@@ -209,3 +209,38 @@ def test_trainer_compile_switch(tmp_path, monkeypatch):
 def test_compile_with_expert_parallelism_is_refused():
     with pytest.raises(ValueError, match=r"--compile=True: does not combine with --ep > 1"):
         TrainConfig(compile=True, dp=2, ep=2).validate()
+
+
+def fsdp_worker(rank, world, b):
+    """One FSDP2 rank (dp=2) of the float64 harness model with its regions compiled: (full gradients after one step
+    of the global batch, the compiled graphs' calls)."""
+    from parallel_harness import make_model as harness_model
+
+    from k3.parallel import ParallelDims, ParallelMesh
+    from k3.parallel.fsdp import full_gradients
+    from k3.parallel.parallelize import ParallelK3
+
+    model = harness_model(0).train()
+    runner = ParallelK3(model, ParallelMesh(ParallelDims(dp=world)), fsdp=True)
+    log = GraphLog()
+    compile_regions(model, backend=log)
+    runner(**b).loss.backward()
+    runner.sync_gradients()
+    grads = {n: g.detach().clone() for n, g in full_gradients(model).items()}
+    return {"grads": grads, "calls": log.calls, "sharded": any(hasattr(p, "full_tensor") for p in model.parameters())}
+
+
+def test_compiled_regions_under_fsdp2_equal_one_eager_process(single_thread):
+    from parallel_harness import launch, make_model as harness_model
+
+    b = batch(4, 24, seed=7, vocab=harness_model(0).config.vocab_size)
+    results = launch(fsdp_worker, 2, b)
+    model = harness_model(0).train()
+    model(**b).loss.backward()
+    for res in results:
+        assert res["sharded"] and res["calls"] == 8  # FSDP2 was on, and every region ran compiled
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                assert name not in res["grads"], name
+                continue
+            torch.testing.assert_close(res["grads"][name], p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
