@@ -18,7 +18,7 @@ from k3.ops import _moe_expert_major_triton as kernels  # noqa: E402
 
 E, L, I, TOP_K = 64, 768, 512, 8  # small
 GATE_UP = {"z_ptr": "*bf16", "idx_ptr": "*i64", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "h_ptr": "*bf16", "S": "i32",
-           "beta_gate": "fp32", "beta_up": "fp32"}
+           "stride_z": "i32", "beta_gate": "fp32", "beta_up": "fp32"}
 DOWN = {"h_ptr": "*bf16", "idx_ptr": "*i64", "w2_ptr": "*bf16", "y_ptr": "*fp32", "S": "i32"}
 COMBINE = {"y_ptr": "*fp32", "idx_ptr": "*i64", "wt_ptr": "*fp32", "out_ptr": "*bf16", "E": "i32", "L": "i32"}
 

@@ -25,7 +25,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    a, b = a.cpu().double(), b.cpu().double()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def case(N, k, E, L, I, seed, idx=None):
@@ -66,6 +67,19 @@ def test_kernel_equals_the_reference(N, k, E, L, I):
     if DEVICE == "cuda":  # (the interpreter runs the programs one by one)
         again, _ = run(z, idx, wt, w1, w3, w2)
         assert torch.equal(out, again)  # no atomics: the same bits on every run
+
+
+def test_z_may_be_a_column_slice():
+    """z as LatentMoE hands it at decode: a slice of the fused input projection's output (rows strided), read in
+    place with the contiguous copy's answer."""
+    z, idx, wt, w1, w3, w2 = (t.to(DEVICE) for t in case(7, 3, 8, 40, 72, seed=4))
+    wide = torch.cat([torch.full_like(z, float("nan")), z, torch.full_like(z, float("nan"))], 1)[:, 40:80]
+    assert not wide.is_contiguous() and torch.equal(wide, z)
+    out = kernels.expert_major_situ_mlp(wide, idx, wt, w1, w3, w2, 4.0, 25.0)
+    assert torch.equal(out, kernels.expert_major_situ_mlp(z, idx, wt, w1, w3, w2, 4.0, 25.0))
+    want = selected_experts_situ_mlp_reference(z.cpu().double(), idx.cpu(), wt.cpu().double(), w1.cpu().double(),
+                                               w3.cpu().double(), w2.cpu().double())
+    assert rel_err(out.cpu(), want) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

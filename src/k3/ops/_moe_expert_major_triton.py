@@ -58,8 +58,9 @@ def _routed_slots(idx_ptr, S, e, base, BLOCK_M: tl.constexpr, SCAN: tl.constexpr
 
 @triton.jit
 def _dot(a, b, DOT_IN_FP32: tl.constexpr):
-    """a [M, K] @ b [K, N] in fp32. fp32 inputs exactly (ieee, not tf32); off the GPU 16-bit inputs as fp32: the
-    interpreter (triton 3.6) multiplies bf16 tiles as their raw bits. The products are exact either way."""
+    """a [M, K] @ b [K, N] with fp32 sums. DOT_IN_FP32 (fp32 weights; any off the GPU): the exact products of fp32
+    (ieee, not tf32), 16-bit tiles converted first, as the interpreter (triton 3.6) multiplies bf16 tiles as their
+    raw bits; else the tensor cores' 16-bit products, exact too."""
     if DOT_IN_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
@@ -67,7 +68,7 @@ def _dot(a, b, DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, beta_gate, beta_up, TOP_K: tl.constexpr,
+def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gate, beta_up, TOP_K: tl.constexpr,
                     I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                     BLOCK_L: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
                     DOT_IN_FP32: tl.constexpr):
@@ -78,7 +79,7 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, beta_gate, beta_up
     base = 0
     while base < count:  # no slot: nothing read (an empty expert's programs end here)
         ok = slots >= 0
-        x_rows = z_ptr + (tl.where(ok, slots, 0) // TOP_K).to(tl.int64)[:, None] * L
+        x_rows = z_ptr + (tl.where(ok, slots, 0) // TOP_K).to(tl.int64)[:, None] * stride_z
         acc_g = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
         for l0 in tl.range(0, L, BLOCK_L, num_stages=STAGES):
@@ -145,16 +146,18 @@ def expert_major_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Ten
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
     if N * k == 0:
         return out.zero_()
-    z, idx, weights = z.contiguous(), idx.contiguous(), weights.contiguous()
+    if z.stride(1) != 1:  # (rows may be strided: z is a slice of the MoE's fused input projection)
+        z = z.contiguous()
+    idx, weights = idx.contiguous(), weights.contiguous()
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
     h = torch.empty(N * k, I, dtype=z.dtype, device=z.device)  # rounded as the reference rounds SiTU's output
     y = torch.empty(N * k, L, dtype=torch.float32, device=z.device)
     p = LAUNCH
-    common = dict(BLOCK_M=block_m(N * k, E), SCAN=p["scan"], STAGES=p["stages"], DOT_IN_FP32=not z.is_cuda,
-                  num_warps=p["warps"])
+    common = dict(BLOCK_M=block_m(N * k, E), SCAN=p["scan"], STAGES=p["stages"],
+                  DOT_IN_FP32=not z.is_cuda or z.dtype == torch.float32, num_warps=p["warps"])
     with on_device(z):
         _gate_up_kernel[(E, triton.cdiv(I, p["gate_up_block_i"]))](
-            z, idx, w1, w3, h, N * k, float(beta_gate), float(beta_up), TOP_K=k, I=I, L=L,
+            z, idx, w1, w3, h, N * k, z.stride(0), float(beta_gate), float(beta_up), TOP_K=k, I=I, L=L,
             BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=z.dtype == torch.float32, **common)
         _down_kernel[(E, triton.cdiv(L, p["down_block_l"]))](
             h, idx, w2, y, N * k, I=I, L=L, BLOCK_L=p["down_block_l"], BLOCK_I=p["down_block_i"], **common)
