@@ -244,3 +244,11 @@ def test_compiled_regions_under_fsdp2_equal_one_eager_process(single_thread):
                 assert name not in res["grads"], name
                 continue
             torch.testing.assert_close(res["grads"][name], p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+def test_cli_refuses_compile_with_expert_parallelism_before_launching(capsys):
+    from k3.cli import main
+
+    assert main(["train", "--nproc", "2", "--ep", "2", "--compile", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("k3 train: error: --compile does not combine with --ep > 1"), err

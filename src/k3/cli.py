@@ -162,6 +162,9 @@ def _launch_torchrun(a) -> int | None:
                                                  seq_len=a.seq_len)
     if a.batch_size % dp:
         raise CLIError(f"--batch-size {a.batch_size} must be divisible by --dp {dp} (rows split over ranks)")
+    if a.compile and a.ep > 1:  # (TrainConfig.validate says the same; here before any process starts)
+        raise CLIError("--compile does not combine with --ep > 1 (expert parallelism exchanges tokens between "
+                       "processes inside the MoE layer); leave one of them off")
     a.dp = dp
     if inside:
         return None
