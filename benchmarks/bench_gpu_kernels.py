@@ -26,14 +26,15 @@ L2 cold (50 MB on an H200) as decode finds it; floor: the weight's bytes (and x,
 bandwidth; per_step_us: µs × the count of such calls in one decode step. --gemv: only these rows;
 --gemv-sweep: the kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at two of them.
 Decode's routed experts ("moe" rows, `moe_expert_rows`: small's 64 experts, top-8, at 8 and 64 tokens, bf16): the
-expert-major kernel against the grouped path k3 takes there today and the slot-major kernel; --moe: only these.
+expert-major kernel against the grouped path k3 takes there today and the slot-major kernel; --moe: only these;
+--moe-sweep: the expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) instead.
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
 programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
 (5 sources) at other warp counts, backward in one kernel and in two (k3.ops._attn_res_triton.NUM_WARPS,
 BWD_ONE_PASS), and its backward adding 4 blocks' gradients into their buffers (BlockGrads) against returning
 them for 4 separate adds (autograd's sums).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep] [--moe]
+     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep]
 """
 import argparse
 import math
@@ -205,6 +206,7 @@ def main():
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
+    ap.add_argument("--moe-sweep", action="store_true", help="the expert-major kernel's launch shapes instead")
     ap.add_argument("--only", default="", help="comma list: only the training-shape rows whose op name contains "
                                                "one of these (the decode rows always run)")
     a = ap.parse_args()
@@ -219,11 +221,11 @@ def main():
         print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))
         return save("gemv_sweep" if a.gemv_sweep else "gemv", {"rows": gemv, "copy_TBps": bw / 1e12})
     moe_cols = ["op", "rows", "impl", "us", "floor_us", "GBps", "rel_err"]
-    if a.moe:
-        moe = moe_expert_rows(bw)
+    if a.moe or a.moe_sweep:
+        moe = moe_expert_sweep(bw) if a.moe_sweep else moe_expert_rows(bw)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-        print(table(moe, moe_cols))
-        return save("moe_experts", {"rows": moe, "copy_TBps": bw / 1e12})
+        print(table(moe, moe_cols + (["launch"] if a.moe_sweep else [])))
+        return save("moe_sweep" if a.moe_sweep else "moe_experts", {"rows": moe, "copy_TBps": bw / 1e12})
     rows = []
     wanted = [w for w in a.only.split(",") if w]
     for op, (module, fn, inputs, params, nbytes) in cases(B, T).items():
@@ -398,7 +400,7 @@ def gemv_sweep(bw: float) -> list[dict]:
     return out
 
 
-def moe_expert_rows(bw: float, batches=(8, 64)) -> list[dict]:
+def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "expert-major", "slot-major")) -> list[dict]:
     """`small`'s routed experts at decode (64 experts, top-8, latent 768, width 512, bf16; each token's 8
     experts drawn at random, distinct): the expert-major kernel (k3::moe_expert_major, opt-in), the grouped path
     LatentMoE.combine_experts takes past N·k = E/4 without it (sort, counts, permute, torch._grouped_mm ×3,
@@ -433,19 +435,37 @@ def moe_expert_rows(bw: float, batches=(8, 64)) -> list[dict]:
         def slot_major(s):
             e = s.experts
             return slot_kernels.selected_experts_situ_mlp(z, idx, w.float(), e.w1, e.w3, e.w2, 4.0, 25.0)
-        impls = {"grouped (today)": (False, combine), "expert-major": (True, combine), "slot-major": (None, slot_major)}
-        want = None
-        for impl, (force, fn) in impls.items():
+        ways = {"grouped (today)": (False, combine), "expert-major": (True, combine), "slot-major": (None, slot_major)}
+        with torch.no_grad(), force_expert_major(False):
+            want = combine(stacks[0]).float()  # rel_err's reference: the grouped path
+        for impl in impls:
+            force, fn = ways[impl]
             with torch.no_grad(), envs.override(triton_opt_in=envs.ALL), force_expert_major(force):
                 taken = use_expert_major(z, k, E, torch.bfloat16, needs_grad=False)
                 assert taken == (impl == "expert-major") or force is None, (impl, taken)
                 out = fn(stacks[0]).float()
-                want = out if want is None else want
                 us = _graphed_us(fn, stacks)
             rows.append(dict(op="decode MoE experts (small)", rows=n, impl=impl, us=us, floor_us=nbytes / bw * 1e6,
                              GBps=nbytes / us * 1e-3, rel_err=((out - want).norm() / want.norm()).item()))
             print(rows[-1], flush=True)
     return rows
+
+
+def moe_expert_sweep(bw: float) -> list[dict]:
+    """The expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) at 8 and 64 tokens."""
+    from k3.ops import _moe_expert_major_triton as kernels  # (needs triton)
+    default, out = dict(kernels.LAUNCH), []
+    variants = [{}, dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
+                dict(down_block_l=32), dict(down_block_l=128), dict(down_block_i=128), dict(stages=2),
+                dict(stages=4), dict(warps=8), dict(scan=64)]
+    try:
+        for change in variants:
+            kernels.LAUNCH.update(default, **change)
+            for row in moe_expert_rows(bw, impls=("expert-major",)):
+                out.append(dict(row, launch=",".join(f"{k}={v}" for k, v in change.items()) or "default"))
+    finally:
+        kernels.LAUNCH.update(default)
+    return out
 
 
 def _graphed_us(fn, args: list) -> float:
