@@ -5,7 +5,7 @@ Past a few tokens the N·k (token, choice) slots land on most experts, so `k3.op
 one a slot, would read the same expert many times. Here each program owns one expert (and a block of its rows):
 it scans the [N, k] routing ids itself (N·k ≤ ~1024 ints, a few loads), gathers the slots routed to it,
 16 or 32 at a time, and reads its weight tile once for all of them. No sort, histogram, offsets or permuted
-copies (the grouped path's dozen kernels). Three launches a layer:
+copies (the grouped path's ~25 kernels a layer at batch 64). Three launches a layer:
 1. gate+up: program (expert, block of I rows) → h[slot] = SiTU-GLU(W1_e z, W3_e z) for every slot routed to e;
 2. down: program (expert, block of L rows) → y[slot] = W2_e h[slot], fp32;
 3. combine: program (token, block of L) → Σ_j weight_j · y[token·k + j] in the order j = 0..k-1.
