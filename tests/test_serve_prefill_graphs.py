@@ -227,3 +227,29 @@ def test_a_step_through_the_pieces_reads_the_device_once(model, monkeypatch, spl
         outs, waits = spy.step(eng)
         assert waits == Counter({("serve/sampling.py", "read_back", "tolist"): bool(outs)}), (step, waits)
     assert len(runs) >= 4, runs
+
+
+@pytest.mark.parametrize("pieces", [False, True])
+def test_each_kda_layer_gathers_its_state_once_a_step(model, monkeypatch, pieces):
+    """A KDA layer's short convs and its core both read the sequences' state rows (the view keeps the first
+    read until the layer writes back): one gather of the pool's state per KDA layer in an eager step (a prefill
+    step and a mixed one, plain and through the pieces)."""
+    eng = make(model, pieces, decode_graphs=False, prefix_caching=False)  # (no checkpoint copies: they gather too)
+    states = {t.data_ptr() for t in eng.pool.state.values()}
+    gathers = []
+    getitem = torch.Tensor.__getitem__
+
+    def counted(self, index):
+        if isinstance(index, torch.Tensor) and self.data_ptr() in states:
+            gathers.append(index.numel())
+        return getitem(self, index)
+    monkeypatch.setattr(torch.Tensor, "__getitem__", counted)
+    kda_layers = sum(not model.config.is_mla(l) for l in range(model.config.num_hidden_layers))
+    eng.add_request(prompt(80, 9), SamplingParams(max_tokens=4, **GREEDY))
+    for step in range(3):  # the prefill, then decodes beside a new prompt's chunk
+        if step == 1:
+            eng.add_request(prompt(81, 7), SamplingParams(max_tokens=2, **GREEDY))
+        gathers.clear()
+        with torch.inference_mode():
+            eng.step()
+        assert len(gathers) == kda_layers, (step, gathers)

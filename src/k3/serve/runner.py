@@ -50,10 +50,21 @@ class PagedBatchView(BatchCacheView):
         self.block_tables = tables_t.view(len(seqs), width)
 
     def kda_state(self, layer_idx: int) -> KDAState:
+        # a layer's short convs and its core both read it: gathered once, until the layer writes its state back
+        kept = self._kda_read.get(layer_idx)
+        if kept is not None:
+            return kept
         conv = self.pool.conv[layer_idx][self.slots]  # [S, 3, W−1, C]
-        return KDAState(self.pool.state[layer_idx][self.slots], conv[:, 0], conv[:, 1], conv[:, 2])
+        st = KDAState(self.pool.state[layer_idx][self.slots], conv[:, 0], conv[:, 1], conv[:, 2])
+        self._kda_read[layer_idx] = st
+        return st
+
+    def forget_shared(self) -> None:
+        super().forget_shared()
+        self._kda_read = {}
 
     def set_kda_state(self, layer_idx: int, st: KDAState) -> None:
+        self._kda_read.pop(layer_idx, None)
         self.pool.state[layer_idx][self.slots] = st.state.to(torch.float32)
         self.pool.conv[layer_idx][self.slots] = torch.stack([st.conv_q, st.conv_k, st.conv_v], 1).to(torch.float32)
 
@@ -112,6 +123,7 @@ class DecodeGraphView(PagedBatchView):
             self.copied.record()
         if ids is not None:
             self.ids[:len(seqs)].copy_(ids)
+        self._kda_read = {}  # (a forward cut short by an error may have left a layer's read)
 
 
 class DecodeGraphs:
