@@ -35,6 +35,8 @@ def compile_regions(model: nn.Module, backend="inductor", recompile_limit: int =
     holding its decoder `model.layers`) through compiled functions, one per kind; returns the modules. backend:
     torch.compile's (tests pass a recording one). Parameters, names and checkpoints are unchanged."""
     layers = model.model.layers
+    if backend == "inductor" and model.lm_head.weight.device.type == "cpu":
+        _check_cpu_compiler()
     compiled: dict[type, object] = {}
     regions = []
     for layer in layers:
@@ -52,6 +54,20 @@ def compile_regions(model: nn.Module, backend="inductor", recompile_limit: int =
             module.forward = types.MethodType(_dispatch(kind.forward, compiled[kind], recompile_limit), module)
             regions.append(module)
     return regions
+
+
+def _check_cpu_compiler() -> None:
+    """Inductor builds CPU kernels with a C++ compiler: without one, say so now rather than at the first step."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # (a private helper: where it moved, inductor reports a missing compiler itself)
+        return
+    try:
+        get_cpp_compiler()
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--compile on the CPU needs a C++ compiler for inductor's kernels (g++, or $CXX): "
+                         f"{reason}") from None
 
 
 def _plain_class(module: nn.Module) -> type:
