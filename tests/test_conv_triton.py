@@ -91,6 +91,26 @@ def test_triton_short_conv_with_silu_matches_silu_after_the_reference(seed, B, T
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("W", [4, 3])
+@pytest.mark.parametrize("kernel,chunk,unroll,block_c", [("rows", 8, 3, 16), ("rows", 5, 4, 32), ("tiles", 0, 0, 0)])
+def test_backward_kernels_at_short_chunks_match_float64(monkeypatch, kernel, chunk, unroll, block_c, W):
+    """The rows backward with chunks of 8 or 5 rows (every chunk's ends meet documents, the tail and the new
+    tail's rows; UNROLL not dividing a chunk's steps; channel blocks past C) and the tiles backward it replaced:
+    x, weight and tail gradients of fp32 inputs against the float64 reference (SiLU on, both outputs' gradients)."""
+    monkeypatch.setattr(_conv_triton, "BWD_KERNEL", kernel)
+    if kernel == "rows":
+        monkeypatch.setattr(_conv_triton, "BWD_CHUNK_T", chunk)
+        monkeypatch.setattr(_conv_triton, "BWD_UNROLL", unroll)
+        monkeypatch.setattr(_conv_triton, "BWD_BLOCK_C", block_c)
+    x, w, tail, doc, dy, dtail = conv_case(31 + W, 2, 37, 40, W, torch.float32, True, True)
+    got = run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail, silu=True)
+    as64 = lambda t: t.double()  # noqa: E731
+    want = run(short_conv_reference, *map(as64, (x, w, tail)), doc, *map(as64, (dy, dtail)), silu=True)
+    for name, a, b in zip(("y", "new_tail", "grad_x", "grad_weight", "grad_tail"), got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * (74 ** 0.5 if name == "grad_weight" else 1),
+                                   msg=lambda m: f"{name}: {m}")
+
+
 def test_widths_past_max_taps_take_the_torch_path(monkeypatch):
     """The kernels keep one accumulator per tap up to MAX_TAPS: a wider conv dispatches to the torch path
     (same results), a width within it to the kernels."""

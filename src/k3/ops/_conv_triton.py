@@ -2,8 +2,13 @@
 
 Same contract and math as `k3.ops.conv.short_conv_reference`: xp = [tail; x] in fp32, y[t] = Σ_j w[j] · xp[t + j],
 a tap j of token t used only where the (−1 left-padded) document id of row t − (W−1) + j equals token t's.
-One pass over x (forward) and over x and dy (backward) in [BLOCK_T, BLOCK_C] tiles; the W − 1 halo rows are
-re-read per tap (shifted loads that hit cache) instead of building the fp32 padded copy the torch path needs.
+Forward: one pass over x in [BLOCK_T, BLOCK_C] tiles; the W − 1 halo rows are re-read per tap (shifted loads
+that hit cache) instead of building the fp32 padded copy the torch path needs. Backward (short_conv_bwd_kernel):
+one walk down each chunk of rows, every element of x, dy and the kept pre-activation loaded once, each thread
+holding its channels' last W rows in registers, so its bytes floor is those three reads and dx's write (4 · B·T·C
+· 2 bytes in bf16: 403 MB, ~90 µs at 4.5 TB/s for `small`'s [8, 4096, 1536]). The tiles backward before it
+(short_conv_bwd_tiles_kernel, 430 µs there on an H200) re-read dy and y per tap and took SiLU' of each row W
+times, in 255 registers a thread (two programs an SM).
 With `silu=True` the SiLU that KDA applies after the conv runs in the same kernels: forward stores SiLU(y) and
 keeps the pre-activation y (what a separate SiLU would keep); backward turns dy into dy · SiLU'(y) as it loads
 it, so neither pass makes an extra trip over the activations.
@@ -15,14 +20,21 @@ from torch.autograd.function import once_differentiable
 
 from k3.ops.triton_dispatch import on_device
 
-# Sized by ptxas on sm_90 (bf16, C % 16 == 0): no spills; ~100 registers forward, 160 backward at 4 warps
-# (219 with a tail and its gradient; measured before backward kept one accumulator per tap, MAX_TAPS · 16 fp32
-# registers per thread, which it held before as one [taps, rows, cols] block of the same size).
 _FWD_BLOCK_T = 32
+# The tiles backward (short_conv_bwd_tiles_kernel, before session 13): [16, 128] tiles, 8 a program
 _BWD_BLOCK_T = 16
-_BWD_TILES = 8  # tiles of _BWD_BLOCK_T rows per backward program: fewer fp32 grad_weight partials to sum
+_BWD_TILES = 8
 _MAX_BLOCK_C = 128
 _NUM_WARPS = 4
+# Backward: "rows" (short_conv_bwd_kernel, the default) or "tiles" (kept until the two are timed side by side on a
+# GPU: benchmarks/bench_gpu_kernels.py --sweep)
+BWD_KERNEL = "rows"
+# The rows backward: CHUNK_T rows of BLOCK_C channels a program (one warp: 4 channels a thread), UNROLL rows'
+# loads issued together; W − 1 rows of x and dz re-read at each chunk's two ends (from L2)
+BWD_CHUNK_T = 64
+BWD_BLOCK_C = 128
+BWD_UNROLL = 4
+BWD_NUM_WARPS = 1
 MAX_TAPS = 4  # backward keeps one fp32 weight-gradient accumulator per tap in registers; wider: the torch path
 
 
@@ -125,7 +137,7 @@ def _add_tap(acc0, acc1, acc2, acc3, p, j: tl.constexpr):
 
 
 @triton.jit
-def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt_ptr, gx_ptr, gw_part_ptr,
+def short_conv_bwd_tiles_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt_ptr, gx_ptr, gw_part_ptr,
                           gtail_ptr, T, C,
                           W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, WIDE: tl.constexpr,
                           SILU: tl.constexpr, HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr,
@@ -203,6 +215,142 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
                      mask=(r < W - 1)[:, None] & c_ok[None, :])
 
 
+@triton.jit
+def _slot(a0, a1, a2, a3, k: tl.constexpr):
+    """Slot k of a window of MAX_TAPS rows held as four values (k known at compile time: no select)."""
+    if k == 0:
+        v = a0
+    elif k == 1:
+        v = a1
+    elif k == 2:
+        v = a2
+    else:
+        v = a3
+    return v
+
+
+@triton.jit
+def _tap_vector(w_ptr, offs_c, C, W: tl.constexpr, j: tl.constexpr):
+    """Tap j's weights over the channels (zeros for j >= W)."""
+    return tl.load(w_ptr + offs_c * W + j, mask=(offs_c < C) & (j < W), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt_ptr, gx_ptr, gw_part_ptr,
+                          gtail_ptr, T, C,
+                          W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, SILU: tl.constexpr,
+                          HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr, NEED_GX: tl.constexpr,
+                          NEED_GW: tl.constexpr, NEED_GTAIL: tl.constexpr, CHUNK_T: tl.constexpr,
+                          BLOCK_C: tl.constexpr, UNROLL: tl.constexpr):
+    """One pass down rows t0 − (W−1) .. t0 + CHUNK_T + W − 2 of one batch row for BLOCK_C channels, a row at a
+    time, each thread keeping its channels' last MAX_TAPS rows of xp and of dz (the gradient at the conv's
+    output: dy, times SiLU'(y) when SILU) in registers: each element of x, dy and y is loaded and SiLU' taken
+    once. At row t: the weight gradient's products dz[t] · xp[t − (W−1) + j] (t in the chunk) and the input
+    gradient of row u = t − (W−1), Σ_j w[j] · dz[t − j] (stored for u in the chunk; for u < 0, the tail rows,
+    by program 0). UNROLL rows' loads are issued together. Partial weight gradients per (batch, chunk) into
+    gw_part. W <= MAX_TAPS."""
+    pid_t = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    b = tl.program_id(2).to(tl.int64)
+    TC = T.to(tl.int64) * C
+    x_b, gy_b, ypre_b, gx_b = x_ptr + b * TC, gy_ptr + b * TC, ypre_ptr + b * TC, gx_ptr + b * TC
+    tail_b, gnt_b, gtail_b = tail_ptr + b * (W - 1) * C, gnt_ptr + b * (W - 1) * C, gtail_ptr + b * (W - 1) * C
+    doc_b = doc_ptr + b * T
+    t0 = pid_t * CHUNK_T
+    w0 = _tap_vector(w_ptr, offs_c, C, W, 0)
+    w1 = _tap_vector(w_ptr, offs_c, C, W, 1)
+    w2 = _tap_vector(w_ptr, offs_c, C, W, 2)
+    w3 = _tap_vector(w_ptr, offs_c, C, W, 3)
+    zero = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # windows: slot k holds row t − 3 + k (x: xp rows; dz; document ids, −1 outside the row as the reference pads)
+    x0, x1, x2, x3 = zero, zero, zero, zero
+    d0, d1, d2, d3 = zero, zero, zero, zero
+    if HAS_DOC:
+        none = tl.full([], -1, doc_ptr.dtype.element_ty)
+        id0, id1, id2, id3 = none, none, none, none
+    g0, g1, g2, g3 = zero, zero, zero, zero  # the weight gradient's sums per tap
+    first = t0 - (W - 1)
+    for step in range(0, CHUNK_T + 2 * (W - 1), UNROLL):
+        xs = ()
+        gys = ()
+        ys = ()
+        ids = ()
+        for k in tl.static_range(UNROLL):  # every load of the UNROLL rows first
+            t = first + step + k
+            row = t.to(tl.int64) * C + offs_c
+            x_ok = c_ok & (t >= 0) & (t < T) & (t < t0 + CHUNK_T)  # xp rows past the chunk: no tap needs them
+            xv = tl.load(x_b + row, mask=x_ok, other=0.0)
+            if HAS_TAIL:
+                xv = xv.to(tl.float32) + tl.load(tail_b + (t + W - 1) * C + offs_c, mask=c_ok & (t < 0) & (t >= 1 - W),
+                                                 other=0.0).to(tl.float32)
+            xs = xs + (xv,)
+            # dz rows before the chunk, or W − 1 and more past it: no output row of the chunk reads them
+            dz_ok = c_ok & (t >= t0) & (t < T) & (t < t0 + CHUNK_T + W - 1)
+            if HAS_GY:
+                gys = gys + (tl.load(gy_b + row, mask=dz_ok, other=0.0),)
+                if SILU:
+                    ys = ys + (tl.load(ypre_b + row, mask=dz_ok, other=0.0),)
+            if HAS_DOC:
+                ids = ids + (tl.load(doc_b + t, mask=(t >= 0) & (t < T), other=-1),)
+        for k in tl.static_range(UNROLL):
+            t = first + step + k
+            dz = zero
+            if HAS_GY:
+                dz = gys[k].to(tl.float32)
+                if SILU:
+                    z = ys[k].to(tl.float32)
+                    sig = tl.sigmoid(z)
+                    dz = dz * (sig * (1.0 + z * (1.0 - sig)))
+            x0, x1, x2, x3 = x1, x2, x3, xs[k].to(tl.float32)
+            d0, d1, d2, d3 = d1, d2, d3, dz
+            if HAS_DOC:
+                id0, id1, id2, id3 = id1, id2, id3, ids[k]
+            if NEED_GW:  # row t's products, for t in the chunk (dz is zero before it)
+                gz = tl.where(t < t0 + CHUNK_T, d3, 0.0)
+                for j in tl.static_range(W):
+                    xj = _slot(x0, x1, x2, x3, 4 - W + j)
+                    if HAS_DOC:
+                        xj = tl.where(_slot(id0, id1, id2, id3, 4 - W + j) == id3, xj, 0.0)
+                    if j == 0:
+                        g0 += gz * xj
+                    elif j == 1:
+                        g1 += gz * xj
+                    elif j == 2:
+                        g2 += gz * xj
+                    else:
+                        g3 += gz * xj
+            u = t - (W - 1)  # the row whose input gradient is complete: its readers are rows u .. t
+            if NEED_GX or NEED_GTAIL:
+                gx = zero
+                if HAS_GY:
+                    for j in tl.static_range(W):  # token t − j reads row u through tap j
+                        dj = _slot(d0, d1, d2, d3, 3 - j)
+                        if HAS_DOC:
+                            dj = tl.where(_slot(id0, id1, id2, id3, 4 - W) == _slot(id0, id1, id2, id3, 3 - j),
+                                          dj, 0.0)
+                        gx += dj * _slot(w0, w1, w2, w3, j)
+                if HAS_GNT:  # xp rows T − (W−1) .. T − 1 are the new tail's rows
+                    r = u - (T - (W - 1))
+                    gx += tl.load(gnt_b + r * C + offs_c, mask=c_ok & (r >= 0) & (r < W - 1) & (u >= 1 - W),
+                                  other=0.0).to(tl.float32)
+                if NEED_GX:
+                    tl.store(gx_b + u.to(tl.int64) * C + offs_c, gx.to(gx_ptr.dtype.element_ty),
+                             mask=c_ok & (u >= t0) & (u < t0 + CHUNK_T) & (u < T))
+                if NEED_GTAIL:
+                    tl.store(gtail_b + (u + W - 1) * C + offs_c, gx.to(gtail_ptr.dtype.element_ty),
+                             mask=c_ok & (pid_t == 0) & (u < 0) & (u >= 1 - W))
+    if NEED_GW:
+        part = gw_part_ptr + (b * tl.num_programs(0) + pid_t) * W * C + offs_c
+        tl.store(part, g0, mask=c_ok)
+        if W > 1:
+            tl.store(part + C, g1, mask=c_ok)
+        if W > 2:
+            tl.store(part + 2 * C, g2, mask=c_ok)
+        if W > 3:
+            tl.store(part + 3 * C, g3, mask=c_ok)
+
+
 _WIDE_FROM = 2 ** 31  # T · C from which in-row offsets need int64 (a name, so that tests can lower it)
 
 
@@ -262,24 +410,43 @@ class ShortConvTriton(torch.autograd.Function):
         gnt = None if grad_new_tail is None else grad_new_tail.contiguous()
         gx = torch.empty_like(x) if need_x else None
         gtail = torch.empty_like(tail) if need_tail else None
-        BLOCK_C = _block_c(C)
-        tiles = min(_BWD_TILES, triton.cdiv(T, _BWD_BLOCK_T))
-        n_t = triton.cdiv(T, _BWD_BLOCK_T * tiles)
-        gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32) if need_w else None
-        grid = (n_t, triton.cdiv(C, BLOCK_C), B)
         with on_device(x):
-            short_conv_bwd_kernel[grid](
-                x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
-                x if gy is None else gy, x if ypre is None else ypre, x if gnt is None else gnt,
-                x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
-                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C), SILU=ctx.silu,
-                HAS_GY=gy is not None, HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w,
-                NEED_GTAIL=need_tail, BLOCK_T=_BWD_BLOCK_T, BLOCK_C=BLOCK_C, TILES=tiles,
-                TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
+            if BWD_KERNEL == "tiles":
+                gw_part = _tiles_backward(x, weight, tail, doc_ids, gy, ypre, gnt, gx, gtail, ctx.silu, need_w)
+            else:
+                n_t = triton.cdiv(T, BWD_CHUNK_T)
+                gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32) if need_w else None
+                short_conv_bwd_kernel[(n_t, triton.cdiv(C, BWD_BLOCK_C), B)](
+                    x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
+                    x if gy is None else gy, x if ypre is None else ypre, x if gnt is None else gnt,
+                    x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
+                    W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, SILU=ctx.silu,
+                    HAS_GY=gy is not None, HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w,
+                    NEED_GTAIL=need_tail, CHUNK_T=BWD_CHUNK_T, BLOCK_C=BWD_BLOCK_C, UNROLL=BWD_UNROLL,
+                    num_warps=BWD_NUM_WARPS)
         gw = None
-        if need_w:
+        if need_w:  # the second stage of the weight gradient's sum: every chunk's partial, in a fixed order
             gw = gw_part.sum((0, 1)).t().unsqueeze(1).to(weight.dtype)  # [W, C] -> [C, 1, W]
         return gx, gw, gtail, None, None
+
+
+def _tiles_backward(x, weight, tail, doc_ids, gy, ypre, gnt, gx, gtail, silu, need_w):
+    """short_conv_bwd_tiles_kernel's launch (the backward before session 13); returns gw_part."""
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    BLOCK_C = _block_c(C)
+    tiles = min(_BWD_TILES, triton.cdiv(T, _BWD_BLOCK_T))
+    n_t = triton.cdiv(T, _BWD_BLOCK_T * tiles)
+    gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32) if need_w else None
+    short_conv_bwd_tiles_kernel[(n_t, triton.cdiv(C, BLOCK_C), B)](
+        x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
+        x if gy is None else gy, x if ypre is None else ypre, x if gnt is None else gnt,
+        x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
+        W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C), SILU=silu,
+        HAS_GY=gy is not None, HAS_GNT=gnt is not None, NEED_GX=gx is not None, NEED_GW=need_w,
+        NEED_GTAIL=gtail is not None, BLOCK_T=_BWD_BLOCK_T, BLOCK_C=BLOCK_C, TILES=tiles,
+        TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
+    return gw_part
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
