@@ -166,7 +166,7 @@ def test_no_slots_gives_an_empty_sum():
 
 def test_selector_bounds_and_switches():
     """Taken past the slot kernel's bound (N·k > E/4) up to EXPERT_MAJOR_MAX_SLOTS, at inference, weights in z's
-    dtype; on CPU tensors only when forced; on CUDA only once K3_TRITON names it (opt-in until timed)."""
+    dtype; on CPU tensors only when forced; on CUDA by default (timed on an H200), off where K3_NO_TRITON names it."""
     z = torch.zeros(8, 16)
     with force_expert_major(True):
         assert use_expert_major(z, 8, 64, torch.float32, needs_grad=False)  # 64 slots > 16
@@ -180,9 +180,9 @@ def test_selector_bounds_and_switches():
     assert not use_expert_major(z, 8, 64, torch.float32, needs_grad=False)  # CPU, not forced
     if DEVICE == "cuda":
         zc = z.cuda()
-        with envs.override(triton_opt_in=[]):
+        with envs.override(no_triton=["_moe_expert_major_triton"]):
             assert not use_expert_major(zc, 8, 64, torch.float32, needs_grad=False)
-        with envs.override(triton_opt_in=["_moe_expert_major_triton"]):
+        with envs.override(triton_opt_in=[]):  # no longer in triton_dispatch.OPT_IN
             assert use_expert_major(zc, 8, 64, torch.float32, needs_grad=False)
             with force_expert_major(False):
                 assert not use_expert_major(zc, 8, 64, torch.float32, needs_grad=False)

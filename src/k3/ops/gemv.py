@@ -3,7 +3,7 @@
 At batch 1..16 a decode step's linears are matrix-vector products that only have to read W once; cuBLAS reaches
 about a quarter of an H200's bandwidth on them (benchmarks/RESULTS.md, "Decode, issue 21"). `linear` is the one
 entry: with no gradient, at most MAX_ROWS rows, plain CUDA tensors of one float dtype, and the kernel switched
-on (k3.ops.triton_dispatch: `_gemv_triton`, opt-in until timed, K3_TRITON), it runs k3.ops._gemv_triton's
+on (k3.ops.triton_dispatch: `_gemv_triton`, opt-in: on an H200 it wins only on the narrow linears, K3_TRITON), it runs k3.ops._gemv_triton's
 kernel (the custom op `k3::decode_gemv`, so a torch.compile'd decode step keeps it); otherwise the plain
 `linear_reference`. `DecodeLinear` is an nn.Linear whose forward is `linear` (and may take the residual add
 that follows it at its call site); FusedLinears' stacked projections call `linear` themselves.

@@ -3,8 +3,8 @@ over the cached tokens, from the absorbed queries to the context (SPEC §3.3; W_
 
 Eagerly this is ~18 small kernels a layer and step (the cache write's arange, index_copy_s and length sums, the
 two score products and their sum, the mask's aranges and compare, scale, masked_fill, softmax, the context
-product). On CUDA it is one Triton kernel (k3.ops._mla_static_decode_triton), opt-in until timed on a GPU
-(K3_TRITON=_mla_static_decode_triton; k3.ops.triton_dispatch.OPT_IN), chosen inside torch.compile too, where it
+product). On CUDA it is one Triton kernel (k3.ops._mla_static_decode_triton; on by default since timed on an
+H200 in session 13), chosen inside torch.compile too, where it
 is the custom op k3::mla_static_decode. `static_decode_attention_reference` is the same step in plain PyTorch
 and never dispatches.
 

@@ -7,7 +7,8 @@ device: the definition). On CUDA, k3's Triton kernels do the same reading the we
 - slot by slot (`k3.ops._moe_decode_triton`, two launches: gate and up with SiTU-GLU in the epilogue, then down
   with the routing weights' sum over the k choices), while N·k rows touch few experts (`use_selected_experts`);
 - expert by expert past that, up to N·k = EXPERT_MAJOR_MAX_SLOTS (`k3.ops._moe_expert_major_triton`, three
-  launches through the custom op k3::moe_expert_major; opt-in until timed): each expert's programs find the
+  launches through the custom op k3::moe_expert_major; on an H200 a `small` layer's experts take 65.6 µs at 64
+  tokens against the grouped path's 148): each expert's programs find the
   slots routed to it and read its weights once for all of them (`use_expert_major`).
 `force_expert_major(True)` takes the expert-major kernel on CPU tensors too (tests, under TRITON_INTERPRET=1).
 """

@@ -23,12 +23,12 @@ from k3 import ops as ops_package  # (this module's package: its kernel modules 
 
 
 # Kernels that pass their tests but are not yet shown faster on a GPU run only where K3_TRITON names them.
-# _gemv_triton and _mla_static_decode_triton (decode's linears, MLA's StaticCache attention): interpreter-tested,
-# untimed alone. Decode's router, mix + norm and KDA step left this list in session 12 (H200: CUDA tests passed,
-# a graphed small decode step 15% faster at batch 1 and 8; benchmarks/RESULTS.md). _moe_expert_major_triton
-# (decode's routed experts at batch 8-128, expert by expert): interpreter-tested, untimed.
-OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton", "_mla_static_decode_triton",
-                    "_moe_expert_major_triton"})
+# _gemv_triton (decode's linears): CUDA tests pass, but on an H200 (session 13) it beat cuBLAS only on the narrow
+# linears and lost on the wide ones (lm_head, the dense MLP) and at 8 rows: a graphed small decode step 2.04 -> 2.01
+# ms at batch 1, 3.44 -> 3.78 at batch 8. Decode's router, mix + norm and KDA step left this list in session 12, MLA's
+# StaticCache decode and the expert-major routed experts in session 13 (H200: CUDA tests passed; graphed small decode
+# 3.44 -> 2.60 ms at batch 8 and 5.63 -> 4.28 at batch 64 with both; benchmarks/RESULTS.md).
+OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton"})
 
 
 _modules: dict[str, ModuleType | None] = {}
