@@ -124,10 +124,13 @@ def kda_args(lens, H=2, K=8, requires_grad=False):
 
 
 def test_lean_path_is_taken_only_when_switched_on_without_gradients_or_compile(monkeypatch):
+    assert envs.parse({}).fla_lean and envs.parse({"K3_FLA_LEAN": "1"}).fla_lean  # on by default
+    assert not envs.parse({"K3_FLA_LEAN": "0"}).fla_lean
     fake = FakeFla(monkeypatch, "0.6.0")
     args, kw = kda_args([1, 65, 7])
     with torch.inference_mode():
-        kda_fla.fla_kda_gated(*args, **kw)  # switched off: fla's public entry
+        with envs.override(fla_lean=False):
+            kda_fla.fla_kda_gated(*args, **kw)  # switched off: fla's public entry
         assert fake.public == ["chunk_kda"] and not fake.stages
         with envs.override(fla_lean=True):
             for _ in range(3):  # three layers of one step
@@ -218,7 +221,8 @@ def test_lean_chunk_equals_fla_public_chunk_kda_on_cuda(lens, with_state):
     kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu,
               cu_seqlens_cpu=None if cu is None else cu.cpu(), recurrent=False)
     with torch.inference_mode():
-        o_pub, s_pub = kda_fla.fla_kda_gated(q, k, v, f, beta, A_log, dt_bias, -5.0, **kw)
+        with envs.override(fla_lean=False):
+            o_pub, s_pub = kda_fla.fla_kda_gated(q, k, v, f, beta, A_log, dt_bias, -5.0, **kw)
         with envs.override(fla_lean=True):
             o_lean, s_lean = kda_fla.fla_kda_gated(q, k, v, f, beta, A_log, dt_bias, -5.0, **kw)
             assert kda_fla._lean()
@@ -240,7 +244,8 @@ def test_lean_gated_norm_equals_fla_public_on_cuda():
     gate = wide[..., :512].view(1, 300, 4, 128)  # a strided view, as the fused projection hands it
     w = torch.rand(128, generator=gen, device="cuda") + 0.5
     with torch.inference_mode():
-        ref = kda_fla.fla_output_gate(o, gate, w, 1e-6)
+        with envs.override(fla_lean=False):
+            ref = kda_fla.fla_output_gate(o, gate, w, 1e-6)
         with envs.override(fla_lean=True):
             lean = kda_fla.fla_output_gate(o, gate, w, 1e-6)
     assert lean.shape == ref.shape and lean.dtype == ref.dtype

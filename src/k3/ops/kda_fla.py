@@ -14,7 +14,7 @@ Three entry points:
 - `fla_kda_gated`: the K3 layer's whole inner op with the gate, the q/k L2 norm and the beta sigmoid computed
   in the kernel (`use_gate_in_kernel`, `lower_bound`, `safe_gate`, `use_qk_l2norm_in_kernel`,
   `use_beta_sigmoid_in_kernel`), i.e. SPEC §3.2's g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)).
-  Without gradients and with K3_FLA_LEAN=1, its chunked form (and `fla_output_gate`) take k3.ops.kda_fla_lean:
+  Without gradients (and unless K3_FLA_LEAN=0), its chunked form (and `fla_output_gate`) take k3.ops.kda_fla_lean:
   the same kernels without the training entry's per-call host work.
 """
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _pin_choices(x: torch.Tensor) -> None:
 
 
 def _lean() -> bool:
-    """Whether inference takes k3.ops.kda_fla_lean: switched on (K3_FLA_LEAN=1), fla of the series it calls, and
+    """Whether inference takes k3.ops.kda_fla_lean: not switched off (K3_FLA_LEAN=0), fla of the series it calls, and
     not inside torch.compile (fla's public entries keep their stages out of the graph; the lean calls do not)."""
     if not envs.current().fla_lean or torch.compiler.is_compiling():
         return False
@@ -227,7 +227,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
                                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
                                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                        lower_bound=float(lower_bound), state_v_first=False, cu_seqlens=cu)
-    elif not needs_grad and _lean():  # inference: the lean entry (K3_FLA_LEAN=1), same kernels
+    elif not needs_grad and _lean():  # inference: the lean entry (unless K3_FLA_LEAN=0), same kernels
         from k3.ops import kda_fla_lean
 
         plan = None if cu is None else kda_fla_lean.chunk_plan(cu, cu_cpu)

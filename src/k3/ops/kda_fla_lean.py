@@ -1,5 +1,5 @@
 """Inference entries to fla's forward internals: the chunked KDA prefill and KDA's gated output norm without the
-per-call host work of fla's training entries (opt-in: K3_FLA_LEAN=1, see k3.envs).
+per-call host work of fla's training entries (on by default; K3_FLA_LEAN=0 turns it off, see k3.envs).
 
 fla's public `chunk_kda` serves training: per call it passes every argument through an input guard (a
 `.contiguous()` each), an autocast decorator, a backend dispatcher at each of its stages (sorting the backends and
