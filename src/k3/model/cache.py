@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.ops.varlen_attention import VarlenSegments
+
 
 def kda_local_heads(config, tp: int = 1) -> int:
     """KDA heads one rank holds under tensor parallelism of size tp (k3.parallel.tensor_parallel): its state
@@ -167,7 +169,7 @@ class BatchCacheView:
     The step's layout is known on the host when the view is built (`set_layout`), so the mixers never read a
     device value back (each read waits for every kernel queued so far and stops the host running ahead).
     Sequences split into decodes (T_s = 1: one recurrent step, batched absorbed attention) and prefill chunks
-    (T_s > 1: chunked KDA, SDPA per chunk). Layout attributes, host lists for shapes and loops, device
+    (T_s > 1: chunked KDA, one packed varlen attention). Layout attributes, host lists for shapes and loops, device
     tensors (built once per step) for gathers:
     - `kv_lens` [S] kv_len_s; `cu_host` [S+1] each sequence's slice of the flat row; `kv_len`, `cu_seqlens`:
       the same on the device.
@@ -178,7 +180,8 @@ class BatchCacheView:
       `prefill_cu_seqlens_cpu` the same on the host: fla plans its chunks from it instead of reading the device
       copy back, and it is one object for the whole step, so fla's per-tensor cache plans once, not per layer;
       `prefill_span`: (rows, tokens) as two slices when the prefill rows are consecutive (their tokens are then
-      one run), else None.
+      one run), else None; `prefill_segments`: the prefill rows' new tokens over their whole contexts as packed
+      segments (k3.ops.varlen_attention), None when there are none.
     `shared` keeps what layers derive from the layout alike (built by the first, reused by the rest);
     `upload` sends host lists to the device without waiting for queued work.
     """
@@ -203,6 +206,10 @@ class BatchCacheView:
             [cu, kv_lens, decode, [cu[r] for r in decode], prefill,
              [t for r in prefill for t in range(cu[r], cu[r + 1])], prefill_cu], device)
         self.prefill_cu_seqlens_cpu = torch.tensor(prefill_cu, dtype=torch.long)
+        kv_cu = [0]  # the prefill rows' whole contexts packed (MLA's keys), with their new tokens as the queries
+        for r in prefill:
+            kv_cu.append(kv_cu[-1] + kv_lens[r])
+        self.prefill_segments = VarlenSegments.build(prefill_cu, kv_cu, device) if prefill else None
         # consecutive prefill rows hold one run of tokens: slices (views) then replace the gathers
         self.prefill_span = ((slice(prefill[0], prefill[-1] + 1), slice(cu[prefill[0]], cu[prefill[-1] + 1]))
                              if prefill and prefill[-1] - prefill[0] == len(prefill) - 1 else None)
@@ -262,6 +269,13 @@ class BatchCacheView:
         block_size, R + rope] (latent then k_extra), block tables [n, width] and kv_len [n] of `rows`; None
         when the storage is not paged (the caller then uses `mla_context`)."""
         return None
+
+    def mla_prefill_context(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every prefill row's whole context (this step's tokens included), packed row after row without padding:
+        latent [C, R] and k_extra [C, rope], C = Σ kv_lens over `prefill_rows`. Here from `mla_context` a row at a
+        time; storage that can gather them all at once overrides it."""
+        rows = [self.mla_context(layer_idx, slice(r, r + 1), self.kv_lens[r])[:2] for r in self.prefill_rows]
+        return torch.cat([lat[0] for lat, _ in rows]), torch.cat([kx[0] for _, kx in rows])
 
     def advance(self, n: int) -> None:
         self.seq_len += n

@@ -16,6 +16,7 @@ from k3.ops.gemv import DecodeLinear
 from k3.ops.mla_static_decode import static_decode_attention, use_static_decode_kernel
 from k3.ops.sigmoid_gate import sigmoid_gate
 from k3.ops.triton_dispatch import triton_module, use_triton
+from k3.ops.varlen_attention import varlen_causal_attention
 
 # SPEC §3.3 ⚠: the reference uses 1e-6 for q_a_layernorm / kv_a_layernorm (one port uses 1e-5).
 LORA_NORM_EPS = 1e-6
@@ -63,8 +64,9 @@ class DenseLayout:
 
 class VarlenLayout:
     """S sequences flattened into one row [1, N] by a BatchCacheView. Decodes attend as one batch (straight
-    from the paged pool with k3's Triton kernel where enabled), each prefill chunk on its own, so padding stays
-    small; rows and lengths come from the view's host layout, so nothing is read back from the device."""
+    from the paged pool with k3's Triton kernel where enabled), the prefill chunks as one packed varlen call over
+    their contexts (no padding); rows and lengths come from the view's host layout, so nothing is read back from
+    the device."""
 
     def __init__(self, view: BatchCacheView):
         self.view = view
@@ -81,11 +83,11 @@ class VarlenLayout:
             else:
                 lat, kx, kv_len = view.mla_context(m.layer_idx, rows, view.decode_max_len)
                 o[t] = m.absorbed_attention(q[0, t, None], lat, kx, kv_len=kv_len)[:, 0]
-        for r in view.prefill_rows:
-            # the row as a slice: its block table and length are views, not index gathers
-            lat, kx, _ = view.mla_context(m.layer_idx, slice(r, r + 1), view.kv_lens[r])
-            a, b = view.cu_host[r], view.cu_host[r + 1]
-            o[a:b] = m.expanded_attention(q[:, a:b], lat, kx)[0]
+        if view.prefill_rows:
+            # every prefill row at once: one gather of their contexts, one kv_b_proj GEMM, one varlen attention
+            t = view.prefill_span[1] if view.prefill_span is not None else view.prefill_tokens_t
+            k, v = m.expand_kv(*view.mla_prefill_context(m.layer_idx))
+            o[t] = varlen_causal_attention(q[0, t], k, v, view.prefill_segments, m.scale)
         return o[None]
 
 
@@ -131,11 +133,17 @@ class MultiHeadLatentAttention(nn.Module):
                            doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Causal SDPA of the T newest queries q [B, T, H, nope+rope] over S >= T latents [B, S, R] with
         k_extra [B, S, rope]: query t sits at position S−T+t. Returns [B, T, H, v_dim]."""
-        B, S, _ = latent.shape
-        H = self.num_heads
-        k_nope, v = self.kv_b_proj(latent).view(B, S, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
-        k = torch.cat([k_nope, k_extra[:, :, None, :].expand(B, S, H, self.rope)], dim=-1)
+        k, v = self.expand_kv(latent, k_extra)
         return causal_attention(q, k, v, self.scale, doc_ids)
+
+    def expand_kv(self, latent: torch.Tensor, k_extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [..., S, H, nope+rope] and values [..., S, H, v_dim] of latents [..., S, R] with k_extra
+        [..., S, rope] (shared by the heads)."""
+        H = self.num_heads
+        kv = self.kv_b_proj(latent).unflatten(-1, (H, self.nope + self.v_dim))
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        k = torch.cat([k_nope, k_extra[..., None, :].expand(*k_nope.shape[:-1], self.rope)], dim=-1)
+        return k, v
 
     def paged_absorbed_attention(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, kv_len: torch.Tensor,
                                  max_len: int) -> torch.Tensor:

@@ -48,6 +48,8 @@ class PagedBatchView(BatchCacheView):
                         for s, n in zip(seqs, lens) for p in range(s.num_computed, s.num_computed + n)]
         self.slots, tables_t, self.slot_mapping = self.upload([[s.slot for s in seqs], tables, slot_mapping], dev)
         self.block_tables = tables_t.view(len(seqs), width)
+        self.prefill_context_slots = self.send(self._prefill_context_slots(
+            torch.tensor(tables, dtype=torch.long).view(len(seqs), width)), dev) if self.prefill_rows else None
 
     def kda_state(self, layer_idx: int) -> KDAState:
         # a layer's short convs and its core both read it: gathered once, until the layer writes its state back
@@ -85,6 +87,21 @@ class PagedBatchView(BatchCacheView):
 
     def mla_paged(self, layer_idx: int, rows: torch.Tensor):
         return self.pool.kv[layer_idx], self.block_tables[rows], self.kv_len[rows]
+
+    def mla_prefill_context(self, layer_idx: int):
+        kv = self.pool.kv[layer_idx]
+        ctx = kv.view(-1, kv.shape[-1])[self.prefill_context_slots]  # [C, R + rope]
+        return ctx.split([self.pool.latent_dim, kv.shape[-1] - self.pool.latent_dim], -1)
+
+    def _prefill_context_slots(self, tables: torch.Tensor) -> torch.Tensor:
+        """The pool slots of every prefill row's context positions, row after row (as `mla_prefill_context` packs
+        them), from the host block tables [S, width]: a few vector ops on the host, not a loop over tokens."""
+        rows = torch.tensor(self.prefill_rows)
+        lens = torch.tensor([self.kv_lens[r] for r in self.prefill_rows])
+        row = torch.repeat_interleave(torch.arange(rows.numel()), lens)
+        pos = torch.arange(row.numel()) - (lens.cumsum(0) - lens)[row]
+        bs = self.pool.block_size
+        return tables[rows[row], pos // bs] * bs + pos % bs
 
 
 class DecodeGraphView(PagedBatchView):

@@ -1,0 +1,116 @@
+"""Causal attention of several sequences' new tokens over their own contexts, packed into one row each.
+
+Segment s holds queries q[cu_q[s]:cu_q[s+1]] and keys k[cu_k[s]:cu_k[s+1]] with at least as many keys as queries:
+its queries are the last positions of its keys (bottom-right causal: a prefill chunk after its cached context),
+and no query sees another segment's keys. The serving engine's MLA prefill rows of a step run through here as one
+call instead of one SDPA per row. Backends, by what the call allows:
+- CUDA, fp16/bf16, head dim <= 256: FlashAttention's varlen kernel (`torch.nn.attention.varlen.varlen_attn`);
+- small steps elsewhere (the CPU, fp32): one SDPA over the packed rows with a block-diagonal causal mask;
+- larger ones: one SDPA per segment (`k3.ops.attention.causal_attention`), the plain reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from k3.ops.attention import causal_attention
+
+# the masked SDPA materialises a [H, Nq, Nk] score block on its math path: past this many scores, one call a segment
+MASKED_SDPA_MAX_SCORES = 1 << 25
+FLASH_MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenSegments:
+    """The packing of a call: offsets on the host (`cu_q_host`, `cu_k_host`, lists of S+1) and the same on the
+    device as int32 (`cu_q`, `cu_k`, what flash reads). Built once a step and shared by its layers."""
+    cu_q_host: list[int]
+    cu_k_host: list[int]
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+    @property
+    def max_q(self) -> int:
+        return max(b - a for a, b in zip(self.cu_q_host, self.cu_q_host[1:]))
+
+    @property
+    def max_k(self) -> int:
+        return max(b - a for a, b in zip(self.cu_k_host, self.cu_k_host[1:]))
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[Nq, Nk] bool: query i sees key j iff they are in one segment and j's position <= i's. Built on the
+        device from the offsets there (sizes from the host lists: nothing is read back)."""
+        cu_q, cu_k = self.cu_q.long(), self.cu_k.long()
+        Nq, Nk, S = self.cu_q_host[-1], self.cu_k_host[-1], len(self.cu_q_host) - 1
+        seg = torch.arange(S, device=cu_q.device)
+        q_seg = torch.repeat_interleave(seg, cu_q.diff(), output_size=Nq)
+        k_seg = torch.repeat_interleave(seg, cu_k.diff(), output_size=Nk)
+        # a query's position among its segment's keys: the segment's key count less the queries still to come
+        q_pos = cu_k.diff()[q_seg] - (cu_q[1:][q_seg] - torch.arange(Nq, device=cu_q.device))
+        k_pos = torch.arange(Nk, device=cu_k.device) - cu_k[:-1][k_seg]
+        return (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] < q_pos[:, None] + 1)
+
+    @staticmethod
+    def build(cu_q_host: list[int], cu_k_host: list[int], device) -> "VarlenSegments":
+        if len(cu_q_host) != len(cu_k_host) or len(cu_q_host) < 2:
+            raise ValueError(f"need S+1 >= 2 offsets for both, got {len(cu_q_host)} and {len(cu_k_host)}")
+        if any(kb - ka < qb - qa or qb - qa < 1 for qa, qb, ka, kb in
+               zip(cu_q_host, cu_q_host[1:], cu_k_host, cu_k_host[1:])):
+            raise ValueError(f"every segment needs >= 1 query and >= as many keys: q {cu_q_host}, k {cu_k_host}")
+        pinned = torch.device(device).type == "cuda"
+        flat = torch.tensor(cu_q_host + cu_k_host, dtype=torch.int32, pin_memory=pinned)
+        cu_q, cu_k = flat.to(device, non_blocking=True).split(len(cu_q_host))
+        return VarlenSegments(list(cu_q_host), list(cu_k_host), cu_q, cu_k)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_varlen():
+    """torch's varlen_attn with causal masking set (torch 2.10 spells it is_causal, later ones window_size), or
+    None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    if "window_size" in inspect.signature(varlen_attn).parameters:
+        return functools.partial(varlen_attn, window_size=(-1, 0))
+    return functools.partial(varlen_attn, is_causal=True)
+
+
+def flash_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == k.shape[-1]
+            and max(q.shape[-1], v.shape[-1]) <= FLASH_MAX_HEAD_DIM and _flash_varlen() is not None)
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                            scale: float, backend: str | None = None) -> torch.Tensor:
+    """q: [Nq, H, D]; k: [Nk, H, D]; v: [Nk, H, V], packed as `segments` says. Returns [Nq, H, V] in v's dtype.
+    `backend` ("flash", "masked", "loop") forces one (tests); None picks as the module docstring says."""
+    if backend is None:
+        Nq, H, _ = q.shape
+        if flash_usable(q, k, v):
+            backend = "flash"
+        elif H * Nq * k.shape[0] <= MASKED_SDPA_MAX_SCORES:
+            backend = "masked"
+        else:
+            backend = "loop"
+    if backend == "flash":
+        V = v.shape[-1]
+        if V < q.shape[-1]:  # flash wants one head dim: zero columns of v leave the real ones unchanged
+            v = F.pad(v, (0, q.shape[-1] - V))
+        o = _flash_varlen()(q, k, v, segments.cu_q, segments.cu_k, segments.max_q, segments.max_k, scale=scale)
+        return o[..., :V]
+    if backend == "masked":
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)),
+                                           attn_mask=segments.mask, scale=scale)
+        return o[0].transpose(0, 1)
+    if backend != "loop":
+        raise ValueError(f"backend must be one of 'flash', 'masked', 'loop' or None, got {backend!r}")
+    out = []
+    for qa, qb, ka, kb in zip(segments.cu_q_host, segments.cu_q_host[1:], segments.cu_k_host, segments.cu_k_host[1:]):
+        out.append(causal_attention(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], scale)[0])
+    return torch.cat(out)

@@ -1,0 +1,54 @@
+"""The serving MLA layout's prefill rows in one pass (k3.model.mla.VarlenLayout): a step's prefill chunks gather
+their contexts from the pool at once, expand them through one kv_b_proj and attend in one varlen call per layer,
+in the plain eager engine and through the piecewise graphs; the tokens and logprobs stay `generate`'s."""
+import pytest
+import torch
+
+import k3.model.mla as mla
+from k3.model.cache import BatchCacheView
+from k3.serve import SamplingParams
+from k3.serve.runner import PagedBatchView
+from test_serve_engine import GREEDY, model, prompt, reference  # noqa: F401
+from test_serve_prefill_graphs import drive, make
+
+
+@pytest.mark.parametrize("pieces", [False, True])
+def test_prefill_rows_attend_once_a_layer_and_equal_generate(model, pieces, monkeypatch):
+    """Several prompts arriving at different steps (chunked, mixed with decodes), then a follow-up that hits the
+    first prompt's cached prefix: every step with prefill rows makes one varlen call per MLA layer over all its
+    rows, the pool gather equals the row-by-row context, and the tokens are generate's."""
+    calls, gathers = [], [0]
+    real_attention, real_gather = mla.varlen_causal_attention, PagedBatchView.mla_prefill_context
+
+    def attention(q, k, v, segments, scale):
+        calls.append((segments.cu_q_host, segments.cu_k_host))
+        return real_attention(q, k, v, segments, scale)
+
+    def gather(view, layer_idx):
+        lat, kx = real_gather(view, layer_idx)
+        row_lat, row_kx = BatchCacheView.mla_prefill_context(view, layer_idx)  # mla_context a row at a time
+        assert torch.equal(lat, row_lat) and torch.equal(kx, row_kx)
+        gathers[0] += 1
+        return lat, kx
+
+    monkeypatch.setattr(mla, "varlen_causal_attention", attention)
+    monkeypatch.setattr(PagedBatchView, "mla_prefill_context", gather)
+    eng = make(model, pieces)
+    n_mla = sum(isinstance(m, mla.MultiHeadLatentAttention) for m in model.modules())
+    step_lens, run = [], eng.runner.run
+    monkeypatch.setattr(eng.runner, "run", lambda seqs, lens, *a: step_lens.append(list(lens)) or run(seqs, lens, *a))
+    prompts = [prompt(60, 21), prompt(61, 9), prompt(62, 30), prompt(63, 4)]
+    got, _, _ = drive(eng, [(p, SamplingParams(max_tokens=6, **GREEDY), at) for p, at in zip(prompts, [0, 0, 2, 3])])
+    for p, r in zip(prompts, got):
+        assert r["ids"] == reference(model, p, 6)
+    follow = prompts[0] + got[0]["ids"] + prompt(64, 5)
+    out = eng.generate([follow], SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert out.cache.restored_tokens > 0, out.cache
+    assert list(out.output_ids) == reference(model, follow, 4)
+
+    prefill_steps = [lens for lens in step_lens if any(n > 1 for n in lens)]
+    assert len(calls) == n_mla * len(prefill_steps) == gathers[0]
+    assert any(len(cu_q) > 2 for cu_q, _ in calls)  # several prefill rows in one call
+    # a chunk after its context (a later chunk or a prefix hit): more keys than queries in a segment
+    assert any(kb - ka > qb - qa for cu_q, cu_k in calls
+               for qa, qb, ka, kb in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
