@@ -30,11 +30,14 @@ expert-major kernel against the grouped path k3 takes there today and the slot-m
 --moe-sweep: the expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) instead.
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
 programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
-(5 sources) at other warp counts, backward in one kernel and in two (k3.ops._attn_res_triton.NUM_WARPS,
-BWD_ONE_PASS), and its backward adding 4 blocks' gradients into their buffers (BlockGrads) against returning
-them for 4 separate adds (autograd's sums).
+(5 sources) at other warp counts, backward by the rows kernel and by the tiles kernel in one kernel and in two
+(k3.ops._attn_res_triton.NUM_WARPS, BWD_KERNEL, BWD_ONE_PASS), and its backward adding 4 blocks' gradients into
+their buffers (BlockGrads) against returning them for 4 separate adds (autograd's sums).
+--backwards: only the AttnRes mix backward (2..5 sources, into its buffers as training runs it) and the short
+conv backward (4 taps, SiLU), each under a few launch shapes and against the kernel it replaced ("tiles"), with
+the bytes floor and the per-step total at `small`'s call counts (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep]
+     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards]
 """
 import argparse
 import math
@@ -131,12 +134,12 @@ def sweep_kernels(B: int, T: int):
             ms = time_ms(lambda: ar.mix_forward(u, w, 1e-5, sources), inner=20)
         rows.append(dict(op="attn_res_mix fwd", tile="-", warps=warps, per_sm="-", ms=ms,
                          GBps=6 * g.numel() * 2 / ms * 1e-6))
-        for one_pass in (True, False):
-            ar.BWD_ONE_PASS = one_pass
+        for form, one_pass in (("rows", True), ("tiles", True), ("tiles", False)):
+            ar.BWD_KERNEL, ar.BWD_ONE_PASS = form, one_pass
             ms = time_ms(lambda: ar.mix_backward(g, u, w, 1e-5, sources, scores, lse), inner=20)
-            ar.BWD_ONE_PASS = True
+            ar.BWD_KERNEL, ar.BWD_ONE_PASS = "rows", True
             # bytes that must move: g and every source read once, every source's gradient written
-            rows.append(dict(op=f"attn_res_mix bwd, {'one kernel' if one_pass else 'two kernels'}", tile="-",
+            rows.append(dict(op=f"attn_res_mix bwd, {form}{', one kernel' if one_pass else ', two kernels'}", tile="-",
                              warps=warps, per_sm="-", ms=ms, GBps=11 * g.numel() * 2 / ms * 1e-6))
             print(rows[-1], flush=True)
         ar.NUM_WARPS.update(warps_default)
@@ -198,11 +201,84 @@ def sweep_kernels(B: int, T: int):
     save("kernel_sweep", {"rows": rows, "B": B, "T": T})
 
 
+# calls a `small` training step makes of the AttnRes mix backward per source count (2 mixes a layer, 16 layers in 4
+# blocks, then the output's mix), and of the short conv backward (3 a KDA layer, 12 KDA layers)
+MIX_CALLS = {2: 8, 3: 8, 4: 8, 5: 8}
+CONV_CALLS = 36
+
+
+def backward_rows(B: int, T: int, device: str = "cuda") -> list[dict]:
+    """The two largest backwards k3 owns at `small`'s training shapes, bf16: the AttnRes mix backward at 2..5
+    sources (the blocks' gradients added in place into their buffers, the partial sum's onto a residual add's
+    gradient, as training runs it) and the short conv backward (4 taps, SiLU, x and weight gradients), each
+    under the launch shapes named in `variants` (the module's settings) and the kernel it replaced ("tiles").
+    floor: the bytes that must move over the copy bandwidth; rel_err: the gradients against the default's."""
+    from k3.ops import _attn_res_triton as ar
+    from k3.ops import _conv_triton as ct
+
+    bw = measure_ceilings()["copy_TBps"] * 1e12
+    rows, D = [], 1536
+    r = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+
+    def timed(op, module, variants, call, nbytes, calls):
+        ref = None
+        for name, settings in variants:
+            saved = {k: getattr(module, k) for k in settings}
+            for k, v in settings.items():
+                setattr(module, k, dict(v) if isinstance(v, dict) else v)
+            try:
+                out = call()
+                ms = time_ms(call, inner=10)
+            finally:
+                for k, v in saved.items():
+                    setattr(module, k, v)
+            flat = torch.cat([t.float().flatten() for t in out])
+            ref = flat if ref is None else ref
+            rows.append(dict(op=op, impl=name, us=ms * 1e3, floor_us=nbytes / bw * 1e6,
+                             of_floor=nbytes / bw * 1e3 / ms, per_step_ms=ms * calls,
+                             rel_err=((flat - ref).norm() / ref.norm()).item()))
+            print(rows[-1], flush=True)
+
+    u, w = torch.rand(D, device=device) + 0.5, torch.randn(1, D, device=device) * 0.05
+    for n, calls in MIX_CALLS.items():
+        sources = tuple(r(B, T, D) for _ in range(n))
+        g, p_grad = r(B, T, D), r(B, T, D)
+        _, scores, lse = ar.mix_forward(u, w, 1e-5, sources)
+        bufs = [r(B, T, D) for _ in range(n)]
+
+        def call():
+            into = [(b, b) for b in bufs[:-1]] + [(bufs[-1], p_grad)]
+            du, dw, grads = ar.mix_backward(g, u, w, 1e-5, sources, scores, lse, into=into)
+            return [du, dw]  # (the gradients add into bufs on every call: compare du, dw)
+        variants = [("rows (default)", {}), ("rows, 3 programs an SM", {"BWD_PROGRAMS_PER_SM": 3}),
+                    ("rows, 4 programs an SM", {"BWD_PROGRAMS_PER_SM": 4}),
+                    ("rows, 8 warps", {"NUM_WARPS": dict(ar.NUM_WARPS, bwd=8)}),
+                    ("tiles (before)", {"BWD_KERNEL": "tiles"})]
+        timed(f"attn_res_mix bwd, {n} sources", ar, variants if n in (2, 5) else [variants[0], variants[-1]], call,
+              (1 + 3 * n) * g.numel() * 2, calls)
+        del sources, bufs
+    x = r(B, T, D).requires_grad_()
+    conv_w = (torch.randn(D, 1, 4, device=device) * 0.5).bfloat16().requires_grad_()
+    y, _ = short_conv(x, conv_w, silu=True)
+    dy = r(B, T, D)
+    variants = [("rows (default)", {}), ("rows, chunks of 128", {"BWD_CHUNK_T": 128}),
+                ("rows, UNROLL 2", {"BWD_UNROLL": 2}),
+                ("rows, 256 channels, 2 warps", {"BWD_BLOCK_C": 256, "BWD_NUM_WARPS": 2}),
+                ("tiles (before)", {"BWD_KERNEL": "tiles"})]
+    timed("short_conv + SiLU bwd", ct, variants, lambda: torch.autograd.grad(y, (x, conv_w), dy, retain_graph=True),
+          4 * x.numel() * 2, CONV_CALLS)
+    print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "rel_err"]))
+    save("backwards", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
+    return rows
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8,4096", help="B,T")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time the kernels' launch shapes and forms instead")
+    ap.add_argument("--backwards", action="store_true",
+                    help="only the AttnRes mix and short conv backwards, new against the kernels they replaced")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
@@ -213,6 +289,8 @@ def main():
     B, T = (2, 512) if a.quick else map(int, a.tokens.split(","))
     if a.sweep:
         return sweep_kernels(B, T)
+    if a.backwards:
+        return backward_rows(B, T)
     bw = measure_ceilings()["copy_TBps"] * 1e12
     if a.gemv or a.gemv_sweep:
         gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw)

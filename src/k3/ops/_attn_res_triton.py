@@ -10,8 +10,9 @@ reduction per source, then every source's gradient, with one q partial (for ∂L
 after it in a fixed order. Its bytes floor is ∂L/∂out once plus, per source, one read, one write and the addend
 read: (1 + 3n) · rows · D · 2 bytes in bf16 (1.16 GB, ~260 µs at 4.5 TB/s, for `small`'s average mix of 3.5
 sources at 8 × 4096 tokens). The kernel before it (_mix_bwd_tiles_kernel, 583 µs there on an H200) took 2-row
-tiles with each source re-read per use and its addend loaded after the previous source's store: 255 registers
-and spills on sm_90, two programs an SM, one load in flight at a time in its second half. Formulas:
+tiles, three reductions per source and tile, and in its second half loaded each source's addend only after the
+previous source's store (a DRAM round trip per source): about half the bytes in flight a program, at the same
+two programs an SM (211-255 registers on sm_90; benchmarks/sass_train_backwards.py). Formulas:
 k3.model.attn_res. The forward kernel also serves inference's mix with the residual add before it and the norm
 after it (k3.ops._attn_res_norm_triton).
 """
@@ -90,7 +91,10 @@ def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q_
     order). A step issues every load of its row at once (∂L/∂out, each source, each addend: nothing is
     stored before them, so an addend that is the gradient's own buffer is read first) and keeps them in
     registers through both halves: the per-source sums (⟨g, v_i⟩ and Σ v_i², one reduction each source),
-    then the gradients. accumulate: as in _mix_bwd_tiles_kernel."""
+    then the gradients. accumulate: a bit mask over the sources; where bit i is set, source i's gradient plus
+    addends[i] is stored (addends[i] is grads[i] itself for an AttnRes block's sum over the mixes that read it,
+    or the gradient a residual add left for a partial sum), else the gradient alone; a run-time value, so the
+    masks a model uses share one compiled kernel per source count."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
@@ -136,9 +140,9 @@ def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q_
 
 
 @triton.jit(do_not_specialize=["accumulate"])
-def _mix_bwd_tiles_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog, iters,
-                    accumulate, N: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _mix_bwd_tiles_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog,
+                          iters, accumulate, N: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
     """Every source's gradient and the q partials. ONE_PASS: ∂L/∂a_i = ⟨g, v_i⟩ formed here, per tile (each
     source tile read twice in a row, the second time from cache); else read from da (_mix_bwd_da_kernel's).
     accumulate: a bit mask over the sources; where bit i is set, source i's gradient plus addends[i] is stored

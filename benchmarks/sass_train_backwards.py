@@ -1,0 +1,89 @@
+"""Registers and spills of the AttnRes mix backward and the short conv backward (k3.ops._attn_res_triton,
+k3.ops._conv_triton) compiled for sm_90 without a GPU (Triton's own ptxas, as benchmarks/sass_gemv.py): at
+`small`'s training shapes (bf16, D = C = 1536, the specialisations a training step compiles: integer arguments
+divisible by 16), for the kernels k3 runs and the ones they replaced ("tiles"): registers a thread, spill bytes
+(STACK), shared memory, the programs an SM those allow, and the bytes of loads each program issues together
+(what keeps HBM busy: ~30 KB an SM in flight reach an H200's bandwidth).
+
+Run: python benchmarks/sass_train_backwards.py   (needs triton; no CUDA device)
+"""
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from sass_mxfp4_loop import ctas_per_sm, resources  # noqa: E402
+
+from k3.ops import _attn_res_triton, _conv_triton  # noqa: E402
+
+D = 1536
+SPECIALISED_INTS = ("R", "D", "T", "C")  # 32768 rows, 1536 wide, 4096 tokens a row: divisible by 16
+
+
+def compile_kernel(fn, signature: dict, num_warps: int, **consts):
+    """fn for sm_90 with pointers (tuple members too) and SPECIALISED_INTS marked divisible by 16, as a launch
+    at these shapes specialises them."""
+    attrs = {}
+    for i, (name, kind) in enumerate(signature.items()):
+        if isinstance(kind, tuple):
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(kind))})
+        elif kind.startswith("*") or name in SPECIALISED_INTS:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts}}, constexprs=consts,
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
+
+
+def mix_rows():
+    for n in (2, 3, 4, 5):
+        tuples = {"srcs": ("*bf16",) * n, "grads": ("*bf16",) * n, "addends": ("*bf16",) * n, "g_ptr": "*bf16",
+                  "uw_ptr": "*fp32", "scores_ptr": "*fp32", "lse_ptr": "*fp32"}
+        warps = _attn_res_triton.NUM_WARPS["bwd"]
+        new = compile_kernel(_attn_res_triton._mix_bwd_kernel, {**tuples, "q_ptr": "*fp32", "R": "i32", "D": "i32",
+                                                                "eps": "fp32", "iters": "i32", "accumulate": "i32"},
+                             warps, N=n, BLOCK_D=triton.next_power_of_2(D))
+        # a row of g, the sources and the addends
+        yield f"AttnRes mix bwd, {n} sources", "rows", warps, new, (1 + 2 * n) * D * 2
+        block_r, block_d = _attn_res_triton._blocks(D)
+        old = compile_kernel(_attn_res_triton._mix_bwd_tiles_kernel,
+                             {**tuples, "da_ptr": "*fp32", "q_ptr": "*fp32", "R": "i32", "D": "i32", "eps": "fp32",
+                              "nprog": "i32", "iters": "i32", "accumulate": "i32"},
+                             warps, N=n, ONE_PASS=True, BLOCK_R=block_r, BLOCK_D=block_d)
+        yield f"AttnRes mix bwd, {n} sources", "tiles (before)", warps, old, (1 + n) * block_r * D * 2
+
+
+def conv_rows():
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_ptr": "*bf16", "gy_ptr": "*bf16",
+           "ypre_ptr": "*bf16", "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32", "gtail_ptr": "*bf16",
+           "T": "i32", "C": "i32"}
+    flags = dict(W=4, HAS_TAIL=False, HAS_DOC=False, SILU=True, HAS_GY=True, HAS_GNT=False, NEED_GX=True,
+                 NEED_GW=True, NEED_GTAIL=False)
+    ct = _conv_triton
+    new = compile_kernel(ct.short_conv_bwd_kernel, sig, ct.BWD_NUM_WARPS, **flags, CHUNK_T=ct.BWD_CHUNK_T,
+                         BLOCK_C=ct.BWD_BLOCK_C, UNROLL=ct.BWD_UNROLL)
+    # UNROLL rows of x, dy and y
+    yield "short conv + SiLU bwd", "rows", ct.BWD_NUM_WARPS, new, ct.BWD_UNROLL * 3 * ct.BWD_BLOCK_C * 2
+    old = compile_kernel(ct.short_conv_bwd_tiles_kernel, sig, ct._NUM_WARPS, **flags, WIDE=False,
+                         BLOCK_T=ct._BWD_BLOCK_T, BLOCK_C=ct._block_c(D), TILES=ct._BWD_TILES, TAIL_ROWS=4)
+    # a tile of dy and y, then x (the shifted re-reads come from L1)
+    yield "short conv + SiLU bwd", "tiles (before)", ct._NUM_WARPS, old, 3 * ct._BWD_BLOCK_T * ct._block_c(D) * 2
+
+
+def main():
+    print("| kernel | form | warps | REG | STACK | shared bytes | programs an SM | warps an SM | load bytes a "
+          "program issues together | ... an SM |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rows in (mix_rows(), conv_rows()):
+        for name, form, warps, kernel, load_bytes in rows:
+            res = resources(kernel)
+            per_sm = min(ctas_per_sm(res["REG"], res["SHARED"], warps), 32)  # (32 resident programs an SM at most)
+            print(f"| {name} | {form} | {warps} | {res['REG']} | {res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | "
+                  f"{per_sm * warps} | {load_bytes} | {per_sm * load_bytes} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
