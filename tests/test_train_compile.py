@@ -285,3 +285,27 @@ def test_cpu_compile_without_a_cxx_compiler_is_refused_up_front(monkeypatch):
     with pytest.raises(ValueError, match=r"--compile on the CPU needs a C\+\+ compiler"):
         compile_regions(model)
     assert not any("forward" in vars(m) for m in model.modules())  # nothing was changed
+
+
+def test_the_decode_steps_compile_still_takes_the_model_whole():
+    """GraphedDecodeStep compiles model.model for decoding (fullgraph): over the regions' forwards it still traces
+    one graph, the eager branch of each, and decodes as the model without regions does."""
+    plain = make_model(seed=8).eval()
+    model = copy.deepcopy(plain)
+    log = GraphLog()
+    compile_regions(model, backend=log)
+    graphs = []
+    core = torch.compile(model.model, fullgraph=True, backend=lambda gm, ex: graphs.append(gm) or gm.forward)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(8))
+    out = {}
+    with torch.no_grad():
+        for name, m, step in (("plain", plain, plain.model), ("compiled", model, core)):
+            cache = m.new_cache(2, 8)
+            m(ids[:, :5], cache=cache)
+            hs = []
+            for t in range(5, 8):
+                hs.append(step(ids[:, t:t + 1], cache=cache))
+                cache.advance(1)
+            out[name] = torch.cat(hs, 1)
+    assert len(graphs) == 1 and log.graphs == 0
+    torch.testing.assert_close(out["compiled"], out["plain"], rtol=1e-5, atol=1e-5)

@@ -13,6 +13,11 @@ plans on the host: both break a graph) and the AttnRes mixes (their BlockGrads b
 backward pass). Only training forwards take a region (module in training mode, gradients on, no decode cache or
 context-parallel layout): evaluation and generation stay eager, as do expert-parallel MoE layers, whose
 `combine_experts` exchanges tokens between processes (such a run is refused in TrainConfig.validate).
+
+Made for CUDA, where the autocast step's expert GEMMs are bf16 `_grouped_mm` calls in the graph. On the CPU the
+fp32 grouped GEMM has no traceable form, so a compiled MoE gathers each row's expert weights
+(`grouped_mm.rows_linear`): correct (the tests run there) but slower than eager (tiny, 16x256 on 2 busy cores:
+16.5 s a step against 6.9 s eager, 47 s for the first, compiling).
 """
 from __future__ import annotations
 
