@@ -290,7 +290,7 @@ def test_cpu_compile_without_a_cxx_compiler_is_refused_up_front(monkeypatch):
 def test_the_decode_steps_compile_still_takes_the_model_whole():
     """GraphedDecodeStep compiles model.model for decoding (fullgraph): over the regions' forwards it still traces
     one graph, the eager branch of each, and decodes as the model without regions does."""
-    plain = make_model(seed=8).eval()
+    plain = make_model(seed=8, layers=4).eval()  # (KDA, MLA, dense MLP, MoE: each kind, a shorter trace)
     model = copy.deepcopy(plain)
     log = GraphLog()
     compile_regions(model, backend=log)
