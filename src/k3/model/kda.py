@@ -13,7 +13,7 @@ from k3.config import K3Config
 from k3.model.cache import BatchCacheView, KDASlots, KDAState, StaticCache
 from k3.model.norm import RMSNorm
 from k3.ops.conv import short_conv
-from k3.ops.fused_linear import FusedLinears
+from k3.ops.fused_linear import FusedLinears, StackedWeights, joined_columns
 from k3.ops.gemv import DecodeLinear
 from k3.ops.kda_core import kda_core, select_backend
 from k3.ops.kda_decode import DecodeWeights, kda_decode_step, use_fused_decode
@@ -131,9 +131,9 @@ class VarlenLayout:
         # q, k and v as one depthwise conv over their channels side by side: one gather of the windows and one of
         # the new tails for the three (each gather, cat and cast a launch in an eager step), the same sums
         S, C = st.conv_q.shape[0], xs[0].shape[-1]
+        # (the weights stacked once, not per call; x's three parts are adjacent columns of one GEMM: a view)
         tails = torch.stack([st.conv_q, st.conv_k, st.conv_v], 2).view(S, W - 1, 3 * C)
-        weight = torch.cat([conv.weight for conv in m.convs])
-        y, tail = short_conv_varlen(torch.cat([x[0] for x in xs], -1), weight, tails, index)
+        y, tail = short_conv_varlen(joined_columns(xs)[0], m.conv_weights.current(), tails, index)
         y = F.silu(y.view(N, 3, C).transpose(0, 1).contiguous(), inplace=True)  # [3, N, C]: each a dense block
         tail = tail.view(S, W - 1, 3, C)
         return [y[i][None] for i in range(3)], [tail[:, :, i] for i in range(3)]
@@ -161,8 +161,11 @@ class VarlenLayout:
             op, sp = kda_core(*(x[None, t] for x in feats), *params, initial_state=st.state[rows],
                               output_final_state=True, cu_seqlens=view.prefill_cu_seqlens,
                               cu_seqlens_cpu=view.prefill_cu_seqlens_cpu)
-            o[t] = op[0].to(o.dtype)
-            state[rows] = sp.to(state.dtype)
+            if not view.decode_rows:  # the chunks are the whole step: their outputs are the step's, no copies
+                o, state = op[0].to(o.dtype), sp.to(state.dtype)
+            else:
+                o[t] = op[0].to(o.dtype)
+                state[rows] = sp.to(state.dtype)
         view.set_kda_state(m.layer_idx, KDAState(state, *tails))
         return o[None]
 
@@ -202,6 +205,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = DecodeLinear(H * K, D, bias=False)  # (decode: k3.ops.gemv)
         # the six projections that read x, one GEMM at inference (the parameters keep their released names)
         self.in_proj = FusedLinears(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_proj)
+        # the three short convs' weights side by side, as the serving layout runs them (one depthwise conv)
+        self.conv_weights = StackedWeights(self.q_conv1d, self.k_conv1d, self.v_conv1d)
 
     @property
     def convs(self) -> tuple[ShortConv, ShortConv, ShortConv]:

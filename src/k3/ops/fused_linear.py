@@ -26,19 +26,55 @@ from k3 import envs
 from k3.ops.gemv import linear
 
 
-class FusedLinears:
-    """`fused(x)` == `[lin(x) for lin in linears]` (up to summation order), one GEMM once `refresh` switched the
-    stacked weight on and no gradient is needed.
+class StackedWeights:
+    """Several modules' weights side by side along dim 0 in one tensor: a cache (`weight`), None until `refresh`
+    switches it on, then kept up to date with the weights (see `refresh`).
 
     Held as a plain attribute of the owning module (not a submodule, so neither `state_dict` nor `.to()` sees
     it): the cache follows the weights' device and dtype by rebuilding when they change."""
 
+    def __init__(self, *owners: nn.Module):
+        self.owners = owners
+        self.weight: torch.Tensor | None = None
+        self._key = None
+
+    def current(self) -> torch.Tensor:
+        """The stacked weights for this call: the refreshed cache where it is on and no gradient is needed, else
+        a concatenation autograd sees."""
+        weights = [o.weight for o in self.owners]
+        if self.weight is None or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+            return torch.cat(weights)
+        if not torch.compiler.is_compiling():  # (compiled code trusts the cache refreshed before compiling)
+            self.refresh()
+        return self.weight
+
+    def refresh(self, force: bool = False) -> None:
+        """Bring the stacked weight up to date: rebuilt when a weight moved or changed dtype, rewritten in
+        place when only its values changed (an optimizer step, a load). Changes are seen through each weight's
+        version counter, which writes through `weight.data` bypass: `force` rewrites it regardless."""
+        weights = [o.weight for o in self.owners]
+        where = tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights)
+        versions = tuple(w._version for w in weights)
+        if self._key == (where, versions) and not force:
+            return
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor: refreshable outside inference
+            stacked = torch.cat([w.detach() for w in weights])
+            if self._key is not None and self._key[0] == where and self.weight is not None:
+                self.weight.copy_(stacked)
+            else:
+                self.weight = stacked
+        self._key = (where, versions)
+
+
+class FusedLinears(StackedWeights):
+    """`fused(x)` == `[lin(x) for lin in linears]` (up to summation order), one GEMM once `refresh` switched the
+    stacked weight on and no gradient is needed."""
+
     def __init__(self, *linears: nn.Linear):
         if any(lin.bias is not None for lin in linears):
             raise ValueError("FusedLinears stacks bias-free projections only")
+        super().__init__(*linears)
         self.linears = linears
-        self.weight: torch.Tensor | None = None
-        self._key = None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         weights = [lin.weight for lin in self.linears]
@@ -51,22 +87,22 @@ class FusedLinears:
             self.refresh()
         return list(linear(x, self.weight).split([w.shape[0] for w in weights], dim=-1))
 
-    def refresh(self, force: bool = False) -> None:
-        """Bring the stacked weight up to date: rebuilt when a weight moved or changed dtype, rewritten in
-        place when only its values changed (an optimizer step, a load). Changes are seen through each weight's
-        version counter, which writes through `weight.data` bypass: `force` rewrites it regardless."""
-        weights = [lin.weight for lin in self.linears]
-        where = tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights)
-        versions = tuple(w._version for w in weights)
-        if self._key == (where, versions) and not force:
-            return
-        with torch.inference_mode(False), torch.no_grad():  # a normal tensor: refreshable outside inference
-            stacked = torch.cat([w.detach() for w in weights])
-            if self._key is not None and self._key[0] == where and self.weight is not None:
-                self.weight.copy_(stacked)
-            else:
-                self.weight = stacked
-        self._key = (where, versions)
+
+def joined_columns(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts, -1)`, as a view without a copy where the parts are adjacent column slices of one tensor
+    (what FusedLinears returns) and no gradient is needed: a view to read, not to write into."""
+    first = parts[0]
+    adjacent = not (torch.is_grad_enabled() and any(p.requires_grad for p in parts)) and first.stride(-1) == 1
+    offset = first.storage_offset()
+    for p in parts:
+        adjacent = adjacent and (p.dtype == first.dtype and p.shape[:-1] == first.shape[:-1]
+                                 and p.stride() == first.stride() and p.storage_offset() == offset
+                                 and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())
+        offset += p.shape[-1]
+    if not adjacent:
+        return torch.cat(parts, -1)
+    return first.as_strided((*first.shape[:-1], offset - first.storage_offset()), first.stride(),
+                            first.storage_offset())
 
 
 def _plain_tensors(*tensors: torch.Tensor) -> bool:
@@ -112,9 +148,10 @@ class _SharedInputProjections(torch.autograd.Function):
 
 
 def fuse_projections(model: nn.Module) -> None:
-    """Switch on (or rewrite from the current weights) every FusedLinears of `model`; called by the decode
-    drivers before they compile or capture a step, so the compiled code and the graph find the stacked weights."""
+    """Switch on (or rewrite from the current weights) every StackedWeights of `model` (the FusedLinears, KDA's
+    short-conv weights); called by the decode drivers before they compile or capture a step, so the compiled code
+    and the graph find the stacked weights."""
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, FusedLinears) and not value.linears[0].weight.is_meta:
+            if isinstance(value, StackedWeights) and not value.owners[0].weight.is_meta:
                 value.refresh(force=True)

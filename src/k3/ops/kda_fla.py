@@ -25,6 +25,7 @@ import torch
 
 from k3 import envs
 from k3.ops import tuning
+from k3.ops.kda_fla_lean import dense_as
 from k3.ops.triton_dispatch import on_device
 
 __all__ = ["fla_available", "fla_usable", "fla_kda_chunk", "fla_kda_recurrent", "fla_kda_gated", "fla_output_gate",
@@ -194,8 +195,8 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
     _pin_choices(q)
     if not safe_gate_ok(lower_bound):
         raise ValueError(f"lower_bound must be in [{SAFE_GATE_BOUND}, 0) for fla's safe gate, got {lower_bound!r}")
-    A = A_log[:H].float().contiguous()
-    bias = dt_bias.reshape(H * K).float().contiguous()
+    A = dense_as(A_log if A_log.shape[0] == H else A_log[:H], torch.float32)
+    bias = dense_as(dt_bias if dt_bias.shape == (H * K,) else dt_bias.reshape(H * K), torch.float32)
     cu, cu_cpu = _cu(cu_seqlens, q.device, cu_seqlens_cpu)
     dt = q.dtype
     needs_grad = torch.is_grad_enabled() and any(
@@ -212,7 +213,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
 
         # contiguous: this entry skips fla's input guard, and its kernel indexes q, k, v, g, beta as dense
         # (the fused projections' outputs are strided views; read as dense they were 5% off on the H200)
-        q, k, v, f, beta_logits = (t.to(dt).contiguous() for t in (q, k, v, f, beta_logits))
+        q, k, v, f, beta_logits = (dense_as(t, dt) for t in (q, k, v, f, beta_logits))
         o, state = fused_recurrent_kda_fwd(q, k, v, f, beta_logits, A_log=A,
                                            dt_bias=bias, scale=scale, initial_state=initial_state,
                                            output_final_state=True, inplace_final_state=True,
@@ -233,7 +234,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
         plan = None if cu is None else kda_fla_lean.chunk_plan(cu, cu_cpu)
         with on_device(q):
             o, state = kda_fla_lean.chunk_kda_prefill(
-                *(t.to(dt).contiguous() for t in (q, k, v, f, beta_logits)), A, bias, lower_bound, scale=scale,
+                *(dense_as(t, dt) for t in (q, k, v, f, beta_logits)), A, bias, lower_bound, scale=scale,
                 initial_state=_state(initial_state), output_final_state=output_final_state, plan=plan)
     else:
         from fla.ops.kda import chunk_kda

@@ -31,7 +31,7 @@ import logging
 import torch
 
 __all__ = ["SUPPORTED_SERIES", "CHUNK_SIZE", "ChunkPlan", "lean_supported", "chunk_plan", "chunk_kda_prefill",
-           "gated_rms_norm"]
+           "gated_rms_norm", "dense_as"]
 
 SUPPORTED_SERIES = (0, 6)  # fla's (major, minor) whose internals are called here
 CHUNK_SIZE = 64  # fla's default KDA chunk (the public entry's, and what the shipped autotune table was made with)
@@ -165,10 +165,17 @@ def chunk_kda_prefill(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound: floa
     return o.to(q.dtype), final_state
 
 
+def dense_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype` and contiguous: t itself where it already is. A no-op `.to` or `.contiguous` still costs the
+    host a dispatch each (~7 µs a pair on the CPU harness), a dozen per KDA layer of a serving step."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def gated_rms_norm(o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm(o, weight) ⊙ sigmoid(g)` over the last dim by fla's gated-norm forward kernel (inference only):
     what `fla_output_gate` computes, without the autograd.Function around it."""
     shape = o.shape
-    y, *_ = _stages()["gated_norm"](o.reshape(-1, shape[-1]).contiguous(), g.reshape(-1, shape[-1]).contiguous(),
-                                    weight.contiguous(), None, activation="sigmoid", eps=eps, is_rms_norm=True)
+    rows = [dense_as(t.reshape(-1, shape[-1]), t.dtype) for t in (o, g)]
+    y, *_ = _stages()["gated_norm"](*rows, dense_as(weight, weight.dtype), None, activation="sigmoid", eps=eps,
+                                    is_rms_norm=True)
     return y.view(shape)

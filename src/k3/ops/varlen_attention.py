@@ -76,9 +76,15 @@ def _flash_varlen():
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    if "window_size" in inspect.signature(varlen_attn).parameters:
-        return functools.partial(varlen_attn, window_size=(-1, 0))
-    return functools.partial(varlen_attn, is_causal=True)
+    params = inspect.signature(varlen_attn).parameters
+    causal = functools.partial(varlen_attn, window_size=(-1, 0)) if "window_size" in params else \
+        functools.partial(varlen_attn, is_causal=True)
+    if "scale" in params:
+        return causal
+
+    def scaled(q, k, v, *args, scale):  # an entry without `scale` applies D^-0.5: q carries the rest of it
+        return causal(q * (scale * q.shape[-1] ** 0.5), k, v, *args)
+    return scaled
 
 
 def flash_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
