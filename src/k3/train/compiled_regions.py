@@ -90,8 +90,3 @@ def _dispatch(eager, compiled, recompile_limit: int):
         return eager(self, *args, **kwargs)
     return forward
 
-
-def compiled_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of `model` whose forward `compile_regions` replaced."""
-    return [m for m in model.modules() if "forward" in vars(m) and isinstance(m, (MultiHeadLatentAttention,
-                                                                                  LatentMoE, SiTUMLP))]
