@@ -87,7 +87,10 @@ class VarlenLayout:
             # every prefill row at once: one gather of their contexts, one kv_b_proj GEMM, one varlen attention
             t = view.prefill_span[1] if view.prefill_span is not None else view.prefill_tokens_t
             k, v = m.expand_kv(*view.mla_prefill_context(m.layer_idx))
-            o[t] = varlen_causal_attention(q[0, t], k, v, view.prefill_segments, m.scale)
+            op = varlen_causal_attention(q[0, t], k, v, view.prefill_segments, m.scale)
+            if not view.decode_rows:  # the chunks are the whole step: no copy into o
+                return op[None]
+            o[t] = op
         return o[None]
 
 
