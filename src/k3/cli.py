@@ -654,7 +654,7 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
     p.add_argument("--memory-gib", type=_positive_float, default=1.0, help="KV pool + KDA state budget (GiB)")
     p.add_argument("--block-size", type=_positive_int, default=block, help="tokens per physical MLA block")
     p.add_argument("--match-unit", type=_positive_int, default=unit, help="prefix-hash granularity (divides block size)")
-    p.add_argument("--max-batch-tokens", type=_positive_int, default=2048, help="token budget of one engine step")
+    p.add_argument("--max-batch-tokens", type=_positive_int, default=8192, help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="concurrently running sequences")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--async-output", action="store_true",

@@ -26,7 +26,7 @@ class EngineConfig:
     memory_bytes: int = 1 << 30      # KV pool + KDA slab budget
     block_size: int = 2048           # allocation unit (tokens per physical block)
     match_unit: int = 512            # prefix-hash granularity (divides block_size)
-    max_batch_tokens: int = 2048     # token budget of one step (prefill chunks + decodes)
+    max_batch_tokens: int = 8192     # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 64           # concurrently running sequences
     num_state_slots: int | None = None  # KDA slots (running + checkpoints); default 2 × max_num_seqs
     max_model_len: int | None = None    # prompt + max_tokens limit; default: what the pool holds

@@ -208,7 +208,7 @@ class DecodeGraphs:
 class ModelRunner:
     def __init__(self, model, pool: CachePool, decode_graphs: bool | None = None, max_num_seqs: int = 64,
                  vocab: int | None = None, split_mixed: bool = False, prefill_graphs: bool = False,
-                 max_batch_tokens: int = 2048):
+                 max_batch_tokens: int = 8192):
         """decode_graphs: replay decode-only steps from CUDA graphs (default: on CUDA). On CPU, True runs the
         same fixed-shape decode step eagerly (for tests). vocab: the ids prompt logprobs range over (the
         engine's sampling vocabulary; default the model's). split_mixed: with graphs, a step that mixes decodes
