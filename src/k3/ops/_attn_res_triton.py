@@ -193,7 +193,7 @@ def _mix_bwd_tiles_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_p
 
 _MAX_PROGRAMS = 1024  # the tiles kernel's grid: programs striding over the row tiles, one q partial each
 # Backward: "rows" (_mix_bwd_kernel, the default) or "tiles" (_mix_bwd_tiles_kernel, the kernel before session 13,
-# kept until the two are timed side by side on a GPU: benchmarks/bench_gpu_kernels.py --sweep)
+# kept until the two are timed side by side on a GPU: benchmarks/bench_gpu_kernels.py --backwards)
 BWD_KERNEL = "rows"
 # The tiles kernel in one pass (∂L/∂a per tile, sources re-read from cache) instead of a ∂L/∂a pass first
 BWD_ONE_PASS = True

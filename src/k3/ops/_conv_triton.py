@@ -27,7 +27,7 @@ _BWD_TILES = 8
 _MAX_BLOCK_C = 128
 _NUM_WARPS = 4
 # Backward: "rows" (short_conv_bwd_kernel, the default) or "tiles" (kept until the two are timed side by side on a
-# GPU: benchmarks/bench_gpu_kernels.py --sweep)
+# GPU: benchmarks/bench_gpu_kernels.py --backwards)
 BWD_KERNEL = "rows"
 # The rows backward: CHUNK_T rows of BLOCK_C channels a program (one warp: 4 channels a thread), UNROLL rows'
 # loads issued together; W − 1 rows of x and dz re-read at each chunk's two ends (from L2)
