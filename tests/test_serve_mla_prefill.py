@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import k3.model.mla as mla
+from k3 import K3Config, K3ForCausalLM
 from k3.model.cache import BatchCacheView
 from k3.serve import SamplingParams
 from k3.serve.runner import PagedBatchView
@@ -52,3 +53,29 @@ def test_prefill_rows_attend_once_a_layer_and_equal_generate(model, pieces, monk
     # a chunk after its context (a later chunk or a prefix hit): more keys than queries in a segment
     assert any(kb - ka > qb - qa for cu_q, cu_k in calls
                for qa, qb, ka, kb in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlashAttention's varlen kernel)")
+def test_cuda_bf16_engine_through_flash_equals_the_masked_sdpa(model, monkeypatch):
+    """The engine in bf16 on CUDA takes FlashAttention's varlen kernel for its prefill rows; the prompt logprobs
+    of the same requests with it switched off (the block-diagonal SDPA) agree to bf16's precision."""
+    import k3.ops.varlen_attention as va
+    cuda = K3ForCausalLM(K3Config.preset("tiny")).to("cuda", torch.bfloat16).eval()
+    cuda.load_state_dict(model.state_dict())
+    flash_calls, usable = [0], va.flash_usable
+
+    def counted(*a):
+        ok = usable(*a)
+        flash_calls[0] += ok
+        return ok
+    prompts = [prompt(80, 21), prompt(81, 9), prompt(82, 30)]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0, **GREEDY)
+    runs = []
+    for flash in (True, False):
+        monkeypatch.setattr(va, "flash_usable", counted if flash else (lambda *a: False))
+        eng = make(cuda, False, decode_graphs=True)
+        got, _, _ = drive(eng, [(p, params, 0) for p in prompts])
+        runs.append([[x.logprob for x in r["prompt"][1:]] for r in got])
+    assert flash_calls[0] > 0
+    for a, b in zip(*runs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=0.15)
