@@ -171,9 +171,8 @@ def kernels_chosen_as_on_cuda():
         setattr(mod, attr, _use_triton_op_any_device)
     forced = contextlib.ExitStack()  # the selectors that test the device themselves, pinned by the switches
     forced.enter_context(kda_decode.force_fused_decode(_switched_on(kda_decode.KERNELS)))
-    gemv = sys.modules.get("k3.ops.gemv")  # the decode GEMV, where this tree has it
-    if gemv is not None and hasattr(gemv, "force_gemv"):
-        forced.enter_context(gemv.force_gemv(_switched_on(gemv.KERNELS)))
+    # (the decode GEMV needs no forcing: its selector's device test is use_triton_op's, patched above, and its
+    # shape rule, gemv.kernel_wins, then chooses as on CUDA)
     experts = triton_dispatch.triton_module("_moe_decode_triton")
     real_experts = experts and experts.selected_experts_situ_mlp
     if experts is not None and os.environ.get("TRITON_INTERPRET") == "1":

@@ -11,6 +11,7 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
@@ -19,9 +20,11 @@ from sass_mxfp4_loop import SMS, compile_kernel, ctas_per_sm, resources  # noqa:
 from k3.ops import _gemv_triton  # noqa: E402
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
-             "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-             "stride_rm": "i32", "stride_om": "i32"}
+             "part_ptr": "*fp32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16", "beta_gate": "fp32",
+           "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32",
+             "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_um": "i32"}
 SHAPES = [("KDA input projections", 6284, 1536), ("o_proj", 1536, 1536), ("routed_expert_up_proj", 1536, 768),
+          ("shared experts' down_proj", 1536, 1024),
           ("lm_head", 32768, 1536)]
 
 
@@ -33,7 +36,10 @@ def main():
         for M in (1, 8, 16):
             p = _gemv_triton.plan(M, N, K, torch.bfloat16, SMS)
             kernel = compile_kernel(_gemv_triton._gemv_kernel, SIGNATURE, {"num_warps": p["warps"]},
-                                    HAS_BIAS=False, HAS_RES=name == "routed_expert_up_proj", SPLIT=p["split"] > 1,
+                                    HAS_BIAS=False, HAS_RES=name == "routed_expert_up_proj",
+                                    HAS_NORM=name == "routed_expert_up_proj", NORM_K=triton.cdiv(K, 1024) * 1024,
+                                    NORM_BLOCK=1024, HAS_GLU=name == "shared experts' down_proj", GLU_EXACT=False,
+                                    SPLIT=p["split"] > 1,
                                     USE_DOT=p["use_dot"], DOT_IN_FP32=False, BLOCK_M=p["block_m"],
                                     BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"],
                                     NUM_STAGES=p["stages"])

@@ -160,16 +160,20 @@ def test_kernel_compiles_for_the_h200(rows):
     p = _gemv_triton.plan(rows, 1536, 1536, torch.bfloat16, 132)
     assert p["split"] > 1 and p["use_dot"] == (rows == 8)
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
-           "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_rm": "i32", "stride_om": "i32"}
+           "part_ptr": "*fp32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16", "beta_gate": "fp32",
+           "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_um": "i32"}
     ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", sig, num_warps=p["warps"], HAS_BIAS=False,
-                       HAS_RES=False, SPLIT=True, USE_DOT=p["use_dot"], DOT_IN_FP32=False, BLOCK_M=p["block_m"],
+                       HAS_RES=False, HAS_NORM=False, NORM_K=2048, NORM_BLOCK=1024, HAS_GLU=False,
+                       GLU_EXACT=False, SPLIT=True, USE_DOT=p["use_dot"], DOT_IN_FP32=False, BLOCK_M=p["block_m"],
                        BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"],
                        NUM_STAGES=p["stages"])
     assert ("mma" in ptx) == p["use_dot"] and (p["use_dot"] or "fma.rn.f32" in ptx)
-    sig = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-           "n_splits": "i32", "stride_rm": "i32", "stride_om": "i32"}
-    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_reduce_splits_kernel", sig, HAS_BIAS=True, HAS_RES=True, BLOCK=256)
+    sig = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16", "x_ptr": "*bf16",
+           "eps": "fp32", "M": "i32", "N": "i32", "K": "i32", "n_splits": "i32", "stride_rm": "i32", "stride_om": "i32",
+           "stride_xm": "i32"}
+    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_reduce_splits_kernel", sig, HAS_BIAS=True, HAS_RES=True,
+                       HAS_NORM=False, BLOCK=256, NORM_K=2048, NORM_BLOCK=1024)
     assert "st.global" in ptx
 
 
@@ -179,9 +183,9 @@ def kernel_calls(monkeypatch):
     calls = []
     launch = gemv._launch
 
-    def counted(x, w, b, res):
+    def counted(x, w, b, res, *prologue):  # (prologue: the norm's or the GLU's operands, k3.ops.gemv._launch)
         calls.append((x.shape[0], w.shape[0], w.shape[1], res is not None))
-        return launch(x, w, b, res)
+        return launch(x, w, b, res, *prologue)
 
     monkeypatch.setattr(gemv, "_launch", counted)
     return calls

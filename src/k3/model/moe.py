@@ -16,6 +16,15 @@ from k3.ops.mx_experts import (packed_expert_situ_mlp, packed_selected_experts_s
 from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
 
 
+def _shared_experts(shared: SiTUMLP, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`down(SiTU-GLU(gate, up))` of the shared experts from their fused projections' outputs: the GLU in the down
+    projection's GEMV prologue where decode takes it (k3.ops.gemv); a replaced down projection (tensor
+    parallelism's row-parallel linear) gets the GLU's output."""
+    if isinstance(shared.down_proj, DecodeLinear):
+        return shared.down_proj(gate, glu_up=up, glu_betas=shared.betas)
+    return shared.down_proj(situ_glu_fast(gate, up, *shared.betas))
+
+
 class Router(nn.Module):
     """`weight` [E, D] and the selection-only bias `e_score_correction_bias` [E] (fp32 buffer, set by balancing)."""
 
@@ -97,11 +106,10 @@ class LatentMoE(nn.Module):
         else:  # SiTUMLP's forward from the fused gate and up projections, run while the experts' rows travel
             shared = self.shared_experts
             r, s = self.combine_experts(z, idx, w.to(z.dtype),
-                                        meanwhile=lambda: shared.down_proj(situ_glu_fast(*shared_in, *shared.betas)))
-        if self.routed_expert_norm is not None:
-            r = self.routed_expert_norm(r)
-        # + the shared experts' output: in the GEMV kernel's epilogue where decode takes it (k3.ops.gemv)
-        return self.routed_expert_up_proj(r, residual=s).view(shape)
+                                        meanwhile=lambda: _shared_experts(shared, *shared_in))
+        # the routed norm before and + the shared experts' output after: in the GEMV kernel's prologue and epilogue
+        # where decode takes it (k3.ops.gemv)
+        return self.routed_expert_up_proj(r, residual=s, norm=self.routed_expert_norm).view(shape)
 
     def combine_experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, meanwhile=None):
         """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L].

@@ -15,6 +15,12 @@ SMs), K is split as well: each split writes its fp32 partial sums to a workspace
 the splits and applies the epilogue. The splits are summed in a fixed order (no atomics), so a result is the
 same on every run. Epilogue: + bias, + residual (the call site's add after the GEMM), in fp32, one rounding to
 the output dtype.
+An RMSNorm before the linear can come along (`norm_weight`): W·(g ⊙ x·r) = r · W·(g ⊙ x) with
+r = rsqrt(mean(x²) + eps) one number a row, so the K loop multiplies x by g as it loads it and the program that
+applies the epilogue scales the row by r, which it takes from one more pass over the row of x (K values: the weight
+is N times more).
+A SiTU-GLU before the linear can come along too (`glu_up`): x is then the gate, and the K loop loads the up values
+beside it and takes SiTU-GLU(gate, up) (k3.ops._situ_triton's functions), rounded to x's dtype as the reference's h.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._situ_triton import _sigmoid, _tanh
 from k3.ops.triton_dispatch import on_device, sm_count
 
 # Rows from which 16-bit weights go through tl.dot (x padded to 16 rows); below it the FMA units. A first guess.
@@ -31,10 +38,23 @@ DOT_MIN_ROWS = 4
 # dot: the tile of W per step; stages: the loads in flight of the pipelined K loop. programs_per_sm: the grid
 # aimed at before K is split.
 LAUNCH = dict(fma_block_n=8, fma_tile_elems=8192, fma_warps=4, fma_stages=2, dot_block_n=16, dot_block_k=256,
-              dot_warps=4, dot_stages=3, programs_per_sm=2, min_split_k=256, reduce_block=256)
+              dot_warps=4, dot_stages=3, programs_per_sm=2, min_split_k=256, reduce_block=256, norm_block=1024)
 # SMs assumed off the GPU (the Triton interpreter on CPU tensors): the H200's, so the CPU tests plan the
 # same grids as the card.
 _INTERPRETER_SMS = 132
+
+
+@triton.jit
+def _row_rstd(x_ptr, rows, M, K, stride_xm, eps, NORM_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """rsqrt(mean(x[row]²) + eps) in fp32 for each of `rows` (masked past M), over K columns in NORM_BLOCK tiles
+    (NORM_K: K rounded up to them, a constant bound the interpreter can run)."""
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    ss = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    for k0 in tl.range(0, NORM_K, NORM_BLOCK):
+        ks = k0 + tl.arange(0, NORM_BLOCK)
+        x = tl.load(x_rows + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
 
 
 @triton.jit
@@ -50,11 +70,13 @@ def _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stri
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr,
-                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
-                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr,
-                 DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 K_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr, eps, up_ptr, beta_gate, beta_up,
+                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, stride_um,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_GLU: tl.constexpr,
+                 GLU_EXACT: tl.constexpr, SPLIT: tl.constexpr,
+                 USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, NORM_K: tl.constexpr,
+                 NORM_BLOCK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -64,6 +86,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr,
     k_start = pid_k * K_SPLIT  # this split's K_SPLIT columns (a whole number of tiles; the last split is cut at K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    up_rows = up_ptr + rows.to(tl.int64)[:, None] * stride_um
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # constant bounds: a software-pipelined loop on the GPU, and what the interpreter (the CPU tests) can run
     for k0 in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
@@ -71,6 +94,18 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr,
         k_ok = ks < K
         w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if HAS_GLU:  # x is the gate: h = SiTU-GLU(gate, up), rounded to x's dtype as situ_glu's h
+            gate = x.to(tl.float32)
+            up = tl.load(up_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            h = (beta_gate * _tanh(gate * (1.0 / beta_gate), GLU_EXACT) * _sigmoid(gate, GLU_EXACT)
+                 * (beta_up * _tanh(up * (1.0 / beta_up), GLU_EXACT)))
+            x = h.to(x_ptr.dtype.element_ty)
+        if HAS_NORM:  # g ⊙ x in fp32 (the row's rstd comes in the epilogue); rounded as x for the tensor cores
+            g = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            if USE_DOT and not DOT_IN_FP32:
+                x = (x.to(tl.float32) * g[None, :]).to(x_ptr.dtype.element_ty)
+            else:
+                x = x.to(tl.float32) * g[None, :]
         # off the GPU the dot's 16-bit tiles go in as fp32: the interpreter (triton 3.6) multiplies bf16 tiles as
         # their raw uint16 bits. The products are exact either way and the sums fp32.
         if USE_DOT and DOT_IN_FP32:
@@ -83,13 +118,17 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr,
         ok = m_ok[:, None] & n_ok[None, :]
         tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
     else:
+        if HAS_NORM:
+            acc = acc * _row_rstd(x_ptr, rows, M, K, stride_xm, eps, NORM_K, NORM_BLOCK)[:, None]
         _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stride_om, HAS_BIAS, HAS_RES)
 
 
 @triton.jit
-def _reduce_splits_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, M, N, n_splits, stride_rm, stride_om,
-                          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, cols] = Σ_s part[s, m, cols] (s in order) with the epilogue; one program per (row, column block)."""
+def _reduce_splits_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, x_ptr, eps, M, N, K, n_splits, stride_rm, stride_om,
+                          stride_xm, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
+                          BLOCK: tl.constexpr, NORM_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """out[m, cols] = Σ_s part[s, m, cols] (s in order) (× the row's rstd) with the epilogue; one program per
+    (row, column block)."""
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -99,6 +138,8 @@ def _reduce_splits_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, M, N, n_splits, 
         acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=ok, other=0.0)[None, :]
         s += 1
     rows = m + tl.arange(0, 1)
+    if HAS_NORM:
+        acc = acc * _row_rstd(x_ptr, rows, M, K, stride_xm, eps, NORM_K, NORM_BLOCK)[:, None]
     _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stride_om, HAS_BIAS, HAS_RES)
 
 
@@ -124,10 +165,13 @@ def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
 
 
 @torch.library.custom_op("k3::decode_gemv", mutates_args=())
-def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (columns contiguous) @ weight [N, K]ᵀ (+ bias [N]) (+ residual [M, N]) → [M, N] in x's dtype;
-    inputs checked by the caller (k3.ops.gemv.linear). A custom op: torch.compile keeps it as one call."""
+def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, glu_up: torch.Tensor | None = None,
+                beta_gate: float = 0.0, beta_up: float = 0.0) -> torch.Tensor:
+    """x := SiTU-GLU(x, glu_up; beta_gate, beta_up) when glu_up [M, K] is given, or RMSNorm(x; norm_weight,
+    norm_eps) when norm_weight is (not both), then x [M, K] (columns contiguous) @ weight
+    [N, K]ᵀ (+ bias [N]) (+ residual [M, N]) → [M, N] in x's dtype; inputs checked by the caller
+    (k3.ops.gemv.linear). A custom op: torch.compile keeps it as one call."""
     M, K = x.shape
     N = weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -139,20 +183,27 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     part = torch.empty(p["split"], M, N, dtype=torch.float32, device=x.device) if split else out
     res = residual if residual is not None else out  # (an unread stand-in pointer)
     b = bias if bias is not None else out
-    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None)
+    norm_w = norm_weight if norm_weight is not None else out
+    up = glu_up if glu_up is not None else x
+    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_NORM=norm_weight is not None)
+    # (fp32 outputs take the exact exps, as k3.ops._situ_triton's kernels do)
+    glu = dict(HAS_GLU=glu_up is not None, GLU_EXACT=x.dtype == torch.float32)
+    norm_block = min(LAUNCH["norm_block"], triton.next_power_of_2(max(K, 1)))
+    norm = dict(NORM_K=triton.cdiv(max(K, 1), norm_block) * norm_block, NORM_BLOCK=norm_block)
     with on_device(x):
         _gemv_kernel[(p["n_blocks"], p["split"])](
-            x, weight, b, res, out, part, M, N, K, x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
-            SPLIT=split, USE_DOT=p["use_dot"], DOT_IN_FP32=not x.is_cuda, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"],
-            BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"], NUM_STAGES=p["stages"], num_warps=p["warps"], **flags)
+            x, weight, b, res, out, part, norm_w, norm_eps, up, beta_gate, beta_up, M, N, K, x.stride(0),
+            weight.stride(0), res.stride(0), out.stride(0), up.stride(0), SPLIT=split, USE_DOT=p["use_dot"], DOT_IN_FP32=not x.is_cuda, BLOCK_M=p["block_m"],
+            BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"], NUM_STAGES=p["stages"],
+            num_warps=p["warps"], **flags, **norm, **glu)
         if split:
             block = min(LAUNCH["reduce_block"], triton.next_power_of_2(N))
             _reduce_splits_kernel[(M, triton.cdiv(N, block))](
-                part, b, res, out, M, N, p["split"], res.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-                **flags)
+                part, b, res, out, x, norm_eps, M, N, K, p["split"], res.stride(0), out.stride(0), x.stride(0),
+                BLOCK=block, num_warps=4, **flags, **norm)
     return out
 
 
 @decode_gemv.register_fake
-def _(x, weight, bias, residual):
+def _(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=None, beta_gate=0.0, beta_up=0.0):
     return x.new_empty(x.shape[0], weight.shape[0])

@@ -2,12 +2,16 @@
 
 At batch 1..16 a decode step's linears are matrix-vector products that only have to read W once; cuBLAS reaches
 about a quarter of an H200's bandwidth on them (benchmarks/RESULTS.md, "Decode, issue 21"). `linear` is the one
-entry: with no gradient, at most MAX_ROWS rows, plain CUDA tensors of one float dtype, and the kernel switched
-on (k3.ops.triton_dispatch: `_gemv_triton`, opt-in: on an H200 it wins only on the narrow linears, K3_TRITON), it runs k3.ops._gemv_triton's
-kernel (the custom op `k3::decode_gemv`, so a torch.compile'd decode step keeps it); otherwise the plain
-`linear_reference`. `DecodeLinear` is an nn.Linear whose forward is `linear` (and may take the residual add
-that follows it at its call site); FusedLinears' stacked projections call `linear` themselves.
-`force_gemv(True)` takes the kernel on CPU tensors too (tests, under TRITON_INTERPRET=1).
+entry: with no gradient, plain CUDA tensors of one float dtype, a shape where the kernel beat cuBLAS on an H200
+(`kernel_wins`: at most WIN_ROWS rows and a weight of at most WIN_WEIGHT_ELEMS elements) and the kernel switched
+on (k3.ops.triton_dispatch: `_gemv_triton`, opt-in until re-timed with this rule, K3_TRITON), it runs
+k3.ops._gemv_triton's kernel (the custom op `k3::decode_gemv`, so a torch.compile'd decode step keeps it);
+otherwise the plain `linear_reference` (cuBLAS). `DecodeLinear` is an nn.Linear whose forward is `linear` (and
+may take the residual add that follows it at its call site, and the RMSNorm before it: the kernel's prologue and
+epilogue then do both, or the SiTU-GLU before it: the prologue); FusedLinears' stacked projections call `linear`
+themselves.
+`force_gemv(True)` takes the kernel on CPU tensors too and at any shape it can run (≤ MAX_ROWS rows; tests,
+under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -16,17 +20,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.ops.fused_situ import situ_glu_fast
+from k3.ops.norm import rms_norm
 from k3.ops.triton_dispatch import Forced, triton_module, use_triton_op
 
-__all__ = ["MAX_ROWS", "linear_reference", "use_gemv", "force_gemv", "linear", "DecodeLinear"]
+__all__ = ["MAX_ROWS", "WIN_ROWS", "WIN_WEIGHT_ELEMS", "kernel_wins", "linear_reference", "use_gemv", "force_gemv",
+           "linear", "DecodeLinear"]
 
 KERNELS = "_gemv_triton"
 MAX_ROWS = 16  # a decode batch; past it the weight is shared by enough rows for cuBLAS's GEMM tiles
+# Where the kernel beat cuBLAS on an H200 (session 13, `bench_gpu_kernels.py --gemv`, small's linears, L2 cold, µs
+# ours / cuBLAS at 1 row): q_b_proj [2304, 384] 2.9 / 3.5, the routed up + residual [1536, 768] 3.2 / 6.0, the shared
+# experts' down [1536, 1024] 3.2 / 5.1, o_proj [1536, 1536] 5.5 / 6.5; it lost from MLA's fused input projection
+# [2240, 1536] (5.7 / 5.4) up: the dense MLP [6144, 1536] 9.2 / 7.8, lm_head [32768, 1536] 34.8 / 28.4. At 8 rows it
+# lost on all but KDA's input projection. So: weights of at most 2.5M elements, at most 4 rows (the FMA tiles).
+WIN_ROWS = 4
+WIN_WEIGHT_ELEMS = 2_500_000
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, plus `residual` when given. Never dispatches."""
+                     residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                     norm_eps: float = 0.0, glu_up: torch.Tensor | None = None,
+                     glu_betas: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` of x, of `rms_norm(x, norm_weight, norm_eps)` when norm_weight is given, or of
+    `situ_glu_fast(x, glu_up, *glu_betas)` when glu_up is (x the gate), plus `residual` when given. Never
+    dispatches to the GEMV."""
+    if norm_weight is not None and glu_up is not None:
+        raise ValueError("linear: norm_weight and glu_up cannot both be given (one prologue at a time)")
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, norm_eps)
+    if glu_up is not None:
+        x = situ_glu_fast(x, glu_up, *glu_betas)
     y = F.linear(x, weight, bias)
     return y if residual is None else y + residual
 
@@ -38,35 +62,55 @@ def _plain(t: torch.Tensor | None) -> bool:
     return t is None or type(t) in (torch.Tensor, nn.Parameter)  # not a DTensor or other subclass
 
 
+def kernel_wins(rows: int, n: int, k: int) -> bool:
+    """Whether the kernel is the faster choice for `rows` rows through an [n, k] weight (the H200's shape classes
+    above); cuBLAS elsewhere."""
+    return rows <= WIN_ROWS and n * k <= WIN_WEIGHT_ELEMS
+
+
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             residual: torch.Tensor | None = None) -> bool:
+             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+             glu_up: torch.Tensor | None = None) -> bool:
     """Whether `linear` takes the kernel: 1..MAX_ROWS rows, no gradient wanted, one float dtype throughout, a 2-D
-    weight with contiguous rows, a residual of the output's shape, no autocast, and the kernel chosen for x
-    (k3.ops.triton_dispatch.use_triton_op, so inside torch.compile too) or forced on."""
-    if force_gemv.value is False or (force_gemv.value is None and not x.is_cuda) or x.dim() == 0 or x.shape[-1] == 0:
+    weight with contiguous rows, a residual of the output's shape, a norm weight of x's width or a GLU up of x's
+    shape with contiguous columns (not both), no autocast, and
+    either forced on or the kernel
+    chosen for x (k3.ops.triton_dispatch.use_triton_op, so inside torch.compile too) at a shape where it wins
+    (`kernel_wins`)."""
+    forced = force_gemv.value
+    if forced is False or x.dim() == 0 or x.shape[-1] == 0:
+        return False
+    if not forced and not use_triton_op(x, KERNELS):
         return False  # (the CPU's training and tests leave here)
     rows = x.numel() // x.shape[-1]
+    if not forced and not (weight.dim() == 2 and kernel_wins(rows, weight.shape[0], weight.shape[1])):
+        return False
     fits = (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
             and weight.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and all(t is None or (t.dtype == x.dtype and t.device == x.device) for t in (weight, bias, residual))
+            and all(t is None or (t.dtype == x.dtype and t.device == x.device)
+                    for t in (weight, bias, residual, norm_weight, glu_up))
             and (residual is None or residual.shape == (*x.shape[:-1], weight.shape[0]))
-            and _plain(x) and _plain(weight) and _plain(bias) and _plain(residual))
+            and (norm_weight is None or norm_weight.shape == x.shape[-1:])
+            and (glu_up is None or (norm_weight is None and glu_up.shape == x.shape and glu_up.stride(-1) == 1))
+            and all(_plain(t) for t in (x, weight, bias, residual, norm_weight, glu_up)))
     if not fits or torch.is_autocast_enabled(x.device.type):
         return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias, residual, norm_weight, glu_up)):
         return False
-    if force_gemv.value:
-        return triton_module(KERNELS) is not None
-    return use_triton_op(x, KERNELS)
+    return triton_module(KERNELS) is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear_reference(x, weight, bias, residual)`: x [..., K], weight [N, K] → [..., N]; the GEMV kernel where
-    `use_gemv` takes it (one rounding to x's dtype after the bias and residual, where the reference rounds the
-    GEMM's output first)."""
-    if not use_gemv(x, weight, bias, residual):
-        return linear_reference(x, weight, bias, residual)
+           residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+           norm_eps: float = 0.0, glu_up: torch.Tensor | None = None,
+           glu_betas: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
+    """`linear_reference(x, weight, bias, residual, norm_weight, norm_eps, glu_up, glu_betas)`: x [..., K], weight
+    [N, K] → [..., N]; the GEMV kernel where `use_gemv` takes it (one rounding to x's dtype after the bias and
+    residual, where the reference rounds the GEMM's output first; the normalised x is not rounded before the GEMM,
+    the GLU's h is, as the reference's)."""
+    if not use_gemv(x, weight, bias, residual, norm_weight, glu_up):
+        return linear_reference(x, weight, bias, residual, norm_weight, norm_eps, glu_up, glu_betas)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -75,19 +119,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if residual is not None:
         r2 = residual.reshape(-1, residual.shape[-1])
         r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
-    y = _launch(x2, weight, None if bias is None else bias.contiguous(), r2)
+    g = None if norm_weight is None else norm_weight.contiguous()
+    u2 = None if glu_up is None else glu_up.reshape(-1, glu_up.shape[-1])
+    y = _launch(x2, weight, None if bias is None else bias.contiguous(), r2, g, float(norm_eps), u2,
+                *(float(b) for b in glu_betas))
     return y.view(*lead, weight.shape[0])
 
 
-def _launch(x, weight, bias, residual):
+def _launch(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=None, beta_gate=4.0, beta_up=25.0):
     """The kernel, through its custom op (registered by k3.ops._gemv_triton, which `use_gemv` imported); called
     by name, not as a module attribute, which torch.compile would have to guard."""
-    return torch.ops.k3.decode_gemv(x, weight, bias, residual)
+    return torch.ops.k3.decode_gemv(x, weight, bias, residual, norm_weight, norm_eps, glu_up, beta_gate, beta_up)
 
 
 class DecodeLinear(nn.Linear):
     """nn.Linear (same parameters, names and state dict) whose forward is `linear`: a decode step's few rows take
-    the GEMV kernel where chosen. `residual`: added to the output (fused into the kernel's epilogue there)."""
+    the GEMV kernel where chosen. `residual`: added to the output (fused into the kernel's epilogue there);
+    `norm`: an RMSNorm module (`weight`, `eps`) applied to x first (in the kernel's prologue and epilogue there);
+    `glu_up`, `glu_betas`: the input is SiTU-GLU(x, glu_up) (x the gate; in the kernel's prologue there)."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: nn.Module | None = None,
+                glu_up: torch.Tensor | None = None, glu_betas: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
+        if norm is None:
+            return linear(x, self.weight, self.bias, residual, glu_up=glu_up, glu_betas=glu_betas)
+        return linear(x, self.weight, self.bias, residual, norm.weight, norm.eps, glu_up, glu_betas)
