@@ -149,7 +149,9 @@ def test_activation_checkpointing_trains_identically(tmp_path, uninterrupted):
     assert [r["maxvio"] for r in recs] == [h["maxvio"] for h in full.history[:3]]
 
 
-def test_cli_activation_checkpointing_flag_reaches_the_trainer(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flag, field", [("--activation-checkpointing", "activation_checkpointing"),
+                                         ("--compile", "compile")])
+def test_cli_train_flags_reach_the_trainer(tmp_path, monkeypatch, flag, field):
     class Stop(Exception):
         pass
 
@@ -160,7 +162,7 @@ def test_cli_activation_checkpointing_flag_reaches_the_trainer(tmp_path, monkeyp
         raise Stop
 
     monkeypatch.setattr(trainer_mod, "Trainer", trainer)
-    for flag, want in (([], False), (["--activation-checkpointing"], True)):
+    for flags, want in (([], False), ([flag], True)):
         with pytest.raises(Stop):
-            main(["train", "--out", str(tmp_path), *flag])
-        assert seen["cfg"].activation_checkpointing is want
+            main(["train", "--out", str(tmp_path), *flags])
+        assert getattr(seen["cfg"], field) is want

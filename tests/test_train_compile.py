@@ -309,23 +309,3 @@ def test_the_decode_steps_compile_still_takes_the_model_whole():
             out[name] = torch.cat(hs, 1)
     assert len(graphs) == 1 and log.graphs == 0
     torch.testing.assert_close(out["compiled"], out["plain"], rtol=1e-5, atol=1e-5)
-
-
-def test_cli_compile_flag_reaches_the_trainer(tmp_path, monkeypatch):
-    from k3.cli import main
-    from k3.train import trainer as trainer_mod
-
-    class Stop(Exception):
-        pass
-
-    seen = {}
-
-    def trainer(cfg, **kw):
-        seen["cfg"] = cfg
-        raise Stop
-
-    monkeypatch.setattr(trainer_mod, "Trainer", trainer)
-    for flag, want in (([], False), (["--compile"], True)):
-        with pytest.raises(Stop):
-            main(["train", "--out", str(tmp_path), *flag])
-        assert seen["cfg"].compile is want
