@@ -63,7 +63,7 @@ from k3.ops.fused_linear import FusedLinears  # noqa: E402
 from k3.ops.sigmoid_gate import sigmoid_gate  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
-from k3.ops.gemv import DecodeLinear, linear, use_gemv  # noqa: E402
+from k3.ops.gemv import DecodeLinear, force_gemv, linear, use_gemv  # noqa: E402
 from k3.ops.mla_static_decode import (static_decode_attention, static_decode_attention_reference,  # noqa: E402
                                       use_static_decode_kernel)
 
@@ -414,7 +414,9 @@ def time_gemv(N: int, K: int, M: int, residual: bool, impl: str, bw: float) -> d
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     r = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if residual else None
-    with torch.no_grad(), envs.override(triton_opt_in=["_gemv_triton"] if impl == "triton" else []):
+    # (the kernel forced: timed at every shape, past gemv.kernel_wins' rule, which these rows decide)
+    with torch.no_grad(), envs.override(triton_opt_in=["_gemv_triton"] if impl == "triton" else []), \
+            force_gemv(True if impl == "triton" else None):
         if impl == "triton":
             assert use_gemv(x, ws[0], None, r), "the GEMV kernel was not chosen"
             fn = lambda w: linear(x, w, residual=r)  # noqa: E731
