@@ -13,10 +13,11 @@ TRITON_INTERPRET=1 (the lead's /work/tvenv): the kernels are then chosen as on C
 (K3_TRITON, K3_NO_TRITON; `--switches default,all` runs both), so the census reflects them. Without triton the
 references run and are counted. fla never runs off CUDA: at the default switches KDA's core is counted as k3's
 reference (fla's recurrent step is ~4 kernels there), with K3_TRITON=all it is k3's one-kernel step anyway.
-The decode GEMV (k3.ops.gemv) stands for one GEMM each (and the MoE's up projection takes the shared experts'
-sum in its epilogue: one add fewer a MoE layer), so `all-_gemv_triton` counts the same but for those adds and
-spares the interpreter its slowest kernel (lm_head's); the float decode experts' two kernels cannot run there
-and are counted as launched, their values from the reference.
+The decode GEMV (k3.ops.gemv), where switched on, is chosen by its shape rule as on CUDA (`kernel_wins`: the
+narrow linears at <= 4 rows, where it beat cuBLAS; lm_head, the interpreter's slowest, is left to cuBLAS) and
+takes the MoE's routed norm, the shared experts' SiTU-GLU and their `+ s` with it (3 ops fewer a MoE layer); its
+op counts as one, though where K is split (o_proj at 1 row) it launches two kernels. The float decode experts'
+two kernels cannot run there and are counted as launched, their values from the reference.
 
 Run: TRITON_INTERPRET=1 PYTHONPATH=src /work/tvenv/bin/python benchmarks/decode_op_census.py
      [--preset small] [--batch 1,64] [--layers N] [--switches default,all-_gemv_triton] [--ops 8]
