@@ -220,3 +220,43 @@ def test_glu_inputs_that_do_not_fit_are_refused():
         assert not use_gemv(x, w, None, None, torch.ones(64, device=DEVICE), torch.zeros(2, 64, device=DEVICE))
     with pytest.raises(ValueError, match="norm_weight and glu_up"):
         gemv.linear_reference(x, w, None, None, torch.ones(64, device=DEVICE), 1e-5, torch.zeros(2, 64, device=DEVICE))
+
+
+def test_model_decode_folds_norms_and_glu_into_the_kernel(monkeypatch):
+    """fp32 tiny model, StaticCache decode with the GEMV forced on: each MLA layer's q_b launch carries its q_a norm,
+    each MoE layer's routed up launch its routed norm and the shared experts' output, its shared down launch their
+    GLU; the logits equal the same decode with the kernel off and the full forward."""
+    monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_block_n", 64)  # fewer, larger programs: the interpreter's pace
+    monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_tile_elems", 1 << 16)
+    from k3.model.decoder import K3ForCausalLM
+    from k3.ops.fused_linear import fuse_projections
+
+    cfg = K3Config.preset("tiny")
+    torch.manual_seed(4)
+    model = K3ForCausalLM(cfg).to(DEVICE).eval()
+    fuse_projections(model)
+    launches = []
+    launch = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *a: launches.append(a) or launch(*a))
+    B, T = 2, 5
+    ids = torch.randint(0, cfg.vocab_size, (B, T + 1), device=DEVICE)
+    steps = {}
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        for on in (True, False):
+            cache = model.new_cache(B, T + 1)
+            model(ids[:, :T], cache=cache)
+            with force_gemv(on):
+                steps[on] = model(ids[:, T:], cache=cache).logits[:, -1]
+    by_weight = {id(a[1]): a for a in launches}
+    mla = [layer.self_attn for layer in model.model.layers if layer.is_mla]
+    moe = [layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
+    assert mla and moe
+    for m in mla:
+        assert by_weight[id(m.q_b_proj.weight)][4] is m.q_a_layernorm.weight
+    for m in moe:
+        up = by_weight[id(m.routed_expert_up_proj.weight)]
+        assert up[4] is m.routed_expert_norm.weight and up[3] is not None
+        assert by_weight[id(m.shared_experts.down_proj.weight)][6] is not None
+    torch.testing.assert_close(steps[True], steps[False], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(steps[True], full, rtol=1e-4, atol=1e-4)

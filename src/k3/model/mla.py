@@ -127,7 +127,8 @@ class MultiHeadLatentAttention(nn.Module):
         B, T, _ = x.shape
         H = self.num_heads
         q_a, kv_a, gate = self.in_proj(x)
-        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(B, T, H, self.nope + self.rope)
+        # (the q_a norm in q_b's GEMV kernel where decode takes it: k3.ops.gemv)
+        q = self.q_b_proj(q_a, norm=self.q_a_layernorm).view(B, T, H, self.nope + self.rope)
         latent, k_extra = kv_a.split([self.kv_rank, self.rope], dim=-1)
         o = mla_layout(cache, doc_ids).attend(self, q, self.kv_a_layernorm(latent), k_extra)
         return self.o_proj(sigmoid_gate(o, gate))  # o ⊙ σ(gate) over the heads (k3.ops.sigmoid_gate)
