@@ -90,7 +90,10 @@ class FusedLinears(StackedWeights):
 
 def joined_columns(parts: list[torch.Tensor]) -> torch.Tensor:
     """`torch.cat(parts, -1)`, as a view without a copy where the parts are adjacent column slices of one tensor
-    (what FusedLinears returns) and no gradient is needed: a view to read, not to write into."""
+    (what FusedLinears returns) and no gradient is needed: a view to read, not to write into. Under torch.compile
+    the plain cat (Dynamo cannot trace storage offsets; the compiled graph plans its own buffers)."""
+    if torch.compiler.is_compiling():
+        return torch.cat(parts, -1)
     first = parts[0]
     adjacent = not (torch.is_grad_enabled() and any(p.requires_grad for p in parts)) and first.stride(-1) == 1
     offset = first.storage_offset()
