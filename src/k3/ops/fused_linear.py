@@ -83,9 +83,7 @@ class FusedLinears(StackedWeights):
             return shared_input_projections(x, weights)
         if self.weight is None or needs_grad:
             return [lin(x) for lin in self.linears]
-        if not torch.compiler.is_compiling():  # (compiled code trusts the cache refreshed before compiling)
-            self.refresh()
-        return list(linear(x, self.weight).split([w.shape[0] for w in weights], dim=-1))
+        return list(linear(x, self.current()).split([w.shape[0] for w in weights], dim=-1))
 
 
 def joined_columns(parts: list[torch.Tensor]) -> torch.Tensor:
