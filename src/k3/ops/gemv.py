@@ -15,7 +15,6 @@ under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,10 +72,8 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
              glu_up: torch.Tensor | None = None) -> bool:
     """Whether `linear` takes the kernel: 1..MAX_ROWS rows, no gradient wanted, one float dtype throughout, a 2-D
     weight with contiguous rows, a residual of the output's shape, a norm weight of x's width or a GLU up of x's
-    shape with contiguous columns (not both), no autocast, and
-    either forced on or the kernel
-    chosen for x (k3.ops.triton_dispatch.use_triton_op, so inside torch.compile too) at a shape where it wins
-    (`kernel_wins`)."""
+    shape with contiguous columns (not both), no autocast, and either forced on or the kernel chosen for x
+    (k3.ops.triton_dispatch.use_triton_op, so inside torch.compile too) at a shape where it wins (`kernel_wins`)."""
     forced = force_gemv.value
     if forced is False or x.dim() == 0 or x.shape[-1] == 0:
         return False
