@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -30,7 +31,10 @@ def ptx_for_sm90(module: str, kernel: str, signature: dict, num_warps: int = 4, 
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     args = json.dumps([module, kernel, signature, constexprs, num_warps])
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    # a cache of its own: a shared one may hold the kernel packed without its PTX (run_h200.sh's `pack`)
+    with tempfile.TemporaryDirectory() as cache:
+        env["TRITON_CACHE_DIR"] = cache
+        done = subprocess.run([sys.executable, "-c", _SCRIPT, args], env=env, capture_output=True, text=True,
+                              timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout

@@ -17,7 +17,7 @@ from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.ops import _gemv_triton, gemv  # noqa: E402
 from k3.ops.fused_linear import fuse_projections  # noqa: E402
-from k3.ops.gemv import DecodeLinear, force_gemv, linear, use_gemv  # noqa: E402
+from k3.ops.gemv import DecodeLinear, force_gemv, kernel_wins, linear, use_gemv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # rtol: one ulp of the output dtype (bf16 8 bits, fp16 11); atol: fp32 summation of K products of ~N(0, 1) values
@@ -256,11 +256,14 @@ def test_compiled_decode_step_keeps_the_kernel_in_one_graph(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 4, 5, 8, 16])
 def test_cuda_kernel_at_small_decode_shapes(M):
-    """On the card (tensor cores for bf16 from 5 rows): `small`'s decode shapes against the fp64 matmul."""
+    """On the card (tensor cores for bf16 from 5 rows): `small`'s decode shapes against the fp64 matmul, with the
+    kernel forced (opted in, it takes only the shapes where it wins)."""
     for N, K in [(6284, 1536), (1536, 1536), (1536, 768), (1536, 1024), (2304, 384), (32768, 1536)]:
         for dtype in (torch.bfloat16, torch.float32):
             x, w, b, res = operands(M + N, M, N, K, dtype, bias=True, residual=True)
             with envs.override(triton_opt_in="_gemv_triton"), torch.no_grad():
+                assert use_gemv(x, w, b, res) == kernel_wins(M, N, K)
+            with force_gemv(True), torch.no_grad():
                 assert use_gemv(x, w, b, res)
                 check(linear(x, w, b, res), reference(x, w, b, res), dtype)
 

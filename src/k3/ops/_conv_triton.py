@@ -253,8 +253,8 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
     b = tl.program_id(2).to(tl.int64)
-    TC = T.to(tl.int64) * C
-    x_b, gy_b, ypre_b, gx_b = x_ptr + b * TC, gy_ptr + b * TC, ypre_ptr + b * TC, gx_ptr + b * TC
+    bTC = b * T * C  # int64 through b (T is a plain int when Triton specialises T == 1)
+    x_b, gy_b, ypre_b, gx_b = x_ptr + bTC, gy_ptr + bTC, ypre_ptr + bTC, gx_ptr + bTC
     tail_b, gnt_b, gtail_b = tail_ptr + b * (W - 1) * C, gnt_ptr + b * (W - 1) * C, gtail_ptr + b * (W - 1) * C
     doc_b = doc_ptr + b * T
     t0 = pid_t * CHUNK_T
