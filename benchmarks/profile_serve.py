@@ -11,8 +11,14 @@ the one read of the sampled ids, so it includes waiting for the device) and the 
 under torch.profiler gives the device's busy time per step kind (kernels' summed time) and its kernel count.
 With --sync-trace, a short pass per variant counts where each step makes the host wait for the device (CUDA's
 sync debug mode: reads of device values, copies from pageable memory, stream syncs), by file and line.
+With --census, a short pass per variant counts the torch ops each step launches (ops that launch a kernel on a GPU:
+views and allocations left out), by where: the engine around the forward (scheduling, the pool's slot copies and
+zeroing, sampling), the runner's own (the step's layout, logits), the model's (KDA's cores counted apart, as calls:
+fla's on a GPU, the torch reference on a CPU) and the serving layouts' state reads and writes inside it. Counts,
+not times: on any device, and `--preset small-pattern` (small's 16 layers, 12 KDA + 4 MLA, 64 experts top-8, at
+tiny widths) makes a CPU pass fast; a count does not depend on widths.
 Run: PYTHONPATH=src python benchmarks/profile_serve.py [--preset small --device cuda --streams 64]
-    [--variants ';split_mixed_steps=true'] [--rounds 2] [--profile] [--sync-trace]
+    [--variants ';split_mixed_steps=true'] [--rounds 2] [--profile] [--sync-trace] [--census]
 A variant may also set k3.envs switches, e.g. `--variants 'fla_lean=false;fla_lean=true'` (fla's public chunk_kda
 against k3.ops.kda_fla_lean).
 """
@@ -26,13 +32,14 @@ import time
 import warnings
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench_util import save, table  # noqa: E402
 
 import k3.serve.engine as engine_mod  # noqa: E402
 from k3 import envs  # noqa: E402
-from k3.config import K3Config  # noqa: E402
+from k3.config import K3Config, _scaled  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.serve.engine import EngineConfig, LLMEngine  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
@@ -244,6 +251,76 @@ def sync_trace(rec, prompts, params, streams) -> list[dict]:
     return rows
 
 
+# allocations and metadata: no kernel on a GPU (as benchmarks/prefill_pieces_census.py)
+NOT_KERNELS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
+               "detach", "detach_", "alias", "_reshape_alias", "set_", "_local_scalar_dense"}
+
+
+class OpCensus(TorchDispatchMode):
+    """Kernel-launching torch ops by label; `where` is set by the wrappers `census` installs."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts, self.where = collections.Counter(), "engine"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func.overloadpacket.__name__ not in NOT_KERNELS:
+            self.counts[self.where] += 1
+        return out
+
+
+def census(rec, prompts, params, streams) -> list[dict]:
+    """Ops per step kind (medians) by where they launch: engine (outside runner.run), runner (inside it, outside
+    the model), model (KDA cores apart), layouts (the serving view's KDA state reads and writes, inside the
+    model), and the KDA core calls."""
+    import k3.model.kda as kda_model
+    eng, tally, per_kind = rec.engine, OpCensus(), collections.defaultdict(list)
+    patched = []
+
+    def label(obj, name, where, count=None):
+        fn = getattr(obj, name)
+
+        def wrapped(*a, **k):
+            before, tally.where = tally.where, where
+            if count is not None:
+                tally.counts[count] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                tally.where = before
+        patched.append((obj, name, fn))
+        setattr(obj, name, wrapped)
+
+    label(eng.runner, "run", "runner")
+    label(eng.model.model, "forward", "model")
+    label(kda_model, "kda_core", "kda core", count="kda core calls")
+    import k3.serve.runner as runner_mod
+    for cls in (runner_mod.PagedBatchView, runner_mod.DecodeGraphView):
+        for name in ("kda_state", "set_kda_state"):
+            label(cls, name, "layouts")
+    inner = rec.step
+
+    def counted_step():
+        tally.counts.clear()
+        with tally:
+            outs = inner()
+        if rec.steps:
+            per_kind[rec.steps[-1]["kind"]].append(collections.Counter(tally.counts))
+        return outs
+    rec.step = counted_step
+    try:
+        drive(rec, prompts, params, streams)
+    finally:
+        rec.step = inner
+        for obj, name, fn in reversed(patched):
+            setattr(obj, name, fn)
+    med = lambda xs, key: statistics.median(x[key] for x in xs)  # noqa: E731
+    return [dict(kind=kind, steps=len(xs), engine=med(xs, "engine"), runner=med(xs, "runner"),
+                 model=med(xs, "model"), layouts=med(xs, "layouts"), kda_core_calls=med(xs, "kda core calls"))
+            for kind, xs in sorted(per_kind.items())]
+
+
 def static_batches(model, prompts, streams, out_len) -> tuple[float, int]:
     ids = torch.tensor(prompts, device=next(model.parameters()).device)
     model.generate(ids[:streams], max_new_tokens=2, eos_token_id=None)  # untimed: graphs and autotuning
@@ -274,6 +351,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also the pass under torch.profiler (first variant)")
     ap.add_argument("--sync-trace", action="store_true", help="also a short pass per variant counting the host's "
                     "waits for the device per step, by site (CUDA only)")
+    ap.add_argument("--census", action="store_true", help="also a short pass per variant counting each step's "
+                    "kernel-launching torch ops by where they launch (any device)")
     ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, each round in the "
                     "reverse order of the one before: a process's first variant also pays for warm-up the untimed "
                     "wave misses (autotuning of new step shapes), so compare variants from round 2 on")
@@ -282,7 +361,9 @@ def main():
                     "';split_mixed_steps=true' or 'fla_lean=false;fla_lean=true'")
     a = ap.parse_args()
     dev = torch.device(a.device)
-    cfg = K3Config.preset(a.preset)
+    cfg = (_scaled(num_layers=16, hidden=128, heads=4, head_dim=32, vocab=8192, dense_inter=384, experts=64,
+                   topk=8, expert_inter=64, q_lora=64, kv_lora=32, rope=16, block=4)
+           if a.preset == "small-pattern" else K3Config.preset(a.preset))
     torch.manual_seed(0)
     with torch.device(dev):
         model = K3ForCausalLM(cfg)
@@ -338,6 +419,14 @@ def main():
                 row["waits"] = sync_trace(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
             print("\n== host waits for the device per step (CUDA sync debug mode), commonest sites (per step)")
             print(table(row["waits"], ["kind", "steps", "waits_median", "waits_max", "sites"]), flush=True)
+        if a.census and round_ == a.rounds - 1:
+            rec.steps.clear()
+            with torch.inference_mode():
+                short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
+                row["census"] = census(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
+            print("\n== kernel-launching torch ops per step (medians) by where they launch")
+            print(table(row["census"], ["kind", "steps", "engine", "runner", "model", "layouts", "kda_core_calls"]),
+                  flush=True)
         eng.close()
         variant_env.close()
         if dev.type == "cuda":

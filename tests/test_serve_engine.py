@@ -430,3 +430,35 @@ def test_a_steps_checkpoints_are_copied_together_and_exactly(model):
     assert all(exact for _, exact in flushes) and max(n for n, _ in flushes) == 4
     assert not eng.pool.pending_copies
     assert_pool_empty(eng)
+
+
+def test_a_steps_admissions_zero_their_slots_together_before_the_forward(model, monkeypatch):
+    """New sequences' KDA slots (here slots a finished request left dirty, every layer) are zeroed in one flush
+    before the step's forward: one fill per pool tensor for all of them, none per sequence or layer, and nothing
+    of the earlier request's state leaks into the new ones' tokens."""
+    eng = engine(model, prefix_caching=False, num_state_slots=4)
+    eng.generate([prompt(90, 9)], SamplingParams(max_tokens=4, **GREEDY))  # leaves its slot's state behind
+    pool = eng.pool
+    assert any(pool.all_state[:, s].abs().sum() > 0 for s in range(pool.capacity.num_slots))
+    fills, forwards = [], []
+    index_fill = torch.Tensor.index_fill_
+
+    def counted(self, dim, index, value):
+        fills.append((self.data_ptr(), index.tolist()))
+        return index_fill(self, dim, index, value)
+    monkeypatch.setattr(torch.Tensor, "index_fill_", counted)
+    run = eng.runner.run
+
+    def watched(seqs, *a, **k):  # the slots the forward reads are zero by then
+        forwards.append([bool(pool.all_state[:, s.slot].abs().sum() == 0 and pool.all_conv[:, s.slot].abs().sum() == 0)
+                         for s in seqs if s.num_computed == 0])
+        return run(seqs, *a, **k)
+    eng.runner.run = watched
+    prompts = [prompt(91 + i, 6 + i) for i in range(3)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=3, **GREEDY))
+    assert [o.output_ids for o in outs] == [reference(model, p, 3) for p in prompts]
+    assert forwards[0] == [True] * 3
+    slots = sorted(fills[0][1])
+    assert len(fills) == 2 and {p for p, _ in fills} == {pool.all_state.data_ptr(), pool.all_conv.data_ptr()}
+    assert len(slots) == 3 and all(sorted(ix) == slots for _, ix in fills)
+    assert_pool_empty(eng)

@@ -1,10 +1,13 @@
 """KDA's per-call glue in the serving step: the three short convs' weights stacked once per layer (kept up to date
 when the weights change: an in-place update, a dtype move, a load), x's three parts joined as a view of the fused
 projection's output, and no-op casts skipped before fla's entries."""
+import collections
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import k3.model.kda as kda_model
+import k3.serve.runner as runner_mod
 from k3 import K3Config, K3ForCausalLM
 from k3.ops.fused_linear import FusedLinears, StackedWeights, fuse_projections, joined_columns
 from k3.ops.kda_fla_lean import dense_as
@@ -89,21 +92,29 @@ class CatCensus(TorchDispatchMode):
 
 def test_serving_short_convs_join_without_concatenating_weights_or_inputs(model, monkeypatch):
     """An engine's steps: each KDA layer's serving short convs make two joins (the tails stacked, and the conv's
-    one buffer of tails and inputs), none for the weights or x's parts; tokens stay generate's."""
-    census, calls = CatCensus(), [0]
-    real = kda_model.VarlenLayout.short_convs
+    one buffer of tails and inputs), none for the weights or x's parts, and the state write-back none (the pool
+    keeps a slot's tails side by side: the new tails go back as the one tensor they are); tokens stay
+    generate's."""
+    census, calls = CatCensus(), collections.Counter()
 
-    def watched(self, m, xs):
-        census.inside, calls[0] = True, calls[0] + 1
-        try:
-            return real(self, m, xs)
-        finally:
-            census.inside = False
-    monkeypatch.setattr(kda_model.VarlenLayout, "short_convs", watched)
+    def watch(owner, name):
+        real = getattr(owner, name)
+
+        def watched(self, *a):
+            before, census.inside, calls[name] = census.inside, True, calls[name] + 1
+            try:
+                return real(self, *a)
+            finally:
+                census.inside = before
+        monkeypatch.setattr(owner, name, watched)
+    watch(kda_model.VarlenLayout, "short_convs")
+    for name in ("kda_state", "set_kda_state"):
+        watch(runner_mod.PagedBatchView, name)
     eng = engine(model, max_batch_tokens=16)
     prompts = [prompt(70, 11), prompt(71, 5)]
     with census:
         outs = eng.generate(prompts, SamplingParams(max_tokens=3, **GREEDY))
     for p, o in zip(prompts, outs):
         assert list(o.output_ids) == reference(model, p, 3)
-    assert calls[0] > 0 and census.cats == 2 * calls[0], (census.cats, calls[0])
+    assert calls["short_convs"] > 0 and calls["set_kda_state"] == calls["short_convs"]
+    assert census.cats == 2 * calls["short_convs"], (census.cats, calls)

@@ -95,10 +95,15 @@ class CachePool:
         self.scratch_block, self.scratch_slot = nb, ns
         self.kv = {l: torch.zeros(nb + 1, self.block_size, D, dtype=dtype, device=self.device)
                    for l in self.mla_layers}
-        self.state = {l: torch.zeros(ns + 1, H, K, K, dtype=torch.float32, device=self.device)
-                      for l in self.kda_layers}
-        self.conv = {l: torch.zeros(ns + 1, 3, W - 1, H * K, dtype=torch.float32, device=self.device)
-                     for l in self.kda_layers}
+        # Every KDA layer's states in one tensor [layers, slots, ...] (`state[l]`, `conv[l]` are its layers' views):
+        # a slot's copy, zeroing or swap is one op for all layers, not one per layer. A slot's conv tails are the
+        # q, k and v tails side by side [W−1, 3·C], as the serving short convs run them (one conv over 3·C channels):
+        # they gather and write back as one tensor.
+        self.all_state = torch.zeros(len(self.kda_layers), ns + 1, H, K, K, dtype=torch.float32, device=self.device)
+        self.all_conv = torch.zeros(len(self.kda_layers), ns + 1, W - 1, 3 * H * K, dtype=torch.float32,
+                                    device=self.device)
+        self.state = {l: self.all_state[i] for i, l in enumerate(self.kda_layers)}
+        self.conv = {l: self.all_conv[i] for i, l in enumerate(self.kda_layers)}
         # blocks
         self.ref = [0] * nb
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(nb))  # LRU: oldest first
@@ -107,9 +112,10 @@ class CachePool:
         # state slots and checkpoints
         self.free_slots = list(range(ns - 1, -1, -1))
         self.checkpoints: OrderedDict[int, int] = OrderedDict()  # boundary hash -> slot, LRU oldest first
-        # checkpoint slot -> the sequence slot it copies, until flush_checkpoint_copies (one copy per layer for
-        # a whole step's checkpoints, not one per sequence and layer)
+        # checkpoint slot -> the sequence slot it copies, until flush_checkpoint_copies (one copy for a whole
+        # step's checkpoints, not one per sequence and layer); slots to zero (new sequences'), likewise
         self.pending_copies: dict[int, int] = {}
+        self.pending_zeros: list[int] = []
         self.evicted_checkpoints: OrderedDict[int, None] = OrderedDict()  # remembered to explain misses
         self.stats = {"queries": 0, "query_tokens": 0, "hit_tokens": 0, "hits": 0, "evicted_blocks": 0,
                       "evicted_checkpoints": 0, "swaps_out": 0, "swaps_in": 0}
@@ -183,16 +189,16 @@ class CachePool:
         return bool(self.free_slots) or bool(self.checkpoints)
 
     def _zero_slot(self, slot: int) -> None:
-        self.flush_checkpoint_copies()
-        for l in self.kda_layers:
-            self.state[l][slot].zero_()
-            self.conv[l][slot].zero_()
+        """Queue the zeroing of a new sequence's slot: a step's admissions are zeroed together, at the next
+        flush (before the step's forward reads them)."""
+        if self.pending_copies:  # (the order kept: a copy queued earlier lands before the zeros)
+            self.flush_checkpoint_copies()
+        self.pending_zeros.append(slot)
 
     def _copy_slot(self, src: int, dst: int) -> None:
         self.flush_checkpoint_copies()
-        for l in self.kda_layers:
-            self.state[l][dst].copy_(self.state[l][src])
-            self.conv[l][dst].copy_(self.conv[l][src])
+        for t in (self.all_state, self.all_conv):
+            t[:, dst].copy_(t[:, src])
 
     # ---- prefix cache ---------------------------------------------------------------------------------
     def update_unit_hashes(self, seq: Sequence) -> None:
@@ -332,19 +338,23 @@ class CachePool:
         return h
 
     def flush_checkpoint_copies(self) -> None:
-        """Copy the states of the checkpoints saved since the last flush, all at once. The engine flushes after
-        a step's checkpoints, before anything writes a sequence's slot again; every other slot copy, zeroing
-        and swap flushes first too. Sources are running sequences' slots and targets fresh checkpoint slots,
-        so no copy reads another's target."""
-        if not self.pending_copies:
+        """Zero the new sequences' slots, then copy the states of the checkpoints saved since the last flush, all
+        at once (every KDA layer in one op per tensor). The engine flushes before a step's forward (which reads
+        the new slots) and after its checkpoints, before anything writes a sequence's slot again; every other
+        slot copy and swap flushes first too. Copy sources are running sequences' slots and targets fresh
+        checkpoint slots, so no copy reads another's target."""
+        zeros, copies = self.pending_zeros, self.pending_copies
+        if not zeros and not copies:
             return
         # pinned and non-blocking: a copy from pageable memory would wait for the step still running on the device
         # (at 64 streams some sequence reaches a match boundary in most decode steps)
-        dst, src = BatchCacheView.upload([list(self.pending_copies), list(self.pending_copies.values())], self.device)
-        self.pending_copies.clear()
-        for l in self.kda_layers:
-            self.state[l][dst] = self.state[l][src]
-            self.conv[l][dst] = self.conv[l][src]
+        zero_t, dst, src = BatchCacheView.upload([zeros, list(copies), list(copies.values())], self.device)
+        self.pending_zeros, self.pending_copies = [], {}
+        for t in (self.all_state, self.all_conv):
+            if zeros:
+                t.index_fill_(1, zero_t, 0.0)
+            if copies:
+                t[:, dst] = t[:, src]
 
     def drop_checkpoint(self, h: int) -> None:
         slot = self.checkpoints.pop(h, None)
@@ -365,11 +375,9 @@ class CachePool:
         """Copy seq's state and latents to host memory and free its device memory (preemption)."""
         self.flush_checkpoint_copies()
         pin = self.device.type == "cuda"
-        host = {"state": {}, "conv": {}, "kv": {}}
+        host = {"kv": {}}
         idx = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
-        for l in self.kda_layers:
-            host["state"][l] = self.state[l][seq.slot].to("cpu", copy=True)
-            host["conv"][l] = self.conv[l][seq.slot].to("cpu", copy=True)
+        host["state"], host["conv"] = (t[:, seq.slot].to("cpu", copy=True) for t in (self.all_state, self.all_conv))
         for l in self.mla_layers:
             t = self.kv[l][idx].to("cpu", copy=True)
             host["kv"][l] = t.pin_memory() if pin else t
@@ -387,9 +395,8 @@ class CachePool:
         n_old = len(seq.host_copy["kv"][self.mla_layers[0]]) if self.mla_layers else 0
         seq.block_table = [self._alloc_block() for _ in range(need)]
         idx = torch.tensor(seq.block_table[:n_old], dtype=torch.long, device=self.device)
-        for l in self.kda_layers:
-            self.state[l][seq.slot].copy_(seq.host_copy["state"][l])
-            self.conv[l][seq.slot].copy_(seq.host_copy["conv"][l])
+        self.all_state[:, seq.slot].copy_(seq.host_copy["state"])
+        self.all_conv[:, seq.slot].copy_(seq.host_copy["conv"])
         for l in self.mla_layers:
             self.kv[l][idx] = seq.host_copy["kv"][l].to(self.device)
         seq.host_copy = None

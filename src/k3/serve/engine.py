@@ -278,6 +278,7 @@ class LLMEngine:
         done = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens) + s.in_flight]
         sampling = [i for i in done if seqs[i].params.max_tokens > 0]
         scored_only = [seqs[i] for i in done if seqs[i].params.max_tokens == 0]  # prompt scored, nothing to sample
+        self.pool.flush_checkpoint_copies()  # the new sequences' slots zeroed (all of the step's admissions at once)
         logits, scores = self.runner.run(seqs, lens, sampling, ids)
         logits = logits[:, :self.sample_vocab]
         for s, n in zip(seqs, lens):

@@ -9,7 +9,7 @@ import torch
 
 from k3.model.cache import BatchCacheView, KDASlots, KDAState
 from k3.model.cuda_graph import wants_graphs
-from k3.ops.fused_linear import fuse_projections
+from k3.ops.fused_linear import fuse_projections, joined_columns
 from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
 from k3.serve.prefill_graphs import PrefillGraphs
@@ -56,8 +56,8 @@ class PagedBatchView(BatchCacheView):
         kept = self._kda_read.get(layer_idx)
         if kept is not None:
             return kept
-        conv = self.pool.conv[layer_idx][self.slots]  # [S, 3, W−1, C]
-        st = KDAState(self.pool.state[layer_idx][self.slots], conv[:, 0], conv[:, 1], conv[:, 2])
+        conv = self.pool.conv[layer_idx][self.slots]  # [S, W−1, 3·C]: the q, k, v tails side by side
+        st = KDAState(self.pool.state[layer_idx][self.slots], *conv.chunk(3, -1))
         self._kda_read[layer_idx] = st
         return st
 
@@ -68,11 +68,12 @@ class PagedBatchView(BatchCacheView):
     def set_kda_state(self, layer_idx: int, st: KDAState) -> None:
         self._kda_read.pop(layer_idx, None)
         self.pool.state[layer_idx][self.slots] = st.state.to(torch.float32)
-        self.pool.conv[layer_idx][self.slots] = torch.stack([st.conv_q, st.conv_k, st.conv_v], 1).to(torch.float32)
+        # the short convs return the new tails as views of one [S, W−1, 3·C] tensor: written back as it is
+        self.pool.conv[layer_idx][self.slots] = joined_columns([st.conv_q, st.conv_k, st.conv_v]).to(torch.float32)
 
     def kda_slots(self, layer_idx: int) -> KDASlots:
-        conv = self.pool.conv[layer_idx]  # [slots, 3, W−1, C]
-        return KDASlots(self.pool.state[layer_idx], conv[:, 0], conv[:, 1], conv[:, 2], self.slots)
+        conv = self.pool.conv[layer_idx]  # [slots, W−1, 3·C]
+        return KDASlots(self.pool.state[layer_idx], *conv.chunk(3, -1), self.slots)
 
     def mla_append(self, layer_idx: int, latent: torch.Tensor, k_extra: torch.Tensor) -> None:
         kv = self.pool.kv[layer_idx]
