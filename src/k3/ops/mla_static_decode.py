@@ -57,8 +57,10 @@ def tickets(entries: int, device: torch.device) -> torch.Tensor:
     for t in reversed(_tickets):
         if t.device == device and t.numel() >= entries:
             return t
-    _tickets.append(torch.zeros(max(entries, 64), dtype=torch.int32, device=device))
-    return _tickets[-1]
+    fresh = torch.zeros(max(entries, 64), dtype=torch.int32, device=device)
+    if not torch.compiler.is_compiling():  # a traced step zeroes its own: growing the list it guards on would
+        _tickets.append(fresh)             # recompile it at its next call
+    return fresh
 
 
 def static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length,
