@@ -30,12 +30,12 @@ expert-major kernel against the grouped path k3 takes there today and the slot-m
 --moe-sweep: the expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) instead.
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
 programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
-(5 sources) at other warp counts, backward by the rows kernel and by the tiles kernel in one kernel and in two
-(k3.ops._attn_res_triton.NUM_WARPS, BWD_KERNEL, BWD_ONE_PASS), and its backward adding 4 blocks' gradients into
-their buffers (BlockGrads) against returning them for 4 separate adds (autograd's sums).
+(5 sources) at other warp counts, forward and backward (k3.ops._attn_res_triton.NUM_WARPS), and its backward
+adding 4 blocks' gradients into their buffers (BlockGrads) against returning them for 4 separate adds (autograd's
+sums).
 --backwards: only the AttnRes mix backward (2..5 sources, into its buffers as training runs it) and the short
-conv backward (4 taps, SiLU), each under a few launch shapes and against the kernel it replaced ("tiles"), with
-the bytes floor and the per-step total at `small`'s call counts (`backward_rows`).
+conv backward (4 taps, SiLU), each under its default launch and a few others, with the bytes floor and the
+per-step total at `small`'s call counts (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
      [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards]
 """
@@ -134,14 +134,11 @@ def sweep_kernels(B: int, T: int):
             ms = time_ms(lambda: ar.mix_forward(u, w, 1e-5, sources), inner=20)
         rows.append(dict(op="attn_res_mix fwd", tile="-", warps=warps, per_sm="-", ms=ms,
                          GBps=6 * g.numel() * 2 / ms * 1e-6))
-        for form, one_pass in (("rows", True), ("tiles", True), ("tiles", False)):
-            ar.BWD_KERNEL, ar.BWD_ONE_PASS = form, one_pass
-            ms = time_ms(lambda: ar.mix_backward(g, u, w, 1e-5, sources, scores, lse), inner=20)
-            ar.BWD_KERNEL, ar.BWD_ONE_PASS = "rows", True
-            # bytes that must move: g and every source read once, every source's gradient written
-            rows.append(dict(op=f"attn_res_mix bwd, {form}{', one kernel' if one_pass else ', two kernels'}", tile="-",
-                             warps=warps, per_sm="-", ms=ms, GBps=11 * g.numel() * 2 / ms * 1e-6))
-            print(rows[-1], flush=True)
+        ms = time_ms(lambda: ar.mix_backward(g, u, w, 1e-5, sources, scores, lse), inner=20)
+        # bytes that must move: g and every source read once, every source's gradient written
+        rows.append(dict(op="attn_res_mix bwd", tile="-", warps=warps, per_sm="-", ms=ms,
+                         GBps=11 * g.numel() * 2 / ms * 1e-6))
+        print(rows[-1], flush=True)
         ar.NUM_WARPS.update(warps_default)
     # 4 blocks + p, as a late layer's mix: the blocks' gradients added into their buffers by the kernel, against
     # fresh gradients that autograd then adds into the sums (one add_ each)
@@ -211,8 +208,8 @@ def backward_rows(B: int, T: int, device: str = "cuda") -> list[dict]:
     """The two largest backwards k3 owns at `small`'s training shapes, bf16: the AttnRes mix backward at 2..5
     sources (the blocks' gradients added in place into their buffers, the partial sum's onto a residual add's
     gradient, as training runs it) and the short conv backward (4 taps, SiLU, x and weight gradients), each
-    under the launch shapes named in `variants` (the module's settings) and the kernel it replaced ("tiles").
-    floor: the bytes that must move over the copy bandwidth; rel_err: the gradients against the default's."""
+    under its default launch and the others named in `variants` (the module's settings). floor: the bytes that
+    must move over the copy bandwidth; rel_err: the gradients against the default's."""
     from k3.ops import _attn_res_triton as ar
     from k3.ops import _conv_triton as ct
 
@@ -250,21 +247,19 @@ def backward_rows(B: int, T: int, device: str = "cuda") -> list[dict]:
             into = [(b, b) for b in bufs[:-1]] + [(bufs[-1], p_grad)]
             du, dw, grads = ar.mix_backward(g, u, w, 1e-5, sources, scores, lse, into=into)
             return [du, dw]  # (the gradients add into bufs on every call: compare du, dw)
-        variants = [("rows (default)", {}), ("rows, 3 programs an SM", {"BWD_PROGRAMS_PER_SM": 3}),
-                    ("rows, 4 programs an SM", {"BWD_PROGRAMS_PER_SM": 4}),
-                    ("rows, 8 warps", {"NUM_WARPS": dict(ar.NUM_WARPS, bwd=8)}),
-                    ("tiles (before)", {"BWD_KERNEL": "tiles"})]
-        timed(f"attn_res_mix bwd, {n} sources", ar, variants if n in (2, 5) else [variants[0], variants[-1]], call,
-              (1 + 3 * n) * g.numel() * 2, calls)
+        per_sm = ar.BWD_PROGRAMS_PER_SM[n]
+        variants = [(f"default ({per_sm} programs an SM)", {})]
+        variants += [(f"{p} programs an SM", {"BWD_PROGRAMS_PER_SM": {**ar.BWD_PROGRAMS_PER_SM, n: p}})
+                     for p in (2, 3, 4) if p != per_sm]
+        timed(f"attn_res_mix bwd, {n} sources", ar, variants, call, (1 + 3 * n) * g.numel() * 2, calls)
         del sources, bufs
     x = r(B, T, D).requires_grad_()
     conv_w = (torch.randn(D, 1, 4, device=device) * 0.5).bfloat16().requires_grad_()
     y, _ = short_conv(x, conv_w, silu=True)
     dy = r(B, T, D)
-    variants = [("rows (default)", {}), ("rows, chunks of 128", {"BWD_CHUNK_T": 128}),
-                ("rows, UNROLL 2", {"BWD_UNROLL": 2}),
-                ("rows, 256 channels, 2 warps", {"BWD_BLOCK_C": 256, "BWD_NUM_WARPS": 2}),
-                ("tiles (before)", {"BWD_KERNEL": "tiles"})]
+    variants = [(f"default (UNROLL {ct.BWD_UNROLL})", {}), ("UNROLL 2", {"BWD_UNROLL": 2}),
+                ("UNROLL 8", {"BWD_UNROLL": 8}), ("chunks of 128", {"BWD_CHUNK_T": 128}),
+                ("256 channels, 2 warps", {"BWD_BLOCK_C": 256, "BWD_NUM_WARPS": 2})]
     timed("short_conv + SiLU bwd", ct, variants, lambda: torch.autograd.grad(y, (x, conv_w), dy, retain_graph=True),
           4 * x.numel() * 2, CONV_CALLS)
     print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")

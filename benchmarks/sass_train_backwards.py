@@ -1,9 +1,10 @@
 """Registers and spills of the AttnRes mix backward and the short conv backward (k3.ops._attn_res_triton,
 k3.ops._conv_triton) compiled for sm_90 without a GPU (Triton's own ptxas, as benchmarks/sass_gemv.py): at
 `small`'s training shapes (bf16, D = C = 1536, the specialisations a training step compiles: integer arguments
-divisible by 16), for the kernels k3 runs and the ones they replaced ("tiles"): registers a thread, spill bytes
-(STACK), shared memory, the programs an SM those allow, and the bytes of loads each program issues together
-(what keeps HBM busy: ~30 KB an SM in flight reach an H200's bandwidth).
+divisible by 16): registers a thread, spill bytes (STACK), shared memory, the programs an SM those allow (for the
+mix: and the count its launch asks for, BWD_PROGRAMS_PER_SM), and the bytes of loads each program issues together
+(what keeps HBM busy: ~30 KB an SM in flight reach an H200's bandwidth). The conv also at the UNROLL values
+bench_gpu_kernels.py --backwards times.
 
 Run: python benchmarks/sass_train_backwards.py   (needs triton; no CUDA device)
 """
@@ -47,13 +48,8 @@ def mix_rows():
                                                                 "eps": "fp32", "iters": "i32", "accumulate": "i32"},
                              warps, N=n, BLOCK_D=triton.next_power_of_2(D))
         # a row of g, the sources and the addends
-        yield f"AttnRes mix bwd, {n} sources", "rows", warps, new, (1 + 2 * n) * D * 2
-        block_r, block_d = _attn_res_triton._blocks(D)
-        old = compile_kernel(_attn_res_triton._mix_bwd_tiles_kernel,
-                             {**tuples, "da_ptr": "*fp32", "q_ptr": "*fp32", "R": "i32", "D": "i32", "eps": "fp32",
-                              "nprog": "i32", "iters": "i32", "accumulate": "i32"},
-                             warps, N=n, ONE_PASS=True, BLOCK_R=block_r, BLOCK_D=block_d)
-        yield f"AttnRes mix bwd, {n} sources", "tiles (before)", warps, old, (1 + n) * block_r * D * 2
+        yield f"AttnRes mix bwd, {n} sources", f"asks {_attn_res_triton.BWD_PROGRAMS_PER_SM[n]} an SM", warps, new, \
+            (1 + 2 * n) * D * 2
 
 
 def conv_rows():
@@ -63,14 +59,12 @@ def conv_rows():
     flags = dict(W=4, HAS_TAIL=False, HAS_DOC=False, SILU=True, HAS_GY=True, HAS_GNT=False, NEED_GX=True,
                  NEED_GW=True, NEED_GTAIL=False)
     ct = _conv_triton
-    new = compile_kernel(ct.short_conv_bwd_kernel, sig, ct.BWD_NUM_WARPS, **flags, CHUNK_T=ct.BWD_CHUNK_T,
-                         BLOCK_C=ct.BWD_BLOCK_C, UNROLL=ct.BWD_UNROLL)
-    # UNROLL rows of x, dy and y
-    yield "short conv + SiLU bwd", "rows", ct.BWD_NUM_WARPS, new, ct.BWD_UNROLL * 3 * ct.BWD_BLOCK_C * 2
-    old = compile_kernel(ct.short_conv_bwd_tiles_kernel, sig, ct._NUM_WARPS, **flags, WIDE=False,
-                         BLOCK_T=ct._BWD_BLOCK_T, BLOCK_C=ct._block_c(D), TILES=ct._BWD_TILES, TAIL_ROWS=4)
-    # a tile of dy and y, then x (the shifted re-reads come from L1)
-    yield "short conv + SiLU bwd", "tiles (before)", ct._NUM_WARPS, old, 3 * ct._BWD_BLOCK_T * ct._block_c(D) * 2
+    for unroll in sorted({2, ct.BWD_UNROLL, 8}):
+        kernel = compile_kernel(ct.short_conv_bwd_kernel, sig, ct.BWD_NUM_WARPS, **flags, CHUNK_T=ct.BWD_CHUNK_T,
+                                BLOCK_C=ct.BWD_BLOCK_C, UNROLL=unroll)
+        # UNROLL rows of x, dy and y
+        form = f"UNROLL {unroll}" + (" (default)" if unroll == ct.BWD_UNROLL else "")
+        yield "short conv + SiLU bwd", form, ct.BWD_NUM_WARPS, kernel, unroll * 3 * ct.BWD_BLOCK_C * 2
 
 
 def main():

@@ -15,22 +15,27 @@ import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, name, signature, constexprs, num_warps = json.loads(sys.argv[1])
+module, name, signature, constexprs, num_warps, stage = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 signature = {k: tuple(v) if isinstance(v, list) else v for k, v in signature.items()}
 src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-sys.stdout.write(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"])
+sys.stdout.write(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm[stage])
 """
 
 
 def ptx_for_sm90(module: str, kernel: str, signature: dict, num_warps: int = 4, **constexprs) -> str:
     """The PTX of `module.kernel` (a @triton.jit function) compiled through ptxas for sm_90, for the argument
     types in `signature` ("*bf16", "i32", a tuple of them, ...) and the constexprs."""
+    return asm_for_sm90("ptx", module, kernel, signature, num_warps, **constexprs)
+
+
+def asm_for_sm90(stage: str, module: str, kernel: str, signature: dict, num_warps: int = 4, **constexprs) -> str:
+    """One stage of that compilation ("ttir": Triton's IR after its own passes, "ttgir", "ptx", ...)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    args = json.dumps([module, kernel, signature, constexprs, num_warps])
+    args = json.dumps([module, kernel, signature, constexprs, num_warps, stage])
     # a cache of its own: a shared one may hold the kernel packed without its PTX (run_h200.sh's `pack`)
     with tempfile.TemporaryDirectory() as cache:
         env["TRITON_CACHE_DIR"] = cache

@@ -43,20 +43,14 @@ def test_fused_mix_matches_reference(n, B, T, D, dtype):
         assert err < tol, f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("kernel,one_pass", [("rows", True), ("tiles", True), ("tiles", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_mix_backward_with_several_rows_per_program(monkeypatch, dtype, kernel, one_pass):
-    """Backward's programs stride over the rows, each keeping one q partial: with 3 programs over 2·37 rows
-    (the rows kernel: a row a step, the last program one row short; the tiles kernel: 16-row tiles, the last
-    one short) every program walks several steps, and du, dw and the sources' gradients match, for the rows
-    kernel and the tiles kernel it replaced (∂L/∂a formed in the same kernel, one pass, or by the kernel before
-    it)."""
+def test_fused_mix_backward_with_several_rows_per_program(monkeypatch, dtype):
+    """Backward's programs stride over the rows, a row a step, each keeping one q partial: with 3 programs over
+    2·37 rows every program walks several steps (the last one row short), and du, dw and the sources'
+    gradients match."""
     from k3.ops import _attn_res_triton
 
-    monkeypatch.setattr(_attn_res_triton, "BWD_KERNEL", kernel)
-    monkeypatch.setattr(_attn_res_triton, "_programs", lambda device: 3)
-    monkeypatch.setattr(_attn_res_triton, "_MAX_PROGRAMS", 3)
-    monkeypatch.setattr(_attn_res_triton, "BWD_ONE_PASS", one_pass)
+    monkeypatch.setattr(_attn_res_triton, "_programs", lambda device, n_sources: 3)
     gen = torch.Generator().manual_seed(7)
     n, B, T, D = 3, 2, 37, 96
     sources = [(torch.randn(B, T, D, generator=gen) * (i + 1)).to(DEVICE, dtype) for i in range(n)]

@@ -92,23 +92,46 @@ def test_triton_short_conv_with_silu_matches_silu_after_the_reference(seed, B, T
 
 
 @pytest.mark.parametrize("W", [4, 3])
-@pytest.mark.parametrize("kernel,chunk,unroll,block_c", [("rows", 8, 3, 16), ("rows", 5, 4, 32), ("tiles", 0, 0, 0)])
-def test_backward_kernels_at_short_chunks_match_float64(monkeypatch, kernel, chunk, unroll, block_c, W):
-    """The rows backward with chunks of 8 or 5 rows (every chunk's ends meet documents, the tail and the new
-    tail's rows; UNROLL not dividing a chunk's steps; channel blocks past C) and the tiles backward it replaced:
-    x, weight and tail gradients of fp32 inputs against the float64 reference (SiLU on, both outputs' gradients)."""
-    monkeypatch.setattr(_conv_triton, "BWD_KERNEL", kernel)
-    if kernel == "rows":
-        monkeypatch.setattr(_conv_triton, "BWD_CHUNK_T", chunk)
-        monkeypatch.setattr(_conv_triton, "BWD_UNROLL", unroll)
-        monkeypatch.setattr(_conv_triton, "BWD_BLOCK_C", block_c)
-    x, w, tail, doc, dy, dtail = conv_case(31 + W, 2, 37, 40, W, torch.float32, True, True)
+@pytest.mark.parametrize("chunk,unroll,block_c", [(8, 3, 16), (5, 4, 32), (7, 2, 16), (6, 1, 32)])
+def test_backward_at_short_chunks_and_any_unroll_matches_float64(monkeypatch, chunk, unroll, block_c, W):
+    """The rows backward with chunks of 5 to 8 rows (every chunk's ends meet documents, the tail and the new
+    tail's rows; UNROLL 1 to 4, dividing a chunk's steps or not; channel blocks past C): x, weight and tail
+    gradients of fp32 inputs against the float64 reference (SiLU on, both outputs' gradients). On CUDA this is
+    also the check of the compiled row loop (UNROLL 2 lost a window slot there: test_rows_backward_compiles_...)."""
+    monkeypatch.setattr(_conv_triton, "BWD_CHUNK_T", chunk)
+    monkeypatch.setattr(_conv_triton, "BWD_UNROLL", unroll)
+    monkeypatch.setattr(_conv_triton, "BWD_BLOCK_C", block_c)
+    x, w, tail, doc, dy, dtail = conv_case(31 + W + unroll, 2, 37, 40, W, torch.float32, True, True)
     got = run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail, silu=True)
     as64 = lambda t: t.double()  # noqa: E731
     want = run(short_conv_reference, *map(as64, (x, w, tail)), doc, *map(as64, (dy, dtail)), silu=True)
     for name, a, b in zip(("y", "new_tail", "grad_x", "grad_weight", "grad_tail"), got, want):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * (74 ** 0.5 if name == "grad_weight" else 1),
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("unroll", sorted({2, _conv_triton.BWD_UNROLL}))
+def test_rows_backward_compiles_for_sm90_with_t_1_and_carries_its_windows(unroll):
+    """Compiled for the H200 (no GPU: tests/sm90_compile.py) with T == 1 specialised, as Triton does for a launch
+    at T = 1 (T was then a plain int: `T.to(...)` failed there), every option on: the row loop carries what the
+    next step reads, the last MAX_TAPS − 1 rows of x, of dz and of the document ids, and the W tap sums (13
+    values). Triton carries a name only where the body leaves it another value than it found: with slots sharing
+    one starting zero, UNROLL 2 carried 2 rows of x and dz, not 3 (the H200 gave rel_err 0.35); the interpreter
+    carries every name, so only the compiled loop shows it."""
+    import re
+
+    from sm90_compile import asm_for_sm90
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_ptr": "*i64", "gy_ptr": "*bf16",
+           "ypre_ptr": "*bf16", "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32", "gtail_ptr": "*bf16",
+           "C": "i32"}
+    ttir = asm_for_sm90("ttir", "k3.ops._conv_triton", "short_conv_bwd_kernel", sig, num_warps=1, T=1, W=4,
+                        HAS_TAIL=True, HAS_DOC=True, SILU=True, HAS_GY=True, HAS_GNT=True, NEED_GX=True, NEED_GW=True,
+                        NEED_GTAIL=True, CHUNK_T=64, BLOCK_C=128, UNROLL=unroll)
+    loops = re.findall(r"scf\.for .*? iter_args\((.*?)\) ->", ttir)
+    assert len(loops) == 1, ttir[-3000:]
+    carried = loops[0].split(", ")  # "%name = %init" each
+    assert len(carried) == 3 * (_conv_triton.MAX_TAPS - 1) + 4, loops[0]
 
 
 def test_widths_past_max_taps_take_the_torch_path(monkeypatch):

@@ -9,10 +9,8 @@ load of the row at once (∂L/∂out, the sources, the addends), forms ∂L/∂a
 reduction per source, then every source's gradient, with one q partial (for ∂L/∂u, ∂L/∂w) per program summed
 after it in a fixed order. Its bytes floor is ∂L/∂out once plus, per source, one read, one write and the addend
 read: (1 + 3n) · rows · D · 2 bytes in bf16 (1.16 GB, ~260 µs at 4.5 TB/s, for `small`'s average mix of 3.5
-sources at 8 × 4096 tokens). The kernel before it (_mix_bwd_tiles_kernel, 583 µs there on an H200) took 2-row
-tiles, three reductions per source and tile, and in its second half loaded each source's addend only after the
-previous source's store (a DRAM round trip per source): about half the bytes in flight a program, at the same
-two programs an SM (211-255 registers on sm_90; benchmarks/sass_train_backwards.py). Formulas:
+sources at 8 × 4096 tokens; on an H200, session 14: 268 µs at 2 sources against a 171 µs floor, 694 at 5 against
+390, where the tiles kernel it replaced took 339 and 915: benchmarks/bench_gpu_kernels.py --backwards). Formulas:
 k3.model.attn_res. The forward kernel also serves inference's mix with the residual add before it and the norm
 after it (k3.ops._attn_res_norm_triton).
 """
@@ -62,20 +60,6 @@ def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     if STATS:
         tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
-
-
-@triton.jit
-def _mix_bwd_da_kernel(srcs, g_ptr, da_ptr, R, D,
-                       N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    mask = row_ok[:, None] & (cols < D)[None, :]
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    for i in tl.static_range(N):
-        v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(da_ptr + i * R + rows, tl.sum(g * v, axis=1), mask=row_ok)
 
 
 @triton.jit
@@ -139,76 +123,21 @@ def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q_
     tl.store(q_ptr + pid * D + cols, q, mask=col_ok)
 
 
-@triton.jit(do_not_specialize=["accumulate"])
-def _mix_bwd_tiles_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, da_ptr, q_ptr, R, D, eps, nprog,
-                          iters, accumulate, N: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
-    """Every source's gradient and the q partials. ONE_PASS: ∂L/∂a_i = ⟨g, v_i⟩ formed here, per tile (each
-    source tile read twice in a row, the second time from cache); else read from da (_mix_bwd_da_kernel's).
-    accumulate: a bit mask over the sources; where bit i is set, source i's gradient plus addends[i] is stored
-    (addends[i] is grads[i] itself for an AttnRes block's sum over the mixes that read it, or the gradient a
-    residual add left for a partial sum), else the gradient alone. A run-time value
-    (a uniform branch), so the masks a model uses share one compiled kernel per source count."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    uw = tl.load(uw_ptr + cols, mask=col_ok, other=0.0)
-    # q's partial per row slot of the tile, summed over the slots once at the end: a sum over the tile's rows
-    # per source and tile would be a cross-thread (shared-memory) reduction each time
-    q = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    it = 0
-    while it < iters:  # a fixed grid of programs striding over the rows, so the q partials stay few
-        rows = (pid + it * nprog) * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < R
-        mask = row_ok[:, None] & col_ok[None, :]
-        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        t = tl.zeros([BLOCK_R], tl.float32)  # Σ_j a_j ∂L/∂a_j
-        for i in tl.static_range(N):
-            s = tl.load(scores_ptr + i * R + rows, mask=row_ok, other=0.0)
-            if ONE_PASS:  # ∂L/∂a_i here: the tile's sources are read again just below, from cache
-                da = tl.sum(g * tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32), axis=1)
-            else:
-                da = tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0)
-            t += tl.exp(s - lse) * da
-        for i in tl.static_range(N):
-            v = tl.load(srcs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            s = tl.load(scores_ptr + i * R + rows, mask=row_ok, other=0.0)
-            a = tl.exp(s - lse)
-            r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-            if ONE_PASS:
-                da = tl.sum(g * v, axis=1)
-            else:
-                da = tl.load(da_ptr + i * R + rows, mask=row_ok, other=0.0)
-            coef = a * (da - t) * r
-            dv = a[:, None] * g + coef[:, None] * uw[None, :] - (coef * s * r / D)[:, None] * v
-            if (accumulate >> i) & 1:
-                dv += tl.load(addends[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
-            q += tl.where(mask, coef[:, None] * v, 0.0)
-        it += 1
-    tl.store(q_ptr + pid * D + cols, tl.sum(q, axis=0), mask=col_ok)
-
-
-_MAX_PROGRAMS = 1024  # the tiles kernel's grid: programs striding over the row tiles, one q partial each
-# Backward: "rows" (_mix_bwd_kernel, the default) or "tiles" (_mix_bwd_tiles_kernel, the kernel before session 13,
-# kept until the two are timed side by side on a GPU: benchmarks/bench_gpu_kernels.py --backwards)
-BWD_KERNEL = "rows"
-# The tiles kernel in one pass (∂L/∂a per tile, sources re-read from cache) instead of a ∂L/∂a pass first
-BWD_ONE_PASS = True
 # warps per program of the forward and the backward (4: Triton's default; the rows kernel at 4 warps holds a
 # row of five sources and their addends in 249 registers a thread, no spills, on sm_90)
 NUM_WARPS = dict(fwd=4, bwd=4)
-# The rows kernel's programs per SM: each runs to the end (a persistent grid), so all of them should be resident
-# at once (sm_90, bf16, D 1536: 2 at five sources, 3 at two, by registers)
-BWD_PROGRAMS_PER_SM = 2
+# The backward's programs per SM by source count (a persistent grid: each program runs to the end, so all of
+# them should be resident at once, which the registers a source count compiles to decide: sm_90, bf16, D 1536,
+# 4 warps: 132 a thread at 2 sources leave room for 3 programs, 200-249 at 3-5 for 2; benchmarks/
+# sass_train_backwards.py). On an H200 (session 14) 3 an SM won at 2 sources (268 µs against 338 at 2 and 358
+# at 4) and lost at 5 (864 against 694 at 2); more sources than these: 2
+BWD_PROGRAMS_PER_SM = {1: 3, 2: 3, 3: 2, 4: 2, 5: 2}
 
 
-def _programs(device: torch.device) -> int:
-    """The rows kernel's grid: fixed per device, so a device's q partials always sum in the same order."""
+def _programs(device: torch.device, n_sources: int) -> int:
+    """The backward's grid: fixed per device and source count, so the q partials always sum in one order."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return sms * BWD_PROGRAMS_PER_SM
+    return sms * BWD_PROGRAMS_PER_SM.get(n_sources, 2)
 
 
 def _blocks(D: int) -> tuple[int, int]:
@@ -245,35 +174,12 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
     grads = tuple(torch.empty_like(s) if dest is None else dest[0] for s, dest in zip(sources, into))
     addends = tuple(dest[1] if dest is not None and dest[1] is not None else grad for dest, grad in zip(into, grads))
     accumulate = sum(1 << i for i, dest in enumerate(into) if dest is not None and dest[1] is not None)
-    if BWD_KERNEL == "tiles":
-        q = _tiles_backward(g, uw, eps, sources, scores, lse, grads, addends, accumulate)
-    else:
-        progs = min(R, _programs(g.device))
-        q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
-        with on_device(g):
-            _mix_bwd_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse, q, R, D, eps,
-                                      triton.cdiv(R, progs), accumulate, N=len(sources),
-                                      BLOCK_D=triton.next_power_of_2(D), num_warps=NUM_WARPS["bwd"])
+    progs = min(R, _programs(g.device, len(sources)))
+    q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
+    with on_device(g):
+        _mix_bwd_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse, q, R, D, eps,
+                                  triton.cdiv(R, progs), accumulate, N=len(sources),
+                                  BLOCK_D=triton.next_power_of_2(D), num_warps=NUM_WARPS["bwd"])
     q = q.sum(0)  # the second stage of q's sum: the programs' partials in a fixed order (no atomics)
     return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads
 
-
-def _tiles_backward(g, uw, eps, sources, scores, lse, grads, addends, accumulate):
-    """The q partials of _mix_bwd_tiles_kernel (after _mix_bwd_da_kernel unless BWD_ONE_PASS)."""
-    D = sources[0].shape[-1]
-    R = sources[0].numel() // D
-    block_r, block_d = _blocks(D)
-    one_pass = BWD_ONE_PASS
-    da = scores if one_pass else torch.empty_like(scores)
-    tiles = triton.cdiv(R, block_r)
-    progs = min(tiles, _MAX_PROGRAMS)
-    q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
-    with on_device(g):
-        if not one_pass:
-            _mix_bwd_da_kernel[(tiles,)](tuple(sources), g, da, R, D, N=len(sources), BLOCK_R=block_r,
-                                         BLOCK_D=block_d)
-        _mix_bwd_tiles_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse, da, q, R, D, eps, progs,
-                                        triton.cdiv(tiles, progs), accumulate,
-                                        N=len(sources), ONE_PASS=one_pass, BLOCK_R=block_r, BLOCK_D=block_d,
-                                        num_warps=NUM_WARPS["bwd"])
-    return q

@@ -6,9 +6,8 @@ Forward: one pass over x in [BLOCK_T, BLOCK_C] tiles; the W − 1 halo rows are 
 that hit cache) instead of building the fp32 padded copy the torch path needs. Backward (short_conv_bwd_kernel):
 one walk down each chunk of rows, every element of x, dy and the kept pre-activation loaded once, each thread
 holding its channels' last W rows in registers, so its bytes floor is those three reads and dx's write (4 · B·T·C
-· 2 bytes in bf16: 403 MB, ~90 µs at 4.5 TB/s for `small`'s [8, 4096, 1536]). The tiles backward before it
-(short_conv_bwd_tiles_kernel, 430 µs there on an H200) re-read dy and y per tap and took SiLU' of each row W
-times, in 255 registers a thread (two programs an SM).
+· 2 bytes in bf16: 403 MB, ~90 µs at 4.5 TB/s for `small`'s [8, 4096, 1536]; 258 µs on an H200, session 14,
+where the tiles kernel it replaced took 458: benchmarks/bench_gpu_kernels.py --backwards).
 With `silu=True` the SiLU that KDA applies after the conv runs in the same kernels: forward stores SiLU(y) and
 keeps the pre-activation y (what a separate SiLU would keep); backward turns dy into dy · SiLU'(y) as it loads
 it, so neither pass makes an extra trip over the activations.
@@ -21,14 +20,8 @@ from torch.autograd.function import once_differentiable
 from k3.ops.triton_dispatch import on_device
 
 _FWD_BLOCK_T = 32
-# The tiles backward (short_conv_bwd_tiles_kernel, before session 13): [16, 128] tiles, 8 a program
-_BWD_BLOCK_T = 16
-_BWD_TILES = 8
 _MAX_BLOCK_C = 128
 _NUM_WARPS = 4
-# Backward: "rows" (short_conv_bwd_kernel, the default) or "tiles" (kept until the two are timed side by side on a
-# GPU: benchmarks/bench_gpu_kernels.py --backwards)
-BWD_KERNEL = "rows"
 # The rows backward: CHUNK_T rows of BLOCK_C channels a program (one warp: 4 channels a thread), UNROLL rows'
 # loads issued together; W − 1 rows of x and dz re-read at each chunk's two ends (from L2)
 BWD_CHUNK_T = 64
@@ -62,18 +55,6 @@ def _xp_rows(x_b, tail_b, s0, s, offs_c, T, C, W: tl.constexpr, HAS_TAIL: tl.con
         if s0 < 0:  # only a row's first tile reaches into the tail
             v += _tile(tail_b, s + (W - 1), offs_c, W - 1, C, False)
     return v
-
-
-@triton.jit
-def _grad_rows(gy_b, ypre_b, rows, offs_c, T, C, SILU: tl.constexpr, WIDE: tl.constexpr):
-    """The gradient reaching the conv's output at rows: dy, or dy · SiLU'(y) = dy · σ(y)(1 + y(1 − σ(y))) with
-    the conv's output y kept by the forward (SILU); zero outside [0, T)."""
-    g = _tile(gy_b, rows, offs_c, T, C, WIDE)
-    if SILU:
-        z = _tile(ypre_b, rows, offs_c, T, C, WIDE)
-        sig = tl.sigmoid(z)
-        g = g * (sig * (1.0 + z * (1.0 - sig)))
-    return g
 
 
 @triton.jit
@@ -123,99 +104,6 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, ypre_ptr, new_
 
 
 @triton.jit
-def _add_tap(acc0, acc1, acc2, acc3, p, j: tl.constexpr):
-    """Adds p to tap j's accumulator (j known at compile time: one add, no select over the taps)."""
-    if j == 0:
-        acc0 += p
-    elif j == 1:
-        acc1 += p
-    elif j == 2:
-        acc2 += p
-    else:
-        acc3 += p
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def short_conv_bwd_tiles_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt_ptr, gx_ptr, gw_part_ptr,
-                          gtail_ptr, T, C,
-                          W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, WIDE: tl.constexpr,
-                          SILU: tl.constexpr, HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr,
-                          NEED_GX: tl.constexpr, NEED_GW: tl.constexpr, NEED_GTAIL: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
-                          TAIL_ROWS: tl.constexpr):
-    """dx for this program's TILES·BLOCK_T rows, their partial Σ_t dz[t] · xp[t + j] (masked) per tap into
-    gw_part[b, pid_t], and (program 0 along T) d tail, where dz is the gradient at the conv's output (dy, times
-    SiLU'(y) when SILU). dy flows from y (HAS_GY) and from the new tail (HAS_GNT). W <= MAX_TAPS."""
-    pid_t = tl.program_id(0)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    b = tl.program_id(2).to(tl.int64)  # per-batch base pointers: in-row offsets are int32 unless WIDE
-    x_b, tail_b, doc_b = x_ptr + b * T * C, tail_ptr + b * (W - 1) * C, doc_ptr + b * T
-    gy_b, ypre_b, gnt_b = gy_ptr + b * T * C, ypre_ptr + b * T * C, gnt_ptr + b * (W - 1) * C
-    c_ok = offs_c < C
-    # per tap, the products dz[t] · xp[t + j] of every row this program sees, summed over rows once at the end
-    # (a cross-thread reduction per tap and tile would cost a shared-memory round trip each); one register
-    # tile per tap, so each product is one add
-    acc0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for i in range(TILES):
-        t0 = (pid_t * TILES + i) * BLOCK_T
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        if HAS_DOC:
-            doc_t = _doc_rows(doc_b, offs_t, T)
-        if HAS_GY:
-            gz_t = _grad_rows(gy_b, ypre_b, offs_t, offs_c, T, C, SILU, WIDE)
-        if NEED_GX:
-            gx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-            if HAS_GY:
-                gx += gz_t * _weight(w_ptr, offs_c, C, W, W - 1)  # the last tap reads the token's own row
-                for j in tl.static_range(W - 1):
-                    t = offs_t + (W - 1) - j  # the token whose tap j reads row offs_t
-                    g = _grad_rows(gy_b, ypre_b, t, offs_c, T, C, SILU, WIDE)
-                    if HAS_DOC:
-                        g = tl.where((_doc_rows(doc_b, t, T) == doc_t)[:, None], g, 0.0)
-                    gx += g * _weight(w_ptr, offs_c, C, W, j)
-            if HAS_GNT:  # rows T−(W−1)..T−1 are the new tail's rows 0..W−2
-                gx += _tile(gnt_b, offs_t - (T - (W - 1)), offs_c, W - 1, C, False)
-            tl.store(gx_ptr + b * T * C + _offsets(offs_t, offs_c, C, WIDE), gx.to(gx_ptr.dtype.element_ty),
-                     mask=(offs_t < T)[:, None] & c_ok[None, :])
-        if NEED_GW:
-            for j in tl.static_range(W):
-                s = offs_t - (W - 1) + j
-                v = _xp_rows(x_b, tail_b, t0 - (W - 1) + j, s, offs_c, T, C, W, HAS_TAIL, WIDE)
-                if HAS_DOC:
-                    v = tl.where((_doc_rows(doc_b, s, T) == doc_t)[:, None], v, 0.0)
-                acc0, acc1, acc2, acc3 = _add_tap(acc0, acc1, acc2, acc3, gz_t * v, j)
-    if NEED_GW:
-        part = gw_part_ptr + (b * tl.num_programs(0) + pid_t) * W * C + offs_c
-        tl.store(part, tl.sum(acc0, axis=0), mask=c_ok)
-        if W > 1:
-            tl.store(part + C, tl.sum(acc1, axis=0), mask=c_ok)
-        if W > 2:
-            tl.store(part + 2 * C, tl.sum(acc2, axis=0), mask=c_ok)
-        if W > 3:
-            tl.store(part + 3 * C, tl.sum(acc3, axis=0), mask=c_ok)
-    if NEED_GTAIL:
-        if pid_t == 0:  # tail row r is xp row r: read by token r − j through tap j, and is new-tail row r − T
-            # (names differ from the tiles': a runtime branch may not rebind a variable with another shape)
-            r = tl.arange(0, TAIL_ROWS)
-            gt = tl.zeros([TAIL_ROWS, BLOCK_C], dtype=tl.float32)
-            if HAS_GY:
-                for j in tl.static_range(W):
-                    reader = r - j  # (rows r >= W−1 are padding, never stored)
-                    g_r = _grad_rows(gy_b, ypre_b, reader, offs_c, T, C, SILU, False)
-                    if HAS_DOC:  # the tail's padded document id is −1
-                        g_r = tl.where((_doc_rows(doc_b, reader, T) == -1)[:, None], g_r, 0.0)
-                    gt += g_r * _weight(w_ptr, offs_c, C, W, j)
-            if HAS_GNT:
-                gt += _tile(gnt_b, r - T, offs_c, W - 1, C, False)
-            tl.store(gtail_ptr + b * (W - 1) * C + r[:, None] * C + offs_c[None, :], gt.to(gtail_ptr.dtype.element_ty),
-                     mask=(r < W - 1)[:, None] & c_ok[None, :])
-
-
-@triton.jit
 def _slot(a0, a1, a2, a3, k: tl.constexpr):
     """Slot k of a window of MAX_TAPS rows held as four values (k known at compile time: no select)."""
     if k == 0:
@@ -227,6 +115,12 @@ def _slot(a0, a1, a2, a3, k: tl.constexpr):
     else:
         v = a3
     return v
+
+
+@triton.jit
+def _zeros(BLOCK_C: tl.constexpr):
+    """A fresh fp32 zero vector (a value of its own, not shared with another loop-carried name)."""
+    return tl.zeros([BLOCK_C], dtype=tl.float32)
 
 
 @triton.jit
@@ -263,13 +157,19 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
     w2 = _tap_vector(w_ptr, offs_c, C, W, 2)
     w3 = _tap_vector(w_ptr, offs_c, C, W, 3)
     zero = tl.zeros([BLOCK_C], dtype=tl.float32)
-    # windows: slot k holds row t − 3 + k (x: xp rows; dz; document ids, −1 outside the row as the reference pads)
-    x0, x1, x2, x3 = zero, zero, zero, zero
-    d0, d1, d2, d3 = zero, zero, zero, zero
+    # windows: slot k holds row t − 3 + k (x: xp rows; dz; document ids, −1 outside the row as the reference pads).
+    # Every slot starts from a value of its own: Triton carries a name through a loop only where the body leaves
+    # it holding another value than it started with, so with one shared starting zero a slot that ends a step
+    # holding another slot's starting value (UNROLL < 3: x1 = the x3 it found) is not carried and reads that
+    # zero on every step (UNROLL 2 gave rel_err 0.35 on the H200; the interpreter carries every name)
+    x0, x1, x2, x3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
+    d0, d1, d2, d3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)
     if HAS_DOC:
-        none = tl.full([], -1, doc_ptr.dtype.element_ty)
-        id0, id1, id2, id3 = none, none, none, none
-    g0, g1, g2, g3 = zero, zero, zero, zero  # the weight gradient's sums per tap
+        id0 = tl.full([], -1, doc_ptr.dtype.element_ty)
+        id1 = tl.full([], -1, doc_ptr.dtype.element_ty)
+        id2 = tl.full([], -1, doc_ptr.dtype.element_ty)
+        id3 = tl.full([], -1, doc_ptr.dtype.element_ty)
+    g0, g1, g2, g3 = _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C), _zeros(BLOCK_C)  # the sums per tap
     first = t0 - (W - 1)
     for step in range(0, CHUNK_T + 2 * (W - 1), UNROLL):
         xs = ()
@@ -411,42 +311,20 @@ class ShortConvTriton(torch.autograd.Function):
         gx = torch.empty_like(x) if need_x else None
         gtail = torch.empty_like(tail) if need_tail else None
         with on_device(x):
-            if BWD_KERNEL == "tiles":
-                gw_part = _tiles_backward(x, weight, tail, doc_ids, gy, ypre, gnt, gx, gtail, ctx.silu, need_w)
-            else:
-                n_t = triton.cdiv(T, BWD_CHUNK_T)
-                gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32) if need_w else None
-                short_conv_bwd_kernel[(n_t, triton.cdiv(C, BWD_BLOCK_C), B)](
-                    x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
-                    x if gy is None else gy, x if ypre is None else ypre, x if gnt is None else gnt,
-                    x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
-                    W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, SILU=ctx.silu,
-                    HAS_GY=gy is not None, HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w,
-                    NEED_GTAIL=need_tail, CHUNK_T=BWD_CHUNK_T, BLOCK_C=BWD_BLOCK_C, UNROLL=BWD_UNROLL,
-                    num_warps=BWD_NUM_WARPS)
+            n_t = triton.cdiv(T, BWD_CHUNK_T)
+            gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32) if need_w else None
+            short_conv_bwd_kernel[(n_t, triton.cdiv(C, BWD_BLOCK_C), B)](
+                x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
+                x if gy is None else gy, x if ypre is None else ypre, x if gnt is None else gnt,
+                x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
+                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, SILU=ctx.silu,
+                HAS_GY=gy is not None, HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w,
+                NEED_GTAIL=need_tail, CHUNK_T=BWD_CHUNK_T, BLOCK_C=BWD_BLOCK_C, UNROLL=BWD_UNROLL,
+                num_warps=BWD_NUM_WARPS)
         gw = None
         if need_w:  # the second stage of the weight gradient's sum: every chunk's partial, in a fixed order
             gw = gw_part.sum((0, 1)).t().unsqueeze(1).to(weight.dtype)  # [W, C] -> [C, 1, W]
         return gx, gw, gtail, None, None
-
-
-def _tiles_backward(x, weight, tail, doc_ids, gy, ypre, gnt, gx, gtail, silu, need_w):
-    """short_conv_bwd_tiles_kernel's launch (the backward before session 13); returns gw_part."""
-    B, T, C = x.shape
-    W = weight.shape[-1]
-    BLOCK_C = _block_c(C)
-    tiles = min(_BWD_TILES, triton.cdiv(T, _BWD_BLOCK_T))
-    n_t = triton.cdiv(T, _BWD_BLOCK_T * tiles)
-    gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32) if need_w else None
-    short_conv_bwd_tiles_kernel[(n_t, triton.cdiv(C, BLOCK_C), B)](
-        x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
-        x if gy is None else gy, x if ypre is None else ypre, x if gnt is None else gnt,
-        x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
-        W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C), SILU=silu,
-        HAS_GY=gy is not None, HAS_GNT=gnt is not None, NEED_GX=gx is not None, NEED_GW=need_w,
-        NEED_GTAIL=gtail is not None, BLOCK_T=_BWD_BLOCK_T, BLOCK_C=BLOCK_C, TILES=tiles,
-        TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
-    return gw_part
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
