@@ -26,9 +26,13 @@ import types
 import torch
 from torch import nn
 
+from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiHeadLatentAttention
 from k3.model.mlp import SiTUMLP
 from k3.model.moe import LatentMoE
+from k3.ops.kda_train_ops import kda_core_train, kda_short_conv
+
+KINDS = (KimiDeltaAttention, MultiHeadLatentAttention, LatentMoE, SiTUMLP)
 
 # A kind compiles once with the shapes it first sees and, when they change, once more with dynamic shapes;
 # anything past that is a guard that should not exist (on a layer, say), so it raises instead of running eagerly.
@@ -46,8 +50,8 @@ def compile_regions(model: nn.Module, backend="inductor", recompile_limit: int =
     regions = []
     for layer in layers:
         for module in (layer.self_attn, getattr(layer, "block_sparse_moe", None), getattr(layer, "mlp", None)):
-            if not isinstance(module, (MultiHeadLatentAttention, LatentMoE, SiTUMLP)):
-                continue  # a KDA mixer, or the absent one of moe/mlp
+            if not isinstance(module, KINDS):
+                continue  # the absent one of moe/mlp
             if "combine_experts" in vars(module):
                 continue  # expert parallelism's exchange between processes (k3.parallel.expert_parallel)
             if "forward" in vars(module):
@@ -55,7 +59,7 @@ def compile_regions(model: nn.Module, backend="inductor", recompile_limit: int =
                                  f"(compile_regions applied twice?)")
             kind = _plain_class(module)
             if kind not in compiled:
-                compiled[kind] = torch.compile(kind.forward, fullgraph=True, backend=backend)
+                compiled[kind] = torch.compile(_TRACED.get(kind, kind.forward), fullgraph=True, backend=backend)
             module.forward = types.MethodType(_dispatch(kind.forward, compiled[kind], recompile_limit), module)
             regions.append(module)
     return regions
@@ -77,7 +81,31 @@ def _check_cpu_compiler() -> None:
 
 def _plain_class(module: nn.Module) -> type:
     """The model's own class of `module` (FSDP2's fully_shard swaps in a subclass of it)."""
-    return next(c for c in type(module).__mro__ if c in (MultiHeadLatentAttention, LatentMoE, SiTUMLP))
+    return next(c for c in type(module).__mro__ if c in KINDS)
+
+
+class _OpaqueKDALayout:
+    """A KDA training forward's layout inside a region: rows from no state (packed documents where doc_ids), the
+    short convs and the core each one custom op (k3.ops.kda_train_ops) that the graph keeps as a call."""
+
+    def __init__(self, doc_ids: torch.Tensor | None):
+        self.doc_ids = doc_ids
+
+    def short_convs(self, m: KimiDeltaAttention, xs: list[torch.Tensor]):
+        return [kda_short_conv(x, conv.weight, self.doc_ids, True) for x, conv in zip(xs, m.convs)], [None] * 3
+
+    def core(self, m: KimiDeltaAttention, q, k, v, f, beta_logits, tails) -> torch.Tensor:
+        return kda_core_train(q, k, v, f, beta_logits, m.A_log, m.dt_bias, m.lower_bound, self.doc_ids)
+
+
+def _kda_training_forward(self: KimiDeltaAttention, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                          cache=None) -> torch.Tensor:
+    """KimiDeltaAttention.forward through the opaque layout (the dispatch sends only cache=None here)."""
+    return KimiDeltaAttention.forward(self, x, doc_ids, cache=_OpaqueKDALayout(doc_ids))
+
+
+# what a kind's region traces, where it is not the class's forward
+_TRACED = {KimiDeltaAttention: _kda_training_forward}
 
 
 def _dispatch(eager, compiled, recompile_limit: int):

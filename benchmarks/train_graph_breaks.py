@@ -1,0 +1,70 @@
+"""Graph breaks of a compiled training step: where torch.compile splits `tiny`'s training forward, and what each
+compiled region of `k3 train --compile` (k3.train.compiled_regions) traces as.
+
+Two views, each through `torch._dynamo.explain` on one training forward (module in training mode, gradients on,
+packed documents):
+- the whole model's forward (`model(ids, doc_ids=..., labels=...)`): graphs and breaks with their source lines:
+  what a compile of the step as one piece would split at;
+- each mixer and feed-forward kind alone as compile_regions traces it (fullgraph=True there: one graph and no
+  break, or the kind is left eager): graphs and breaks.
+Run: PYTHONPATH=src python benchmarks/train_graph_breaks.py [--preset tiny] [--seq 64] [--device cpu]
+"""
+import argparse
+import json
+
+import torch
+import torch._dynamo as dynamo
+
+from k3.config import K3Config
+from k3.model.decoder import K3ForCausalLM, contiguous_segments
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import MultiHeadLatentAttention
+from k3.model.mlp import SiTUMLP
+from k3.model.moe import LatentMoE
+from k3.train import compiled_regions
+
+
+def explained(fn, *args, **kwargs) -> dict:
+    """Graphs and breaks (innermost source line, first line of the reason) of one traced call of fn."""
+    dynamo.reset()
+    ex = dynamo.explain(fn)(*args, **kwargs)
+    breaks = []
+    for b in ex.break_reasons:
+        frame = b.user_stack[-1] if b.user_stack else None
+        where = f"{frame.filename.split('/src/')[-1]}:{frame.lineno}" if frame else "?"
+        breaks.append(f"{where}: {b.reason.splitlines()[0][:160]}")
+    return {"graphs": ex.graph_count, "breaks": ex.graph_break_count, "reasons": sorted(set(breaks))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    with torch.device(a.device):
+        model = K3ForCausalLM(K3Config.preset(a.preset)).train()
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=a.device)
+    doc_ids = (torch.rand(a.batch, a.seq, device=a.device) < 0.1).long().cumsum(1)
+    report = {"step": explained(lambda: model(ids, doc_ids=doc_ids, labels=ids.roll(-1, 1)).loss)}
+    x = torch.randn(a.batch, a.seq, cfg.hidden_size, device=a.device, requires_grad=True)
+    segments = contiguous_segments(doc_ids)
+    seen = set()
+    for layer in model.model.layers:
+        for m in (layer.self_attn, getattr(layer, "block_sparse_moe", None), getattr(layer, "mlp", None)):
+            if m is None or type(m) in seen:
+                continue
+            seen.add(type(m))
+            traced = getattr(compiled_regions, "_TRACED", {}).get(type(m), type(m).forward)
+            if isinstance(m, (KimiDeltaAttention, MultiHeadLatentAttention)):
+                report[type(m).__name__] = explained(traced, m, x, doc_ids=segments)
+            elif isinstance(m, (LatentMoE, SiTUMLP)):
+                report[type(m).__name__] = explained(traced, m, x)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
