@@ -248,7 +248,8 @@ class KimiDeltaAttention(nn.Module):
         return kda_decode_step(*rows, weights, store.state, store.conv_q, store.conv_k, store.conv_v, store.slots)
 
     def output_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """`o_norm(o) ⊙ sigmoid(gate)` per head; fla's fused gated RMSNorm where the core ran on fla."""
-        if select_backend(o) == "fla":
+        """`o_norm(o) ⊙ sigmoid(gate)` per head; fla's fused gated RMSNorm where the core ran on fla (not in a
+        compiled training region: there inductor fuses the plain norm and gate)."""
+        if not torch.compiler.is_compiling() and select_backend(o) == "fla":
             return fla_output_gate(o, gate, self.o_norm.weight, self.o_norm.eps)
         return self.o_norm(o) * torch.sigmoid(gate.to(o.dtype))
