@@ -5,13 +5,14 @@ bookkeeping, detokenising, SSE streaming to every client) adds to it, because th
 back each step. This measures that host work on any machine: the `tiny` engine on CPU with its decode graph's
 model call replaced by fixed logits and a sleep of --device-ms (the GIL is released, like a device sync).
 
-Rows: "engine alone" steps the engine directly (the peer: no HTTP); "engine + HTTP" serves the same requests
+Rows: "engine alone" steps the engine directly (the peer: no HTTP), "engine alone, CPU time" the same timed by
+the engine thread's CPU time (host work only, whatever else loads the CPU); "engine + HTTP" serves the same requests
 through the real server to streaming clients in another process (`k3 bench serve`'s load generator). The limit is
 --device-ms, the step time if host work cost nothing. Only steps where every sequence decodes are counted.
 --sampler instead times one step's sampling of c rows (temperature 1, top-p 0.9, each request with its own
 generator): the engine's batched `sample_tokens` against the same sampler called row by row.
 Run: OMP_NUM_THREADS=1 python benchmarks/bench_serve_host.py [--concurrency 64] [--device-ms 8.7] [--repeats 2]
-     [--sampler --vocab 163840 --device cuda]
+     [--no-http] [--staggered] [--sampler --vocab 163840 --device cuda]
 """
 import argparse
 import statistics
@@ -30,8 +31,10 @@ from k3.serve.bench import run_load_in_own_process
 from k3.serve.local_server import local_server
 
 
-def build_engine(c: int, device_ms: float) -> tuple[LLMEngine, list[float]]:
-    """A tiny engine whose decode steps cost `device_ms` of GIL-free waiting; returns it and its step periods."""
+def build_engine(c: int, device_ms: float, clock=time.perf_counter) -> tuple[LLMEngine, list[float]]:
+    """A tiny engine whose decode steps cost `device_ms` of GIL-free waiting; returns it and its step periods
+    by `clock` (time.thread_time: the engine thread's CPU time, the host work alone, which time taken by other
+    load on a shared CPU does not inflate)."""
     cfg = K3Config.preset("tiny")
     model = K3ForCausalLM(cfg)
     model.reset_parameters(seed=0)
@@ -40,7 +43,8 @@ def build_engine(c: int, device_ms: float) -> tuple[LLMEngine, list[float]]:
 
     def fake_forward(self, view):
         calls[0] += 1
-        time.sleep(device_ms / 1e3)
+        if device_ms > 0:  # (a sleep of 0 still yields the CPU, which on a busy machine costs a time slice)
+            time.sleep(device_ms / 1e3)
         return bank[calls[0] % len(bank), :view.rows]
 
     runner_mod.DecodeGraphs._forward = fake_forward
@@ -53,7 +57,7 @@ def build_engine(c: int, device_ms: float) -> tuple[LLMEngine, list[float]]:
     def timed_step():
         full = (not engine.scheduler.waiting and len(engine.scheduler.running) == c
                 and all(not s.in_prefill for s in engine.scheduler.running))
-        now = time.perf_counter()
+        now = clock()
         if full and last[0] is not None:
             periods.append((now - last[0]) * 1e3)
         last[0] = now if full else None
@@ -63,8 +67,9 @@ def build_engine(c: int, device_ms: float) -> tuple[LLMEngine, list[float]]:
     return engine, periods
 
 
-def engine_alone(c: int, device_ms: float, prompts: list[list[int]], out_len: int) -> list[float]:
-    engine, periods = build_engine(c, device_ms)
+def engine_alone(c: int, device_ms: float, prompts: list[list[int]], out_len: int,
+                 clock=time.perf_counter) -> list[float]:
+    engine, periods = build_engine(c, device_ms, clock)
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, f"r{i}")
@@ -114,6 +119,10 @@ def main():
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-http", action="store_true", help="the engine alone (no server, no client process)")
+    ap.add_argument("--staggered", action="store_true", help="prompt lengths input_len + i mod 16: the streams "
+                    "reach their 16-token match boundaries (a KDA checkpoint each) at different steps, as under "
+                    "real load, instead of all on the same step")
     ap.add_argument("--sampler", action="store_true", help="time the sampler alone (see the docstring)")
     ap.add_argument("--vocab", type=int, default=163840, help="--sampler: vocabulary size")
     ap.add_argument("--device", default="cpu", help="--sampler: where the logits live")
@@ -122,10 +131,14 @@ def main():
     if a.sampler:
         return sampler_table(a.concurrency, a.vocab, a.device)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 1000, (a.input_len,), generator=g).tolist() for _ in range(a.concurrency)]
+    prompts = [torch.randint(0, 1000, (a.input_len + (i % 16 if a.staggered else 0),), generator=g).tolist()
+               for i in range(a.concurrency)]
     rows = []
-    for name, run in (("engine alone", lambda: engine_alone(a.concurrency, a.device_ms, prompts, a.output_len)),
-                      ("engine + HTTP", lambda: engine_http(a.concurrency, a.device_ms, a.input_len, a.output_len))):
+    runs = [("engine alone", lambda: engine_alone(a.concurrency, a.device_ms, prompts, a.output_len)),
+            ("engine alone, CPU time", lambda: engine_alone(a.concurrency, a.device_ms, prompts, a.output_len,
+                                                             time.thread_time)),
+            ("engine + HTTP", lambda: engine_http(a.concurrency, a.device_ms, a.input_len, a.output_len))]
+    for name, run in runs[:2] if a.no_http else runs:
         for r in range(a.repeats):
             p = run()
             rows.append((name, r, len(p), statistics.median(p), statistics.median(p) - a.device_ms))
@@ -133,7 +146,8 @@ def main():
     print("| run | repeat | full decode steps | step period median ms | host ms per step |")
     print("|---|---:|---:|---:|---:|")
     for name, r, n, med, host in rows:
-        print(f"| {name} | {r} | {n} | {med:.2f} | {host:.2f} |")
+        cpu = "CPU time" in name  # the thread's CPU time per step: host work only, the device's wait left out
+        print(f"| {name} | {r} | {n} | {'-' if cpu else f'{med:.2f}'} | {med if cpu else host:.2f} |")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ be captured in a CUDA graph), and `BatchCacheView` maps sequences of different l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -201,19 +202,31 @@ class BatchCacheView:
         self.kv_lens, self.cu_host = list(kv_lens), cu
         self.decode_rows, self.prefill_rows = decode, prefill
         self.decode_max_len = max((kv_lens[r] for r in decode), default=0)
+        # consecutive prefill rows hold one run of tokens: slices (views) then replace the gathers
+        self.prefill_span = ((slice(prefill[0], prefill[-1] + 1), slice(cu[prefill[0]], cu[prefill[-1] + 1]))
+                             if prefill and prefill[-1] - prefill[0] == len(prefill) - 1 else None)
+        # the prefill tokens' positions (one per token) go up only where no span replaces them
+        tokens = [] if self.prefill_span is not None else list(chain.from_iterable(
+            range(cu[r], cu[r + 1]) for r in prefill))
         (self.cu_seqlens, self.kv_len, self.decode_rows_t, self.decode_tokens_t, self.prefill_rows_t,
-         self.prefill_tokens_t, self.prefill_cu_seqlens) = self.upload(
-            [cu, kv_lens, decode, [cu[r] for r in decode], prefill,
-             [t for r in prefill for t in range(cu[r], cu[r + 1])], prefill_cu], device)
+         prefill_tokens_t, self.prefill_cu_seqlens) = self.upload(
+            [cu, kv_lens, decode, [cu[r] for r in decode], prefill, tokens, prefill_cu], device)
+        self._prefill_tokens_t = prefill_tokens_t if self.prefill_span is None else None
         self.prefill_cu_seqlens_cpu = torch.tensor(prefill_cu, dtype=torch.long)
         kv_cu = [0]  # the prefill rows' whole contexts packed (MLA's keys), with their new tokens as the queries
         for r in prefill:
             kv_cu.append(kv_cu[-1] + kv_lens[r])
         self.prefill_segments = VarlenSegments.build(prefill_cu, kv_cu, device) if prefill else None
-        # consecutive prefill rows hold one run of tokens: slices (views) then replace the gathers
-        self.prefill_span = ((slice(prefill[0], prefill[-1] + 1), slice(cu[prefill[0]], cu[prefill[-1] + 1]))
-                             if prefill and prefill[-1] - prefill[0] == len(prefill) - 1 else None)
         self.forget_shared()
+
+    @property
+    def prefill_tokens_t(self) -> torch.Tensor:
+        """The prefill tokens' flat positions on the device; built on first use where `prefill_span` covers them
+        (the layouts then take the span's slice instead)."""
+        if self._prefill_tokens_t is None:
+            span = self.prefill_span[1] if self.prefill_span is not None else slice(0, 0)
+            self._prefill_tokens_t = self.send(torch.arange(span.start, span.stop), self.cu_seqlens.device)
+        return self._prefill_tokens_t
 
     @staticmethod
     def upload(lists: list[list], device, dtype: torch.dtype = torch.long) -> list[torch.Tensor]:
@@ -221,7 +234,8 @@ class BatchCacheView:
         CUDA it leaves from pinned memory without blocking: a plain copy from pageable memory waits for every
         queued kernel."""
         pinned = torch.device(device).type == "cuda"
-        flat = torch.tensor([v for xs in lists for v in xs], dtype=dtype, pin_memory=pinned)
+        # (chain flattens at C speed: an eager step's lists hold a value per token, 8,192 at full steps)
+        flat = torch.tensor(list(chain.from_iterable(lists)), dtype=dtype, pin_memory=pinned)
         return list(flat.to(device, non_blocking=True).split([len(xs) for xs in lists]))
 
     @staticmethod

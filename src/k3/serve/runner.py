@@ -4,6 +4,7 @@ instead replay a CUDA graph captured for their padded batch size and block-table
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -33,6 +34,21 @@ class PromptScores:
     top_lps: torch.Tensor  # [M, K]
 
 
+def token_slots(seqs: list[Sequence], lens: list[int], block_size: int) -> list[int]:
+    """The pool slot (block · block_size + offset) of each new token of the step, sequence after sequence: one
+    range per block a chunk touches, flattened at C speed (a loop over tokens cost ~2 ms a 8,192-token step)."""
+    runs = []
+    for s, n in zip(seqs, lens):
+        p, end = s.num_computed, s.num_computed + n
+        while p < end:
+            b, off = divmod(p, block_size)
+            base = s.block_table[b] * block_size
+            stop = min(end - p, block_size - off)
+            runs.append(range(base + off, base + off + stop))
+            p += stop
+    return list(chain.from_iterable(runs))
+
+
 class PagedBatchView(BatchCacheView):
     """S sequences' views into the pool: KDA state rows by slot, MLA latents by block table. Everything the
     step needs is built here from host lists and sent in one copy per group (see BatchCacheView.upload)."""
@@ -44,9 +60,8 @@ class PagedBatchView(BatchCacheView):
         bs = pool.block_size
         width = max(len(s.block_table) for s in seqs)
         tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
-        slot_mapping = [s.block_table[p // bs] * bs + p % bs
-                        for s, n in zip(seqs, lens) for p in range(s.num_computed, s.num_computed + n)]
-        self.slots, tables_t, self.slot_mapping = self.upload([[s.slot for s in seqs], tables, slot_mapping], dev)
+        self.slots, tables_t, self.slot_mapping = self.upload(
+            [[s.slot for s in seqs], tables, token_slots(seqs, lens, bs)], dev)
         self.block_tables = tables_t.view(len(seqs), width)
         self.prefill_context_slots = self.send(self._prefill_context_slots(
             torch.tensor(tables, dtype=torch.long).view(len(seqs), width)), dev) if self.prefill_rows else None
