@@ -281,11 +281,13 @@ class LLMEngine:
         self.pool.flush_checkpoint_copies()  # the new sequences' slots zeroed (all of the step's admissions at once)
         logits, scores = self.runner.run(seqs, lens, sampling, ids)
         logits = logits[:, :self.sample_vocab]
+        unit = self.pool.match_unit
         for s, n in zip(seqs, lens):
             decoding = not s.in_prefill
             s.num_computed += n
-            self.pool.register_computed(s)
-            self._maybe_checkpoint(s, decoding)
+            if not decoding or s.num_computed % unit == 0:  # a decoded token completes a unit only on a boundary
+                self.pool.register_computed(s)
+                self._maybe_checkpoint(s, decoding)
         self.pool.flush_checkpoint_copies()  # before a finishing sequence frees its slot
         chosen = [seqs[i] for i in sampling]
         sample = None
@@ -353,7 +355,8 @@ class LLMEngine:
         seq.tokens.append(tok)
         if lp is not None:
             seq.logprobs.append(lp)
-        may_stop = seq.num_output >= p.min_tokens  # as vLLM: no stop token or string ends it before min_tokens
+        num_output = len(seq.tokens) - seq.prompt_len
+        may_stop = num_output >= p.min_tokens  # as vLLM: no stop token or string ends it before min_tokens
         stop_tok = may_stop and (tok in seq.stop_set or (tok in self.stop_ids and not p.ignore_eos))
         if seq.decoder is not None and not stop_tok:
             seq.output_text += seq.decoder.step(tok)
@@ -362,7 +365,7 @@ class LLMEngine:
             reason = "stop"
         elif p.stop and may_stop and self._cut_at_stop_string(seq):
             reason = "stop"
-        elif seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+        elif num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self._finish(seq, reason, now)

@@ -71,11 +71,15 @@ class Sequence:
     # images: (first pad position, projector rows [n, D], content digest), in prompt order
     mm: list[tuple[int, torch.Tensor, str]] = field(default_factory=list)
 
+    # len(prompt), kept: read several times a token per step (progress, stops), the prompt never changes
+    prompt_len: int = field(init=False)
+
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt)
         if not self.request_id:
             self.request_id = f"req-{self.seq_id}"
+        self.prompt_len = len(self.prompt)
 
     @property
     def cache_root(self) -> tuple:
@@ -89,10 +93,6 @@ class Sequence:
         unit = tuple(self.tokens[start:end])
         images = tuple((digest, s - start) for s, rows, digest in self.mm if s < end and s + rows.shape[0] > start)
         return unit + images if images else unit
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
 
     @property
     def num_output(self) -> int:
