@@ -3,8 +3,9 @@ k3.ops._conv_triton) compiled for sm_90 without a GPU (Triton's own ptxas, as be
 `small`'s training shapes (bf16, D = C = 1536, the specialisations a training step compiles: integer arguments
 divisible by 16): registers a thread, spill bytes (STACK), shared memory, the programs an SM those allow (for the
 mix: and the count its launch asks for, BWD_PROGRAMS_PER_SM), and the bytes of loads each program issues together
-(what keeps HBM busy: ~30 KB an SM in flight reach an H200's bandwidth). The conv also at the UNROLL values
-bench_gpu_kernels.py --backwards times.
+(what keeps HBM busy: ~30 KB an SM in flight reach an H200's bandwidth), each kernel in 1 stage (a step's loads,
+then its math) and in its default (BWD_STAGES: the next step's loads in flight through this step's math); the
+conv also at the UNROLL values bench_gpu_kernels.py --backwards times.
 
 Run: python benchmarks/sass_train_backwards.py   (needs triton; no CUDA device)
 """
@@ -44,12 +45,14 @@ def mix_rows():
         tuples = {"srcs": ("*bf16",) * n, "grads": ("*bf16",) * n, "addends": ("*bf16",) * n, "g_ptr": "*bf16",
                   "uw_ptr": "*fp32", "scores_ptr": "*fp32", "lse_ptr": "*fp32"}
         warps = _attn_res_triton.NUM_WARPS["bwd"]
-        new = compile_kernel(_attn_res_triton._mix_bwd_kernel, {**tuples, "q_ptr": "*fp32", "R": "i32", "D": "i32",
-                                                                "eps": "fp32", "iters": "i32", "accumulate": "i32"},
-                             warps, N=n, BLOCK_D=triton.next_power_of_2(D))
-        # a row of g, the sources and the addends
-        yield f"AttnRes mix bwd, {n} sources", f"asks {_attn_res_triton.BWD_PROGRAMS_PER_SM[n]} an SM", warps, new, \
-            (1 + 2 * n) * D * 2
+        per_sm = _attn_res_triton.BWD_PROGRAMS_PER_SM[n]
+        for stages in sorted({1, _attn_res_triton.BWD_STAGES}):
+            new = compile_kernel(_attn_res_triton._mix_bwd_kernel, {**tuples, "q_ptr": "*fp32", "R": "i32", "D": "i32",
+                                                                    "eps": "fp32", "iters": "i32", "accumulate": "i32"},
+                                 warps, N=n, BLOCK_D=triton.next_power_of_2(D), STAGES=stages)
+            # a row of g, the sources and the addends (with 2 stages: the next row's, while this row's math runs)
+            yield f"AttnRes mix bwd, {n} sources", f"{stages} stage(s), asks {per_sm} an SM", warps, new, \
+                (1 + 2 * n) * D * 2
 
 
 def conv_rows():
@@ -59,11 +62,13 @@ def conv_rows():
     flags = dict(W=4, HAS_TAIL=False, HAS_DOC=False, SILU=True, HAS_GY=True, HAS_GNT=False, NEED_GX=True,
                  NEED_GW=True, NEED_GTAIL=False)
     ct = _conv_triton
-    for unroll in sorted({2, ct.BWD_UNROLL, 8}):
+    for unroll, stages in sorted({(ct.BWD_UNROLL, ct.BWD_STAGES), (ct.BWD_UNROLL, 1), (2, ct.BWD_STAGES),
+                                  (8, ct.BWD_STAGES)}):
         kernel = compile_kernel(ct.short_conv_bwd_kernel, sig, ct.BWD_NUM_WARPS, **flags, CHUNK_T=ct.BWD_CHUNK_T,
-                                BLOCK_C=ct.BWD_BLOCK_C, UNROLL=unroll)
-        # UNROLL rows of x, dy and y
-        form = f"UNROLL {unroll}" + (" (default)" if unroll == ct.BWD_UNROLL else "")
+                                BLOCK_C=ct.BWD_BLOCK_C, UNROLL=unroll, STAGES=stages)
+        # UNROLL rows of x, dy and y (with 2 stages: the next step's, while this step's math runs)
+        form = f"UNROLL {unroll}, {stages} stage(s)" + (" (default)" if (unroll, stages) == (ct.BWD_UNROLL,
+                                                                                            ct.BWD_STAGES) else "")
         yield "short conv + SiLU bwd", form, ct.BWD_NUM_WARPS, kernel, unroll * 3 * ct.BWD_BLOCK_C * 2
 
 

@@ -122,3 +122,25 @@ def test_backward_is_bitwise_reproducible():
     first, second = (_attn_res_triton.mix_backward(grad, u, w, 1e-5, sources, scores, lse) for _ in range(2))
     for a, b in zip([first[0], first[1], *first[2]], [second[0], second[1], *second[2]]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("iters", [None, 1])
+def test_backward_compiles_for_sm90_with_its_next_row_in_flight(iters):
+    """Compiled for the H200 (no GPU: tests/sm90_compile.py) as the launch at `small`'s shapes does (3 sources,
+    D 1536, 2 stages), the backward's row loop is pipelined: the next row's loads are asynchronous copies
+    (cp.async) issued before this row's math; and it compiles where Triton specialises iters == 1 (a row a
+    program). Under the interpreter the loop runs a row at a time (STAGES 1): only this compile sees the
+    pipelined form."""
+    from sm90_compile import ptx_for_sm90
+
+    from k3.ops import _attn_res_triton
+
+    n = 3
+    sig = {"srcs": ["*bf16"] * n, "grads": ["*bf16"] * n, "addends": ["*bf16"] * n, "g_ptr": "*bf16",
+           "uw_ptr": "*fp32", "scores_ptr": "*fp32", "lse_ptr": "*fp32", "q_ptr": "*fp32", "R": "i32", "D": "i32",
+           "eps": "fp32", "accumulate": "i32", **({"iters": "i32"} if iters is None else {})}
+    ptx = ptx_for_sm90("k3.ops._attn_res_triton", "_mix_bwd_kernel", sig, num_warps=_attn_res_triton.NUM_WARPS["bwd"],
+                       N=n, BLOCK_D=2048, STAGES=2, **({} if iters is None else {"iters": 1}))
+    assert ".entry _mix_bwd_kernel" in ptx
+    if iters is None:
+        assert "cp.async" in ptx

@@ -127,7 +127,8 @@ def test_rows_backward_compiles_for_sm90_with_t_1_and_carries_its_windows(unroll
            "C": "i32"}
     ttir = asm_for_sm90("ttir", "k3.ops._conv_triton", "short_conv_bwd_kernel", sig, num_warps=1, T=1, W=4,
                         HAS_TAIL=True, HAS_DOC=True, SILU=True, HAS_GY=True, HAS_GNT=True, NEED_GX=True, NEED_GW=True,
-                        NEED_GTAIL=True, CHUNK_T=64, BLOCK_C=128, UNROLL=unroll)
+                        NEED_GTAIL=True, CHUNK_T=64, BLOCK_C=128, UNROLL=unroll,
+                        STAGES=_conv_triton.BWD_STAGES)
     loops = re.findall(r"scf\.for .*? iter_args\((.*?)\) ->", ttir)
     assert len(loops) == 1, ttir[-3000:]
     carried = loops[0].split(", ")  # "%name = %init" each

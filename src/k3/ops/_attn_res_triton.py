@@ -67,9 +67,50 @@ def _add_pairs(a0, a1, b0, b1):
     return a0 + b0, a1 + b1
 
 
+@triton.jit
+def _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q, row, R, D, eps, accumulate,
+                 N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row of _mix_bwd_kernel: its sources' gradients stored, q plus the row's part returned."""
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    row_ok = row < R
+    mask = col_ok & row_ok
+    offs = row.to(tl.int64) * D + cols
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
+    vs = ()
+    adds = ()
+    for i in tl.static_range(N):
+        vs = vs + (tl.load(srcs[i] + offs, mask=mask, other=0.0),)
+    for i in tl.static_range(N):
+        adds = adds + (tl.load(addends[i] + offs, mask=mask & ((accumulate >> i) & 1 != 0), other=0.0),)
+    das = ()
+    coefs = ()
+    for i in tl.static_range(N):
+        v = vs[i].to(tl.float32)
+        da, sq = tl.reduce((g * v, v * v), 0, _add_pairs)
+        s = tl.load(scores_ptr + i * R + row, mask=row_ok, other=0.0)
+        a = tl.exp(s - lse)
+        r = tl.rsqrt(sq / D + eps)
+        das = das + (da,)
+        coefs = coefs + ((a, r, s),)
+    t = coefs[0][0] * das[0]  # Σ_j a_j ∂L/∂a_j
+    for i in tl.static_range(1, N):
+        t += coefs[i][0] * das[i]
+    uw = tl.load(uw_ptr + cols, mask=col_ok, other=0.0)  # read per row (from cache): registers are short
+    for i in tl.static_range(N):
+        a, r, s = coefs[i]
+        v = vs[i].to(tl.float32)
+        coef = a * (das[i] - t) * r
+        dv = a * g + coef * uw - (coef * s * r / D) * v + adds[i].to(tl.float32)
+        tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
+        q += coef * v
+    return q
+
+
 @triton.jit(do_not_specialize=["accumulate"])
 def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q_ptr, R, D, eps, iters, accumulate,
-                    N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    N: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     """Every source's gradient and the q partials, one row a step: program p takes rows p, p + P, p + 2P, ...
     (P programs, each holding one fp32 q partial in registers: P partials, summed by the caller in a fixed
     order). A step issues every load of its row at once (∂L/∂out, each source, each addend: nothing is
@@ -78,48 +119,23 @@ def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q_
     then the gradients. accumulate: a bit mask over the sources; where bit i is set, source i's gradient plus
     addends[i] is stored (addends[i] is grads[i] itself for an AttnRes block's sum over the mixes that read it,
     or the gradient a residual add left for a partial sum), else the gradient alone; a run-time value, so the
-    masks a model uses share one compiled kernel per source count."""
+    masks a model uses share one compiled kernel per source count. STAGES: rows in flight a program (1: a row's
+    loads, math and stores in turn)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     q = tl.zeros([BLOCK_D], tl.float32)
-    it = 0
-    while it < iters:  # (a while: the interpreter cannot range over a run-time 1)
-        row = pid + it * nprog
-        row_ok = row < R
-        mask = col_ok & row_ok
-        offs = row.to(tl.int64) * D + cols
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
-        vs = ()
-        adds = ()
-        for i in tl.static_range(N):
-            vs = vs + (tl.load(srcs[i] + offs, mask=mask, other=0.0),)
-        for i in tl.static_range(N):
-            adds = adds + (tl.load(addends[i] + offs, mask=mask & ((accumulate >> i) & 1 != 0), other=0.0),)
-        das = ()
-        coefs = ()
-        for i in tl.static_range(N):
-            v = vs[i].to(tl.float32)
-            da, sq = tl.reduce((g * v, v * v), 0, _add_pairs)
-            s = tl.load(scores_ptr + i * R + row, mask=row_ok, other=0.0)
-            a = tl.exp(s - lse)
-            r = tl.rsqrt(sq / D + eps)
-            das = das + (da,)
-            coefs = coefs + ((a, r, s),)
-        t = coefs[0][0] * das[0]  # Σ_j a_j ∂L/∂a_j
-        for i in tl.static_range(1, N):
-            t += coefs[i][0] * das[i]
-        uw = tl.load(uw_ptr + cols, mask=col_ok, other=0.0)  # read per row (from cache): registers are short
-        for i in tl.static_range(N):
-            a, r, s = coefs[i]
-            v = vs[i].to(tl.float32)
-            coef = a * (das[i] - t) * r
-            dv = a * g + coef * uw - (coef * s * r / D) * v + adds[i].to(tl.float32)
-            tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
-            q += coef * v
-        it += 1
+    if STAGES > 1:  # Triton's pipeliner copies the next row (into shared memory) while this row's math runs
+        for it in tl.range(0, iters, num_stages=STAGES):
+            q = _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q, pid + it * nprog, R, D,
+                             eps, accumulate, N, BLOCK_D)
+    else:  # (a while: the interpreter, which runs the CPU tensors' launches, cannot range over a run-time count)
+        it = 0
+        while it < iters:
+            q = _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q, pid + it * nprog, R, D,
+                             eps, accumulate, N, BLOCK_D)
+            it += 1
     tl.store(q_ptr + pid * D + cols, q, mask=col_ok)
 
 
@@ -132,6 +148,13 @@ NUM_WARPS = dict(fwd=4, bwd=4)
 # sass_train_backwards.py). On an H200 (session 14) 3 an SM won at 2 sources (268 µs against 338 at 2 and 358
 # at 4) and lost at 5 (864 against 694 at 2); more sources than these: 2
 BWD_PROGRAMS_PER_SM = {1: 3, 2: 3, 3: 2, 4: 2, 5: 2}
+
+# Rows the backward's loop keeps in flight a program: 1, each row's loads, math and stores in turn (a program's
+# memory idles through its math: on the H200 more programs an SM, not more bytes a program, were what helped);
+# 2, the next row's loads issued (cp.async, into shared memory) before this row's math. sm_90, bf16, D 1536:
+# 163 registers and 29 KB shared at 2 sources (3 programs an SM still fit), 255 and 53 KB at 5 (2), no spills.
+# (CPU tensors, under the interpreter: 1)
+BWD_STAGES = 2
 
 
 def _programs(device: torch.device, n_sources: int) -> int:
@@ -179,7 +202,8 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
     with on_device(g):
         _mix_bwd_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse, q, R, D, eps,
                                   triton.cdiv(R, progs), accumulate, N=len(sources),
-                                  BLOCK_D=triton.next_power_of_2(D), num_warps=NUM_WARPS["bwd"])
+                                  BLOCK_D=triton.next_power_of_2(D), STAGES=BWD_STAGES if g.is_cuda else 1,
+                                  num_warps=NUM_WARPS["bwd"])
     q = q.sum(0)  # the second stage of q's sum: the programs' partials in a fixed order (no atomics)
     return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads
 
