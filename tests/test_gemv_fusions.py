@@ -126,7 +126,7 @@ def test_moe_decode_takes_norm_up_and_shared_add_in_one_kernel(dtype, monkeypatc
         assert up[0][5] == moe.routed_expert_norm.eps
         shared = moe.shared_experts
         down = [a for a in launches if a[1] is shared.down_proj.weight]  # its SiTU-GLU in the prologue
-        assert len(down) == 1 and down[0][6] is not None and down[0][7:] == shared.betas
+        assert len(down) == 1 and down[0][6] is not None and down[0][7:9] == shared.betas
         with force_gemv(False):
             plain = moe(x)
         assert norm_calls == [moe.routed_expert_norm.weight]  # the plain path ran the norm
@@ -218,14 +218,71 @@ def test_glu_inputs_that_do_not_fit_are_refused():
         assert not use_gemv(x, w, None, None, None, torch.zeros(2, 63, device=DEVICE))  # not the gate's shape
         assert not use_gemv(x, w, None, None, None, torch.zeros(64, 2, device=DEVICE).t())  # columns strided
         assert not use_gemv(x, w, None, None, torch.ones(64, device=DEVICE), torch.zeros(2, 64, device=DEVICE))
-    with pytest.raises(ValueError, match="norm_weight and glu_up"):
+    with pytest.raises(ValueError, match="cannot be combined"):
         gemv.linear_reference(x, w, None, None, torch.ones(64, device=DEVICE), 1e-5, torch.zeros(2, 64, device=DEVICE))
 
 
+def fp64_gated_linear(x, gate, w, res=None):
+    """x ⊙ σ(gate) rounded to x's dtype (what the kernel reads), then the matmul (+ residual), in float64."""
+    h = (x.double() * torch.sigmoid(gate.double())).to(x.dtype).double()
+    y = h @ w.double().t()
+    return y if res is None else y + res.double()
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_gate_in_the_kernel_equals_sigmoid_gate_then_matmul(M, N, K, dtype):
+    """MLA's o ⊙ σ(gate) before o_proj as the kernel's prologue: the gate a column slice of a wider projection's
+    output (row stride past K, as MLA's fused in_proj gives it), gates out to σ's saturation (|gate| to ~40)."""
+    g = torch.Generator().manual_seed(M * 7 + N + 3 * K)
+    fused = (torch.randn(M, K + 5, generator=g) * 10.0).to(dtype).to(DEVICE)
+    gate = fused[:, 5:]
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(N, K, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(M, N, generator=g).to(dtype).to(DEVICE)
+    with force_gemv(True):
+        assert use_gemv(x, w, None, res, out_gate=gate)
+        y = linear(x, w, None, res, out_gate=gate)
+    check(y, fp64_gated_linear(x, gate, w, res), dtype)
+    with force_gemv(False):
+        plain = linear(x, w, None, res, out_gate=gate)
+    check(plain, fp64_gated_linear(x, gate, w, res), dtype, ulps=2)  # (σ rounded, the product, then the sum)
+
+
+def test_output_gates_that_do_not_fit_are_refused():
+    x, w = torch.zeros(2, 64, device=DEVICE), torch.zeros(32, 64, device=DEVICE)
+    with force_gemv(True):
+        assert use_gemv(x, w, out_gate=torch.zeros(2, 64, device=DEVICE))
+        assert not use_gemv(x, w, out_gate=torch.zeros(2, 63, device=DEVICE))  # not x's shape
+        assert not use_gemv(x, w, out_gate=torch.zeros(64, 2, device=DEVICE).t())  # columns strided
+        assert not use_gemv(x, w, norm_weight=torch.ones(64, device=DEVICE), out_gate=torch.zeros(2, 64, device=DEVICE))
+        assert not use_gemv(x, w, glu_up=torch.zeros(2, 64, device=DEVICE), out_gate=torch.zeros(2, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        gemv.linear_reference(x, w, glu_up=torch.zeros(2, 64, device=DEVICE), out_gate=torch.zeros(2, 64, device=DEVICE))
+
+
+def test_output_gate_kernel_compiles_for_the_h200():
+    """o_proj's launch at 1 bf16 row ([1536, 1536]: K split) with the gate in its prologue, compiled for sm_90 by
+    ptxas: the gate's sigmoid is in the K loop (an exp)."""
+    from sm90_compile import ptx_for_sm90
+
+    p = _gemv_triton.plan(1, 1536, 1536, torch.bfloat16, 132)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
+           "part_ptr": "*fp32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16", "beta_gate": "fp32",
+           "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_um": "i32"}
+    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", sig, num_warps=p["warps"], HAS_BIAS=False,
+                       HAS_RES=False, SPLIT=p["split"] > 1, USE_DOT=False, DOT_IN_FP32=False, BLOCK_M=p["block_m"],
+                       BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"], NUM_STAGES=p["stages"],
+                       HAS_NORM=False, NORM_K=1024, NORM_BLOCK=1024, HAS_GLU=False, GLU_EXACT=False, OUT_GATE=True)
+    assert "ex2.approx" in ptx
+
+
 def test_model_decode_folds_norms_and_glu_into_the_kernel(monkeypatch):
-    """fp32 tiny model, StaticCache decode with the GEMV forced on: each MLA layer's q_b launch carries its q_a norm,
-    each MoE layer's routed up launch its routed norm and the shared experts' output, its shared down launch their
-    GLU; the logits equal the same decode with the kernel off and the full forward."""
+    """fp32 tiny model, StaticCache decode with the GEMV forced on: each MLA layer's q_b launch carries its q_a norm
+    and its o_proj launch the output gate, each MoE layer's routed up launch its routed norm and the shared experts'
+    output, its shared down launch their GLU; the logits equal the same decode with the kernel off and the full
+    forward."""
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_block_n", 64)  # fewer, larger programs: the interpreter's pace
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_tile_elems", 1 << 16)
     from k3.model.decoder import K3ForCausalLM
@@ -254,6 +311,7 @@ def test_model_decode_folds_norms_and_glu_into_the_kernel(monkeypatch):
     assert mla and moe
     for m in mla:
         assert by_weight[id(m.q_b_proj.weight)][4] is m.q_a_layernorm.weight
+        assert by_weight[id(m.o_proj.weight)][9] is not None  # o ⊙ σ(gate) in o_proj's prologue
     for m in moe:
         up = by_weight[id(m.routed_expert_up_proj.weight)]
         assert up[4] is m.routed_expert_norm.weight and up[3] is not None

@@ -254,13 +254,31 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
         kernels = triton_module("_attn_res_norm_triton")
         y, total = kernels.mix_norm_forward(norm.weight, proj.weight, norm.eps,
                                             tuple(s.contiguous() for s in sources), out_norm.weight,
-                                            out_norm.eps, None if add is None else add.contiguous())
+                                            out_norm.eps, None if add is None else add.contiguous(),
+                                            uw=_kept_score_weight(norm, proj, kernels.score_weight))
         return (p if total is None else total.view_as(p)), y.view_as(p)
     if add is not None:
         p = residual_add(p, add)
     else:
         p = _attached_like(p, blocks)
     return p, out_norm(attn_res_mix([*blocks, p], norm, proj))
+
+
+def _kept_score_weight(norm: RMSNorm, proj: torch.nn.Linear, make) -> torch.Tensor | None:
+    """`make(u, w)` (the fused mix's fp32 u ⊙ w) kept on the norm module and remade only when either weight moved
+    or changed (their version counters; a write through `.data` is not seen, as StackedWeights says), so a decode
+    step does not launch its casts and product at every mix. Compiled code reads the one made before compiling
+    (None where there is none: the kernel's caller makes it)."""
+    u, w = norm.weight, proj.weight
+    kept = norm.__dict__.get("_k3_score_weight")
+    if torch.compiler.is_compiling():
+        return None if kept is None else kept[1]
+    key = (u.data_ptr(), w.data_ptr(), u.device, u.dtype, w.dtype, u._version, w._version)
+    if kept is None or kept[0] != key:
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor: readable outside inference mode
+            kept = (key, make(u.detach(), w.detach()))
+        norm.__dict__["_k3_score_weight"] = kept
+    return kept[1]
 
 
 def _attached_like(p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:

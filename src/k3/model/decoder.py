@@ -73,6 +73,10 @@ class K3Model(nn.Module):
         recompute = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         # each block's gradient summed in one buffer by the mixes that read it, not by autograd's pairwise adds
         block_grads = BlockGrads() if BlockGrads.wanted() else None
+        # Without a gradient each layer's `p + ffn` is left to the next mix, whose kernel does the add with it
+        # (k3.ops._attn_res_norm_triton: one launch fewer a layer); with one, BlockGrads attaches the sum itself.
+        defer = block_grads is None and not recompute
+        ffn = None  # the last layer's FFN output, not yet added to p
         for l, layer in enumerate(self.layers):
             starts_block = l % block == 0
             if starts_block and block_grads is not None:
@@ -80,29 +84,36 @@ class K3Model(nn.Module):
             if recompute:
                 p_next = _checkpointed_layer(layer, starts_block, p, blocks, doc_ids, mask)
             else:
-                p_next = _layer_forward(layer, starts_block, p, blocks, doc_ids, mask, cache)
+                p, p_next, ffn = _layer_forward(layer, starts_block, p, blocks, doc_ids, mask, cache, add=ffn)
+                if not defer:
+                    p_next, ffn = residual_add(p_next, ffn), None  # p + ffn; see BlockGrads
             if starts_block:
                 blocks.append(p)
             p = p_next
-        return attn_res_mix_norm(blocks, p, self.output_attn_res_norm, self.output_attn_res_proj, self.norm)[1]
+        return attn_res_mix_norm(blocks, p, self.output_attn_res_norm, self.output_attn_res_proj, self.norm,
+                                 add=ffn)[1]
 
 
 def _layer_forward(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, blocks: list[torch.Tensor],
-                   doc_ids, mask, cache=None) -> torch.Tensor:
-    """One layer of SPEC §3.1's loop: the partial sum p after layer l. `blocks` is read, never changed; when
-    `starts_block` the caller appends the incoming p to it."""
-    # each mix is read only through the norm after it; the second one also takes the residual add before it
+                   doc_ids, mask, cache=None, add: torch.Tensor | None = None):
+    """One layer of SPEC §3.1's loop: (its incoming partial sum p + add, the partial sum after its mixer, its FFN's
+    output); the partial sum after layer l is the sum of the last two. `add`: the previous layer's FFN output where
+    the caller left it to this layer's first mix (never at layer 0). `blocks` is read, never changed; when
+    `starts_block` the caller appends the incoming partial sum to it."""
+    # each mix is read only through the norm after it; each also takes the residual add before it
     if blocks:
-        _, x = attn_res_mix_norm(blocks, p, layer.self_attention_res_norm, layer.self_attention_res_proj,
-                                 layer.input_layernorm)
+        p_sum, x = attn_res_mix_norm(blocks, p, layer.self_attention_res_norm, layer.self_attention_res_proj,
+                                     layer.input_layernorm, add=add)
+        p = p if add is None else p_sum  # (without add, p as before: training's BlockGrads attach it later)
     else:
+        assert add is None, "layer 0 has no mix to take the add"
         x = layer.input_layernorm(p)
     if starts_block:
         blocks = blocks + [p]
     attn = layer.self_attn(x, doc_ids=doc_ids, cache=cache)
-    p, m = attn_res_mix_norm(blocks, None if starts_block else p, layer.mlp_res_norm, layer.mlp_res_proj,
-                             layer.post_attention_layernorm, add=attn)  # a new block's partial sum starts at 0
-    return residual_add(p, layer.ffn(m, mask))  # p + ffn; see BlockGrads
+    p_mid, m = attn_res_mix_norm(blocks, None if starts_block else p, layer.mlp_res_norm, layer.mlp_res_proj,
+                                 layer.post_attention_layernorm, add=attn)  # a new block's partial sum starts at 0
+    return p, p_mid, layer.ffn(m, mask)
 
 
 def _checkpointed_layer(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, blocks: list[torch.Tensor],
@@ -118,7 +129,8 @@ def _checkpointed_layer(layer: K3DecoderLayer, starts_block: bool, p: torch.Tens
         calls += 1
         kept = (moe.last_scores, moe.last_mask) if moe is not None and calls > 1 else None
         try:
-            return _layer_forward(layer, starts_block, p, list(blocks), doc_ids, mask)
+            _, p_mid, ffn = _layer_forward(layer, starts_block, p, list(blocks), doc_ids, mask)
+            return residual_add(p_mid, ffn)  # p + ffn; see BlockGrads
         finally:
             if kept is not None:
                 moe.last_scores, moe.last_mask = kept

@@ -12,7 +12,7 @@ from k3.model.cache import BatchCacheView, StaticCache
 from k3.model.norm import RMSNorm
 from k3.ops.attention import causal_attention
 from k3.ops.fused_linear import FusedLinears
-from k3.ops.gemv import DecodeLinear
+from k3.ops.gemv import DecodeLinear, use_gemv
 from k3.ops.mla_static_decode import static_decode_attention, use_static_decode_kernel
 from k3.ops.sigmoid_gate import sigmoid_gate
 from k3.ops.triton_dispatch import triton_module, use_triton
@@ -131,7 +131,17 @@ class MultiHeadLatentAttention(nn.Module):
         q = self.q_b_proj(q_a, norm=self.q_a_layernorm).view(B, T, H, self.nope + self.rope)
         latent, k_extra = kv_a.split([self.kv_rank, self.rope], dim=-1)
         o = mla_layout(cache, doc_ids).attend(self, q, self.kv_a_layernorm(latent), k_extra)
-        return self.o_proj(sigmoid_gate(o, gate))  # o ⊙ σ(gate) over the heads (k3.ops.sigmoid_gate)
+        return self.gated_output(o, gate)
+
+    def gated_output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o_proj(o ⊙ σ(gate)) over the heads (o [..., H, v_dim], gate [..., H·v_dim]): the gate in o_proj's GEMV
+        prologue where decode takes it (k3.ops.gemv: one launch for the three ops), k3.ops.sigmoid_gate otherwise
+        (a replaced o_proj, tensor parallelism's, gets the gated input)."""
+        rows = o.reshape(gate.shape)  # (a copy where the heads do not merge: made once, for either path)
+        if isinstance(self.o_proj, DecodeLinear) and use_gemv(rows, self.o_proj.weight, self.o_proj.bias,
+                                                              out_gate=gate):
+            return self.o_proj(rows, out_gate=gate)
+        return self.o_proj(sigmoid_gate(rows.view(o.shape), gate))
 
     def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, k_extra: torch.Tensor,
                            doc_ids: torch.Tensor | None = None) -> torch.Tensor:

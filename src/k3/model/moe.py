@@ -108,8 +108,8 @@ class LatentMoE(nn.Module):
             r, s = self.combine_experts(z, idx, w.to(z.dtype),
                                         meanwhile=lambda: _shared_experts(shared, *shared_in))
         # the routed norm before and + the shared experts' output after: in the GEMV kernel's prologue and epilogue
-        # where decode takes it (k3.ops.gemv)
-        return self.routed_expert_up_proj(r, residual=s, norm=self.routed_expert_norm).view(shape)
+        # where decode takes it (k3.ops.gemv), else the sum in the GEMM (s is this call's own scratch)
+        return self.routed_expert_up_proj(r, residual=s, norm=self.routed_expert_norm, into_residual=True).view(shape)
 
     def combine_experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, meanwhile=None):
         """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L].

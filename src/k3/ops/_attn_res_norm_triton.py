@@ -16,23 +16,30 @@ from k3.ops._attn_res_triton import NUM_WARPS, _blocks, _mix_fwd_kernel
 from k3.ops.triton_dispatch import on_device
 
 
+def score_weight(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """u ⊙ w in fp32 [D]: the mix's key-norm weight [D] times its pseudo-query [1, D], the one vector the kernel's
+    scores read (in bf16 three small launches: two casts and the product; callers that keep it make it once)."""
+    return u.float() * w.reshape(-1).float()
+
+
 def mix_norm_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[torch.Tensor, ...],
-                     norm_weight: torch.Tensor, norm_eps: float, add: torch.Tensor | None = None):
+                     norm_weight: torch.Tensor, norm_eps: float, add: torch.Tensor | None = None,
+                     uw: torch.Tensor | None = None):
     """(RMSNorm(mix(sources with the last one plus `add`)), that last source plus `add`, or None without add).
-    u, w: the mix's key-norm weight [D] and pseudo-query [1, D]; sources, add: contiguous [..., D], one dtype.
-    Launches through the custom op `k3::attn_res_mix_norm`."""
-    outs = torch.ops.k3.attn_res_mix_norm(u, w, float(eps), list(sources), norm_weight, float(norm_eps), add)
+    u, w: the mix's key-norm weight [D] and pseudo-query [1, D], or `uw`: `score_weight(u, w)` made beforehand;
+    sources, add: contiguous [..., D], one dtype. Launches through the custom op `k3::attn_res_mix_norm`."""
+    uw = score_weight(u, w) if uw is None else uw
+    outs = torch.ops.k3.attn_res_mix_norm(uw, float(eps), list(sources), norm_weight, float(norm_eps), add)
     return outs[0], (outs[1] if add is not None else None)
 
 
 # A custom op so that torch.compile keeps the launch as one opaque call (inference only: no autograd formula).
 # It returns [y] without add and [y, p + add] with it (an op's outputs cannot be None).
 @torch.library.custom_op("k3::attn_res_mix_norm", mutates_args=())
-def _mix_norm_op(u: torch.Tensor, w: torch.Tensor, eps: float, sources: list[torch.Tensor],
+def _mix_norm_op(uw: torch.Tensor, eps: float, sources: list[torch.Tensor],
                  norm_weight: torch.Tensor, norm_eps: float, add: torch.Tensor | None) -> list[torch.Tensor]:
     D = sources[0].shape[-1]
     R = sources[0].numel() // D
-    uw = u.float() * w.reshape(-1).float()
     out = torch.empty_like(sources[0])
     total = None if add is None else torch.empty_like(add)
     block_r, block_d = _blocks(D)
@@ -46,6 +53,6 @@ def _mix_norm_op(u: torch.Tensor, w: torch.Tensor, eps: float, sources: list[tor
 
 
 @_mix_norm_op.register_fake
-def _(u, w, eps, sources, norm_weight, norm_eps, add):
+def _(uw, eps, sources, norm_weight, norm_eps, add):
     out = torch.empty_like(sources[0])
     return [out] if add is None else [out, torch.empty_like(add)]

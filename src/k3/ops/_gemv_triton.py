@@ -21,6 +21,7 @@ applies the epilogue scales the row by r, which it takes from one more pass over
 is N times more).
 A SiTU-GLU before the linear can come along too (`glu_up`): x is then the gate, and the K loop loads the up values
 beside it and takes SiTU-GLU(gate, up) (k3.ops._situ_triton's functions), rounded to x's dtype as the reference's h.
+So can a sigmoid output gate (`out_gate`, MLA's o ⊙ σ(gate) before o_proj): the K loop loads the gate beside x.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr,
                  GLU_EXACT: tl.constexpr, SPLIT: tl.constexpr,
                  USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, NORM_K: tl.constexpr,
-                 NORM_BLOCK: tl.constexpr):
+                 NORM_BLOCK: tl.constexpr, OUT_GATE: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -100,6 +101,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr,
             h = (beta_gate * _tanh(gate * (1.0 / beta_gate), GLU_EXACT) * _sigmoid(gate, GLU_EXACT)
                  * (beta_up * _tanh(up * (1.0 / beta_up), GLU_EXACT)))
             x = h.to(x_ptr.dtype.element_ty)
+        if OUT_GATE:  # x ⊙ σ(gate) (the gate read where glu_up would be), rounded to x's dtype as the reference's
+            g = tl.load(up_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * _sigmoid(g, GLU_EXACT)).to(x_ptr.dtype.element_ty)
         if HAS_NORM:  # g ⊙ x in fp32 (the row's rstd comes in the epilogue); rounded as x for the tensor cores
             g = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             if USE_DOT and not DOT_IN_FP32:
@@ -167,9 +171,10 @@ def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
 @torch.library.custom_op("k3::decode_gemv", mutates_args=())
 def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                 norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, glu_up: torch.Tensor | None = None,
-                beta_gate: float = 0.0, beta_up: float = 0.0) -> torch.Tensor:
-    """x := SiTU-GLU(x, glu_up; beta_gate, beta_up) when glu_up [M, K] is given, or RMSNorm(x; norm_weight,
-    norm_eps) when norm_weight is (not both), then x [M, K] (columns contiguous) @ weight
+                beta_gate: float = 0.0, beta_up: float = 0.0, out_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x := SiTU-GLU(x, glu_up; beta_gate, beta_up) when glu_up [M, K] is given, RMSNorm(x; norm_weight,
+    norm_eps) when norm_weight is, x ⊙ σ(out_gate) when out_gate [M, K] is (one of them), then x [M, K] (columns
+    contiguous) @ weight
     [N, K]ᵀ (+ bias [N]) (+ residual [M, N]) → [M, N] in x's dtype; inputs checked by the caller
     (k3.ops.gemv.linear). A custom op: torch.compile keeps it as one call."""
     M, K = x.shape
@@ -184,10 +189,10 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     res = residual if residual is not None else out  # (an unread stand-in pointer)
     b = bias if bias is not None else out
     norm_w = norm_weight if norm_weight is not None else out
-    up = glu_up if glu_up is not None else x
+    up = glu_up if glu_up is not None else out_gate if out_gate is not None else x  # the prologue's second input
     flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_NORM=norm_weight is not None)
     # (fp32 outputs take the exact exps, as k3.ops._situ_triton's kernels do)
-    glu = dict(HAS_GLU=glu_up is not None, GLU_EXACT=x.dtype == torch.float32)
+    glu = dict(HAS_GLU=glu_up is not None, GLU_EXACT=x.dtype == torch.float32, OUT_GATE=out_gate is not None)
     norm_block = min(LAUNCH["norm_block"], triton.next_power_of_2(max(K, 1)))
     norm = dict(NORM_K=triton.cdiv(max(K, 1), norm_block) * norm_block, NORM_BLOCK=norm_block)
     with on_device(x):
@@ -205,5 +210,6 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @decode_gemv.register_fake
-def _(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=None, beta_gate=0.0, beta_up=0.0):
+def _(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=None, beta_gate=0.0, beta_up=0.0,
+      out_gate=None):
     return x.new_empty(x.shape[0], weight.shape[0])

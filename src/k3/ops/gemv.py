@@ -8,8 +8,8 @@ on (k3.ops.triton_dispatch: `_gemv_triton`, opt-in until re-timed with this rule
 k3.ops._gemv_triton's kernel (the custom op `k3::decode_gemv`, so a torch.compile'd decode step keeps it);
 otherwise the plain `linear_reference` (cuBLAS). `DecodeLinear` is an nn.Linear whose forward is `linear` (and
 may take the residual add that follows it at its call site, and the RMSNorm before it: the kernel's prologue and
-epilogue then do both, or the SiTU-GLU before it: the prologue); FusedLinears' stacked projections call `linear`
-themselves.
+epilogue then do both, or the SiTU-GLU or sigmoid output gate before it: the prologue); FusedLinears' stacked
+projections call `linear` themselves.
 `force_gemv(True)` takes the kernel on CPU tensors too and at any shape it can run (≤ MAX_ROWS rows; tests,
 under TRITON_INTERPRET=1).
 """
@@ -40,18 +40,35 @@ WIN_WEIGHT_ELEMS = 2_500_000
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                      norm_eps: float = 0.0, glu_up: torch.Tensor | None = None,
-                     glu_betas: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` of x, of `rms_norm(x, norm_weight, norm_eps)` when norm_weight is given, or of
-    `situ_glu_fast(x, glu_up, *glu_betas)` when glu_up is (x the gate), plus `residual` when given. Never
-    dispatches to the GEMV."""
-    if norm_weight is not None and glu_up is not None:
-        raise ValueError("linear: norm_weight and glu_up cannot both be given (one prologue at a time)")
+                     glu_betas: tuple[float, float] = (4.0, 25.0), out_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` of x, of `rms_norm(x, norm_weight, norm_eps)` when norm_weight is given, of
+    `situ_glu_fast(x, glu_up, *glu_betas)` when glu_up is (x the gate), or of `x * sigmoid(out_gate)` when
+    out_gate is (MLA's gated output), plus `residual` when given. Never dispatches to the GEMV."""
+    y = F.linear(_prologue(x, norm_weight, norm_eps, glu_up, glu_betas, out_gate), weight, bias)
+    return y if residual is None else y + residual
+
+
+def _prologue(x, norm_weight, norm_eps, glu_up, glu_betas, out_gate) -> torch.Tensor:
+    """x as the linear reads it: normed, SiTU-GLU'd with glu_up, or gated by σ(out_gate) (one at most)."""
+    if sum(t is not None for t in (norm_weight, glu_up, out_gate)) > 1:
+        raise ValueError("linear: norm_weight, glu_up and out_gate cannot be combined (one prologue at a time)")
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, norm_eps)
     if glu_up is not None:
         x = situ_glu_fast(x, glu_up, *glu_betas)
-    y = F.linear(x, weight, bias)
-    return y if residual is None else y + residual
+    if out_gate is not None:
+        x = x * torch.sigmoid(out_gate)
+    return x
+
+
+def _adds_into_residual(x, weight, bias, residual) -> bool:
+    """Whether `linear`'s plain path may sum x Wᵀ into the residual in place: no bias, no gradient wanted, plain
+    dense tensors of one dtype and device, a contiguous residual of the output's shape, no autocast."""
+    return (residual is not None and bias is None and weight.dim() == 2 and residual.is_contiguous()
+            and residual.shape == (*x.shape[:-1], weight.shape[0]) and x.shape[-1] == weight.shape[1]
+            and x.dtype == weight.dtype == residual.dtype and x.device == weight.device == residual.device
+            and all(_plain(t) for t in (x, weight, residual)) and not torch.is_autocast_enabled(x.device.type)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, residual))))
 
 
 force_gemv = Forced()  # `with force_gemv(True | False | None):` for `linear`, as triton_dispatch.Forced says
@@ -69,10 +86,11 @@ def kernel_wins(rows: int, n: int, k: int) -> bool:
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-             glu_up: torch.Tensor | None = None) -> bool:
+             glu_up: torch.Tensor | None = None, out_gate: torch.Tensor | None = None) -> bool:
     """Whether `linear` takes the kernel: 1..MAX_ROWS rows, no gradient wanted, one float dtype throughout, a 2-D
-    weight with contiguous rows, a residual of the output's shape, a norm weight of x's width or a GLU up of x's
-    shape with contiguous columns (not both), no autocast, and either forced on or the kernel chosen for x
+    weight with contiguous rows, a residual of the output's shape, at most one prologue (a norm weight of x's
+    width, or a GLU up or an output gate of x's shape with contiguous columns), no autocast, and either forced on
+    or the kernel chosen for x
     (k3.ops.triton_dispatch.use_triton_op, so inside torch.compile too) at a shape where it wins (`kernel_wins`)."""
     forced = force_gemv.value
     if forced is False or x.dim() == 0 or x.shape[-1] == 0:
@@ -85,15 +103,16 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     fits = (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
             and weight.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and all(t is None or (t.dtype == x.dtype and t.device == x.device)
-                    for t in (weight, bias, residual, norm_weight, glu_up))
+                    for t in (weight, bias, residual, norm_weight, glu_up, out_gate))
             and (residual is None or residual.shape == (*x.shape[:-1], weight.shape[0]))
             and (norm_weight is None or norm_weight.shape == x.shape[-1:])
-            and (glu_up is None or (norm_weight is None and glu_up.shape == x.shape and glu_up.stride(-1) == 1))
-            and all(_plain(t) for t in (x, weight, bias, residual, norm_weight, glu_up)))
+            and sum(t is not None for t in (norm_weight, glu_up, out_gate)) <= 1
+            and all(t is None or (t.shape == x.shape and t.stride(-1) == 1) for t in (glu_up, out_gate))
+            and all(_plain(t) for t in (x, weight, bias, residual, norm_weight, glu_up, out_gate)))
     if not fits or torch.is_autocast_enabled(x.device.type):
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, weight, bias, residual, norm_weight, glu_up)):
+                                       for t in (x, weight, bias, residual, norm_weight, glu_up, out_gate)):
         return False
     return triton_module(KERNELS) is not None
 
@@ -101,13 +120,20 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
            norm_eps: float = 0.0, glu_up: torch.Tensor | None = None,
-           glu_betas: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
-    """`linear_reference(x, weight, bias, residual, norm_weight, norm_eps, glu_up, glu_betas)`: x [..., K], weight
-    [N, K] → [..., N]; the GEMV kernel where `use_gemv` takes it (one rounding to x's dtype after the bias and
-    residual, where the reference rounds the GEMM's output first; the normalised x is not rounded before the GEMM,
-    the GLU's h is, as the reference's)."""
-    if not use_gemv(x, weight, bias, residual, norm_weight, glu_up):
-        return linear_reference(x, weight, bias, residual, norm_weight, norm_eps, glu_up, glu_betas)
+           glu_betas: tuple[float, float] = (4.0, 25.0), out_gate: torch.Tensor | None = None,
+           into_residual: bool = False) -> torch.Tensor:
+    """`linear_reference(x, weight, bias, residual, norm_weight, norm_eps, glu_up, glu_betas, out_gate)`: x [..., K],
+    weight [N, K] → [..., N]; the GEMV kernel where `use_gemv` takes it (one rounding to x's dtype after the bias
+    and residual, where the reference rounds the GEMM's output first; the normalised x is not rounded before the
+    GEMM, the GLU's h and the gated x are, once, where the reference rounds σ(gate) too). `into_residual`: the
+    residual is the caller's own scratch, which the plain path may sum into in place and return (`addmm_`: one
+    GEMM with β = 1 where the reference launches a GEMM and an add; one rounding, as the kernel)."""
+    if not use_gemv(x, weight, bias, residual, norm_weight, glu_up, out_gate):
+        if into_residual and _adds_into_residual(x, weight, bias, residual):
+            h = _prologue(x, norm_weight, norm_eps, glu_up, glu_betas, out_gate)
+            residual.view(-1, weight.shape[0]).addmm_(h.reshape(-1, h.shape[-1]), weight.t())
+            return residual
+        return linear_reference(x, weight, bias, residual, norm_weight, norm_eps, glu_up, glu_betas, out_gate)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -118,25 +144,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
     g = None if norm_weight is None else norm_weight.contiguous()
     u2 = None if glu_up is None else glu_up.reshape(-1, glu_up.shape[-1])
+    o2 = None if out_gate is None else out_gate.reshape(-1, out_gate.shape[-1])
     y = _launch(x2, weight, None if bias is None else bias.contiguous(), r2, g, float(norm_eps), u2,
-                *(float(b) for b in glu_betas))
+                *(float(b) for b in glu_betas), o2)
     return y.view(*lead, weight.shape[0])
 
 
-def _launch(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=None, beta_gate=4.0, beta_up=25.0):
+def _launch(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=None, beta_gate=4.0, beta_up=25.0,
+            out_gate=None):
     """The kernel, through its custom op (registered by k3.ops._gemv_triton, which `use_gemv` imported); called
     by name, not as a module attribute, which torch.compile would have to guard."""
-    return torch.ops.k3.decode_gemv(x, weight, bias, residual, norm_weight, norm_eps, glu_up, beta_gate, beta_up)
+    return torch.ops.k3.decode_gemv(x, weight, bias, residual, norm_weight, norm_eps, glu_up, beta_gate, beta_up,
+                                    out_gate)
 
 
 class DecodeLinear(nn.Linear):
     """nn.Linear (same parameters, names and state dict) whose forward is `linear`: a decode step's few rows take
     the GEMV kernel where chosen. `residual`: added to the output (fused into the kernel's epilogue there);
     `norm`: an RMSNorm module (`weight`, `eps`) applied to x first (in the kernel's prologue and epilogue there);
-    `glu_up`, `glu_betas`: the input is SiTU-GLU(x, glu_up) (x the gate; in the kernel's prologue there)."""
+    `glu_up`, `glu_betas`: the input is SiTU-GLU(x, glu_up) (x the gate; in the kernel's prologue there);
+    `out_gate`: the input is x ⊙ σ(out_gate) (in the kernel's prologue there); `into_residual`: the residual is
+    the caller's scratch, summed into in place where the kernel is not taken (`linear`)."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: nn.Module | None = None,
-                glu_up: torch.Tensor | None = None, glu_betas: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
-        if norm is None:
-            return linear(x, self.weight, self.bias, residual, glu_up=glu_up, glu_betas=glu_betas)
-        return linear(x, self.weight, self.bias, residual, norm.weight, norm.eps, glu_up, glu_betas)
+                glu_up: torch.Tensor | None = None, glu_betas: tuple[float, float] = (4.0, 25.0),
+                out_gate: torch.Tensor | None = None, into_residual: bool = False) -> torch.Tensor:
+        norm_weight, norm_eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        return linear(x, self.weight, self.bias, residual, norm_weight, norm_eps, glu_up, glu_betas, out_gate,
+                      into_residual)
