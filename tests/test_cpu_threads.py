@@ -180,10 +180,11 @@ def test_poll_measures_at_most_once_per_interval(monkeypatch):
     assert governor.poll(min_interval=0.5) == 1 and calls == [1]
 
 
-def test_trainer_layers_poll_the_governor(tmp_path, monkeypatch):
+def test_trainer_layers_poll_the_governor(tmp_path, monkeypatch, short_corpus):
     """A step re-chooses its threads inside the forward (a hook per decoder layer), not only between steps."""
     from k3.train.trainer import TrainConfig, Trainer
-    trainer = Trainer(TrainConfig(out=str(tmp_path / "run"), max_steps=1, seq_len=32, batch_size=2),
+    trainer = Trainer(TrainConfig(out=str(tmp_path / "run"), corpus=short_corpus, max_steps=1, seq_len=32,
+                                  batch_size=2),
                       log=lambda *a: None)
     polls = []
     monkeypatch.setattr(trainer.cpu_threads, "poll", lambda: polls.append(1) or 1)  # returns a count, as poll does

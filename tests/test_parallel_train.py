@@ -3,8 +3,6 @@ an EP=2 run resumed from a mid-run checkpoint continue exactly as the uninterrup
 resuming with another layout fails clearly."""
 import contextlib
 import io
-import json
-import lzma
 import shutil
 from pathlib import Path
 
@@ -12,7 +10,6 @@ import pytest
 import torch
 
 from k3.checkpoint.hf import load_pretrained
-from k3.data import load_corpus
 from k3.train.trainer import TrainConfig, Trainer
 from parallel_harness import launch
 
@@ -26,13 +23,6 @@ class QuickTrainer(Trainer):
 
     def sample(self, max_new_tokens=None, seed=0):
         return super().sample(min(max_new_tokens or self.cfg.sample_tokens, self.cfg.sample_tokens), seed)
-
-
-def tiny_corpus(path: Path) -> str:
-    """The bundled documents cut short, so that tokenising takes milliseconds instead of seconds."""
-    lines = [json.dumps({"title": d.title, "text": d.text[:1500]}) for d in load_corpus()]
-    path.write_bytes(lzma.compress("\n".join(lines).encode()))
-    return str(path)
 
 
 def run_config(out, corpus, **kw) -> TrainConfig:
@@ -84,9 +74,9 @@ def worker(rank, world, root, corpus):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, single_thread):
+def setup(tmp_path_factory, single_thread, short_corpus):
     root = tmp_path_factory.mktemp("ptrain")
-    corpus = tiny_corpus(root / "corpus.jsonl.xz")
+    corpus = short_corpus
     results = launch(worker, 2, str(root), corpus)
     single = QuickTrainer(run_config(root / "single", corpus), log=lambda *a: None)
     with contextlib.redirect_stdout(io.StringIO()):

@@ -6,7 +6,6 @@ checks the one-line message and the exit code."""
 import errno
 import hashlib
 import json
-import lzma
 import os
 import shutil
 import subprocess
@@ -17,7 +16,6 @@ import pytest
 
 from k3.checkpoint.hf import load_pretrained
 from k3.cli import _VISION_FIXED, _VISION_FLAGS, build_parser, main
-from k3.data import load_corpus
 from k3.train import trainer as trainer_mod
 from k3.train.run_dir import RunDirError
 from k3.train.trainer import TrainConfig, Trainer
@@ -28,12 +26,8 @@ FIRST_RUN = ["--max-steps", "3", "--batch-size", "2", "--seq-len", "16", "--warm
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """The bundled documents cut short: tokenising takes milliseconds instead of seconds."""
-    path = tmp_path_factory.mktemp("corpus") / "short.jsonl.xz"
-    lines = [json.dumps({"title": d.title, "text": d.text[:1500]}) for d in load_corpus()]
-    path.write_bytes(lzma.compress("\n".join(lines).encode()))
-    return str(path)
+def corpus(short_corpus) -> str:
+    return short_corpus
 
 
 @pytest.fixture(scope="module")
