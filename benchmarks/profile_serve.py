@@ -271,7 +271,7 @@ class OpCensus(TorchDispatchMode):
 
 
 def census(rec, prompts, params, streams) -> list[dict]:
-    """Ops per step kind (medians) by where they launch: engine (outside runner.run), runner (inside it, outside
+    """Ops per step kind (means) by where they launch: engine (outside runner.run), runner (inside it, outside
     the model), model (KDA cores apart), layouts (the serving view's KDA state reads and writes, inside the
     model), and the KDA core calls."""
     import k3.model.kda as kda_model
@@ -315,9 +315,9 @@ def census(rec, prompts, params, streams) -> list[dict]:
         rec.step = inner
         for obj, name, fn in reversed(patched):
             setattr(obj, name, fn)
-    med = lambda xs, key: statistics.median(x[key] for x in xs)  # noqa: E731
-    return [dict(kind=kind, steps=len(xs), engine=med(xs, "engine"), runner=med(xs, "runner"),
-                 model=med(xs, "model"), layouts=med(xs, "layouts"), kda_core_calls=med(xs, "kda core calls"))
+    mean = lambda xs, key: sum(x[key] for x in xs) / len(xs)  # noqa: E731  (a step's rare work counts too)
+    return [dict(kind=kind, steps=len(xs), engine=mean(xs, "engine"), runner=mean(xs, "runner"),
+                 model=mean(xs, "model"), layouts=mean(xs, "layouts"), kda_core_calls=mean(xs, "kda core calls"))
             for kind, xs in sorted(per_kind.items())]
 
 
@@ -424,7 +424,7 @@ def main():
             with torch.inference_mode():
                 short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
                 row["census"] = census(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
-            print("\n== kernel-launching torch ops per step (medians) by where they launch")
+            print("\n== kernel-launching torch ops per step (means) by where they launch")
             print(table(row["census"], ["kind", "steps", "engine", "runner", "model", "layouts", "kda_core_calls"]),
                   flush=True)
         eng.close()

@@ -132,7 +132,7 @@ class VarlenLayout:
         # the new tails for the three (each gather, cat and cast a launch in an eager step), the same sums
         S, C = st.conv_q.shape[0], xs[0].shape[-1]
         # (the weights stacked once, not per call; x's three parts are adjacent columns of one GEMM: a view)
-        tails = torch.stack([st.conv_q, st.conv_k, st.conv_v], 2).view(S, W - 1, 3 * C)
+        tails = joined_columns([st.conv_q, st.conv_k, st.conv_v])  # (a view where they sit side by side: the pool)
         y, tail = short_conv_varlen(joined_columns(xs)[0], m.conv_weights.current(), tails, index)
         y = F.silu(y.view(N, 3, C).transpose(0, 1).contiguous(), inplace=True)  # [3, N, C]: each a dense block
         tail = tail.view(S, W - 1, 3, C)
