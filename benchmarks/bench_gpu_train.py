@@ -12,10 +12,10 @@ memory reached and the run goes on to the next shape.
 --off SWITCHES (repeatable): after the default row of each shape, one more row with those k3.envs switches set
 (a comma list of Switches fields, e.g. no_shared_input_grad,no_block_grad_buffer; a kernel list as
 no_triton:_sigmoid_gate_triton), in the same process, so a fast path's before and after are timed side by side.
---compile: each shape's rows once more with the MLA, MoE and dense MLP forwards compiled (k3.train.compiled_regions,
-`k3 train --compile`), in the same process after the eager rows (which run the compiled functions eagerly:
-torch.compiler.set_stance("force_eager")); first_step_s is a compiled row's first step, compile included, from an
-empty Dynamo cache (reset per shape, so each shape gets its own static-shape graphs).
+--compile: each shape's rows once more with the KDA, MLA, MoE and dense MLP forwards compiled
+(k3.train.compiled_regions, `k3 train --compile`), in the same process after the eager rows (which run the compiled
+functions eagerly: torch.compiler.set_stance("force_eager")); first_step_s is a compiled row's first step, compile
+included, from an empty Dynamo cache (reset per shape, so each shape gets its own static-shape graphs).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing] [--compile] [--off ...]
 """
 import argparse
@@ -40,7 +40,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in backward")
     ap.add_argument("--compile", action="store_true",
-                    help="a further row per shape with the MLA, MoE and dense MLP forwards compiled")
+                    help="a further row per shape with the KDA, MLA, MoE and dense MLP forwards compiled")
     ap.add_argument("--off", action="append", default=[], metavar="SWITCHES",
                     help="a further row per shape with these k3.envs switches set True (comma list of fields)")
     a = ap.parse_args()

@@ -3,11 +3,11 @@ compiled region of `k3 train --compile` (k3.train.compiled_regions) traces as.
 
 Two views, each through `torch._dynamo.explain` on one training forward (module in training mode, gradients on,
 packed documents):
-- the whole model's forward (`model(ids, doc_ids=..., labels=...)`): graphs and breaks with their source lines:
-  what a compile of the step as one piece would split at;
+- the whole model's forward (`model(ids, doc_ids=..., labels=...)`) as built: graphs and breaks with their source
+  lines, what a compile of the step as one piece would split at (the AttnRes mixes and KDA's eager path);
 - each mixer and feed-forward kind alone as compile_regions traces it (fullgraph=True there: one graph and no
   break, or the kind is left eager): graphs and breaks.
-Run: PYTHONPATH=src python benchmarks/train_graph_breaks.py [--preset tiny] [--seq 64] [--device cpu]
+Run: PYTHONPATH=src python benchmarks/train_graph_breaks.py [--preset tiny] [--seq 64] [--device cpu] [--dtype float32]
 """
 import argparse
 import json
@@ -42,15 +42,18 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32",
+                    help="the model's (bfloat16 on CUDA: the paths that fla and k3's kernels take)")
     a = ap.parse_args()
     torch.manual_seed(0)
     with torch.device(a.device):
-        model = K3ForCausalLM(K3Config.preset(a.preset)).train()
+        model = K3ForCausalLM(K3Config.preset(a.preset)).to(getattr(torch, a.dtype)).train()
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=a.device)
     doc_ids = (torch.rand(a.batch, a.seq, device=a.device) < 0.1).long().cumsum(1)
-    report = {"step": explained(lambda: model(ids, doc_ids=doc_ids, labels=ids.roll(-1, 1)).loss)}
-    x = torch.randn(a.batch, a.seq, cfg.hidden_size, device=a.device, requires_grad=True)
+    step = lambda: model(ids, doc_ids=doc_ids, labels=ids.roll(-1, 1)).loss  # noqa: E731
+    report = {"step": explained(step)}
+    x = torch.randn(a.batch, a.seq, cfg.hidden_size, device=a.device, dtype=getattr(torch, a.dtype), requires_grad=True)
     segments = contiguous_segments(doc_ids)
     seen = set()
     for layer in model.model.layers:

@@ -31,14 +31,14 @@ KINDS = 4  # KDA mixer, MLA mixer, LatentMoE, dense MLP
 
 class GraphLog:
     """A torch.compile backend that counts the graphs it is given and the calls of each, then runs them through
-    aot_eager."""
+    `inner` (aot_eager: AOTAutograd's traced backward; "eager": Dynamo's graph alone, autograd as usual)."""
 
-    def __init__(self):
-        self.graphs, self.calls = 0, 0
+    def __init__(self, inner: str = "aot_eager"):
+        self.graphs, self.calls, self.inner = 0, 0, inner
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
-        run = lookup_backend("aot_eager")(gm, example_inputs)
+        run = lookup_backend(self.inner)(gm, example_inputs)
 
         def counted(*args):
             self.calls += 1
@@ -218,8 +218,9 @@ def test_inductor_step_equals_eager():
 
 
 def test_trainer_compile_switch(tmp_path, monkeypatch):
-    """TrainConfig(compile=True) trains through the regions (aot_eager here) with the eager run's losses."""
-    log = GraphLog()
+    """TrainConfig(compile=True) trains through the regions with the eager run's losses (Dynamo's graphs run as they
+    are: the steps above check what AOTAutograd makes of them; this checks the trainer's wiring)."""
+    log = GraphLog(inner="eager")
     monkeypatch.setattr(compiled_regions, "compile_regions",
                         lambda model: compile_regions(model, backend=log))
 

@@ -827,7 +827,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep only each decoder layer's inputs and recompute the layer in backward "
                         "(far less activation memory, about one more forward of compute)")
     t.add_argument("--compile", action="store_true",
-                   help="run the MLA, MoE and dense MLP layers' training forwards through torch.compile "
+                   help="run the KDA, MLA, MoE and dense MLP layers' training forwards through torch.compile "
                         "(one compile per layer kind at the first step)")
     t.add_argument("--nproc", type=_positive_int, default=1, help="processes to launch through torchrun")
     t.add_argument("--dp", type=_positive_int, default=None, help="data parallel size (default nproc / cp)")

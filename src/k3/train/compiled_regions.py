@@ -1,18 +1,23 @@
 """Opt-in compiled regions of the training step (`TrainConfig.compile`, `k3 train --compile`).
 
-Compiled: every MLA mixer, LatentMoE (router, dispatch plan, expert GEMMs, slot-order sum, shared experts) and
-dense MLP, through one torch.compile'd function per kind that every layer of that kind shares: the function is the
-class's forward and the layer its first argument, so Dynamo guards on the layer's configuration, never on which
-layer it is (16 layers, three graphs). fullgraph=True: a graph break is an error, not a silent split. Inside a
+Compiled: every KDA and MLA mixer, LatentMoE (router, dispatch plan, expert GEMMs, slot-order sum, shared experts)
+and dense MLP, through one torch.compile'd function per kind that every layer of that kind shares: the function is
+the class's forward and the layer its first argument, so Dynamo guards on the layer's configuration, never on which
+layer it is (16 layers, four graphs). fullgraph=True: a graph break is an error, not a silent split. Inside a
 region k3's training Triton kernels step aside (`triton_dispatch.use_triton` is False while compiling) and inductor
 fuses their plain-PyTorch paths with the casts, gates and gathers around them; SDPA and `_grouped_mm` stay single
-calls, as do any custom ops (`use_triton_op`).
+calls, as do custom ops (`use_triton_op`). KDA's short convs and core, which Dynamo cannot trace (the conv's
+backward recomputes through autograd.grad; the core plans packed documents on the host, fla's on its own), are
+custom ops with their autograd (k3.ops.kda_train_ops): the region holds its projections, gates, norms and casts
+around them.
 
-Left eager: the KDA mixers (their short conv recomputes in backward through autograd.grad and fla's chunk_kda
-plans on the host: both break a graph) and the AttnRes mixes (their BlockGrads buffers are Python state per
-backward pass). Only training forwards take a region (module in training mode, gradients on, no decode cache or
-context-parallel layout): evaluation and generation stay eager, as do expert-parallel MoE layers, whose
-`combine_experts` exchanges tokens between processes (such a run is refused in TrainConfig.validate).
+Left eager by design: the AttnRes mixes between the regions. A mix reads every block so far (a region holding it
+would take a list that grows each block: a graph per length), and on CUDA its Triton kernels sum each block's
+gradient into one BlockGrads buffer across all the mixes that read it (Python state per backward pass, which no
+traced backward can hold: inductor would leave autograd to add one gradient per reader). Only training forwards
+take a region (module in training mode, gradients on, no decode cache or context-parallel layout): evaluation and
+generation stay eager, as do expert-parallel MoE layers, whose `combine_experts` exchanges tokens between processes
+(such a run is refused in TrainConfig.validate).
 
 Made for CUDA, where the autocast step's expert GEMMs are bf16 `_grouped_mm` calls in the graph. On the CPU the
 fp32 grouped GEMM has no traceable form, so a compiled MoE gathers each row's expert weights
@@ -100,7 +105,11 @@ class _OpaqueKDALayout:
 
 def _kda_training_forward(self: KimiDeltaAttention, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
                           cache=None) -> torch.Tensor:
-    """KimiDeltaAttention.forward through the opaque layout (the dispatch sends only cache=None here)."""
+    """KimiDeltaAttention.forward through the opaque layout (the dispatch sends only cache=None here) where Dynamo
+    traces it; run eagerly (torch.compiler.set_stance("force_eager"), the benchmark's eager rows) the plain forward,
+    whose conv backward does not run the conv's forward once more and whose core is not run twice."""
+    if not torch.compiler.is_compiling():
+        return KimiDeltaAttention.forward(self, x, doc_ids, cache)
     return KimiDeltaAttention.forward(self, x, doc_ids, cache=_OpaqueKDALayout(doc_ids))
 
 

@@ -65,7 +65,7 @@ class TrainConfig:
     fsdp: bool = False  # FSDP2: shard the non-expert parameters (and their optimizer state) over all ranks
     qat: bool = False  # MXFP4 expert weights / MXFP8 expert activations fake-quantized (k3.ops.mx_experts)
     activation_checkpointing: bool = False  # keep each decoder layer's inputs only; recompute it in backward
-    compile: bool = False  # MLA, MoE and dense MLP training forwards through torch.compile (k3.train.compiled_regions)
+    compile: bool = False  # KDA, MLA, MoE, dense MLP training forwards through torch.compile (k3.train.compiled_regions)
 
     def __post_init__(self):
         if self.out is None:
@@ -413,7 +413,7 @@ class Trainer:
                  f"optimizer {cfg.optimizer}, balance {cfg.balance}, batch {cfg.batch_size}x{cfg.seq_len}"
                  f"x{cfg.grad_accum}, {cfg.max_steps} steps{', QAT (MXFP4/MXFP8 experts)' if cfg.qat else ''}"
                  f"{', activation checkpointing' if cfg.activation_checkpointing else ''}"
-                 f"{', compiled MLA/MoE/MLP regions' if cfg.compile else ''}, out {self.out}")
+                 f"{', compiled KDA/MLA/MoE/MLP regions' if cfg.compile else ''}, out {self.out}")
         metrics_f = open(self.out / "metrics.jsonl" if not self.dist or self.dist.is_main else os.devnull, "a")
         start = time.perf_counter()
         stopped_early = False
