@@ -18,9 +18,12 @@ narrow linears at <= 4 rows, where it beat cuBLAS; lm_head, the interpreter's sl
 takes the MoE's routed norm, the shared experts' SiTU-GLU and their `+ s` with it (3 ops fewer a MoE layer); its
 op counts as one, though where K is split (o_proj at 1 row) it launches two kernels. The float decode experts'
 two kernels cannot run there and are counted as launched, their values from the reference.
+`--inside` also lists the tensor ops that k3's custom ops run in their bodies around the kernel: counted here
+as part of one op, each is a kernel of its own on the GPU (the step runs in fp32 here, so a cast that bf16 weights
+would launch is a no-op and not listed).
 
 Run: TRITON_INTERPRET=1 PYTHONPATH=src /work/tvenv/bin/python benchmarks/decode_op_census.py
-     [--preset small] [--batch 1,64] [--layers N] [--switches default,all-_gemv_triton] [--ops 8]
+     [--preset small] [--batch 1,64] [--layers N] [--switches default,all-_gemv_triton] [--ops 8] [--inside]
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import sys
 import time
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from k3 import envs
@@ -48,14 +52,23 @@ NO_KERNEL = {"_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty"
 HOST_READS = {"_local_scalar_dense", "item", "is_nonzero"}
 
 
-class Census(TorchDispatchMode):
-    """Counts (kind, op) of every kernel-launching op under it; `kind` is set by the module hooks."""
+def _launches(func) -> bool:
+    """Whether an op launches a kernel: not a view, an allocation or a host read (k3's and other custom ops do)."""
+    short = func._schema.name.split("::")[-1]
+    return func.namespace not in ("aten", "prim") or not (func.is_view or short in NO_KERNEL or short in HOST_READS)
 
-    def __init__(self):
+
+class Census(TorchDispatchMode):
+    """Counts (kind, op) of every kernel-launching op under it; `kind` is set by the module hooks. With `inside`,
+    also the tensor ops that k3's custom ops run around their kernels (`inside[kind, op, inner op]`): the census
+    counts such an op as one, but on the GPU each of those is a kernel of its own."""
+
+    def __init__(self, inside: bool = False):
         super().__init__()
         self.kinds = ["cache"]
         self.counts: collections.Counter = collections.Counter()
         self.host_reads: collections.Counter = collections.Counter()
+        self.inside: collections.Counter | None = collections.Counter() if inside else None
         self.in_custom_op = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -63,12 +76,16 @@ class Census(TorchDispatchMode):
         short = name.split("::")[-1]
         if short in HOST_READS:
             self.host_reads[self.kinds[-1]] += 1
-        elif func.namespace not in ("aten", "prim") or not (func.is_view or short in NO_KERNEL):
+        elif _launches(func):
             self.counts[self.kinds[-1], name] += 1
         if func.namespace == "k3":
             self.in_custom_op += 1
             try:
-                return func(*args, **(kwargs or {}))
+                opdef = _maybe_get_opdef(func) if self.inside is not None else None
+                if opdef is None:
+                    return func(*args, **(kwargs or {}))
+                with _InsideCustomOp(self, name):  # the op's Python body, its tensor ops seen
+                    return opdef._init_fn(*args, **(kwargs or {}))
             finally:
                 self.in_custom_op -= 1
         return func(*args, **(kwargs or {}))
@@ -84,6 +101,22 @@ class Census(TorchDispatchMode):
             yield
         finally:
             self.kinds.pop()
+
+
+class _InsideCustomOp(TorchDispatchMode):
+    """Counts the kernel-launching tensor ops run in a k3 custom op's body into its census' `inside`; an op that
+    returns one of its inputs (a `.contiguous()` or `.float()` that changes nothing) launches nothing."""
+
+    def __init__(self, census: Census, op: str):
+        super().__init__()
+        self.census, self.op = census, op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {id(t) for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)}
+        if _launches(func) and not (isinstance(out, torch.Tensor) and id(out) in ins):
+            self.census.inside[self.census.kinds[-1], self.op, func._schema.name] += 1
+        return out
 
 
 @contextlib.contextmanager
@@ -216,8 +249,9 @@ def model_for(preset: str, layers: int | None, device: str = "cpu") -> tuple[K3C
 
 
 @torch.no_grad()
-def census_of_step(model: K3ForCausalLM, batch: int, prompt: int = 8) -> Census:
-    """The counts of one decode step at `batch` rows after a `prompt`-token prefill (not counted)."""
+def census_of_step(model: K3ForCausalLM, batch: int, prompt: int = 8, inside: bool = False) -> Census:
+    """The counts of one decode step at `batch` rows after a `prompt`-token prefill (not counted); with `inside`,
+    the ops inside k3's custom ops too (Census.inside)."""
     cfg = model.config
     cache = model.new_cache(batch, prompt + 3)
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=model.device)
@@ -229,7 +263,7 @@ def census_of_step(model: K3ForCausalLM, batch: int, prompt: int = 8) -> Census:
     chosen = kernels_chosen_as_on_cuda if runnable else contextlib.nullcontext
     with chosen():  # a warm-up step, as before a capture: workspaces made once are not counted
         tokens = model(tokens, cache=cache).logits.argmax(-1)
-    census = Census()
+    census = Census(inside)
     _active_census.append(census)
     with chosen(), kinds_from_modules(model, census), counting_triton_launches(census), census:
         h = model.model(tokens, cache=cache)  # GraphedDecodeStep's forward: the stack, advance, lm_head
@@ -272,6 +306,17 @@ def print_tables(cfg, results: dict, top_ops: int) -> None:
                 print(f"  {kind}: {shown}" + (", ..." if len(ops) > top_ops else ""))
 
 
+def print_inside(results: dict) -> None:
+    """The tensor ops run inside k3's custom ops, per run: kernels the main table counts as part of one op."""
+    for run, census in results.items():
+        if census.inside is None:
+            continue
+        total = sum(census.inside.values())
+        print(f"\n{run[0]} switches, batch {run[1]}: {total} tensor ops inside k3 custom ops (each a kernel more)")
+        for (kind, op, inner), c in sorted(census.inside.items(), key=lambda kv: -kv[1]):
+            print(f"  {kind}: {op.removeprefix('k3::')} runs {inner.removeprefix('aten::')} x{c}")
+
+
 def switch_values(spec: str) -> dict:
     """k3.envs fields of a run: 'default' (no opt-in kernels), 'all' (K3_TRITON=all), 'all-NAME[-NAME...]' (all
     but those kernel modules: the census before one), 'env' (the switches as set)."""
@@ -295,6 +340,8 @@ def main(argv=None) -> None:
                     help="comma-separated runs: default, all, all-MODULE[-MODULE...] (all but those), env (as set)")
     ap.add_argument("--device", default="cpu", help="where the step runs (fp32): cpu (kernels interpreted) or cuda")
     ap.add_argument("--ops", type=int, default=8, help="ops shown per kind")
+    ap.add_argument("--inside", action="store_true",
+                    help="also list the tensor ops k3's custom ops run around their kernels (each a GPU kernel)")
     args = ap.parse_args(argv)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if triton_dispatch.triton_module("_norm_triton") is None or not (interpreted or torch.cuda.is_available()):
@@ -310,10 +357,11 @@ def main(argv=None) -> None:
         for batch in (int(b) for b in args.batch.split(",")):
             t0 = time.time()
             with envs.override(**switch_values(switches)):
-                results[switches, batch] = census_of_step(model, batch)
+                results[switches, batch] = census_of_step(model, batch, inside=args.inside)
             print(f"{switches}, batch {batch}: {sum(results[switches, batch].counts.values())} kernels "
                   f"({time.time() - t0:.0f} s)", file=sys.stderr)
     print_tables(cfg, results, args.ops)
+    print_inside(results)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,23 @@ def test_a_custom_op_is_one_kernel_however_many_run_inside():
     assert dict(census.counts) == {("cache", "k3_census_test::two_adds"): 1}
 
 
+def test_inside_counts_the_ops_a_custom_op_runs_around_its_kernel():
+    """With `inside`, the op is still one in `counts`, and the kernels its body launches (two adds; a `.float()` of an
+    fp32 tensor, which returns it, none) are listed apart under it."""
+
+    @torch.library.custom_op("k3::census_test_adds_and_a_noop_cast", mutates_args=())
+    def _op(x: torch.Tensor) -> torch.Tensor:
+        return x.float() + 1 + 1
+
+    _op.register_fake(lambda x: torch.empty_like(x))
+    x = torch.ones(3)
+    census = Census(inside=True)
+    with census, census.kind("AttnRes"):
+        torch.ops.k3.census_test_adds_and_a_noop_cast(x)
+    assert dict(census.counts) == {("AttnRes", "k3::census_test_adds_and_a_noop_cast"): 1}
+    assert dict(census.inside) == {("AttnRes", "k3::census_test_adds_and_a_noop_cast", "aten::add"): 2}
+
+
 def test_a_tiny_decode_step_is_counted_by_layer_kind():
     """`tiny`'s step (6 layers: 4 KDA + 2 MLA, 1 dense MLP + 5 MoE): each kind's ops are there, the MLA layers'
     cache writes (index_copy_, one for the latents and one for k_extra) among MLA's, one embedding, one LM head
