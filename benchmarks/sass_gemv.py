@@ -1,9 +1,9 @@
 """Registers and spills of the decode GEMV kernel (k3.ops._gemv_triton) compiled for sm_90 without a GPU
 (Triton's own ptxas, as in benchmarks/sass_mxfp4_loop.py): for `small`'s decode linears at 1, 8 and 16 rows,
-the launch `plan` picks, the registers a thread and spill bytes (STACK), the shared memory of the pipelined
-loop, the CTAs an SM those allow,
-the programs of the launch and the waves they make on 132 SMs, and the bytes of W each program has in flight a
-loop step (what keeps HBM busy).
+the launch `plan` picks (with the prologues and epilogues decode gives them: o_proj its output gate, the routed
+up its norm and residual, the shared down its GLU), the registers a thread and spill bytes (STACK), the shared
+memory of the pipelined loop, the CTAs an SM those allow, the programs of the launch and the waves they make on
+132 SMs, and the bytes of W each program has in flight a loop step (what keeps HBM busy).
 
 Run: python benchmarks/sass_gemv.py   (needs triton; no CUDA device)
 """
@@ -42,7 +42,7 @@ def main():
                                     SPLIT=p["split"] > 1,
                                     USE_DOT=p["use_dot"], DOT_IN_FP32=False, BLOCK_M=p["block_m"],
                                     BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"],
-                                    NUM_STAGES=p["stages"])
+                                    NUM_STAGES=p["stages"], OUT_GATE=name == "o_proj")
             res = resources(kernel)
             per_sm = ctas_per_sm(res["REG"], res["SHARED"], p["warps"])
             programs = p["n_blocks"] * p["split"]
