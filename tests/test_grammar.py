@@ -1,5 +1,5 @@
 """Constrained decoding (k3.serve.grammar + the batched sampler): the mask equals llguidance's token-by-token verdict,
-constrained rows never disturb unconstrained ones, and a random `tiny` model's output follows SPEC §1.2's markup
+constrained rows never disturb unconstrained ones, and a random two-layer `tiny` model's output follows SPEC §1.2's markup
 with JSON that validates and tool calls whose arguments validate, parsed back by the output parser."""
 import json
 from typing import Literal, Optional
@@ -38,8 +38,11 @@ def tok():
 
 @pytest.fixture(scope="module")
 def engine(tok):
+    # two layers (one KDA, one MLA): the grammar, not the model, decides what must hold, and a 6-layer model made
+    # each of these tests several times slower
     torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny"))
+    model = K3ForCausalLM(K3Config.preset("tiny").replace(
+        num_hidden_layers=2, attn_res_block_size=1, linear_attn_config={"full_attn_layers": [2], "kda_layers": [1]}))
     model.reset_parameters(seed=5)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -156,7 +159,7 @@ def test_forced_tool_calls_validate_and_render_back_identically(engine, tok):
     choice = {"type": "function", "function": {"name": "lookup"}}
     g = Grammar(tok, chat_grammar(tok, thinking=False, tools=tools, tool_choice=choice, parallel_tool_calls=False))
     ids = prompt(tok, False, tools=tools, tool_choice=choice)
-    for o in engine.generate([ids] * 3, [SamplingParams(max_tokens=120, seed=s, grammar=g) for s in range(3)]):
+    for o in engine.generate([ids] * 3, [SamplingParams(max_tokens=200, seed=s, grammar=g) for s in range(3)]):
         msg = parse(tok, o.output_ids, False, tools)
         (call,) = msg["tool_calls"]
         assert call["function"]["name"] == "lookup"
