@@ -5,14 +5,14 @@ in the forward: the softmax is taken online over the sources (running max, runni
 in fp32 registers), so nothing of size [n, rows, D] is ever stacked or converted. The sources arrive as a tuple
 of tensors, so the n separate [B, T, D] blocks need no copy; each n compiles its own kernel.
 Backward is one kernel (_mix_bwd_kernel): a persistent grid of programs, each taking one row a step, issues every
-load of the row at once (∂L/∂out, the sources, the addends), forms ∂L/∂a_i = ⟨g, v_i⟩ and Σ v_i² in one
-reduction per source, then every source's gradient, with one q partial (for ∂L/∂u, ∂L/∂w) per program summed
-after it in a fixed order. Its bytes floor is ∂L/∂out once plus, per source, one read, one write and the addend
-read: (1 + 3n) · rows · D · 2 bytes in bf16 (1.16 GB, ~260 µs at 4.5 TB/s, for `small`'s average mix of 3.5
-sources at 8 × 4096 tokens; on an H200, session 14: 268 µs at 2 sources against a 171 µs floor, 694 at 5 against
-390, where the tiles kernel it replaced took 339 and 915: benchmarks/bench_gpu_kernels.py --backwards). Formulas:
-k3.model.attn_res. The forward kernel also serves inference's mix with the residual add before it and the norm
-after it (k3.ops._attn_res_norm_triton).
+load of the row at once (∂L/∂out, the sources, the addends; a step ahead of the math: BWD_STAGES), forms ∂L/∂a_i =
+⟨g, v_i⟩ and Σ v_i² in one reduction per source, then every source's gradient, with one q partial (for ∂L/∂u, ∂L/∂w)
+per program summed after it in a fixed order. Its bytes floor is ∂L/∂out once plus, per source, one read, one write
+and the addend read: (1 + 3n) · rows · D · 2 bytes in bf16 (1.16 GB, ~260 µs at 4.5 TB/s, for `small`'s average mix
+of 3.5 sources at 8 × 4096 tokens; on an H200, session 14: 268 µs at 2 sources against a 171 µs floor, 694 at 5
+against 390, where the tiles kernel it replaced took 339 and 915: benchmarks/bench_gpu_kernels.py --backwards).
+Formulas: k3.model.attn_res. The forward kernel also serves inference's mix with the residual add before it and the
+norm after it (k3.ops._attn_res_norm_triton).
 """
 import torch
 import triton

@@ -146,8 +146,8 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
     output: dy, times SiLU'(y) when SILU) in registers: each element of x, dy and y is loaded and SiLU' taken
     once. At row t: the weight gradient's products dz[t] · xp[t − (W−1) + j] (t in the chunk) and the input
     gradient of row u = t − (W−1), Σ_j w[j] · dz[t − j] (stored for u in the chunk; for u < 0, the tail rows,
-    by program 0). UNROLL rows' loads are issued together. Partial weight gradients per (batch, chunk) into
-    gw_part. W <= MAX_TAPS."""
+    by program 0). UNROLL rows' loads are issued together, STAGES − 1 steps ahead of the math. Partial weight
+    gradients per (batch, chunk) into gw_part. W <= MAX_TAPS."""
     pid_t = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
