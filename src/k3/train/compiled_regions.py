@@ -45,9 +45,9 @@ RECOMPILE_LIMIT = 2
 
 
 def compile_regions(model: nn.Module, backend="inductor", recompile_limit: int = RECOMPILE_LIMIT) -> list[nn.Module]:
-    """Route the training forwards of `model`'s MLA mixers, MoE layers and dense MLPs (a K3ForCausalLM, or anything
-    holding its decoder `model.layers`) through compiled functions, one per kind; returns the modules. backend:
-    torch.compile's (tests pass a recording one). Parameters, names and checkpoints are unchanged."""
+    """Route the training forwards of `model`'s KDA and MLA mixers, MoE layers and dense MLPs (a K3ForCausalLM, or
+    anything holding its decoder `model.layers`) through compiled functions, one per kind; returns the modules.
+    backend: torch.compile's (tests pass a recording one). Parameters, names and checkpoints are unchanged."""
     layers = model.model.layers
     if backend == "inductor" and model.lm_head.weight.device.type == "cpu":
         _check_cpu_compiler()
@@ -106,8 +106,8 @@ class _OpaqueKDALayout:
 def _kda_training_forward(self: KimiDeltaAttention, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
                           cache=None) -> torch.Tensor:
     """KimiDeltaAttention.forward through the opaque layout (the dispatch sends only cache=None here) where Dynamo
-    traces it; run eagerly (torch.compiler.set_stance("force_eager"), the benchmark's eager rows) the plain forward,
-    whose conv backward does not run the conv's forward once more and whose core is not run twice."""
+    traces it; run eagerly (torch.compiler.set_stance("force_eager"), the benchmark's eager rows) the plain forward
+    (whose core's backward does not run the core's forward once more, as the op's does)."""
     if not torch.compiler.is_compiling():
         return KimiDeltaAttention.forward(self, x, doc_ids, cache)
     return KimiDeltaAttention.forward(self, x, doc_ids, cache=_OpaqueKDALayout(doc_ids))
@@ -120,7 +120,7 @@ _TRACED = {KimiDeltaAttention: _kda_training_forward}
 def _dispatch(eager, compiled, recompile_limit: int):
     """A forward that takes the compiled function in a training forward, the eager one otherwise."""
     def forward(self, *args, **kwargs):
-        # (MLA's cache is its third argument; the MoE's and MLP's forwards take two at most)
+        # (a mixer's cache is its third argument; the MoE's and MLP's forwards take two at most)
         if self.training and torch.is_grad_enabled() and kwargs.get("cache") is None and len(args) < 3:
             with torch._dynamo.config.patch(recompile_limit=recompile_limit, fail_on_recompile_limit_hit=True):
                 return compiled(self, *args, **kwargs)
