@@ -66,18 +66,26 @@ def test_bad_thread_setting_names_the_variable():
             requested_mode({"K3_CPU_THREADS": bad})
 
 
-def _fresh_process(body: str, env: dict | None = None, cpus=None) -> dict:
-    """Runs `body` in a new interpreter (after `import k3`, then torch) with a clean threading environment;
-    body sets `result`, which comes back as a dict."""
+def _start(body: str, env: dict | None = None, cpus=None) -> subprocess.Popen:
+    """Starts `body` in a new interpreter (after `import k3`, then torch) with a clean threading environment;
+    body sets `result`, which _result reads back as a dict."""
     clean = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
     clean.update(env or {})
     code = "import json, os, sys, time\nimport k3\nimport torch\nfrom k3 import cpu_threads\n" + \
            textwrap.dedent(body) + "\nprint(json.dumps(result))\n"
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=300,
-                         preexec_fn=preexec)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", code], env=clean, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=preexec)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _fresh_process(body: str, env: dict | None = None, cpus=None) -> dict:
+    return _result(_start(body, env, cpus))
 
 
 POLICY = """
@@ -87,30 +95,49 @@ result = {"mode": policy.mode, "threads": torch.get_num_threads(),
 """
 
 
-@pytest.mark.parametrize("env, mode, threads, wait", [
+POLICY_CASES = [pytest.param(*case) for case in [
     ({}, "auto", len(CPUS), [None, "10000"]),
     ({"OMP_NUM_THREADS": "1"}, "fixed", 1, [None, "10000"]),
     ({"K3_CPU_THREADS": "1"}, "fixed", 1, [None, "10000"]),
     ({"OMP_WAIT_POLICY": "ACTIVE"}, "auto", len(CPUS), ["ACTIVE", None]),
     ({"K3_CPU_THREADS": "off", "OMP_NUM_THREADS": "1"}, "off", 1, [None, None]),
-])
-def test_policy_in_a_fresh_process(env, mode, threads, wait):
-    assert _fresh_process(POLICY, env) == {"mode": mode, "threads": threads, "wait": wait}
+]]
+
+
+AFFINITY = f"os.sched_setaffinity(0, {{{CPUS[0]}}})\n" + POLICY
+CALLER_THREADS = 1 if len(CPUS) > 1 else 2
+CALLER = f"torch.set_num_threads({CALLER_THREADS})\n" + POLICY + """
+governor = cpu_threads.ThreadGovernor()
+result["governed"] = [governor.active, governor.update()]
+"""
+
+
+@pytest.fixture(scope="module")
+def policies() -> dict:
+    """The policy tests' fresh processes, started together: the policy reads no load at start (only the
+    governor's updates do, which these never run), and each process spends seconds importing torch while a
+    core sits idle. Keyed by the policy case's environment (JSON), "affinity" and "caller"."""
+    procs = {json.dumps(case.values[0]): _start(POLICY, case.values[0]) for case in POLICY_CASES}
+    procs["caller"] = _start(CALLER)
+    if len(CPUS) >= 2:
+        procs["affinity"] = _start(AFFINITY)
+    return {key: _result(proc) for key, proc in procs.items()}
+
+
+@pytest.mark.parametrize("env, mode, threads, wait", POLICY_CASES)
+def test_policy_in_a_fresh_process(env, mode, threads, wait, policies):
+    assert policies[json.dumps(env)] == {"mode": mode, "threads": threads, "wait": wait}
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two cores to narrow the affinity")
-def test_thread_count_follows_the_affinity_set_after_start():
-    got = _fresh_process(f"os.sched_setaffinity(0, {{{CPUS[0]}}})\n" + POLICY)
+def test_thread_count_follows_the_affinity_set_after_start(policies):
+    got = policies["affinity"]
     assert got["mode"] == "auto" and got["threads"] == 1
 
 
-def test_a_thread_count_set_by_the_caller_is_kept():
-    n = 1 if len(CPUS) > 1 else 2
-    got = _fresh_process(f"torch.set_num_threads({n})\n" + POLICY + """
-governor = cpu_threads.ThreadGovernor()
-result["governed"] = [governor.active, governor.update()]
-""")
-    assert got == {"mode": "caller", "threads": n, "wait": [None, "10000"], "governed": [False, n]}
+def test_a_thread_count_set_by_the_caller_is_kept(policies):
+    n = CALLER_THREADS
+    assert policies["caller"] == {"mode": "caller", "threads": n, "wait": [None, "10000"], "governed": [False, n]}
 
 
 BUSY = """
