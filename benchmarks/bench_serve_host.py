@@ -12,7 +12,7 @@ through the real server to streaming clients in another process (`k3 bench serve
 --sampler instead times one step's sampling of c rows (temperature 1, top-p 0.9, each request with its own
 generator): the engine's batched `sample_tokens` against the same sampler called row by row.
 Run: OMP_NUM_THREADS=1 python benchmarks/bench_serve_host.py [--concurrency 64] [--device-ms 8.7] [--repeats 2]
-     [--no-http] [--staggered] [--sampler --vocab 163840 --device cuda]
+     [--no-http] [--staggered] [--logit-columns 1024] [--sampler --vocab 163840 --device cuda]
 """
 import argparse
 import statistics
@@ -31,14 +31,16 @@ from k3.serve.bench import run_load_in_own_process
 from k3.serve.local_server import local_server
 
 
-def build_engine(c: int, device_ms: float, clock=time.perf_counter) -> tuple[LLMEngine, list[float]]:
+def build_engine(c: int, device_ms: float, clock=time.perf_counter, vocab: int | None = None
+                 ) -> tuple[LLMEngine, list[float]]:
     """A tiny engine whose decode steps cost `device_ms` of GIL-free waiting; returns it and its step periods
     by `clock` (time.thread_time: the engine thread's CPU time, the host work alone, which time taken by other
     load on a shared CPU does not inflate)."""
     cfg = K3Config.preset("tiny")
     model = K3ForCausalLM(cfg)
     model.reset_parameters(seed=0)
-    bank = torch.randn(8, c, cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+    # vocab: the fixed logits' width (fewer columns: the sampler's argmax, device work on a GPU, costs the CPU less)
+    bank = torch.randn(8, c, vocab or cfg.vocab_size, generator=torch.Generator().manual_seed(0))
     calls = [0]
 
     def fake_forward(self, view):
@@ -68,8 +70,8 @@ def build_engine(c: int, device_ms: float, clock=time.perf_counter) -> tuple[LLM
 
 
 def engine_alone(c: int, device_ms: float, prompts: list[list[int]], out_len: int,
-                 clock=time.perf_counter) -> list[float]:
-    engine, periods = build_engine(c, device_ms, clock)
+                 clock=time.perf_counter, vocab: int | None = None) -> list[float]:
+    engine, periods = build_engine(c, device_ms, clock, vocab)
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(p, params, f"r{i}")
@@ -119,6 +121,8 @@ def main():
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--logit-columns", type=int, default=None, help="the CPU-time row: the fixed logits' width "
+                    "(default the vocabulary; e.g. 1024 leaves the sampler's argmax, device work on a GPU, out)")
     ap.add_argument("--no-http", action="store_true", help="the engine alone (no server, no client process)")
     ap.add_argument("--staggered", action="store_true", help="prompt lengths input_len + i mod 16: the streams "
                     "reach their 16-token match boundaries (a KDA checkpoint each) at different steps, as under "
@@ -136,7 +140,7 @@ def main():
     rows = []
     runs = [("engine alone", lambda: engine_alone(a.concurrency, a.device_ms, prompts, a.output_len)),
             ("engine alone, CPU time", lambda: engine_alone(a.concurrency, a.device_ms, prompts, a.output_len,
-                                                             time.thread_time)),
+                                                             time.thread_time, a.logit_columns)),
             ("engine + HTTP", lambda: engine_http(a.concurrency, a.device_ms, a.input_len, a.output_len))]
     for name, run in runs[:2] if a.no_http else runs:
         for r in range(a.repeats):
