@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import k3
 from k3 import K3Config, K3ForCausalLM
@@ -407,9 +408,23 @@ def test_each_output_keeps_the_ids_of_its_own_step(model):
         outs[0].output_ids[1]
 
 
+class _Writes(TorchDispatchMode):
+    """The in-place writes (index_put_, index_fill_, copy_) made while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("index_put_", "index_fill_", "copy_"):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_steps_checkpoints_are_copied_together_and_exactly(model):
-    """Sequences that reach a match boundary on the same step get their KDA checkpoints in one flush (one copy
-    per layer), and each checkpoint slot then holds exactly its sequence's state; outputs stay the reference's."""
+    """Sequences that reach a match boundary on the same step get their KDA checkpoints in one flush (one write
+    per pool tensor, every KDA layer in it), and each checkpoint slot then holds exactly its sequence's state;
+    outputs stay the reference's."""
     eng = engine(model)
     flushes, real = [], eng.pool.flush_checkpoint_copies
 
@@ -417,7 +432,11 @@ def test_a_steps_checkpoints_are_copied_together_and_exactly(model):
         pool, pending = eng.pool, dict(eng.pool.pending_copies)
         before = {s: [(pool.state[l][s].clone(), pool.conv[l][s].clone()) for l in pool.kda_layers]
                   for s in pending.values()}
-        real()
+        writes = _Writes()
+        with writes:
+            real()
+        if pending:  # the copies: one index_put_ into each of the two pool tensors (none per layer)
+            assert writes.ops.count("index_put_") == 2, writes.ops
         now = lambda slot: [(pool.state[l][slot], pool.conv[l][slot]) for l in pool.kda_layers]  # noqa: E731
         same = lambda a, b: all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))  # noqa: E731
         # each checkpoint holds its source's state, and the sources are untouched
