@@ -12,35 +12,35 @@ from k3.train import trainer as trainer_mod
 from k3.train.trainer import TrainConfig, Trainer
 
 
-def small_run(out, **kw) -> TrainConfig:
-    base = dict(out=str(out), max_steps=6, batch_size=2, seq_len=32, eval_every=100, eval_batches=1,
+def small_run(out, corpus, **kw) -> TrainConfig:
+    base = dict(out=str(out), corpus=corpus, max_steps=6, batch_size=2, seq_len=32, eval_every=100, eval_batches=1,
                 save_every=3, warmup_steps=2, sample_tokens=4, seed=3, final_eval_batches=2)
     base.update(kw)
     return TrainConfig(**base)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, short_corpus):
     out = tmp_path_factory.mktemp("full")
-    t = Trainer(small_run(out), log=lambda *a: None)
+    t = Trainer(small_run(out, short_corpus), log=lambda *a: None)
     t.run()
     return [h["loss"] for h in t.history], t
 
 
-def test_resume_is_bit_exact(tmp_path, uninterrupted):
+def test_resume_is_bit_exact(tmp_path, uninterrupted, short_corpus):
     full_losses, full = uninterrupted
-    t = Trainer(small_run(tmp_path), log=lambda *a: None)
+    t = Trainer(small_run(tmp_path, short_corpus), log=lambda *a: None)
     t.history = [t.train_step() for _ in range(3)]  # a run stopped after step 3's checkpoint
     t.save_checkpoint()
     del t
     # the interrupted run had logged a step past its checkpoint: resume must not keep it
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 4, "loss": 0.0}) + "\n")
-    resumed = Trainer(small_run(tmp_path, resume=True), log=lambda *a: None)
+    resumed = Trainer(small_run(tmp_path, short_corpus, resume=True), log=lambda *a: None)
     resumed.run()
     steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [4, 5, 6]
-    again = Trainer(small_run(tmp_path, resume=True), log=lambda *a: None)  # resuming a finished run
+    again = Trainer(small_run(tmp_path, short_corpus, resume=True), log=lambda *a: None)  # resuming a finished run
     assert again.run()["steps"] == 6
     assert resumed.step == 6
     resumed_losses = [h["loss"] for h in resumed.history[3:]]
@@ -50,8 +50,8 @@ def test_resume_is_bit_exact(tmp_path, uninterrupted):
         assert torch.equal(a, b), n
 
 
-def test_interrupted_save_is_never_resumed(tmp_path, monkeypatch):
-    t = Trainer(small_run(tmp_path), log=lambda *a: None)
+def test_interrupted_save_is_never_resumed(tmp_path, monkeypatch, short_corpus):
+    t = Trainer(small_run(tmp_path, short_corpus), log=lambda *a: None)
     t.train_step()
     good = t.save_checkpoint()
     before = {p.name: p.read_bytes() for p in good.iterdir()}
@@ -70,7 +70,7 @@ def test_interrupted_save_is_never_resumed(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]  # ...and left nothing
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before  # the previous checkpoint is untouched
     assert t.latest_checkpoint() == good
-    r = Trainer(small_run(tmp_path, resume=True), log=lambda *a: None)
+    r = Trainer(small_run(tmp_path, short_corpus, resume=True), log=lambda *a: None)
     r.load_checkpoint(r.latest_checkpoint())
     assert r.step == 1
 
@@ -139,10 +139,10 @@ def test_generate_streams_from_a_trained_model(uninterrupted, capsys):
     assert out == "ROMEO:" + t.tokenizer.decode(cont, skip_special_tokens=True) + "\n"
 
 
-def test_activation_checkpointing_trains_identically(tmp_path, uninterrupted):
+def test_activation_checkpointing_trains_identically(tmp_path, uninterrupted, short_corpus):
     """Recomputing every layer in backward changes neither the losses nor the balancer's statistics."""
     full_losses, full = uninterrupted
-    t = Trainer(small_run(tmp_path, activation_checkpointing=True), log=lambda *a: None)
+    t = Trainer(small_run(tmp_path, short_corpus, activation_checkpointing=True), log=lambda *a: None)
     assert t.model.model.gradient_checkpointing
     recs = [t.train_step() for _ in range(3)]
     assert [r["loss"] for r in recs] == full_losses[:3]
