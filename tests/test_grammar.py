@@ -1,6 +1,6 @@
 """Constrained decoding (k3.serve.grammar + the batched sampler): the mask equals llguidance's token-by-token verdict,
-constrained rows never disturb unconstrained ones, and a random two-layer `tiny` model's output follows SPEC §1.2's markup
-with JSON that validates and tool calls whose arguments validate, parsed back by the output parser."""
+constrained rows never disturb unconstrained ones, and a random two-layer `tiny` model's output follows SPEC §1.2's
+markup with JSON that validates and tool calls whose arguments validate, parsed back by the output parser."""
 import json
 from typing import Literal, Optional
 
