@@ -1,5 +1,6 @@
 """Shared pieces of the multi-process parallel tests: a gloo launcher (spawned processes kept for the next
-launch of the same world size; each worker returns a picklable result) and the reference model every rank builds identically."""
+launch of the same world size; each worker returns a picklable result) and the reference model every rank
+builds identically."""
 from __future__ import annotations
 
 import atexit
