@@ -31,14 +31,14 @@ KINDS = 4  # KDA mixer, MLA mixer, LatentMoE, dense MLP
 
 class GraphLog:
     """A torch.compile backend that counts the graphs it is given and the calls of each, then runs them through
-    `inner` (aot_eager: AOTAutograd's traced backward; "eager": Dynamo's graph alone, autograd as usual)."""
+    aot_eager."""
 
-    def __init__(self, inner: str = "aot_eager"):
-        self.graphs, self.calls, self.inner = 0, 0, inner
+    def __init__(self):
+        self.graphs, self.calls = 0, 0
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
-        run = lookup_backend(self.inner)(gm, example_inputs)
+        run = lookup_backend("aot_eager")(gm, example_inputs)
 
         def counted(*args):
             self.calls += 1
@@ -105,11 +105,13 @@ def fresh_dynamo():
 
 
 @pytest.fixture(scope="module")
-def steps():
+def steps(tmp_path_factory):
     """One compile of `tiny` that the equality asserts share (compiling is most of this file's time): three eager
     and compiled steps, each from the eager model's updated weights: T=32 plain (each kind's first graph), T=48
     under activation checkpointing (the dynamic-shape graph), T=24 plain (the dynamic graph again, no compile).
-    Then one MoE layer's routed scaling is changed, which needs a third graph of its kind: past the default limit."""
+    Then the trainer, eager and with TrainConfig(compile=True), on those graphs (its model is another `tiny`: the
+    kinds' graphs serve it). Last, one MoE layer's routed scaling is changed, which needs a third graph of its kind:
+    past the default limit."""
     torch._dynamo.reset()
     eager = make_model()
     compiled = copy.deepcopy(eager)
@@ -136,6 +138,14 @@ def steps():
             m.zero_grad(set_to_none=True)
             m.model.gradient_checkpointing = False
     graphs = log.graphs
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled_regions, "compile_regions", lambda model: compile_regions(model, backend=log))
+        trainer = {}
+        for compile in (False, True):
+            calls = log.calls
+            trainer[compile] = dict(losses=trainer_losses(tmp_path_factory.mktemp("train"), compile),
+                                    calls=log.calls - calls)
+        trainer["new_graphs"] = log.graphs - graphs
     moes = [m for m in compiled.modules() if isinstance(m, LatentMoE)]
     moes[-1].scale = moes[-1].scale * 2
     try:
@@ -143,7 +153,7 @@ def steps():
         past_limit = None
     except torch._dynamo.exc.FailOnRecompileLimitHit as e:
         past_limit = e
-    yield dict(regions=regions, runs=runs, graphs=graphs, past_limit=past_limit)
+    yield dict(regions=regions, runs=runs, graphs=graphs, trainer=trainer, past_limit=past_limit)
     torch._dynamo.reset()
 
 
@@ -217,24 +227,20 @@ def test_inductor_step_equals_eager():
     assert_same_gradients(gradient_pairs(compiled, eager), bar=1e-4)
 
 
-def test_trainer_compile_switch(tmp_path, monkeypatch):
-    """TrainConfig(compile=True) trains through the regions with the eager run's losses (Dynamo's graphs run as they
-    are: the steps above check what AOTAutograd makes of them; this checks the trainer's wiring)."""
-    log = GraphLog(inner="eager")
-    monkeypatch.setattr(compiled_regions, "compile_regions",
-                        lambda model: compile_regions(model, backend=log))
+def trainer_losses(out, compile: bool) -> list[float]:
+    """Two steps' losses of a Trainer of `tiny` (packed documents, AdamW warmup)."""
+    cfg = TrainConfig(out=str(out), max_steps=2, batch_size=2, seq_len=16, warmup_steps=1, seed=5, compile=compile)
+    t = Trainer(cfg, log=lambda *a: None)
+    return [t.train_step()["loss"] for _ in range(2)]
 
-    def losses(out, compile):
-        cfg = TrainConfig(out=str(out), max_steps=2, batch_size=2, seq_len=16, warmup_steps=1, seed=5,
-                          compile=compile)
-        t = Trainer(cfg, log=lambda *a: None)
-        return [t.train_step()["loss"] for _ in range(2)]
 
-    want = losses(tmp_path / "eager", False)
-    assert log.graphs == 0
-    got = losses(tmp_path / "compiled", True)
-    assert log.graphs == KINDS and log.calls == 2 * 12
-    assert got == pytest.approx(want, rel=1e-5)
+def test_trainer_compile_switch(steps):
+    """TrainConfig(compile=True) trains through the regions (every region's graph called in each of its two steps)
+    with the eager run's losses; the eager run calls none."""
+    t = steps["trainer"]
+    assert t[False]["calls"] == 0 and t[True]["calls"] == 2 * 12
+    assert t["new_graphs"] == 0  # the graphs compiled above served the trainer's model
+    assert t[True]["losses"] == pytest.approx(t[False]["losses"], rel=1e-5)
 
 
 def test_compile_with_expert_parallelism_is_refused():
