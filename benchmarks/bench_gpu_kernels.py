@@ -251,14 +251,15 @@ def backward_rows(B: int, T: int, device: str = "cuda") -> list[dict]:
         variants = [(f"default ({per_sm} programs an SM)", {})]
         variants += [(f"{p} programs an SM", {"BWD_PROGRAMS_PER_SM": {**ar.BWD_PROGRAMS_PER_SM, n: p}})
                      for p in (2, 3, 4) if p != per_sm]
-        variants.append(("1 stage (no row in flight)", {"BWD_STAGES": 1}))
+        other = 3 - ar.BWD_STAGES  # 1 <-> 2: rows in flight a program
+        variants.append((f"{other} stage(s)", {"BWD_STAGES": other}))
         timed(f"attn_res_mix bwd, {n} sources", ar, variants, call, (1 + 3 * n) * g.numel() * 2, calls)
         del sources, bufs
     x = r(B, T, D).requires_grad_()
     conv_w = (torch.randn(D, 1, 4, device=device) * 0.5).bfloat16().requires_grad_()
     y, _ = short_conv(x, conv_w, silu=True)
     dy = r(B, T, D)
-    variants = [(f"default (UNROLL {ct.BWD_UNROLL}, {ct.BWD_STAGES} stages)", {}), ("1 stage", {"BWD_STAGES": 1}),
+    variants = [(f"default (UNROLL {ct.BWD_UNROLL}, {ct.BWD_STAGES} stages)", {}), (f"{3 - ct.BWD_STAGES} stage(s)", {"BWD_STAGES": 3 - ct.BWD_STAGES}),
                 ("UNROLL 2", {"BWD_UNROLL": 2}),
                 ("UNROLL 8", {"BWD_UNROLL": 8}), ("chunks of 128", {"BWD_CHUNK_T": 128}),
                 ("256 channels, 2 warps", {"BWD_BLOCK_C": 256, "BWD_NUM_WARPS": 2})]

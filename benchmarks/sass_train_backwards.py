@@ -46,7 +46,7 @@ def mix_rows():
                   "uw_ptr": "*fp32", "scores_ptr": "*fp32", "lse_ptr": "*fp32"}
         warps = _attn_res_triton.NUM_WARPS["bwd"]
         per_sm = _attn_res_triton.BWD_PROGRAMS_PER_SM[n]
-        for stages in sorted({1, _attn_res_triton.BWD_STAGES}):
+        for stages in (1, 2):
             new = compile_kernel(_attn_res_triton._mix_bwd_kernel, {**tuples, "q_ptr": "*fp32", "R": "i32", "D": "i32",
                                                                     "eps": "fp32", "iters": "i32", "accumulate": "i32"},
                                  warps, N=n, BLOCK_D=triton.next_power_of_2(D), STAGES=stages)
@@ -62,7 +62,7 @@ def conv_rows():
     flags = dict(W=4, HAS_TAIL=False, HAS_DOC=False, SILU=True, HAS_GY=True, HAS_GNT=False, NEED_GX=True,
                  NEED_GW=True, NEED_GTAIL=False)
     ct = _conv_triton
-    for unroll, stages in sorted({(ct.BWD_UNROLL, ct.BWD_STAGES), (ct.BWD_UNROLL, 1), (2, ct.BWD_STAGES),
+    for unroll, stages in sorted({(ct.BWD_UNROLL, 1), (ct.BWD_UNROLL, 2), (2, ct.BWD_STAGES),
                                   (8, ct.BWD_STAGES)}):
         kernel = compile_kernel(ct.short_conv_bwd_kernel, sig, ct.BWD_NUM_WARPS, **flags, CHUNK_T=ct.BWD_CHUNK_T,
                                 BLOCK_C=ct.BWD_BLOCK_C, UNROLL=unroll, STAGES=stages)

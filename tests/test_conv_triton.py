@@ -110,8 +110,9 @@ def test_backward_at_short_chunks_and_any_unroll_matches_float64(monkeypatch, ch
                                    msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("unroll", sorted({2, _conv_triton.BWD_UNROLL}))
-def test_rows_backward_compiles_for_sm90_with_t_1_and_carries_its_windows(unroll):
+def test_rows_backward_compiles_for_sm90_with_t_1_and_carries_its_windows(unroll, stages):
     """Compiled for the H200 (no GPU: tests/sm90_compile.py) with T == 1 specialised, as Triton does for a launch
     at T = 1 (T was then a plain int: `T.to(...)` failed there), every option on: the row loop carries what the
     next step reads, the last MAX_TAPS − 1 rows of x, of dz and of the document ids, and the W tap sums (13
@@ -128,7 +129,7 @@ def test_rows_backward_compiles_for_sm90_with_t_1_and_carries_its_windows(unroll
     ttir = asm_for_sm90("ttir", "k3.ops._conv_triton", "short_conv_bwd_kernel", sig, num_warps=1, T=1, W=4,
                         HAS_TAIL=True, HAS_DOC=True, SILU=True, HAS_GY=True, HAS_GNT=True, NEED_GX=True, NEED_GW=True,
                         NEED_GTAIL=True, CHUNK_T=64, BLOCK_C=128, UNROLL=unroll,
-                        STAGES=_conv_triton.BWD_STAGES)
+                        STAGES=stages)
     loops = re.findall(r"scf\.for .*? iter_args\((.*?)\) ->", ttir)
     assert len(loops) == 1, ttir[-3000:]
     carried = loops[0].split(", ")  # "%name = %init" each

@@ -31,8 +31,9 @@ BWD_NUM_WARPS = 1
 # Steps of UNROLL rows the backward's loop keeps in flight: 1, each step's loads then its math in turn (a
 # program's memory idles through its math: 258 µs, 38% of the bytes floor, on the H200 in session 14); 2, the
 # next step's loads issued (cp.async, into shared memory) before this step's math. sm_90, bf16, UNROLL 4:
-# 96 registers and 3 KB shared (21 programs an SM) against 123 and none (16)
-BWD_STAGES = 2
+# 96 registers and 3 KB shared (21 programs an SM) against 123 and none (16). 2 compiles for sm_90 but has not
+# yet run on a GPU: 1 stays the default until the H200's tests and `bench_gpu_kernels.py --backwards` have spoken.
+BWD_STAGES = 1
 MAX_TAPS = 4  # backward keeps one fp32 weight-gradient accumulator per tap in registers; wider: the torch path
 
 
