@@ -68,7 +68,7 @@ def test_bad_thread_setting_names_the_variable():
 
 def _start(body: str, env: dict | None = None, cpus=None) -> subprocess.Popen:
     """Starts `body` in a new interpreter (after `import k3`, then torch) with a clean threading environment;
-    body sets `result`, which _result reads back as a dict."""
+    body sets `result`, which _result reads back as a dict (from _finish's outcome)."""
     clean = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
     clean.update(env or {})
     code = "import json, os, sys, time\nimport k3\nimport torch\nfrom k3 import cpu_threads\n" + \
@@ -78,14 +78,19 @@ def _start(body: str, env: dict | None = None, cpus=None) -> subprocess.Popen:
                             text=True, preexec_fn=preexec)
 
 
-def _result(proc: subprocess.Popen) -> dict:
+def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
+    return proc.returncode, out, err
+
+
+def _result(finished: tuple[int, str, str]) -> dict:
+    returncode, out, err = finished
+    assert returncode == 0, err[-2000:]
     return json.loads(out.strip().splitlines()[-1])
 
 
 def _fresh_process(body: str, env: dict | None = None, cpus=None) -> dict:
-    return _result(_start(body, env, cpus))
+    return _result(_finish(_start(body, env, cpus)))
 
 
 POLICY = """
@@ -116,28 +121,30 @@ result["governed"] = [governor.active, governor.update()]
 def policies() -> dict:
     """The policy tests' fresh processes, started together: the policy reads no load at start (only the
     governor's updates do, which these never run), and each process spends seconds importing torch while a
-    core sits idle. Keyed by the policy case's environment (JSON), "affinity" and "caller"."""
+    core sits idle. Keyed by the policy case's environment (JSON), "affinity" and "caller"; each test reads (and
+    fails on) its own process's outcome."""
     procs = {json.dumps(case.values[0]): _start(POLICY, case.values[0]) for case in POLICY_CASES}
     procs["caller"] = _start(CALLER)
     if len(CPUS) >= 2:
         procs["affinity"] = _start(AFFINITY)
-    return {key: _result(proc) for key, proc in procs.items()}
+    return {key: _finish(proc) for key, proc in procs.items()}
 
 
 @pytest.mark.parametrize("env, mode, threads, wait", POLICY_CASES)
 def test_policy_in_a_fresh_process(env, mode, threads, wait, policies):
-    assert policies[json.dumps(env)] == {"mode": mode, "threads": threads, "wait": wait}
+    assert _result(policies[json.dumps(env)]) == {"mode": mode, "threads": threads, "wait": wait}
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two cores to narrow the affinity")
 def test_thread_count_follows_the_affinity_set_after_start(policies):
-    got = policies["affinity"]
+    got = _result(policies["affinity"])
     assert got["mode"] == "auto" and got["threads"] == 1
 
 
 def test_a_thread_count_set_by_the_caller_is_kept(policies):
     n = CALLER_THREADS
-    assert policies["caller"] == {"mode": "caller", "threads": n, "wait": [None, "10000"], "governed": [False, n]}
+    want = {"mode": "caller", "threads": n, "wait": [None, "10000"], "governed": [False, n]}
+    assert _result(policies["caller"]) == want
 
 
 BUSY = """
