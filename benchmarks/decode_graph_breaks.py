@@ -19,10 +19,11 @@ from k3.ops.fused_linear import fuse_projections
 from k3.serve import EngineConfig, LLMEngine, SamplingParams
 
 
-def explained(step, *args) -> dict:
-    """Graphs and breaks (innermost source line, first line of the reason) of one traced call of step."""
+def explained(step, *args, **kwargs) -> dict:
+    """Graphs and breaks (innermost source line, first line of the reason) of one traced call of step (also
+    train_graph_breaks')."""
     dynamo.reset()
-    ex = dynamo.explain(step)(*args)
+    ex = dynamo.explain(step)(*args, **kwargs)
     breaks = []
     for b in ex.break_reasons:
         frame = b.user_stack[-1] if b.user_stack else None

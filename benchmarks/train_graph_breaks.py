@@ -13,7 +13,6 @@ import argparse
 import json
 
 import torch
-import torch._dynamo as dynamo
 
 from k3.config import K3Config
 from k3.model.decoder import K3ForCausalLM, contiguous_segments
@@ -23,17 +22,7 @@ from k3.model.mlp import SiTUMLP
 from k3.model.moe import LatentMoE
 from k3.train import compiled_regions
 
-
-def explained(fn, *args, **kwargs) -> dict:
-    """Graphs and breaks (innermost source line, first line of the reason) of one traced call of fn."""
-    dynamo.reset()
-    ex = dynamo.explain(fn)(*args, **kwargs)
-    breaks = []
-    for b in ex.break_reasons:
-        frame = b.user_stack[-1] if b.user_stack else None
-        where = f"{frame.filename.split('/src/')[-1]}:{frame.lineno}" if frame else "?"
-        breaks.append(f"{where}: {b.reason.splitlines()[0][:160]}")
-    return {"graphs": ex.graph_count, "breaks": ex.graph_break_count, "reasons": sorted(set(breaks))}
+from decode_graph_breaks import explained  # noqa: E402  (benchmarks/ is the script's own directory)
 
 
 def main():
