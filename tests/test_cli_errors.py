@@ -286,11 +286,11 @@ def test_model_format_says_unquantized_then_mxfp4_after_the_suggested_convert(ca
     assert "convert" not in _model_format(model_dir, qat=False)
 
 
-def test_final_evaluation_shows_progress(capsys, tmp_path):
+def test_final_evaluation_shows_progress(capsys, tmp_path, short_corpus):
     from test_train import small_run
 
     from k3.train.trainer import Trainer
-    t = Trainer(small_run(tmp_path / "run"), log=lambda *a: None)
+    t = Trainer(small_run(tmp_path / "run", short_corpus), log=lambda *a: None)
     plain = t.evaluate(2)
     capsys.readouterr()
     assert t.evaluate(2, progress="final evaluation") == plain  # the bar changes nothing but the screen
