@@ -4,6 +4,7 @@ from torch.autograd.function import once_differentiable
 
 from k3 import envs
 from k3.model.norm import RMSNorm
+from k3.ops.fused_linear import DerivedWeight
 from k3.ops.norm import rms_norm
 from k3.ops.triton_dispatch import triton_module, use_triton, use_triton_op
 
@@ -264,21 +265,15 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
     return p, out_norm(attn_res_mix([*blocks, p], norm, proj))
 
 
-def _kept_score_weight(norm: RMSNorm, proj: torch.nn.Linear, make) -> torch.Tensor | None:
-    """`make(u, w)` (the fused mix's fp32 u ⊙ w) kept on the norm module and remade only when either weight moved
-    or changed (their version counters; a write through `.data` is not seen, as StackedWeights says), so a decode
-    step does not launch its casts and product at every mix. Compiled code reads the one made before compiling
-    (None where there is none: the kernel's caller makes it)."""
-    u, w = norm.weight, proj.weight
+def _kept_score_weight(norm: RMSNorm, proj: torch.nn.Linear, make) -> torch.Tensor:
+    """`make(u, w)` (the fused mix's fp32 u ⊙ w) kept on the norm module (a DerivedWeight, refreshed outside
+    compiled code), so a decode step does not launch its casts and product at every mix."""
     kept = norm.__dict__.get("_k3_score_weight")
-    if torch.compiler.is_compiling():
-        return None if kept is None else kept[1]
-    key = (u.data_ptr(), w.data_ptr(), u.device, u.dtype, w.dtype, u._version, w._version)
-    if kept is None or kept[0] != key:
-        with torch.inference_mode(False), torch.no_grad():  # a normal tensor: readable outside inference mode
-            kept = (key, make(u.detach(), w.detach()))
-        norm.__dict__["_k3_score_weight"] = kept
-    return kept[1]
+    if kept is None:
+        kept = norm.__dict__["_k3_score_weight"] = DerivedWeight(make, norm, proj)
+    if not torch.compiler.is_compiling():
+        kept.refresh()
+    return kept.current()
 
 
 def _attached_like(p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:

@@ -26,44 +26,57 @@ from k3 import envs
 from k3.ops.gemv import linear
 
 
-class StackedWeights:
-    """Several modules' weights side by side along dim 0 in one tensor: a cache (`weight`), None until `refresh`
+class DerivedWeight:
+    """A tensor made from some modules' weights, `make(*weights)`: a cache (`weight`), None until `refresh`
     switches it on, then kept up to date with the weights (see `refresh`).
 
     Held as a plain attribute of the owning module (not a submodule, so neither `state_dict` nor `.to()` sees
     it): the cache follows the weights' device and dtype by rebuilding when they change."""
 
-    def __init__(self, *owners: nn.Module):
+    def __init__(self, make, *owners: nn.Module):
+        self.make = make
         self.owners = owners
         self.weight: torch.Tensor | None = None
         self._key = None
 
     def current(self) -> torch.Tensor:
-        """The stacked weights for this call: the refreshed cache where it is on and no gradient is needed, else
-        a concatenation autograd sees."""
+        """The derived tensor for this call: the refreshed cache where it is on and no gradient is needed, else
+        `make` of the weights as autograd sees them."""
         weights = [o.weight for o in self.owners]
         if self.weight is None or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
-            return torch.cat(weights)
+            return self.make(*weights)
         if not torch.compiler.is_compiling():  # (compiled code trusts the cache refreshed before compiling)
             self.refresh()
         return self.weight
 
     def refresh(self, force: bool = False) -> None:
-        """Bring the stacked weight up to date: rebuilt when a weight moved or changed dtype, rewritten in
-        place when only its values changed (an optimizer step, a load). Changes are seen through each weight's
-        version counter, which writes through `weight.data` bypass: `force` rewrites it regardless."""
+        """Bring the cache up to date: rebuilt when a weight moved or changed dtype, rewritten in place when only
+        its values changed (an optimizer step, a load: the same storage, so a captured CUDA graph stays valid).
+        Changes are seen through each weight's version counter, which writes through `weight.data` bypass:
+        `force` rewrites it regardless."""
         weights = [o.weight for o in self.owners]
         where = tuple((w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights)
         versions = tuple(w._version for w in weights)
         if self._key == (where, versions) and not force:
             return
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor: refreshable outside inference
-            stacked = torch.cat([w.detach() for w in weights])
+            made = self.make(*(w.detach() for w in weights))
             if self._key is not None and self._key[0] == where and self.weight is not None:
-                self.weight.copy_(stacked)
+                self.weight.copy_(made)
             else:
-                self.weight = stacked
+                self.weight = made
         self._key = (where, versions)
+
+
+class StackedWeights(DerivedWeight):
+    """Several modules' weights side by side along dim 0 in one tensor (a `DerivedWeight`)."""
+
+    def __init__(self, *owners: nn.Module):
+        super().__init__(_stacked, *owners)
+
+
+def _stacked(*weights: torch.Tensor) -> torch.Tensor:
+    return torch.cat(weights)
 
 
 class FusedLinears(StackedWeights):
