@@ -227,21 +227,28 @@ def device_waits():
         sites.append(f"{path}:{lineno}")
 
 
-def sync_trace(rec, prompts, params, streams) -> list[dict]:
-    """Host waits per step kind over a short pass: steps, waits per step (median, max) and the commonest sites."""
+def per_step_kind(rec, prompts, params, streams, measure) -> dict[str, list]:
+    """A pass with each engine step inside `measure()` (a context manager): what it yields, filled in by the
+    step, listed by the step's kind."""
     inner, per_kind = rec.step, collections.defaultdict(list)
 
-    def traced_step():
-        with device_waits() as sites:
+    def measured_step():
+        with measure() as seen:
             outs = inner()
         if rec.steps:
-            per_kind[rec.steps[-1]["kind"]].append(sites)
+            per_kind[rec.steps[-1]["kind"]].append(seen)
         return outs
-    rec.step = traced_step
+    rec.step = measured_step
     try:
         drive(rec, prompts, params, streams)
     finally:
         rec.step = inner
+    return per_kind
+
+
+def sync_trace(rec, prompts, params, streams) -> list[dict]:
+    """Host waits per step kind over a short pass: steps, waits per step (median, max) and the commonest sites."""
+    per_kind = per_step_kind(rec, prompts, params, streams, device_waits)
     rows = []
     for kind, steps in sorted(per_kind.items()):
         top = collections.Counter(s for sites in steps for s in sites).most_common(6)
@@ -275,7 +282,7 @@ def census(rec, prompts, params, streams) -> list[dict]:
     the model), model (KDA cores apart), layouts (the serving view's KDA state reads and writes, inside the
     model), and the KDA core calls."""
     import k3.model.kda as kda_model
-    eng, tally, per_kind = rec.engine, OpCensus(), collections.defaultdict(list)
+    eng, tally = rec.engine, OpCensus()
     patched = []
 
     def label(obj, name, where, count=None):
@@ -299,20 +306,17 @@ def census(rec, prompts, params, streams) -> list[dict]:
     for cls in (runner_mod.PagedBatchView, runner_mod.DecodeGraphView):
         for name in ("kda_state", "set_kda_state"):
             label(cls, name, "layouts")
-    inner = rec.step
 
-    def counted_step():
+    @contextlib.contextmanager
+    def counted():
         tally.counts.clear()
+        seen = collections.Counter()
         with tally:
-            outs = inner()
-        if rec.steps:
-            per_kind[rec.steps[-1]["kind"]].append(collections.Counter(tally.counts))
-        return outs
-    rec.step = counted_step
+            yield seen
+        seen.update(tally.counts)
     try:
-        drive(rec, prompts, params, streams)
+        per_kind = per_step_kind(rec, prompts, params, streams, counted)
     finally:
-        rec.step = inner
         for obj, name, fn in reversed(patched):
             setattr(obj, name, fn)
     mean = lambda xs, key: sum(x[key] for x in xs) / len(xs)  # noqa: E731  (a step's rare work counts too)
