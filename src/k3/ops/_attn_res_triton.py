@@ -153,9 +153,10 @@ BWD_PROGRAMS_PER_SM = {1: 3, 2: 3, 3: 2, 4: 2, 5: 2}
 # memory idles through its math: on the H200 more programs an SM, not more bytes a program, were what helped);
 # 2, the next row's loads issued (cp.async, into shared memory) before this row's math. sm_90, bf16, D 1536:
 # 163 registers and 29 KB shared at 2 sources (3 programs an SM still fit), 255 and 53 KB at 5 (2), no spills.
-# (CPU tensors, under the interpreter: 1.) 2 compiles for sm_90 but has not yet run on a GPU: 1 stays the default
-# until the H200's tests and `bench_gpu_kernels.py --backwards` (which times the other count) have spoken.
-BWD_STAGES = 1
+# (CPU tensors, under the interpreter: 1.) On the H200 (session 15, `bench_gpu_kernels.py --backwards`, bf16,
+# 8x4096 x 1536) 2 took 249/335/422/482 us at 2-5 sources against 1's 279/444/574/697, with the same gradients:
+# ~4 ms off a `small` step. (The conv's 2 stages lost there: `_conv_triton.BWD_STAGES` stays 1.)
+BWD_STAGES = 2
 
 
 def _programs(device: torch.device, n_sources: int) -> int:
