@@ -68,6 +68,43 @@ def test_kernel_matches_the_reference(B, H, R, E, S, length, dtype):
     assert workspaces and not any(t.any() for t in workspaces)
 
 
+@pytest.mark.parametrize("B,H,R,E,S,length", [
+    (1, 12, 256, 64, 300, 170),  # small's MLA at batch 1
+    (3, 5, 40, 12, 65, 64),  # odd widths; the new token in the last slot
+    (2, 19, 24, 16, 700, 0),  # two head blocks, several splits, the first token
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_with_the_latent_norm_matches_the_reference(B, H, R, E, S, length, dtype):
+    """The new latent un-normalised with kv_a_layernorm's weight and eps: the context and the cache's new slot
+    as the reference's (rms_norm first, then the step), at fp32 tolerance (bf16: a few roundings); the slot holds
+    the normalised latent, not the raw one."""
+    q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length_t = case(B, H, R, E, S, length, dtype,
+                                                                                seed=7 * S + B)
+    latent = (3.0 * latent + 0.5).to(dtype)  # rows far from unit RMS: the norm changes them
+    g = torch.Generator().manual_seed(S)
+    norm_w = (1.0 + 0.3 * torch.randn(R, generator=g)).to(DEVICE, dtype)
+    args = [q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length_t]
+    ref_args = [t.clone() for t in args]
+    want = static_decode_attention_reference(*ref_args, scale=0.1, norm_weight=norm_w, norm_eps=1e-6)
+    got = static_decode_attention(*args, scale=0.1, norm_weight=norm_w, norm_eps=1e-6)
+    normed = (latent.double() * torch.rsqrt(latent.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+              * norm_w.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(cache_latent[:, length].double(), normed, **tol)
+    torch.testing.assert_close(ref_args[4][:, length].double(), normed, **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        err = (got.double() - want.double()).norm() / want.double().norm()
+        assert err < 1e-2, f"relative error {err:.2e}"
+
+
+def test_kernel_refuses_a_norm_weight_of_another_width():
+    args = case(2, 4, 32, 16, 50, 20, torch.float32, seed=9)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        static_decode_attention(*args, scale=1.0, norm_weight=torch.ones(31, device=DEVICE))
+
+
 def test_kernel_compiles_as_one_custom_op():
     """Under torch.compile (fullgraph) the launch is the one op k3::mla_static_decode, with the eager kernel's
     context and cache write."""
@@ -168,7 +205,7 @@ def test_tiny_decode_with_the_kernel_equals_the_full_forward(monkeypatch, compil
     real = mla_static_decode.static_decode_attention
 
     def counted(*a, **k):
-        calls.append(1)
+        calls.append(a[8] if len(a) > 8 else k.get("norm_weight"))  # kv_a_layernorm's weight: the kernel's
         return real(*a, **k)
 
     def decode(kernel_on, compiled=False):
@@ -205,6 +242,8 @@ def test_tiny_decode_with_the_kernel_equals_the_full_forward(monkeypatch, compil
         assert "k3.mla_static_decode" in ops, sorted(set(ops))
     else:
         assert len(calls) == mla_layers * n
+        norms = [layer.self_attn.kv_a_layernorm.weight for layer in model.model.layers if layer.is_mla]
+        assert all(any(w is nw for nw in norms) for w in calls)  # the norm went into the kernel
     for i, (got, base) in enumerate(zip(on, off)):
         torch.testing.assert_close(got, full[:, T + i], rtol=2e-4, atol=2e-4)
         torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-5)

@@ -29,22 +29,28 @@ class DenseLayout:
     def __init__(self, cache=None, doc_ids: torch.Tensor | None = None):
         self.cache, self.doc_ids = cache, doc_ids
 
-    def attend(self, m: "MultiHeadLatentAttention", q, latent, k_extra) -> torch.Tensor:
-        if self.cache is None:
-            return m.expanded_attention(q, latent, k_extra, self.doc_ids)
+    def attend(self, m: "MultiHeadLatentAttention", q, latent, k_extra, latent_norm: nn.Module | None = None):
+        """latent_norm: an RMSNorm the latent has not been through yet (the StaticCache kernel applies it)."""
         T = q.shape[1]
-        o = self.static_decode(m, q, latent, k_extra) if T == 1 and isinstance(self.cache, StaticCache) else None
+        o = (self.static_decode(m, q, latent, k_extra, latent_norm)
+             if T == 1 and isinstance(self.cache, StaticCache) else None)
         if o is not None:
             return o
+        if latent_norm is not None:
+            latent = latent_norm(latent)
+        if self.cache is None:
+            return m.expanded_attention(q, latent, k_extra, self.doc_ids)
         lat, kx, kv_len = self.cache.mla_append(m.layer_idx, latent, k_extra)
         if T == 1:  # decode: W_kvb folded into q and the output, no per-token K/V expansion
             return m.absorbed_attention(q, lat, kx, kv_len=kv_len)
         S = self.cache.seq_len + T  # prefill chunk: expand the cached latents once, SDPA bottom-right causal
         return m.expanded_attention(q, lat[:, :S], kx[:, :S])
 
-    def static_decode(self, m: "MultiHeadLatentAttention", q, latent, k_extra) -> torch.Tensor | None:
-        """`absorbed_attention` of one new token over a StaticCache with the cache write, scores, mask, softmax
-        and context in one kernel (k3.ops.mla_static_decode), where its selector takes it; else None."""
+    def static_decode(self, m: "MultiHeadLatentAttention", q, latent, k_extra,
+                      latent_norm: nn.Module | None = None) -> torch.Tensor | None:
+        """`absorbed_attention` of one new token over a StaticCache with the latent's norm (when given), the
+        cache write, scores, mask, softmax and context in one kernel (k3.ops.mla_static_decode), where its
+        selector takes it; else None."""
         cache, H = self.cache, m.num_heads
         st = cache.layers[m.layer_idx]
         w = m.kv_b_proj.weight
@@ -57,8 +63,9 @@ class DenseLayout:
         w = w.view(H, m.nope + m.v_dim, m.kv_rank)
         q_nope, q_extra = q[:, 0].split([m.nope, m.rope], dim=-1)
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w[:, :m.nope])
+        norm_weight, norm_eps = (None, 0.0) if latent_norm is None else (latent_norm.weight, latent_norm.eps)
         ctx = static_decode_attention(q_lat, q_extra, latent[:, 0], k_extra[:, 0], st.latent, st.k_extra,
-                                      cache.length, m.scale)
+                                      cache.length, m.scale, norm_weight, norm_eps)
         return torch.einsum("bhr,hvr->bhv", ctx, w[:, m.nope:])[:, None]
 
 
@@ -130,7 +137,11 @@ class MultiHeadLatentAttention(nn.Module):
         # (the q_a norm in q_b's GEMV kernel where decode takes it: k3.ops.gemv)
         q = self.q_b_proj(q_a, norm=self.q_a_layernorm).view(B, T, H, self.nope + self.rope)
         latent, k_extra = kv_a.split([self.kv_rank, self.rope], dim=-1)
-        o = mla_layout(cache, doc_ids).attend(self, q, self.kv_a_layernorm(latent), k_extra)
+        layout = mla_layout(cache, doc_ids)
+        if isinstance(layout, DenseLayout):  # (its StaticCache decode kernel takes the kv norm with it)
+            o = layout.attend(self, q, latent, k_extra, latent_norm=self.kv_a_layernorm)
+        else:
+            o = layout.attend(self, q, self.kv_a_layernorm(latent), k_extra)
         return self.gated_output(o, gate)
 
     def gated_output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,9 @@ to finish (an atomic ticket, as in k3.ops._router_triton) merges the splits into
 back to zero, so the workspace stays zero between launches and a CUDA graph replays it as captured; launches
 sharing one workspace must not run at the same time. The new token is never read back from the cache: the
 split that holds its slot takes it from the inputs, and only that split's first head block writes it there.
+The new latent may come un-normalised with its RMSNorm's weight (NORM): every program loads the whole row anyway
+(BLOCK_R ≥ R), so each takes its rstd and applies the norm as k3.ops.norm.rms_norm does (fp32, rounded to the
+latent's dtype) before it is stored or read: MLA's kv_a_layernorm launches nothing of its own then.
 """
 import torch
 import triton
@@ -20,9 +23,9 @@ from k3.ops.triton_dispatch import on_device, sm_count
 @triton.jit
 def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_row, q_rope_head, new_lat_ptr,
                           new_lat_row, new_rope_ptr, new_rope_row, lat_ptr, rope_ptr, length_ptr, acc_ptr, m_ptr,
-                          l_ptr, tickets_ptr, out_ptr, H, R, E, max_len, scale, split_len, splits, head_blocks,
-                          BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                          l_ptr, tickets_ptr, out_ptr, norm_w_ptr, norm_eps, H, R, E, max_len, scale, split_len, splits,
+                          head_blocks, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr):
     b, hb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     r, e = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_E)
@@ -37,7 +40,13 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
     start = sp * split_len
     end = tl.minimum(tl.minimum(start + split_len, pos + 1), max_len)  # (a full cache: nothing read past it)
     # the new token in the cache's dtype: the value every later step reads back
-    new_lat = tl.load(new_lat_ptr + b * new_lat_row + r, mask=r_ok, other=0.0).to(lat_ptr.dtype.element_ty)
+    new_lat = tl.load(new_lat_ptr + b * new_lat_row + r, mask=r_ok, other=0.0)
+    if NORM:  # rms_norm's order: x·rstd·w in fp32, one rounding to the latent's dtype
+        x = new_lat.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / R + norm_eps)
+        w = tl.load(norm_w_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+        new_lat = (x * rstd * w).to(new_lat_ptr.dtype.element_ty)
+    new_lat = new_lat.to(lat_ptr.dtype.element_ty)
     new_rope = tl.load(new_rope_ptr + b * new_rope_row + e, mask=e_ok, other=0.0).to(rope_ptr.dtype.element_ty)
     cache_row = b * max_len
     if (hb == 0) & (start <= pos) & (pos < start + split_len) & (pos < max_len):
@@ -117,11 +126,12 @@ def launch_shape(B: int, H: int, max_len: int, device: torch.device) -> tuple[in
 
 
 def static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length, scale: float,
-                            tickets: torch.Tensor) -> torch.Tensor:
+                            tickets: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                            norm_eps: float = 0.0) -> torch.Tensor:
     """k3.ops.mla_static_decode.static_decode_attention_reference's contract, through the custom op
     `k3::mla_static_decode` (inputs checked by the caller, k3.ops.mla_static_decode.static_decode_attention)."""
     return torch.ops.k3.mla_static_decode(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length,
-                                          float(scale), tickets)
+                                          float(scale), tickets, norm_weight, float(norm_eps))
 
 
 # A custom op so that torch.compile keeps the launch as one opaque call. The cache buffers are written (the new
@@ -129,7 +139,8 @@ def static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k
 @torch.library.custom_op("k3::mla_static_decode", mutates_args=("cache_latent", "cache_k_rope", "tickets"))
 def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                       cache_latent: torch.Tensor, cache_k_rope: torch.Tensor, length: torch.Tensor, scale: float,
-                      tickets: torch.Tensor) -> torch.Tensor:
+                      tickets: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                      norm_eps: float = 0.0) -> torch.Tensor:
     B, H, R = q_lat.shape
     E, max_len = q_rope.shape[-1], cache_latent.shape[1]
     out = torch.empty(B, H, R, dtype=cache_latent.dtype, device=q_lat.device)
@@ -142,13 +153,15 @@ def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
         _static_decode_kernel[(B, head_blocks, splits)](
             q_lat, q_lat.stride(0), q_lat.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1), latent,
             latent.stride(0), k_rope, k_rope.stride(0), cache_latent, cache_k_rope, length, acc, m, l, tickets, out,
+            out if norm_weight is None else norm_weight, norm_eps,  # (out: an unread stand-in pointer)
             H, R, E, max_len, scale, split_len, splits, head_blocks, BLOCK_H=LAUNCH["block_h"], BLOCK_R=block_r,
             BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_N=LAUNCH["block_n"],
             PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",  # (tf32: exact for bf16/fp16 values)
-            num_warps=LAUNCH["num_warps"])
+            NORM=norm_weight is not None, num_warps=LAUNCH["num_warps"])
     return out
 
 
 @_static_decode_op.register_fake
-def _(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length, scale, tickets):
+def _(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length, scale, tickets, norm_weight=None,
+      norm_eps=0.0):
     return q_lat.new_empty(q_lat.shape, dtype=cache_latent.dtype)

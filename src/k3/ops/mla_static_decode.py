@@ -11,22 +11,28 @@ and never dispatches.
 Shapes, one new token per row: q_lat [B, H, R] (q_nope · W_uk) and q_rope [B, H, E] (last dims contiguous);
 latent [B, R] and k_rope [B, E] of the new token (rows may be strided views); the cache's cache_latent
 [B, S, R] and cache_k_rope [B, S, E] (contiguous); length: the device scalar of tokens already cached, where
-the new token goes. Returns the context [B, H, R] in the cache's dtype.
+the new token goes. Returns the context [B, H, R] in the cache's dtype. With `norm_weight` [R] the new latent
+comes before its RMSNorm (MLA's kv_a_layernorm), which the step applies first (in the kernel: no launch of its
+own).
 """
 from __future__ import annotations
 
 import torch
 
+from k3.ops.norm import rms_norm_reference
 from k3.ops.triton_dispatch import triton_module, use_triton_op
 
 KERNELS = "_mla_static_decode_triton"
 
 
 def static_decode_attention_reference(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length,
-                                      scale: float) -> torch.Tensor:
-    """The step as the model's unfused path does it (StaticCache.mla_append, then
-    MultiHeadLatentAttention.absorbed_attention's scores, mask and softmax): fp32 softmax (fp64 stays fp64),
-    the probabilities rounded to the cache's dtype before the context product."""
+                                      scale: float, norm_weight: torch.Tensor | None = None,
+                                      norm_eps: float = 0.0) -> torch.Tensor:
+    """The step as the model's unfused path does it (kv_a_layernorm when norm_weight is given,
+    StaticCache.mla_append, then MultiHeadLatentAttention.absorbed_attention's scores, mask and softmax): fp32
+    softmax (fp64 stays fp64), the probabilities rounded to the cache's dtype before the context product."""
+    if norm_weight is not None:
+        latent = rms_norm_reference(latent, norm_weight, norm_eps)
     S = cache_latent.shape[1]
     pos = length.reshape(1)
     cache_latent.index_copy_(1, pos, latent[:, None].to(cache_latent.dtype))
@@ -64,7 +70,8 @@ def tickets(entries: int, device: torch.device) -> torch.Tensor:
 
 
 def static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length,
-                            scale: float) -> torch.Tensor:
+                            scale: float, norm_weight: torch.Tensor | None = None,
+                            norm_eps: float = 0.0) -> torch.Tensor:
     """`static_decode_attention_reference` as one kernel launch (k3.ops._mla_static_decode_triton); shapes,
     dtypes and layouts checked first, each error naming the argument."""
     B, H, R = q_lat.shape
@@ -87,6 +94,9 @@ def static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k
                          f"{cache_latent.dtype}, {cache_k_rope.dtype}")
     if length.numel() != 1 or length.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"length must be one integer on the device, got {length.dtype} {list(length.shape)}")
+    if norm_weight is not None and (tuple(norm_weight.shape) != (R,) or not norm_weight.is_contiguous()):
+        raise ValueError(f"norm_weight must be a contiguous [{R}], got {list(norm_weight.shape)} "
+                         f"strides {norm_weight.stride()}")
     work = tickets(B * H, q_lat.device)  # one per (row, head block): B·H is enough for any block
     return triton_module(KERNELS).static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent,
-                                                          cache_k_rope, length, scale, work)
+                                                          cache_k_rope, length, scale, work, norm_weight, norm_eps)
