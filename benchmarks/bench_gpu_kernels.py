@@ -259,10 +259,18 @@ def backward_rows(B: int, T: int, device: str = "cuda") -> list[dict]:
     conv_w = (torch.randn(D, 1, 4, device=device) * 0.5).bfloat16().requires_grad_()
     y, _ = short_conv(x, conv_w, silu=True)
     dy = r(B, T, D)
-    variants = [(f"default (UNROLL {ct.BWD_UNROLL}, {ct.BWD_STAGES} stages)", {}), (f"{3 - ct.BWD_STAGES} stage(s)", {"BWD_STAGES": 3 - ct.BWD_STAGES}),
-                ("UNROLL 2", {"BWD_UNROLL": 2}),
-                ("UNROLL 8", {"BWD_UNROLL": 8}), ("chunks of 128", {"BWD_CHUNK_T": 128}),
-                ("256 channels, 2 warps", {"BWD_BLOCK_C": 256, "BWD_NUM_WARPS": 2})]
+    finish = lambda on: "weight grad finished in the kernel" if on else "weight grad summed by torch"  # noqa: E731
+    wide = {"BWD_BLOCK_C": 256, "BWD_NUM_WARPS": 2}
+    variants = [(f"default (UNROLL {ct.BWD_UNROLL}, {ct.BWD_STAGES} stages, {finish(ct.BWD_FINISH_GW)}"
+                 + (", channels first)" if ct.BWD_CHANNELS_FIRST else ")"), {}),
+                (finish(not ct.BWD_FINISH_GW), {"BWD_FINISH_GW": not ct.BWD_FINISH_GW}),
+                ("channel blocks on grid axis 0" if not ct.BWD_CHANNELS_FIRST else "chunks on grid axis 0",
+                 {"BWD_CHANNELS_FIRST": not ct.BWD_CHANNELS_FIRST}),
+                ("256 channels, 2 warps", wide),
+                ("256 channels, 2 warps, channel blocks on grid axis 0", {**wide, "BWD_CHANNELS_FIRST": True}),
+                (f"{3 - ct.BWD_STAGES} stage(s)", {"BWD_STAGES": 3 - ct.BWD_STAGES}),
+                ("UNROLL 2", {"BWD_UNROLL": 2}), ("UNROLL 8", {"BWD_UNROLL": 8}),
+                ("chunks of 128", {"BWD_CHUNK_T": 128})]
     timed("short_conv + SiLU bwd", ct, variants, lambda: torch.autograd.grad(y, (x, conv_w), dy, retain_graph=True),
           4 * x.numel() * 2, CONV_CALLS)
     print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")

@@ -57,18 +57,23 @@ def mix_rows():
 
 def conv_rows():
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_ptr": "*bf16", "gy_ptr": "*bf16",
-           "ypre_ptr": "*bf16", "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32", "gtail_ptr": "*bf16",
-           "T": "i32", "C": "i32"}
+           "ypre_ptr": "*bf16", "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32", "gw_batch_ptr": "*fp32",
+           "gw_ptr": "*bf16", "count_ptr": "*i32", "gtail_ptr": "*bf16", "T": "i32", "C": "i32"}
     flags = dict(W=4, HAS_TAIL=False, HAS_DOC=False, SILU=True, HAS_GY=True, HAS_GNT=False, NEED_GX=True,
                  NEED_GW=True, NEED_GTAIL=False)
     ct = _conv_triton
-    for unroll, stages in sorted({(ct.BWD_UNROLL, 1), (ct.BWD_UNROLL, 2), (2, ct.BWD_STAGES),
-                                  (8, ct.BWD_STAGES)}):
+    default = (ct.BWD_UNROLL, ct.BWD_STAGES, ct.BWD_FINISH_GW, ct.BWD_CHANNELS_FIRST)
+    forms = sorted({default, (ct.BWD_UNROLL, 3 - ct.BWD_STAGES, *default[2:]), (2, *default[1:]), (8, *default[1:]),
+                    (*default[:2], not ct.BWD_FINISH_GW, ct.BWD_CHANNELS_FIRST),
+                    (*default[:3], not ct.BWD_CHANNELS_FIRST)})
+    for unroll, stages, finish, channels_first in forms:
         kernel = compile_kernel(ct.short_conv_bwd_kernel, sig, ct.BWD_NUM_WARPS, **flags, CHUNK_T=ct.BWD_CHUNK_T,
-                                BLOCK_C=ct.BWD_BLOCK_C, UNROLL=unroll, STAGES=stages)
+                                BLOCK_C=ct.BWD_BLOCK_C, UNROLL=unroll, STAGES=stages, FINISH_GW=finish,
+                                CHANNELS_FIRST=channels_first, FINISH_ROWS=ct.GW_FINISH_ROWS)
         # UNROLL rows of x, dy and y (with 2 stages: the next step's, while this step's math runs)
-        form = f"UNROLL {unroll}, {stages} stage(s)" + (" (default)" if (unroll, stages) == (ct.BWD_UNROLL,
-                                                                                            ct.BWD_STAGES) else "")
+        form = (f"UNROLL {unroll}, {stages} stage(s), weight grad finished by {'the kernel' if finish else 'torch'}"
+                + (", channels first" if channels_first else "") + (" (default)" if (unroll, stages, finish,
+                                                                                    channels_first) == default else ""))
         yield "short conv + SiLU bwd", form, ct.BWD_NUM_WARPS, kernel, unroll * 3 * ct.BWD_BLOCK_C * 2
 
 

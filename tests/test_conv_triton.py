@@ -110,6 +110,14 @@ def test_backward_at_short_chunks_and_any_unroll_matches_float64(monkeypatch, ch
                                    msg=lambda m: f"{name}: {m}")
 
 
+# the backward kernel's argument types and every option on, for the sm_90 compiles
+BWD_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_ptr": "*i64", "gy_ptr": "*bf16",
+                 "ypre_ptr": "*bf16", "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32",
+                 "gw_batch_ptr": "*fp32", "gw_ptr": "*bf16", "count_ptr": "*i32", "gtail_ptr": "*bf16", "C": "i32"}
+BWD_FLAGS = dict(W=4, HAS_TAIL=True, HAS_DOC=True, SILU=True, HAS_GY=True, HAS_GNT=True, NEED_GX=True, NEED_GW=True,
+                 NEED_GTAIL=True, CHUNK_T=64, BLOCK_C=128, FINISH_ROWS=8)
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("unroll", sorted({2, _conv_triton.BWD_UNROLL}))
 def test_rows_backward_compiles_for_sm90_with_t_1_and_carries_its_windows(unroll, stages):
@@ -123,17 +131,83 @@ def test_rows_backward_compiles_for_sm90_with_t_1_and_carries_its_windows(unroll
 
     from sm90_compile import asm_for_sm90
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_ptr": "*i64", "gy_ptr": "*bf16",
-           "ypre_ptr": "*bf16", "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32", "gtail_ptr": "*bf16",
-           "C": "i32"}
-    ttir = asm_for_sm90("ttir", "k3.ops._conv_triton", "short_conv_bwd_kernel", sig, num_warps=1, T=1, W=4,
-                        HAS_TAIL=True, HAS_DOC=True, SILU=True, HAS_GY=True, HAS_GNT=True, NEED_GX=True, NEED_GW=True,
-                        NEED_GTAIL=True, CHUNK_T=64, BLOCK_C=128, UNROLL=unroll,
-                        STAGES=stages)
-    loops = re.findall(r"scf\.for .*? iter_args\((.*?)\) ->", ttir)
+    ttir = asm_for_sm90("ttir", "k3.ops._conv_triton", "short_conv_bwd_kernel", BWD_SIGNATURE, num_warps=1, T=1,
+                        **BWD_FLAGS, UNROLL=unroll, STAGES=stages, FINISH_GW=True, CHANNELS_FIRST=False)
+    loops = re.findall(r"scf\.for .*? iter_args\((.*?)\) ->", ttir)  # (the weight gradient's finish: scf.while)
     assert len(loops) == 1, ttir[-3000:]
     carried = loops[0].split(", ")  # "%name = %init" each
     assert len(carried) == 3 * (_conv_triton.MAX_TAPS - 1) + 4, loops[0]
+
+
+@pytest.mark.parametrize("finish", [True, False])
+@pytest.mark.parametrize("channels_first", [False, True])
+@pytest.mark.parametrize("seed,B,T,C", [(51, 3, 1, 24), (52, 1, 67, 40), (53, 5, 19, 16), (54, 2, 40, 33)])
+def test_weight_gradient_finish_and_grid_order_match_float64(monkeypatch, seed, B, T, C, finish, channels_first):
+    """The weight gradient summed by the backward kernel itself (BWD_FINISH_GW: per batch, then over the
+    batches, by the last program to arrive) or by torch after it, with the chunks or the channel blocks on grid
+    axis 0 (BWD_CHANNELS_FIRST), at T == 1, odd T, one to five batch rows, several chunks and channel blocks
+    (chunks of 8 rows, 16 channels; the finish loads 2 partial rows at a time, so its loops run more than once):
+    x, weight and tail gradients against the float64 reference."""
+    monkeypatch.setattr(_conv_triton, "BWD_FINISH_GW", finish)
+    monkeypatch.setattr(_conv_triton, "BWD_CHANNELS_FIRST", channels_first)
+    monkeypatch.setattr(_conv_triton, "BWD_CHUNK_T", 8)
+    monkeypatch.setattr(_conv_triton, "BWD_BLOCK_C", 16)
+    monkeypatch.setattr(_conv_triton, "GW_FINISH_ROWS", 2)
+    x, w, tail, doc, dy, dtail = conv_case(seed, B, T, C, 4, torch.float32, True, True)
+    got = run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail, silu=True)
+    as64 = lambda t: t.double()  # noqa: E731
+    want = run(short_conv_reference, *map(as64, (x, w, tail)), doc, *map(as64, (dy, dtail)), silu=True)
+    for name, a, b in zip(("y", "new_tail", "grad_x", "grad_weight", "grad_tail"), got, want):
+        assert a.dtype == (torch.float32 if name != "grad_weight" else w.dtype) and a.shape == b.shape, name
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * (B * T) ** 0.5 if name == "grad_weight"
+                                   else 1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_weight_gradient_finished_in_the_kernel_does_not_depend_on_which_program_arrives_last(monkeypatch):
+    """The kernel's finish sums the partials in chunk then batch order, whichever program arrives last: the
+    two grid orders (the interpreter runs programs one at a time in grid order, so another program is the last
+    of each batch and channel block) give the same bits, in the weight's own dtype (bf16 here: the cast is the
+    kernel's too)."""
+    monkeypatch.setattr(_conv_triton, "BWD_FINISH_GW", True)
+    monkeypatch.setattr(_conv_triton, "BWD_CHUNK_T", 8)
+    monkeypatch.setattr(_conv_triton, "BWD_BLOCK_C", 16)
+    x, w, tail, doc, dy, dtail = conv_case(55, 3, 29, 40, 4, torch.bfloat16, True, True)
+    w = w.to(torch.bfloat16)
+    grads = []
+    for channels_first in (False, True):
+        monkeypatch.setattr(_conv_triton, "BWD_CHANNELS_FIRST", channels_first)
+        grads.append(run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail, silu=True)[3])
+    assert grads[0].dtype == torch.bfloat16 and torch.equal(grads[0], grads[1])
+    monkeypatch.setattr(_conv_triton, "BWD_FINISH_GW", False)  # the torch sum: another order, same value
+    torch.testing.assert_close(grads[0], run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail, silu=True)[3],
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_weight_gradient_finish_publishes_its_partials_for_sm90():
+    """Compiled for the H200 (tests/sm90_compile.py), the finish's memory ordering: each ticket is an
+    acquire-release atomic at GPU scope taken after a barrier (every thread's partials stored before it is
+    released), and the partials other programs wrote are loaded past L1 (.cg: L1 is not coherent). The
+    interpreter runs one program at a time, so only the compiled code can show this; in both grid orders."""
+    import re
+
+    from sm90_compile import ptx_for_sm90
+
+    for channels_first in (False, True):
+        ptx = ptx_for_sm90("k3.ops._conv_triton", "short_conv_bwd_kernel", {**BWD_SIGNATURE, "T": "i32"},
+                           num_warps=1, **BWD_FLAGS,
+                           UNROLL=_conv_triton.BWD_UNROLL, STAGES=_conv_triton.BWD_STAGES, FINISH_GW=True,
+                           CHANNELS_FIRST=channels_first)
+        code = [line.strip() for line in ptx.splitlines() if line.strip() and not line.strip().startswith(("//", "."))]
+        tickets = [i for i, line in enumerate(code) if re.search(r"\batom\.", line)]
+        assert len(tickets) == 2, tickets  # one per level: the batch's chunks, then the batches
+        for i in tickets:
+            assert "acq_rel" in code[i] and ".gpu" in code[i], code[i]
+            stores = [j for j in range(i) if "st.global" in code[j]]
+            barriers = [j for j in range(i) if code[j].startswith("bar.sync")]
+            assert barriers and barriers[-1] > stores[-1], code[stores[-1]:i + 1]  # the last store, then a barrier
+        after = "\n".join(code[tickets[0]:])
+        assert re.search(r"ld\.global\.cg", after) and not re.search(r"ld\.global(\.v\d)?\.(b|f)32", after), \
+            "partials loaded through L1"
 
 
 def test_widths_past_max_taps_take_the_torch_path(monkeypatch):

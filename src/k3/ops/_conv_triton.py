@@ -10,7 +10,8 @@ holding its channels' last W rows in registers, so its bytes floor is those thre
 where the tiles kernel it replaced took 458: benchmarks/bench_gpu_kernels.py --backwards).
 With `silu=True` the SiLU that KDA applies after the conv runs in the same kernels: forward stores SiLU(y) and
 keeps the pre-activation y (what a separate SiLU would keep); backward turns dy into dy · SiLU'(y) as it loads
-it, so neither pass makes an extra trip over the activations.
+it, so neither pass makes an extra trip over the activations. The weight gradient's per-chunk partials are summed
+by the backward kernel's last programs (`_finish_weight_grad`, deterministic) where torch summed them after it.
 """
 import torch
 import triton
@@ -31,9 +32,21 @@ BWD_NUM_WARPS = 1
 # Steps of UNROLL rows the backward's loop keeps in flight: 1, each step's loads then its math in turn (a
 # program's memory idles through its math: 258 µs, 38% of the bytes floor, on the H200 in session 14); 2, the
 # next step's loads issued (cp.async, into shared memory) before this step's math. sm_90, bf16, UNROLL 4:
-# 96 registers and 3 KB shared (21 programs an SM) against 123 and none (16). 2 compiles for sm_90 but has not
-# yet run on a GPU: 1 stays the default until the H200's tests and `bench_gpu_kernels.py --backwards` have spoken.
+# 96 registers and 3 KB shared (21 programs an SM) against 123 and none (16). On the H200 (session 15,
+# `bench_gpu_kernels.py --backwards`) 2 lost to 1, which stays the default.
 BWD_STAGES = 1
+# The weight gradient's sum over (batch, chunk) partials, finished in the backward kernel itself (True: the last
+# program of each (batch, channel block) to finish sums its batch's chunk partials, and the last of those sums the
+# batches into the weight's gradient, in its dtype; each sum in a fixed order, so deterministic) or by torch after
+# it (False: a sum over the [B, T/CHUNK_T, W, C] fp32 partials and a cast, two more kernels a call). True is untimed
+# on a GPU (bench_gpu_kernels.py --backwards times both).
+BWD_FINISH_GW = True
+# Grid order: False, chunks of rows on axis 0 (programs launched together walk the same channels of neighbouring
+# chunks); True, channel blocks on axis 0 (programs launched together read the neighbouring channels of the same
+# rows: whole rows of x, dy and y at once). Untimed on a GPU (bench_gpu_kernels.py --backwards).
+BWD_CHANNELS_FIRST = False
+# Partial rows the weight gradient's finish loads at once (per tap: a [GW_FINISH_ROWS, BLOCK_C] fp32 tile)
+GW_FINISH_ROWS = 8
 MAX_TAPS = 4  # backward keeps one fp32 weight-gradient accumulator per tap in registers; wider: the torch path
 
 
@@ -137,20 +150,23 @@ def _tap_vector(w_ptr, offs_c, C, W: tl.constexpr, j: tl.constexpr):
 
 @triton.jit
 def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt_ptr, gx_ptr, gw_part_ptr,
-                          gtail_ptr, T, C,
+                          gw_batch_ptr, gw_ptr, count_ptr, gtail_ptr, T, C,
                           W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, SILU: tl.constexpr,
                           HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr, NEED_GX: tl.constexpr,
                           NEED_GW: tl.constexpr, NEED_GTAIL: tl.constexpr, CHUNK_T: tl.constexpr,
-                          BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr):
+                          BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
+                          FINISH_GW: tl.constexpr, CHANNELS_FIRST: tl.constexpr, FINISH_ROWS: tl.constexpr):
     """One pass down rows t0 − (W−1) .. t0 + CHUNK_T + W − 2 of one batch row for BLOCK_C channels, a row at a
     time, each thread keeping its channels' last MAX_TAPS rows of xp and of dz (the gradient at the conv's
     output: dy, times SiLU'(y) when SILU) in registers: each element of x, dy and y is loaded and SiLU' taken
     once. At row t: the weight gradient's products dz[t] · xp[t − (W−1) + j] (t in the chunk) and the input
     gradient of row u = t − (W−1), Σ_j w[j] · dz[t − j] (stored for u in the chunk; for u < 0, the tail rows,
     by program 0). UNROLL rows' loads are issued together, STAGES − 1 steps ahead of the math. Partial weight
-    gradients per (batch, chunk) into gw_part. W <= MAX_TAPS."""
-    pid_t = tl.program_id(0)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    gradients per (batch, chunk) into gw_part; with FINISH_GW their sum too (`_finish_weight_grad`: into gw, in
+    its [C, 1, W] layout and dtype). CHANNELS_FIRST: channel blocks on grid axis 0, chunks on 1. W <= MAX_TAPS."""
+    pid_t = tl.program_id(1 if CHANNELS_FIRST else 0)
+    pid_c = tl.program_id(0 if CHANNELS_FIRST else 1)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
     b = tl.program_id(2).to(tl.int64)
     bTC = b * T * C  # int64 through b (T is a plain int when Triton specialises T == 1)
@@ -248,7 +264,8 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
                     tl.store(gtail_b + (u + W - 1) * C + offs_c, gx.to(gtail_ptr.dtype.element_ty),
                              mask=c_ok & (pid_t == 0) & (u < 0) & (u >= 1 - W))
     if NEED_GW:
-        part = gw_part_ptr + (b * tl.num_programs(0) + pid_t) * W * C + offs_c
+        n_t = tl.num_programs(1 if CHANNELS_FIRST else 0)
+        part = gw_part_ptr + (b * n_t + pid_t) * W * C + offs_c
         tl.store(part, g0, mask=c_ok)
         if W > 1:
             tl.store(part + C, g1, mask=c_ok)
@@ -256,6 +273,46 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
             tl.store(part + 2 * C, g2, mask=c_ok)
         if W > 3:
             tl.store(part + 3 * C, g3, mask=c_ok)
+        if FINISH_GW:
+            _finish_weight_grad(gw_part_ptr, gw_batch_ptr, gw_ptr, count_ptr, b, pid_c,
+                                tl.num_programs(0 if CHANNELS_FIRST else 1), tl.num_programs(2), n_t, offs_c, C,
+                                W, BLOCK_C, FINISH_ROWS)
+
+
+@triton.jit
+def _sum_rows(ptr, n, stride, offs_c, C, BLOCK_C: tl.constexpr, ROWS: tl.constexpr):
+    """Σ_{i < n} of the fp32 rows ptr + i · stride (+ offs_c), ROWS rows a load, in index order (the same bits
+    whichever program runs it). The loads skip L1 (.cg): other programs wrote these rows while this one ran."""
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    rows = tl.arange(0, ROWS)
+    i = 0
+    while i < n:  # (a while: the interpreter cannot range over a run-time count)
+        ok = ((i + rows) < n)[:, None] & (offs_c < C)[None, :]
+        tile = tl.load(ptr + (i + rows)[:, None].to(tl.int64) * stride + offs_c[None, :], mask=ok, other=0.0,
+                       cache_modifier=".cg")
+        acc += tl.sum(tile, axis=0)
+        i += ROWS
+    return acc
+
+
+@triton.jit
+def _finish_weight_grad(gw_part_ptr, gw_batch_ptr, gw_ptr, count_ptr, b, pid_c, n_c, B, n_t, offs_c, C,
+                        W: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr):
+    """The weight gradient's sum, after this program stored its (batch b, chunk) partial of channel block pid_c.
+    Two tickets (counters zeroed before the launch): the last of batch b's n_t chunk programs of this block to
+    arrive sums their partials (chunk order) into gw_batch[b]; the last batch to do so sums gw_batch over the
+    batches (batch order) into gw[c, 0, j]. Sums in a fixed order, not in arrival order: deterministic."""
+    c_ok = offs_c < C
+    tl.debug_barrier()  # every thread's partial stored before the ticket releases it
+    if tl.atomic_add(count_ptr + b * n_c + pid_c, 1, sem="acq_rel") == n_t - 1:
+        for j in tl.static_range(W):
+            tap = _sum_rows(gw_part_ptr + b * n_t * W * C + j * C, n_t, W * C, offs_c, C, BLOCK_C, ROWS)
+            tl.store(gw_batch_ptr + (b * W + j) * C + offs_c, tap, mask=c_ok)
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + B * n_c + pid_c, 1, sem="acq_rel") == B - 1:
+            for j in tl.static_range(W):
+                tap = _sum_rows(gw_batch_ptr + j * C, B, W * C, offs_c, C, BLOCK_C, ROWS)
+                tl.store(gw_ptr + offs_c * W + j, tap.to(gw_ptr.dtype.element_ty), mask=c_ok)
 
 
 _WIDE_FROM = 2 ** 31  # T · C from which in-row offsets need int64 (a name, so that tests can lower it)
@@ -317,19 +374,27 @@ class ShortConvTriton(torch.autograd.Function):
         gnt = None if grad_new_tail is None else grad_new_tail.contiguous()
         gx = torch.empty_like(x) if need_x else None
         gtail = torch.empty_like(tail) if need_tail else None
+        n_t, n_c = triton.cdiv(T, BWD_CHUNK_T), triton.cdiv(C, BWD_BLOCK_C)
+        finish = need_w and BWD_FINISH_GW
+        gw_part = gw_batch = gw = count = None
+        if need_w:
+            gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32)
+        if finish:
+            gw_batch = torch.empty(B, W, C, device=x.device, dtype=torch.float32)
+            gw = torch.empty_like(weight)
+            count = torch.zeros(B * n_c + n_c, device=x.device, dtype=torch.int32)  # the kernel's two tickets
         with on_device(x):
-            n_t = triton.cdiv(T, BWD_CHUNK_T)
-            gw_part = torch.empty(B, n_t, W, C, device=x.device, dtype=torch.float32) if need_w else None
-            short_conv_bwd_kernel[(n_t, triton.cdiv(C, BWD_BLOCK_C), B)](
+            short_conv_bwd_kernel[(n_c, n_t, B) if BWD_CHANNELS_FIRST else (n_t, n_c, B)](
                 x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
                 x if gy is None else gy, x if ypre is None else ypre, x if gnt is None else gnt,
-                x if gx is None else gx, x if gw_part is None else gw_part, x if gtail is None else gtail, T, C,
+                x if gx is None else gx, x if gw_part is None else gw_part, x if gw_batch is None else gw_batch,
+                x if gw is None else gw, x if count is None else count, x if gtail is None else gtail, T, C,
                 W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, SILU=ctx.silu,
                 HAS_GY=gy is not None, HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w,
                 NEED_GTAIL=need_tail, CHUNK_T=BWD_CHUNK_T, BLOCK_C=BWD_BLOCK_C, UNROLL=BWD_UNROLL, STAGES=BWD_STAGES,
+                FINISH_GW=finish, CHANNELS_FIRST=BWD_CHANNELS_FIRST, FINISH_ROWS=GW_FINISH_ROWS,
                 num_warps=BWD_NUM_WARPS)
-        gw = None
-        if need_w:  # the second stage of the weight gradient's sum: every chunk's partial, in a fixed order
+        if need_w and not finish:  # the sum by torch: every chunk's partial, in a fixed order, then the cast
             gw = gw_part.sum((0, 1)).t().unsqueeze(1).to(weight.dtype)  # [W, C] -> [C, 1, W]
         return gx, gw, gtail, None, None
 
