@@ -34,8 +34,8 @@ programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUN
 adding 4 blocks' gradients into their buffers (BlockGrads) against returning them for 4 separate adds (autograd's
 sums).
 --backwards: only the AttnRes mix backward (2..5 sources, into its buffers as training runs it) and the short
-conv backward (4 taps, SiLU), each under its default launch and a few others, with the bytes floor and the
-per-step total at `small`'s call counts (`backward_rows`).
+conv backward (4 taps, SiLU), each under its default launch and a few others, and the MoE's slot sums (kernels
+against the torch forms), with the bytes floor and the per-step total at `small`'s call counts (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
      [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards]
 """
@@ -273,10 +273,53 @@ def backward_rows(B: int, T: int, device: str = "cuda") -> list[dict]:
                 ("chunks of 128", {"BWD_CHUNK_T": 128})]
     timed("short_conv + SiLU bwd", ct, variants, lambda: torch.autograd.grad(y, (x, conv_w), dy, retain_graph=True),
           4 * x.numel() * 2, CONV_CALLS)
+    del x, y, dy
+    rows.extend(slot_sum_rows(B * T, bw))
     print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")
     print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "rel_err"]))
     save("backwards", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     return rows
+
+def slot_sum_rows(N: int, bw: float, device: str = "cuda") -> list[dict]:
+    """The MoE's sum over each token's k expert rows at `small`'s shapes (k 8, latent 768, bf16; 15 MoE layers a
+    step, one call of each form a layer): the combine forward + backward (y's and the weights' gradients) and the
+    dispatch gather's backward (the sum without weights), by k3.ops.slot_sum's kernels against the torch forms
+    the model ran (a gather into a [N·k, L] copy, then a batched [1, k] @ [k, L] product or a sum). floor: the
+    kernels' bytes (y read once each way, ∂L/∂y written once, the [N, L] rows) over the copy bandwidth."""
+    from k3.ops import slot_sum as ss
+    from k3.ops.token_permute import inverse_permutation, permute_rows
+
+    k, L, calls = 8, 768, 15
+    y = torch.randn(N * k, L, device=device, dtype=torch.bfloat16).requires_grad_()
+    slot = torch.randperm(N * k, device=device)
+    order = inverse_permutation(slot)  # permute_rows(y, slot, order) = y[slot]
+    w = torch.rand(N, k, device=device, dtype=torch.bfloat16).requires_grad_()
+    dout = torch.randn(N, L, device=device, dtype=torch.bfloat16)
+    forms = {
+        "combine fwd+bwd": (
+            (3 * N * k * L + 2 * N * L) * 2,
+            lambda: torch.autograd.grad(ss._SlotSum.apply(y, slot.view(N, k), w), (y, w), dout),
+            lambda: torch.autograd.grad(torch.bmm(w.unsqueeze(1), permute_rows(y, slot, order).view(N, k, L))
+                                        .squeeze(1), (y, w), dout)),
+        "dispatch bwd (sum, no weights)": (
+            (N * k * L + N * L) * 2,
+            lambda: [ss._SlotSum.apply(y.detach(), slot.view(N, k), None)],
+            lambda: [y.detach()[slot].view(N, k, L).sum(1)]),
+    }
+    rows = []
+    for op, (nbytes, kernel, torch_form) in forms.items():
+        ref = None
+        for impl, call in (("slot_sum kernels", kernel), ("torch: gather, then bmm / sum", torch_form)):
+            out = call()
+            ms = time_ms(call, inner=10)
+            flat = torch.cat([t.float().flatten() for t in out])
+            ref = flat if ref is None else ref
+            rows.append(dict(op=f"MoE slot sum, {op}", impl=impl, us=ms * 1e3, floor_us=nbytes / bw * 1e6,
+                             of_floor=nbytes / bw * 1e3 / ms, per_step_ms=ms * calls,
+                             rel_err=((flat - ref).norm() / ref.norm()).item()))
+            print(rows[-1], flush=True)
+    return rows
+
 
 def main():
     ap = argparse.ArgumentParser()

@@ -1,0 +1,53 @@
+"""The MoE's sum over each token's k expert rows: out[n] = Σ_j w[n, j] · y[slot[n, j]] (w = 1 where not given),
+as the torch reference and as one Triton kernel each way (k3.ops._slot_sum_triton).
+
+Two uses in training: the routed experts' combine (y: the experts' outputs in expert order, slot: where each
+(token, choice) sits there, w: the routing weights), and the backward of the dispatch gather `z[order // k]`
+(y: its gradient, no weights). The torch form first gathers the [N·k, L] rows into a copy (`y[slot]`), then a
+batched [1, k] @ [k, L] product or a sum reads that copy again; its backward writes the copy's gradient and
+gathers it back into expert order. The kernels read y once and write ∂L/∂y in expert order directly.
+
+Gradients: ∂L/∂y[slot[n, j]] = w[n, j] · ∂L/∂out[n]; ∂L/∂w[n, j] = ⟨∂L/∂out[n], y[slot[n, j]]⟩.
+"""
+import torch
+from torch.autograd.function import once_differentiable
+
+from k3.ops.triton_dispatch import triton_module, use_triton
+
+
+def slot_sum_reference(y: torch.Tensor, slot: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """y: [M, L]; slot: [N, k] int rows of y; w: [N, k] or None. Returns [N, L] in y's dtype (fp32 sums)."""
+    rows = y[slot].to(torch.promote_types(y.dtype, torch.float32))  # [N, k, L]
+    summed = rows.sum(1) if w is None else torch.einsum("nk,nkl->nl", w.to(rows.dtype), rows)
+    return summed.to(y.dtype)
+
+
+def slot_sum(y: torch.Tensor, slot: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """`slot_sum_reference` in one kernel each way where the Triton kernels run (CUDA, a float dtype). Where y
+    needs a gradient, slot must be a permutation of y's rows (N · k == M: the MoE's slots), which is checked
+    by shape only."""
+    N, k = slot.shape
+    if y.numel() and use_triton(y, "_slot_sum_triton") and (not y.requires_grad or y.shape[0] == N * k):
+        return _SlotSum.apply(y, slot, w)
+    return slot_sum_reference(y, slot, w)
+
+
+class _SlotSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, slot, w):
+        y, slot = y.contiguous(), slot.contiguous()
+        w = None if w is None else w.contiguous()
+        ctx.save_for_backward(y, slot, w)
+        return triton_module("_slot_sum_triton").slot_sum_forward(y, slot, w)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        y, slot, w = ctx.saved_tensors
+        need_dy, _, need_dw = ctx.needs_input_grad
+        if w is None:  # unit weights: the weights' kernel path with ones (no weight gradient)
+            w = torch.ones(slot.shape, device=y.device, dtype=y.dtype)
+            need_dw = False
+        dy, dw = triton_module("_slot_sum_triton").slot_sum_backward(grad.contiguous(), y, slot, w, need_dy,
+                                                                     need_dw)
+        return dy, None, dw

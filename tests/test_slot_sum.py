@@ -1,0 +1,115 @@
+"""The MoE's sum over each token's k expert rows (k3.ops.slot_sum): the Triton kernels against the float64 torch
+reference, values and gradients (y and the weights), with and without weights, at odd sizes; the reference
+against the model's combine before it (a gather then a batched product). Without CUDA the kernels run on CPU
+under the Triton interpreter; skipped where triton is not installed."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+pytest.importorskip("triton")
+
+from k3.ops import _slot_sum_triton, slot_sum  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def case(seed, N, k, L, dtype):
+    """y in expert order [N·k, L], slot = where each (token, choice) sits (a random permutation), weights [N, k],
+    and the output's gradient."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(N * k, L, generator=g).to(dtype)
+    slot = torch.randperm(N * k, generator=g).view(N, k)
+    w = torch.rand(N, k, generator=g).to(dtype)
+    dout = torch.randn(N, L, generator=g).to(dtype)
+    return (t.to(DEVICE) for t in (y, slot, w, dout))
+
+
+def value_and_grads(fn, y, slot, w, dout):
+    leaves = [y.detach().clone().requires_grad_()] + ([] if w is None else [w.detach().clone().requires_grad_()])
+    out = fn(leaves[0], slot, leaves[1] if w is not None else None)
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("seed,N,k,L", [(1, 37, 8, 96), (2, 1, 1, 5), (3, 9, 3, 200), (4, 6, 8, 768),
+                                        (5, 13, 2, 33)])
+def test_kernels_match_float64(seed, N, k, L, weighted):
+    """fp32 inputs through the kernels (odd N and L, L past one forward block, k 1..8) against the float64
+    reference: the sum, ∂L/∂y (every row of it written: slot is a permutation) and ∂L/∂w."""
+    y, slot, w, dout = case(seed, N, k, L, torch.float32)
+    w = w if weighted else None
+    got = value_and_grads(slot_sum._SlotSum.apply, y, slot, w, dout)
+    as64 = lambda t: None if t is None else t.double()  # noqa: E731
+    want = value_and_grads(slot_sum.slot_sum_reference, as64(y), slot, as64(w), as64(dout))
+    assert len(got) == len(want) == 2 + weighted
+    for name, a, b in zip(("out", "grad_y", "grad_w"), got, want):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * L ** 0.5, msg=lambda m: f"{name}: {m}")
+
+
+def test_bf16_kernels_are_no_further_from_float64_than_the_torch_form():
+    """bf16 as training runs it: the kernels sum in fp32 and round once; held to float64 truth, their error may
+    not exceed the reference's (which rounds the same fp32 sum) by more than an ulp of the output."""
+    y, slot, w, dout = case(7, 29, 8, 160, torch.bfloat16)
+    got = value_and_grads(slot_sum._SlotSum.apply, y, slot, w, dout)
+    ref = value_and_grads(slot_sum.slot_sum_reference, y, slot, w, dout)
+    truth = value_and_grads(slot_sum.slot_sum_reference, y.double(), slot, w.double(), dout.double())
+    for name, a, b, t in zip(("out", "grad_y", "grad_w"), got, ref, truth):
+        assert a.dtype == torch.bfloat16, name
+        err, err_ref = ((v.double() - t).abs().max().item() for v in (a, b))
+        assert err <= err_ref + 2.0 ** -7 * t.abs().max().item(), (name, err, err_ref)
+
+
+def test_reference_equals_the_models_gather_and_batched_product():
+    """The reference is the combine the MoE ran before (k3.model.moe: `bmm(w, y[slot])`), float64."""
+    y, slot, w, _ = case(8, 11, 4, 24, torch.float64)
+    before = torch.bmm(w.unsqueeze(1), y[slot.flatten()].view(11, 4, 24)).squeeze(1)
+    torch.testing.assert_close(slot_sum.slot_sum_reference(y, slot, w), before)
+    torch.testing.assert_close(slot_sum.slot_sum_reference(y, slot), y[slot.flatten()].view(11, 4, 24).sum(1))
+
+
+def test_only_the_gradients_asked_for_are_written(monkeypatch):
+    """w without a gradient: the kernel is asked for ∂L/∂y alone; y without one: ∂L/∂w alone."""
+    calls = []
+    real = _slot_sum_triton.slot_sum_backward
+    monkeypatch.setattr(_slot_sum_triton, "slot_sum_backward", lambda *a: calls.append(a[-2:]) or real(*a))
+    y, slot, w, dout = case(9, 5, 3, 16, torch.float32)
+    (gy,) = torch.autograd.grad(slot_sum._SlotSum.apply(y.requires_grad_(), slot, w), y, dout)
+    (gw,) = torch.autograd.grad(slot_sum._SlotSum.apply(y.detach(), slot, w.requires_grad_()), w, dout)
+    assert calls == [(True, False), (False, True)]
+    want_y, want_w = torch.autograd.grad(slot_sum.slot_sum_reference(y, slot, w), (y, w), dout)
+    torch.testing.assert_close(gy, want_y)
+    torch.testing.assert_close(gw, want_w, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_falls_back_to_the_reference_where_the_kernels_do_not_run(monkeypatch):
+    """On CPU (or with the kernels switched off) `slot_sum` is the reference; where y needs a gradient and slot
+    is not a permutation of its rows (N · k != M), the kernels' backward would leave rows unwritten: the
+    reference too, even where the kernels run."""
+    monkeypatch.setattr(slot_sum, "use_triton", lambda t, name: name == "_slot_sum_triton")
+    taken = []
+    monkeypatch.setattr(slot_sum._SlotSum, "apply", lambda *a: taken.append(1) or slot_sum.slot_sum_reference(*a))
+    y, slot, w, _ = case(10, 4, 2, 8, torch.float32)
+    slot_sum.slot_sum(y, slot, w)
+    slot_sum.slot_sum(y[:6].requires_grad_(), slot % 6, w)  # 8 slots over 6 rows, y needs a gradient
+    slot_sum.slot_sum(y[:6], slot % 6, w)  # no gradient: any rows may be read
+    assert taken == [1, 1]
+
+
+@pytest.mark.parametrize("kernel,consts", [
+    ("_slot_sum_fwd_kernel", dict(HAS_W=True, ROWS=_slot_sum_triton.FWD_ROWS, BLOCK_L=_slot_sum_triton.FWD_BLOCK_L)),
+    ("_slot_sum_bwd_kernel", dict(NEED_DY=True, NEED_DW=True, ROWS=_slot_sum_triton.BWD_ROWS, BLOCK_L=1024))])
+def test_kernels_compile_for_sm90_without_spills(kernel, consts):
+    """Both kernels at `small`'s training launch (bf16, k 8, latent 768) compile for the H200 (no GPU:
+    tests/sm90_compile.py), the k rows' loads held in registers: no local memory (spills) in the PTX."""
+    from sm90_compile import ptx_for_sm90
+
+    sig = {"y_ptr": "*bf16", "slot_ptr": "*i64", "w_ptr": "*bf16"}
+    sig.update({"out_ptr": "*bf16"} if "fwd" in kernel else {"dout_ptr": "*bf16", "dy_ptr": "*bf16", "dw_ptr": "*bf16"})
+    ptx = ptx_for_sm90("k3.ops._slot_sum_triton", kernel, {**sig, "N": "i32", "L": "i32"},
+                       num_warps=_slot_sum_triton.NUM_WARPS, K=8, **consts)
+    assert "ld.global" in ptx and "st.global" in ptx
+    assert ".local" not in ptx and "__local_depot" not in ptx
