@@ -1,7 +1,6 @@
 """Causal softmax attention (SDPA) with optional packed-document masking."""
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -22,6 +21,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return o[..., :v.shape[-1]]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if S != T:  # the bias object keeps SDPA on its fused kernels instead of materialising a [T, S] mask
+        from torch.nn.attention.bias import causal_lower_right  # (here: importing it imports Dynamo)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), scale=scale)
     elif doc_ids is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -17,6 +17,7 @@ from numbers import Real
 
 import torch
 
+from k3.ops.lazy_dynamo import assume_constant_result
 from k3.ops.host_sync import host_reads_forbidden
 
 __all__ = ["kda_gate", "kda_recurrent", "kda_chunk"]
@@ -60,7 +61,7 @@ def kda_gate(
     return g.clamp(min=_above(float(lower_bound), dtype), max=-torch.finfo(dtype).tiny)
 
 
-@torch.compiler.assume_constant_result  # a host number: torch.compile takes it as a constant, no graph break
+@assume_constant_result  # a host number: torch.compile takes it as a constant, no graph break
 def _above(bound: float, dtype: torch.dtype) -> float:
     """The `dtype` number next to `bound` towards zero."""
     return torch.nextafter(torch.tensor(bound, dtype=dtype), torch.tensor(0.0, dtype=dtype)).item()

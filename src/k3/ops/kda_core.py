@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from k3.ops.lazy_dynamo import assume_constant_result
 from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
 from k3.ops.kda_fla import fla_kda_chunk, fla_kda_gated, fla_kda_recurrent, fla_usable, safe_gate_ok
 from k3.ops.norm import l2_norm
@@ -49,7 +50,7 @@ def select_backend(q: torch.Tensor) -> str:
     return name
 
 
-@torch.compiler.assume_constant_result  # Dynamo runs it as it traces: a logger call in a compiled region breaks it
+@assume_constant_result  # Dynamo runs it as it traces: a logger call in a compiled region breaks it
 def log_once(logger: str, message: str) -> bool:
     """Log `message` at INFO on `logger` the first time it comes (a backend choice, said once per process)."""
     if (logger, message) not in _logged:

@@ -15,6 +15,7 @@ import torch
 
 from k3 import envs
 from k3.ops.grouped_mm import grouped_linear
+from k3.ops.lazy_dynamo import compile_disabled
 from k3.ops.mx import BLOCK, mxfp4_fake_quant, mxfp4_pack, mxfp4_unpack, mxfp8_fake_quant
 from k3.ops.mxfp4_layout import DecodeLayoutWeight, scale_bias, to_decode_layout, to_released_layout
 from k3.ops.situ import situ_glu
@@ -84,7 +85,7 @@ def packed_expert_situ_mlp_reference(x, counts: torch.Tensor, experts, beta_gate
     return out
 
 
-@torch.compiler.disable
+@compile_disabled
 def _grouped_kernels(x, counts, experts, beta_gate, beta_up):
     with on_device(x):
         return triton_module(_KERNELS).grouped_situ_mlp(x, counts, *(_packed(experts, w) for w in EXPERT_ORDER),
@@ -106,7 +107,7 @@ def packed_selected_experts_take(z: torch.Tensor, quantize_activations: bool) ->
     return _kernels_take(z, quantize_activations)
 
 
-@torch.compiler.disable
+@compile_disabled
 def packed_selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts,
                                      beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
     """Decode from packed MXFP4 experts: r[n] = Σ_j weights[n, j] · W2_e SiTU(W1_e z[n], W3_e z[n]),

@@ -20,6 +20,7 @@ import torch
 
 from k3 import envs
 from k3 import ops as ops_package  # (this module's package: its kernel modules are its attributes)
+from k3.ops.lazy_dynamo import assume_constant_result
 
 
 # Kernels that pass their tests but are not yet shown faster on a GPU run only where K3_TRITON names them.
@@ -42,7 +43,7 @@ def triton_module(name: str) -> ModuleType | None:
     return getattr(ops_package, name) if _importable(name) else None
 
 
-@torch.compiler.assume_constant_result  # Dynamo runs it as it traces, its answer a constant: no graph break
+@assume_constant_result  # Dynamo runs it as it traces, its answer a constant: no graph break
 def _importable(name: str) -> bool:
     if name not in _modules:
         _modules[name] = _import_kernels(name)
