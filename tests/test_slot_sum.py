@@ -63,12 +63,28 @@ def test_bf16_kernels_are_no_further_from_float64_than_the_torch_form():
         assert err <= err_ref + 2.0 ** -7 * t.abs().max().item(), (name, err, err_ref)
 
 
-def test_reference_equals_the_models_gather_and_batched_product():
-    """The reference is the combine the MoE ran before (k3.model.moe: `bmm(w, y[slot])`), float64."""
+def test_reference_is_the_weighted_sum_over_the_slots():
+    """The reference against a loop over tokens and choices, float64 (the reference's batched product and the
+    loop's multiply-adds may differ only in summation order)."""
     y, slot, w, _ = case(8, 11, 4, 24, torch.float64)
-    before = torch.bmm(w.unsqueeze(1), y[slot.flatten()].view(11, 4, 24)).squeeze(1)
-    torch.testing.assert_close(slot_sum.slot_sum_reference(y, slot, w), before)
-    torch.testing.assert_close(slot_sum.slot_sum_reference(y, slot), y[slot.flatten()].view(11, 4, 24).sum(1))
+    loop = torch.stack([sum(w[n, j] * y[slot[n, j]] for j in range(4)) for n in range(11)])
+    torch.testing.assert_close(slot_sum.slot_sum_reference(y, slot, w), loop)
+    torch.testing.assert_close(slot_sum.slot_sum_reference(y, slot), torch.stack([y[s].sum(0) for s in slot]))
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_combine_rows_matches_float64_both_ways(monkeypatch, kernels):
+    """The MoE's combine entry, with the kernels and with the torch fallback (the gather through
+    token_permute and a batched product): values and both gradients against the float64 reference."""
+    from k3.ops.token_permute import inverse_permutation
+
+    monkeypatch.setattr(slot_sum, "use_triton", lambda t, name: kernels and name == "_slot_sum_triton")
+    y, slot, w, dout = case(11, 13, 4, 40, torch.float32)
+    order = inverse_permutation(slot.flatten())
+    got = value_and_grads(lambda y_, s_, w_: slot_sum.combine_rows(y_, w_, s_.flatten(), order), y, slot, w, dout)
+    want = value_and_grads(slot_sum.slot_sum_reference, y.double(), slot, w.double(), dout.double())
+    for name, a, b in zip(("out", "grad_y", "grad_w"), got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def test_only_the_gradients_asked_for_are_written(monkeypatch):

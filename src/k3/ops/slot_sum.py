@@ -12,14 +12,15 @@ Gradients: ∂L/∂y[slot[n, j]] = w[n, j] · ∂L/∂out[n]; ∂L/∂w[n, j] = 
 import torch
 from torch.autograd.function import once_differentiable
 
+from k3.ops.token_permute import permute_rows
 from k3.ops.triton_dispatch import triton_module, use_triton
 
 
 def slot_sum_reference(y: torch.Tensor, slot: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-    """y: [M, L]; slot: [N, k] int rows of y; w: [N, k] or None. Returns [N, L] in y's dtype (fp32 sums)."""
-    rows = y[slot].to(torch.promote_types(y.dtype, torch.float32))  # [N, k, L]
-    summed = rows.sum(1) if w is None else torch.einsum("nk,nkl->nl", w.to(rows.dtype), rows)
-    return summed.to(y.dtype)
+    """y: [M, L]; slot: [N, k] int rows of y; w: [N, k] or None. Returns [N, L] in y's dtype (torch's sum and
+    batched product accumulate bf16 in fp32 and round once, as the kernels do)."""
+    rows = y[slot]  # [N, k, L]
+    return rows.sum(1) if w is None else torch.bmm(w.to(y.dtype).unsqueeze(1), rows).squeeze(1)
 
 
 def slot_sum(y: torch.Tensor, slot: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,6 +31,17 @@ def slot_sum(y: torch.Tensor, slot: torch.Tensor, w: torch.Tensor | None = None)
     if y.numel() and use_triton(y, "_slot_sum_triton") and (not y.requires_grad or y.shape[0] == N * k):
         return _SlotSum.apply(y, slot, w)
     return slot_sum_reference(y, slot, w)
+
+
+def combine_rows(y: torch.Tensor, w: torch.Tensor, slot: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The MoE's combine r[n] = Σ_j w[n, j] · y[slot[n·k + j]]: y [N·k, L] in expert order, w [N, k], slot the
+    flat inverse of `order` (the (token, choice) slots sorted by expert). The kernels where they run; else the
+    gather through k3.ops.token_permute (its backward one gather, not autograd's sorting index_put_) and a
+    batched [1, k] @ [k, L] product."""
+    N, k = w.shape
+    if y.numel() and use_triton(y, "_slot_sum_triton") and y.shape[0] == N * k:
+        return _SlotSum.apply(y, slot.view(N, k), w)
+    return torch.bmm(w.unsqueeze(1), permute_rows(y, slot, order).view(N, k, -1)).squeeze(1)
 
 
 class _SlotSum(torch.autograd.Function):
