@@ -69,11 +69,28 @@ class MemoryPlan:
         return self.total <= self.gpu_memory
 
 
-def _counts(config: K3Config) -> dict:
-    from k3.info import model_report
-    r = model_report(config)
-    experts = r["components"]["routed experts"]
-    return {"experts": experts, "dense": r["total"] - experts, "report": r}
+def config_key(config: K3Config) -> str:
+    """A frozen copy of config (its JSON) to key caches by: a config changed in place gets a new key."""
+    return json.dumps(config.to_dict(), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    experts: int  # routed experts' parameters, all layers
+    dense: int  # every other parameter
+
+
+_COUNTS: dict[str, ParamCounts] = {}  # config_key → _counts (model_report builds the model on meta: ~1 s at K3 size)
+
+
+def _counts(config: K3Config) -> ParamCounts:
+    key = config_key(config)
+    if key not in _COUNTS:
+        from k3.info import model_report
+        r = model_report(config)
+        experts = r["components"]["routed experts"]
+        _COUNTS[key] = ParamCounts(experts=experts, dense=r["total"] - experts)
+    return _COUNTS[key]
 
 
 def _check_dims(config: K3Config, gpus: int, dp, ep, cp) -> tuple[int, int, int]:
@@ -93,7 +110,7 @@ def _check_dims(config: K3Config, gpus: int, dp, ep, cp) -> tuple[int, int, int]
 
 def plan_memory(config: K3Config, gpus: int, gpu_memory: int, mode: str = "train", dp: int | None = None,
                 ep: int | None = None, cp: int | None = None, seq_len: int = 8192, batch: int | None = None,
-                optimizer: str = "muon", prefill_chunk: int = 8192, _counts_cache: dict | None = None) -> MemoryPlan:
+                optimizer: str = "muon", prefill_chunk: int = 8192) -> MemoryPlan:
     """Per-GPU bytes of one layout. seq_len: training sequence / serving context; batch: sequences
     (training: global batch, default one per data-parallel rank; serving: concurrent sequences, default dp)."""
     if mode not in ("train", "serve"):
@@ -103,14 +120,14 @@ def plan_memory(config: K3Config, gpus: int, gpu_memory: int, mode: str = "train
     dp, ep, cp = _check_dims(config, gpus, dp, ep, cp)
     if seq_len < cp:
         raise ValueError(f"--cp {cp} is larger than the sequence length {seq_len}")
-    c = _counts_cache or _counts(config)
+    c = _counts(config)
     E, D, k = config.num_experts, config.hidden_size, config.num_experts_per_token
     n_moe = sum(config.is_moe(l) for l in range(config.num_hidden_layers))
-    per_expert = c["experts"] // max(n_moe * E, 1)
+    per_expert = c.experts // max(n_moe * E, 1)
     batch = batch or dp
     seqs = math.ceil(batch / dp)  # sequences per GPU
     tokens = seqs * math.ceil(seq_len / cp)  # tokens per GPU
-    local_experts = c["experts"] / ep
+    local_experts = c.experts / ep
     replicas = (E // ep) * per_expert  # one layer's worth of fetched replicas
     parts = {"expert weights (MXFP4)": (local_experts + replicas) * MXFP4_BYTES}
     la = config.linear_attn_config
@@ -118,9 +135,9 @@ def plan_memory(config: K3Config, gpus: int, gpu_memory: int, mode: str = "train
     working = 2 * (12 * D + 8 * H * d + k * (config.routed_expert_hidden_size + 3 * config.moe_intermediate_size))
     if mode == "train":
         opt = 8 if optimizer == "muon" else 12
-        parts["dense weights (bf16, FSDP)"] = c["dense"] * 2 / gpus
-        parts["gradients (bf16)"] = c["dense"] * 2 / gpus + local_experts * 2
-        parts[f"optimizer state ({optimizer}, fp32)"] = (c["dense"] / gpus + local_experts) * opt
+        parts["dense weights (bf16, FSDP)"] = c.dense * 2 / gpus
+        parts["gradients (bf16)"] = c.dense * 2 / gpus + local_experts * 2
+        parts[f"optimizer state ({optimizer}, fp32)"] = (c.dense / gpus + local_experts) * opt
         # every layer's input kept for recomputation (AttnRes block sums are among them), one layer live,
         # KDA chunk states of the live layer, fp32 logits of the local tokens
         kda_states = seqs * math.ceil(seq_len / cp / 64) * H * d * d * 4
@@ -128,7 +145,7 @@ def plan_memory(config: K3Config, gpus: int, gpu_memory: int, mode: str = "train
                                 + kda_states + tokens * config.vocab_size * 4)
     else:
         per_token, per_seq = cache_bytes_per_token_and_sequence(config)
-        parts["dense weights (bf16, replicated)"] = c["dense"] * 2
+        parts["dense weights (bf16, replicated)"] = c.dense * 2
         parts["MLA latent KV (bf16)"] = per_token * tokens
         parts["KDA states (fp32)"] = per_seq * seqs
         chunk = min(prefill_chunk, tokens)
@@ -139,10 +156,9 @@ def plan_memory(config: K3Config, gpus: int, gpu_memory: int, mode: str = "train
 def smallest_fit(config: K3Config, gpu_memory: int, mode: str = "train", cp: int | None = None,
                  max_gpus: int = 8192, **kwargs) -> MemoryPlan | None:
     """The fewest GPUs (dp = gpus / cp, ep = gcd(gpus, experts)) whose plan fits, or None up to max_gpus."""
-    counts = _counts(config)
     cp = cp or 1
     for gpus in range(cp, max_gpus + 1, cp):
-        p = plan_memory(config, gpus, gpu_memory, mode=mode, cp=cp, _counts_cache=counts, **kwargs)
+        p = plan_memory(config, gpus, gpu_memory, mode=mode, cp=cp, **kwargs)
         if p.fits:
             return p
     return None
@@ -203,13 +219,13 @@ class ServePlan:
         return self.sequences >= 1
 
 
-_SERVE_TENSORS: dict[str, list] = {}  # config JSON → _serve_tensors (a meta build of the released model takes ~1 s)
+_SERVE_TENSORS: dict[str, list] = {}  # config_key → _serve_tensors (a meta build of the released model takes ~1 s)
 
 
 def _serve_tensors(config: K3Config) -> list[tuple[str, tuple, int, tuple | None]]:
     """(k3 name, shape, bytes as served, TP split (dim, by heads) or None) of every tensor: MXFP4 routed experts,
     the F32 ones in F32, bf16 else."""
-    key = json.dumps(config.to_dict(), sort_keys=True)
+    key = config_key(config)
     if key not in _SERVE_TENSORS:
         _SERVE_TENSORS[key] = _build_serve_tensors(config)
     return _SERVE_TENSORS[key]
