@@ -85,6 +85,11 @@ def test_combine_rows_matches_float64_both_ways(monkeypatch, kernels):
     want = value_and_grads(slot_sum.slot_sum_reference, y.double(), slot, w.double(), dout.double())
     for name, a, b in zip(("out", "grad_y", "grad_w"), got, want):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    y16, dout16 = y.to(torch.bfloat16), dout.to(torch.bfloat16)  # bf16 rows, fp32 routing weights (as the MoE)
+    got = value_and_grads(lambda y_, s_, w_: slot_sum.combine_rows(y_, w_, s_.flatten(), order), y16, slot, w, dout16)
+    assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    for name, a, b in zip(("out", "grad_y", "grad_w"), got, want):
+        torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=3e-2, msg=lambda m: f"{name} (bf16): {m}")
 
 
 def test_only_the_gradients_asked_for_are_written(monkeypatch):

@@ -35,13 +35,14 @@ def slot_sum(y: torch.Tensor, slot: torch.Tensor, w: torch.Tensor | None = None)
 
 def combine_rows(y: torch.Tensor, w: torch.Tensor, slot: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """The MoE's combine r[n] = Σ_j w[n, j] · y[slot[n·k + j]]: y [N·k, L] in expert order, w [N, k], slot the
-    flat inverse of `order` (the (token, choice) slots sorted by expert). The kernels where they run; else the
+    flat inverse of `order` (the (token, choice) slots sorted by expert); w may be fp32 beside a bf16 y (the
+    kernels read it as it is, ∂L/∂w in its dtype). The kernels where they run; else the
     gather through k3.ops.token_permute (its backward one gather, not autograd's sorting index_put_) and a
     batched [1, k] @ [k, L] product."""
     N, k = w.shape
     if y.numel() and use_triton(y, "_slot_sum_triton") and y.shape[0] == N * k:
         return _SlotSum.apply(y, slot.view(N, k), w)
-    return torch.bmm(w.unsqueeze(1), permute_rows(y, slot, order).view(N, k, -1)).squeeze(1)
+    return torch.bmm(w.to(y.dtype).unsqueeze(1), permute_rows(y, slot, order).view(N, k, -1)).squeeze(1)
 
 
 class _SlotSum(torch.autograd.Function):
