@@ -12,7 +12,7 @@ Gradients: ∂L/∂y[slot[n, j]] = w[n, j] · ∂L/∂out[n]; ∂L/∂w[n, j] = 
 import torch
 from torch.autograd.function import once_differentiable
 
-from k3.ops.token_permute import permute_rows
+import k3.ops.token_permute as token_permute  # (a module object: token_permute may import this one)
 from k3.ops.triton_dispatch import triton_module, use_triton
 
 
@@ -42,7 +42,7 @@ def combine_rows(y: torch.Tensor, w: torch.Tensor, slot: torch.Tensor, order: to
     N, k = w.shape
     if y.numel() and use_triton(y, "_slot_sum_triton") and y.shape[0] == N * k:
         return _SlotSum.apply(y, slot.view(N, k), w)
-    return torch.bmm(w.to(y.dtype).unsqueeze(1), permute_rows(y, slot, order).view(N, k, -1)).squeeze(1)
+    return torch.bmm(w.to(y.dtype).unsqueeze(1), token_permute.permute_rows(y, slot, order).view(N, k, -1)).squeeze(1)
 
 
 class _SlotSum(torch.autograd.Function):
