@@ -115,7 +115,7 @@ BWD_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_p
                  "ypre_ptr": "*bf16", "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32",
                  "gw_batch_ptr": "*fp32", "gw_ptr": "*bf16", "count_ptr": "*i32", "gtail_ptr": "*bf16", "C": "i32"}
 BWD_FLAGS = dict(W=4, HAS_TAIL=True, HAS_DOC=True, SILU=True, HAS_GY=True, HAS_GNT=True, NEED_GX=True, NEED_GW=True,
-                 NEED_GTAIL=True, CHUNK_T=64, BLOCK_C=128, FINISH_ROWS=8)
+                 NEED_GTAIL=True, CHUNK_T=64, BLOCK_C=128, FINISH_ROWS=_conv_triton.GW_FINISH_ROWS)
 
 
 @pytest.mark.parametrize("stages", [1, 2])
@@ -146,7 +146,7 @@ def test_weight_gradient_finish_and_grid_order_match_float64(monkeypatch, seed, 
     """The weight gradient summed by the backward kernel itself (BWD_FINISH_GW: per batch, then over the
     batches, by the last program to arrive) or by torch after it, with the chunks or the channel blocks on grid
     axis 0 (BWD_CHANNELS_FIRST), at T == 1, odd T, one to five batch rows, several chunks and channel blocks
-    (chunks of 8 rows, 16 channels; the finish loads 2 partial rows at a time, so its loops run more than once):
+    (chunks of 8 rows, 16 channels; the finish loads 2 partials at a time, so its loops run more than once):
     x, weight and tail gradients against the float64 reference."""
     monkeypatch.setattr(_conv_triton, "BWD_FINISH_GW", finish)
     monkeypatch.setattr(_conv_triton, "BWD_CHANNELS_FIRST", channels_first)

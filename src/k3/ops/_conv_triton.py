@@ -45,9 +45,11 @@ BWD_FINISH_GW = True
 # chunks); True, channel blocks on axis 0 (programs launched together read the neighbouring channels of the same
 # rows: whole rows of x, dy and y at once). Untimed on a GPU (bench_gpu_kernels.py --backwards).
 BWD_CHANNELS_FIRST = False
-# Partial rows the weight gradient's finish loads at once (per tap: a [GW_FINISH_ROWS, BLOCK_C] fp32 tile)
-GW_FINISH_ROWS = 8
+# Partials the weight gradient's finish loads at once, every tap of each: a [GW_FINISH_ROWS, MAX_TAPS, BLOCK_C] fp32
+# tile (sm_90, the default launch: 4, 8 KB, 124 registers, 16 programs an SM as without the finish; 8 took 138, 14)
+GW_FINISH_ROWS = 4
 MAX_TAPS = 4  # backward keeps one fp32 weight-gradient accumulator per tap in registers; wider: the torch path
+_TAP_SLOTS = tl.constexpr(MAX_TAPS)  # (the kernels' name for it)
 
 
 @triton.jit
@@ -280,17 +282,19 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
 
 
 @triton.jit
-def _sum_rows(ptr, n, stride, offs_c, C, BLOCK_C: tl.constexpr, ROWS: tl.constexpr):
-    """Σ_{i < n} of the fp32 rows ptr + i · stride (+ offs_c), ROWS rows a load, in index order (the same bits
-    whichever program runs it). The loads skip L1 (.cg): other programs wrote these rows while this one ran."""
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+def _sum_partials(ptr, n, C, offs_c, W: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr):
+    """Σ_{i < n} of the fp32 [W, C] blocks at ptr + i · W · C, as [MAX_TAPS, BLOCK_C] (taps past W zero): ROWS
+    blocks' taps in one load, summed in index order (the same bits whichever program runs it). The loads skip
+    L1 (.cg): other programs wrote these blocks while this one ran."""
+    taps = tl.arange(0, _TAP_SLOTS)
     rows = tl.arange(0, ROWS)
+    acc = tl.zeros([_TAP_SLOTS, BLOCK_C], dtype=tl.float32)
     i = 0
     while i < n:  # (a while: the interpreter cannot range over a run-time count)
-        ok = ((i + rows) < n)[:, None] & (offs_c < C)[None, :]
-        tile = tl.load(ptr + (i + rows)[:, None].to(tl.int64) * stride + offs_c[None, :], mask=ok, other=0.0,
-                       cache_modifier=".cg")
-        acc += tl.sum(tile, axis=0)
+        r = (i + rows)[:, None, None]
+        ok = (r < n) & (taps < W)[None, :, None] & (offs_c < C)[None, None, :]
+        at = (r.to(tl.int64) * W + taps[None, :, None]) * C + offs_c[None, None, :]
+        acc += tl.sum(tl.load(ptr + at, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
         i += ROWS
     return acc
 
@@ -302,17 +306,16 @@ def _finish_weight_grad(gw_part_ptr, gw_batch_ptr, gw_ptr, count_ptr, b, pid_c, 
     Two tickets (counters zeroed before the launch): the last of batch b's n_t chunk programs of this block to
     arrive sums their partials (chunk order) into gw_batch[b]; the last batch to do so sums gw_batch over the
     batches (batch order) into gw[c, 0, j]. Sums in a fixed order, not in arrival order: deterministic."""
-    c_ok = offs_c < C
+    taps = tl.arange(0, _TAP_SLOTS)[:, None]
+    ok = (taps < W) & (offs_c < C)[None, :]
     tl.debug_barrier()  # every thread's partial stored before the ticket releases it
     if tl.atomic_add(count_ptr + b * n_c + pid_c, 1, sem="acq_rel") == n_t - 1:
-        for j in tl.static_range(W):
-            tap = _sum_rows(gw_part_ptr + b * n_t * W * C + j * C, n_t, W * C, offs_c, C, BLOCK_C, ROWS)
-            tl.store(gw_batch_ptr + (b * W + j) * C + offs_c, tap, mask=c_ok)
+        batch = _sum_partials(gw_part_ptr + b * n_t * W * C, n_t, C, offs_c, W, BLOCK_C, ROWS)
+        tl.store(gw_batch_ptr + (b * W + taps) * C + offs_c[None, :], batch, mask=ok)
         tl.debug_barrier()
         if tl.atomic_add(count_ptr + B * n_c + pid_c, 1, sem="acq_rel") == B - 1:
-            for j in tl.static_range(W):
-                tap = _sum_rows(gw_batch_ptr + j * C, B, W * C, offs_c, C, BLOCK_C, ROWS)
-                tl.store(gw_ptr + offs_c * W + j, tap.to(gw_ptr.dtype.element_ty), mask=c_ok)
+            total = _sum_partials(gw_batch_ptr, B, C, offs_c, W, BLOCK_C, ROWS)
+            tl.store(gw_ptr + offs_c[None, :] * W + taps, total.to(gw_ptr.dtype.element_ty), mask=ok)
 
 
 _WIDE_FROM = 2 ** 31  # T · C from which in-row offsets need int64 (a name, so that tests can lower it)
