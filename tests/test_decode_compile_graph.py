@@ -128,11 +128,13 @@ def test_engine_decode_step_compiles_as_one_graph_equal_to_eager_and_full_forwar
 
 def test_decode_step_with_the_decode_kernels_compiles_as_one_graph(monkeypatch):
     """K3_TRITON=all: the decode kernels (KDA's step, the router, the AttnRes mix + norm, MLA's StaticCache
-    attention, whose workspace must not grow a list the trace guards on) are custom ops in the
+    attention with its kv norm, whose workspace must not grow a list the trace guards on, the decode GEMVs with the
+    MoE's shared down + routed up pair) are custom ops in the
     one graph, KDA's kernel module first imported inside the trace (on a CPU the kernels are forced onto CPU tensors,
     run by Triton's interpreter), and the step equals the full forward."""
     pytest.importorskip("triton")
     import k3.model.attn_res as attn_res
+    import k3.ops.gemv as gemv
     import k3.ops.mla_static_decode as mla_static_decode
     import k3.ops.router as router
     from k3.ops import kda_decode, triton_dispatch
@@ -140,11 +142,12 @@ def test_decode_step_with_the_decode_kernels_compiles_as_one_graph(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         real = triton_dispatch.use_triton_op
-        ops = ("_router_triton", "_attn_res_norm_triton", "_mla_static_decode_triton")
+        ops = ("_router_triton", "_attn_res_norm_triton", "_mla_static_decode_triton", "_gemv_triton")
         forced = lambda x, name: name in ops if x.device.type == "cpu" else real(x, name)  # noqa: E731
         monkeypatch.setattr(attn_res, "use_triton_op", forced)
         monkeypatch.setattr(router, "use_triton_op", forced)
         monkeypatch.setattr(mla_static_decode, "use_triton_op", forced)
+        monkeypatch.setattr(gemv, "use_triton_op", forced)
     model = K3ForCausalLM(K3Config.preset("tiny")).eval()
     reseed(model, 2)
     model.to(device)
@@ -159,7 +162,7 @@ def test_decode_step_with_the_decode_kernels_compiles_as_one_graph(monkeypatch):
         compiled = static_decode(model, core, ids)
     assert len(graphs) == 1
     assert {"k3.kda_decode_step", "k3.route_tokens_decode", "k3.attn_res_mix_norm",
-            "k3.mla_static_decode"} <= ops_of(graphs), \
+            "k3.mla_static_decode", "k3.decode_gemv", "k3.decode_gemv_pair"} <= ops_of(graphs), \
         sorted(ops_of(graphs))
     torch.testing.assert_close(compiled, full, rtol=2e-4, atol=2e-4)
     assert torch.equal(compiled.argmax(-1), full.argmax(-1))

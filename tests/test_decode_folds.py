@@ -206,3 +206,37 @@ def test_moe_adds_the_shared_output_inside_the_up_projection_gemm():
     assert ("aten::addmm_", rows) in runs[False][1] and ("aten::add", rows) not in runs[False][1]
     assert ("aten::addmm_", rows) not in runs[True][1] and ("aten::add", rows) in runs[True][1]
     torch.testing.assert_close(runs[False][0], runs[True][0].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [2, 8, 40])
+def test_bf16_moe_hands_the_routers_fp32_weights_to_its_experts(rows, monkeypatch):
+    """A bf16 tiny LatentMoE at inference: the router's fp32 weights reach the layer's own experts seam uncast (no
+    fp32 -> bf16 copy of the [N, k] weights before it, which the decode kernels would cast back: two launches a
+    layer), and the output equals the same layer whose seam is handed bf16 weights (the casting forward before
+    this fold, kept for a replaced seam) at bf16 tolerance. 2 rows: the selected-experts decode path; 8 and 40:
+    expert-major's rule or the grouped path, whose product casts them itself."""
+    from k3.model.moe import LatentMoE
+
+    cfg = K3Config.preset("tiny")
+    torch.manual_seed(3)
+    moe = LatentMoE(cfg).to(DEVICE, torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.2)
+    handed = []
+    real = LatentMoE.combine_experts
+
+    def seam(self, z, idx, w, meanwhile=None):
+        handed.append(w.dtype)
+        return real(self, z, idx, w, meanwhile)
+
+    monkeypatch.setattr(LatentMoE, "combine_experts", seam)
+    x = torch.randn(rows, 1, cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = moe(x)
+        assert handed == [torch.float32]
+        moe.combine_experts = lambda z, idx, w, meanwhile=None: seam(moe, z, idx, w, meanwhile)  # a replaced seam
+        cast_first = moe(x)
+    assert handed[-1] == torch.bfloat16
+    scale = cast_first.float().abs().max().item()
+    torch.testing.assert_close(got.float(), cast_first.float(), rtol=2 ** -6, atol=2 ** -6 * scale)

@@ -100,9 +100,9 @@ def test_shape_rule_takes_the_kernel_only_where_it_won_on_the_h200(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_decode_takes_norm_up_and_shared_add_in_one_kernel(dtype, monkeypatch):
     """A tiny LatentMoE at 2 decode rows with the GEMV forced on: the routed norm is not run as its own op, the up
-    projection's launch carries its weight and the shared experts' output, the shared experts' down projection
-    takes their SiTU-GLU (gate and up) in its launch, and the layer's output equals the unfused layer's (the norm,
-    the GLU, the F.linears, the add)."""
+    projection's launch carries its weight and norm, the shared experts' down projection with their SiTU-GLU
+    (gate and up) is the same launch's first segment, and the layer's output equals the unfused layer's (the
+    norm, the GLU, the F.linears, the add)."""
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_block_n", 64)  # fewer, larger programs: the interpreter's pace
     cfg = K3Config.preset("tiny")
     torch.manual_seed(0)
@@ -115,18 +115,23 @@ def test_moe_decode_takes_norm_up_and_shared_add_in_one_kernel(dtype, monkeypatc
     launches, norm_calls = [], []
     launch = gemv._launch
     monkeypatch.setattr(gemv, "_launch", lambda *a: launches.append(a) or launch(*a))
+    pairs = []
+    launch_pair = gemv._launch_pair
+    monkeypatch.setattr(gemv, "_launch_pair", lambda *a: pairs.append(a) or launch_pair(*a))
     norm = gemv.rms_norm
     monkeypatch.setattr(gemv, "rms_norm", lambda *a: norm_calls.append(a[1]) or norm(*a))
     with torch.no_grad():
         with force_gemv(True):
             fused = moe(x)
         assert not norm_calls
-        up = [a for a in launches if a[1] is moe.routed_expert_up_proj.weight]
-        assert len(up) == 1 and up[0][3] is not None and up[0][4] is moe.routed_expert_norm.weight
-        assert up[0][5] == moe.routed_expert_norm.eps
         shared = moe.shared_experts
-        down = [a for a in launches if a[1] is shared.down_proj.weight]  # its SiTU-GLU in the prologue
-        assert len(down) == 1 and down[0][6] is not None and down[0][7:9] == shared.betas
+        # the shared down (its SiTU-GLU in the prologue) and the routed up (its norm) are one two-segment launch
+        assert not [a for a in launches if a[1] is moe.routed_expert_up_proj.weight or a[1] is shared.down_proj.weight]
+        assert len(pairs) == 1
+        _, weight_a, glu_up, beta_gate, beta_up, _, weight_b, norm_weight, eps = pairs[0]
+        assert weight_a is shared.down_proj.weight and glu_up is not None and (beta_gate, beta_up) == shared.betas
+        assert weight_b is moe.routed_expert_up_proj.weight and norm_weight is moe.routed_expert_norm.weight
+        assert eps == moe.routed_expert_norm.eps
         with force_gemv(False):
             plain = moe(x)
         assert norm_calls == [moe.routed_expert_norm.weight]  # the plain path ran the norm
@@ -178,7 +183,7 @@ def test_norm_kernels_compile_for_the_h200():
     assert "ex2.approx" in ptx  # the GLU's exps
     sig = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16", "x_ptr": "*bf16",
            "eps": "fp32", "M": "i32", "N": "i32", "K": "i32", "n_splits": "i32", "stride_rm": "i32", "stride_om": "i32",
-           "stride_xm": "i32"}
+           "stride_xm": "i32", "norm_from": "i32"}
     ptx = ptx_for_sm90("k3.ops._gemv_triton", "_reduce_splits_kernel", sig, HAS_BIAS=False, HAS_RES=True,
                        BLOCK=256, **norm)
     assert "sqrt" in ptx and "st.global" in ptx
@@ -280,8 +285,8 @@ def test_output_gate_kernel_compiles_for_the_h200():
 
 def test_model_decode_folds_norms_and_glu_into_the_kernel(monkeypatch):
     """fp32 tiny model, StaticCache decode with the GEMV forced on: each MLA layer's q_b launch carries its q_a norm
-    and its o_proj launch the output gate, each MoE layer's routed up launch its routed norm and the shared experts'
-    output, its shared down launch their GLU; the logits equal the same decode with the kernel off and the full
+    and its o_proj launch the output gate, each MoE layer's shared down (with their GLU) and routed up (with its
+    routed norm) are one two-segment launch; the logits equal the same decode with the kernel off and the full
     forward."""
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_block_n", 64)  # fewer, larger programs: the interpreter's pace
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_tile_elems", 1 << 16)
@@ -295,6 +300,9 @@ def test_model_decode_folds_norms_and_glu_into_the_kernel(monkeypatch):
     launches = []
     launch = gemv._launch
     monkeypatch.setattr(gemv, "_launch", lambda *a: launches.append(a) or launch(*a))
+    pairs = []
+    launch_pair = gemv._launch_pair
+    monkeypatch.setattr(gemv, "_launch_pair", lambda *a: pairs.append(a) or launch_pair(*a))
     B, T = 2, 5
     ids = torch.randint(0, cfg.vocab_size, (B, T + 1), device=DEVICE)
     steps = {}
@@ -312,9 +320,11 @@ def test_model_decode_folds_norms_and_glu_into_the_kernel(monkeypatch):
     for m in mla:
         assert by_weight[id(m.q_b_proj.weight)][4] is m.q_a_layernorm.weight
         assert by_weight[id(m.o_proj.weight)][9] is not None  # o ⊙ σ(gate) in o_proj's prologue
+    pair_of = {id(a[1]): a for a in pairs}  # (the shared down and the routed up: one launch, tests/test_gemv_pair)
     for m in moe:
-        up = by_weight[id(m.routed_expert_up_proj.weight)]
-        assert up[4] is m.routed_expert_norm.weight and up[3] is not None
-        assert by_weight[id(m.shared_experts.down_proj.weight)][6] is not None
+        a, weight_a, glu_up, _, _, b, weight_b, norm_weight, _ = pair_of[id(m.shared_experts.down_proj.weight)]
+        assert glu_up is not None and weight_b is m.routed_expert_up_proj.weight
+        assert norm_weight is m.routed_expert_norm.weight
+        assert id(m.routed_expert_up_proj.weight) not in by_weight
     torch.testing.assert_close(steps[True], steps[False], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(steps[True], full, rtol=1e-4, atol=1e-4)

@@ -171,7 +171,7 @@ def test_kernel_compiles_for_the_h200(rows):
     assert ("mma" in ptx) == p["use_dot"] and (p["use_dot"] or "fma.rn.f32" in ptx)
     sig = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16", "x_ptr": "*bf16",
            "eps": "fp32", "M": "i32", "N": "i32", "K": "i32", "n_splits": "i32", "stride_rm": "i32", "stride_om": "i32",
-           "stride_xm": "i32"}
+           "stride_xm": "i32", "norm_from": "i32"}
     ptx = ptx_for_sm90("k3.ops._gemv_triton", "_reduce_splits_kernel", sig, HAS_BIAS=True, HAS_RES=True,
                        HAS_NORM=False, BLOCK=256, NORM_K=2048, NORM_BLOCK=1024)
     assert "st.global" in ptx
@@ -194,13 +194,16 @@ def kernel_calls(monkeypatch):
 def test_model_decode_through_the_kernel_equals_the_full_forward(kernel_calls, monkeypatch):
     """fp32 tiny model: StaticCache decode with every decode linear on the kernel == the same decode on F.linear
     == the full forward; the kernel ran for the fused input projections, o_proj, the MLPs, the MoE's up
-    projection with the shared experts added in its epilogue, and the lm_head."""
+    projection with the shared experts' down (one two-segment launch), and the lm_head."""
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_block_n", 64)  # fewer, larger programs: the interpreter's pace
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_tile_elems", 1 << 16)
     cfg = K3Config.preset("tiny")
     torch.manual_seed(3)
     model = K3ForCausalLM(cfg).to(DEVICE).eval()
     fuse_projections(model)  # the stacked input projections, as the decode drivers switch them on
+    pair_weights = []
+    launch_pair = gemv._launch_pair
+    monkeypatch.setattr(gemv, "_launch_pair", lambda *a: pair_weights.append(id(a[6])) or launch_pair(*a))
     B, T, n = 2, 7, 2
     ids = torch.randint(0, cfg.vocab_size, (B, T + n), device=DEVICE)
     steps = {}
@@ -211,10 +214,11 @@ def test_model_decode_through_the_kernel_equals_the_full_forward(kernel_calls, m
             model(ids[:, :T], cache=cache)
             with force_gemv(on):
                 steps[on] = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(T, T + n)], 1)
-    D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
+    D = cfg.hidden_size
     assert all(c[0] == B for c in kernel_calls)
     assert (B, cfg.vocab_size, D, False) in kernel_calls  # lm_head
-    assert (B, D, L, True) in kernel_calls  # routed_expert_up_proj + the shared experts
+    moe = next(layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe"))
+    assert id(moe.routed_expert_up_proj.weight) in pair_weights  # with the shared experts' down: one launch
     kda = next(layer.self_attn for layer in model.model.layers if not layer.is_mla)
     assert (B, kda.in_proj.weight.shape[0], D, False) in kernel_calls  # KDA's six input projections
     per_step = len(kernel_calls) // n

@@ -7,7 +7,7 @@ from k3.model.mlp import SiTUMLP
 from k3.model.norm import RMSNorm
 from k3.ops.fused_linear import FusedLinears
 from k3.ops.fused_situ import situ_glu_fast
-from k3.ops.gemv import DecodeLinear
+from k3.ops.gemv import DecodeLinear, linear_pair, use_gemv_pair
 from k3.ops.grouped_mm import expert_situ_mlp
 from k3.ops.moe_decode import selected_experts_situ_mlp, use_expert_major, use_selected_experts
 from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores  # noqa: F401  (route: imported here)
@@ -101,18 +101,46 @@ class LatentMoE(nn.Module):
             self.last_scores = scores.detach()
             self.last_mask = None if mask is None else mask.reshape(-1)
         z, *shared_in = self.in_proj(x)
-        if self.shared_experts is None:
-            r, s = self.combine_experts(z, idx, w.to(z.dtype)), None
-        else:  # SiTUMLP's forward from the fused gate and up projections, run while the experts' rows travel
-            shared = self.shared_experts
-            r, s = self.combine_experts(z, idx, w.to(z.dtype),
-                                        meanwhile=lambda: _shared_experts(shared, *shared_in))
+        shared = self.shared_experts
+        # (expert parallelism replaces the seam on the instance; a bound method's __func__ is not what
+        # torch.compile traces it to be)
+        own_seam = "combine_experts" not in self.__dict__
+        # the router's fp32 weights as they are to the layer's own seam (its decode kernels read fp32; its grouped
+        # product casts them), in z's dtype to a replaced one
+        w = w if own_seam else w.to(z.dtype)
+        if shared is None:
+            r, s = self.combine_experts(z, idx, w), None
+        elif not own_seam:
+            # a replaced seam (expert parallelism): SiTUMLP's forward from the fused gate and up projections, run
+            # while the experts' rows travel
+            r, s = self.combine_experts(z, idx, w, meanwhile=lambda: _shared_experts(shared, *shared_in))
+        else:  # one device: nothing to overlap, and decode's GEMV may take the shared down and routed up at once
+            r = self.combine_experts(z, idx, w)
+            y = self._shared_down_and_routed_up(r, *shared_in)
+            if y is not None:
+                return y.view(shape)
+            s = _shared_experts(shared, *shared_in)
         # the routed norm before and + the shared experts' output after: in the GEMV kernel's prologue and epilogue
         # where decode takes it (k3.ops.gemv), else the sum in the GEMM (s is this call's own scratch)
         return self.routed_expert_up_proj(r, residual=s, norm=self.routed_expert_norm, into_residual=True).view(shape)
 
+    def _shared_down_and_routed_up(self, r: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+        """`down(SiTU-GLU(gate, up)) + routed_up(norm(r))` as one two-segment GEMV (k3.ops.gemv.linear_pair: one
+        launch for two, two for four where K is split) where decode's GEMV takes both linears; else None (the
+        caller runs them apart)."""
+        shared, routed_up, norm = self.shared_experts, self.routed_expert_up_proj, self.routed_expert_norm
+        if not (isinstance(shared.down_proj, DecodeLinear) and isinstance(routed_up, DecodeLinear)
+                and shared.down_proj.bias is None and routed_up.bias is None):
+            return None
+        norm_weight, norm_eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        if not use_gemv_pair(gate, shared.down_proj.weight, r, routed_up.weight, up, norm_weight):
+            return None
+        return linear_pair(gate, shared.down_proj.weight, r, routed_up.weight, up, shared.betas, norm_weight,
+                           norm_eps)
+
     def combine_experts(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, meanwhile=None):
-        """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L].
+        """`r = Σ_e w_e · W2_e SiTU(W1_e z, W3_e z)` over each token's selected experts. z: [N, L]; w: [N, k] in
+        any float dtype (the decode kernels read it as it is, the grouped product in z's dtype).
         (The seam expert parallelism replaces: k3.parallel.expert_parallel, k3.serve.expert_shard.)
         meanwhile: work to overlap with the experts' communication where there is any (the shared experts);
         with it, (r, meanwhile()) is returned."""
@@ -144,4 +172,4 @@ class LatentMoE(nn.Module):
             y = expert_situ_mlp(x, counts, e.w1, e.w3, e.w2, *self.betas)
         # back to [N, k] slot order; the weighted sum over the k choices is one batched [1, k] @ [k, L] product
         # (index_add_ would keep its [N·k, L] source for backward; a multiply then a sum is two passes)
-        return torch.bmm(w.unsqueeze(1), permute_rows(y, slot, order).view(N, k, -1)).squeeze(1)
+        return torch.bmm(w.to(y.dtype).unsqueeze(1), permute_rows(y, slot, order).view(N, k, -1)).squeeze(1)

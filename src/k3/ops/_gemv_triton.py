@@ -22,6 +22,10 @@ is N times more).
 A SiTU-GLU before the linear can come along too (`glu_up`): x is then the gate, and the K loop loads the up values
 beside it and takes SiTU-GLU(gate, up) (k3.ops._situ_triton's functions), rounded to x's dtype as the reference's h.
 So can a sigmoid output gate (`out_gate`, MLA's o ⊙ σ(gate) before o_proj): the K loop loads the gate beside x.
+Two linears into one output (`decode_gemv_pair`: the MoE's shared-expert down projection with its GLU and the
+routed up projection with its norm) are one grid: each program walks the first segment, then the second, and
+scales the second's sums by their rows' rstd before it adds them (one launch for two); where K is split, its
+splits walk either segment and the reduce kernel scales only the second's.
 """
 from __future__ import annotations
 
@@ -71,20 +75,14 @@ def _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stri
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr, eps, up_ptr, beta_gate, beta_up,
-                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, stride_um,
-                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_GLU: tl.constexpr,
-                 GLU_EXACT: tl.constexpr, SPLIT: tl.constexpr,
-                 USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, NORM_K: tl.constexpr,
-                 NORM_BLOCK: tl.constexpr, OUT_GATE: tl.constexpr = False):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+def _tile_sums(x_ptr, w_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, K, k_start, stride_xm,
+               stride_wn, stride_um, HAS_NORM: tl.constexpr, HAS_GLU: tl.constexpr, GLU_EXACT: tl.constexpr,
+               OUT_GATE: tl.constexpr, USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """The fp32 sums [BLOCK_M, BLOCK_N] of x's `rows` times W's `cols` over the K_SPLIT columns from k_start (cut
+    at K), x taken through its prologue (GLU, output gate or g ⊙ x) as it is loaded."""
     m_ok = rows < M
     n_ok = cols < N
-    k_start = pid_k * K_SPLIT  # this split's K_SPLIT columns (a whole number of tiles; the last split is cut at K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     up_rows = up_ptr + rows.to(tl.int64)[:, None] * stride_um
@@ -118,8 +116,27 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr,
             acc += tl.dot(x, tl.trans(w))
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr, eps, up_ptr, beta_gate, beta_up,
+                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, stride_um,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_GLU: tl.constexpr,
+                 GLU_EXACT: tl.constexpr, SPLIT: tl.constexpr,
+                 USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, NORM_K: tl.constexpr,
+                 NORM_BLOCK: tl.constexpr, OUT_GATE: tl.constexpr = False):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    # this split's K_SPLIT columns (a whole number of tiles; the last split is cut at K)
+    acc = _tile_sums(x_ptr, w_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, K, pid_k * K_SPLIT,
+                     stride_xm, stride_wn, stride_um, HAS_NORM, HAS_GLU, GLU_EXACT, OUT_GATE, USE_DOT, DOT_IN_FP32,
+                     BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, NUM_STAGES)
     if SPLIT:  # this split's partial sums; the reduce kernel adds the splits and applies the epilogue
-        ok = m_ok[:, None] & n_ok[None, :]
+        ok = (rows < M)[:, None] & (cols < N)[None, :]
         tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
     else:
         if HAS_NORM:
@@ -128,22 +145,66 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr,
 
 
 @triton.jit
+def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, norm_w_ptr, eps, part_ptr, out_ptr,
+                      M, N, KA, KB, splits_a, stride_am, stride_wan, stride_um, stride_bm, stride_wbn, stride_om,
+                      A_GLU: tl.constexpr, B_NORM: tl.constexpr, GLU_EXACT: tl.constexpr, SPLIT: tl.constexpr,
+                      USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, K_SPLIT_A: tl.constexpr, K_SPLIT_B: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, NORM_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """Two K segments into one output: a (through its GLU) by W_a plus b (g ⊙ b, times its rows' rstd) by W_b.
+    Unsplit, each program walks both segments whole and stores the sum (one launch for the two linears); SPLIT,
+    splits 0..splits_a-1 walk a, the rest b, and each stores its partial sums for the reduce kernel (which
+    scales only b's by the rstd)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLIT:
+        if pid_k < splits_a:
+            acc = _tile_sums(a_ptr, wa_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, KA,
+                             pid_k * K_SPLIT_A, stride_am, stride_wan, stride_um, False, A_GLU, GLU_EXACT, False,
+                             USE_DOT, DOT_IN_FP32, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT_A, NUM_STAGES)
+        else:
+            acc = _tile_sums(b_ptr, wb_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, KB,
+                             (pid_k - splits_a) * K_SPLIT_B, stride_bm, stride_wbn, stride_um, B_NORM, False,
+                             GLU_EXACT, False, USE_DOT, DOT_IN_FP32, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT_B,
+                             NUM_STAGES)
+        ok = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
+    else:
+        acc = _tile_sums(a_ptr, wa_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, KA, 0,
+                         stride_am, stride_wan, stride_um, False, A_GLU, GLU_EXACT, False, USE_DOT, DOT_IN_FP32,
+                         BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT_A, NUM_STAGES)
+        acc_b = _tile_sums(b_ptr, wb_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, KB, 0,
+                           stride_bm, stride_wbn, stride_um, B_NORM, False, GLU_EXACT, False, USE_DOT, DOT_IN_FP32,
+                           BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT_B, NUM_STAGES)
+        if B_NORM:
+            acc_b = acc_b * _row_rstd(b_ptr, rows, M, KB, stride_bm, eps, NORM_K, NORM_BLOCK)[:, None]
+        _epilogue(acc + acc_b, out_ptr, out_ptr, out_ptr, rows, cols, M, N, stride_om, stride_om, False, False)
+
+
+@triton.jit
 def _reduce_splits_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, x_ptr, eps, M, N, K, n_splits, stride_rm, stride_om,
-                          stride_xm, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
-                          BLOCK: tl.constexpr, NORM_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """out[m, cols] = Σ_s part[s, m, cols] (s in order) (× the row's rstd) with the epilogue; one program per
-    (row, column block)."""
+                          stride_xm, norm_from, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                          HAS_NORM: tl.constexpr, BLOCK: tl.constexpr, NORM_K: tl.constexpr,
+                          NORM_BLOCK: tl.constexpr):
+    """out[m, cols] = Σ_s part[s, m, cols] (s in order; those from `norm_from` on × the row's rstd of x, a pair's
+    second segment) with the epilogue; one program per (row, column block)."""
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    acc = tl.zeros([1, BLOCK], dtype=tl.float32)
+    plain = tl.zeros([1, BLOCK], dtype=tl.float32)
+    acc = tl.zeros([1, BLOCK], dtype=tl.float32)  # the splits from norm_from on
     s = 0
     while s < n_splits:
-        acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=ok, other=0.0)[None, :]
+        v = tl.load(part_ptr + (s * M + m) * N + cols, mask=ok, other=0.0)[None, :]
+        plain += tl.where(s < norm_from, v, 0.0)
+        acc += tl.where(s < norm_from, 0.0, v)
         s += 1
     rows = m + tl.arange(0, 1)
     if HAS_NORM:
         acc = acc * _row_rstd(x_ptr, rows, M, K, stride_xm, eps, NORM_K, NORM_BLOCK)[:, None]
+    acc += plain
     _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stride_om, HAS_BIAS, HAS_RES)
 
 
@@ -166,6 +227,22 @@ def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
     split = triton.cdiv(max(K, 1), k_per_split)
     return dict(use_dot=use_dot, block_m=block_m, block_n=block_n, block_k=block_k, warps=warps, stages=stages,
                 split=split, k_per_split=k_per_split, n_blocks=n_blocks)
+
+
+def pair_plan(M: int, N: int, KA: int, KB: int, dtype: torch.dtype, sms: int) -> dict:
+    """The launch of two K segments into one output: one tile for both (`plan`'s for the wider); unsplit (one
+    launch, each program walking both segments) where `plan` would split neither linear, else each segment split
+    on its own (at least once), the splits shared between them by width so that the grid fills the SMs as `plan`
+    aims to (and a reduce launch after)."""
+    p = plan(M, N, max(KA, KB), dtype, sms)
+    split = plan(M, N, KA, dtype, sms)["split"] > 1 or plan(M, N, KB, dtype, sms)["split"] > 1
+    total = max(2, triton.cdiv(LAUNCH["programs_per_sm"] * sms, p["n_blocks"]))
+    out = dict(p, split=split)
+    for name, K, share in (("a", KA, KA / (KA + KB)), ("b", KB, KB / (KA + KB))):
+        n = max(1, min(round(total * share), K // LAUNCH["min_split_k"])) if split else 1
+        k_per_split = triton.cdiv(triton.cdiv(max(K, 1), n), p["block_k"]) * p["block_k"]
+        out[f"split_{name}"], out[f"k_per_split_{name}"] = triton.cdiv(max(K, 1), k_per_split), k_per_split
+    return out
 
 
 @torch.library.custom_op("k3::decode_gemv", mutates_args=())
@@ -204,7 +281,7 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if split:
             block = min(LAUNCH["reduce_block"], triton.next_power_of_2(N))
             _reduce_splits_kernel[(M, triton.cdiv(N, block))](
-                part, b, res, out, x, norm_eps, M, N, K, p["split"], res.stride(0), out.stride(0), x.stride(0),
+                part, b, res, out, x, norm_eps, M, N, K, p["split"], res.stride(0), out.stride(0), x.stride(0), 0,
                 BLOCK=block, num_warps=4, **flags, **norm)
     return out
 
@@ -213,3 +290,46 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def _(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=None, beta_gate=0.0, beta_up=0.0,
       out_gate=None):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("k3::decode_gemv_pair", mutates_args=())
+def decode_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, glu_up: torch.Tensor | None, beta_gate: float,
+                     beta_up: float, b: torch.Tensor, weight_b: torch.Tensor, norm_weight: torch.Tensor | None,
+                     norm_eps: float) -> torch.Tensor:
+    """a' @ weight_a [N, KA]ᵀ + b' @ weight_b [N, KB]ᵀ → [M, N] in a's dtype, a' = SiTU-GLU(a, glu_up) when glu_up
+    is given (else a), b' = RMSNorm(b; norm_weight, norm_eps) when norm_weight is (else b): two linears into one
+    output in one launch (two where K is split: the segments' splits, then their sum); inputs checked by the caller
+    (k3.ops.gemv.linear_pair)."""
+    M, KA = a.shape
+    KB, N = b.shape[1], weight_a.shape[0]
+    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    sms = sm_count(a.device.index) if a.is_cuda else _INTERPRETER_SMS
+    p = pair_plan(M, N, KA, KB, weight_a.dtype, sms)
+    splits = p["split_a"] + p["split_b"] if p["split"] else 1
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if p["split"] else out
+    up = glu_up if glu_up is not None else a  # (an unread stand-in pointer)
+    norm_w = norm_weight if norm_weight is not None else out
+    norm_block = min(LAUNCH["norm_block"], triton.next_power_of_2(max(KB, 1)))
+    norm = dict(NORM_K=triton.cdiv(max(KB, 1), norm_block) * norm_block, NORM_BLOCK=norm_block)
+    with on_device(a):
+        _gemv_pair_kernel[(p["n_blocks"], splits)](
+            a, weight_a, up, beta_gate, beta_up, b, weight_b, norm_w, norm_eps, part, out, M, N, KA, KB,
+            p["split_a"], a.stride(0), weight_a.stride(0), up.stride(0), b.stride(0), weight_b.stride(0),
+            out.stride(0), A_GLU=glu_up is not None, B_NORM=norm_weight is not None,
+            GLU_EXACT=a.dtype == torch.float32, SPLIT=p["split"], USE_DOT=p["use_dot"], DOT_IN_FP32=not a.is_cuda,
+            BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT_A=p["k_per_split_a"],
+            K_SPLIT_B=p["k_per_split_b"], NUM_STAGES=p["stages"], num_warps=p["warps"], **norm)
+        if p["split"]:
+            block = min(LAUNCH["reduce_block"], triton.next_power_of_2(N))
+            _reduce_splits_kernel[(M, triton.cdiv(N, block))](
+                part, out, out, out, b, norm_eps, M, N, KB, splits, out.stride(0), out.stride(0), b.stride(0),
+                p["split_a"], BLOCK=block, num_warps=4, HAS_BIAS=False, HAS_RES=False,
+                HAS_NORM=norm_weight is not None, **norm)
+    return out
+
+
+@decode_gemv_pair.register_fake
+def _(a, weight_a, glu_up, beta_gate, beta_up, b, weight_b, norm_weight, norm_eps):
+    return a.new_empty(a.shape[0], weight_a.shape[0])

@@ -24,7 +24,7 @@ from k3.ops.norm import rms_norm
 from k3.ops.triton_dispatch import Forced, triton_module, use_triton_op
 
 __all__ = ["MAX_ROWS", "WIN_ROWS", "WIN_WEIGHT_ELEMS", "kernel_wins", "linear_reference", "use_gemv", "force_gemv",
-           "linear", "DecodeLinear"]
+           "linear", "linear_pair_reference", "use_gemv_pair", "linear_pair", "DecodeLinear"]
 
 KERNELS = "_gemv_triton"
 MAX_ROWS = 16  # a decode batch; past it the weight is shared by enough rows for cuBLAS's GEMM tiles
@@ -156,6 +156,48 @@ def _launch(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=No
     by name, not as a module attribute, which torch.compile would have to guard."""
     return torch.ops.k3.decode_gemv(x, weight, bias, residual, norm_weight, norm_eps, glu_up, beta_gate, beta_up,
                                     out_gate)
+
+
+def linear_pair_reference(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
+                          glu_up: torch.Tensor | None = None, glu_betas: tuple[float, float] = (4.0, 25.0),
+                          norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
+    """Two linears into one output: `linear_reference(a, weight_a, glu_up=...)` (a the gate when glu_up is given)
+    plus `linear_reference(b, weight_b, norm_weight=...)`, each rounded as its own op. Never dispatches."""
+    s = linear_reference(a, weight_a, glu_up=glu_up, glu_betas=glu_betas)
+    return linear_reference(b, weight_b, residual=s, norm_weight=norm_weight, norm_eps=norm_eps)
+
+
+def use_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
+                  glu_up: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None) -> bool:
+    """Whether `linear_pair` takes the one two-segment kernel: each linear would take the GEMV on its own
+    (`use_gemv`), their rows and outputs match, one dtype."""
+    return (a.shape[:-1] == b.shape[:-1] and weight_a.dim() == weight_b.dim() == 2
+            and weight_a.shape[0] == weight_b.shape[0] and a.dtype == b.dtype
+            and use_gemv(a, weight_a, glu_up=glu_up) and use_gemv(b, weight_b, norm_weight=norm_weight))
+
+
+def linear_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
+                glu_up: torch.Tensor | None = None, glu_betas: tuple[float, float] = (4.0, 25.0),
+                norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
+    """`linear_pair_reference`: where `use_gemv_pair` takes it, one custom op `k3::decode_gemv_pair` (one launch
+    for the two GEMVs' two, two for their four where K is split; one rounding of the sum); else the two
+    `linear`s, the second summing into the first's output (its own scratch)."""
+    if not use_gemv_pair(a, weight_a, b, weight_b, glu_up, norm_weight):
+        s = linear(a, weight_a, glu_up=glu_up, glu_betas=glu_betas)
+        return linear(b, weight_b, residual=s, norm_weight=norm_weight, norm_eps=norm_eps, into_residual=True)
+    lead = a.shape[:-1]
+    a2, b2 = (t.reshape(-1, t.shape[-1]) for t in (a, b))
+    a2, b2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (a2, b2))
+    u2 = None if glu_up is None else glu_up.reshape(-1, glu_up.shape[-1])
+    y = _launch_pair(a2, weight_a, u2, *(float(v) for v in glu_betas), b2, weight_b,
+                     None if norm_weight is None else norm_weight.contiguous(), float(norm_eps))
+    return y.view(*lead, weight_a.shape[0])
+
+
+def _launch_pair(a, weight_a, glu_up, beta_gate, beta_up, b, weight_b, norm_weight, norm_eps):
+    """The two-segment kernel through its custom op (registered by k3.ops._gemv_triton), called by name as
+    `_launch`."""
+    return torch.ops.k3.decode_gemv_pair(a, weight_a, glu_up, beta_gate, beta_up, b, weight_b, norm_weight, norm_eps)
 
 
 class DecodeLinear(nn.Linear):
