@@ -19,11 +19,13 @@ takes the MoE's routed norm, the shared experts' SiTU-GLU and their `+ s` with i
 op counts as one, though where K is split (o_proj at 1 row) it launches two kernels. The float decode experts'
 two kernels cannot run there and are counted as launched, their values from the reference.
 `--inside` also lists the tensor ops that k3's custom ops run in their bodies around the kernel: counted here
-as part of one op, each is a kernel of its own on the GPU (the step runs in fp32 here, so a cast that bf16 weights
-would launch is a no-op and not listed).
+as part of one op, each is a kernel of its own on the GPU (in fp32, the default, a cast that bf16 weights would
+launch is a no-op and not listed: `--dtype bf16` builds the model as the H200 decodes it, so such casts are counted,
+as `_to_copy`, in the main table or inside).
 
 Run: TRITON_INTERPRET=1 PYTHONPATH=src /work/tvenv/bin/python benchmarks/decode_op_census.py
      [--preset small] [--batch 1,64] [--layers N] [--switches default,all-_gemv_triton] [--ops 8] [--inside]
+     [--dtype bf16]
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ KINDS = ("embed", "KDA", "MLA", "MoE", "dense MLP", "AttnRes", "head", "cache")
 NO_KERNEL = {"_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
              "detach", "_reshape_alias", "sym_size", "sym_stride", "sym_numel", "is_same_size", "set_"}
 HOST_READS = {"_local_scalar_dense", "item", "is_nonzero"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _launches(func) -> bool:
@@ -233,14 +236,17 @@ def _experts_counted_not_interpreted(z, idx, weights, w1, w3, w2, beta_gate, bet
         return selected_experts_situ_mlp_reference(z, idx, weights, w1, w3, w2, beta_gate, beta_up)
 
 
-def model_for(preset: str, layers: int | None, device: str = "cpu") -> tuple[K3Config, K3ForCausalLM]:
+def model_for(preset: str, layers: int | None, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> tuple[K3Config, K3ForCausalLM]:
+    """The preset (cut to `layers`) in `dtype` (bf16 as the H200 decodes: the casts its weights make are then
+    ops of their own, counted), eval mode, seeded."""
     cfg = K3Config.preset(preset)
     if layers is not None and layers != cfg.num_hidden_layers:
         mla = mla_layers_for(layers)
         cfg = cfg.replace(num_hidden_layers=layers, linear_attn_config={
             "full_attn_layers": mla, "kda_layers": [l for l in range(1, layers + 1) if l not in mla]})
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).to(device).eval()
+    model = K3ForCausalLM(cfg).to(device, dtype).eval()
     with torch.no_grad():  # non-zero AttnRes queries: softmaxes that are not means (the counts do not care)
         for name, p in model.named_parameters():
             if name.endswith("res_proj.weight"):
@@ -338,7 +344,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
     ap.add_argument("--switches", default="default,all",
                     help="comma-separated runs: default, all, all-MODULE[-MODULE...] (all but those), env (as set)")
-    ap.add_argument("--device", default="cpu", help="where the step runs (fp32): cpu (kernels interpreted) or cuda")
+    ap.add_argument("--device", default="cpu", help="where the step runs: cpu (kernels interpreted) or cuda")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                    help="the model's dtype: bf16 as the H200 decodes (its hidden casts counted), fp32 by default")
     ap.add_argument("--ops", type=int, default=8, help="ops shown per kind")
     ap.add_argument("--inside", action="store_true",
                     help="also list the tensor ops k3's custom ops run around their kernels (each a GPU kernel)")
@@ -348,8 +356,9 @@ def main(argv=None) -> None:
         print("note: k3's Triton kernels cannot run here (no triton, or no TRITON_INTERPRET=1 on a CPU): the "
               "references are counted", file=sys.stderr)
     t0 = time.time()
-    cfg, model = model_for(args.preset, args.layers, args.device)
-    print(f"{args.preset}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_experts} experts "
+    cfg, model = model_for(args.preset, args.layers, args.device, DTYPES[args.dtype])
+    print(f"{args.preset} ({args.dtype}): {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_experts} experts "
           f"top-{cfg.num_experts_per_token}, vocab {cfg.vocab_size}; built in {time.time() - t0:.0f} s",
           file=sys.stderr)
     results = {}

@@ -72,3 +72,17 @@ def test_a_tiny_decode_step_is_counted_by_layer_kind():
     assert census.counts["embed", "aten::embedding"] == 1
     assert census.counts["head", "aten::argmax"] == 1
     assert census.counts["cache", "aten::add_"] == 1
+
+
+def test_a_bf16_census_counts_the_casts_an_fp32_one_cannot_see():
+    """`--dtype bf16` builds the model in bf16 (as the H200 decodes): a cast to the fp32 compute dtype (the
+    references' norms and mixes here) is then an op of its own, counted, where in fp32 it is a no-op that launches
+    nothing and the census cannot see it."""
+    casts = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        _, model = model_for("tiny", None, dtype=dtype)
+        assert {p.dtype for p in model.parameters()} == {dtype}
+        census = census_of_step(model, batch=2)
+        casts[dtype] = {k: c for (k, op), c in census.counts.items() if op == "aten::_to_copy"}
+    assert "AttnRes" not in casts[torch.float32] and casts[torch.bfloat16]["AttnRes"] > 0
+    assert sum(casts[torch.bfloat16].values()) > sum(casts[torch.float32].values())
