@@ -79,8 +79,8 @@ for step in $steps; do
         k3-shaped) run k3-shaped 290 python3 benchmarks/bench_k3_shaped.py ;;
         vision) run vision 120 python3 benchmarks/bench_gpu_vision.py ;;
         sampler) run sampler 60 python3 benchmarks/bench_serve_host.py --sampler --device cuda ;;
-        serve64) run serve64 240 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \
-            --concurrency 64 --num-prompts 1 --prompts-per-concurrency 2 --turns 2 --input-len 256 \
+        serve64) run serve64 480 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \
+            --concurrency 64 --num-prompts 1 --prompts-per-concurrency 8 --turns 2 --input-len 256 \
             --output-len 128 --memory-gib 16 --num-state-slots 512 --max-num-seqs 64 \
             --max-batch-tokens "${SERVE_BATCH_TOKENS:-2048}" --block-size 256 --match-unit 16 ${SERVE_FLAGS:-} \
             --json "$OUT/serve64${SERVE_BATCH_TOKENS:+-$SERVE_BATCH_TOKENS}.json" ;;

@@ -32,3 +32,17 @@ def test_bench_serve_runs_every_dataset_and_the_baseline(tmp_path, flags, runs):
         assert 0 < r["ttft_ms"]["mean"] < r["e2e_ms"]["mean"], name
         assert r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["median"] > 0, name
     assert rows["engine multiturn c=2"]["hit_rate"] > 0.2  # turn 2 resumes turn 1's checkpointed prefix
+
+
+def test_bench_serve_warm_up_uses_every_graph_key_the_timed_run_uses(tmp_path):
+    """With --prefill-graphs (on CPU the same per-bucket pieces run eagerly, keyed as on CUDA), no prefill bucket
+    is first used while timed: on CUDA each first use is a capture inside the timed figures."""
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--preset", "tiny", "--concurrency", "2", "--num-prompts", "4",
+               "--prompts-per-concurrency", "2", "--input-len", "12", "--output-len", "5",
+               "--block-size", "16", "--match-unit", "4", "--prefill-graphs", "--dataset", "random",
+               "--no-baseline", "--json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())
+    assert row["graph_keys"] > 0  # the prefill buckets were in use: the count below is not vacuous
+    assert row["graphs_first_used"] == 0

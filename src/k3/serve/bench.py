@@ -171,14 +171,15 @@ def static_batch_baseline(model, tokenizer, num_prompts: int, batch_size: int, i
                           seed: int = 0, warmup: bool = False) -> dict:
     """What one writes without an engine: `generate` over fixed batches of equal-length prompts, on the model's
     device (no EOS: every row must get exactly output_len tokens, else it is listed in `problems`).
-    warmup: one untimed batch of the same shape first (kernel autotuning for this batch size)."""
+    warmup: one untimed batch of the timed shape first, all output_len tokens (kernel autotuning and compiles
+    for this batch size and every cache length the timed batches reach)."""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(seed)  # drawn on the host: the same prompts on every device
     lo = len(tokenizer.special_tokens)
     prompts = torch.randint(lo, model.config.vocab_size, (num_prompts, input_len), generator=g).to(device)
     lat, wrong = [], 0
     if warmup:
-        model.generate(prompts[:batch_size], max_new_tokens=min(output_len, 2), eos_token_id=None)
+        model.generate(prompts[:batch_size], max_new_tokens=output_len, eos_token_id=None)
     _sync(device)
     t0 = time.perf_counter()
     for i in range(0, num_prompts, batch_size):
@@ -210,8 +211,10 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
     clients in a process of their own → the summary, plus `problems`: failed requests, outputs of the wrong
     length, a pool not empty afterwards.
     on_start(engine): called once the engine exists (e.g. to print its capacity).
-    warmup: first one untimed wave of other prompts at the same concurrency and lengths, so that the timed run
-    does not pay the engine's first uses (a CUDA graph captured per batch-size bucket, kernel autotuning)."""
+    warmup: first the same load untimed, other prompts at the same concurrency and lengths, so that the timed run
+    does not pay the engine's first uses (a CUDA graph captured per batch-size bucket, kernel autotuning).
+    `graphs_first_used` counts the decode-graph keys and prefill-graph buckets first used while timed (each a
+    capture on CUDA): above 0, the warm-up missed one and the timed figures include its capture."""
     from k3.serve.api import create_app
     from k3.serve.engine import LLMEngine
 
@@ -221,10 +224,13 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
             on_start(engine)
         with local_server(create_app(engine, tokenizer, "k3")) as url:
             if warmup and concurrency:  # other random prompts (another seed): nothing for the timed run to hit
-                run_load_in_own_process(url, "k3", dataset, concurrency * turns, concurrency, None, input_len,
+                run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                         output_len, turns, None, seed + 104729)
+            used = graph_keys_used(engine)
             s = run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                         output_len, turns, None, seed)
+            s["graph_keys"] = graph_keys_used(engine)
+            s["graphs_first_used"] = s["graph_keys"] - used
         blocks, slots = engine.pool.num_used_blocks, engine.pool.num_used_slots
         s["problems"] = [msg for bad, msg in (
             (s["failed"], f"{s['failed']} failed requests"),
@@ -237,6 +243,13 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def graph_keys_used(engine) -> int:
+    """How many decode-graph (rows, width) keys and prefill-graph token buckets the engine has used so far (on
+    CUDA each was captured at its first use; on CPU the same keys are made, run eagerly)."""
+    runner = engine.runner
+    return sum(len(g.entries) for g in (runner.graphs, runner.prefill_graphs) if g is not None)
 
 
 def format_table(rows: list[tuple[str, dict]]) -> str:
