@@ -199,3 +199,36 @@ def test_cuda_graphs_async_equals_sync(model):
     for a, b in zip(asyn, sync):
         assert a["ids"] == b["ids"] and a["reason"] == b["reason"]
     assert asyn[-1]["ids"] == ref[:10]
+
+
+def test_match_boundaries_do_not_drain_and_their_prefix_hits_equal_cold(model):
+    """A decode step that completes a match unit stays asynchronous (its state copied at launch, the unit and
+    checkpoint hashed after the read-back): with a unit of 4, every decode step overlaps (12 of 16 before),
+    and a follow-up prompt restores the units and the checkpoint filed that way and still equals generate."""
+    p = prompt(95, 10)
+    eng = make(model, True, match_unit=4)
+    first, n = drive(eng, [(p, SamplingParams(max_tokens=17, **GREEDY), 0)])
+    # the prefill samples token 0; the 16 steps feeding tokens 0..15 all overlap (none samples past max_tokens)
+    assert n == 16, n
+    assert first[0]["ids"] == reference(model, p, 17)
+    follow = p + first[0]["ids"] + prompt(96, 3)
+    out = eng.generate([follow], SamplingParams(max_tokens=6, **GREEDY))[0]
+    assert out.cache.restored_tokens == 24, out.cache  # 10 + 17 = 27 computed: the newest boundary, 24
+    assert list(out.output_ids) == reference(model, follow, 6)
+    assert_pool_empty(eng)
+
+
+def test_stop_token_that_completes_a_unit_files_nothing_and_frees_its_copy(model):
+    """The stop token is the in-flight token of a step that completes a match unit (prompt 10, unit 4: output
+    token 5 is fed at position 15, the 16th): its state copy's slot is freed, no unit of freed blocks is
+    registered, and the output equals the synchronous engine's."""
+    p = prompt(97, 10)
+    ref = reference(model, p, 12)
+    assert ref[5] not in ref[:5]  # the stop hits at token 5, not before
+    reqs = [(p, SamplingParams(max_tokens=12, stop_token_ids=[ref[5]], **GREEDY), 0)]
+    eng = make(model, True, match_unit=4)
+    asyn, n = drive(eng, reqs)  # asserts the pool empty: a leaked copy slot would count as used
+    sync, _ = drive(make(model, False, match_unit=4), reqs)
+    assert n >= 4 and asyn[0]["ids"] == ref[:6] and asyn[0]["reason"] == "stop"
+    assert asyn == sync
+    assert len(eng.pool.free_slots) + len(eng.pool.checkpoints) == eng.pool.capacity.num_slots

@@ -337,6 +337,30 @@ class CachePool:
         self.evicted_checkpoints.pop(h, None)
         return h
 
+    def copy_state_unnamed(self, seq: Sequence) -> int | None:
+        """Queue a copy of seq's KDA state (at num_computed, a match boundary) into a fresh slot, before its hash
+        can be known (async output: the unit's last token is still on the device); `name_checkpoint` files it
+        once that token is read back. The copy must be queued now: the next step writes seq's slot again."""
+        if not self.prefix_caching or seq.num_computed == 0 or seq.num_computed % self.match_unit:
+            return None
+        slot = self._alloc_slot()
+        if slot is not None:
+            self.pending_copies[slot] = seq.slot
+        return slot
+
+    def name_checkpoint(self, seq: Sequence, pos: int, slot: int) -> int:
+        """File the state copied into `slot` by `copy_state_unnamed` under the hash of seq's tokens up to pos,
+        now known; where a checkpoint of that hash exists already, the copy's slot is freed. Returns the hash."""
+        self.update_unit_hashes(seq)
+        h = self.boundary_hash(seq, pos)
+        if h in self.checkpoints:
+            self.checkpoints.move_to_end(h)
+            self.free_slots.append(slot)
+            return h
+        self.checkpoints[h] = slot
+        self.evicted_checkpoints.pop(h, None)
+        return h
+
     def flush_checkpoint_copies(self) -> None:
         """Zero the new sequences' slots, then copy the states of the checkpoints saved since the last flush, all
         at once (every KDA layer in one op per tensor). The engine flushes before a step's forward (which reads

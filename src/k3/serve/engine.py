@@ -225,15 +225,17 @@ class LLMEngine:
         launch, read back, finish. With config.async_output, a decode step whose next step needs no host token
         stays on the device (`in_flight`); the next call plans and launches its successor, feeding the picked
         ids on the device, and only then finishes it, so the host's work overlaps the device's. Whatever needs
-        the host's tokens first (admission, prefill, preemption, grammar, a last token, a checkpoint boundary,
-        distributed serving's agreement) drains to the synchronous path."""
+        the host's tokens first (admission, prefill, preemption, grammar, a last token, distributed serving's
+        agreement) drains to the synchronous path; a match boundary does not (see `_file_boundaries`)."""
         outputs = []
         if self.in_flight is not None:
             previous, self.in_flight = self.in_flight, None
             seqs = self.scheduler.schedule_in_flight(self._may_feed_in_flight)
             if seqs is not None:
                 self.in_flight = self._launch(seqs, [1] * len(seqs), self._picked_ids(previous, seqs))
-                return self._finish_step(previous)
+                outputs = self._finish_step(previous)
+                self._file_boundaries(seqs)
+                return outputs
             outputs = self._finish_step(previous)
         seqs, lens = self.scheduler.schedule()
         if not seqs:
@@ -253,11 +255,26 @@ class LLMEngine:
 
     def _may_feed_in_flight(self, seq: Sequence) -> bool:
         """Whether seq's next step may feed its in-flight token before the host knows it: not when that token
-        may be its last (max_tokens, max_model_len), nor when the step would complete a match unit (registering
-        it and its checkpoint hash the token)."""
+        may be its last (max_tokens, max_model_len). A step that completes a match unit may: its state is copied
+        at launch, the unit and checkpoint hashed once the token is read back (`_file_boundaries`)."""
         return (seq.grammar is None and seq.num_output + seq.in_flight < seq.params.max_tokens
-                and len(seq.tokens) + seq.in_flight < self.max_model_len
-                and (seq.num_computed + 1) % self.pool.match_unit != 0)
+                and len(seq.tokens) + seq.in_flight < self.max_model_len)
+
+    def _file_boundaries(self, seqs: list[Sequence]) -> None:
+        """After the previous step's read-back: register the units and name the checkpoints of the match
+        boundaries that the step just launched completed with tokens the host did not know at its launch. A
+        sequence that finished in that read-back (stop, its blocks freed) files nothing: its copy's slot is freed."""
+        for s in seqs:
+            if s.unfiled_boundary is None:
+                continue
+            (pos, slot), s.unfiled_boundary = s.unfiled_boundary, None
+            if s.finished:
+                if slot is not None:
+                    self.pool.free_slots.append(slot)
+                continue
+            self.pool.register_computed(s)
+            if slot is not None:
+                self._keep_gen_checkpoint(s, self.pool.name_checkpoint(s, pos, slot))
 
     def _picked_ids(self, previous: LaunchedStep, seqs: list[Sequence]) -> torch.Tensor:
         """seqs' in-flight tokens: their rows of the previous step's picked ids, still on the device."""
@@ -286,6 +303,9 @@ class LLMEngine:
             decoding = not s.in_prefill
             s.num_computed += n
             if not decoding or s.num_computed % unit == 0:  # a decoded token completes a unit only on a boundary
+                if ids is not None:  # the unit's last token is on the device: hashed after the read-back
+                    s.unfiled_boundary = (s.num_computed, self.pool.copy_state_unnamed(s))
+                    continue
                 self.pool.register_computed(s)
                 self._maybe_checkpoint(s, decoding)
         self.pool.flush_checkpoint_copies()  # before a finishing sequence frees its slot
@@ -338,12 +358,15 @@ class LLMEngine:
     def _maybe_checkpoint(self, seq: Sequence, decoding: bool) -> None:
         if decoding:  # end of generation: keep the newest boundary reached while decoding
             if seq.num_computed % self.pool.match_unit == 0:
-                h = self.pool.save_checkpoint(seq)
-                if h is not None and seq.gen_checkpoint is not None and seq.gen_checkpoint != h:
-                    self.pool.drop_checkpoint(seq.gen_checkpoint)
-                seq.gen_checkpoint = h
+                self._keep_gen_checkpoint(seq, self.pool.save_checkpoint(seq))
         elif seq.num_computed in self.scheduler.checkpoint_boundaries(seq):
             self.pool.save_checkpoint(seq)
+
+    def _keep_gen_checkpoint(self, seq: Sequence, h: int | None) -> None:
+        """h: seq's newest boundary reached while decoding; the one it replaces is dropped."""
+        if h is not None and seq.gen_checkpoint is not None and seq.gen_checkpoint != h:
+            self.pool.drop_checkpoint(seq.gen_checkpoint)
+        seq.gen_checkpoint = h
 
     def _append_token(self, seq: Sequence, tok: int, lp, now: float) -> RequestOutput:
         p = seq.params

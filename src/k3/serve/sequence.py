@@ -51,6 +51,9 @@ class Sequence:
     unit_hashes: list[int] = field(default_factory=list)  # chained hash of each complete match unit
     units_registered: int = 0
     gen_checkpoint: int | None = None  # hash of this sequence's newest end-of-generation checkpoint
+    # async output: (position, checkpoint slot or None) of a match boundary its in-flight token completed,
+    # filed (units registered, checkpoint named) once that token is read back, in the same engine step
+    unfiled_boundary: tuple[int, int | None] | None = None
     host_copy: dict | None = None  # swapped-out state
     generator: torch.Generator | None = None
     grammar: object = None  # its GrammarState (k3.serve.grammar) when the request constrains the output
