@@ -47,3 +47,35 @@ def no_agentenv_leftovers(request):
     while hostfs.leftovers() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert hostfs.leftovers() == []
+
+
+# ---- sharing the machine: `make test` runs the suite as two xdist workers (pytest -n 2 --dist loadgroup) --------
+# Tests that time work on the machine, read its load, or assert how fast the host answers cannot run beside another
+# worker: they are marked `serial`, left out of the parallel pass (-m "not serial") and run after it, alone.
+SERIAL_MODULES = {
+    "test_cpu_threads.py": "reads the machine's load (/proc/stat) and times OpenMP workers' CPU",
+    "test_serve_hostile.py": "asserts the server's header timeout to within 0.3 s",
+}
+SERIAL_TESTS = {  # (all cases of a parametrized test)
+    **{f"test_agentenv_sandbox.py::{name}": "asserts the host never stalls 1 s while a sandbox is attacked"
+       for name in ("test_resource_attacks_fail_inside", "test_gvisor_memory_over_many_processes_ends_whole_sandbox",
+                    "test_sleep_past_ttl_is_killed_and_nothing_left")},
+    "test_serve_protocol.py::test_health_answers_while_a_million_token_prompt_is_tokenized":
+        "asserts /health answers within 1 s while a core tokenises",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: cannot share the machine with another test process (conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the serial tests, and puts each module's tests in one xdist group (module-scoped fixtures are then
+    built once, by one worker); the agentenv modules share one group, since each checks after itself that no
+    sandbox is left on the machine, which another worker's live sandboxes would fail."""
+    for item in items:
+        module = item.path.name
+        test = f"{module}::{item.name.split('[')[0]}"
+        if module in SERIAL_MODULES or test in SERIAL_TESTS:
+            item.add_marker(pytest.mark.serial)
+        item.add_marker(pytest.mark.xdist_group("agentenv" if module.startswith("test_agentenv") else module))
