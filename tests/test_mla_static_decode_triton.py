@@ -250,19 +250,21 @@ def test_tiny_decode_with_the_kernel_equals_the_full_forward(monkeypatch, compil
         assert torch.equal(got.argmax(-1), base.argmax(-1))
 
 
-def test_kernel_compiles_for_the_h200():
-    """The kernel compiled for sm_90 by ptxas (no GPU needed) at small's widths in bf16: the merge's ticket is
-    an acquire-release atomic and the partials are read back from L2."""
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "latent_norm"])
+def test_kernel_compiles_for_the_h200(norm):
+    """The kernel compiled for sm_90 by ptxas (no GPU needed) at small's widths in bf16, with and without the
+    latent's norm folded in: the merge's ticket is an acquire-release atomic and the partials are read back
+    from L2."""
     from sm90_compile import ptx_for_sm90
 
     sig = {"q_lat_ptr": "*bf16", "q_lat_row": "i32", "q_lat_head": "i32", "q_rope_ptr": "*bf16",
            "q_rope_row": "i32", "q_rope_head": "i32", "new_lat_ptr": "*bf16", "new_lat_row": "i32",
            "new_rope_ptr": "*bf16", "new_rope_row": "i32", "lat_ptr": "*bf16", "rope_ptr": "*bf16",
            "length_ptr": "*i64", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "tickets_ptr": "*i32",
-           "out_ptr": "*bf16", "H": "i32", "R": "i32", "E": "i32", "max_len": "i32", "scale": "fp32",
+           "out_ptr": "*bf16", "norm_w_ptr": "*bf16", "norm_eps": "fp32", "H": "i32", "R": "i32", "E": "i32", "max_len": "i32", "scale": "fp32",
            "split_len": "i32", "splits": "i32", "head_blocks": "i32"}
     ptx = ptx_for_sm90("k3.ops._mla_static_decode_triton", "_static_decode_kernel", sig, num_warps=8,
-                       BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, PRECISION="tf32")
+                       BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, PRECISION="tf32", NORM=norm)
     assert "atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx and "mma" in ptx
     assert ".local" not in ptx  # no spills
 

@@ -44,8 +44,9 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
     if NORM:  # rms_norm's order: x·rstd·w in fp32, one rounding to the latent's dtype
         x = new_lat.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / R + norm_eps)
-        w = tl.load(norm_w_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
-        new_lat = (x * rstd * w).to(new_lat_ptr.dtype.element_ty)
+        # (not `w`: the merge's loop below reuses that name at another shape, which Triton rejects as loop-carried)
+        norm_w = tl.load(norm_w_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
+        new_lat = (x * rstd * norm_w).to(new_lat_ptr.dtype.element_ty)
     new_lat = new_lat.to(lat_ptr.dtype.element_ty)
     new_rope = tl.load(new_rope_ptr + b * new_rope_row + e, mask=e_ok, other=0.0).to(rope_ptr.dtype.element_ty)
     cache_row = b * max_len
