@@ -13,7 +13,8 @@ from k3.ops.moe_decode import selected_experts_situ_mlp, use_expert_major, use_s
 from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores  # noqa: F401  (route: imported here)
 from k3.ops.mx_experts import (packed_expert_situ_mlp, packed_selected_experts_situ_mlp,
                                packed_selected_experts_take, qat_expert_situ_mlp)
-from k3.ops.token_permute import dispatch_rows, inverse_permutation, permute_rows
+from k3.ops.slot_sum import combine_rows
+from k3.ops.token_permute import dispatch_rows, inverse_permutation
 
 
 def _shared_experts(shared: SiTUMLP, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -170,6 +171,6 @@ class LatentMoE(nn.Module):
             y = qat_expert_situ_mlp(x, counts, e.w1, e.w3, e.w2, *self.betas)
         else:
             y = expert_situ_mlp(x, counts, e.w1, e.w3, e.w2, *self.betas)
-        # back to [N, k] slot order; the weighted sum over the k choices is one batched [1, k] @ [k, L] product
-        # (index_add_ would keep its [N·k, L] source for backward; a multiply then a sum is two passes)
-        return torch.bmm(w.to(y.dtype).unsqueeze(1), permute_rows(y, slot, order).view(N, k, -1)).squeeze(1)
+        # the weighted sum over each token's k rows, read in expert order (k3.ops.slot_sum: one kernel each way where
+        # it runs, else a gather back to slot order and a batched [1, k] @ [k, L] product)
+        return combine_rows(y, w, slot, order)

@@ -6,6 +6,8 @@ layout is known: `order` is a permutation of the N·k (token, choice) slots, so 
 """
 import torch
 
+import k3.ops.slot_sum as slot_sums  # (a module object: slot_sum imports this module too)
+
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """slot[order[i]] = i, computed on the device (no sync)."""
@@ -33,7 +35,8 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (slot,) = ctx.saved_tensors
-        return grad[slot].view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+        # each token's k rows summed as they are read (one kernel where it runs, else a gather and a sum)
+        return slot_sums.slot_sum(grad, slot.view(-1, ctx.k)), None, None, None
 
 
 class _Permute(torch.autograd.Function):
