@@ -260,14 +260,16 @@ def backward_rows(B: int, T: int, device: str = "cuda") -> list[dict]:
     y, _ = short_conv(x, conv_w, silu=True)
     dy = r(B, T, D)
     finish = lambda on: "weight grad finished in the kernel" if on else "weight grad summed by torch"  # noqa: E731
-    wide = {"BWD_BLOCK_C": 256, "BWD_NUM_WARPS": 2}
+    other_c, other_w = (128, 1) if ct.BWD_BLOCK_C == 256 else (256, 2)
+    wide = {"BWD_BLOCK_C": other_c, "BWD_NUM_WARPS": other_w}
     variants = [(f"default (UNROLL {ct.BWD_UNROLL}, {ct.BWD_STAGES} stages, {finish(ct.BWD_FINISH_GW)}"
                  + (", channels first)" if ct.BWD_CHANNELS_FIRST else ")"), {}),
                 (finish(not ct.BWD_FINISH_GW), {"BWD_FINISH_GW": not ct.BWD_FINISH_GW}),
                 ("channel blocks on grid axis 0" if not ct.BWD_CHANNELS_FIRST else "chunks on grid axis 0",
                  {"BWD_CHANNELS_FIRST": not ct.BWD_CHANNELS_FIRST}),
-                ("256 channels, 2 warps", wide),
-                ("256 channels, 2 warps, channel blocks on grid axis 0", {**wide, "BWD_CHANNELS_FIRST": True}),
+                (f"{other_c} channels, {other_w} warp(s)", wide),
+                (f"{other_c} channels, {other_w} warp(s), channel blocks on grid axis 0",
+                 {**wide, "BWD_CHANNELS_FIRST": True}),
                 (f"{3 - ct.BWD_STAGES} stage(s)", {"BWD_STAGES": 3 - ct.BWD_STAGES}),
                 ("UNROLL 2", {"BWD_UNROLL": 2}), ("UNROLL 8", {"BWD_UNROLL": 8}),
                 ("chunks of 128", {"BWD_CHUNK_T": 128})]

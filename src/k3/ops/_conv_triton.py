@@ -23,12 +23,13 @@ from k3.ops.triton_dispatch import on_device
 _FWD_BLOCK_T = 32
 _MAX_BLOCK_C = 128
 _NUM_WARPS = 4
-# The rows backward: CHUNK_T rows of BLOCK_C channels a program (one warp: 4 channels a thread), UNROLL rows'
-# loads issued together; W − 1 rows of x and dz re-read at each chunk's two ends (from L2)
+# The rows backward: CHUNK_T rows of BLOCK_C channels a program (two warps: 4 channels a thread), UNROLL rows'
+# loads issued together; W − 1 rows of x and dz re-read at each chunk's two ends (from L2). 256 channels and 2
+# warps against 128 and 1: 154 against 186 µs on the H200 at small's 8 x 4096 (session 16, --backwards)
 BWD_CHUNK_T = 64
-BWD_BLOCK_C = 128
+BWD_BLOCK_C = 256
 BWD_UNROLL = 4
-BWD_NUM_WARPS = 1
+BWD_NUM_WARPS = 2
 # Steps of UNROLL rows the backward's loop keeps in flight: 1, each step's loads then its math in turn (a
 # program's memory idles through its math: 258 µs, 38% of the bytes floor, on the H200 in session 14); 2, the
 # next step's loads issued (cp.async, into shared memory) before this step's math. sm_90, bf16, UNROLL 4:
@@ -38,12 +39,13 @@ BWD_STAGES = 1
 # The weight gradient's sum over (batch, chunk) partials, finished in the backward kernel itself (True: the last
 # program of each (batch, channel block) to finish sums its batch's chunk partials, and the last of those sums the
 # batches into the weight's gradient, in its dtype; each sum in a fixed order, so deterministic) or by torch after
-# it (False: a sum over the [B, T/CHUNK_T, W, C] fp32 partials and a cast, two more kernels a call). True is untimed
-# on a GPU (bench_gpu_kernels.py --backwards times both).
+# it (False: a sum over the [B, T/CHUNK_T, W, C] fp32 partials and a cast, two more kernels a call). On the H200
+# (session 16, bench_gpu_kernels.py --backwards) True took 186 µs against False's 209.
 BWD_FINISH_GW = True
 # Grid order: False, chunks of rows on axis 0 (programs launched together walk the same channels of neighbouring
 # chunks); True, channel blocks on axis 0 (programs launched together read the neighbouring channels of the same
-# rows: whole rows of x, dy and y at once). Untimed on a GPU (bench_gpu_kernels.py --backwards).
+# rows: whole rows of x, dy and y at once). On the H200 (session 16) True lost: 222 against 186 µs (294 against
+# 154 at 256 channels).
 BWD_CHANNELS_FIRST = False
 # Partials the weight gradient's finish loads at once, every tap of each: a [GW_FINISH_ROWS, MAX_TAPS, BLOCK_C] fp32
 # tile (sm_90, the default launch: 4, 8 KB, 124 registers, 16 programs an SM as without the finish; 8 took 138, 14)
