@@ -6,6 +6,10 @@
 - K3_FLA_LEAN: unset or "1" sends inference's chunked KDA and gated output norm through k3.ops.kda_fla_lean (fla's
   forward internals without its training entries' per-call host work; fla 0.6.x only, else its public functions);
   "0" keeps fla's public entries. On by default since an H200 run timed it (64 streams: 18-50% off a mixed step).
+- K3_FLA_KEEP_FORWARD: "1" makes a training call of fla's chunked KDA keep its forward's intermediates for the
+  backward (fla's disable_recompute: the gate cumsum, w, u, the gated q and k, v_new and the chunk states) instead of
+  recomputing them there (the gate cumsum, the w/u kernel and the chunk-state pass run again); costs
+  0.84 GiB a KDA layer at small's 8 x 4096 (10 GiB for its 12). Off until an H200 step times it.
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
 - K3_ROUTER_FP32: "1" computes the MoE router's GEMM on fp32 copies of a bf16/fp16 x and weight (the reference,
   k3.ops.router.router_scores_reference) instead of one GEMM of them as stored with fp32 output.
@@ -47,6 +51,7 @@ ALL = "all"
 class Switches:
     no_fla: bool = False
     fla_lean: bool = True
+    fla_keep_forward: bool = False
     no_triton: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     triton_opt_in: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     require_fla: bool = False
@@ -91,6 +96,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
     """The switches an environment sets (unset variables take their defaults)."""
     get = lambda name: environ.get(name, "")  # noqa: E731
     return Switches(no_fla=_flag(get("K3_NO_FLA")), fla_lean=get("K3_FLA_LEAN") != "0",
+                    fla_keep_forward=get("K3_FLA_KEEP_FORWARD") == "1",
                     no_triton=_names(get("K3_NO_TRITON"), "1"),
                     triton_opt_in=_names(get("K3_TRITON"), ALL), require_fla=get("K3_REQUIRE_FLA") == "1",
                     router_fp32=get("K3_ROUTER_FP32") == "1",

@@ -134,6 +134,12 @@ def _lean() -> bool:
     return kda_fla_lean.lean_supported()
 
 
+def _keep_forward(needs_grad: bool) -> bool:
+    """fla's disable_recompute for a chunk_kda call: with K3_FLA_KEEP_FORWARD=1, a call that will be differentiated
+    keeps its forward's intermediates for the backward rather than recomputing them there (memory for time)."""
+    return needs_grad and envs.current().fla_keep_forward
+
+
 def _state(initial_state):
     return None if initial_state is None else initial_state.float().contiguous()
 
@@ -150,9 +156,12 @@ def fla_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final
     _pin_choices(q)
     cu, cu_cpu = _cu(cu_seqlens, q.device, cu_seqlens_cpu)
     # safe_gate (see SAFE_GATE_BOUND): only the caller, who knows the gates' bound, may ask for it
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
     o, state = chunk_kda(q, k.to(q.dtype), v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
                          initial_state=_state(initial_state), output_final_state=output_final_state,
-                         safe_gate=safe_gate, state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+                         safe_gate=safe_gate, state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                         disable_recompute=_keep_forward(needs_grad))
     return o.to(v.dtype), state
 
 
@@ -243,7 +252,8 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
                              initial_state=_state(initial_state), output_final_state=output_final_state,
                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=float(lower_bound),
-                             state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, A_log=A, dt_bias=bias)
+                             state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, A_log=A, dt_bias=bias,
+                             disable_recompute=_keep_forward(needs_grad))
     return o.to(v.dtype), state
 
 
