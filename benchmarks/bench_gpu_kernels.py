@@ -34,10 +34,13 @@ programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUN
 adding 4 blocks' gradients into their buffers (BlockGrads) against returning them for 4 separate adds (autograd's
 sums).
 --backwards: only the AttnRes mix backward (2..5 sources, into its buffers as training runs it) and the short
-conv backward (4 taps, SiLU), each under its default launch and a few others, and the MoE's slot sums (kernels
-against the torch forms), with the bytes floor and the per-step total at `small`'s call counts (`backward_rows`).
+conv backward (4 taps, SiLU), each under its default launch and a few others, the MoE's slot sums (kernels
+against the torch forms), and KDA's core through fla with its backward recomputing or keeping the forward's
+intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total at `small`'s call counts
+(`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards]
+     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards] [--kda-core]
+--kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
 """
 import argparse
 import math
@@ -277,8 +280,9 @@ def backward_rows(B: int, T: int, device: str = "cuda") -> list[dict]:
           4 * x.numel() * 2, CONV_CALLS)
     del x, y, dy
     rows.extend(slot_sum_rows(B * T, bw))
+    rows.extend(kda_core_rows(B, T, bw))
     print(f"B={B} T={T}, bf16, copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "rel_err"]))
+    print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "extra_GiB", "rel_err"]))
     save("backwards", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     return rows
 
@@ -323,6 +327,49 @@ def slot_sum_rows(N: int, bw: float, device: str = "cuda") -> list[dict]:
     return rows
 
 
+KDA_CALLS = 12  # KDA layers in a `small` step
+
+
+def kda_core_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
+    """KDA's core forward + backward at `small`'s shapes (12 heads of 128, bf16; k3.ops.kda_fla.fla_kda_gated: fla's
+    chunk_kda with the gate, q/k L2 norms and beta sigmoid in its kernels), fla's backward recomputing its forward's
+    intermediates (its default) against keeping them (K3_FLA_KEEP_FORWARD=1, disable_recompute). extra_GiB: the
+    peak memory a call adds over its inputs (the kept intermediates live from the forward to the backward). floor:
+    q, k, v, f, do read and dq, dk, dv, df, o written once over the copy bandwidth (the gate's and beta's bytes
+    left out)."""
+    from k3.ops.kda_fla import fla_kda_gated
+
+    H, K = 12, 128
+    gen = torch.Generator(device=device).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    inputs = [r(B, T, H, K).bfloat16().requires_grad_() for _ in range(4)]
+    inputs += [r(B, T, H).bfloat16().requires_grad_(), (r(H) * 0.5).requires_grad_(), r(H * K).requires_grad_()]
+    do = r(B, T, H, K).bfloat16()
+
+    def call():
+        o, _ = fla_kda_gated(*inputs, -5.0, recurrent=False)
+        return [o.detach(), *torch.autograd.grad(o, inputs, do)]
+
+    nbytes = 10 * B * T * H * K * 2
+    rows, ref = [], None
+    for impl, keep in (("fla, backward recomputes (default)", False), ("fla, forward's intermediates kept", True)):
+        with envs.override(fla_keep_forward=keep):
+            out = call()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            call()
+            extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+            ms = time_ms(call, reps=10)
+        flat = torch.cat([t.float().flatten() for t in out])
+        ref = flat if ref is None else ref
+        rows.append(dict(op="KDA core fwd+bwd (fla_kda_gated)", impl=impl, us=ms * 1e3, floor_us=nbytes / bw * 1e6,
+                         of_floor=nbytes / bw * 1e3 / ms, per_step_ms=ms * KDA_CALLS, extra_GiB=extra,
+                         rel_err=((flat - ref).norm() / ref.norm()).item()))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8,4096", help="B,T")
@@ -330,6 +377,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time the kernels' launch shapes and forms instead")
     ap.add_argument("--backwards", action="store_true",
                     help="only the AttnRes mix and short conv backwards, new against the kernels they replaced")
+    ap.add_argument("--kda-core", action="store_true",
+                    help="only KDA's core forward + backward, fla recomputing against keeping its intermediates")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
@@ -342,6 +391,11 @@ def main():
         return sweep_kernels(B, T)
     if a.backwards:
         return backward_rows(B, T)
+    if a.kda_core:
+        bw = measure_ceilings()["copy_TBps"] * 1e12
+        rows = kda_core_rows(B, T, bw)
+        print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "extra_GiB", "rel_err"]))
+        return save("kda_core", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     bw = measure_ceilings()["copy_TBps"] * 1e12
     if a.gemv or a.gemv_sweep:
         gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw)
