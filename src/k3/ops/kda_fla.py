@@ -16,6 +16,8 @@ Three entry points:
   `use_beta_sigmoid_in_kernel`), i.e. SPEC §3.2's g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)).
   Without gradients (and unless K3_FLA_LEAN=0), its chunked form (and `fla_output_gate`) take k3.ops.kda_fla_lean:
   the same kernels without the training entry's per-call host work.
+With K3_FLA_KEEP_FORWARD=1 a chunked call that will be differentiated keeps fla's forward intermediates for its
+backward (`disable_recompute`), which otherwise recomputes them.
 """
 from __future__ import annotations
 
