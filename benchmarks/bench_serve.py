@@ -15,7 +15,11 @@ Each level runs 3 x c requests: random = 3 waves of c, multi-turn = c conversati
 40 ms a step, plus model build and warm-up. Memory: 16 GiB pool = 512 KDA slots (9.6 MiB each: 64 running +
 checkpoints, so multi-turn checkpoints are not evicted at c=64) + ~4.7M tokens of MLA latents; with the 3 GB
 of bf16 weights, far below the card's 141 GB. Results go to --json after every row; exit code 1 if a sanity
-check failed."""
+check failed.
+
+The engine runs with async output (the default: each decode step launches before the previous one is read back;
+`--no-async-output` times the synchronous engine). Its warm-up runs each prefill-graph bucket once, then the whole
+timed load on other prompts; `graphs_first_used` > 0 in a row means a capture landed inside its figures."""
 import sys
 
 from k3.cli import main

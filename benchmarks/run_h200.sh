@@ -8,7 +8,8 @@
 #   tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve64 = the serving bench at 64 streams only (set K3_TRITON to time
 #   opt-in kernels; SERVE_BATCH_TOKENS=8192: steps of up to 8,192 tokens, default 2,048; SERVE_FLAGS: more engine
-#   flags, e.g. --prefill-graphs); sampler = the batched
+#   flags, e.g. --prefill-graphs, or --no-async-output for the synchronous engine; serve and serve64 run with async
+#   output, the engine's default since session 16); sampler = the batched
 #   sampler against a per-row loop on the GPU;
 #   kbench-ab = k3's kernel bench alternating main, $AB_SRC, main, $AB_SRC (AB_SRC: another tree's src/, e.g.
 #   `mkdir ab && git archive BRANCH src | tar x -C ab` carried, AB_SRC=$PWD/ab/src);
@@ -87,7 +88,7 @@ for step in $steps; do
         serve) run serve 420 python3 benchmarks/bench_serve.py --preset small --device cuda --dtype bfloat16 \
             --concurrency 1,8,32,64 --num-prompts 1 --prompts-per-concurrency 2 --turns 2 --input-len 256 \
             --output-len 128 --memory-gib 16 --num-state-slots 512 --max-num-seqs 64 --max-batch-tokens 2048 \
-            --block-size 256 --match-unit 16 --json "$OUT/serve.json" ;;
+            --block-size 256 --match-unit 16 ${SERVE_FLAGS:-} --json "$OUT/serve.json" ;;
         # Triton loads a cached kernel from its .json and .cubin (and the launcher .so): the IR stages are left out
         pack) tar czf - -C "$TRITON_CACHE_DIR" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' \
             --exclude='*.ptx' --exclude='*.source' . | split -b 15m - "$OUT/tcache.tgz." && ls -l "$OUT"/tcache.tgz.* ;;

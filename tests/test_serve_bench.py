@@ -11,10 +11,10 @@ from k3.cli import main
 ALL_ROWS = {"engine random c=2", "engine multiturn c=2", "static generate batch=2"}
 
 
-# the async-output run takes the multi-turn dataset only (its prefix hits are the part async output could break) and
-# no static baseline (generate has no async output): each dataset costs two client processes, seconds each
+# the synchronous run (--no-async-output; async output is the default) takes the multi-turn dataset only (its prefix
+# hits are where the two paths differ most) and no static baseline: each dataset costs two client processes
 @pytest.mark.parametrize("flags, runs", [([], ALL_ROWS),
-                                         (["--async-output", "--dataset", "multiturn", "--no-baseline"],
+                                         (["--no-async-output", "--dataset", "multiturn", "--no-baseline"],
                                           {"engine multiturn c=2"})])
 def test_bench_serve_runs_every_dataset_and_the_baseline(tmp_path, flags, runs):
     out = tmp_path / "serve.json"

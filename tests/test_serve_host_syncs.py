@@ -193,8 +193,10 @@ def test_a_step_reads_the_device_once(model, monkeypatch, split):
     """Decode steps (graph-shaped), mixed steps (split or not) and a prompt-scoring step, with greedy rows, seeded
     top-p/top-k/min-p rows, logprobs, logit_bias, penalties and min_tokens: the serving code waits for the device
     once a step, in read_back (the sampled ids and logprobs together); a step that also scores a prompt reads its
-    prompt logprobs once more. Every other host list goes to the device pinned and non-blocking."""
-    eng = make_engine(model, decode_graphs=True, split_mixed_steps=split, max_batch_tokens=10)
+    prompt logprobs once more. Every other host list goes to the device pinned and non-blocking. Synchronous
+    steps (async output off): with it a step reads back the step before it, so its outputs and reads do not pair
+    as counted here."""
+    eng = make_engine(model, decode_graphs=True, split_mixed_steps=split, max_batch_tokens=10, async_output=False)
     sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=3, logprobs=2,
                              logit_bias={11: 2.0}, min_tokens=2, stop_token_ids=[5])
     penalised = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.5,

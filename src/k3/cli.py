@@ -657,8 +657,9 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
     p.add_argument("--max-batch-tokens", type=_positive_int, default=8192, help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="concurrently running sequences")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--async-output", action="store_true",
-                   help="launch each decode step before reading the previous one back (host work overlaps the device)")
+    p.add_argument("--async-output", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each decode step before reading the previous one back (host work overlaps the device; "
+                        "on by default, --no-async-output reads every step back before the next launches)")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="run prompt-chunk steps through piecewise CUDA graphs (one per token bucket, broken at the "
                         "mixers' cores)")

@@ -222,6 +222,8 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
     try:
         if on_start is not None:
             on_start(engine)
+        if warmup:
+            warm_prefill_buckets(engine, seed + 7919)
         with local_server(create_app(engine, tokenizer, "k3")) as url:
             if warmup and concurrency:  # other random prompts (another seed): nothing for the timed run to hit
                 run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
@@ -243,6 +245,28 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def warm_prefill_buckets(engine, seed: int) -> None:
+    """Each prefill-graph token bucket once, before the server drives the engine: one request of exactly the
+    bucket's tokens (random ids, one output token) on the idle engine is one step of that bucket. The load's own
+    warm-up cannot promise this: which step sizes a load makes depends on when its requests arrive (with async
+    output a warm-up at c=2 missed a bucket its timed run used). Buckets past max_model_len are left to the load."""
+    graphs = engine.runner.prefill_graphs
+    if graphs is None:
+        return
+    from k3.serve.sampling import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    lo = min(64, engine.model.config.vocab_size - 1)  # clear of the special tokens
+    with torch.inference_mode():
+        for tokens in graphs.buckets:
+            if tokens + 1 > engine.max_model_len:
+                continue
+            engine.add_request([rng.randrange(lo, engine.model.config.vocab_size) for _ in range(tokens)], params)
+            while engine.has_unfinished():  # alone: the step holds this prompt's tokens and nothing else
+                engine.step()
 
 
 def graph_keys_used(engine) -> int:
