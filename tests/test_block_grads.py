@@ -102,11 +102,12 @@ def test_no_buffer_without_gradients():
             model(ids)
         assert seen == []
         model(ids)
-        # the control: with gradients every block (one per block start S) and every partial sum (two a layer:
-        # after the attention and after the MLP) is attached
-        L, S = model.config.num_hidden_layers, len(range(0, model.config.num_hidden_layers,
-                                                         model.config.attn_res_block_size))
-        assert len(seen) == S + 2 * L
+        # the control: with gradients the embedding (the first block) and every partial sum (two a layer:
+        # after the attention and after the MLP) is attached, each once: a later block is a partial sum, which
+        # the mix that adds it attaches
+        L = model.config.num_hidden_layers
+        assert len(seen) == 1 + 2 * L
+        assert len({id(t) for t in seen}) == len(seen)
     finally:
         attn_res.BlockGrads.attach = real
 
@@ -173,25 +174,34 @@ def block_uses(config: K3Config) -> list[int]:
 
 def test_model_through_the_fused_mixes(monkeypatch):
     """The tiny model (float32) with its mixes on the fused kernels (forced on for CPU tensors under the
-    interpreter; every other kernel as on CPU): the loss and every gradient as with the buffer off, and
-    autograd's adds in backward fewer by exactly Σ(readers − 1) over the blocks plus one per residual add onto
-    a partial sum that a mix reads (two a layer, but one in a layer that starts a block: its partial sum
-    starts as the attention output, no add)."""
+    interpreter; every other kernel as on CPU) and each residual add in the launch of the mix that reads its sum
+    (`_AttnResAddMixFused`): the loss and every gradient as with the buffer off and the adds separate; the
+    forward's adds fewer by one per residual add onto a partial sum (two a layer, but one in a layer that starts
+    a block: its partial sum starts as the attention output, no add), and autograd's adds in backward fewer by
+    exactly Σ(readers − 1) over the blocks plus that same count."""
     kernels()
     real_use = attn_res.use_triton
     monkeypatch.setattr(attn_res, "use_triton", lambda x, name: name == "_attn_res_triton" or real_use(x, name))
+    real_fused_add = attn_res._fused_add_mix
     model = tiny_model(3, torch.float32, DEVICE)
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
-    def run():
+    def run(fold_adds: bool):
+        monkeypatch.setattr(attn_res, "_fused_add_mix", real_fused_add if fold_adds else lambda *a: False)
         model.zero_grad(set_to_none=True)
-        loss = model(ids, labels=ids).loss
-        counter = _AddCounter()
-        with counter:
+        forward, backward = _AddCounter(), _AddCounter()
+        with forward:
+            loss = model(ids, labels=ids).loss
+        with backward:
             loss.backward()
-        return [loss.detach()] + [p.grad for p in model.parameters()], counter.adds
+        return [loss.detach()] + [p.grad for p in model.parameters()], forward.adds, backward.adds
 
-    (got, adds), (want, adds_ref) = both_paths(run)
+    with envs.override(no_block_grad_buffer=False):
+        got, fwd_adds, adds = run(True)
+    with envs.override(no_block_grad_buffer=True):
+        want, fwd_adds_ref, adds_ref = run(False)
     assert_all_close(got, want, 2e-5)
     L, uses = model.config.num_hidden_layers, block_uses(model.config)
-    assert adds_ref - adds == sum(n - 1 for n in uses) + 2 * L - len(uses) == 27  # tiny: 12 and 7 readers, 10
+    residual_adds = 2 * L - len(uses)
+    assert fwd_adds_ref - fwd_adds == residual_adds == 10
+    assert adds_ref - adds == sum(n - 1 for n in uses) + residual_adds == 27  # tiny: 12 and 7 readers, 10

@@ -241,13 +241,52 @@ class _AttnResMixFused(torch.autograd.Function):
         return du, dw, None, *(g if dest is None else None for g, dest in zip(grads, into))
 
 
+class _AttnResAddMixFused(torch.autograd.Function):
+    """`residual_add(p, x)` and then `_AttnResMixFused` over [*blocks, p + x], the add in the mix's forward launch
+    (k3.ops._attn_res_triton.mix_add_forward: p and x read, the sum written, instead of a separate add writing
+    it and the mix reading it again). Returns (mix, p + x). Backward: the sum's gradient is the mix's part plus
+    the one autograd brings for the sum (its other readers, through its BlockGrads slot), made by the mix's
+    kernel in one pass; it is x's gradient and p's, which goes to p's slot where p is attached, as
+    `_ResidualAdd` leaves it."""
+
+    @staticmethod
+    def forward(ctx, u, w, eps, p, x, *blocks):
+        ctx.set_materialize_grads(False)  # the sum may have no other reader: no zeros made for it
+        ctx.eps, ctx.sinks, ctx.p_sink = eps, _sinks(blocks), getattr(p, "_k3_block_grad", None)
+        sources = tuple(s.contiguous() for s in (*blocks, p))
+        out, total, scores, lse = triton_module("_attn_res_triton").mix_add_forward(u, w, eps, sources,
+                                                                                      x.contiguous())
+        ctx.save_for_backward(u, w, scores, lse, *sources[:-1], total)
+        return out, total
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_total):
+        u, w, scores, lse, *sources = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(sources[-1])
+        sinks = ctx.sinks or (None,) * (len(sources) - 1)
+        into = [None if sink is None else sink[0].buffer(sink[1], v) for sink, v in zip(sinks, sources)]
+        into.append(None if grad_total is None else (torch.empty_like(sources[-1]), grad_total.contiguous()))
+        du, dw, grads = triton_module("_attn_res_triton").mix_backward(grad_out, u, w, ctx.eps, tuple(sources),
+                                                                      scores, lse, into=into)
+        d_total = grads[-1]
+        d_p = d_total
+        if ctx.p_sink is not None:
+            ctx.p_sink[0].deposit(ctx.p_sink[1], d_total)
+            d_p = None
+        return du, dw, None, d_p, d_total, *(g if dest is None else None for g, dest in zip(grads, into[:-1]))
+
+
 def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: RMSNorm, proj: torch.nn.Linear,
                       out_norm: RMSNorm, add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A mix as a layer reads it: (p', out_norm(attn_res_mix(blocks + [p'], norm, proj))) with the partial sum
     p' = p + add (p without add, add where p is None: a fresh block's zeros).
 
     At inference on CUDA one launch does the add, the mix and the norm (k3.ops._attn_res_norm_triton;
-    K3_NO_TRITON=_attn_res_norm_triton turns it off); otherwise, and whenever a gradient is wanted, the separate ops, each autograd's."""
+    K3_NO_TRITON=_attn_res_norm_triton turns it off); in training one does the add and the mix
+    (`_AttnResAddMixFused`, where the mix takes k3.ops._attn_res_triton); otherwise the separate ops, each
+    autograd's. The add is always the next mix's (k3.model.decoder leaves each `p + ffn` to it)."""
     if p is None:
         p, add = add, None
     sources = [*blocks, p]
@@ -258,6 +297,9 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
                                             out_norm.eps, None if add is None else add.contiguous(),
                                             uw=_kept_score_weight(norm, proj, kernels.score_weight))
         return (p if total is None else total.view_as(p)), y.view_as(p)
+    if add is not None and _fused_add_mix(sources, add):
+        out, total = _AttnResAddMixFused.apply(norm.weight, proj.weight, norm.eps, p, add, *blocks)
+        return _attached_like(total, [p, *blocks]), out_norm(out)
     if add is not None:
         p = residual_add(p, add)
     else:
@@ -283,6 +325,14 @@ def _attached_like(p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
     if tag is None or getattr(p, "_k3_block_grad", None) is not None:
         return p
     return tag[0].attach(p)
+
+
+def _fused_add_mix(sources, add) -> bool:
+    """Whether a training mix takes the residual add into its launch (`_AttnResAddMixFused`): where the mix
+    itself takes k3.ops._attn_res_triton, with the add of the sources' dtype and shape."""
+    x = sources[0]
+    return (x.numel() > 0 and use_triton(x, "_attn_res_triton")
+            and all(t.dtype == x.dtype and t.shape == x.shape for t in [*sources, add]))
 
 
 def _fused_mix_norm(sources, add, norm, proj, out_norm) -> bool:

@@ -73,13 +73,14 @@ class K3Model(nn.Module):
         recompute = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         # each block's gradient summed in one buffer by the mixes that read it, not by autograd's pairwise adds
         block_grads = BlockGrads() if BlockGrads.wanted() else None
-        # Without a gradient each layer's `p + ffn` is left to the next mix, whose kernel does the add with it
-        # (k3.ops._attn_res_norm_triton: one launch fewer a layer); with one, BlockGrads attaches the sum itself.
-        defer = block_grads is None and not recompute
+        # Each layer's `p + ffn` is left to the next mix, whose kernel does the add with it (inference:
+        # k3.ops._attn_res_norm_triton, training: k3.ops._attn_res_triton's; one launch fewer a layer), and
+        # attaches the sum to BlockGrads; a checkpointed layer adds its own.
+        defer = not recompute
         ffn = None  # the last layer's FFN output, not yet added to p
         for l, layer in enumerate(self.layers):
             starts_block = l % block == 0
-            if starts_block and block_grads is not None:
+            if starts_block and block_grads is not None and ffn is None:  # (a deferred sum is attached by its mix)
                 p = block_grads.attach(p)
             if recompute:
                 p_next = _checkpointed_layer(layer, starts_block, p, blocks, doc_ids, mask)

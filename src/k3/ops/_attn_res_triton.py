@@ -11,8 +11,8 @@ per program summed after it in a fixed order. Its bytes floor is ∂L/∂out onc
 and the addend read: (1 + 3n) · rows · D · 2 bytes in bf16 (1.16 GB, ~260 µs at 4.5 TB/s, for `small`'s average mix
 of 3.5 sources at 8 × 4096 tokens; on an H200, session 14: 268 µs at 2 sources against a 171 µs floor, 694 at 5
 against 390, where the tiles kernel it replaced took 339 and 915: benchmarks/bench_gpu_kernels.py --backwards).
-Formulas: k3.model.attn_res. The forward kernel also serves inference's mix with the residual add before it and the
-norm after it (k3.ops._attn_res_norm_triton).
+Formulas: k3.model.attn_res. The forward kernel also takes the residual add before the mix (ADD: training's
+`mix_add_forward`, and inference's mix with the norm after it, k3.ops._attn_res_norm_triton).
 """
 import torch
 import triton
@@ -172,18 +172,35 @@ def _blocks(D: int) -> tuple[int, int]:
 
 def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[torch.Tensor, ...]):
     """(out like sources[0], scores [n, R] fp32, lse [R] fp32) for contiguous sources [..., D] of one dtype."""
+    out, scores, lse, _ = _forward(u, w, eps, sources, None)
+    return out, scores, lse
+
+
+def mix_add_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[torch.Tensor, ...],
+                    add: torch.Tensor):
+    """`mix_forward` of the sources with the last one replaced by `sources[-1] + add` (the residual add before
+    a training mix, in the same launch): (out, that sum, scores, lse). The sum is rounded to the sources' dtype
+    before the mix reads it, as the separate add would leave it; `mix_backward` takes it as the last source."""
+    out, scores, lse, total = _forward(u, w, eps, sources, add)
+    return out, total, scores, lse
+
+
+def _forward(u, w, eps, sources, add):
     D = sources[0].shape[-1]
     R = sources[0].numel() // D
     uw = u.float() * w.reshape(-1).float()
     out = torch.empty_like(sources[0])
+    total = None if add is None else torch.empty_like(sources[-1])
     scores = torch.empty(len(sources), R, dtype=torch.float32, device=out.device)
     lse = torch.empty(R, dtype=torch.float32, device=out.device)
     block_r, block_d = _blocks(D)
     with on_device(out):
-        _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse, out, out, uw, R, D, eps,
-                                                    0.0, N=len(sources), STATS=True, ADD=False, NORM=False,
+        _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse,
+                                                    out if add is None else add, out if total is None else total,
+                                                    uw, R, D, eps, 0.0, N=len(sources), STATS=True,
+                                                    ADD=add is not None, NORM=False,
                                                     BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"])
-    return out, scores, lse
+    return out, scores, lse, total
 
 
 def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
