@@ -16,7 +16,9 @@ views and allocations left out), by where: the engine around the forward (schedu
 zeroing, sampling), the runner's own (the step's layout, logits), the model's (KDA's cores counted apart, as calls:
 fla's on a GPU, the torch reference on a CPU) and the serving layouts' state reads and writes inside it. Counts,
 not times: on any device, and `--preset small-pattern` (small's 16 layers, 12 KDA + 4 MLA, 64 experts top-8, at
-tiny widths) makes a CPU pass fast; a count does not depend on widths.
+tiny widths) makes a CPU pass fast; a count does not depend on widths. Its last row is the model's own batched
+forward (no cache) of a full step's tokens, and per step kind it lists the ops launched beyond that forward's
+(what serving adds); `--dtype bfloat16` on a CPU counts the casts the GPU's dtype makes.
 Run: PYTHONPATH=src python benchmarks/profile_serve.py [--preset small --device cuda --streams 64]
     [--variants ';split_mixed_steps=true'] [--rounds 2] [--profile] [--sync-trace] [--census]
 A variant may also set k3.envs switches, e.g. `--variants 'fla_lean=false;fla_lean=true'` (fla's public chunk_kda
@@ -272,8 +274,10 @@ class OpCensus(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and func.overloadpacket.__name__ not in NOT_KERNELS:
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in NOT_KERNELS:
             self.counts[self.where] += 1
+            self.counts[(self.where, name)] += 1  # by op too: what a where's count is made of
         return out
 
 
@@ -320,9 +324,60 @@ def census(rec, prompts, params, streams) -> list[dict]:
         for obj, name, fn in reversed(patched):
             setattr(obj, name, fn)
     mean = lambda xs, key: sum(x[key] for x in xs) / len(xs)  # noqa: E731  (a step's rare work counts too)
-    return [dict(kind=kind, steps=len(xs), engine=mean(xs, "engine"), runner=mean(xs, "runner"),
-                 model=mean(xs, "model"), layouts=mean(xs, "layouts"), kda_core_calls=mean(xs, "kda core calls"))
-            for kind, xs in sorted(per_kind.items())]
+    rows = []
+    for kind, xs in sorted(per_kind.items()):
+        ops = collections.Counter()
+        for x in xs:
+            ops.update({k: v for k, v in x.items() if isinstance(k, tuple)})
+        rows.append(dict(kind=kind, steps=len(xs), engine=mean(xs, "engine"), runner=mean(xs, "runner"),
+                         model=mean(xs, "model"), layouts=mean(xs, "layouts"),
+                         kda_core_calls=mean(xs, "kda core calls"),
+                         ops={f"{w}/{op}": n / len(xs) for (w, op), n in ops.most_common()}))
+    return rows
+
+
+def forward_census(model, tokens: int, rows: int, vocab: int) -> dict:
+    """The model's own batched forward (no cache) over `tokens` tokens as `rows` rows: the ops it launches, as
+    `census` counts a step's (KDA cores as calls), so a serving step's extra ops show against it."""
+    import k3.model.kda as kda_model
+    tally, core, calls = OpCensus(), kda_model.kda_core, [0]
+
+    def counted_core(*a, **k):
+        before, tally.where = tally.where, "kda core"
+        calls[0] += 1
+        try:
+            return core(*a, **k)
+        finally:
+            tally.where = before
+    kda_model.kda_core = counted_core
+    ids = torch.randint(64, vocab, (rows, tokens // rows), device=next(model.parameters()).device)
+    try:
+        with torch.inference_mode(), tally:
+            tally.where = "model"
+            model(ids)
+    finally:
+        kda_model.kda_core = core
+    ops = collections.Counter({k: v for k, v in tally.counts.items() if isinstance(k, tuple)})
+    return dict(kind=f"model forward [{rows}, {tokens // rows}]", steps=1, engine=0, runner=0,
+                model=tally.counts["model"], layouts=0, kda_core_calls=calls[0],
+                ops={f"{w}/{op}": n for (w, op), n in ops.most_common()})
+
+
+def print_census_ops(rows: list[dict], top: int) -> None:
+    """Per row, its commonest ops by where (means per step); then, for each step kind, the ops (KDA cores left
+    out: fla on a GPU, the reference on a CPU) it launches beyond the model's own forward (the last row)."""
+    for r in rows:
+        print(f"  {r['kind']}: " + ", ".join(f"{k} {v:.3g}" for k, v in list(r["ops"].items())[:top]), flush=True)
+    base = collections.Counter()
+    for k, v in rows[-1]["ops"].items():
+        base[k.split("/", 1)[1]] += 0 if k.startswith("kda core/") else v
+    for r in rows[:-1]:
+        mine = collections.Counter()
+        for k, v in r["ops"].items():
+            mine[k.split("/", 1)[1]] += 0 if k.startswith("kda core/") else v
+        extra = sorted(((op, mine[op] - base[op]) for op in mine | base), key=lambda x: -abs(x[1]))
+        print(f"  {r['kind']} minus the forward: " + ", ".join(f"{op} {d:+.3g}" for op, d in extra[:top] if d),
+              flush=True)
 
 
 def static_batches(model, prompts, streams, out_len) -> tuple[float, int]:
@@ -357,6 +412,9 @@ def main():
                     "waits for the device per step, by site (CUDA only)")
     ap.add_argument("--census", action="store_true", help="also a short pass per variant counting each step's "
                     "kernel-launching torch ops by where they launch (any device)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="the model's dtype (default: bfloat16 on CUDA, float32 elsewhere)")
+    ap.add_argument("--census-top", type=int, default=25, help="ops listed per step kind under --census")
     ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, each round in the "
                     "reverse order of the one before: a process's first variant also pays for warm-up the untimed "
                     "wave misses (autotuning of new step shapes), so compare variants from round 2 on")
@@ -371,8 +429,8 @@ def main():
     torch.manual_seed(0)
     with torch.device(dev):
         model = K3ForCausalLM(cfg)
-    if dev.type == "cuda":
-        model = model.to(torch.bfloat16)
+    if a.dtype == "bfloat16" or (a.dtype is None and dev.type == "cuda"):
+        model = model.to(torch.bfloat16)  # the GPU's dtype; on a CPU, so that --census counts the casts it makes
     model.eval()
     g = torch.Generator().manual_seed(0)
     lo = 64  # clear of the special tokens
@@ -428,9 +486,13 @@ def main():
             with torch.inference_mode():
                 short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
                 row["census"] = census(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
-            print("\n== kernel-launching torch ops per step (means) by where they launch")
+                tokens = ecfg.max_batch_tokens
+                row["census"].append(forward_census(model, tokens, max(1, tokens // a.input_len), cfg.vocab_size))
+            print("\n== kernel-launching torch ops per step (means) by where they launch; last: the model's own "
+                  "forward of a full step's tokens")
             print(table(row["census"], ["kind", "steps", "engine", "runner", "model", "layouts", "kda_core_calls"]),
                   flush=True)
+            print_census_ops(row["census"], a.census_top)
         eng.close()
         variant_env.close()
         if dev.type == "cuda":
