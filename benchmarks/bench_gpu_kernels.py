@@ -39,8 +39,10 @@ against the torch forms), and KDA's core through fla with its backward recomputi
 intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total at `small`'s call counts
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards] [--kda-core]
+     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards] [--kda-core] [--residual-add]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
+--residual-add: only a training mix with the residual add before it, the add in the mix kernel's launch against
+the add separate (K3_NO_RESIDUAL_ADD_FOLD; `residual_add_rows`).
 """
 import argparse
 import math
@@ -370,6 +372,48 @@ def kda_core_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]
     return rows
 
 
+def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
+    """A training mix with the residual add before it (k3.model.attn_res.attn_res_mix_norm with `add`: p' = p + x,
+    then the mix over [blocks, p'] and its norm), 1 and 4 blocks [B, T, 1536] bf16: the add in the mix kernel's
+    forward launch (`_AttnResAddMixFused`, the default) against a separate add before it
+    (K3_NO_RESIDUAL_ADD_FOLD=1). fwd: with gradients recorded (the training forward; without, inference's mix +
+    norm kernel runs instead); fwd_bwd: against fixed upstream gradients for the normed mix and for p' (its other
+    readers). floor_fwd_us: the fold's forward bytes (blocks, p, x read; p', the mix written) over the copy
+    bandwidth; saved_per_step_ms: the fwd_bwd difference × small's 28 such mixes a step (2 a layer, less its 4
+    block starts)."""
+    D = 1536
+    gen = torch.Generator(device=device).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device).bfloat16()  # noqa: E731
+    norm, out_norm = RMSNorm(D, 1e-5).to(device), RMSNorm(D, 1e-5).to(device)
+    proj = torch.nn.Linear(D, 1, bias=False).to(device)
+    with torch.no_grad():
+        proj.weight.normal_(0, 0.05)
+    rows = []
+    for n_blocks in (1, 4):
+        leaves = [r(B, T, D).requires_grad_() for _ in range(n_blocks + 2)]  # blocks, p, x
+        g_y, g_p = r(B, T, D), r(B, T, D)
+        params = list(norm.parameters()) + list(proj.parameters()) + list(out_norm.parameters())
+
+        def fwd():
+            return attn_res_mix_norm(leaves[:n_blocks], leaves[-2], norm, proj, out_norm, add=leaves[-1])
+
+        def step():
+            p, y = fwd()
+            torch.autograd.grad([y, p], leaves + params, [g_y, g_p])
+
+        per = {}
+        for impl, off in (("add in the mix's launch (default)", False), ("separate add", True)):
+            with envs.override(no_residual_add_fold=off):
+                f_us, fb_us = time_ms(fwd, inner=20) * 1e3, time_ms(step, inner=10) * 1e3
+            per[off] = fb_us
+            nbytes = (n_blocks + 4) * B * T * D * 2
+            rows.append(dict(op=f"residual add + mix ({n_blocks} blocks + p)", impl=impl, fwd_us=f_us,
+                             fwd_bwd_us=fb_us, floor_fwd_us=nbytes / bw * 1e6,
+                             saved_per_step_ms=(per[True] - per[False]) * 28e-3 if off else 0.0))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8,4096", help="B,T")
@@ -379,6 +423,8 @@ def main():
                     help="only the AttnRes mix and short conv backwards, new against the kernels they replaced")
     ap.add_argument("--kda-core", action="store_true",
                     help="only KDA's core forward + backward, fla recomputing against keeping its intermediates")
+    ap.add_argument("--residual-add", action="store_true",
+                    help="only a training mix with its residual add folded in against the add separate")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
@@ -397,6 +443,10 @@ def main():
         print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "extra_GiB", "rel_err"]))
         return save("kda_core", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     bw = measure_ceilings()["copy_TBps"] * 1e12
+    if a.residual_add:
+        rows = residual_add_rows(B, T, bw)
+        print(table(rows, ["op", "impl", "fwd_us", "fwd_bwd_us", "floor_fwd_us", "saved_per_step_ms"]))
+        return save("residual_add", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     if a.gemv or a.gemv_sweep:
         gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")

@@ -90,7 +90,8 @@ def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dt
     ref = leaves([u, w, p, x, *blocks], torch.float64, "cpu")
     total = ref[2] + ref[3]
     want_out = _AttnResMix.apply(ref[0], ref[1], 1e-5, *ref[4:], total)
-    torch.autograd.backward([want_out] + ([total] if sum_read_on else []), [g_out] + ([g_sum] if sum_read_on else []))
+    torch.autograd.backward([want_out] + ([total] if sum_read_on else []),
+                            [g_out] + ([g_sum] if sum_read_on else []))
     want = [want_out, total] + [t.grad for t in ref]
 
     got_in = leaves([u, w], torch.float32, DEVICE) + leaves([p, x, *blocks], dtype, DEVICE)

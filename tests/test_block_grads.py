@@ -172,25 +172,30 @@ def block_uses(config: K3Config) -> list[int]:
     return uses
 
 
+def test_the_residual_add_fold_switch():
+    """K3_NO_RESIDUAL_ADD_FOLD: off unset, empty or "0"; on for "1"."""
+    assert [envs.parse(env).no_residual_add_fold for env in ({}, {"K3_NO_RESIDUAL_ADD_FOLD": ""},
+                                                             {"K3_NO_RESIDUAL_ADD_FOLD": "0"},
+                                                             {"K3_NO_RESIDUAL_ADD_FOLD": "1"})] == [False] * 3 + [True]
+
+
 def test_model_through_the_fused_mixes(monkeypatch):
     """The tiny model (float32) with its mixes on the fused kernels (forced on for CPU tensors under the
     interpreter; every other kernel as on CPU) and each residual add in the launch of the mix that reads its sum
-    (`_AttnResAddMixFused`): the loss and every gradient as with the buffer off and the adds separate; the
-    forward's adds fewer by one per residual add onto a partial sum (two a layer, but one in a layer that starts
-    a block: its partial sum starts as the attention output, no add), and autograd's adds in backward fewer by
-    exactly Σ(readers − 1) over the blocks plus that same count."""
+    (`_AttnResAddMixFused`): the loss and every gradient as with the buffer off and the adds separate
+    (K3_NO_RESIDUAL_ADD_FOLD); the forward's adds fewer by one per residual add onto a partial sum (two a layer,
+    but one in a layer that starts a block: its partial sum starts as the attention output, no add), and
+    autograd's adds in backward fewer by exactly Σ(readers − 1) over the blocks plus that same count."""
     kernels()
     real_use = attn_res.use_triton
     monkeypatch.setattr(attn_res, "use_triton", lambda x, name: name == "_attn_res_triton" or real_use(x, name))
-    real_fused_add = attn_res._fused_add_mix
     model = tiny_model(3, torch.float32, DEVICE)
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def run(fold_adds: bool):
-        monkeypatch.setattr(attn_res, "_fused_add_mix", real_fused_add if fold_adds else lambda *a: False)
         model.zero_grad(set_to_none=True)
         forward, backward = _AddCounter(), _AddCounter()
-        with forward:
+        with envs.override(no_residual_add_fold=not fold_adds), forward:
             loss = model(ids, labels=ids).loss
         with backward:
             loss.backward()

@@ -21,6 +21,8 @@
   one nn.Linear each, instead of one accumulating backward (k3.ops.fused_linear).
 - K3_NO_BLOCK_GRAD_BUFFER: "1" lets autograd sum the gradients of the AttnRes blocks over the mixes that read them,
   instead of each mix's backward adding into one buffer per block (k3.model.attn_res).
+- K3_NO_RESIDUAL_ADD_FOLD: "1" keeps each residual add before a training AttnRes mix as its own op, instead of in
+  the mix kernel's forward launch (k3.model.attn_res._AttnResAddMixFused); for timing the fold against it.
 - K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
 - K3_API_KEY: the key `k3 serve` requires ('Authorization: Bearer KEY') when --api-key is not given (as vLLM's
   VLLM_API_KEY): a key on the command line shows in `ps`, one in the environment does not.
@@ -58,6 +60,7 @@ class Switches:
     router_fp32: bool = False
     no_shared_input_grad: bool = False
     no_block_grad_buffer: bool = False
+    no_residual_add_fold: bool = False
     commit: str | None = None
     autotune_table: str | None = None  # None: the shipped table; "off"; or a path
     precompile_workers: int | None = None  # None: automatic
@@ -102,6 +105,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
                     router_fp32=get("K3_ROUTER_FP32") == "1",
                     no_shared_input_grad=_flag(get("K3_NO_SHARED_INPUT_GRAD")),
                     no_block_grad_buffer=_flag(get("K3_NO_BLOCK_GRAD_BUFFER")),
+                    no_residual_add_fold=_flag(get("K3_NO_RESIDUAL_ADD_FOLD")),
                     commit=get("K3_COMMIT") or None,
                     autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None,
                     precompile_workers=_count("K3_PRECOMPILE_WORKERS", get("K3_PRECOMPILE_WORKERS")),

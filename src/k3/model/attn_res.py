@@ -329,9 +329,10 @@ def _attached_like(p: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
 
 def _fused_add_mix(sources, add) -> bool:
     """Whether a training mix takes the residual add into its launch (`_AttnResAddMixFused`): where the mix
-    itself takes k3.ops._attn_res_triton, with the add of the sources' dtype and shape."""
+    itself takes k3.ops._attn_res_triton, with the add of the sources' dtype and shape (K3_NO_RESIDUAL_ADD_FOLD:
+    never)."""
     x = sources[0]
-    return (x.numel() > 0 and use_triton(x, "_attn_res_triton")
+    return (not envs.current().no_residual_add_fold and x.numel() > 0 and use_triton(x, "_attn_res_triton")
             and all(t.dtype == x.dtype and t.shape == x.shape for t in [*sources, add]))
 
 
