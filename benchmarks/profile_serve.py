@@ -175,18 +175,27 @@ def device_profile(rec, prompts, params, streams) -> list[dict]:
                                                       max_name_column_width=36, max_src_column_width=90), flush=True)
     evs = prof.events()
     spans = sorted((e.time_range.start, e.time_range.end) for e in evs if e.name == "k3_step")
-    kernels = sorted((e.time_range.start, e.device_time) for e in evs
+    kernels = sorted((e.time_range.start, e.device_time, e.name) for e in evs
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     # a kernel belongs to the step whose host span launched it: its device start falls after that step's start
     starts = [a for a, _ in spans] + [float("inf")]
     per = [[0.0, 0] for _ in spans]
+    named = collections.defaultdict(collections.Counter)  # step kind -> kernel name -> summed device us
     j = 0
-    for t, d in kernels:
+    for t, d, name in kernels:
         while j + 1 < len(spans) and t >= starts[j + 1]:
             j += 1
         if spans and t >= starts[0]:
             per[j][0] += d
             per[j][1] += 1
+            if j < len(marks):
+                named[marks[j]][name] += d
+    # what a prompt-chunk step's device time is made of (per step, us): the kernels to cut or replace
+    for kind, c in sorted(named.items()):
+        if "mixed" in kind or "prefill" in kind:
+            n = marks.count(kind)
+            print(f"== {kind}: top kernels, device us per step: " + "; ".join(
+                f"{name[:60]} {us / n:.0f}" for name, us in c.most_common(15)), flush=True)
     by = collections.defaultdict(list)
     for (a, b), (busy, n), kind in zip(spans, per, marks):
         by[kind].append(((b - a) / 1e3, busy / 1e3, n))
@@ -265,6 +274,14 @@ NOT_KERNELS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_s
                "detach", "detach_", "alias", "_reshape_alias", "set_", "_local_scalar_dense"}
 
 
+def copied(out, args) -> bool:
+    """A view op (by its schema) that made new memory: `to` and `contiguous`-like ops alias their input only when
+    nothing changes (aten.to.dtype is a view op on torch 2.13; a real cast is a kernel)."""
+    src = args[0] if args else None
+    return (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)
+            and out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr())
+
+
 class OpCensus(TorchDispatchMode):
     """Kernel-launching torch ops by label; `where` is set by the wrappers `census` installs."""
 
@@ -275,7 +292,7 @@ class OpCensus(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in NOT_KERNELS:
+        if name not in NOT_KERNELS and (not func.is_view or copied(out, args)):
             self.counts[self.where] += 1
             self.counts[(self.where, name)] += 1  # by op too: what a where's count is made of
         return out

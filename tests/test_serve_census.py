@@ -1,5 +1,6 @@
 """profile_serve's op census: its baseline row (the model's own forward, KDA cores counted apart) adds up, and
-its counter skips views and allocations but counts each kernel-launching op once, by where and by name."""
+its counter skips views and allocations but counts each kernel-launching op once (a real cast too, though
+aten.to is a view op by schema), by where and by name."""
 import sys
 from pathlib import Path
 
@@ -19,8 +20,10 @@ def test_op_census_counts_launching_ops_by_where_and_name():
         x.fill_(1.0)
         tally.where = "runner"
         y = (x.view(2, 2) + 2) * 3  # a view (none), then add and mul
-    assert y.sum().item() == 36
-    assert tally.counts["engine"] == 1 and tally.counts["runner"] == 2
+        tally.where = "cast"
+        same, half = y.to(torch.float32), y.to(torch.bfloat16)  # a no-op `to` (none), then a real cast (one)
+    assert y.sum().item() == 36 and same is y and half.dtype == torch.bfloat16
+    assert tally.counts["engine"] == 1 and tally.counts["runner"] == 2 and tally.counts["cast"] == 1
     assert tally.counts[("engine", "fill_")] == 1
     assert tally.counts[("runner", "add")] == tally.counts[("runner", "mul")] == 1
     assert not any(isinstance(k, tuple) and k[1] in ("empty", "view") for k in tally.counts)
