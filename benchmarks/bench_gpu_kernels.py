@@ -378,9 +378,10 @@ def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[d
     forward launch (`_AttnResAddMixFused`, the default) against a separate add before it
     (K3_NO_RESIDUAL_ADD_FOLD=1). fwd: with gradients recorded (the training forward; without, inference's mix +
     norm kernel runs instead); fwd_bwd: against fixed upstream gradients for the normed mix and for p' (its other
-    readers). floor_fwd_us: the fold's forward bytes (blocks, p, x read; p', the mix written) over the copy
-    bandwidth; saved_per_step_ms: the fwd_bwd difference × small's 28 such mixes a step (2 a layer, less its 4
-    block starts)."""
+    readers; without BlockGrads here, the separate add's side also sums those two in one more add, which the
+    model's buffers do in the mix kernel either way). floor_fwd_us: the fold's forward bytes (blocks, p, x read;
+    p', the mix written) over the copy bandwidth; saved_per_step_ms: the fwd difference × small's 28 such mixes a
+    step (2 a layer, less its 4 block starts)."""
     D = 1536
     gen = torch.Generator(device=device).manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen, device=device).bfloat16()  # noqa: E731
@@ -405,7 +406,7 @@ def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[d
         for impl, off in (("add in the mix's launch (default)", False), ("separate add", True)):
             with envs.override(no_residual_add_fold=off):
                 f_us, fb_us = time_ms(fwd, inner=20) * 1e3, time_ms(step, inner=10) * 1e3
-            per[off] = fb_us
+            per[off] = f_us
             nbytes = (n_blocks + 4) * B * T * D * 2
             rows.append(dict(op=f"residual add + mix ({n_blocks} blocks + p)", impl=impl, fwd_us=f_us,
                              fwd_bwd_us=fb_us, floor_fwd_us=nbytes / bw * 1e6,
