@@ -210,3 +210,30 @@ def test_model_through_the_fused_mixes(monkeypatch):
     residual_adds = 2 * L - len(uses)
     assert fwd_adds_ref - fwd_adds == residual_adds == 10
     assert adds_ref - adds == sum(n - 1 for n in uses) + residual_adds == 27  # tiny: 12 and 7 readers, 10
+
+
+def test_model_through_the_fused_mixes_with_checkpointing(monkeypatch):
+    """As above with each layer recomputed in backward (its attention's residual add in the fused mix, run again
+    by the recomputation): every gradient as with the buffer off and the adds separate."""
+    kernels()
+    real_use = attn_res.use_triton
+    monkeypatch.setattr(attn_res, "use_triton", lambda x, name: name == "_attn_res_triton" or real_use(x, name))
+    folded = []
+    real_apply = attn_res._AttnResAddMixFused.apply
+    monkeypatch.setattr(attn_res._AttnResAddMixFused, "apply", lambda *a: folded.append(1) or real_apply(*a))
+    model = tiny_model(5, torch.float32, DEVICE)
+    model.model.gradient_checkpointing = True
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    with envs.override(no_block_grad_buffer=False):
+        got = run()
+    with envs.override(no_block_grad_buffer=True, no_residual_add_fold=True):
+        want = run()
+    L, starts = model.config.num_hidden_layers, len(block_uses(model.config))
+    assert len(folded) == 2 * (L - starts)  # each layer's attention add, in the forward and in its recomputation
+    assert_all_close(got, want, 2e-5)
