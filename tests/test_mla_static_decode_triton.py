@@ -191,11 +191,15 @@ def _tiny(seed, steps):
     return cfg, model, torch.randint(0, cfg.vocab_size, (B, T + n), device=DEVICE), (B, T, n)
 
 
+@pytest.mark.parametrize("absorbed", [False, True], ids=["q_b", "absorbed_q"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_tiny_decode_with_the_kernel_equals_the_full_forward(monkeypatch, compiled):
+def test_tiny_decode_with_the_kernel_equals_the_full_forward(monkeypatch, compiled, absorbed):
     """`tiny` (fp32) decoding over a StaticCache with the kernel forced on (the interpreter on a CPU): the full
     forward's logits and the same greedy picks as decoding with it off; it ran at every MLA layer and step
-    (compiled: GraphedDecodeStep's core under torch.compile, aot_eager, where it is an op of the graph)."""
+    (compiled: GraphedDecodeStep's core under torch.compile, aot_eager, where it is an op of the graph).
+    absorbed: the kept weights switched on (fuse_projections), so q_b and W_UK are one GEMM and q_b_proj is not
+    called in the decode steps."""
+    from k3.ops.fused_linear import fuse_projections
     from compile_recording import recording_backend
 
     from k3.ops import grouped_mm
@@ -235,7 +239,15 @@ def test_tiny_decode_with_the_kernel_equals_the_full_forward(monkeypatch, compil
         full = model(ids).logits
         off = decode(kernel_on=False)
         assert not calls
+        q_b_calls = []
+        if absorbed:
+            fuse_projections(model)
+            for layer in model.model.layers:
+                if layer.is_mla:
+                    layer.self_attn.q_b_proj.register_forward_hook(lambda *a: q_b_calls.append(1))
         on = decode(kernel_on=True, compiled=compiled)
+    # the prefill calls q_b_proj once a layer; the decode steps only without the fold
+    assert len(q_b_calls) == (len(cfg.mla_layer_ids) if absorbed else 0)
     mla_layers = len(cfg.mla_layer_ids)
     assert mla_layers > 0
     if compiled:
@@ -279,3 +291,37 @@ def test_graphed_decode_with_the_kernel_matches_eager_and_full_forward(compile):
 
     with envs.override(triton_opt_in=[OURS]):
         _graphed_decode_case(compile)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_absorbed_query_weight_equals_q_b_then_w_uk_and_follows_a_load(seed):
+    """MLA's kept absorbed query weight (k3.model.mla.AbsorbedQueryWeight) in float64, odd widths: its GEMM gives
+    each head's q_nope·W_UK and q_rope as q_b_proj then the per-head product do; after a weight load (in place)
+    the kept tensor follows, in the same storage (a captured graph stays valid)."""
+    from torch import nn
+
+    from k3.model.mla import AbsorbedQueryWeight
+
+    torch.manual_seed(seed)
+    H, nope, rope, R, Q, v = 3, 5, 3, 7, 11, 4
+    q_b = nn.Linear(Q, H * (nope + rope), bias=False).double()
+    kv_b = nn.Linear(R, H * (nope + v), bias=False).double()
+    kept = AbsorbedQueryWeight(q_b, kv_b, H, nope, rope, R)
+    kept.refresh()
+    x = torch.randn(2, Q, dtype=torch.float64)
+
+    def want():
+        q = (x @ q_b.weight.T).view(2, H, nope + rope)
+        w_uk = kv_b.weight.view(H, nope + v, R)[:, :nope]
+        return torch.einsum("bhn,hnr->bhr", q[..., :nope], w_uk), q[..., nope:]
+
+    with torch.no_grad():  # (with a gradient wanted the weight is made afresh, not kept)
+        for _ in range(2):
+            got = (x @ kept.current().T).view(2, H, R + rope)
+            q_lat, q_rope = want()
+            torch.testing.assert_close(got[..., :R], q_lat, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[..., R:], q_rope, rtol=1e-12, atol=1e-12)
+            ptr = kept.weight.data_ptr()
+            q_b.weight.copy_(torch.randn_like(q_b.weight))
+            kv_b.weight.copy_(torch.randn_like(kv_b.weight))
+            assert kept.current().data_ptr() == ptr

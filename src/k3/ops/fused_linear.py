@@ -162,10 +162,10 @@ class _SharedInputProjections(torch.autograd.Function):
 
 
 def fuse_projections(model: nn.Module) -> None:
-    """Switch on (or rewrite from the current weights) every StackedWeights of `model` (the FusedLinears, KDA's
-    short-conv weights); called by the decode drivers before they compile or capture a step, so the compiled code
-    and the graph find the stacked weights."""
+    """Switch on (or rewrite from the current weights) every DerivedWeight of `model` (the FusedLinears, KDA's
+    short-conv weights, MLA's absorbed query weight); called by the decode drivers before they compile or capture a
+    step, so the compiled code and the graph find the kept weights."""
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, StackedWeights) and not value.owners[0].weight.is_meta:
+            if isinstance(value, DerivedWeight) and not value.owners[0].weight.is_meta:
                 value.refresh(force=True)
