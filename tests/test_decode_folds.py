@@ -240,3 +240,30 @@ def test_bf16_moe_hands_the_routers_fp32_weights_to_its_experts(rows, monkeypatc
     assert handed[-1] == torch.bfloat16
     scale = cast_first.float().abs().max().item()
     torch.testing.assert_close(got.float(), cast_first.float(), rtol=2 ** -6, atol=2 ** -6 * scale)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_dense_mlp_joins_gate_and_up_at_one_row(seed):
+    """Layer 0's dense SiTU MLP at inference: with the stacked weight on (fuse_projections), one row (a batch-1
+    decode step) takes gate and up as one GEMM, neither linear called, and equals the two GEMMs' output; at 3 rows
+    (odd) the two GEMMs run (the joined halves would be copied), same output. The MoE's shared experts keep no
+    stack of their own (their gate and up sit in the MoE's input projections)."""
+    from k3.ops.fused_linear import fuse_projections
+
+    model = _model(seed=seed)
+    mlp = model.model.layers[0].mlp
+    assert mlp.in_proj is not None
+    assert all(layer.block_sparse_moe.shared_experts.in_proj is None
+               for layer in model.model.layers[1:] if getattr(layer.block_sparse_moe, "shared_experts", None))
+    D = model.config.hidden_size
+    with torch.no_grad():
+        xs = [torch.randn(1, 1, D, device=DEVICE), torch.randn(3, 1, D, device=DEVICE)]
+        want = [mlp(x) for x in xs]  # stack off: the two GEMMs
+        fuse_projections(model)
+        calls = []
+        hook = mlp.gate_proj.register_forward_hook(lambda *a: calls.append(1))
+        for x, base, joined in zip(xs, want, (True, False)):
+            calls.clear()
+            torch.testing.assert_close(mlp(x), base, rtol=1e-5, atol=1e-5)
+            assert len(calls) == (0 if joined else 1)
+        hook.remove()

@@ -71,7 +71,7 @@ class LatentMoE(nn.Module):
         self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
         self.routed_expert_norm = RMSNorm(L, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
         self.routed_expert_up_proj = DecodeLinear(L, D, bias=False)
-        self.shared_experts = (SiTUMLP(config, D, config.shared_intermediate_size)
+        self.shared_experts = (SiTUMLP(config, D, config.shared_intermediate_size, join_inputs=False)
                                if config.num_shared_experts > 0 else None)
         # Router scores of the last training forward, for the load balancer (k3.balance); never used at inference.
         self.last_scores: torch.Tensor | None = None
