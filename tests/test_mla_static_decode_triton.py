@@ -325,3 +325,30 @@ def test_absorbed_query_weight_equals_q_b_then_w_uk_and_follows_a_load(seed):
             q_b.weight.copy_(torch.randn_like(q_b.weight))
             kv_b.weight.copy_(torch.randn_like(kv_b.weight))
             assert kept.current().data_ptr() == ptr
+
+
+def test_absorbed_query_through_the_gemv_with_the_q_a_norm(monkeypatch):
+    """The fold with the decode GEMV forced (the interpreter on a CPU): the absorbed weight's GEMM takes the q_a
+    norm in the kernel's prologue; `tiny`'s decode steps equal its full forward, and the GEMM ran at every MLA
+    layer and step with the absorbed shape [H·(kv_rank+rope), q_lora_rank]."""
+    import k3.model.mla as mla
+    from k3.ops import gemv
+    from k3.ops.fused_linear import fuse_projections
+
+    cfg, model, ids, (B, T, n) = _tiny(seed=9, steps=2)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(mla_static_decode, "use_triton_op", lambda x, name: name == OURS)
+    launched = []
+    real = gemv._launch
+    monkeypatch.setattr(gemv, "_launch", lambda *a, **k: (launched.append(tuple(a[1].shape)), real(*a, **k))[1])
+    with torch.no_grad(), envs.override(triton_opt_in=[OURS, "_gemv_triton"]), gemv.force_gemv(True):
+        full = model(ids).logits
+        fuse_projections(model)
+        cache = model.new_cache(B, T + n)
+        model(ids[:, :T], cache=cache)
+        launched.clear()
+        steps = [model(ids[:, t:t + 1], cache=cache).logits[:, 0] for t in range(T, T + n)]
+    absorbed = (cfg.num_attention_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.q_lora_rank)
+    assert launched.count(absorbed) == len(cfg.mla_layer_ids) * n
+    for i, got in enumerate(steps):
+        torch.testing.assert_close(got, full[:, T + i], rtol=2e-4, atol=2e-4)
