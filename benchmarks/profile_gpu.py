@@ -22,6 +22,7 @@ from gpu_bench_util import save, time_ms  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.cuda_graph import GraphedDecodeStep  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from k3.ops.fused_linear import fuse_projections  # noqa: E402
 
 
 def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0) -> dict:
@@ -84,6 +85,7 @@ def main():
         torch.cuda.empty_cache()
     if "decode" in a.case:
         model.eval()
+        fuse_projections(model)  # the projections as the graphed step and the engine run them (one GEMM a mixer)
         for B in (int(b) for b in a.decode_batches.split(",")):
             tok = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
             with torch.no_grad():
