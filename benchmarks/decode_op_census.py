@@ -46,19 +46,12 @@ from k3.model.decoder import K3ForCausalLM
 from k3.ops import triton_dispatch
 from k3.ops.fused_linear import fuse_projections
 
+sys.path.insert(0, os.path.dirname(__file__))
+from op_census import HOST_READS, launches_kernel  # noqa: E402
+
 _active_census: list = []  # the census running now (for launches counted without running them)
 KINDS = ("embed", "KDA", "MLA", "MoE", "dense MLP", "AttnRes", "head", "cache")
-# allocations and other ops that launch nothing (views are found from their schema: OpOverload.is_view)
-NO_KERNEL = {"_unsafe_view", "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
-             "detach", "_reshape_alias", "sym_size", "sym_stride", "sym_numel", "is_same_size", "set_"}
-HOST_READS = {"_local_scalar_dense", "item", "is_nonzero"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _launches(func) -> bool:
-    """Whether an op launches a kernel: not a view, an allocation or a host read (k3's and other custom ops do)."""
-    short = func._schema.name.split("::")[-1]
-    return func.namespace not in ("aten", "prim") or not (func.is_view or short in NO_KERNEL or short in HOST_READS)
 
 
 class Census(TorchDispatchMode):
@@ -76,12 +69,10 @@ class Census(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name  # "aten::mm", "k3::route_tokens_decode"
-        short = name.split("::")[-1]
-        if short in HOST_READS:
+        if name.split("::")[-1] in HOST_READS:
             self.host_reads[self.kinds[-1]] += 1
-        elif _launches(func):
-            self.counts[self.kinds[-1], name] += 1
         if func.namespace == "k3":
+            self.counts[self.kinds[-1], name] += 1
             self.in_custom_op += 1
             try:
                 opdef = _maybe_get_opdef(func) if self.inside is not None else None
@@ -91,7 +82,10 @@ class Census(TorchDispatchMode):
                     return opdef._init_fn(*args, **(kwargs or {}))
             finally:
                 self.in_custom_op -= 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if launches_kernel(func, args, out):
+            self.counts[self.kinds[-1], name] += 1
+        return out
 
     def triton_launch(self, kernel_name: str) -> None:
         if not self.in_custom_op:
@@ -117,7 +111,7 @@ class _InsideCustomOp(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         ins = {id(t) for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)}
-        if _launches(func) and not (isinstance(out, torch.Tensor) and id(out) in ins):
+        if launches_kernel(func, args, out) and not (isinstance(out, torch.Tensor) and id(out) in ins):
             self.census.inside[self.census.kinds[-1], self.op, func._schema.name] += 1
         return out
 

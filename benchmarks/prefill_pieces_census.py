@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,9 +25,8 @@ from k3.config import _scaled
 from k3.serve import EngineConfig, LLMEngine, SamplingParams
 from k3.serve import prefill_graphs as pg
 
-NOT_KERNELS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
-               "detach", "detach_", "alias", "_reshape_alias", "set_", "_local_scalar_dense"}
-
+sys.path.insert(0, os.path.dirname(__file__))
+from op_census import launches_kernel  # noqa: E402
 
 class Census(TorchDispatchMode):
     """Kernel-launching ops by where they run: `where` is set by the wrappers below."""
@@ -36,7 +37,7 @@ class Census(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and func.overloadpacket.__name__ not in NOT_KERNELS:
+        if launches_kernel(func, args, out):
             self.counts[self.where] += 1
         return out
 

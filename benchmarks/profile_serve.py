@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench_util import save, table  # noqa: E402
+from op_census import launches_kernel  # noqa: E402
 
 import k3.serve.engine as engine_mod  # noqa: E402
 from k3 import envs  # noqa: E402
@@ -269,19 +270,6 @@ def sync_trace(rec, prompts, params, streams) -> list[dict]:
     return rows
 
 
-# allocations and metadata: no kernel on a GPU (as benchmarks/prefill_pieces_census.py)
-NOT_KERNELS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
-               "detach", "detach_", "alias", "_reshape_alias", "set_", "_local_scalar_dense"}
-
-
-def copied(out, args) -> bool:
-    """A view op (by its schema) that made new memory: `to` and `contiguous`-like ops alias their input only when
-    nothing changes (aten.to.dtype is a view op on torch 2.13; a real cast is a kernel)."""
-    src = args[0] if args else None
-    return (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)
-            and out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr())
-
-
 class OpCensus(TorchDispatchMode):
     """Kernel-launching torch ops by label; `where` is set by the wrappers `census` installs."""
 
@@ -292,7 +280,7 @@ class OpCensus(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name not in NOT_KERNELS and (not func.is_view or copied(out, args)):
+        if launches_kernel(func, args, out):
             self.counts[self.where] += 1
             self.counts[(self.where, name)] += 1  # by op too: what a where's count is made of
         return out
