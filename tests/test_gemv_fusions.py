@@ -12,7 +12,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from k3.config import K3Config  # noqa: E402
-from k3.model.moe import LatentMoE  # noqa: E402
 from k3.model.norm import RMSNorm  # noqa: E402
 from k3.ops import _gemv_triton, gemv  # noqa: E402
 from k3.ops.gemv import force_gemv, kernel_wins, linear, use_gemv  # noqa: E402
@@ -104,13 +103,9 @@ def test_moe_decode_takes_norm_up_and_shared_add_in_one_kernel(dtype, monkeypatc
     (gate and up) is the same launch's first segment, and the layer's output equals the unfused layer's (the
     norm, the GLU, the F.linears, the add)."""
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_block_n", 64)  # fewer, larger programs: the interpreter's pace
-    cfg = K3Config.preset("tiny")
-    torch.manual_seed(0)
-    moe = LatentMoE(cfg).to(DEVICE, dtype).eval()
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0.0, 0.2)
-        moe.routed_expert_norm.weight.uniform_(0.5, 1.5)
+    from test_gemv_pair import _moe
+
+    cfg, moe = _moe(dtype)
     x = torch.randn(2, 1, cfg.hidden_size, device=DEVICE, dtype=dtype)
     launches, norm_calls = [], []
     launch = gemv._launch
