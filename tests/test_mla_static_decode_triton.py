@@ -306,7 +306,7 @@ def test_absorbed_query_weight_equals_q_b_then_w_uk_and_follows_a_load(seed):
     H, nope, rope, R, Q, v = 3, 5, 3, 7, 11, 4
     q_b = nn.Linear(Q, H * (nope + rope), bias=False).double()
     kv_b = nn.Linear(R, H * (nope + v), bias=False).double()
-    kept = AbsorbedQueryWeight(q_b, kv_b, H, nope, rope, R)
+    kept = AbsorbedQueryWeight(q_b, kv_b, nope, rope, R)
     kept.refresh()
     x = torch.randn(2, Q, dtype=torch.float64)
 

@@ -29,8 +29,10 @@ class AbsorbedQueryWeight(DerivedWeight):
     At one decode token that GEMM replaces q_b's and the per-head q_nope·W_UK product after it: one launch fewer
     for 0.2M more weight elements read (small: 1.47M against 0.88M + 0.39M)."""
 
-    def __init__(self, q_b_proj: nn.Module, kv_b_proj: nn.Module, heads: int, nope: int, rope: int, kv_rank: int):
+    def __init__(self, q_b_proj: nn.Module, kv_b_proj: nn.Module, nope: int, rope: int, kv_rank: int):
         def make(w_q: torch.Tensor, w_kv: torch.Tensor) -> torch.Tensor:
+            # the heads the weights hold now: tensor parallelism leaves a rank a slice of them
+            heads = w_q.shape[0] // (nope + rope)
             w_q = w_q.view(heads, nope + rope, -1)
             w_uk = w_kv.view(heads, -1, kv_rank)[:, :nope]
             acc = torch.promote_types(w_q.dtype, torch.float32)  # (bf16 weights: the product summed in fp32)
@@ -152,7 +154,7 @@ class MultiHeadLatentAttention(nn.Module):
         # the three projections that read x, one GEMM at inference (the parameters keep their released names)
         self.in_proj = FusedLinears(self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)
         # decode over a StaticCache: q_b and W_UK as one kept product (switched on by fuse_projections)
-        self.absorbed_q = AbsorbedQueryWeight(self.q_b_proj, self.kv_b_proj, H, self.nope, self.rope, self.kv_rank)
+        self.absorbed_q = AbsorbedQueryWeight(self.q_b_proj, self.kv_b_proj, self.nope, self.rope, self.kv_rank)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """x: [B, T, D] (already normalised); `cache` as in `mla_layout`."""
