@@ -15,9 +15,7 @@ def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Line
     `norm` holds the key norm weight u, `proj` the pseudo-query w as a [1, D] weight. For backward only the
     sources themselves and two [n, B, T] statistics are kept (not fp32 copies of the [n, B, T, D] stack).
     """
-    x = sources[0]
-    if x.numel() and use_triton(x, "_attn_res_triton") and all(s.dtype == x.dtype and s.shape == x.shape
-                                                                 for s in sources):
+    if _kernel_takes(sources, "_attn_res_triton"):
         return _AttnResMixFused.apply(norm.weight, proj.weight, norm.eps, *sources)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in [*sources, norm.weight, proj.weight])):
         # inference: the forward alone (Dynamo mis-binds a Function's *sources when no gradient is recorded)
@@ -331,19 +329,23 @@ def _fused_add_mix(sources, add) -> bool:
     """Whether a training mix takes the residual add into its launch (`_AttnResAddMixFused`): where the mix
     itself takes k3.ops._attn_res_triton, with the add of the sources' dtype and shape (K3_NO_RESIDUAL_ADD_FOLD:
     never)."""
-    x = sources[0]
-    return (not envs.current().no_residual_add_fold and x.numel() > 0 and use_triton(x, "_attn_res_triton")
-            and all(t.dtype == x.dtype and t.shape == x.shape for t in [*sources, add]))
+    return not envs.current().no_residual_add_fold and _kernel_takes([*sources, add], "_attn_res_triton")
 
 
 def _fused_mix_norm(sources, add, norm, proj, out_norm) -> bool:
     """Whether `attn_res_mix_norm` takes the one-launch kernel: no gradient wanted, CUDA sources (and add) of one
     dtype and shape that the kernel takes (k3.ops.triton_dispatch.use_triton_op: inside torch.compile too, where
     the kernel is the custom op k3::attn_res_mix_norm), a norm weight over their width."""
-    x = sources[0]
     tensors = sources if add is None else [*sources, add]
     if torch.is_grad_enabled() and any(t.requires_grad for t in [*tensors, norm.weight, proj.weight, out_norm.weight]):
         return False
-    return (x.numel() > 0 and use_triton_op(x, "_attn_res_norm_triton")
-            and all(t.dtype == x.dtype and t.shape == x.shape for t in tensors)
-            and out_norm.weight.shape == x.shape[-1:])
+    return (_kernel_takes(tensors, "_attn_res_norm_triton", inside_compile=True)
+            and out_norm.weight.shape == tensors[0].shape[-1:])
+
+
+def _kernel_takes(tensors, name: str, inside_compile: bool = False) -> bool:
+    """Whether the kernels of k3.ops.<name> take these tensors: not empty, one dtype and shape, and the kernel
+    chosen for them (triton_dispatch's use_triton; with inside_compile, use_triton_op: inside torch.compile too)."""
+    x = tensors[0]
+    chosen = use_triton_op if inside_compile else use_triton
+    return x.numel() > 0 and chosen(x, name) and all(t.dtype == x.dtype and t.shape == x.shape for t in tensors)
