@@ -1,0 +1,163 @@
+"""KDA's chunk backward, the stage after the state-gradient pass: the gradients that flow through each chunk's
+state h and through its WY form (fla 0.6's `chunk_kda_bwd_wy_dqkg_fused`, same inputs, outputs and layouts;
+k3.ops.kda_fla_backend hands it to fla's dispatcher). The plain PyTorch reference is k3.ops.kda_bwd_ref.
+
+Per chunk of BT tokens (g a base-2 log-decay cumsum within the chunk, gn its last row, A the chunk's WY matrix,
+dv the state pass's gradient of v_new):
+    dq = scale 2^g ⊙ (do h^T)                     dk = 2^(gn-g) ⊙ (v_new dh^T) + β 2^g ⊙ (A^T dw)
+    dw = -dv h^T                                   dg = q ⊙ dq - k ⊙ dk_h + [last row] dgn + β kg ⊙ (A^T dw)
+    dv2 = β ⊙ (A^T dv)                              db = rowsum(A^T dv ⊙ (v - kg h))
+    dA = -mask(A^T (mask(dv (v - kg h)^T) ⊙ β_col) A^T),   kg = k ⊙ 2^g
+fla computes all of this in one program a chunk, which holds four [BT, BK] accumulators and the [BT, BT] dA across
+its K loop: 255 registers and ~1.4 KB of spills a thread, 2 programs an SM (benchmarks/sass_kda_bwd.py).
+Here the work is split by what it needs:
+- `_dqkg_kernel`: one program per (K block, chunk, head): dq, dk, dg of its K columns. Three accumulators.
+- `_dv_dA_kernel`: one program per (chunk, head): dv2, db and dA. fla sums dA's and db's K-dependent part over K
+  blocks (-dw kg^T); since dw = -dv h^T that part is -dv (kg h)^T, so one pass over V with kg h formed there
+  (one more [BT, K] x [K, BV] product a tile, far cheaper than the spills) gives dA and db whole: no cross-program sum.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.triton_dispatch import on_device
+
+CHUNK = 64
+# tile sizes and warps of the two kernels (benchmarks/sass_kda_bwd.py compiles these for sm_90)
+DQKG_BK, DQKG_BV, DQKG_WARPS = 64, 64, 4
+DVA_BK, DVA_BV, DVA_WARPS = 64, 64, 4
+
+
+@triton.jit
+def _dqkg_kernel(q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, ACC: tl.constexpr):
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    bos = (i_b * T).to(tl.int64)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    last = tl.minimum(T, i_t * BT + BT) - 1
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    state = ((i_b * NT + i_t).to(tl.int64) * H + i_h) * K * V
+    rows_v = (bos + o_t[:, None]) * (H * V) + i_h * V  # [BT, 1] offsets of rows in v_new, do, dv
+    # h, dh: [K, V] a chunk (K-first); read as [BK, BV] tiles
+    p_h = h + state + o_k[:, None] * V + o_v[None, :]
+    p_dh = dh + state + o_k[:, None] * V + o_v[None, :]
+
+    b_dq = tl.zeros([BT, BK], dtype=ACC)
+    b_dk = tl.zeros([BT, BK], dtype=ACC)
+    b_dw = tl.zeros([BT, BK], dtype=ACC)
+    b_dgn = tl.zeros([BK], dtype=ACC)  # sum over V of h ⊙ dh: the last row's share of dg
+    for i_v in range(0, V, BV):
+        m_tv = m_t[:, None]
+        b_do = tl.load(do + rows_v + i_v + o_v[None, :], mask=m_tv, other=0.0)
+        b_vn = tl.load(v_new + rows_v + i_v + o_v[None, :], mask=m_tv, other=0.0)
+        b_dv = tl.load(dv + rows_v + i_v + o_v[None, :], mask=m_tv, other=0.0)
+        b_h = tl.load(p_h + i_v)
+        b_dh = tl.load(p_dh + i_v)
+        b_dgn += tl.sum(b_h.to(ACC) * b_dh.to(ACC), axis=1)
+        b_dq = tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), b_dq, out_dtype=ACC)
+        b_dk = tl.dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), b_dk, out_dtype=ACC)
+        b_dw = tl.dot(b_dv.to(b_do.dtype), tl.trans(b_h.to(b_do.dtype)), b_dw, out_dtype=ACC)
+
+    rows_k = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+    m_tk = m_t[:, None]
+    b_g = tl.load(g + rows_k, mask=m_tk, other=0.0).to(ACC)
+    b_gn = tl.load(g + (bos + last) * (H * K) + i_h * K + o_k).to(ACC)
+    b_k = tl.load(k + rows_k, mask=m_tk, other=0.0).to(ACC)
+    b_q = tl.load(q + rows_k, mask=m_tk, other=0.0).to(ACC)
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)
+    # A^T: element [j, i] = A[i, j] of the chunk's rows i
+    o_a = tl.arange(0, BT)
+    b_At = tl.load(A + (bos + o_t[None, :]) * (H * BT) + i_h * BT + o_a[:, None], mask=m_t[None, :], other=0.0)
+
+    b_eg = tl.exp2(b_g)
+    b_dq = b_dq * b_eg * scale
+    b_dk = tl.where(m_tk, b_dk * tl.exp2(b_gn[None, :] - b_g), 0.0)
+    b_kg = b_k * b_eg
+    b_dkgb = tl.dot(b_At, (-b_dw).to(b_At.dtype), out_dtype=ACC)  # A^T dw, dw = -dv h^T
+    b_dgn = b_dgn * tl.exp2(b_gn) + tl.sum(b_k * b_dk, axis=0)
+    b_dg = b_q * b_dq - b_k * b_dk + tl.where(o_t[:, None] == last, b_dgn[None, :], 0.0) \
+        + b_kg * b_dkgb * b_beta[:, None]
+    b_dk += b_dkgb * b_eg * b_beta[:, None]
+    tl.store(dq + rows_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + rows_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dg + rows_k, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def _dv_dA_kernel(k, v, g, beta, A, h, dv, dv2, db, dA, T,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, ACC: tl.constexpr):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    bos = (i_b * T).to(tl.int64)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    o_a = tl.arange(0, BT)
+    state = ((i_b * NT + i_t).to(tl.int64) * H + i_h) * K * V
+    rows_v = (bos + o_t[:, None]) * (H * V) + i_h * V
+    rows_k = (bos + o_t[:, None]) * (H * K) + i_h * K
+    m_tk = m_t[:, None]
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)
+    b_At = tl.load(A + (bos + o_t[None, :]) * (H * BT) + i_h * BT + o_a[:, None], mask=m_t[None, :], other=0.0)
+
+    b_dA = tl.zeros([BT, BT], dtype=ACC)
+    b_db = tl.zeros([BT], dtype=ACC)
+    for i_v in range(0, V, BV):
+        b_dv = tl.load(dv + rows_v + i_v + o_v[None, :], mask=m_tk, other=0.0)
+        b_v = tl.load(v + rows_v + i_v + o_v[None, :], mask=m_tk, other=0.0)
+        b_x = tl.zeros([BT, BV], dtype=ACC)  # kg h for these V columns
+        for i_k in range(0, K, BK):
+            b_k = tl.load(k + rows_k + i_k + o_k[None, :], mask=m_tk, other=0.0)
+            b_g = tl.load(g + rows_k + i_k + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+            b_h = tl.load(h + state + (i_k + o_k[:, None]) * V + i_v + o_v[None, :])
+            b_kg = (b_k.to(ACC) * tl.exp2(b_g)).to(b_h.dtype)
+            b_x = tl.dot(b_kg, b_h, b_x, out_dtype=ACC)
+        b_y = b_v.to(ACC) - b_x  # v - kg h
+        b_dA = tl.dot(b_dv, tl.trans(b_y.to(b_dv.dtype)), b_dA, out_dtype=ACC)
+        b_dvb = tl.dot(b_At, b_dv.to(b_At.dtype), out_dtype=ACC)  # A^T dv
+        b_db += tl.sum(b_dvb * b_y, axis=1)
+        tl.store(dv2 + rows_v + i_v + o_v[None, :], (b_dvb * b_beta[:, None]).to(dv2.dtype.element_ty), mask=m_tk)
+
+    # the gradient through the WY inverse: only the strictly lower part of A is a function of the inputs
+    m_A = (o_t[:, None] > o_t[None, :]) & m_tk & m_t[None, :]
+    b_dA = tl.where(m_A, b_dA * b_beta[None, :], 0.0)
+    b_dA = tl.dot(b_dA.to(b_At.dtype), b_At, out_dtype=ACC)
+    b_dA = tl.dot(b_At, b_dA.to(b_At.dtype), out_dtype=ACC)
+    b_dA = tl.where(m_A, -b_dA, 0.0)
+    tl.store(dA + (bos + o_t[:, None]) * (H * BT) + i_h * BT + o_a[None, :], b_dA.to(dA.dtype.element_ty), mask=m_tk)
+    tl.store(db + (bos + o_t) * H + i_h, b_db.to(db.dtype.element_ty), mask=m_t)
+
+
+def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
+    """(dq, dk, dv2, db, dg, dA) as fla's chunk_kda_bwd_wy_dqkg_fused returns them (fp32 but dv2, in v's dtype;
+    float64 inputs give float64). Layouts: q, k, g [B, T, H, K]; v, v_new, do, dv [B, T, H, V]; beta [B, T, H];
+    A [B, T, H, 64]; h, dh [B, NT, H, K, V] (copied where not contiguous); K and V powers of two >= 16 (the caller's verifier
+    checks: k3.ops.kda_fla_backend)."""
+    q, k, v, v_new, g, beta, A, h, do, dh, dv = (x.contiguous() for x in (q, k, v, v_new, g, beta, A, h, do, dh, dv))
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, CHUNK)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = tl.float64 if wide == torch.float64 else tl.float32
+    dq = torch.empty(B, T, H, K, dtype=wide, device=q.device)
+    dk = torch.empty_like(dq)
+    dg = torch.empty_like(dq)
+    dv2 = torch.empty_like(v)
+    db = torch.empty(B, T, H, dtype=wide, device=q.device)
+    dA = torch.empty(B, T, H, CHUNK, dtype=wide, device=q.device)
+    bk, bv = min(DQKG_BK, K), min(DQKG_BV, V)
+    with on_device(q):
+        _dqkg_kernel[(K // bk, NT, B * H)](q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T, H=H, K=K,
+                                            V=V, BT=CHUNK, BK=bk, BV=bv, ACC=acc, num_warps=DQKG_WARPS)
+        bk, bv = min(DVA_BK, K), min(DVA_BV, V)
+        _dv_dA_kernel[(NT, B * H)](k, v, g, beta, A, h, dv, dv2, db, dA, T, H=H, K=K, V=V, BT=CHUNK, BK=bk,
+                                   BV=bv, ACC=acc, num_warps=DVA_WARPS)
+    return dq, dk, dv2, db, dg, dA

@@ -1,0 +1,63 @@
+"""Plain PyTorch reference of KDA's chunk-backward stage through the chunk states and the WY form (what fla 0.6's
+`chunk_kda_bwd_wy_dqkg_fused` and k3.ops._kda_bwd_triton compute; layouts as there). Never dispatches; float64
+in, float64 out. Written as the chunk formulas read (dw formed, dA's parts summed), not as the kernel regroups them.
+
+`chunk_kda_bwd_wy_dqkg_ref` is the stage alone. `chunk_kda_grads_ref` is the whole chunked KDA backward in the same
+terms (the forward's chunk states, the state-gradient pass, this stage, the intra-chunk part through the gate's
+cumsum), only so that a test can pin this stage's meaning against autograd of the per-token recurrence.
+"""
+import torch
+
+CHUNK = 64
+
+
+def _chunks(x: torch.Tensor, BT: int) -> torch.Tensor:
+    """[B, T, H, ...] -> [B, NT, H, BT, ...] zero-padded to a whole number of chunks."""
+    B, T = x.shape[:2]
+    NT = -(-T // BT)
+    pad = torch.zeros(B, NT * BT - T, *x.shape[2:], dtype=x.dtype, device=x.device)
+    x = torch.cat([x, pad], 1).reshape(B, NT, BT, *x.shape[2:])
+    return x.transpose(2, 3)
+
+
+def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, NT, H, BT, ...] -> [B, T, H, ...]."""
+    B, NT, H, BT = x.shape[:4]
+    return x.transpose(2, 3).reshape(B, NT * BT, H, *x.shape[4:])[:, :T]
+
+
+def chunk_kda_bwd_wy_dqkg_ref(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, chunk_size: int = CHUNK):
+    """(dq, dk, dv2, db, dg, dA), all in the promoted float dtype of the inputs (at least float32). g: base-2 log
+    decay, cumulated within each chunk; A [B, T, H, BT]: the chunk's lower-triangular WY matrix, row t of the chunk
+    at token t; h, dh [B, NT, H, K, V]: the state entering each chunk and its gradient; dv: the gradient of v_new."""
+    BT = chunk_size
+    T = q.shape[1]
+    dt = torch.promote_types(torch.float32, q.dtype)
+    c = lambda x: _chunks(x.to(dt), BT)  # noqa: E731
+    q, k, v, v_new, g, do, dv = (c(x) for x in (q, k, v, v_new, g, do, dv))
+    beta = c(beta)[..., None]                              # [B, NT, H, BT, 1]
+    A = c(A)                                               # [B, NT, H, BT, BT]
+    h, dh = h.to(dt), dh.to(dt)
+    valid = _chunks(torch.ones(1, T, 1, dtype=dt, device=q.device), BT)[0, ..., None]  # [NT, 1, BT, 1]
+    n_valid = valid.sum(-2).long()                         # [NT, 1, 1] tokens in each chunk
+    gn = torch.gather(g, 3, (n_valid - 1).view(1, -1, 1, 1, 1).expand(*g.shape[:3], 1, g.shape[-1]))  # last row
+
+    eg = torch.exp2(g) * valid
+    kg = k * eg
+    dq = scale * eg * (do @ h.transpose(-1, -2))
+    dk_h = torch.exp2(gn - g) * valid * (v_new @ dh.transpose(-1, -2))  # through the chunk's state update
+    dw = -(dv @ h.transpose(-1, -2))                       # gradient of w (v_new = u - w h)
+    At = A.transpose(-1, -2)
+    dkgb = At @ dw
+    dvb = At @ dv
+    dv2 = beta * dvb
+    db = (dvb * v).sum(-1) + (dkgb * kg).sum(-1)
+    dA = dv @ v.transpose(-1, -2) + dw @ kg.transpose(-1, -2)
+    dgn = torch.exp2(gn[..., 0, :]) * (h * dh).sum(-1) + (k * dk_h).sum(-2)  # [B, NT, H, K]
+    last = torch.arange(BT, device=q.device).view(BT, 1) == (n_valid - 1).view(-1, 1, 1, 1)  # [NT, 1, BT, 1]
+    dg = q * dq - k * dk_h + last * dgn[..., None, :] + kg * dkgb * beta
+    dk = dk_h + dkgb * eg * beta
+    strict = torch.tril(torch.ones(BT, BT, dtype=torch.bool, device=q.device), -1) & (valid * valid.transpose(-1, -2)).bool()
+    dA = torch.where(strict, dA * beta.transpose(-1, -2), 0)
+    dA = torch.where(strict, -(At @ dA @ At), 0)
+    return tuple(_unchunk(x, T) for x in (dq, dk, dv2, db, dg, dA))
