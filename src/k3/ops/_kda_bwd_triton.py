@@ -23,9 +23,12 @@ import triton.language as tl
 from k3.ops.triton_dispatch import on_device
 
 CHUNK = 64
-# tile sizes and warps of the two kernels (benchmarks/sass_kda_bwd.py compiles these for sm_90)
-DQKG_BK, DQKG_BV, DQKG_WARPS = 64, 64, 4
-DVA_BK, DVA_BV, DVA_WARPS = 64, 64, 4
+# Tiles and warps of the two kernels, chosen by their sm_90 compile (benchmarks/sass_kda_bwd.py; untimed): the
+# largest 4-warp tiles that keep every value in registers. _dqkg_kernel at BK 64 spills (three fp32 [BT, 64]
+# accumulators and the epilogue's gate tiles pass 255 registers); at BK 32 it takes ~170. bench_gpu_kernels.py
+# --kda-bwd times the alternatives.
+DQKG_BK, DQKG_BV, DQKG_WARPS = 32, 64, 4
+DVA_BK, DVA_BV, DVA_WARPS = 32, 32, 4
 
 
 @triton.jit
@@ -63,27 +66,28 @@ def _dqkg_kernel(q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T,
         b_dk = tl.dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), b_dk, out_dtype=ACC)
         b_dw = tl.dot(b_dv.to(b_do.dtype), tl.trans(b_h.to(b_do.dtype)), b_dw, out_dtype=ACC)
 
+    # the epilogue in the order that lets each [BT, BK] tile die early (registers, not spills)
     rows_k = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
     m_tk = m_t[:, None]
     b_g = tl.load(g + rows_k, mask=m_tk, other=0.0).to(ACC)
+    b_eg = tl.exp2(b_g)
+    b_dq = b_dq * b_eg * scale
+    tl.store(dq + rows_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_dg = tl.load(q + rows_k, mask=m_tk, other=0.0).to(ACC) * b_dq
     b_gn = tl.load(g + (bos + last) * (H * K) + i_h * K + o_k).to(ACC)
+    b_dk = tl.where(m_tk, b_dk * tl.exp2(b_gn[None, :] - b_g), 0.0)  # through the state update
     b_k = tl.load(k + rows_k, mask=m_tk, other=0.0).to(ACC)
-    b_q = tl.load(q + rows_k, mask=m_tk, other=0.0).to(ACC)
-    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)
+    b_kdk = b_k * b_dk
+    b_dg -= b_kdk
+    b_dgn = b_dgn * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
+    b_dg += tl.where(o_t[:, None] == last, b_dgn[None, :], 0.0)
     # A^T: element [j, i] = A[i, j] of the chunk's rows i
     o_a = tl.arange(0, BT)
     b_At = tl.load(A + (bos + o_t[None, :]) * (H * BT) + i_h * BT + o_a[:, None], mask=m_t[None, :], other=0.0)
-
-    b_eg = tl.exp2(b_g)
-    b_dq = b_dq * b_eg * scale
-    b_dk = tl.where(m_tk, b_dk * tl.exp2(b_gn[None, :] - b_g), 0.0)
-    b_kg = b_k * b_eg
-    b_dkgb = tl.dot(b_At, (-b_dw).to(b_At.dtype), out_dtype=ACC)  # A^T dw, dw = -dv h^T
-    b_dgn = b_dgn * tl.exp2(b_gn) + tl.sum(b_k * b_dk, axis=0)
-    b_dg = b_q * b_dq - b_k * b_dk + tl.where(o_t[:, None] == last, b_dgn[None, :], 0.0) \
-        + b_kg * b_dkgb * b_beta[:, None]
-    b_dk += b_dkgb * b_eg * b_beta[:, None]
-    tl.store(dq + rows_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)
+    b_dkgb = tl.dot(b_At, (-b_dw).to(b_At.dtype), out_dtype=ACC) * b_eg * b_beta[:, None]  # β 2^g ⊙ A^T dw
+    b_dg += b_k * b_dkgb
+    b_dk += b_dkgb
     tl.store(dk + rows_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dg + rows_k, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 

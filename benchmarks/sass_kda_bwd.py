@@ -1,0 +1,106 @@
+"""Registers, spills and occupancy of KDA's chunk-backward WY/state stage compiled for sm_90 without a GPU (Triton's
+own ptxas, as benchmarks/sass_train_backwards.py): fla 0.6's `chunk_kda_bwd_kernel_wy_dqkg_fused` at the choice
+k3's autotune table pins on the H200 (BK 64, BV 64, 4 warps, 3 stages) against k3.ops._kda_bwd_triton's two
+kernels, at `small`'s training shapes (bf16, H 12, K = V = 128, chunk 64, 8 x 4096 tokens: 64 chunks a row).
+Columns: REG and STACK (spill bytes) a thread, shared memory a program, programs an SM those allow, the launch's
+programs and waves over the 132 SMs, and the SASS's local-memory loads/stores (LDL/STL: the spills' traffic) and
+warpgroup MMAs (HGMMA).
+
+Run: python benchmarks/sass_kda_bwd.py   (needs triton; no CUDA device; fla from its wheel in .whl/ or installed)
+"""
+import collections
+import glob
+import os
+import re
+import sys
+import types
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+from sass_mxfp4_loop import SMS, ctas_per_sm, cuobjdump, resources  # noqa: E402
+
+from k3.ops import _kda_bwd_triton as k3_bwd  # noqa: E402
+
+B, T, H, K, V, BT = 8, 4096, 12, 128, 128, 64
+NT = T // BT
+
+
+def fla_kernel():
+    """fla's kernel as a JITFunction: fla installed, else its wheel in .whl/ imported in place (a zip on sys.path).
+    fla's package __init__ imports einops, which only its other ops use: a stand-in is enough to compile."""
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        wheels = sorted(glob.glob(os.path.join(HERE, "..", ".whl", "fla_core-0.6.*.whl")))
+        if not wheels:
+            sys.exit("needs fla 0.6 (installed, or its wheel in .whl/)")
+        sys.path.insert(0, wheels[-1])
+        if "einops" not in sys.modules:
+            try:
+                import einops  # noqa: F401
+            except ImportError:
+                stand_in = types.ModuleType("einops")
+                stand_in.__getattr__ = lambda name: None
+                sys.modules["einops"] = stand_in
+    from fla.ops.kda import chunk_bwd
+
+    fn = chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused
+    while not isinstance(fn, triton.runtime.jit.JITFunction):  # under its heuristics and autotuner
+        fn = fn.fn
+    return fn
+
+
+def compile_kernel(fn, signature: dict, num_warps: int, num_stages: int = 3, **consts):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts if k not in signature}},
+                    constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                          "num_stages": num_stages})
+
+
+def rows():
+    bf, f32 = "*bf16", "*fp32"
+    fla_sig = dict(q=bf, k=bf, v=bf, v_new=bf, g=f32, beta=f32, A=bf, h=bf, do=bf, dh=bf, dq=f32, dk=f32, dv=bf,
+                   dv2=bf, dg=f32, db=f32, dA=f32, cu_seqlens="constexpr", chunk_indices="constexpr", scale="fp32",
+                   T="i32")
+    yield ("fla chunk_kda_bwd_kernel_wy_dqkg_fused", "BK 64, BV 64", 4, (NT, B * H),
+           compile_kernel(fla_kernel(), fla_sig, 4, cu_seqlens=None, chunk_indices=None, H=H, HV=H, K=K, V=V, BT=BT,
+                          BK=64, BV=64, STATE_V_FIRST=False, IS_VARLEN=False, USE_GRAPH=False))
+    import triton.language as tl
+
+    sig = dict(q=bf, k=bf, v_new=bf, g=f32, beta=f32, A=bf, h=bf, do=bf, dh=bf, dv=bf, dq=f32, dk=f32, dg=f32,
+               scale="fp32", T="i32")
+    bk, bv, w = k3_bwd.DQKG_BK, k3_bwd.DQKG_BV, k3_bwd.DQKG_WARPS
+    yield ("k3 _dqkg_kernel", f"BK {bk}, BV {bv}", w, (K // bk, NT, B * H),
+           compile_kernel(k3_bwd._dqkg_kernel, sig, w, H=H, K=K, V=V, BT=BT, BK=bk, BV=bv, ACC=tl.float32))
+    sig = dict(k=bf, v=bf, g=f32, beta=f32, A=bf, h=bf, dv=bf, dv2=bf, db=f32, dA=f32, T="i32")
+    bk, bv, w = k3_bwd.DVA_BK, k3_bwd.DVA_BV, k3_bwd.DVA_WARPS
+    yield ("k3 _dv_dA_kernel", f"BK {bk}, BV {bv}", w, (NT, B * H),
+           compile_kernel(k3_bwd._dv_dA_kernel, sig, w, H=H, K=K, V=V, BT=BT, BK=bk, BV=bv, ACC=tl.float32))
+
+
+def main():
+    print(f"sm_90, bf16, B {B} T {T} H {H} K {K} V {V} chunk {BT}")
+    print("| kernel | tiles | warps | REG | STACK | shared bytes | programs an SM | programs | waves | LDL | STL "
+          "| HGMMA |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, tiles, warps, grid, kernel in rows():
+        res = resources(kernel)
+        per_sm = min(ctas_per_sm(res["REG"], res["SHARED"], warps), 32)
+        programs = 1
+        for n in grid:
+            programs *= n
+        ops = collections.Counter(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)",
+                                             cuobjdump(kernel.asm["cubin"], "-sass"), re.M))
+        print(f"| {name} | {tiles} | {warps} | {res['REG']} | {res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | "
+              f"{programs} | {programs / (per_sm * SMS):.1f} | {ops['LDL']} | {ops['STL']} | {ops['HGMMA']} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
