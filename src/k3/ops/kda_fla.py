@@ -16,6 +16,7 @@ Three entry points:
   `use_beta_sigmoid_in_kernel`), i.e. SPEC §3.2's g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)).
   Without gradients (and unless K3_FLA_LEAN=0), its chunked form (and `fla_output_gate`) take k3.ops.kda_fla_lean:
   the same kernels without the training entry's per-call host work.
+With K3_KDA_BWD=k3 the backward of a chunked call runs k3's kernels for the stages k3.ops.kda_fla_backend covers.
 With K3_FLA_KEEP_FORWARD=1 a chunked call that will be differentiated keeps fla's forward intermediates for its
 backward (`disable_recompute`), which otherwise recomputes them.
 """
@@ -142,6 +143,15 @@ def _keep_forward(needs_grad: bool) -> bool:
     return needs_grad and envs.current().fla_keep_forward
 
 
+def _offer_k3_backward(needs_grad: bool) -> None:
+    """With K3_KDA_BWD=k3, k3's kernels join fla's backend dispatcher (k3.ops.kda_fla_backend) before the first
+    chunked call that will be differentiated; its verifier keeps every call they do not cover on fla's."""
+    if needs_grad and envs.current().kda_bwd == "k3":
+        from k3.ops import kda_fla_backend
+
+        kda_fla_backend.register_with_fla()
+
+
 def _state(initial_state):
     return None if initial_state is None else initial_state.float().contiguous()
 
@@ -160,6 +170,7 @@ def fla_kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final
     # safe_gate (see SAFE_GATE_BOUND): only the caller, who knows the gates' bound, may ask for it
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state))
+    _offer_k3_backward(needs_grad)
     o, state = chunk_kda(q, k.to(q.dtype), v.to(q.dtype), g.float(), beta.to(q.dtype), scale=scale,
                          initial_state=_state(initial_state), output_final_state=output_final_state,
                          safe_gate=safe_gate, state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
@@ -250,6 +261,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
     else:
         from fla.ops.kda import chunk_kda
 
+        _offer_k3_backward(needs_grad)
         o, state = chunk_kda(q, k.to(dt), v.to(dt), f.to(dt), beta_logits.to(dt), scale=scale,
                              initial_state=_state(initial_state), output_final_state=output_final_state,
                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,

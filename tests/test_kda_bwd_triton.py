@@ -1,0 +1,153 @@
+"""KDA's chunk-backward WY/state stage: k3.ops.kda_bwd_ref against autograd of the chunk's forward relations
+(float64), k3.ops._kda_bwd_triton against that reference (float64 and float32; the Triton interpreter without
+CUDA), and the verifier that decides which of fla's calls k3's backend takes (k3.ops.kda_fla_backend)."""
+import math
+import os
+
+import pytest
+import torch
+
+from k3 import envs
+from k3.ops.kda_bwd_ref import chunk_kda_bwd_wy_dqkg_ref
+from k3.ops.kda_fla_backend import wy_dqkg_accepts
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+BT = 64
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def stage_case(seed, B, T, H, K, V, dtype=torch.float64):
+    """Random inputs of the stage in fla's layouts: g a log2-decay cumulated within each chunk, A the inverse of
+    (I + a strictly lower matrix) per chunk, as the forward builds it."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    NT = -(-T // BT)
+    q, k = r(B, T, H, K), r(B, T, H, K) / math.sqrt(K)
+    v, v_new, do, dv = (r(B, T, H, V) for _ in range(4))
+    gates = -torch.rand(B, NT * BT, H, K, generator=gen, dtype=torch.float64) * 0.2
+    g = gates.view(B, NT, BT, H, K).cumsum(2).view(B, NT * BT, H, K)[:, :T] / math.log(2)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    M = torch.tril(r(B, NT, H, BT, BT) * 0.2, -1)
+    A = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + M)  # [B, NT, H, BT, BT]
+    A = A.transpose(2, 3).reshape(B, NT * BT, H, BT)[:, :T]
+    h, dh = r(B, NT, H, K, V), r(B, NT, H, K, V)
+    return [x.to(dtype).contiguous() for x in (q, k, v, v_new, g, beta, A, h, do, dh, dv)]
+
+
+def test_reference_is_the_gradient_of_the_chunk_relations():
+    """Per chunk, with W = A diag(β) and A = (I + M)^-1: w = W (k ⊙ 2^g), u = W v, v_new = u - w h,
+    o = scale (q ⊙ 2^g) h, h' = 2^gn ⊙ h + (k ⊙ 2^(gn-g))^T v_new. For L = <do, o> + <dv_out, v_new> + <dh, h'>
+    the stage's outputs are dL/dq, dL/dk, dL/dv, dL/dβ, dL/dg (g in natural-log units) and dL/dM on M's strictly
+    lower part, given dv = dL/dv_new (both of its paths) and dh."""
+    B, T, H, K, V = 2, 100, 3, 16, 32
+    scale = 0.3
+    q, k, v, _, g2, beta, A_rows, h, do, dh, dv_out = stage_case(3, B, T, H, K, V)
+    gen = torch.Generator().manual_seed(4)
+    NT = -(-T // BT)
+    M = torch.tril(torch.randn(B, NT, H, BT, BT, generator=gen, dtype=torch.float64) * 0.2, -1)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g2 * math.log(2), beta, M)]
+    ql, kl, vl, gl, bl, Ml = leaves
+    v_news, losses = [], 0
+    for c in range(NT):
+        s = slice(c * BT, min(T, c * BT + BT))
+        n = s.stop - s.start
+        A = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + Ml[:, c])[..., :n, :n]  # [B, H, n, n]
+        qc, kc, vc, gc = (x[:, s].transpose(1, 2) for x in (ql, kl, vl, gl))             # [B, H, n, D]
+        W = A * bl[:, s].transpose(1, 2)[..., None, :]
+        kg = kc * gc.exp()
+        v_new = W @ vc - (W @ kg) @ h[:, c]
+        v_new.retain_grad()
+        v_news.append(v_new)
+        o = scale * (qc * gc.exp()) @ h[:, c]
+        gn = gc[..., -1:, :]
+        h_next = gn.transpose(-1, -2).exp() * h[:, c] + (kc * (gn - gc).exp()).transpose(-1, -2) @ v_new
+        losses = losses + (o * do[:, s].transpose(1, 2)).sum() + (v_new * dv_out[:, s].transpose(1, 2)).sum() \
+            + (h_next * dh[:, c]).sum()
+    losses.backward()
+    dv = torch.cat([x.grad for x in v_news], 2).transpose(1, 2)  # dL/dv_new: its own term and the state's
+    A_rows = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + M).transpose(2, 3).reshape(B, NT * BT, H, BT)[:, :T]
+    v_new_all = torch.cat([x.detach() for x in v_news], 2).transpose(1, 2)
+    got = chunk_kda_bwd_wy_dqkg_ref(q, k, v, v_new_all, g2, beta, A_rows.contiguous(), h, do, dh, dv, scale)
+    dq, dk, dv2, db, dg, dA = got
+    for name, ours, want in (("dq", dq, ql.grad), ("dk", dk, kl.grad), ("dv2", dv2, vl.grad), ("db", db, bl.grad),
+                             ("dg", dg, gl.grad)):
+        torch.testing.assert_close(ours, want, rtol=1e-9, atol=1e-9, msg=name)
+    strict = torch.tril(torch.ones(BT, BT, dtype=torch.bool), -1)
+    dM = torch.where(strict, Ml.grad, 0)
+    dA_chunks = torch.cat([dA, dA.new_zeros(B, NT * BT - T, H, BT)], 1).view(B, NT, BT, H, BT).transpose(2, 3)
+    valid = torch.arange(NT * BT).view(NT, BT) < T
+    dM = torch.where((valid[:, :, None] & valid[:, None, :])[None, :, None], dM, 0)  # padded rows: no tokens
+    torch.testing.assert_close(dA_chunks, dM, rtol=1e-9, atol=1e-9)
+
+
+SHAPES = [(1, 64, 1, 64, 64), (1, 100, 3, 128, 128), (3, 130, 1, 64, 32), (1, 40, 1, 16, 16)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kernel_equals_reference(shape, dtype):
+    pytest.importorskip("triton")
+    from k3.ops._kda_bwd_triton import chunk_kda_bwd_wy_dqkg
+
+    if dtype == torch.float64 and DEVICE == "cuda":
+        pytest.skip("float64 dots: the interpreter's case")
+    seed = sum(shape) + (dtype == torch.float32)
+    inputs = [x.to(DEVICE) for x in stage_case(seed, *shape, dtype=dtype)]
+    got = chunk_kda_bwd_wy_dqkg(*inputs, 0.37)
+    want = chunk_kda_bwd_wy_dqkg_ref(*inputs, 0.37)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for name, ours, ref in zip(("dq", "dk", "dv2", "db", "dg", "dA"), got, want):
+        assert ours.shape == ref.shape, name
+        assert ours.dtype == (ref.dtype if name != "dv2" else inputs[2].dtype), name
+        err = (ours.double() - ref.double()).abs().max() / ref.abs().max()
+        assert err < tol, (name, err.item())
+
+
+def _meta_call(**overrides):
+    """fla's keyword arguments for small's training call (8 x 4096, H 12, K = V = 128), as meta tensors."""
+    B, T, H, K, V = 8, 4096, 12, 128, 128
+    bf = dict(device="meta", dtype=torch.bfloat16)
+    f32 = dict(device="meta", dtype=torch.float32)
+    call = dict(q=torch.empty(B, T, H, K, **bf), k=torch.empty(B, T, H, K, **bf), v=torch.empty(B, T, H, V, **bf),
+                v_new=torch.empty(B, T, H, V, **bf), g=torch.empty(B, T, H, K, **f32),
+                beta=torch.empty(B, T, H, **f32), A=torch.empty(B, T, H, 64, **bf),
+                h=torch.empty(B, T // 64, H, K, V, **bf), do=torch.empty(B, T, H, V, **bf),
+                dh=torch.empty(B, T // 64, H, K, V, **bf), dv=torch.empty(B, T, H, V, **bf), scale=K ** -0.5,
+                state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None, chunk_offsets=None,
+                use_graph=False)
+    call.update(overrides)
+    return call
+
+
+def test_verifier_takes_the_training_call_only_when_switched_on():
+    with envs.override(kda_bwd="k3"):
+        assert wy_dqkg_accepts(**_meta_call()) == (True, None)
+    with envs.override(kda_bwd="fla"):
+        accepted, reason = wy_dqkg_accepts(**_meta_call())
+        assert not accepted and "K3_KDA_BWD" in reason
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(cu_seqlens=torch.tensor([0, 4096])),
+    dict(use_graph=True),
+    dict(state_v_first=True),
+    dict(chunk_size=32),
+    dict(v=torch.empty(8, 4096, 24, 128, device="meta")),                        # more value heads than key heads
+    dict(k=torch.empty(8, 4096, 12, 96, device="meta", dtype=torch.bfloat16)),   # K not a power of two
+    dict(h=torch.empty(8, 64, 12, 128, 128, device="meta", dtype=torch.bfloat16).transpose(-1, -2)[:, :63]),
+    dict(A=torch.empty(8, 4096, 12, 64, device="meta", dtype=torch.float64)),
+], ids=["varlen", "graph", "v_first", "chunk32", "gva", "K96", "h_shape", "fp64"])
+def test_verifier_declines_what_the_kernels_do_not_cover(overrides):
+    with envs.override(kda_bwd="k3"):
+        accepted, reason = wy_dqkg_accepts(**_meta_call(**overrides))
+    assert not accepted and reason
+
+
+def test_switch_parses():
+    assert envs.parse({}).kda_bwd == "fla"
+    assert envs.parse({"K3_KDA_BWD": "k3"}).kda_bwd == "k3"
+    assert envs.parse({"K3_KDA_BWD": "fla"}).kda_bwd == "fla"
+    with pytest.raises(ValueError):
+        envs.parse({"K3_KDA_BWD": "tilelang"})
