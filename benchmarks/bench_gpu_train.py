@@ -11,7 +11,7 @@ one forward: the recomputation is overhead). A shape that runs out of memory pri
 memory reached and the run goes on to the next shape.
 --off SWITCHES (repeatable): after the default row of each shape, one more row with those k3.envs switches set
 (a comma list of Switches fields, e.g. no_shared_input_grad,no_block_grad_buffer; a kernel list as
-no_triton:_sigmoid_gate_triton), in the same process, so a fast path's before and after are timed side by side.
+no_triton:_sigmoid_gate_triton; a choice as field=value, e.g. kda_bwd=k3), in the same process, so a fast path's before and after are timed side by side.
 --compile: each shape's rows once more with the KDA, MLA, MoE and dense MLP forwards compiled
 (k3.train.compiled_regions, `k3 train --compile`), in the same process after the eager rows (which run the compiled
 functions eagerly: torch.compiler.set_stance("force_eager")); first_step_s is a compiled row's first step, compile
@@ -47,11 +47,13 @@ def main():
     variants = [()] + [tuple(sorted(n.strip() for n in v.split(",") if n.strip())) for v in a.off]
     known = {f.name: f.type in (bool, "bool") for f in dataclasses.fields(envs.Switches)}
     lists = ("no_triton", "triton_opt_in")
+    choices = {"kda_bwd": ("fla", "k3")}
     bad = sorted({n for names in variants for n in names
-                  if not (known.get(n) or (n.partition(":")[0] in lists and n.partition(":")[2]))})
+                  if not (known.get(n) or (n.partition(":")[0] in lists and n.partition(":")[2])
+                          or n.partition("=")[2] in choices.get(n.partition("=")[0], ()))})
     if bad:  # refused before any timing
         ap.error(f"--off: unknown switch(es) {bad}; on/off switches: {sorted(n for n, b in known.items() if b)}, "
-                 f"or {'/'.join(lists)}:MODULE[:MODULE...]")
+                 f"or {'/'.join(lists)}:MODULE[:MODULE...], or FIELD=VALUE of {choices}")
     preset = "small" if not a.quick else "tiny"
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
@@ -112,9 +114,14 @@ def main():
 
 
 def switches(names: tuple[str, ...]) -> dict:
-    """--off's names as k3.envs.override arguments: a flag set True, `field:a:b` a kernel list of field."""
+    """--off's names as k3.envs.override arguments: a flag set True, `field:a:b` a kernel list of field,
+    `field=value` a choice."""
     out = {}
     for n in names:
+        if "=" in n:
+            field, _, value = n.partition("=")
+            out[field] = value
+            continue
         field, _, modules = n.partition(":")
         out[field] = modules.split(":") if modules else True
     return out

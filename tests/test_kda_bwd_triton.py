@@ -1,6 +1,8 @@
 """KDA's chunk-backward WY/state stage: k3.ops.kda_bwd_ref against autograd of the chunk's forward relations
 (float64), k3.ops._kda_bwd_triton against that reference (float64 and float32; the Triton interpreter without
-CUDA), and the verifier that decides which of fla's calls k3's backend takes (k3.ops.kda_fla_backend)."""
+CUDA), and the verifier that decides which of fla's calls k3's backend takes (k3.ops.kda_fla_backend).
+On CUDA with fla (skipped elsewhere): k3's kernels against fla's at small's training shape, and fla_kda_gated's
+gradients with K3_KDA_BWD=k3 against fla's own backward."""
 import math
 import os
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 from k3 import envs
-from k3.ops.kda_bwd_ref import chunk_kda_bwd_wy_dqkg_ref
+from k3.ops.kda_bwd_ref import chunk_kda_bwd_wy_dqkg_ref, stage_inputs
 from k3.ops.kda_fla_backend import wy_dqkg_accepts
 
 if not torch.cuda.is_available():
@@ -18,24 +20,6 @@ BT = 64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def stage_case(seed, B, T, H, K, V, dtype=torch.float64):
-    """Random inputs of the stage in fla's layouts: g a log2-decay cumulated within each chunk, A the inverse of
-    (I + a strictly lower matrix) per chunk, as the forward builds it."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    NT = -(-T // BT)
-    q, k = r(B, T, H, K), r(B, T, H, K) / math.sqrt(K)
-    v, v_new, do, dv = (r(B, T, H, V) for _ in range(4))
-    gates = -torch.rand(B, NT * BT, H, K, generator=gen, dtype=torch.float64) * 0.2
-    g = gates.view(B, NT, BT, H, K).cumsum(2).view(B, NT * BT, H, K)[:, :T] / math.log(2)
-    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    M = torch.tril(r(B, NT, H, BT, BT) * 0.2, -1)
-    A = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + M)  # [B, NT, H, BT, BT]
-    A = A.transpose(2, 3).reshape(B, NT * BT, H, BT)[:, :T]
-    h, dh = r(B, NT, H, K, V), r(B, NT, H, K, V)
-    return [x.to(dtype).contiguous() for x in (q, k, v, v_new, g, beta, A, h, do, dh, dv)]
-
-
 def test_reference_is_the_gradient_of_the_chunk_relations():
     """Per chunk, with W = A diag(β) and A = (I + M)^-1: w = W (k ⊙ 2^g), u = W v, v_new = u - w h,
     o = scale (q ⊙ 2^g) h, h' = 2^gn ⊙ h + (k ⊙ 2^(gn-g))^T v_new. For L = <do, o> + <dv_out, v_new> + <dh, h'>
@@ -43,7 +27,7 @@ def test_reference_is_the_gradient_of_the_chunk_relations():
     lower part, given dv = dL/dv_new (both of its paths) and dh."""
     B, T, H, K, V = 2, 100, 3, 16, 32
     scale = 0.3
-    q, k, v, _, g2, beta, A_rows, h, do, dh, dv_out = stage_case(3, B, T, H, K, V)
+    q, k, v, _, g2, beta, A_rows, h, do, dh, dv_out = stage_inputs(B, T, H, K, V, seed=3)
     gen = torch.Generator().manual_seed(4)
     NT = -(-T // BT)
     M = torch.tril(torch.randn(B, NT, H, BT, BT, generator=gen, dtype=torch.float64) * 0.2, -1)
@@ -94,7 +78,7 @@ def test_kernel_equals_reference(shape, dtype):
     if dtype == torch.float64 and DEVICE == "cuda":
         pytest.skip("float64 dots: the interpreter's case")
     seed = sum(shape) + (dtype == torch.float32)
-    inputs = [x.to(DEVICE) for x in stage_case(seed, *shape, dtype=dtype)]
+    inputs = stage_inputs(*shape, dtype=dtype, device=DEVICE, seed=seed)
     got = chunk_kda_bwd_wy_dqkg(*inputs, 0.37)
     want = chunk_kda_bwd_wy_dqkg_ref(*inputs, 0.37)
     tol = 1e-10 if dtype == torch.float64 else 2e-5
@@ -151,3 +135,61 @@ def test_switch_parses():
     assert envs.parse({"K3_KDA_BWD": "fla"}).kda_bwd == "fla"
     with pytest.raises(ValueError):
         envs.parse({"K3_KDA_BWD": "tilelang"})
+
+
+def _fla_or_skip():
+    from k3.ops.kda_fla import fla_available
+
+    if not (torch.cuda.is_available() and fla_available()):
+        pytest.skip("needs CUDA and fla")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+BF16_REL = 1e-2  # both round dot operands to bf16, at different points (norm-wise relative error)
+
+
+def test_kernels_equal_flas_at_the_training_shape():
+    """bf16 at 8 x 4096, H 12, K = V = 128 (small's call): every output against fla's own kernel."""
+    _fla_or_skip()
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+
+    from k3.ops._kda_bwd_triton import chunk_kda_bwd_wy_dqkg
+
+    x = stage_inputs(8, 4096, 12, 128, 128, dtype=torch.bfloat16, device="cuda", seed=5)
+    x[4], x[5] = x[4].float(), x[5].float()  # g and beta in fp32, as fla's backward passes them
+    with envs.override(kda_bwd="fla"):  # fla's kernel even if k3's backend is registered
+        want = chunk_kda_bwd_wy_dqkg_fused(*x, scale=128 ** -0.5)
+    got = chunk_kda_bwd_wy_dqkg(*x, 128 ** -0.5)
+    for name, ours, ref in zip(("dq", "dk", "dv2", "db", "dg", "dA"), got, want):
+        assert ours.shape == ref.shape and ours.dtype == ref.dtype, name
+        assert _rel(ours, ref) < BF16_REL, (name, _rel(ours, ref))
+
+
+def test_fla_kda_gated_gradients_with_k3s_backward(monkeypatch):
+    """fla_kda_gated forward + backward (small's heads, 2 x 1000 tokens: a partial last chunk) with K3_KDA_BWD=k3
+    equals K3_KDA_BWD=fla in every input gradient, and k3's kernels ran."""
+    _fla_or_skip()
+    from k3.ops import _kda_bwd_triton
+    from k3.ops.kda_fla import fla_kda_gated
+
+    calls = []
+    original = _kda_bwd_triton.chunk_kda_bwd_wy_dqkg
+    monkeypatch.setattr(_kda_bwd_triton, "chunk_kda_bwd_wy_dqkg", lambda *a: calls.append(1) or original(*a))
+    B, T, H, K = 2, 1000, 12, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    inputs = [r(B, T, H, K).bfloat16() for _ in range(4)] + [r(B, T, H).bfloat16(), r(H) * 0.5, r(H * K)]
+    do = r(B, T, H, K).bfloat16()
+    grads = {}
+    for choice in ("fla", "k3"):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with envs.override(kda_bwd=choice):
+            o, _ = fla_kda_gated(*leaves, -5.0, recurrent=False)
+            grads[choice] = torch.autograd.grad(o, leaves, do)
+    assert calls, "k3's kernels did not run"
+    names = ("q", "k", "v", "f", "beta_logits", "A_log", "dt_bias")
+    for name, ours, ref in zip(names, grads["k3"], grads["fla"]):
+        assert _rel(ours, ref) < BF16_REL, (name, _rel(ours, ref))

@@ -1,11 +1,10 @@
 """Plain PyTorch reference of KDA's chunk-backward stage through the chunk states and the WY form (what fla 0.6's
 `chunk_kda_bwd_wy_dqkg_fused` and k3.ops._kda_bwd_triton compute; layouts as there). Never dispatches; float64
 in, float64 out. Written as the chunk formulas read (dw formed, dA's parts summed), not as the kernel regroups them.
-
-`chunk_kda_bwd_wy_dqkg_ref` is the stage alone. `chunk_kda_grads_ref` is the whole chunked KDA backward in the same
-terms (the forward's chunk states, the state-gradient pass, this stage, the intra-chunk part through the gate's
-cumsum), only so that a test can pin this stage's meaning against autograd of the per-token recurrence.
+`stage_inputs`: random inputs of the stage in those layouts, for the tests and benchmarks/bench_gpu_kernels.py.
 """
+import math
+
 import torch
 
 CHUNK = 64
@@ -61,3 +60,24 @@ def chunk_kda_bwd_wy_dqkg_ref(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, 
     dA = torch.where(strict, dA * beta.transpose(-1, -2), 0)
     dA = torch.where(strict, -(At @ dA @ At), 0)
     return tuple(_unchunk(x, T) for x in (dq, dk, dv2, db, dg, dA))
+
+
+def stage_inputs(B, T, H, K, V, dtype=torch.float64, device="cpu", seed=0, chunk_size: int = CHUNK):
+    """(q, k, v, v_new, g, beta, A, h, do, dh, dv) as the stage receives them: g a base-2 log-decay cumulated within
+    each chunk (per-token decays in (2^-0.3, 1]), beta in (0, 1), A the inverse of I plus a strictly lower matrix
+    per chunk (the WY form's shape), k scaled like an L2-normalised key; the rest standard normal. Contiguous."""
+    BT = chunk_size
+    gen = torch.Generator(device=device).manual_seed(seed)
+    f = torch.float64 if dtype == torch.float64 else torch.float32
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=f, device=device)  # noqa: E731
+    NT = -(-T // BT)
+    q, k = r(B, T, H, K), r(B, T, H, K) / math.sqrt(K)
+    v, v_new, do, dv = (r(B, T, H, V) for _ in range(4))
+    decay = torch.rand(B, NT, BT, H, K, generator=gen, dtype=f, device=device) * -0.3
+    g = decay.cumsum(2).view(B, NT * BT, H, K)[:, :T]
+    beta = torch.rand(B, T, H, generator=gen, dtype=f, device=device)
+    lower = torch.tril(r(B, NT, H, BT, BT) * 0.2, -1)
+    A = torch.linalg.inv(torch.eye(BT, dtype=f, device=device) + lower)  # [B, NT, H, BT, BT]: row i of chunk
+    A = A.transpose(2, 3).reshape(B, NT * BT, H, BT)[:, :T]
+    h, dh = r(B, NT, H, K, V), r(B, NT, H, K, V)
+    return [x.to(dtype).contiguous() for x in (q, k, v, v_new, g, beta, A, h, do, dh, dv)]
