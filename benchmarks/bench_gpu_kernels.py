@@ -39,8 +39,9 @@ against the torch forms), and KDA's core through fla with its backward recomputi
 intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total at `small`'s call counts
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards] [--kda-core] [--residual-add]
+     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards] [--kda-core] [--kda-bwd] [--residual-add]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
+--kda-bwd: only KDA's chunk-backward WY/state stage, fla's kernel against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
 --residual-add: only a training mix with the residual add before it, the add in the mix kernel's launch against
 the add separate (K3_NO_RESIDUAL_ADD_FOLD; `residual_add_rows`).
 """
@@ -372,6 +373,65 @@ def kda_core_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]
     return rows
 
 
+# k3.ops._kda_bwd_triton's tile choices timed beside its defaults: (dqkg BK, BV, warps), (dv/dA BK, BV, warps)
+KDA_BWD_TILES = [((32, 64, 4), (32, 32, 4)), ((64, 64, 8), (64, 64, 8)), ((32, 32, 4), (64, 64, 4)),
+                 ((32, 64, 4), (32, 64, 4))]
+
+
+def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
+    """KDA's chunk-backward WY/state stage alone (fla's chunk_kda_bwd_wy_dqkg_fused: dq, dk, dg through the chunk
+    states, dv2, db, dA through the WY form) at `small`'s shapes (12 heads, K = V = 128, bf16; g, beta fp32): fla's
+    kernel (its autotune choice pinned by k3's table) against k3.ops._kda_bwd_triton under its default tiles and
+    the others of KDA_BWD_TILES, and k3's through fla's dispatcher (K3_KDA_BWD=k3, what the model runs). floor:
+    the stage's inputs read once and outputs written once over the copy bandwidth. per_step_ms: x 12 KDA layers.
+    rel_err: the largest norm-wise relative difference of the six outputs from fla's."""
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+
+    from k3.ops import _kda_bwd_triton as k3_bwd
+    from k3.ops import kda_fla_backend, tuning
+    from k3.ops.kda_bwd_ref import stage_inputs
+
+    H, K = 12, 128
+    tuning.pin_for_device(torch.device(device))
+    kda_fla_backend.register_with_fla()
+    x = stage_inputs(B, T, H, K, K, dtype=torch.bfloat16, device=device)
+    x[4], x[5] = x[4].float(), x[5].float()
+    scale = K ** -0.5
+
+    def fla_stage():
+        return chunk_kda_bwd_wy_dqkg_fused(*x, scale=scale)
+
+    def k3_stage():
+        return k3_bwd.chunk_kda_bwd_wy_dqkg(*x, scale)
+
+    with envs.override(kda_bwd="fla"):
+        ref = fla_stage()
+    nbytes = sum(t.numel() * t.element_size() for t in [*x, *ref])
+    floor_us = nbytes / bw * 1e6
+    rows = []
+
+    def row(impl, fn, choice):
+        with envs.override(kda_bwd=choice):
+            out = fn()
+            us = time_ms(fn, reps=20) * 1e3
+        err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
+        rows.append(dict(op="KDA bwd wy_dqkg stage", impl=impl, us=us, floor_us=floor_us, of_floor=floor_us / us,
+                         per_step_ms=us * KDA_CALLS * 1e-3, rel_err=err))
+        print(rows[-1], flush=True)
+
+    row("fla (its kernel)", fla_stage, "fla")
+    row("k3 through fla's dispatcher (K3_KDA_BWD=k3)", fla_stage, "k3")
+    saved = (k3_bwd.DQKG_BK, k3_bwd.DQKG_BV, k3_bwd.DQKG_WARPS), (k3_bwd.DVA_BK, k3_bwd.DVA_BV, k3_bwd.DVA_WARPS)
+    try:
+        for tiles in [saved] + [t for t in KDA_BWD_TILES if t != saved]:
+            (k3_bwd.DQKG_BK, k3_bwd.DQKG_BV, k3_bwd.DQKG_WARPS), (k3_bwd.DVA_BK, k3_bwd.DVA_BV, k3_bwd.DVA_WARPS) = tiles
+            label = "default" if tiles == saved else "other"
+            row(f"k3 dqkg BK/BV/warps {tiles[0]}, dv/dA {tiles[1]} ({label})", k3_stage, "fla")
+    finally:
+        (k3_bwd.DQKG_BK, k3_bwd.DQKG_BV, k3_bwd.DQKG_WARPS), (k3_bwd.DVA_BK, k3_bwd.DVA_BV, k3_bwd.DVA_WARPS) = saved
+    return rows
+
+
 def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
     """A training mix with the residual add before it (k3.model.attn_res.attn_res_mix_norm with `add`: p' = p + x,
     then the mix over [blocks, p'] and its norm), 1 and 4 blocks [B, T, 1536] bf16: the add in the mix kernel's
@@ -424,6 +484,8 @@ def main():
                     help="only the AttnRes mix and short conv backwards, new against the kernels they replaced")
     ap.add_argument("--kda-core", action="store_true",
                     help="only KDA's core forward + backward, fla recomputing against keeping its intermediates")
+    ap.add_argument("--kda-bwd", action="store_true",
+                    help="only KDA's chunk-backward WY/state stage, fla's kernel against k3's")
     ap.add_argument("--residual-add", action="store_true",
                     help="only a training mix with its residual add folded in against the add separate")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
@@ -444,6 +506,11 @@ def main():
         print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "extra_GiB", "rel_err"]))
         return save("kda_core", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     bw = measure_ceilings()["copy_TBps"] * 1e12
+    if a.kda_bwd:
+        rows = kda_bwd_rows(B, T, bw)
+        print(f"B={B} T={T}, copy bandwidth {bw / 1e12:.2f} TB/s")
+        print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "rel_err"]))
+        return save("kda_bwd", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     if a.residual_add:
         rows = residual_add_rows(B, T, bw)
         print(table(rows, ["op", "impl", "fwd_us", "fwd_bwd_us", "floor_fwd_us", "saved_per_step_ms"]))

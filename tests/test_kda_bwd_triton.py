@@ -81,7 +81,8 @@ def test_kernel_equals_reference(shape, dtype):
     inputs = stage_inputs(*shape, dtype=dtype, device=DEVICE, seed=seed)
     got = chunk_kda_bwd_wy_dqkg(*inputs, 0.37)
     want = chunk_kda_bwd_wy_dqkg_ref(*inputs, 0.37)
-    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    # fp32 on CUDA: tl.dot rounds its operands to TF32 (10-bit mantissa), as fla's kernels do
+    tol = 1e-10 if dtype == torch.float64 else 2e-5 if DEVICE == "cpu" else 5e-3
     for name, ours, ref in zip(("dq", "dk", "dv2", "db", "dg", "dA"), got, want):
         assert ours.shape == ref.shape, name
         assert ours.dtype == (ref.dtype if name != "dv2" else inputs[2].dtype), name
