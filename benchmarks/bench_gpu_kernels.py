@@ -373,16 +373,19 @@ def kda_core_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]
     return rows
 
 
-# k3.ops._kda_bwd_triton's tile choices timed beside its defaults: (dqkg BK, BV, warps), (dv/dA BK, BV, warps)
-KDA_BWD_TILES = [((32, 64, 4), (32, 32, 4)), ((64, 64, 8), (64, 64, 8)), ((32, 32, 4), (64, 64, 4)),
-                 ((32, 64, 4), (32, 64, 4))]
+# k3.ops._kda_bwd_triton's launch choices timed beside its defaults: (dqkg BK, BV, warps, stages, register cap),
+# (dv/dA BV, warps, stages)
+KDA_BWD_LAUNCH = [((32, 64, 4, 3, None), (32, 4, 3)), ((64, 64, 8, 2, None), (64, 8, 2)),
+                  ((32, 32, 4, 2, 128), (32, 4, 2))]
+_KDA_BWD_NAMES = (("DQKG_BK", "DQKG_BV", "DQKG_WARPS", "DQKG_STAGES", "DQKG_MAXNREG"),
+                  ("DVA_BV", "DVA_WARPS", "DVA_STAGES"))
 
 
 def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
     """KDA's chunk-backward WY/state stage alone (fla's chunk_kda_bwd_wy_dqkg_fused: dq, dk, dg through the chunk
     states, dv2, db, dA through the WY form) at `small`'s shapes (12 heads, K = V = 128, bf16; g, beta fp32): fla's
-    kernel (its autotune choice pinned by k3's table) against k3.ops._kda_bwd_triton under its default tiles and
-    the others of KDA_BWD_TILES, and k3's through fla's dispatcher (K3_KDA_BWD=k3, what the model runs). floor:
+    kernel (its autotune choice pinned by k3's table) against k3.ops._kda_bwd_triton under its default launch and
+    the others of KDA_BWD_LAUNCH, and k3's through fla's dispatcher (K3_KDA_BWD=k3, what the model runs). floor:
     the stage's inputs read once and outputs written once over the copy bandwidth. per_step_ms: x 12 KDA layers.
     rel_err: the largest norm-wise relative difference of the six outputs from fla's."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
@@ -421,14 +424,23 @@ def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
 
     row("fla (its kernel)", fla_stage, "fla")
     row("k3 through fla's dispatcher (K3_KDA_BWD=k3)", fla_stage, "k3")
-    saved = (k3_bwd.DQKG_BK, k3_bwd.DQKG_BV, k3_bwd.DQKG_WARPS), (k3_bwd.DVA_BK, k3_bwd.DVA_BV, k3_bwd.DVA_WARPS)
+    def launch():
+        return tuple(tuple(getattr(k3_bwd, n) for n in names) for names in _KDA_BWD_NAMES)
+
+    def set_launch(choice):
+        for names, values in zip(_KDA_BWD_NAMES, choice):
+            for n, value in zip(names, values):
+                setattr(k3_bwd, n, value)
+
+    saved = launch()
     try:
-        for tiles in [saved] + [t for t in KDA_BWD_TILES if t != saved]:
-            (k3_bwd.DQKG_BK, k3_bwd.DQKG_BV, k3_bwd.DQKG_WARPS), (k3_bwd.DVA_BK, k3_bwd.DVA_BV, k3_bwd.DVA_WARPS) = tiles
-            label = "default" if tiles == saved else "other"
-            row(f"k3 dqkg BK/BV/warps {tiles[0]}, dv/dA {tiles[1]} ({label})", k3_stage, "fla")
+        for choice in [saved] + [c for c in KDA_BWD_LAUNCH if c != saved]:
+            set_launch(choice)
+            label = "default" if choice == saved else "other"
+            row(f"k3 dqkg BK/BV/warps/stages/cap {choice[0]}, dv/dA BV/warps/stages {choice[1]} ({label})",
+                k3_stage, "fla")
     finally:
-        (k3_bwd.DQKG_BK, k3_bwd.DQKG_BV, k3_bwd.DQKG_WARPS), (k3_bwd.DVA_BK, k3_bwd.DVA_BV, k3_bwd.DVA_WARPS) = saved
+        set_launch(saved)
     return rows
 
 

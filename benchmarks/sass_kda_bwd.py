@@ -55,12 +55,12 @@ def fla_kernel():
     return fn
 
 
-def compile_kernel(fn, signature: dict, num_warps: int, num_stages: int = 3, **consts):
+def compile_kernel(fn, signature: dict, num_warps: int, num_stages: int = 3, maxnreg=None, **consts):
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
     src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts if k not in signature}},
                     constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                          "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def rows():
@@ -68,20 +68,21 @@ def rows():
     fla_sig = dict(q=bf, k=bf, v=bf, v_new=bf, g=f32, beta=f32, A=bf, h=bf, do=bf, dh=bf, dq=f32, dk=f32, dv=bf,
                    dv2=bf, dg=f32, db=f32, dA=f32, cu_seqlens="constexpr", chunk_indices="constexpr", scale="fp32",
                    T="i32")
-    yield ("fla chunk_kda_bwd_kernel_wy_dqkg_fused", "BK 64, BV 64", 4, (NT, B * H),
+    yield ("fla chunk_kda_bwd_kernel_wy_dqkg_fused", "BK 64, BV 64, 3 stages", 4, (NT, B * H),
            compile_kernel(fla_kernel(), fla_sig, 4, cu_seqlens=None, chunk_indices=None, H=H, HV=H, K=K, V=V, BT=BT,
                           BK=64, BV=64, STATE_V_FIRST=False, IS_VARLEN=False, USE_GRAPH=False))
     import triton.language as tl
 
     sig = dict(q=bf, k=bf, v_new=bf, g=f32, beta=f32, A=bf, h=bf, do=bf, dh=bf, dv=bf, dq=f32, dk=f32, dg=f32,
                scale="fp32", T="i32")
-    bk, bv, w = k3_bwd.DQKG_BK, k3_bwd.DQKG_BV, k3_bwd.DQKG_WARPS
-    yield ("k3 _dqkg_kernel", f"BK {bk}, BV {bv}", w, (K // bk, NT, B * H),
-           compile_kernel(k3_bwd._dqkg_kernel, sig, w, H=H, K=K, V=V, BT=BT, BK=bk, BV=bv, ACC=tl.float32))
+    kb = k3_bwd
+    bk, bv, w, st, cap = kb.DQKG_BK, kb.DQKG_BV, kb.DQKG_WARPS, kb.DQKG_STAGES, kb.DQKG_MAXNREG
+    yield ("k3 _dqkg_kernel", f"BK {bk}, BV {bv}, {st} stages, cap {cap}", w, (K // bk, NT, B * H),
+           compile_kernel(kb._dqkg_kernel, sig, w, st, cap, H=H, K=K, V=V, BT=BT, BK=bk, BV=bv, ACC=tl.float32))
     sig = dict(k=bf, v=bf, g=f32, beta=f32, A=bf, h=bf, dv=bf, dv2=bf, db=f32, dA=f32, T="i32")
-    bk, bv, w = k3_bwd.DVA_BK, k3_bwd.DVA_BV, k3_bwd.DVA_WARPS
-    yield ("k3 _dv_dA_kernel", f"BK {bk}, BV {bv}", w, (NT, B * H),
-           compile_kernel(k3_bwd._dv_dA_kernel, sig, w, H=H, K=K, V=V, BT=BT, BK=bk, BV=bv, ACC=tl.float32))
+    bv, w, st = kb.DVA_BV, kb.DVA_WARPS, kb.DVA_STAGES
+    yield ("k3 _dv_dA_kernel", f"BV {bv}, {st} stages", w, (NT, B * H),
+           compile_kernel(kb._dv_dA_kernel, sig, w, st, H=H, K=K, V=V, BT=BT, BV=bv, ACC=tl.float32))
 
 
 def main():

@@ -14,7 +14,7 @@ Here the work is split by what it needs:
 - `_dqkg_kernel`: one program per (K block, chunk, head): dq, dk, dg of its K columns. Three accumulators.
 - `_dv_dA_kernel`: one program per (chunk, head): dv2, db and dA. fla sums dA's and db's K-dependent part over K
   blocks (-dw kg^T); since dw = -dv h^T that part is -dv (kg h)^T, so one pass over V with kg h formed there
-  (one more [BT, K] x [K, BV] product a tile, far cheaper than the spills) gives dA and db whole: no cross-program sum.
+  (one more [BT, K] x [K, BV] product a tile, far cheaper than the spills; kg formed once, over the whole K) gives dA and db whole: no cross-program sum.
 """
 import torch
 import triton
@@ -23,12 +23,13 @@ import triton.language as tl
 from k3.ops.triton_dispatch import on_device
 
 CHUNK = 64
-# Tiles and warps of the two kernels, chosen by their sm_90 compile (benchmarks/sass_kda_bwd.py; untimed): the
-# largest 4-warp tiles that keep every value in registers. _dqkg_kernel at BK 64 spills (three fp32 [BT, 64]
-# accumulators and the epilogue's gate tiles pass 255 registers); at BK 32 it takes ~170. bench_gpu_kernels.py
-# --kda-bwd times the alternatives.
-DQKG_BK, DQKG_BV, DQKG_WARPS = 32, 64, 4
-DVA_BK, DVA_BV, DVA_WARPS = 32, 32, 4
+# Tiles, warps and pipeline stages of the two kernels, chosen by their sm_90 compile (benchmarks/sass_kda_bwd.py;
+# untimed): the largest 4-warp tiles that keep every value in registers. _dqkg_kernel at BK 64 spills (three fp32
+# [BT, 64] accumulators and the epilogue's gate tiles pass 255 registers); at BK 32, 2 stages and a 168-register cap
+# it spills nothing and 3 programs fit an SM (fla's: 2). _dv_dA_kernel at BV 32: ~240 registers, no spills (BV 64
+# spills). bench_gpu_kernels.py --kda-bwd times the alternatives.
+DQKG_BK, DQKG_BV, DQKG_WARPS, DQKG_STAGES, DQKG_MAXNREG = 32, 64, 4, 2, 168
+DVA_BV, DVA_WARPS, DVA_STAGES = 32, 4, 2
 
 
 @triton.jit
@@ -94,15 +95,14 @@ def _dqkg_kernel(q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T,
 
 @triton.jit
 def _dv_dA_kernel(k, v, g, beta, A, h, dv, dv2, db, dA, T,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, ACC: tl.constexpr):
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                  ACC: tl.constexpr):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
     bos = (i_b * T).to(tl.int64)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
-    o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     o_a = tl.arange(0, BT)
     state = ((i_b * NT + i_t).to(tl.int64) * H + i_h) * K * V
@@ -112,19 +112,18 @@ def _dv_dA_kernel(k, v, g, beta, A, h, dv, dv2, db, dA, T,
     b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)
     b_At = tl.load(A + (bos + o_t[None, :]) * (H * BT) + i_h * BT + o_a[:, None], mask=m_t[None, :], other=0.0)
 
+    # kg = k ⊙ 2^g over the whole K, once: every V tile's kg h needs all of it
+    o_kk = tl.arange(0, K)
+    b_k = tl.load(k + rows_k + o_kk[None, :], mask=m_tk, other=0.0)
+    b_g = tl.load(g + rows_k + o_kk[None, :], mask=m_tk, other=0.0).to(ACC)
+    b_kg = (b_k.to(ACC) * tl.exp2(b_g)).to(b_k.dtype)
     b_dA = tl.zeros([BT, BT], dtype=ACC)
     b_db = tl.zeros([BT], dtype=ACC)
     for i_v in range(0, V, BV):
         b_dv = tl.load(dv + rows_v + i_v + o_v[None, :], mask=m_tk, other=0.0)
         b_v = tl.load(v + rows_v + i_v + o_v[None, :], mask=m_tk, other=0.0)
-        b_x = tl.zeros([BT, BV], dtype=ACC)  # kg h for these V columns
-        for i_k in range(0, K, BK):
-            b_k = tl.load(k + rows_k + i_k + o_k[None, :], mask=m_tk, other=0.0)
-            b_g = tl.load(g + rows_k + i_k + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
-            b_h = tl.load(h + state + (i_k + o_k[:, None]) * V + i_v + o_v[None, :])
-            b_kg = (b_k.to(ACC) * tl.exp2(b_g)).to(b_h.dtype)
-            b_x = tl.dot(b_kg, b_h, b_x, out_dtype=ACC)
-        b_y = b_v.to(ACC) - b_x  # v - kg h
+        b_h = tl.load(h + state + o_kk[:, None] * V + i_v + o_v[None, :])
+        b_y = b_v.to(ACC) - tl.dot(b_kg, b_h.to(b_kg.dtype), out_dtype=ACC)  # v - kg h for these V columns
         b_dA = tl.dot(b_dv, tl.trans(b_y.to(b_dv.dtype)), b_dA, out_dtype=ACC)
         b_dvb = tl.dot(b_At, b_dv.to(b_At.dtype), out_dtype=ACC)  # A^T dv
         b_db += tl.sum(b_dvb * b_y, axis=1)
@@ -160,8 +159,8 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
     bk, bv = min(DQKG_BK, K), min(DQKG_BV, V)
     with on_device(q):
         _dqkg_kernel[(K // bk, NT, B * H)](q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T, H=H, K=K,
-                                            V=V, BT=CHUNK, BK=bk, BV=bv, ACC=acc, num_warps=DQKG_WARPS)
-        bk, bv = min(DVA_BK, K), min(DVA_BV, V)
-        _dv_dA_kernel[(NT, B * H)](k, v, g, beta, A, h, dv, dv2, db, dA, T, H=H, K=K, V=V, BT=CHUNK, BK=bk,
-                                   BV=bv, ACC=acc, num_warps=DVA_WARPS)
+                                            V=V, BT=CHUNK, BK=bk, BV=bv, ACC=acc, num_warps=DQKG_WARPS,
+                                            num_stages=DQKG_STAGES, maxnreg=DQKG_MAXNREG)
+        _dv_dA_kernel[(NT, B * H)](k, v, g, beta, A, h, dv, dv2, db, dA, T, H=H, K=K, V=V, BT=CHUNK,
+                                   BV=min(DVA_BV, V), ACC=acc, num_warps=DVA_WARPS, num_stages=DVA_STAGES)
     return dq, dk, dv2, db, dg, dA
