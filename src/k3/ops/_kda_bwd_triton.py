@@ -14,7 +14,8 @@ Here the work is split by what it needs:
 - `_dqkg_kernel`: one program per (K block, chunk, head): dq, dk, dg of its K columns. Three accumulators.
 - `_dv_dA_kernel`: one program per (chunk, head): dv2, db and dA. fla sums dA's and db's K-dependent part over K
   blocks (-dw kg^T); since dw = -dv h^T that part is -dv (kg h)^T, so one pass over V with kg h formed there
-  (one more [BT, K] x [K, BV] product a tile, far cheaper than the spills; kg formed once, over the whole K) gives dA and db whole: no cross-program sum.
+  (one more [BT, K] x [K, BV] product a tile, far cheaper than the spills; kg formed once, over the whole K) gives
+  dA and db whole: no cross-program sum.
 """
 import torch
 import triton
@@ -142,8 +143,8 @@ def _dv_dA_kernel(k, v, g, beta, A, h, dv, dv2, db, dA, T,
 def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
     """(dq, dk, dv2, db, dg, dA) as fla's chunk_kda_bwd_wy_dqkg_fused returns them (fp32 but dv2, in v's dtype;
     float64 inputs give float64). Layouts: q, k, g [B, T, H, K]; v, v_new, do, dv [B, T, H, V]; beta [B, T, H];
-    A [B, T, H, 64]; h, dh [B, NT, H, K, V] (copied where not contiguous); K and V powers of two >= 16 (the caller's verifier
-    checks: k3.ops.kda_fla_backend)."""
+    A [B, T, H, 64]; h, dh [B, NT, H, K, V] (copied where not contiguous); K and V powers of two >= 16 (the
+    caller's verifier checks: k3.ops.kda_fla_backend)."""
     q, k, v, v_new, g, beta, A, h, do, dh, dv = (x.contiguous() for x in (q, k, v, v_new, g, beta, A, h, do, dh, dv))
     B, T, H, K = k.shape
     V = v.shape[-1]

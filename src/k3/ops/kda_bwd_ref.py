@@ -56,7 +56,8 @@ def chunk_kda_bwd_wy_dqkg_ref(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, 
     last = torch.arange(BT, device=q.device).view(BT, 1) == (n_valid - 1).view(-1, 1, 1, 1)  # [NT, 1, BT, 1]
     dg = q * dq - k * dk_h + last * dgn[..., None, :] + kg * dkgb * beta
     dk = dk_h + dkgb * eg * beta
-    strict = torch.tril(torch.ones(BT, BT, dtype=torch.bool, device=q.device), -1) & (valid * valid.transpose(-1, -2)).bool()
+    strict = torch.tril(torch.ones(BT, BT, dtype=torch.bool, device=q.device), -1) \
+        & (valid * valid.transpose(-1, -2)).bool()
     dA = torch.where(strict, dA * beta.transpose(-1, -2), 0)
     dA = torch.where(strict, -(At @ dA @ At), 0)
     return tuple(_unchunk(x, T) for x in (dq, dk, dv2, db, dg, dA))
