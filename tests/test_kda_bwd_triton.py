@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from k3 import envs
-from k3.ops.kda_bwd_ref import chunk_kda_bwd_wy_dqkg_ref, stage_inputs
+from k3.ops.kda_bwd_ref import chunk_kda_bwd_intra_ref, chunk_kda_bwd_wy_dqkg_ref, stage_inputs
 from k3.ops.kda_fla_backend import wy_dqkg_accepts
 
 if not torch.cuda.is_available():
@@ -64,6 +64,36 @@ def test_reference_is_the_gradient_of_the_chunk_relations():
     valid = torch.arange(NT * BT).view(NT, BT) < T
     dM = torch.where((valid[:, :, None] & valid[:, None, :])[None, :, None], dM, 0)  # padded rows: no tokens
     torch.testing.assert_close(dA_chunks, dM, rtol=1e-9, atol=1e-9)
+
+
+def test_intra_reference_is_the_gradient_of_the_chunk_scores():
+    """Per chunk: Aqk_ij = q_i · (k_j ⊙ e^(g_i - g_j)) for j <= i, Akk_ij = β_i k_i · (k_j ⊙ e^(g_i - g_j)) for j < i
+    (g in natural-log units here); for L = <dAqk, Aqk> + <dAkk, Akk>, the intra stage adds dL/dq, dL/dk, dL/dβ and
+    dL/dg to the gradients it is given."""
+    B, T, H, K = 2, 100, 3, 16
+    gen = torch.Generator().manual_seed(6)
+    q, k, _, _, g2, beta, *_ = stage_inputs(B, T, H, K, 16, seed=6)
+    dAqk, dAkk = (torch.randn(B, T, H, BT, generator=gen, dtype=torch.float64) for _ in range(2))
+    given = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((B, T, H, K),) * 2 + ((B, T, H),)
+             + ((B, T, H, K),)]
+    leaves = [x.clone().requires_grad_() for x in (q, k, g2 * math.log(2), beta)]
+    ql, kl, gl, bl = leaves
+    loss = 0
+    for c in range(-(-T // BT)):
+        s = slice(c * BT, min(T, c * BT + BT))
+        n = s.stop - s.start
+        qc, kc, gc = (x[:, s].transpose(1, 2) for x in (ql, kl, gl))       # [B, H, n, K]
+        decay = (gc[..., :, None, :] - gc[..., None, :, :]).clamp(max=0).exp()  # i >= j: exact; else masked below
+        scores = torch.einsum("bhik,bhjk,bhijk->bhij", qc, kc, decay)
+        keys = bl[:, s].transpose(1, 2)[..., None] * torch.einsum("bhik,bhjk,bhijk->bhij", kc, kc, decay)
+        on = torch.ones(n, n, dtype=torch.bool).tril()
+        loss = loss + (torch.where(on, scores, 0) * dAqk[:, s, :, :n].transpose(1, 2)).sum() \
+            + (torch.where(on.tril(-1), keys, 0) * dAkk[:, s, :, :n].transpose(1, 2)).sum()
+    loss.backward()
+    dq, dk, db, dg = chunk_kda_bwd_intra_ref(q, k, g2, beta, dAqk, dAkk, *given)
+    for name, ours, base, want in (("dq", dq, given[0], ql.grad), ("dk", dk, given[1], kl.grad),
+                                   ("db", db, given[2], bl.grad), ("dg", dg, given[3], gl.grad)):
+        torch.testing.assert_close(ours - base, want, rtol=1e-9, atol=1e-9, msg=name)
 
 
 SHAPES = [(1, 64, 1, 64, 64), (1, 100, 3, 128, 128), (3, 130, 1, 64, 32), (1, 40, 1, 16, 16)]

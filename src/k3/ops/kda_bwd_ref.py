@@ -2,6 +2,9 @@
 `chunk_kda_bwd_wy_dqkg_fused` and k3.ops._kda_bwd_triton compute; layouts as there). Never dispatches; float64
 in, float64 out. Written as the chunk formulas read (dw formed, dA's parts summed), not as the kernel regroups them.
 `stage_inputs`: random inputs of the stage in those layouts, for the tests and benchmarks/bench_gpu_kernels.py.
+
+`chunk_kda_bwd_intra_ref`: the stage after it (fla's `chunk_kda_bwd_intra`), the gradients through the chunk's
+intra-chunk score matrices Aqk and Akk, added to what the WY/state stage gave.
 """
 import math
 
@@ -61,6 +64,34 @@ def chunk_kda_bwd_wy_dqkg_ref(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, 
     dA = torch.where(strict, dA * beta.transpose(-1, -2), 0)
     dA = torch.where(strict, -(At @ dA @ At), 0)
     return tuple(_unchunk(x, T) for x in (dq, dk, dv2, db, dg, dA))
+
+
+def chunk_kda_bwd_intra_ref(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size: int = CHUNK):
+    """(dq, dk, db, dg) with the intra-chunk parts added, in the promoted float dtype (at least float32). Within a
+    chunk, with E_ij = 2^(g_i - g_j) (per key channel; g base-2, cumulated within the chunk), the scores are
+    Aqk_ij = q_i · (k_j ⊙ E_ij) for j <= i and Akk_ij = β_i k_i · (k_j ⊙ E_ij) for j < i; dAqk, dAkk
+    [B, T, H, BT] are their gradients (row i at token i; only those entries are read). dg is the gradient of g
+    before the chunk's reverse cumsum, in natural-log units (d/dg of 2^g taken as 2^g)."""
+    BT = chunk_size
+    T = q.shape[1]
+    dt = torch.promote_types(torch.float32, q.dtype)
+    c = lambda x: _chunks(x.to(dt), BT)  # noqa: E731
+    q, k, g, dAqk, dAkk = (c(x) for x in (q, k, g, dAqk, dAkk))
+    beta = c(beta)[..., None]                                  # [B, NT, H, BT, 1]
+    lower = torch.tril(torch.ones(BT, BT, dtype=torch.bool, device=q.device))
+    diff = g[..., :, None, :] - g[..., None, :, :]             # [B, NT, H, BT(i), BT(j), K]
+    E = torch.exp2(torch.where(lower[..., None], diff, float("-inf")))
+    dAqk = torch.where(lower, dAqk, 0)
+    dAkk = torch.where(lower.tril(-1), dAkk, 0)
+    dq_in = torch.einsum("...ij,...jk,...ijk->...ik", dAqk, k, E)
+    dk_row = torch.einsum("...ij,...jk,...ijk->...ik", dAkk, k, E)       # Akk's row side, before β_i
+    dk_col = torch.einsum("...ij,...ik,...ijk->...jk", dAqk, q, E) \
+        + torch.einsum("...ij,...ik,...ijk->...jk", dAkk, beta * k, E)   # both scores' column side
+    dq = dq.to(dt) + _unchunk(dq_in, T)
+    db = db.to(dt) + _unchunk((dk_row * k).sum(-1), T)
+    dk = dk.to(dt) + _unchunk(beta * dk_row + dk_col, T)
+    dg = dg.to(dt) + _unchunk(q * dq_in + (beta * dk_row - dk_col) * k, T)
+    return dq, dk, db, dg
 
 
 def stage_inputs(B, T, H, K, V, dtype=torch.float64, device="cpu", seed=0, chunk_size: int = CHUNK):
