@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from k3 import envs
-from k3.ops.kda_bwd_ref import chunk_kda_bwd_intra_ref, chunk_kda_bwd_wy_dqkg_ref, stage_inputs
+from k3.ops.kda_bwd_ref import chunk_kda_bwd_intra_ref, chunk_kda_bwd_wy_dqkg_ref, intra_inputs, stage_inputs
 from k3.ops.kda_fla_backend import wy_dqkg_accepts
 
 if not torch.cuda.is_available():
@@ -118,6 +118,29 @@ def test_kernel_equals_reference(shape, dtype):
         assert ours.dtype == (ref.dtype if name != "dv2" else inputs[2].dtype), name
         err = (ours.double() - ref.double()).abs().max() / ref.abs().max()
         assert err < tol, (name, err.item())
+
+
+INTRA_SHAPES = [(1, 64, 1, 32, False), (2, 100, 3, 64, False), (1, 130, 1, 128, True), (1, 40, 1, 16, True)]
+
+
+@pytest.mark.parametrize("shape", INTRA_SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + ("-strongest" * s[4]))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_intra_kernel_equals_reference(shape, dtype):
+    """Also at the strongest decays fla's safe gate allows (e^-5 a token): the sub-chunk anchors keep fp32 finite."""
+    pytest.importorskip("triton")
+    from k3.ops._kda_bwd_triton import chunk_kda_bwd_intra
+
+    if dtype == torch.float64 and DEVICE == "cuda":
+        pytest.skip("float64 dots: the interpreter's case")
+    *dims, strongest = shape
+    inputs = intra_inputs(*dims, dtype=dtype, device=DEVICE, seed=sum(dims), strongest=strongest)
+    got = chunk_kda_bwd_intra(*inputs)
+    want = chunk_kda_bwd_intra_ref(*[x.double() for x in inputs])
+    tol = 1e-10 if dtype == torch.float64 else 2e-5 if DEVICE == "cpu" else 5e-3
+    for name, ours, ref in zip(("dq", "dk", "db", "dg"), got, want):
+        assert ours.shape == ref.shape and ours.dtype == dtype, name
+        err = ((ours.double() - ref).norm() / ref.norm()).item()
+        assert err < tol, (name, err)
 
 
 def _meta_call(**overrides):

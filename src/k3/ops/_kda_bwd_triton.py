@@ -165,3 +165,120 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
         _dv_dA_kernel[(NT, B * H)](k, v, g, beta, A, h, dv, dv2, db, dA, T, H=H, K=K, V=V, BT=CHUNK,
                                    BV=min(DVA_BV, V), ACC=acc, num_warps=DVA_WARPS, num_stages=DVA_STAGES)
     return dq, dk, dv2, db, dg, dA
+
+
+# chunk_kda_bwd_intra: sub-chunks of INTRA_BC rows; K split into programs of INTRA_BK columns
+INTRA_BC, INTRA_BK, INTRA_WARPS, INTRA_STAGES = 16, 32, 4, 2
+
+
+@triton.jit
+def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, dg2, T,
+                  H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                  ACC: tl.constexpr, DIAG_PRECISION: tl.constexpr):
+    """One program per (K block, chunk, head), a sub-chunk of BC rows at a time: the rows' own side of both score
+    matrices (dq, and dk's Akk-row part and db) and their column side (dk's part as a key), each split into the
+    sub-chunks before (or after) it, anchored at the sub-chunk's first (or last) row so that every factor
+    2^(g_i - g_j) is formed as two factors <= 1, and the diagonal sub-chunk anchored at its middle row (factors up
+    to 2^(BC/2 * 7.2) under fla's safe gate, decays >= e^-5 a token)."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    n_rows = tl.num_programs(2) // H  # B
+    bos = (i_b * T).to(tl.int64)
+    t0 = i_t * BT
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_a = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    rows_k = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+    b_q = tl.load(q + rows_k, mask=m_t[:, None], other=0.0).to(ACC)
+    b_k = tl.load(k + rows_k, mask=m_t[:, None], other=0.0).to(ACC)
+    b_g = tl.load(g + rows_k, mask=m_t[:, None], other=0.0).to(ACC)
+    b_kb = b_k * tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)[:, None]
+    for i_c in range(0, BT // BC):
+        s = t0 + i_c * BC
+        if s < T:
+            o_r = s + o_c
+            m_r = o_r < T
+            last = tl.minimum(s + BC, T) - 1
+            rows_r = (bos + o_r[:, None]) * (H * K) + i_h * K + o_k[None, :]
+            b_qr = tl.load(q + rows_r, mask=m_r[:, None], other=0.0).to(ACC)
+            b_kr = tl.load(k + rows_r, mask=m_r[:, None], other=0.0).to(ACC)
+            b_gr = tl.load(g + rows_r, mask=m_r[:, None], other=0.0).to(ACC)
+            b_br = tl.load(beta + (bos + o_r) * H + i_h, mask=m_r, other=0.0).to(ACC)
+            g_row = g + i_h * K + o_k
+            b_first = tl.load(g_row + (bos + s) * (H * K)).to(ACC)
+            b_last = tl.load(g_row + (bos + last) * (H * K)).to(ACC)
+            b_mid = tl.load(g_row + (bos + tl.minimum(s + BC // 2, last)) * (H * K)).to(ACC)
+
+            # rows' side, earlier sub-chunks: Σ_j dA_ij k_j 2^(first - g_j), then x 2^(g_i - first)
+            m_before = (o_t < s)[:, None]
+            b_kx = tl.where(m_before, b_k * tl.exp2(tl.where(m_before, b_first[None, :] - b_g, 0.0)), 0.0)
+            rows_a = (bos + o_r[:, None]) * (H * BT) + i_h * BT + o_a[None, :]
+            m_rows = m_r[:, None] & (o_a[None, :] < i_c * BC)
+            b_dAq = tl.load(dAqk + rows_a, mask=m_rows, other=0.0).to(ACC)
+            b_dAk = tl.load(dAkk + rows_a, mask=m_rows, other=0.0).to(ACC)
+            b_e = tl.exp2(tl.where(m_r[:, None], b_gr - b_first[None, :], 0.0))
+            b_dq = tl.dot(b_dAq, b_kx.to(b_dAq.dtype), out_dtype=ACC) * b_e
+            b_dkr = tl.dot(b_dAk, b_kx.to(b_dAk.dtype), out_dtype=ACC) * b_e
+
+            # columns' side, later sub-chunks: Σ_i dA_ij (q_i, β_i k_i) 2^(g_i - last), then x 2^(last - g_j)
+            m_after = (o_t > last) & m_t
+            b_ex = tl.exp2(tl.where(m_after[:, None], b_g - b_last[None, :], 0.0))
+            b_qx = tl.where(m_after[:, None], b_q * b_ex, 0.0)
+            b_kbx = tl.where(m_after[:, None], b_kb * b_ex, 0.0)
+            cols = (bos + o_t[None, :]) * (H * BT) + i_h * BT + i_c * BC + o_c[:, None]  # [BC, BT]: dA^T
+            m_cols = m_after[None, :] & (o_c[:, None] < BC)
+            b_dAq_t = tl.load(dAqk + cols, mask=m_cols, other=0.0).to(ACC)
+            b_dAk_t = tl.load(dAkk + cols, mask=m_cols, other=0.0).to(ACC)
+            b_dkc = tl.dot(b_dAq_t, b_qx.to(b_dAq_t.dtype), out_dtype=ACC)
+            b_dkc = tl.dot(b_dAk_t, b_kbx.to(b_dAk_t.dtype), b_dkc, out_dtype=ACC)
+            b_dkc *= tl.exp2(tl.where(m_r[:, None], b_last[None, :] - b_gr, 0.0))
+
+            # the diagonal sub-chunk, both sides, anchored at its middle row
+            b_up = tl.exp2(tl.where(m_r[:, None], b_gr - b_mid[None, :], 0.0))
+            b_down = tl.exp2(tl.where(m_r[:, None], b_mid[None, :] - b_gr, 0.0))
+            diag = (bos + o_r[:, None]) * (H * BT) + i_h * BT + i_c * BC + o_c[None, :]
+            m_valid = m_r[:, None] & m_r[None, :]
+            b_dAq_d = tl.load(dAqk + diag, mask=m_valid & (o_c[:, None] >= o_c[None, :]), other=0.0).to(ACC)
+            b_dAk_d = tl.load(dAkk + diag, mask=m_valid & (o_c[:, None] > o_c[None, :]), other=0.0).to(ACC)
+            b_kd = b_kr * b_down
+            b_dq += tl.dot(b_dAq_d, b_kd, input_precision=DIAG_PRECISION, out_dtype=ACC) * b_up
+            b_dkr += tl.dot(b_dAk_d, b_kd, input_precision=DIAG_PRECISION, out_dtype=ACC) * b_up
+            b_dkc += (tl.dot(tl.trans(b_dAq_d), b_qr * b_up, input_precision=DIAG_PRECISION, out_dtype=ACC)
+                      + tl.dot(tl.trans(b_dAk_d), b_kr * b_br[:, None] * b_up, input_precision=DIAG_PRECISION,
+                               out_dtype=ACC)) * b_down
+
+            m_rk = m_r[:, None]
+            tl.store(dq2 + rows_r, (tl.load(dq + rows_r, mask=m_rk, other=0.0) + b_dq).to(dq2.dtype.element_ty),
+                     mask=m_rk)
+            b_dkb = b_dkr * b_br[:, None]
+            tl.store(dk2 + rows_r, (tl.load(dk + rows_r, mask=m_rk, other=0.0) + b_dkb + b_dkc)
+                     .to(dk2.dtype.element_ty), mask=m_rk)
+            b_dgr = tl.load(dg + rows_r, mask=m_rk, other=0.0) + b_qr * b_dq + (b_dkb - b_dkc) * b_kr
+            tl.store(dg2 + rows_r, b_dgr.to(dg2.dtype.element_ty), mask=m_rk)
+            # db: this K block's share (the blocks' shares and the given db summed after the launch)
+            tl.store(db_part + (i_k * n_rows * T + bos + o_r) * H + i_h,
+                     tl.sum(b_dkr * b_kr, axis=1).to(db_part.dtype.element_ty), mask=m_r)
+
+
+def chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg):
+    """(dq, dk, db, dg) with the intra-chunk parts added, as fla's chunk_kda_bwd_intra returns them (new tensors:
+    dq, dk in dq's and dk's dtype, db, dg fp32; float64 in, float64 out). Layouts: q, k, g, dq, dk, dg [B, T, H, K];
+    beta, db [B, T, H]; dAqk, dAkk [B, T, H, 64]. Gates must satisfy fla's safe-gate bound (a token's decay
+    >= e^-5; the caller's verifier checks safe_gate and lower_bound)."""
+    q, k, g, beta, dAqk, dAkk, dq, dk, db, dg = (x.contiguous() for x in (q, k, g, beta, dAqk, dAkk, dq, dk, db, dg))
+    B, T, H, K = k.shape
+    NT = triton.cdiv(T, CHUNK)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = tl.float64 if wide == torch.float64 else tl.float32
+    bk = min(INTRA_BK, K)
+    dq2, dk2 = torch.empty_like(dq), torch.empty_like(dk)
+    dg2 = torch.empty_like(dg, dtype=wide)
+    db_part = torch.empty(K // bk, B, T, H, dtype=wide, device=q.device)
+    with on_device(q):
+        _intra_kernel[(K // bk, NT, B * H)](q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, dg2, T,
+                                           H=H, K=K, BT=CHUNK, BC=INTRA_BC, BK=bk, ACC=acc,
+                                           DIAG_PRECISION="ieee" if acc == tl.float32 else None,
+                                           num_warps=INTRA_WARPS, num_stages=INTRA_STAGES)
+    return dq2, dk2, db_part.sum(0) + db, dg2

@@ -1,7 +1,8 @@
 """Plain PyTorch reference of KDA's chunk-backward stage through the chunk states and the WY form (what fla 0.6's
 `chunk_kda_bwd_wy_dqkg_fused` and k3.ops._kda_bwd_triton compute; layouts as there). Never dispatches; float64
 in, float64 out. Written as the chunk formulas read (dw formed, dA's parts summed), not as the kernel regroups them.
-`stage_inputs`: random inputs of the stage in those layouts, for the tests and benchmarks/bench_gpu_kernels.py.
+`stage_inputs`, `intra_inputs`: random inputs of each stage in those layouts, for the tests and
+benchmarks/bench_gpu_kernels.py.
 
 `chunk_kda_bwd_intra_ref`: the stage after it (fla's `chunk_kda_bwd_intra`), the gradients through the chunk's
 intra-chunk score matrices Aqk and Akk, added to what the WY/state stage gave.
@@ -113,3 +114,24 @@ def stage_inputs(B, T, H, K, V, dtype=torch.float64, device="cpu", seed=0, chunk
     A = A.transpose(2, 3).reshape(B, NT * BT, H, BT)[:, :T]
     h, dh = r(B, NT, H, K, V), r(B, NT, H, K, V)
     return [x.to(dtype).contiguous() for x in (q, k, v, v_new, g, beta, A, h, do, dh, dv)]
+
+
+def intra_inputs(B, T, H, K, dtype=torch.float64, device="cpu", seed=0, strongest=False, chunk_size: int = CHUNK):
+    """(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg) as chunk_kda_bwd_intra receives them. g: per-token decays in
+    (2^-0.3, 1], or with `strongest` down to fla's safe-gate bound e^-5 (what the kernel's anchoring must survive
+    in fp32: a chunk's decay reaches 2^-460); dAkk zero on and above its diagonal, as the WY stage leaves it."""
+    BT = chunk_size
+    q, k, _, _, g, beta, *_ = stage_inputs(B, T, H, K, 16, dtype=dtype, device=device, seed=seed, chunk_size=BT)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    f = torch.float64 if dtype == torch.float64 else torch.float32
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=f, device=device)  # noqa: E731
+    if strongest:
+        NT = -(-T // BT)
+        decay = torch.rand(B, NT, BT, H, K, generator=gen, dtype=f, device=device) * (-5 / math.log(2))
+        g = decay.cumsum(2).view(B, NT * BT, H, K)[:, :T].to(dtype).contiguous()
+    dAqk, dAkk = r(B, T, H, BT), r(B, T, H, BT)
+    row = torch.arange(T, device=device) % BT
+    dAkk = torch.where(torch.arange(BT, device=device) < row[:, None, None], dAkk, 0)
+    dq, dk, dg = r(B, T, H, K), r(B, T, H, K), r(B, T, H, K)
+    db = r(B, T, H)
+    return [q, k, g, beta] + [x.to(dtype).contiguous() for x in (dAqk, dAkk, dq, dk, db, dg)]
