@@ -47,7 +47,7 @@ def main():
     variants = [()] + [tuple(sorted(n.strip() for n in v.split(",") if n.strip())) for v in a.off]
     known = {f.name: f.type in (bool, "bool") for f in dataclasses.fields(envs.Switches)}
     lists = ("no_triton", "triton_opt_in")
-    choices = {"kda_bwd": ("fla", "k3")}
+    choices = {"kda_bwd": envs.KDA_BWD_CHOICES}
     bad = sorted({n for names in variants for n in names
                   if not (known.get(n) or (n.partition(":")[0] in lists and n.partition(":")[2])
                           or n.partition("=")[2] in choices.get(n.partition("=")[0], ()))})

@@ -1,7 +1,8 @@
-"""Registers, spills and occupancy of KDA's chunk-backward WY/state stage compiled for sm_90 without a GPU (Triton's
-own ptxas, as benchmarks/sass_train_backwards.py): fla 0.6's `chunk_kda_bwd_kernel_wy_dqkg_fused` at the choice
-k3's autotune table pins on the H200 (BK 64, BV 64, 4 warps, 3 stages) against k3.ops._kda_bwd_triton's two
-kernels, at `small`'s training shapes (bf16, H 12, K = V = 128, chunk 64, 8 x 4096 tokens: 64 chunks a row).
+"""Registers, spills and occupancy of KDA's chunk-backward stages compiled for sm_90 without a GPU (Triton's own
+ptxas, as benchmarks/sass_train_backwards.py): fla 0.6's `chunk_kda_bwd_kernel_wy_dqkg_fused` at the choice k3's
+autotune table pins on the H200 (BK 64, BV 64, 4 warps, 3 stages) against k3.ops._kda_bwd_triton's two kernels, and
+fla's `chunk_kda_bwd_kernel_intra` (its pinned choice: 1 warp, 2 stages; BK 32, sub-chunks of 16, the safe gate)
+against k3's `_intra_kernel`, at `small`'s training shapes (bf16, H 12, K = V = 128, chunk 64, 8 x 4096 tokens: 64 chunks a row).
 Columns: REG and STACK (spill bytes) a thread, shared memory a program, programs an SM those allow, the launch's
 programs and waves over the 132 SMs, and the SASS's local-memory loads/stores (LDL/STL: the spills' traffic) and
 warpgroup MMAs (HGMMA).
@@ -10,6 +11,7 @@ Run: python benchmarks/sass_kda_bwd.py   (needs triton; no CUDA device; fla from
 """
 import collections
 import glob
+import math
 import os
 import re
 import sys
@@ -30,8 +32,8 @@ B, T, H, K, V, BT = 8, 4096, 12, 128, 128, 64
 NT = T // BT
 
 
-def fla_kernel():
-    """fla's kernel as a JITFunction: fla installed, else its wheel in .whl/ imported in place (a zip on sys.path).
+def fla_kernel(name: str = "chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused"):
+    """fla's kernel (fla.ops.kda.<name>) as a JITFunction: fla installed, else its wheel in .whl/ imported in place (a zip on sys.path).
     fla's package __init__ imports einops, which only its other ops use: a stand-in is enough to compile."""
     try:
         import fla  # noqa: F401
@@ -47,9 +49,10 @@ def fla_kernel():
                 stand_in = types.ModuleType("einops")
                 stand_in.__getattr__ = lambda name: None
                 sys.modules["einops"] = stand_in
-    from fla.ops.kda import chunk_bwd
+    import importlib
 
-    fn = chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused
+    module, _, kernel = name.rpartition(".")
+    fn = getattr(importlib.import_module(f"fla.ops.kda.{module}"), kernel)
     while not isinstance(fn, triton.runtime.jit.JITFunction):  # under its heuristics and autotuner
         fn = fn.fn
     return fn
@@ -83,6 +86,18 @@ def rows():
     bv, w, st = kb.DVA_BV, kb.DVA_WARPS, kb.DVA_STAGES
     yield ("k3 _dv_dA_kernel", f"BV {bv}, {st} stages", w, (NT, B * H),
            compile_kernel(kb._dv_dA_kernel, sig, w, st, H=H, K=K, V=V, BT=BT, BV=bv, ACC=tl.float32))
+    sig = dict(q=bf, k=bf, g=f32, beta=f32, dAqk=f32, dAkk=f32, dq=f32, dq2=f32, dk=f32, dk2=f32, dg=f32, dg2=f32,
+               db=f32, cu_seqlens="constexpr", chunk_indices="constexpr", B="i32", T="i32")
+    yield ("fla chunk_kda_bwd_kernel_intra", "BK 32, BC 16, 2 stages", 1, (K // 32 * BT // 16 * NT, B * H),
+           compile_kernel(fla_kernel("chunk_intra.chunk_kda_bwd_kernel_intra"), sig, 1, 2, cu_seqlens=None,
+                          chunk_indices=None, H=H, HV=H, K=K, BT=BT, BC=16, BK=32, NC=BT // 16, IS_VARLEN=False,
+                          SAFE_GATE=True, GATE_SHIFT=5.0 / math.log(2), USE_GATHER=True, USE_GRAPH=False))
+    sig = dict(q=bf, k=bf, g=f32, beta=f32, dAqk=f32, dAkk=f32, dq=f32, dk=f32, db=f32, dg=f32, dq2=f32, dk2=f32,
+               db_part=f32, dg2=f32, T="i32")
+    bk, bc, w, st = kb.INTRA_BK, kb.INTRA_BC, kb.INTRA_WARPS, kb.INTRA_STAGES
+    yield ("k3 _intra_kernel", f"BK {bk}, BC {bc}, {st} stages", w, (K // bk, NT, B * H),
+           compile_kernel(kb._intra_kernel, sig, w, st, H=H, K=K, BT=BT, BC=bc, BK=bk, ACC=tl.float32,
+                          DIAG_PRECISION="ieee"))
 
 
 def main():

@@ -1,8 +1,8 @@
 """KDA's chunk-backward WY/state stage: k3.ops.kda_bwd_ref against autograd of the chunk's forward relations
 (float64), k3.ops._kda_bwd_triton against that reference (float64 and float32; the Triton interpreter without
 CUDA), and the verifier that decides which of fla's calls k3's backend takes (k3.ops.kda_fla_backend).
-On CUDA with fla (skipped elsewhere): k3's kernels against fla's at small's training shape, and fla_kda_gated's
-gradients with K3_KDA_BWD=k3 against fla's own backward."""
+The intra-chunk stage's reference and kernel likewise. On CUDA with fla (skipped elsewhere): k3's kernels against
+fla's at small's training shape, and fla_kda_gated's gradients with K3_KDA_BWD=k3/wy/intra against fla's own."""
 import math
 import os
 
@@ -11,7 +11,7 @@ import torch
 
 from k3 import envs
 from k3.ops.kda_bwd_ref import chunk_kda_bwd_intra_ref, chunk_kda_bwd_wy_dqkg_ref, intra_inputs, stage_inputs
-from k3.ops.kda_fla_backend import wy_dqkg_accepts
+from k3.ops.kda_fla_backend import intra_accepts, wy_dqkg_accepts
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -159,12 +159,28 @@ def _meta_call(**overrides):
     return call
 
 
-def test_verifier_takes_the_training_call_only_when_switched_on():
-    with envs.override(kda_bwd="k3"):
-        assert wy_dqkg_accepts(**_meta_call()) == (True, None)
-    with envs.override(kda_bwd="fla"):
-        accepted, reason = wy_dqkg_accepts(**_meta_call())
-        assert not accepted and "K3_KDA_BWD" in reason
+def _meta_intra_call(**overrides):
+    """fla's keyword arguments for small's chunk_kda_bwd_intra call (8 x 4096, H 12, K 128), as meta tensors."""
+    B, T, H, K = 8, 4096, 12, 128
+    bf = dict(device="meta", dtype=torch.bfloat16)
+    f32 = dict(device="meta", dtype=torch.float32)
+    call = dict(q=torch.empty(B, T, H, K, **bf), k=torch.empty(B, T, H, K, **bf), g=torch.empty(B, T, H, K, **f32),
+                beta=torch.empty(B, T, H, **f32), dAqk=torch.empty(B, T, H, 64, **f32),
+                dAkk=torch.empty(B, T, H, 64, **f32), dq=torch.empty(B, T, H, K, **f32),
+                dk=torch.empty(B, T, H, K, **f32), db=torch.empty(B, T, H, **f32), dg=torch.empty(B, T, H, K, **f32),
+                cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=True, use_graph=False)
+    call.update(overrides)
+    return call
+
+
+@pytest.mark.parametrize("choice, wy, intra", [("k3", True, True), ("wy", True, False), ("intra", False, True),
+                                               ("fla", False, False)])
+def test_verifiers_take_the_training_calls_of_the_stages_switched_on(choice, wy, intra):
+    with envs.override(kda_bwd=choice):
+        for accepts, call, on in ((wy_dqkg_accepts, _meta_call(), wy), (intra_accepts, _meta_intra_call(), intra)):
+            accepted, reason = accepts(**call)
+            assert accepted == on and (reason is None) == on
+            assert on or "K3_KDA_BWD" in reason
 
 
 @pytest.mark.parametrize("overrides", [
@@ -183,10 +199,28 @@ def test_verifier_declines_what_the_kernels_do_not_cover(overrides):
     assert not accepted and reason
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(cu_seqlens=torch.tensor([0, 4096])),
+    dict(use_graph=True),
+    dict(chunk_size=32),
+    dict(safe_gate=False),                                                       # decays unbounded: fp32 anchors
+    dict(lower_bound=-8.0),
+    dict(g=torch.empty(8, 4096, 24, 128, device="meta")),                        # more gate heads than key heads
+    dict(k=torch.empty(8, 4096, 12, 96, device="meta", dtype=torch.bfloat16)),
+    dict(dAkk=torch.empty(8, 4096, 12, 32, device="meta")),
+    dict(db=torch.empty(8, 4096, 12, device="meta", dtype=torch.float64)),
+], ids=["varlen", "graph", "chunk32", "unsafe_gate", "bound_below_5", "gva", "K96", "dAkk_shape", "fp64"])
+def test_intra_verifier_declines_what_the_kernel_does_not_cover(overrides):
+    with envs.override(kda_bwd="k3"):
+        assert intra_accepts(**_meta_intra_call(lower_bound=-5.0)) == (True, None)
+        accepted, reason = intra_accepts(**_meta_intra_call(**overrides))
+    assert not accepted and reason
+
+
 def test_switch_parses():
     assert envs.parse({}).kda_bwd == "fla"
-    assert envs.parse({"K3_KDA_BWD": "k3"}).kda_bwd == "k3"
-    assert envs.parse({"K3_KDA_BWD": "fla"}).kda_bwd == "fla"
+    for value in ("k3", "fla", "wy", "intra"):
+        assert envs.parse({"K3_KDA_BWD": value}).kda_bwd == value
     with pytest.raises(ValueError):
         envs.parse({"K3_KDA_BWD": "tilelang"})
 
@@ -222,28 +256,51 @@ def test_kernels_equal_flas_at_the_training_shape():
         assert _rel(ours, ref) < BF16_REL, (name, _rel(ours, ref))
 
 
-def test_fla_kda_gated_gradients_with_k3s_backward(monkeypatch):
+def test_intra_kernel_equals_flas_at_the_training_shape():
+    """8 x 4096, H 12, K 128, bf16 q and k, fp32 the rest, at the safe gate's strongest decays: every output
+    against fla's own kernel (safe gate, bound -5)."""
+    _fla_or_skip()
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra as fla_intra
+
+    from k3.ops._kda_bwd_triton import chunk_kda_bwd_intra
+
+    x = intra_inputs(8, 4096, 12, 128, dtype=torch.float32, device="cuda", seed=7, strongest=True)
+    x[0], x[1] = x[0].bfloat16(), x[1].bfloat16()
+    with envs.override(kda_bwd="fla"):
+        want = fla_intra(*x, safe_gate=True, lower_bound=-5.0)
+    got = chunk_kda_bwd_intra(*x)
+    for name, ours, ref in zip(("dq", "dk", "db", "dg"), got, want):
+        assert ours.shape == ref.shape and ours.dtype == ref.dtype, name
+        assert _rel(ours, ref) < BF16_REL, (name, _rel(ours, ref))
+
+
+@pytest.mark.parametrize("choice", ["k3", "wy", "intra"])
+def test_fla_kda_gated_gradients_with_k3s_backward(monkeypatch, choice):
     """fla_kda_gated forward + backward (small's heads, 2 x 1000 tokens: a partial last chunk) with K3_KDA_BWD=k3
-    equals K3_KDA_BWD=fla in every input gradient, and k3's kernels ran."""
+    (wy, intra) equals K3_KDA_BWD=fla in every input gradient, and exactly the chosen stages ran k3's kernels."""
     _fla_or_skip()
     from k3.ops import _kda_bwd_triton
     from k3.ops.kda_fla import fla_kda_gated
 
     calls = []
-    original = _kda_bwd_triton.chunk_kda_bwd_wy_dqkg
-    monkeypatch.setattr(_kda_bwd_triton, "chunk_kda_bwd_wy_dqkg", lambda *a: calls.append(1) or original(*a))
+    for stage in ("chunk_kda_bwd_wy_dqkg", "chunk_kda_bwd_intra"):
+        original = getattr(_kda_bwd_triton, stage)
+        monkeypatch.setattr(_kda_bwd_triton, stage,
+                            lambda *a, _f=original, _s=stage: calls.append(_s) or _f(*a))
     B, T, H, K = 2, 1000, 12, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
     inputs = [r(B, T, H, K).bfloat16() for _ in range(4)] + [r(B, T, H).bfloat16(), r(H) * 0.5, r(H * K)]
     do = r(B, T, H, K).bfloat16()
     grads = {}
-    for choice in ("fla", "k3"):
+    for which in ("fla", choice):
         leaves = [t.clone().requires_grad_() for t in inputs]
-        with envs.override(kda_bwd=choice):
+        with envs.override(kda_bwd=which):
             o, _ = fla_kda_gated(*leaves, -5.0, recurrent=False)
-            grads[choice] = torch.autograd.grad(o, leaves, do)
-    assert calls, "k3's kernels did not run"
+            grads[which] = torch.autograd.grad(o, leaves, do)
+    expected = {"k3": {"chunk_kda_bwd_wy_dqkg", "chunk_kda_bwd_intra"}, "wy": {"chunk_kda_bwd_wy_dqkg"},
+                "intra": {"chunk_kda_bwd_intra"}}[choice]
+    assert set(calls) == expected and len(calls) == len(expected), calls
     names = ("q", "k", "v", "f", "beta_logits", "A_log", "dt_bias")
-    for name, ours, ref in zip(names, grads["k3"], grads["fla"]):
+    for name, ours, ref in zip(names, grads[choice], grads["fla"]):
         assert _rel(ours, ref) < BF16_REL, (name, _rel(ours, ref))

@@ -10,9 +10,9 @@
   backward (fla's disable_recompute: the gate cumsum, w, u, the gated q and k, v_new and the chunk states) instead of
   recomputing them there (the gate cumsum, the w/u kernel and the chunk-state pass run again); costs
   0.84 GiB a KDA layer at small's 8 x 4096 (10 GiB for its 12). Off until an H200 step times it.
-- K3_KDA_BWD: "k3" hands fla's KDA chunk-backward stage chunk_kda_bwd_wy_dqkg_fused to k3's Triton kernels
-  (k3.ops.kda_fla_backend, registered with fla's backend dispatcher); "fla" (default) or unset leaves fla's own.
-  Off until an H200 step times it.
+- K3_KDA_BWD: which stages of fla's KDA chunk backward run k3's Triton kernels (k3.ops.kda_fla_backend, registered
+  with fla's backend dispatcher): "k3" both chunk_kda_bwd_wy_dqkg_fused and chunk_kda_bwd_intra, "wy" or "intra"
+  that one alone; "fla" (default) or unset, none. fla's own until an H200 step times them.
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
 - K3_ROUTER_FP32: "1" computes the MoE router's GEMM on fp32 copies of a bf16/fp16 x and weight (the reference,
   k3.ops.router.router_scores_reference) instead of one GEMM of them as stored with fp32 output.
@@ -57,7 +57,7 @@ class Switches:
     no_fla: bool = False
     fla_lean: bool = True
     fla_keep_forward: bool = False
-    kda_bwd: str = "fla"  # "fla" or "k3"
+    kda_bwd: str = "fla"  # "fla", "k3", "wy" or "intra"
     no_triton: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     triton_opt_in: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     require_fla: bool = False
@@ -99,10 +99,13 @@ def _count(name: str, text: str) -> int | None:
     return value
 
 
+KDA_BWD_CHOICES = ("fla", "k3", "wy", "intra")
+
+
 def _kda_bwd(text: str) -> str:
     value = text.strip().lower() or "fla"
-    if value not in ("fla", "k3"):
-        raise ValueError(f"K3_KDA_BWD must be 'fla' or 'k3', got {text!r}")
+    if value not in KDA_BWD_CHOICES:
+        raise ValueError(f"K3_KDA_BWD must be one of {KDA_BWD_CHOICES}, got {text!r}")
     return value
 
 

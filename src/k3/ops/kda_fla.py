@@ -16,7 +16,8 @@ Three entry points:
   `use_beta_sigmoid_in_kernel`), i.e. SPEC §3.2's g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)).
   Without gradients (and unless K3_FLA_LEAN=0), its chunked form (and `fla_output_gate`) take k3.ops.kda_fla_lean:
   the same kernels without the training entry's per-call host work.
-With K3_KDA_BWD=k3 the backward of a chunked call runs k3's kernels for the stages k3.ops.kda_fla_backend covers.
+With K3_KDA_BWD=k3 (or wy, intra) a chunked call's backward runs k3's kernels for the stages k3.ops.kda_fla_backend
+covers.
 With K3_FLA_KEEP_FORWARD=1 a chunked call that will be differentiated keeps fla's forward intermediates for its
 backward (`disable_recompute`), which otherwise recomputes them.
 """
@@ -144,9 +145,10 @@ def _keep_forward(needs_grad: bool) -> bool:
 
 
 def _offer_k3_backward(needs_grad: bool) -> None:
-    """With K3_KDA_BWD=k3, k3's kernels join fla's backend dispatcher (k3.ops.kda_fla_backend) before the first
-    chunked call that will be differentiated; its verifier keeps every call they do not cover on fla's."""
-    if needs_grad and envs.current().kda_bwd == "k3":
+    """With K3_KDA_BWD set (k3, wy, intra), k3's kernels join fla's backend dispatcher (k3.ops.kda_fla_backend)
+    before the first chunked call that will be differentiated; its verifiers keep every call they do not cover
+    on fla's."""
+    if needs_grad and envs.current().kda_bwd != "fla":
         from k3.ops import kda_fla_backend
 
         kda_fla_backend.register_with_fla()

@@ -5,9 +5,11 @@ with a method named like the stage and a `<stage>_verifier` runs the calls its v
 kernel runs the rest. `register_with_fla()` registers k3's backend once (k3.ops.kda_fla calls it before its first
 chunked call when K3_KDA_BWD=k3, see k3.envs); fla is imported only there, i.e. where it imports (a GPU machine).
 
-The stage it takes: `chunk_kda_bwd_wy_dqkg_fused` (k3.ops._kda_bwd_triton), for what k3's training calls
-(`wy_dqkg_accepts`): no varlen, no CUDA-graph buffers, K-first states, chunk 64, as many value heads as key heads,
-K and V powers of two from 16 to 256, and K3_KDA_BWD=k3 at the call.
+The stages it takes (k3.ops._kda_bwd_triton), for what k3's training calls: `chunk_kda_bwd_wy_dqkg_fused`
+(`wy_dqkg_accepts`: no varlen, no CUDA-graph buffers, K-first states, chunk 64, as many value heads as key heads,
+K and V powers of two from 16 to 256) and `chunk_kda_bwd_intra` (`intra_accepts`: the same, and fla's safe gate
+(gates in [-5, 0)), which the kernel's fp32 anchoring relies on); each only while K3_KDA_BWD names it
+(k3: both; wy; intra) at the call.
 """
 from __future__ import annotations
 
@@ -25,20 +27,42 @@ def _power_of_two(n: int) -> bool:
     return 16 <= n <= 256 and n & (n - 1) == 0
 
 
+def _switched_on(stage: str) -> bool:
+    return envs.current().kda_bwd in ("k3", stage)
+
+
+def _general_refusal(cu_seqlens, chunk_indices, use_graph, chunk_size) -> str | None:
+    if cu_seqlens is not None or chunk_indices is not None:
+        return "varlen calls stay with fla's kernel"
+    if use_graph:
+        return "use_graph (fla's static CUDA-graph buffers) stays with fla's kernel"
+    if chunk_size != 64:
+        return f"chunk size {chunk_size}, not 64"
+    return None
+
+
+def _shape_refusal(expected: dict, tensors) -> str | None:
+    for name, (x, shape) in expected.items():
+        if tuple(x.shape) != tuple(shape):
+            return f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}"
+    if any(x.dtype not in _FLOATS for x in tensors):
+        return "dtypes other than bf16, fp16, fp32"
+    if len({x.device for x in tensors}) != 1:
+        return "tensors on several devices"
+    return None
+
+
 def wy_dqkg_accepts(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, state_v_first=False, cu_seqlens=None,
                     chunk_size=64, chunk_indices=None, chunk_offsets=None, use_graph=False) -> tuple[bool, str | None]:
     """(accepted, reason) for a call of fla's chunk_kda_bwd_wy_dqkg_fused, by the switch, the flags and the shapes
     alone (any device: the GPU check is the backend's). Its arguments are fla's, by the same names."""
-    if envs.current().kda_bwd != "k3":
-        return False, "K3_KDA_BWD is not 'k3'"
-    if cu_seqlens is not None or chunk_indices is not None:
-        return False, "varlen calls stay with fla's kernel"
-    if use_graph:
-        return False, "use_graph (fla's static CUDA-graph buffers) stays with fla's kernel"
+    if not _switched_on("wy"):
+        return False, "K3_KDA_BWD does not name this stage (k3 or wy)"
+    refusal = _general_refusal(cu_seqlens, chunk_indices, use_graph, chunk_size)
+    if refusal:
+        return False, refusal
     if state_v_first:
         return False, "V-first states stay with fla's kernel"
-    if chunk_size != 64:
-        return False, f"chunk size {chunk_size}, not 64"
     if k.dim() != 4 or v.dim() != 4:
         return False, "q, k, v must be [B, T, H, D]"
     B, T, H, K = k.shape
@@ -51,19 +75,37 @@ def wy_dqkg_accepts(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, state
     expected = {"q": (q, k.shape), "g": (g, k.shape), "v_new": (v_new, v.shape), "do": (do, v.shape),
                 "dv": (dv, v.shape), "beta": (beta, (B, T, H)), "A": (A, (B, T, H, chunk_size)),
                 "h": (h, (B, NT, H, K, V)), "dh": (dh, (B, NT, H, K, V))}
-    for name, (x, shape) in expected.items():
-        if tuple(x.shape) != tuple(shape):
-            return False, f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}"
-    tensors = (q, k, v, v_new, g, beta, A, h, do, dh, dv)
-    if any(x.dtype not in _FLOATS for x in tensors):
-        return False, "dtypes other than bf16, fp16, fp32"
-    if len({x.device for x in tensors}) != 1:
-        return False, "tensors on several devices"
-    return True, None
+    refusal = _shape_refusal(expected, (q, k, v, v_new, g, beta, A, h, do, dh, dv))
+    return (False, refusal) if refusal else (True, None)
+
+
+def intra_accepts(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=None, chunk_indices=None, chunk_size=64,
+                  safe_gate=False, lower_bound=None, use_graph=False) -> tuple[bool, str | None]:
+    """(accepted, reason) for a call of fla's chunk_kda_bwd_intra, as `wy_dqkg_accepts`. The kernel anchors each
+    16-token sub-chunk's decays in fp32, which stays finite only under fla's safe gate (decays >= e^-5 a token)."""
+    if not _switched_on("intra"):
+        return False, "K3_KDA_BWD does not name this stage (k3 or intra)"
+    refusal = _general_refusal(cu_seqlens, chunk_indices, use_graph, chunk_size)
+    if refusal:
+        return False, refusal
+    # fla's backward passes safe_gate alone (no lower_bound): its safe-gate contract is gates >= -5
+    if not safe_gate or (lower_bound is not None and not -5.0 <= float(lower_bound) < 0.0):
+        return False, f"safe_gate {safe_gate}, lower_bound {lower_bound}: needs fla's safe gate (gates in [-5, 0))"
+    if k.dim() != 4:
+        return False, "q, k must be [B, T, H, K]"
+    B, T, H, K = k.shape
+    if not _power_of_two(K):
+        return False, f"K {K}: powers of two from 16 to 256 only"
+    expected = {"q": (q, k.shape), "g": (g, k.shape), "dq": (dq, k.shape), "dk": (dk, k.shape),
+                "dg": (dg, k.shape), "beta": (beta, (B, T, H)), "db": (db, (B, T, H)),
+                "dAqk": (dAqk, (B, T, H, chunk_size)), "dAkk": (dAkk, (B, T, H, chunk_size))}
+    refusal = _shape_refusal(expected, (q, k, g, beta, dAqk, dAkk, dq, dk, db, dg))
+    return (False, refusal) if refusal else (True, None)
 
 
 def register_with_fla() -> None:
-    """Register k3's backend for fla's 'kda' operation (once a process)."""
+    """Register k3's backend for fla's 'kda' operation (once a process). Its methods take fla's keyword
+    arguments by name (fla's stages call them so)."""
     global _registered
     if _registered:
         return
@@ -84,5 +126,15 @@ def register_with_fla() -> None:
 
             return chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv,
                                          k.shape[-1] ** -0.5 if scale is None else scale)
+
+        def chunk_kda_bwd_intra_verifier(self, q, *args, **kwargs):
+            if not q.is_cuda:
+                return False, "not a CUDA tensor"
+            return intra_accepts(q, *args, **kwargs)
+
+        def chunk_kda_bwd_intra(self, q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, **_):
+            from k3.ops._kda_bwd_triton import chunk_kda_bwd_intra
+
+            return chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg)
 
     _registered = True
