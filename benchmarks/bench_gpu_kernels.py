@@ -41,7 +41,8 @@ intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
      [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards] [--kda-core] [--kda-bwd] [--residual-add]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
---kda-bwd: only KDA's chunk-backward WY/state stage, fla's kernel against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
+--kda-bwd: only KDA's chunk-backward WY/state and intra-chunk stages, fla's kernels against
+k3.ops._kda_bwd_triton (`kda_bwd_rows`).
 --residual-add: only a training mix with the residual add before it, the add in the mix kernel's launch against
 the add separate (K3_NO_RESIDUAL_ADD_FOLD; `residual_add_rows`).
 """
@@ -373,74 +374,70 @@ def kda_core_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]
     return rows
 
 
-# k3.ops._kda_bwd_triton's launch choices timed beside its defaults: (dqkg BK, BV, warps, stages, register cap),
-# (dv/dA BV, warps, stages)
-KDA_BWD_LAUNCH = [((32, 64, 4, 3, None), (32, 4, 3)), ((64, 64, 8, 2, None), (64, 8, 2)),
-                  ((32, 32, 4, 2, 128), (32, 4, 2))]
-_KDA_BWD_NAMES = (("DQKG_BK", "DQKG_BV", "DQKG_WARPS", "DQKG_STAGES", "DQKG_MAXNREG"),
-                  ("DVA_BV", "DVA_WARPS", "DVA_STAGES"))
+# k3.ops._kda_bwd_triton's launch choices timed beside its defaults, per stage: the module's constants and values
+KDA_BWD_LAUNCH = {
+    "wy": (("DQKG_BK", "DQKG_BV", "DQKG_WARPS", "DQKG_STAGES", "DQKG_MAXNREG", "DVA_BV", "DVA_WARPS", "DVA_STAGES"),
+           [(32, 64, 4, 3, None, 32, 4, 3), (64, 64, 8, 2, None, 64, 8, 2), (32, 32, 4, 2, 128, 32, 4, 2)]),
+    "intra": (("INTRA_BK", "INTRA_WARPS", "INTRA_STAGES", "INTRA_MAXNREG"),
+              [(32, 4, 2, 168), (32, 8, 2, 128), (16, 4, 2, None), (32, 2, 2, None)]),
+}
 
 
 def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
-    """KDA's chunk-backward WY/state stage alone (fla's chunk_kda_bwd_wy_dqkg_fused: dq, dk, dg through the chunk
-    states, dv2, db, dA through the WY form) at `small`'s shapes (12 heads, K = V = 128, bf16; g, beta fp32): fla's
-    kernel (its autotune choice pinned by k3's table) against k3.ops._kda_bwd_triton under its default launch and
-    the others of KDA_BWD_LAUNCH, and k3's through fla's dispatcher (K3_KDA_BWD=k3, what the model runs). floor:
+    """KDA's chunk-backward stages that k3 can take from fla, each alone at `small`'s shapes (12 heads,
+    K = V = 128; bf16 q, k, v and states, fp32 gates, beta and gradients as fla passes them): the WY/state stage
+    (chunk_kda_bwd_wy_dqkg_fused: dq, dk, dg through the chunk states, dv2, db, dA through the WY form) and the
+    intra-chunk stage (chunk_kda_bwd_intra, at the safe gate's strongest decays). Rows: fla's kernel (its autotune
+    choice pinned by k3's table), k3's through fla's dispatcher (K3_KDA_BWD naming the stage, what the model runs),
+    and k3.ops._kda_bwd_triton called directly under its default launch and the others of KDA_BWD_LAUNCH. floor:
     the stage's inputs read once and outputs written once over the copy bandwidth. per_step_ms: x 12 KDA layers.
-    rel_err: the largest norm-wise relative difference of the six outputs from fla's."""
+    rel_err: the largest norm-wise relative difference of the outputs from fla's."""
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
 
     from k3.ops import _kda_bwd_triton as k3_bwd
     from k3.ops import kda_fla_backend, tuning
-    from k3.ops.kda_bwd_ref import stage_inputs
+    from k3.ops.kda_bwd_ref import intra_inputs, stage_inputs
 
     H, K = 12, 128
     tuning.pin_for_device(torch.device(device))
     kda_fla_backend.register_with_fla()
-    x = stage_inputs(B, T, H, K, K, dtype=torch.bfloat16, device=device)
-    x[4], x[5] = x[4].float(), x[5].float()
-    scale = K ** -0.5
-
-    def fla_stage():
-        return chunk_kda_bwd_wy_dqkg_fused(*x, scale=scale)
-
-    def k3_stage():
-        return k3_bwd.chunk_kda_bwd_wy_dqkg(*x, scale)
-
-    with envs.override(kda_bwd="fla"):
-        ref = fla_stage()
-    nbytes = sum(t.numel() * t.element_size() for t in [*x, *ref])
-    floor_us = nbytes / bw * 1e6
+    wy = stage_inputs(B, T, H, K, K, dtype=torch.bfloat16, device=device)
+    wy[4], wy[5] = wy[4].float(), wy[5].float()
+    intra = intra_inputs(B, T, H, K, dtype=torch.float32, device=device, strongest=True)
+    intra[0], intra[1] = intra[0].bfloat16(), intra[1].bfloat16()
+    stages = {"wy": ("KDA bwd wy_dqkg stage", wy, lambda: chunk_kda_bwd_wy_dqkg_fused(*wy, scale=K ** -0.5),
+                     lambda: k3_bwd.chunk_kda_bwd_wy_dqkg(*wy, K ** -0.5)),
+              "intra": ("KDA bwd intra stage", intra, lambda: chunk_kda_bwd_intra(*intra, safe_gate=True),
+                        lambda: k3_bwd.chunk_kda_bwd_intra(*intra))}
     rows = []
+    for stage, (op, x, fla_call, k3_call) in stages.items():
+        with envs.override(kda_bwd="fla"):
+            ref = fla_call()
+        floor_us = sum(t.numel() * t.element_size() for t in [*x, *ref]) / bw * 1e6
 
-    def row(impl, fn, choice):
-        with envs.override(kda_bwd=choice):
-            out = fn()
-            us = time_ms(fn, reps=20) * 1e3
-        err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
-        rows.append(dict(op="KDA bwd wy_dqkg stage", impl=impl, us=us, floor_us=floor_us, of_floor=floor_us / us,
-                         per_step_ms=us * KDA_CALLS * 1e-3, rel_err=err))
-        print(rows[-1], flush=True)
+        def row(impl, fn, choice):
+            with envs.override(kda_bwd=choice):
+                out = fn()
+                us = time_ms(fn, reps=20) * 1e3
+            err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
+            rows.append(dict(op=op, impl=impl, us=us, floor_us=floor_us, of_floor=floor_us / us,
+                             per_step_ms=us * KDA_CALLS * 1e-3, rel_err=err))
+            print(rows[-1], flush=True)
 
-    row("fla (its kernel)", fla_stage, "fla")
-    row("k3 through fla's dispatcher (K3_KDA_BWD=k3)", fla_stage, "k3")
-    def launch():
-        return tuple(tuple(getattr(k3_bwd, n) for n in names) for names in _KDA_BWD_NAMES)
-
-    def set_launch(choice):
-        for names, values in zip(_KDA_BWD_NAMES, choice):
-            for n, value in zip(names, values):
+        row("fla (its kernel)", fla_call, "fla")
+        row(f"k3 through fla's dispatcher (K3_KDA_BWD={stage})", fla_call, stage)
+        names, others = KDA_BWD_LAUNCH[stage]
+        saved = tuple(getattr(k3_bwd, n) for n in names)
+        try:
+            for values in [saved] + [v for v in others if v != saved]:
+                for n, value in zip(names, values):
+                    setattr(k3_bwd, n, value)
+                label = "default" if values == saved else "other"
+                row(f"k3 {dict(zip(names, values))} ({label})", k3_call, "fla")
+        finally:
+            for n, value in zip(names, saved):
                 setattr(k3_bwd, n, value)
-
-    saved = launch()
-    try:
-        for choice in [saved] + [c for c in KDA_BWD_LAUNCH if c != saved]:
-            set_launch(choice)
-            label = "default" if choice == saved else "other"
-            row(f"k3 dqkg BK/BV/warps/stages/cap {choice[0]}, dv/dA BV/warps/stages {choice[1]} ({label})",
-                k3_stage, "fla")
-    finally:
-        set_launch(saved)
     return rows
 
 
@@ -497,7 +494,7 @@ def main():
     ap.add_argument("--kda-core", action="store_true",
                     help="only KDA's core forward + backward, fla recomputing against keeping its intermediates")
     ap.add_argument("--kda-bwd", action="store_true",
-                    help="only KDA's chunk-backward WY/state stage, fla's kernel against k3's")
+                    help="only KDA's chunk-backward WY/state and intra stages, fla's kernels against k3's")
     ap.add_argument("--residual-add", action="store_true",
                     help="only a training mix with its residual add folded in against the add separate")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")

@@ -167,8 +167,11 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
     return dq, dk, dv2, db, dg, dA
 
 
-# chunk_kda_bwd_intra: sub-chunks of INTRA_BC rows; K split into programs of INTRA_BK columns
-INTRA_BC, INTRA_BK, INTRA_WARPS, INTRA_STAGES = 16, 32, 4, 2
+# chunk_kda_bwd_intra: sub-chunks of INTRA_BC rows; K split into programs of INTRA_BK columns. Compiled for sm_90
+# (benchmarks/sass_kda_bwd.py; untimed): 255 registers, 8 bytes spilled, 2 programs (8 warps) an SM, as many warps
+# an SM as fla's 1-warp programs; a 168-register cap gives 3 programs an SM for 96 bytes of spills (INTRA_MAXNREG,
+# timed by bench_gpu_kernels.py --kda-bwd).
+INTRA_BC, INTRA_BK, INTRA_WARPS, INTRA_STAGES, INTRA_MAXNREG = 16, 32, 4, 2, None
 
 
 @triton.jit
@@ -191,13 +194,12 @@ def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, 
     o_a = tl.arange(0, BT)
     o_c = tl.arange(0, BC)
     rows_k = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
-    b_q = tl.load(q + rows_k, mask=m_t[:, None], other=0.0).to(ACC)
-    b_k = tl.load(k + rows_k, mask=m_t[:, None], other=0.0).to(ACC)
-    b_g = tl.load(g + rows_k, mask=m_t[:, None], other=0.0).to(ACC)
-    b_kb = b_k * tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)[:, None]
     for i_c in range(0, BT // BC):
         s = t0 + i_c * BC
         if s < T:
+            # the whole chunk's q, k, g again each sub-chunk (L1 hits): held across the loop they cost registers
+            b_k = tl.load(k + rows_k, mask=m_t[:, None], other=0.0).to(ACC)
+            b_g = tl.load(g + rows_k, mask=m_t[:, None], other=0.0).to(ACC)
             o_r = s + o_c
             m_r = o_r < T
             last = tl.minimum(s + BC, T) - 1
@@ -225,8 +227,9 @@ def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, 
             # columns' side, later sub-chunks: Σ_i dA_ij (q_i, β_i k_i) 2^(g_i - last), then x 2^(last - g_j)
             m_after = (o_t > last) & m_t
             b_ex = tl.exp2(tl.where(m_after[:, None], b_g - b_last[None, :], 0.0))
-            b_qx = tl.where(m_after[:, None], b_q * b_ex, 0.0)
-            b_kbx = tl.where(m_after[:, None], b_kb * b_ex, 0.0)
+            b_qx = tl.where(m_after[:, None], tl.load(q + rows_k, mask=m_t[:, None], other=0.0).to(ACC) * b_ex, 0.0)
+            b_b = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)
+            b_kbx = tl.where(m_after[:, None], b_k * b_b[:, None] * b_ex, 0.0)
             cols = (bos + o_t[None, :]) * (H * BT) + i_h * BT + i_c * BC + o_c[:, None]  # [BC, BT]: dA^T
             m_cols = m_after[None, :] & (o_c[:, None] < BC)
             b_dAq_t = tl.load(dAqk + cols, mask=m_cols, other=0.0).to(ACC)
@@ -280,5 +283,5 @@ def chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg):
         _intra_kernel[(K // bk, NT, B * H)](q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, dg2, T,
                                            H=H, K=K, BT=CHUNK, BC=INTRA_BC, BK=bk, ACC=acc,
                                            DIAG_PRECISION="ieee" if acc == tl.float32 else None,
-                                           num_warps=INTRA_WARPS, num_stages=INTRA_STAGES)
+                                           num_warps=INTRA_WARPS, num_stages=INTRA_STAGES, maxnreg=INTRA_MAXNREG)
     return dq2, dk2, db_part.sum(0) + db, dg2

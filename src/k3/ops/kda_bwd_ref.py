@@ -97,8 +97,8 @@ def chunk_kda_bwd_intra_ref(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_siz
 
 def stage_inputs(B, T, H, K, V, dtype=torch.float64, device="cpu", seed=0, chunk_size: int = CHUNK):
     """(q, k, v, v_new, g, beta, A, h, do, dh, dv) as the stage receives them: g a base-2 log-decay cumulated within
-    each chunk (per-token decays in (2^-0.3, 1]), beta in (0, 1), A the inverse of I plus a strictly lower matrix
-    per chunk (the WY form's shape), k scaled like an L2-normalised key; the rest standard normal. Contiguous."""
+    each chunk (per-token decays in (2^-0.3, 1]), beta in (0, 1), k scaled like an L2-normalised key, A the chunk's
+    WY matrix built from them as the forward does; the rest standard normal. Contiguous."""
     BT = chunk_size
     gen = torch.Generator(device=device).manual_seed(seed)
     f = torch.float64 if dtype == torch.float64 else torch.float32
@@ -109,7 +109,11 @@ def stage_inputs(B, T, H, K, V, dtype=torch.float64, device="cpu", seed=0, chunk
     decay = torch.rand(B, NT, BT, H, K, generator=gen, dtype=f, device=device) * -0.3
     g = decay.cumsum(2).view(B, NT * BT, H, K)[:, :T]
     beta = torch.rand(B, T, H, generator=gen, dtype=f, device=device)
-    lower = torch.tril(r(B, NT, H, BT, BT) * 0.2, -1)
+    # A as the forward builds it: (I + L)^-1, L_ij = β_i k_i · (k_j ⊙ 2^(g_i - g_j)) for j < i (the chunk's decay is
+    # at most 2^-19 here, so the factors about its first row stay finite)
+    kc, gc, bc = (_chunks(x, BT) for x in (k, g, beta[..., None]))    # [B, NT, H, BT, K], beta [.., 1]
+    g0 = gc[..., :1, :]
+    lower = torch.tril((bc * kc * torch.exp2(gc - g0)) @ (kc * torch.exp2(g0 - gc)).transpose(-1, -2), -1)
     A = torch.linalg.inv(torch.eye(BT, dtype=f, device=device) + lower)  # [B, NT, H, BT, BT]: row i of chunk
     A = A.transpose(2, 3).reshape(B, NT * BT, H, BT)[:, :T]
     h, dh = r(B, NT, H, K, V), r(B, NT, H, K, V)
