@@ -4,8 +4,8 @@ autotune table pins on the H200 (BK 64, BV 64, 4 warps, 3 stages) against k3.ops
 fla's `chunk_kda_bwd_kernel_intra` (its pinned choice: 1 warp, 2 stages; BK 32, sub-chunks of 16, the safe gate)
 against k3's `_intra_kernel`, at `small`'s training shapes (bf16, H 12, K = V = 128, chunk 64, 8 x 4096 tokens: 64 chunks a row).
 Columns: REG and STACK (spill bytes) a thread, shared memory a program, programs an SM those allow, the launch's
-programs and waves over the 132 SMs, and the SASS's local-memory loads/stores (LDL/STL: the spills' traffic) and
-warpgroup MMAs (HGMMA).
+programs and waves over the 132 SMs, and the SASS's local-memory loads/stores (LDL/STL: the spills' traffic),
+warpgroup MMAs (HGMMA) and warp MMAs (HMMA).
 
 Run: python benchmarks/sass_kda_bwd.py   (needs triton; no CUDA device; fla from its wheel in .whl/ or installed)
 """
@@ -103,8 +103,8 @@ def rows():
 def main():
     print(f"sm_90, bf16, B {B} T {T} H {H} K {K} V {V} chunk {BT}")
     print("| kernel | tiles | warps | REG | STACK | shared bytes | programs an SM | programs | waves | LDL | STL "
-          "| HGMMA |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| HGMMA | HMMA |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, tiles, warps, grid, kernel in rows():
         res = resources(kernel)
         per_sm = min(ctas_per_sm(res["REG"], res["SHARED"], warps), 32)
@@ -114,7 +114,7 @@ def main():
         ops = collections.Counter(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)",
                                              cuobjdump(kernel.asm["cubin"], "-sass"), re.M))
         print(f"| {name} | {tiles} | {warps} | {res['REG']} | {res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | "
-              f"{programs} | {programs / (per_sm * SMS):.1f} | {ops['LDL']} | {ops['STL']} | {ops['HGMMA']} |",
+              f"{programs} | {programs / (per_sm * SMS):.1f} | {ops['LDL']} | {ops['STL']} | {ops['HGMMA']} | {ops['HMMA']} |",
               flush=True)
 
 

@@ -168,9 +168,9 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
 
 
 # chunk_kda_bwd_intra: sub-chunks of INTRA_BC rows; K split into programs of INTRA_BK columns. Compiled for sm_90
-# (benchmarks/sass_kda_bwd.py; untimed): 255 registers, 8 bytes spilled, 2 programs (8 warps) an SM, as many warps
-# an SM as fla's 1-warp programs; a 168-register cap gives 3 programs an SM for 96 bytes of spills (INTRA_MAXNREG,
-# timed by bench_gpu_kernels.py --kda-bwd).
+# (benchmarks/sass_kda_bwd.py; untimed): 255 registers, no spills (fla's: 104 bytes), 2 programs (8 warps) an SM, as
+# many warps an SM as fla's 1-warp programs; a 168-register cap gives 3 programs an SM for 96 bytes of spills
+# (INTRA_MAXNREG, timed by bench_gpu_kernels.py --kda-bwd).
 INTRA_BC, INTRA_BK, INTRA_WARPS, INTRA_STAGES, INTRA_MAXNREG = 16, 32, 4, 2, None
 
 
