@@ -11,7 +11,8 @@ one forward: the recomputation is overhead). A shape that runs out of memory pri
 memory reached and the run goes on to the next shape.
 --off SWITCHES (repeatable): after the default row of each shape, one more row with those k3.envs switches set
 (a comma list of Switches fields, e.g. no_shared_input_grad,no_block_grad_buffer; a kernel list as
-no_triton:_sigmoid_gate_triton; a choice as field=value, e.g. kda_bwd=k3), in the same process, so a fast path's before and after are timed side by side.
+no_triton:_sigmoid_gate_triton; a choice as field=value, e.g. kda_bwd=k3), in the same process, so a fast path's
+before and after are timed side by side.
 --compile: each shape's rows once more with the KDA, MLA, MoE and dense MLP forwards compiled
 (k3.train.compiled_regions, `k3 train --compile`), in the same process after the eager rows (which run the compiled
 functions eagerly: torch.compiler.set_stance("force_eager")); first_step_s is a compiled row's first step, compile

@@ -2,7 +2,8 @@
 ptxas, as benchmarks/sass_train_backwards.py): fla 0.6's `chunk_kda_bwd_kernel_wy_dqkg_fused` at the choice k3's
 autotune table pins on the H200 (BK 64, BV 64, 4 warps, 3 stages) against k3.ops._kda_bwd_triton's two kernels, and
 fla's `chunk_kda_bwd_kernel_intra` (its pinned choice: 1 warp, 2 stages; BK 32, sub-chunks of 16, the safe gate)
-against k3's `_intra_kernel`, at `small`'s training shapes (bf16, H 12, K = V = 128, chunk 64, 8 x 4096 tokens: 64 chunks a row).
+against k3's `_intra_kernel`, at `small`'s training shapes (bf16, H 12, K = V = 128, chunk 64, 8 x 4096 tokens: 64
+chunks a row).
 Columns: REG and STACK (spill bytes) a thread, shared memory a program, programs an SM those allow, the launch's
 programs and waves over the 132 SMs, and the SASS's local-memory loads/stores (LDL/STL: the spills' traffic),
 warpgroup MMAs (HGMMA) and warp MMAs (HMMA).
@@ -33,8 +34,8 @@ NT = T // BT
 
 
 def fla_kernel(name: str = "chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused"):
-    """fla's kernel (fla.ops.kda.<name>) as a JITFunction: fla installed, else its wheel in .whl/ imported in place (a zip on sys.path).
-    fla's package __init__ imports einops, which only its other ops use: a stand-in is enough to compile."""
+    """fla's kernel (fla.ops.kda.<name>) as a JITFunction: fla installed, else its wheel in .whl/ imported in place
+    (a zip on sys.path). fla's package __init__ imports einops, which only its other ops use: a stand-in is enough to compile."""
     try:
         import fla  # noqa: F401
     except ImportError:
@@ -114,8 +115,8 @@ def main():
         ops = collections.Counter(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)",
                                              cuobjdump(kernel.asm["cubin"], "-sass"), re.M))
         print(f"| {name} | {tiles} | {warps} | {res['REG']} | {res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | "
-              f"{programs} | {programs / (per_sm * SMS):.1f} | {ops['LDL']} | {ops['STL']} | {ops['HGMMA']} | {ops['HMMA']} |",
-              flush=True)
+              f"{programs} | {programs / (per_sm * SMS):.1f} | {ops['LDL']} | {ops['STL']} | {ops['HGMMA']} | "
+              f"{ops['HMMA']} |", flush=True)
 
 
 if __name__ == "__main__":
