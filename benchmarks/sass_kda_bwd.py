@@ -35,7 +35,8 @@ NT = T // BT
 
 def fla_kernel(name: str = "chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused"):
     """fla's kernel (fla.ops.kda.<name>) as a JITFunction: fla installed, else its wheel in .whl/ imported in place
-    (a zip on sys.path). fla's package __init__ imports einops, which only its other ops use: a stand-in is enough to compile."""
+    (a zip on sys.path). fla's package __init__ imports einops, which only its other ops use: a stand-in is enough
+    to compile."""
     try:
         import fla  # noqa: F401
     except ImportError:
