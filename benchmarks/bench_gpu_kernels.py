@@ -376,10 +376,12 @@ def kda_core_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]
 
 # k3.ops._kda_bwd_triton's launch choices timed beside its defaults, per stage: the module's constants and values
 KDA_BWD_LAUNCH = {
-    "wy": (("DQKG_BK", "DQKG_BV", "DQKG_WARPS", "DQKG_STAGES", "DQKG_MAXNREG", "DVA_BV", "DVA_WARPS", "DVA_STAGES"),
-           [(32, 64, 4, 3, None, 32, 4, 3), (64, 64, 8, 2, None, 64, 8, 2), (32, 32, 4, 2, 128, 32, 4, 2)]),
+    "wy": (("DQKG_BK", "DQKG_BV", "DQKG_WARPS", "DQKG_STAGES", "DQKG_MAXNREG",
+            "DVA_BV", "DVA_WARPS", "DVA_STAGES", "DVA_MAXNREG"),
+           [(32, 64, 4, 3, None, 32, 4, 3, None), (64, 64, 8, 2, None, 64, 8, 2, None),
+            (32, 64, 4, 2, 128, 32, 4, 2, None)]),
     "intra": (("INTRA_BK", "INTRA_WARPS", "INTRA_STAGES", "INTRA_MAXNREG"),
-              [(32, 4, 2, 168), (32, 8, 2, 128), (16, 4, 2, None), (32, 2, 2, None)]),
+              [(32, 4, 3, None), (32, 8, 2, None), (16, 4, 2, None), (32, 4, 2, 128)]),
 }
 
 

@@ -85,20 +85,20 @@ def rows():
     yield ("k3 _dqkg_kernel", f"BK {bk}, BV {bv}, {st} stages, cap {cap}", w, (K // bk, NT, B * H),
            compile_kernel(kb._dqkg_kernel, sig, w, st, cap, H=H, K=K, V=V, BT=BT, BK=bk, BV=bv, ACC=tl.float32))
     sig = dict(k=bf, v=bf, g=f32, beta=f32, A=bf, h=bf, dv=bf, dv2=bf, db=f32, dA=f32, T="i32")
-    bv, w, st = kb.DVA_BV, kb.DVA_WARPS, kb.DVA_STAGES
-    yield ("k3 _dv_dA_kernel", f"BV {bv}, {st} stages", w, (NT, B * H),
-           compile_kernel(kb._dv_dA_kernel, sig, w, st, H=H, K=K, V=V, BT=BT, BV=bv, ACC=tl.float32))
+    bv, w, st, cap = kb.DVA_BV, kb.DVA_WARPS, kb.DVA_STAGES, kb.DVA_MAXNREG
+    yield ("k3 _dv_dA_kernel", f"BV {bv}, {st} stages, cap {cap}", w, (NT, B * H),
+           compile_kernel(kb._dv_dA_kernel, sig, w, st, cap, H=H, K=K, V=V, BT=BT, BV=bv, ACC=tl.float32))
     sig = dict(q=bf, k=bf, g=f32, beta=f32, dAqk=f32, dAkk=f32, dq=f32, dq2=f32, dk=f32, dk2=f32, dg=f32, dg2=f32,
                db=f32, cu_seqlens="constexpr", chunk_indices="constexpr", B="i32", T="i32")
     yield ("fla chunk_kda_bwd_kernel_intra", "BK 32, BC 16, 2 stages", 1, (K // 32 * BT // 16 * NT, B * H),
            compile_kernel(fla_kernel("chunk_intra.chunk_kda_bwd_kernel_intra"), sig, 1, 2, cu_seqlens=None,
                           chunk_indices=None, H=H, HV=H, K=K, BT=BT, BC=16, BK=32, NC=BT // 16, IS_VARLEN=False,
                           SAFE_GATE=True, GATE_SHIFT=5.0 / math.log(2), USE_GATHER=True, USE_GRAPH=False))
-    sig = dict(q=bf, k=bf, g=f32, beta=f32, dAqk=f32, dAkk=f32, dq=f32, dk=f32, db=f32, dg=f32, dq2=f32, dk2=f32,
+    sig = dict(q=bf, k=bf, g=f32, beta=f32, dAqk=f32, dAkk=f32, dq=f32, dk=f32, dg=f32, dq2=f32, dk2=f32,
                db_part=f32, dg2=f32, T="i32")
-    bk, bc, w, st = kb.INTRA_BK, kb.INTRA_BC, kb.INTRA_WARPS, kb.INTRA_STAGES
-    yield ("k3 _intra_kernel", f"BK {bk}, BC {bc}, {st} stages", w, (K // bk, NT, B * H),
-           compile_kernel(kb._intra_kernel, sig, w, st, H=H, K=K, BT=BT, BC=bc, BK=bk, ACC=tl.float32,
+    bk, bc, w, st, cap = kb.INTRA_BK, kb.INTRA_BC, kb.INTRA_WARPS, kb.INTRA_STAGES, kb.INTRA_MAXNREG
+    yield ("k3 _intra_kernel", f"BK {bk}, BC {bc}, {st} stages, cap {cap}", w, (K // bk, NT, B * H),
+           compile_kernel(kb._intra_kernel, sig, w, st, cap, H=H, K=K, BT=BT, BC=bc, BK=bk, ACC=tl.float32,
                           DIAG_PRECISION="ieee"))
 
 

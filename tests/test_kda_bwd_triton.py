@@ -192,7 +192,8 @@ def test_verifiers_take_the_training_calls_of_the_stages_switched_on(choice, wy,
     dict(k=torch.empty(8, 4096, 12, 96, device="meta", dtype=torch.bfloat16)),   # K not a power of two
     dict(h=torch.empty(8, 64, 12, 128, 128, device="meta", dtype=torch.bfloat16).transpose(-1, -2)[:, :63]),
     dict(A=torch.empty(8, 4096, 12, 64, device="meta", dtype=torch.float64)),
-], ids=["varlen", "graph", "v_first", "chunk32", "gva", "K96", "h_shape", "fp64"])
+    dict(k=torch.empty(1, 2 ** 21, 12, 128, device="meta", dtype=torch.bfloat16)),  # past int32 tile offsets
+], ids=["varlen", "graph", "v_first", "chunk32", "gva", "K96", "h_shape", "fp64", "int32"])
 def test_verifier_declines_what_the_kernels_do_not_cover(overrides):
     with envs.override(kda_bwd="k3"):
         accepted, reason = wy_dqkg_accepts(**_meta_call(**overrides))
@@ -209,7 +210,8 @@ def test_verifier_declines_what_the_kernels_do_not_cover(overrides):
     dict(k=torch.empty(8, 4096, 12, 96, device="meta", dtype=torch.bfloat16)),
     dict(dAkk=torch.empty(8, 4096, 12, 32, device="meta")),
     dict(db=torch.empty(8, 4096, 12, device="meta", dtype=torch.float64)),
-], ids=["varlen", "graph", "chunk32", "unsafe_gate", "bound_below_5", "gva", "K96", "dAkk_shape", "fp64"])
+    dict(k=torch.empty(1, 2 ** 21, 12, 128, device="meta", dtype=torch.bfloat16)),  # past int32 tile offsets
+], ids=["varlen", "graph", "chunk32", "unsafe_gate", "bound_below_5", "gva", "K96", "dAkk_shape", "fp64", "int32"])
 def test_intra_verifier_declines_what_the_kernel_does_not_cover(overrides):
     with envs.override(kda_bwd="k3"):
         assert intra_accepts(**_meta_intra_call(lower_bound=-5.0)) == (True, None)

@@ -10,6 +10,8 @@ dv the state pass's gradient of v_new):
     dA = -mask(A^T (mask(dv (v - kg h)^T) ⊙ β_col) A^T),   kg = k ⊙ 2^g
 fla computes all of this in one program a chunk, which holds four [BT, BK] accumulators and the [BT, BT] dA across
 its K loop: 255 registers and ~1.4 KB of spills a thread, 2 programs an SM (benchmarks/sass_kda_bwd.py).
+Each kernel moves its pointers to the program's row and head once (64-bit scalars) and indexes tiles with int32
+offsets: 64-bit offset tiles took ~90 registers a thread in each.
 Here the work is split by what it needs:
 - `_dqkg_kernel`: one program per (K block, chunk, head): dq, dk, dg of its K columns. Three accumulators.
 - `_dv_dA_kernel`: one program per (chunk, head): dv2, db and dA. fla sums dA's and db's K-dependent part over K
@@ -24,13 +26,14 @@ import triton.language as tl
 from k3.ops.triton_dispatch import on_device
 
 CHUNK = 64
-# Tiles, warps and pipeline stages of the two kernels, chosen by their sm_90 compile (benchmarks/sass_kda_bwd.py;
-# untimed): the largest 4-warp tiles that keep every value in registers. _dqkg_kernel at BK 64 spills (three fp32
-# [BT, 64] accumulators and the epilogue's gate tiles pass 255 registers); at BK 32, 2 stages and a 168-register cap
-# it spills nothing and 3 programs fit an SM (fla's: 2). _dv_dA_kernel at BV 32: ~240 registers, no spills (BV 64
-# spills). bench_gpu_kernels.py --kda-bwd times the alternatives.
-DQKG_BK, DQKG_BV, DQKG_WARPS, DQKG_STAGES, DQKG_MAXNREG = 32, 64, 4, 2, 168
-DVA_BV, DVA_WARPS, DVA_STAGES = 32, 4, 2
+# Tiles, warps, pipeline stages and register caps of the two kernels, chosen by their sm_90 compile
+# (benchmarks/sass_kda_bwd.py; untimed): the largest 4-warp tiles that keep every value in registers.
+# _dqkg_kernel: at BK 32 and 2 stages, 144 registers, no spills, 3 programs an SM (fla's: 2); at BK 64 it spills
+# (three fp32 [BT, 64] accumulators and the epilogue's gate tiles pass 255 registers). _dv_dA_kernel at BV 32 under
+# a 168-register cap: no spills, 3 programs an SM (uncapped ~235, 2; BV 64 spills). bench_gpu_kernels.py
+# --kda-bwd times the alternatives.
+DQKG_BK, DQKG_BV, DQKG_WARPS, DQKG_STAGES, DQKG_MAXNREG = 32, 64, 4, 2, None
+DVA_BV, DVA_WARPS, DVA_STAGES, DVA_MAXNREG = 32, 4, 2, 168
 
 
 @triton.jit
@@ -41,57 +44,62 @@ def _dqkg_kernel(q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T,
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
     bos = (i_b * T).to(tl.int64)
+    # every pointer moved to this row, head (and chunk state) once, as a 64-bit scalar: the tile offsets below are
+    # int32 (a row's T x H x max(K, V, BT) < 2^31, the verifier's check). 64-bit offset tiles cost ~90 registers.
+    rows_k, rows_v = bos * (H * K) + i_h * K, bos * (H * V) + i_h * V
+    q, k, g, dq, dk, dg = q + rows_k, k + rows_k, g + rows_k, dq + rows_k, dk + rows_k, dg + rows_k
+    v_new, do, dv = v_new + rows_v, do + rows_v, dv + rows_v
+    A += bos * (H * BT) + i_h * BT
+    beta += bos * H + i_h
+    state = ((i_b * NT + i_t).to(tl.int64) * H + i_h) * K * V
+    h, dh = h + state, dh + state
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
+    m_tk = m_t[:, None]
     last = tl.minimum(T, i_t * BT + BT) - 1
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = tl.arange(0, BV)
-    state = ((i_b * NT + i_t).to(tl.int64) * H + i_h) * K * V
-    rows_v = (bos + o_t[:, None]) * (H * V) + i_h * V  # [BT, 1] offsets of rows in v_new, do, dv
-    # h, dh: [K, V] a chunk (K-first); read as [BK, BV] tiles
-    p_h = h + state + o_k[:, None] * V + o_v[None, :]
-    p_dh = dh + state + o_k[:, None] * V + o_v[None, :]
+    tile_v = o_t[:, None] * (H * V) + o_v[None, :]  # [BT, BV] of v_new, do, dv
+    tile_h = o_k[:, None] * V + o_v[None, :]        # [BK, BV] of h, dh (K-first)
 
     b_dq = tl.zeros([BT, BK], dtype=ACC)
     b_dk = tl.zeros([BT, BK], dtype=ACC)
     b_dw = tl.zeros([BT, BK], dtype=ACC)
     b_dgn = tl.zeros([BK], dtype=ACC)  # sum over V of h ⊙ dh: the last row's share of dg
     for i_v in range(0, V, BV):
-        m_tv = m_t[:, None]
-        b_do = tl.load(do + rows_v + i_v + o_v[None, :], mask=m_tv, other=0.0)
-        b_vn = tl.load(v_new + rows_v + i_v + o_v[None, :], mask=m_tv, other=0.0)
-        b_dv = tl.load(dv + rows_v + i_v + o_v[None, :], mask=m_tv, other=0.0)
-        b_h = tl.load(p_h + i_v)
-        b_dh = tl.load(p_dh + i_v)
+        b_do = tl.load(do + tile_v + i_v, mask=m_tk, other=0.0)
+        b_vn = tl.load(v_new + tile_v + i_v, mask=m_tk, other=0.0)
+        b_dv = tl.load(dv + tile_v + i_v, mask=m_tk, other=0.0)
+        b_h = tl.load(h + tile_h + i_v)
+        b_dh = tl.load(dh + tile_h + i_v)
         b_dgn += tl.sum(b_h.to(ACC) * b_dh.to(ACC), axis=1)
         b_dq = tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), b_dq, out_dtype=ACC)
         b_dk = tl.dot(b_vn, tl.trans(b_dh.to(b_vn.dtype)), b_dk, out_dtype=ACC)
         b_dw = tl.dot(b_dv.to(b_do.dtype), tl.trans(b_h.to(b_do.dtype)), b_dw, out_dtype=ACC)
 
     # the epilogue in the order that lets each [BT, BK] tile die early (registers, not spills)
-    rows_k = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
-    m_tk = m_t[:, None]
-    b_g = tl.load(g + rows_k, mask=m_tk, other=0.0).to(ACC)
+    tile_k = o_t[:, None] * (H * K) + o_k[None, :]
+    b_g = tl.load(g + tile_k, mask=m_tk, other=0.0).to(ACC)
     b_eg = tl.exp2(b_g)
     b_dq = b_dq * b_eg * scale
-    tl.store(dq + rows_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    b_dg = tl.load(q + rows_k, mask=m_tk, other=0.0).to(ACC) * b_dq
-    b_gn = tl.load(g + (bos + last) * (H * K) + i_h * K + o_k).to(ACC)
+    tl.store(dq + tile_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    b_dg = tl.load(q + tile_k, mask=m_tk, other=0.0).to(ACC) * b_dq
+    b_gn = tl.load(g + last * (H * K) + o_k).to(ACC)
     b_dk = tl.where(m_tk, b_dk * tl.exp2(b_gn[None, :] - b_g), 0.0)  # through the state update
-    b_k = tl.load(k + rows_k, mask=m_tk, other=0.0).to(ACC)
+    b_k = tl.load(k + tile_k, mask=m_tk, other=0.0).to(ACC)
     b_kdk = b_k * b_dk
     b_dg -= b_kdk
     b_dgn = b_dgn * tl.exp2(b_gn) + tl.sum(b_kdk, axis=0)
     b_dg += tl.where(o_t[:, None] == last, b_dgn[None, :], 0.0)
     # A^T: element [j, i] = A[i, j] of the chunk's rows i
     o_a = tl.arange(0, BT)
-    b_At = tl.load(A + (bos + o_t[None, :]) * (H * BT) + i_h * BT + o_a[:, None], mask=m_t[None, :], other=0.0)
-    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)
+    b_At = tl.load(A + o_t[None, :] * (H * BT) + o_a[:, None], mask=m_t[None, :], other=0.0)
+    b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(ACC)
     b_dkgb = tl.dot(b_At, (-b_dw).to(b_At.dtype), out_dtype=ACC) * b_eg * b_beta[:, None]  # β 2^g ⊙ A^T dw
     b_dg += b_k * b_dkgb
     b_dk += b_dkgb
-    tl.store(dk + rows_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    tl.store(dg + rows_k, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+    tl.store(dk + tile_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dg + tile_k, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
 @triton.jit
@@ -102,33 +110,40 @@ def _dv_dA_kernel(k, v, g, beta, A, h, dv, dv2, db, dA, T,
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
     bos = (i_b * T).to(tl.int64)
+    # pointers moved to this row and head once; int32 tile offsets (as _dqkg_kernel)
+    rows_k, rows_v, rows_a = bos * (H * K) + i_h * K, bos * (H * V) + i_h * V, bos * (H * BT) + i_h * BT
+    k, g = k + rows_k, g + rows_k
+    v, dv, dv2 = v + rows_v, dv + rows_v, dv2 + rows_v
+    A, dA = A + rows_a, dA + rows_a
+    beta, db = beta + bos * H + i_h, db + bos * H + i_h
+    h += ((i_b * NT + i_t).to(tl.int64) * H + i_h) * K * V
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
+    m_tk = m_t[:, None]
     o_v = tl.arange(0, BV)
     o_a = tl.arange(0, BT)
-    state = ((i_b * NT + i_t).to(tl.int64) * H + i_h) * K * V
-    rows_v = (bos + o_t[:, None]) * (H * V) + i_h * V
-    rows_k = (bos + o_t[:, None]) * (H * K) + i_h * K
-    m_tk = m_t[:, None]
-    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)
-    b_At = tl.load(A + (bos + o_t[None, :]) * (H * BT) + i_h * BT + o_a[:, None], mask=m_t[None, :], other=0.0)
+    b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(ACC)
+    b_At = tl.load(A + o_t[None, :] * (H * BT) + o_a[:, None], mask=m_t[None, :], other=0.0)
 
     # kg = k ⊙ 2^g over the whole K, once: every V tile's kg h needs all of it
     o_kk = tl.arange(0, K)
-    b_k = tl.load(k + rows_k + o_kk[None, :], mask=m_tk, other=0.0)
-    b_g = tl.load(g + rows_k + o_kk[None, :], mask=m_tk, other=0.0).to(ACC)
+    tile_k = o_t[:, None] * (H * K) + o_kk[None, :]
+    b_k = tl.load(k + tile_k, mask=m_tk, other=0.0)
+    b_g = tl.load(g + tile_k, mask=m_tk, other=0.0).to(ACC)
     b_kg = (b_k.to(ACC) * tl.exp2(b_g)).to(b_k.dtype)
+    tile_v = o_t[:, None] * (H * V) + o_v[None, :]
+    tile_h = o_kk[:, None] * V + o_v[None, :]
     b_dA = tl.zeros([BT, BT], dtype=ACC)
     b_db = tl.zeros([BT], dtype=ACC)
     for i_v in range(0, V, BV):
-        b_dv = tl.load(dv + rows_v + i_v + o_v[None, :], mask=m_tk, other=0.0)
-        b_v = tl.load(v + rows_v + i_v + o_v[None, :], mask=m_tk, other=0.0)
-        b_h = tl.load(h + state + o_kk[:, None] * V + i_v + o_v[None, :])
+        b_dv = tl.load(dv + tile_v + i_v, mask=m_tk, other=0.0)
+        b_v = tl.load(v + tile_v + i_v, mask=m_tk, other=0.0)
+        b_h = tl.load(h + tile_h + i_v)
         b_y = b_v.to(ACC) - tl.dot(b_kg, b_h.to(b_kg.dtype), out_dtype=ACC)  # v - kg h for these V columns
         b_dA = tl.dot(b_dv, tl.trans(b_y.to(b_dv.dtype)), b_dA, out_dtype=ACC)
         b_dvb = tl.dot(b_At, b_dv.to(b_At.dtype), out_dtype=ACC)  # A^T dv
         b_db += tl.sum(b_dvb * b_y, axis=1)
-        tl.store(dv2 + rows_v + i_v + o_v[None, :], (b_dvb * b_beta[:, None]).to(dv2.dtype.element_ty), mask=m_tk)
+        tl.store(dv2 + tile_v + i_v, (b_dvb * b_beta[:, None]).to(dv2.dtype.element_ty), mask=m_tk)
 
     # the gradient through the WY inverse: only the strictly lower part of A is a function of the inputs
     m_A = (o_t[:, None] > o_t[None, :]) & m_tk & m_t[None, :]
@@ -136,8 +151,8 @@ def _dv_dA_kernel(k, v, g, beta, A, h, dv, dv2, db, dA, T,
     b_dA = tl.dot(b_dA.to(b_At.dtype), b_At, out_dtype=ACC)
     b_dA = tl.dot(b_At, b_dA.to(b_At.dtype), out_dtype=ACC)
     b_dA = tl.where(m_A, -b_dA, 0.0)
-    tl.store(dA + (bos + o_t[:, None]) * (H * BT) + i_h * BT + o_a[None, :], b_dA.to(dA.dtype.element_ty), mask=m_tk)
-    tl.store(db + (bos + o_t) * H + i_h, b_db.to(db.dtype.element_ty), mask=m_t)
+    tl.store(dA + o_t[:, None] * (H * BT) + o_a[None, :], b_dA.to(dA.dtype.element_ty), mask=m_tk)
+    tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
 
 
 def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
@@ -163,19 +178,19 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
                                             V=V, BT=CHUNK, BK=bk, BV=bv, ACC=acc, num_warps=DQKG_WARPS,
                                             num_stages=DQKG_STAGES, maxnreg=DQKG_MAXNREG)
         _dv_dA_kernel[(NT, B * H)](k, v, g, beta, A, h, dv, dv2, db, dA, T, H=H, K=K, V=V, BT=CHUNK,
-                                   BV=min(DVA_BV, V), ACC=acc, num_warps=DVA_WARPS, num_stages=DVA_STAGES)
+                                   BV=min(DVA_BV, V), ACC=acc, num_warps=DVA_WARPS, num_stages=DVA_STAGES,
+                                   maxnreg=DVA_MAXNREG)
     return dq, dk, dv2, db, dg, dA
 
 
 # chunk_kda_bwd_intra: sub-chunks of INTRA_BC rows; K split into programs of INTRA_BK columns. Compiled for sm_90
-# (benchmarks/sass_kda_bwd.py; untimed): 255 registers, no spills (fla's: 104 bytes), 2 programs (8 warps) an SM, as
-# many warps an SM as fla's 1-warp programs; a 168-register cap gives 3 programs an SM for 96 bytes of spills
-# (INTRA_MAXNREG, timed by bench_gpu_kernels.py --kda-bwd).
+# (benchmarks/sass_kda_bwd.py; untimed): 168 registers, no spills (fla's 1-warp programs: 255 and 104 bytes), 3
+# programs (12 warps) an SM against fla's 8 warps.
 INTRA_BC, INTRA_BK, INTRA_WARPS, INTRA_STAGES, INTRA_MAXNREG = 16, 32, 4, 2, None
 
 
 @triton.jit
-def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, dg2, T,
+def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, db_part, dg2, T,
                   H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                   ACC: tl.constexpr, DIAG_PRECISION: tl.constexpr):
     """One program per (K block, chunk, head), a sub-chunk of BC rows at a time: the rows' own side of both score
@@ -187,13 +202,20 @@ def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, 
     i_b, i_h = i_bh // H, i_bh % H
     n_rows = tl.num_programs(2) // H  # B
     bos = (i_b * T).to(tl.int64)
+    # pointers moved to this row and head once: the offsets below are int32 (a row's T x H x K < 2^31, verifier)
+    rows = bos * (H * K) + i_h * K
+    q, k, g, dq, dk, dg, dq2, dk2, dg2 = q + rows, k + rows, g + rows, dq + rows, dk + rows, dg + rows, dq2 + rows, \
+        dk2 + rows, dg2 + rows
+    dAqk, dAkk = dAqk + bos * (H * BT) + i_h * BT, dAkk + bos * (H * BT) + i_h * BT
+    beta += bos * H + i_h
+    db_part += (i_k * n_rows * T + bos) * H + i_h
     t0 = i_t * BT
     o_t = t0 + tl.arange(0, BT)
     m_t = o_t < T
     o_k = i_k * BK + tl.arange(0, BK)
     o_a = tl.arange(0, BT)
     o_c = tl.arange(0, BC)
-    rows_k = (bos + o_t[:, None]) * (H * K) + i_h * K + o_k[None, :]
+    rows_k = o_t[:, None] * (H * K) + o_k[None, :]
     for i_c in range(0, BT // BC):
         s = t0 + i_c * BC
         if s < T:
@@ -203,20 +225,20 @@ def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, 
             o_r = s + o_c
             m_r = o_r < T
             last = tl.minimum(s + BC, T) - 1
-            rows_r = (bos + o_r[:, None]) * (H * K) + i_h * K + o_k[None, :]
+            rows_r = o_r[:, None] * (H * K) + o_k[None, :]
             b_qr = tl.load(q + rows_r, mask=m_r[:, None], other=0.0).to(ACC)
             b_kr = tl.load(k + rows_r, mask=m_r[:, None], other=0.0).to(ACC)
             b_gr = tl.load(g + rows_r, mask=m_r[:, None], other=0.0).to(ACC)
-            b_br = tl.load(beta + (bos + o_r) * H + i_h, mask=m_r, other=0.0).to(ACC)
-            g_row = g + i_h * K + o_k
-            b_first = tl.load(g_row + (bos + s) * (H * K)).to(ACC)
-            b_last = tl.load(g_row + (bos + last) * (H * K)).to(ACC)
-            b_mid = tl.load(g_row + (bos + tl.minimum(s + BC // 2, last)) * (H * K)).to(ACC)
+            b_br = tl.load(beta + o_r * H, mask=m_r, other=0.0).to(ACC)
+            g_row = g + o_k
+            b_first = tl.load(g_row + s * (H * K)).to(ACC)
+            b_last = tl.load(g_row + last * (H * K)).to(ACC)
+            b_mid = tl.load(g_row + tl.minimum(s + BC // 2, last) * (H * K)).to(ACC)
 
             # rows' side, earlier sub-chunks: Σ_j dA_ij k_j 2^(first - g_j), then x 2^(g_i - first)
             m_before = (o_t < s)[:, None]
             b_kx = tl.where(m_before, b_k * tl.exp2(tl.where(m_before, b_first[None, :] - b_g, 0.0)), 0.0)
-            rows_a = (bos + o_r[:, None]) * (H * BT) + i_h * BT + o_a[None, :]
+            rows_a = o_r[:, None] * (H * BT) + o_a[None, :]
             m_rows = m_r[:, None] & (o_a[None, :] < i_c * BC)
             b_dAq = tl.load(dAqk + rows_a, mask=m_rows, other=0.0).to(ACC)
             b_dAk = tl.load(dAkk + rows_a, mask=m_rows, other=0.0).to(ACC)
@@ -228,9 +250,9 @@ def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, 
             m_after = (o_t > last) & m_t
             b_ex = tl.exp2(tl.where(m_after[:, None], b_g - b_last[None, :], 0.0))
             b_qx = tl.where(m_after[:, None], tl.load(q + rows_k, mask=m_t[:, None], other=0.0).to(ACC) * b_ex, 0.0)
-            b_b = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(ACC)
+            b_b = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(ACC)
             b_kbx = tl.where(m_after[:, None], b_k * b_b[:, None] * b_ex, 0.0)
-            cols = (bos + o_t[None, :]) * (H * BT) + i_h * BT + i_c * BC + o_c[:, None]  # [BC, BT]: dA^T
+            cols = o_t[None, :] * (H * BT) + i_c * BC + o_c[:, None]  # [BC, BT]: dA^T
             m_cols = m_after[None, :] & (o_c[:, None] < BC)
             b_dAq_t = tl.load(dAqk + cols, mask=m_cols, other=0.0).to(ACC)
             b_dAk_t = tl.load(dAkk + cols, mask=m_cols, other=0.0).to(ACC)
@@ -241,7 +263,7 @@ def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, 
             # the diagonal sub-chunk, both sides, anchored at its middle row
             b_up = tl.exp2(tl.where(m_r[:, None], b_gr - b_mid[None, :], 0.0))
             b_down = tl.exp2(tl.where(m_r[:, None], b_mid[None, :] - b_gr, 0.0))
-            diag = (bos + o_r[:, None]) * (H * BT) + i_h * BT + i_c * BC + o_c[None, :]
+            diag = o_r[:, None] * (H * BT) + i_c * BC + o_c[None, :]
             m_valid = m_r[:, None] & m_r[None, :]
             b_dAq_d = tl.load(dAqk + diag, mask=m_valid & (o_c[:, None] >= o_c[None, :]), other=0.0).to(ACC)
             b_dAk_d = tl.load(dAkk + diag, mask=m_valid & (o_c[:, None] > o_c[None, :]), other=0.0).to(ACC)
@@ -261,7 +283,7 @@ def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, 
             b_dgr = tl.load(dg + rows_r, mask=m_rk, other=0.0) + b_qr * b_dq + (b_dkb - b_dkc) * b_kr
             tl.store(dg2 + rows_r, b_dgr.to(dg2.dtype.element_ty), mask=m_rk)
             # db: this K block's share (the blocks' shares and the given db summed after the launch)
-            tl.store(db_part + (i_k * n_rows * T + bos + o_r) * H + i_h,
+            tl.store(db_part + o_r * H,
                      tl.sum(b_dkr * b_kr, axis=1).to(db_part.dtype.element_ty), mask=m_r)
 
 
@@ -280,7 +302,7 @@ def chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg):
     dg2 = torch.empty_like(dg, dtype=wide)
     db_part = torch.empty(K // bk, B, T, H, dtype=wide, device=q.device)
     with on_device(q):
-        _intra_kernel[(K // bk, NT, B * H)](q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, dq2, dk2, db_part, dg2, T,
+        _intra_kernel[(K // bk, NT, B * H)](q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, db_part, dg2, T,
                                            H=H, K=K, BT=CHUNK, BC=INTRA_BC, BK=bk, ACC=acc,
                                            DIAG_PRECISION="ieee" if acc == tl.float32 else None,
                                            num_warps=INTRA_WARPS, num_stages=INTRA_STAGES, maxnreg=INTRA_MAXNREG)

@@ -41,6 +41,13 @@ def _general_refusal(cu_seqlens, chunk_indices, use_graph, chunk_size) -> str | 
     return None
 
 
+def _offsets_refusal(T: int, H: int, width: int) -> str | None:
+    """The kernels index a row's tiles with int32 offsets (k3.ops._kda_bwd_triton)."""
+    if T * H * width >= 2 ** 31:
+        return f"T {T} x H {H} x {width} elements a row: past int32 offsets"
+    return None
+
+
 def _shape_refusal(expected: dict, tensors) -> str | None:
     for name, (x, shape) in expected.items():
         if tuple(x.shape) != tuple(shape):
@@ -71,6 +78,9 @@ def wy_dqkg_accepts(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, state
         return False, f"v {tuple(v.shape)} against k {tuple(k.shape)} (value heads must equal key heads)"
     if not (_power_of_two(K) and _power_of_two(V)):
         return False, f"K {K}, V {V}: powers of two from 16 to 256 only"
+    refusal = _offsets_refusal(T, H, max(K, V, chunk_size))
+    if refusal:
+        return False, refusal
     NT = -(-T // chunk_size)
     expected = {"q": (q, k.shape), "g": (g, k.shape), "v_new": (v_new, v.shape), "do": (do, v.shape),
                 "dv": (dv, v.shape), "beta": (beta, (B, T, H)), "A": (A, (B, T, H, chunk_size)),
@@ -96,6 +106,9 @@ def intra_accepts(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=None, ch
     B, T, H, K = k.shape
     if not _power_of_two(K):
         return False, f"K {K}: powers of two from 16 to 256 only"
+    refusal = _offsets_refusal(T, H, max(K, chunk_size))
+    if refusal:
+        return False, refusal
     expected = {"q": (q, k.shape), "g": (g, k.shape), "dq": (dq, k.shape), "dk": (dk, k.shape),
                 "dg": (dg, k.shape), "beta": (beta, (B, T, H)), "db": (db, (B, T, H)),
                 "dAqk": (dAqk, (B, T, H, chunk_size)), "dAkk": (dAkk, (B, T, H, chunk_size))}
