@@ -1,23 +1,27 @@
-"""KDA's chunk backward, the stage after the state-gradient pass: the gradients that flow through each chunk's
-state h and through its WY form (fla 0.6's `chunk_kda_bwd_wy_dqkg_fused`, same inputs, outputs and layouts;
-k3.ops.kda_fla_backend hands it to fla's dispatcher). The plain PyTorch reference is k3.ops.kda_bwd_ref.
+"""Two stages of KDA's chunk backward as Triton kernels, with fla 0.6's inputs, outputs and layouts
+(k3.ops.kda_fla_backend hands them to fla's dispatcher; plain PyTorch references: k3.ops.kda_bwd_ref).
 
-Per chunk of BT tokens (g a base-2 log-decay cumsum within the chunk, gn its last row, A the chunk's WY matrix,
-dv the state pass's gradient of v_new):
+`chunk_kda_bwd_wy_dqkg` (fla's `chunk_kda_bwd_wy_dqkg_fused`): after the state-gradient pass, the gradients that
+flow through each chunk's state h and through its WY form. Per chunk of BT tokens (g a base-2 log-decay cumsum
+within the chunk, gn its last row, A the chunk's WY matrix, dv the state pass's gradient of v_new):
     dq = scale 2^g ⊙ (do h^T)                     dk = 2^(gn-g) ⊙ (v_new dh^T) + β 2^g ⊙ (A^T dw)
     dw = -dv h^T                                   dg = q ⊙ dq - k ⊙ dk_h + [last row] dgn + β kg ⊙ (A^T dw)
     dv2 = β ⊙ (A^T dv)                              db = rowsum(A^T dv ⊙ (v - kg h))
     dA = -mask(A^T (mask(dv (v - kg h)^T) ⊙ β_col) A^T),   kg = k ⊙ 2^g
 fla computes all of this in one program a chunk, which holds four [BT, BK] accumulators and the [BT, BT] dA across
 its K loop: 255 registers and ~1.4 KB of spills a thread, 2 programs an SM (benchmarks/sass_kda_bwd.py).
-Each kernel moves its pointers to the program's row and head once (64-bit scalars) and indexes tiles with int32
-offsets: 64-bit offset tiles took ~90 registers a thread in each.
 Here the work is split by what it needs:
 - `_dqkg_kernel`: one program per (K block, chunk, head): dq, dk, dg of its K columns. Three accumulators.
 - `_dv_dA_kernel`: one program per (chunk, head): dv2, db and dA. fla sums dA's and db's K-dependent part over K
   blocks (-dw kg^T); since dw = -dv h^T that part is -dv (kg h)^T, so one pass over V with kg h formed there
   (one more [BT, K] x [K, BV] product a tile, far cheaper than the spills; kg formed once, over the whole K) gives
   dA and db whole: no cross-program sum.
+
+`chunk_kda_bwd_intra` (fla's `chunk_kda_bwd_intra`): the gradients through the chunk's intra-chunk scores Aqk and
+Akk added to dq, dk, db, dg (`_intra_kernel`, one program per (K block, chunk, head); see its docstring).
+
+Each kernel moves its pointers to the program's row and head once (64-bit scalars) and indexes tiles with int32
+offsets: 64-bit offset tiles took ~90 registers a thread in each.
 """
 import torch
 import triton
