@@ -183,7 +183,7 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
                                             num_stages=DQKG_STAGES, maxnreg=DQKG_MAXNREG)
         _dv_dA_kernel[(NT, B * H)](k, v, g, beta, A, h, dv, dv2, db, dA, T, H=H, K=K, V=V, BT=CHUNK,
                                    BV=min(DVA_BV, V), ACC=acc, num_warps=DVA_WARPS, num_stages=DVA_STAGES,
-                                   maxnreg=DVA_MAXNREG)
+                                   maxnreg=DVA_MAXNREG if K <= 128 else None)  # kg [BT, 256] needs more
     return dq, dk, dv2, db, dg, dA
 
 
