@@ -228,10 +228,15 @@ def test_switch_parses():
 
 
 def _fla_or_skip():
+    """Skip without CUDA; on CUDA without fla, skip unless K3_REQUIRE_FLA=1 (then fail)."""
     from k3.ops.kda_fla import fla_available
 
-    if not (torch.cuda.is_available() and fla_available()):
-        pytest.skip("needs CUDA and fla")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not fla_available():
+        if envs.current().require_fla:
+            pytest.fail("K3_REQUIRE_FLA=1 but flash-linear-attention >= 0.6.0 does not import")
+        pytest.skip("needs flash-linear-attention >= 0.6.0")
 
 
 def _rel(a, b):
