@@ -11,7 +11,8 @@ one forward: the recomputation is overhead). A shape that runs out of memory pri
 memory reached and the run goes on to the next shape.
 --off SWITCHES (repeatable): after the default row of each shape, one more row with those k3.envs switches set
 (a comma list of Switches fields, e.g. no_shared_input_grad,no_block_grad_buffer; a kernel list as
-no_triton:_sigmoid_gate_triton; a choice as field=value, e.g. kda_bwd=k3), in the same process, so a fast path's
+no_triton:_sigmoid_gate_triton; a choice as field=value, e.g. kda_bwd=fla; a switch that is on by default as
+fla_keep_forward=0), in the same process, so a fast path's
 before and after are timed side by side.
 --compile: each shape's rows once more with the KDA, MLA, MoE and dense MLP forwards compiled
 (k3.train.compiled_regions, `k3 train --compile`), in the same process after the eager rows (which run the compiled
@@ -51,10 +52,11 @@ def main():
     choices = {"kda_bwd": envs.KDA_BWD_CHOICES}
     bad = sorted({n for names in variants for n in names
                   if not (known.get(n) or (n.partition(":")[0] in lists and n.partition(":")[2])
-                          or n.partition("=")[2] in choices.get(n.partition("=")[0], ()))})
+                          or n.partition("=")[2] in choices.get(n.partition("=")[0], ())
+                          or (known.get(n.partition("=")[0]) and n.partition("=")[2] in ("0", "1")))})
     if bad:  # refused before any timing
         ap.error(f"--off: unknown switch(es) {bad}; on/off switches: {sorted(n for n, b in known.items() if b)}, "
-                 f"or {'/'.join(lists)}:MODULE[:MODULE...], or FIELD=VALUE of {choices}")
+                 f"or {'/'.join(lists)}:MODULE[:MODULE...], or FIELD=VALUE of {choices}, or SWITCH=0 / SWITCH=1")
     preset = "small" if not a.quick else "tiny"
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
@@ -116,12 +118,13 @@ def main():
 
 def switches(names: tuple[str, ...]) -> dict:
     """--off's names as k3.envs.override arguments: a flag set True, `field:a:b` a kernel list of field,
-    `field=value` a choice."""
+    `field=value` a choice, `flag=0` / `flag=1` a flag set False / True (for switches on by default)."""
+    flags = {f.name for f in dataclasses.fields(envs.Switches) if f.type in (bool, "bool")}
     out = {}
     for n in names:
         if "=" in n:
             field, _, value = n.partition("=")
-            out[field] = value
+            out[field] = value == "1" if field in flags else value
             continue
         field, _, modules = n.partition(":")
         out[field] = modules.split(":") if modules else True

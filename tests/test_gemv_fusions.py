@@ -313,7 +313,11 @@ def test_model_decode_folds_norms_and_glu_into_the_kernel(monkeypatch):
     moe = [layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
     assert mla and moe
     for m in mla:
-        assert by_weight[id(m.q_b_proj.weight)][4] is m.q_a_layernorm.weight
+        # q_b's launch (the one carrying the q_a norm): q_b's weight, or, where the StaticCache decode kernel
+        # takes the layer, the kept q_b·W_UK product fuse_projections made (compared by value)
+        (q_launch,) = [a for a in launches if a[4] is m.q_a_layernorm.weight]
+        assert q_launch[1] is m.q_b_proj.weight or (
+            m.absorbed_q.weight is not None and torch.equal(q_launch[1], m.absorbed_q.current()))
         assert by_weight[id(m.o_proj.weight)][9] is not None  # o ⊙ σ(gate) in o_proj's prologue
     pair_of = {id(a[1]): a for a in pairs}  # (the shared down and the routed up: one launch, tests/test_gemv_pair)
     for m in moe:

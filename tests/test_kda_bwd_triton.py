@@ -220,7 +220,7 @@ def test_intra_verifier_declines_what_the_kernel_does_not_cover(overrides):
 
 
 def test_switch_parses():
-    assert envs.parse({}).kda_bwd == "fla"
+    assert envs.parse({}).kda_bwd == "wy"
     for value in ("k3", "fla", "wy", "intra"):
         assert envs.parse({"K3_KDA_BWD": value}).kda_bwd == value
     with pytest.raises(ValueError):

@@ -16,8 +16,8 @@ from k3 import envs
 from k3.ops import kda_fla
 
 
-def test_switch_parses_off_by_default():
-    assert not envs.parse({}).fla_keep_forward
+def test_switch_parses_on_by_default():
+    assert envs.parse({}).fla_keep_forward
     assert not envs.parse({"K3_FLA_KEEP_FORWARD": "0"}).fla_keep_forward
     assert envs.parse({"K3_FLA_KEEP_FORWARD": "1"}).fla_keep_forward
 
@@ -51,12 +51,13 @@ def test_kept_only_when_switched_on_and_differentiated(recorded, gated):
                                          recurrent=False)
         return kda_fla.fla_kda_chunk(q, k, leaf, -f.abs(), beta)
 
-    with envs.override(fla_keep_forward=True, fla_lean=False):
+    # kda_bwd=fla: the stub fla has no backend registry for k3's backward kernels to join
+    with envs.override(fla_keep_forward=True, fla_lean=False, kda_bwd="fla"):
         call(True)
         call(False)
         with torch.no_grad():
             call(True)
-    with envs.override(fla_keep_forward=False, fla_lean=False):
+    with envs.override(fla_keep_forward=False, fla_lean=False, kda_bwd="fla"):
         call(True)
     assert recorded == [True, False, False, False]
 

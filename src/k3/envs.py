@@ -6,13 +6,15 @@
 - K3_FLA_LEAN: unset or "1" sends inference's chunked KDA and gated output norm through k3.ops.kda_fla_lean (fla's
   forward internals without its training entries' per-call host work; fla 0.6.x only, else its public functions);
   "0" keeps fla's public entries. On by default since an H200 run timed it (64 streams: 18-50% off a mixed step).
-- K3_FLA_KEEP_FORWARD: "1" makes a training call of fla's chunked KDA keep its forward's intermediates for the
-  backward (fla's disable_recompute: the gate cumsum, w, u, the gated q and k, v_new and the chunk states) instead of
-  recomputing them there (the gate cumsum, the w/u kernel and the chunk-state pass run again); costs
-  0.84 GiB a KDA layer at small's 8 x 4096 (10 GiB for its 12). Off until an H200 step times it.
+- K3_FLA_KEEP_FORWARD: unset or "1" makes a training call of fla's chunked KDA keep its forward's intermediates for
+  the backward (fla's disable_recompute: the gate cumsum, w, u, the gated q and k, v_new and the chunk states)
+  instead of recomputing them there; "0" recomputes them (the gate cumsum, the w/u kernel and the chunk-state pass
+  run again). Keeping costs 0.84 GiB a KDA layer at small's 8 x 4096 (10 GiB for its 12); on by default since an
+  H200 step timed it (with K3_KDA_BWD=wy: 345 ms against 359-388 at 8 x 4096, 417 against 434-437 at 2 x 16384).
 - K3_KDA_BWD: which stages of fla's KDA chunk backward run k3's Triton kernels (k3.ops.kda_fla_backend, registered
-  with fla's backend dispatcher): "k3" both chunk_kda_bwd_wy_dqkg_fused and chunk_kda_bwd_intra, "wy" or "intra"
-  that one alone; "fla" (default) or unset, none. fla's own until an H200 step times them.
+  with fla's backend dispatcher): "wy" (default, or unset) chunk_kda_bwd_wy_dqkg_fused alone, "k3" it and
+  chunk_kda_bwd_intra, "intra" that one alone, "fla" none. On an H200 at small's 8 x 4096 the WY stage takes
+  1.0 ms a call against fla's 2.45; k3's intra stage 2.2 against fla's 1.56, so it stays opt-in.
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
 - K3_ROUTER_FP32: "1" computes the MoE router's GEMM on fp32 copies of a bf16/fp16 x and weight (the reference,
   k3.ops.router.router_scores_reference) instead of one GEMM of them as stored with fp32 output.
@@ -56,8 +58,8 @@ ALL = "all"
 class Switches:
     no_fla: bool = False
     fla_lean: bool = True
-    fla_keep_forward: bool = False
-    kda_bwd: str = "fla"  # "fla", "k3", "wy" or "intra"
+    fla_keep_forward: bool = True
+    kda_bwd: str = "wy"  # "fla", "k3", "wy" or "intra"
     no_triton: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     triton_opt_in: frozenset[str] | str = frozenset()  # ALL, or kernel module names
     require_fla: bool = False
@@ -103,7 +105,7 @@ KDA_BWD_CHOICES = ("fla", "k3", "wy", "intra")
 
 
 def _kda_bwd(text: str) -> str:
-    value = text.strip().lower() or "fla"
+    value = text.strip().lower() or "wy"
     if value not in KDA_BWD_CHOICES:
         raise ValueError(f"K3_KDA_BWD must be one of {KDA_BWD_CHOICES}, got {text!r}")
     return value
@@ -113,7 +115,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
     """The switches an environment sets (unset variables take their defaults)."""
     get = lambda name: environ.get(name, "")  # noqa: E731
     return Switches(no_fla=_flag(get("K3_NO_FLA")), fla_lean=get("K3_FLA_LEAN") != "0",
-                    fla_keep_forward=get("K3_FLA_KEEP_FORWARD") == "1", kda_bwd=_kda_bwd(get("K3_KDA_BWD")),
+                    fla_keep_forward=get("K3_FLA_KEEP_FORWARD") != "0", kda_bwd=_kda_bwd(get("K3_KDA_BWD")),
                     no_triton=_names(get("K3_NO_TRITON"), "1"),
                     triton_opt_in=_names(get("K3_TRITON"), ALL), require_fla=get("K3_REQUIRE_FLA") == "1",
                     router_fp32=get("K3_ROUTER_FP32") == "1",

@@ -31,13 +31,14 @@ from k3.ops.triton_dispatch import on_device
 
 CHUNK = 64
 # Tiles, warps, pipeline stages and register caps of the two kernels, chosen by their sm_90 compile
-# (benchmarks/sass_kda_bwd.py; untimed): the largest 4-warp tiles that keep every value in registers.
+# (benchmarks/sass_kda_bwd.py): the largest 4-warp tiles that keep every value in registers.
 # _dqkg_kernel: at BK 32 and 2 stages, 144 registers, no spills, 3 programs an SM (fla's: 2); at BK 64 it spills
 # (three fp32 [BT, 64] accumulators and the epilogue's gate tiles pass 255 registers). _dv_dA_kernel at BV 32 under
-# a 168-register cap: no spills, 3 programs an SM (uncapped ~235, 2; BV 64 spills). bench_gpu_kernels.py
-# --kda-bwd times the alternatives.
-DQKG_BK, DQKG_BV, DQKG_WARPS, DQKG_STAGES, DQKG_MAXNREG = 32, 64, 4, 2, None
-DVA_BV, DVA_WARPS, DVA_STAGES, DVA_MAXNREG = 32, 4, 2, 168
+# a 168-register cap: no spills, 3 programs an SM (uncapped ~235, 2; BV 64 spills). Timed on an H200
+# (bench_gpu_kernels.py --kda-bwd, 8x4096, session 18), the stage took 1082 us under those caps and 1007 us with
+# _dqkg_kernel capped at 128 registers and _dv_dA_kernel uncapped (fla's kernel: 2454 us): the caps below.
+DQKG_BK, DQKG_BV, DQKG_WARPS, DQKG_STAGES, DQKG_MAXNREG = 32, 64, 4, 2, 128
+DVA_BV, DVA_WARPS, DVA_STAGES, DVA_MAXNREG = 32, 4, 2, None
 
 
 @triton.jit
@@ -180,7 +181,7 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
     with on_device(q):
         _dqkg_kernel[(K // bk, NT, B * H)](q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T, H=H, K=K,
                                             V=V, BT=CHUNK, BK=bk, BV=bv, ACC=acc, num_warps=DQKG_WARPS,
-                                            num_stages=DQKG_STAGES, maxnreg=DQKG_MAXNREG)
+                                            num_stages=DQKG_STAGES, maxnreg=DQKG_MAXNREG if K <= 128 else None)
         _dv_dA_kernel[(NT, B * H)](k, v, g, beta, A, h, dv, dv2, db, dA, T, H=H, K=K, V=V, BT=CHUNK,
                                    BV=min(DVA_BV, V), ACC=acc, num_warps=DVA_WARPS, num_stages=DVA_STAGES,
                                    maxnreg=DVA_MAXNREG if K <= 128 else None)  # kg [BT, 256] needs more

@@ -16,9 +16,9 @@ Three entry points:
   `use_beta_sigmoid_in_kernel`), i.e. SPEC §3.2's g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)).
   Without gradients (and unless K3_FLA_LEAN=0), its chunked form (and `fla_output_gate`) take k3.ops.kda_fla_lean:
   the same kernels without the training entry's per-call host work.
-With K3_KDA_BWD=k3 (or wy, intra) a chunked call's backward runs k3's kernels for the stages k3.ops.kda_fla_backend
-covers.
-With K3_FLA_KEEP_FORWARD=1 a chunked call that will be differentiated keeps fla's forward intermediates for its
+Unless K3_KDA_BWD=fla, a chunked call's backward runs k3's kernels for the stages K3_KDA_BWD names (default wy:
+the WY/state stage) where k3.ops.kda_fla_backend covers the call.
+Unless K3_FLA_KEEP_FORWARD=0, a chunked call that will be differentiated keeps fla's forward intermediates for its
 backward (`disable_recompute`), which otherwise recomputes them.
 """
 from __future__ import annotations
@@ -139,13 +139,13 @@ def _lean() -> bool:
 
 
 def _keep_forward(needs_grad: bool) -> bool:
-    """fla's disable_recompute for a chunk_kda call: with K3_FLA_KEEP_FORWARD=1, a call that will be differentiated
+    """fla's disable_recompute for a chunk_kda call: unless K3_FLA_KEEP_FORWARD=0, a call that will be differentiated
     keeps its forward's intermediates for the backward rather than recomputing them there (memory for time)."""
     return needs_grad and envs.current().fla_keep_forward
 
 
 def _offer_k3_backward(needs_grad: bool) -> None:
-    """With K3_KDA_BWD set (k3, wy, intra), k3's kernels join fla's backend dispatcher (k3.ops.kda_fla_backend)
+    """Unless K3_KDA_BWD=fla, k3's kernels join fla's backend dispatcher (k3.ops.kda_fla_backend)
     before the first chunked call that will be differentiated; its verifiers keep every call they do not cover
     on fla's."""
     if needs_grad and envs.current().kda_bwd != "fla":

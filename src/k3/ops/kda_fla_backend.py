@@ -3,7 +3,7 @@
 fla 0.6 routes each stage of its KDA backward through a registry: a backend registered for the operation 'kda'
 with a method named like the stage and a `<stage>_verifier` runs the calls its verifier accepts, and fla's own
 kernel runs the rest. `register_with_fla()` registers k3's backend once (k3.ops.kda_fla calls it before its first
-chunked call when K3_KDA_BWD=k3, see k3.envs); fla is imported only there, i.e. where it imports (a GPU machine).
+chunked call unless K3_KDA_BWD=fla, see k3.envs); fla is imported only there, i.e. where it imports (a GPU machine).
 
 The stages it takes (k3.ops._kda_bwd_triton), for what k3's training calls: `chunk_kda_bwd_wy_dqkg_fused`
 (`wy_dqkg_accepts`: no varlen, no CUDA-graph buffers, K-first states, chunk 64, as many value heads as key heads,
@@ -13,6 +13,8 @@ K and V powers of two from 16 to 256) and `chunk_kda_bwd_intra` (`intra_accepts`
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from k3 import envs
@@ -21,6 +23,8 @@ BACKEND_TYPE = "k3"
 PRIORITY = 1  # ahead of fla's TileLang backend (5; not installed on our H200); fla's NPU backend (0) is NPU-only
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _registered = False
+_refused = False  # fla.backends did not import once (warned)
+_log = logging.getLogger(__name__)
 
 
 def _power_of_two(n: int) -> bool:
@@ -119,10 +123,16 @@ def intra_accepts(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=None, ch
 def register_with_fla() -> None:
     """Register k3's backend for fla's 'kda' operation (once a process). Its methods take fla's keyword
     arguments by name (fla's stages call them so)."""
-    global _registered
+    global _registered, _refused
     if _registered:
         return
-    from fla.backends import BaseBackend, register
+    try:
+        from fla.backends import BaseBackend, register
+    except ImportError as e:  # an fla without the registry (or a stand-in module): its own kernels run every stage
+        if not _refused:
+            _log.warning("k3's KDA backward kernels not offered to fla (%s): fla's own run", e)
+        _refused = True
+        return
 
     @register("kda")
     class K3KDABackend(BaseBackend):
