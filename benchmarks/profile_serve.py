@@ -25,6 +25,7 @@ A variant may also set k3.envs switches, e.g. `--variants 'fla_lean=false;fla_le
 against k3.ops.kda_fla_lean).
 """
 import argparse
+import bisect
 import collections
 import contextlib
 import os
@@ -154,8 +155,81 @@ def summarize_steps(steps: list[dict]) -> list[dict]:
     return rows
 
 
+# runtime calls that make the host wait for the device (a blocking copy waits too: cudaMemcpy without Async)
+HOST_WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def is_prompt_chunk(kind: str) -> bool:
+    return "mixed" in kind or "prefill" in kind
+
+
+def kernel_events(evs):
+    """The device-side events that are kernels or copies, not the GPU-side ranges of user annotations: a
+    `record_function` label (k3_step, any other range) also shows as a CUDA event, under the same name as its CPU
+    range, and summing it counts the whole step as kernel time. So a CUDA event whose name is also a CPU event's
+    name is a range, not work."""
+    cuda = torch.autograd.DeviceType.CUDA
+    host_names = {e.name for e in evs if e.device_type != cuda}
+    return [e for e in evs if e.device_type == cuda and e.name not in host_names]
+
+
+def step_of(t, starts):
+    """Index of the step span whose start is the last at or before t (-1: before the first)."""
+    return bisect.bisect_right(starts, t) - 1
+
+
+def calling_line(e) -> str:
+    """The innermost k3 frame that led to op e: from its recorded stack, or (where torch records Python frames as
+    events of their own, leaving the stack empty) from the chain of its parent events."""
+    def ours(f):
+        return "/k3/" in f or "benchmarks/" in f or f.startswith("k3/")
+    hit = next((f for f in (e.stack or []) if ours(f)), None)
+    p = e.cpu_parent
+    while hit is None and p is not None:
+        if ".py(" in p.name and ours(p.name):
+            hit = p.name
+        p = p.cpu_parent
+    return hit or "?"
+
+
+def host_table(evs, spans, marks, rows=14):
+    """Prompt-chunk steps only: self CPU time per step by the Python line that called (the innermost k3 frame of
+    the op's stack), and the host's waits for the device per step by line. An event belongs to the step whose host
+    span contains its start."""
+    starts = [a for a, _ in spans]
+    chunk = [i for i, k in enumerate(marks) if is_prompt_chunk(k)]
+    n = max(1, len(chunk))
+    chunk = set(chunk)
+    self_us, waits = collections.Counter(), collections.Counter()
+    calls = collections.Counter()
+    for e in evs:
+        if e.device_type == torch.autograd.DeviceType.CUDA or e.name == "k3_step":
+            continue
+        j = step_of(e.time_range.start, starts)
+        if j < 0 or j not in chunk or e.time_range.start > spans[j][1]:
+            continue
+        if ".py(" in e.name or e.name.startswith("<built-in"):
+            continue  # a Python frame (torch records them as events of their own), not an op
+        line = calling_line(e)
+        key = f"{e.name[:40]} @ {line[-70:]}"
+        self_us[key] += e.self_cpu_time_total
+        calls[key] += 1
+        if e.name in HOST_WAIT_CALLS:
+            waits[key] += 1
+    print(f"\n== prompt-chunk steps ({n}): self CPU us per step by op and calling line", flush=True)
+    for key, us in self_us.most_common(rows):
+        print(f"  {us / n:9.0f} us  {calls[key] / n:7.1f} calls  {key}")
+    print(f"== prompt-chunk steps: host waits for the device per step ({sum(waits.values()) / n:.1f}) by line",
+          flush=True)
+    for key, c in waits.most_common(rows):
+        print(f"  {c / n:7.1f}  {key}")
+    return [dict(site=k, us_per_step=self_us[k] / n, calls_per_step=calls[k] / n) for k, _ in
+            self_us.most_common(rows)]
+
+
 def device_profile(rec, prompts, params, streams) -> list[dict]:
-    """Kernels per step kind under torch.profiler: summed kernel time, count, and the step's wall."""
+    """Kernels per step kind under torch.profiler: summed kernel time, count, and the step's wall; and the host
+    table of prompt-chunk steps (see host_table). On a CPU the kernel columns are empty; the host table holds."""
     from torch.profiler import ProfilerActivity, profile, record_function
     marks = []
     inner = rec.step
@@ -167,33 +241,35 @@ def device_profile(rec, prompts, params, streams) -> list[dict]:
             marks.append(rec.steps[-1]["kind"])
         return outs
     rec.step = marked_step
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts, with_stack=True) as prof:
         drive(rec, prompts, params, streams)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     rec.step = inner
     # which lines hold the host: the ops and runtime calls with the most self CPU time, by their Python caller
     print(prof.key_averages(group_by_stack_n=3).table(sort_by="self_cpu_time_total", row_limit=14,
                                                       max_name_column_width=36, max_src_column_width=90), flush=True)
     evs = prof.events()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in evs if e.name == "k3_step")
-    kernels = sorted((e.time_range.start, e.device_time, e.name) for e in evs
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in evs
+                   if e.name == "k3_step" and e.device_type != torch.autograd.DeviceType.CUDA)
+    marks = marks[:len(spans)]
+    host_table(evs, spans, marks)
+    kernels = sorted((e.time_range.start, e.device_time, e.name) for e in kernel_events(evs))
     # a kernel belongs to the step whose host span launched it: its device start falls after that step's start
-    starts = [a for a, _ in spans] + [float("inf")]
+    starts = [a for a, _ in spans]
     per = [[0.0, 0] for _ in spans]
     named = collections.defaultdict(collections.Counter)  # step kind -> kernel name -> summed device us
-    j = 0
     for t, d, name in kernels:
-        while j + 1 < len(spans) and t >= starts[j + 1]:
-            j += 1
-        if spans and t >= starts[0]:
+        j = step_of(t, starts)
+        if j >= 0:
             per[j][0] += d
             per[j][1] += 1
             if j < len(marks):
                 named[marks[j]][name] += d
     # what a prompt-chunk step's device time is made of (per step, us): the kernels to cut or replace
     for kind, c in sorted(named.items()):
-        if "mixed" in kind or "prefill" in kind:
+        if is_prompt_chunk(kind):
             n = marks.count(kind)
             print(f"== {kind}: top kernels, device us per step: " + "; ".join(
                 f"{name[:60]} {us / n:.0f}" for name, us in c.most_common(15)), flush=True)
@@ -472,7 +548,7 @@ def main():
         print(table(row["by_kind"], ["kind", "steps", "total_ms", "wall_ms", "sched_ms", "run_ms", "sample_ms",
                                      "book_ms", "append_ms", "other_ms", "rows", "tokens", "blocks_read_over_real"]),
               flush=True)
-        if a.profile and dev.type == "cuda" and len(res["variants"]) == 1:
+        if a.profile and len(res["variants"]) == 1:
             rec.steps.clear()
             with torch.inference_mode():
                 short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
