@@ -227,6 +227,39 @@ def test_switch_parses():
         envs.parse({"K3_KDA_BWD": "tilelang"})
 
 
+# small's training call of the WY stage (8 x 4096, H 12, K = V = 128; dtypes as fla's own kernel's spec in the table)
+SMALL_WY_LAUNCH = """
+import torch
+from k3.ops import _kda_bwd_triton as kb
+B, T, H, K, V = 8, 4096, 12, 128, 128
+bf, f32 = dict(device="meta", dtype=torch.bfloat16), dict(device="meta", dtype=torch.float32)
+e = torch.empty
+kb.chunk_kda_bwd_wy_dqkg(e(B, T, H, K, **bf), e(B, T, H, K, **bf), e(B, T, H, V, **bf), e(B, T, H, V, **bf),
+                         e(B, T, H, K, **f32), e(B, T, H, **f32), e(B, T, H, 64, **bf), e(B, T // 64, H, K, V, **bf),
+                         e(B, T, H, V, **bf), e(B, T // 64, H, K, V, **bf), e(B, T, H, V, **bf), K ** -0.5)
+"""
+
+
+def test_the_precompile_table_holds_the_wy_stages_launches_at_smalls_shape():
+    """The shipped table's H200 specs of _dqkg_kernel and _dv_dA_kernel are what the stage launches at small's
+    training shape (same constants, warps, stages, register cap, argument types): a launch constant changed
+    without them makes a fresh machine's precompile workers compile a kernel the step never runs. Re-record:
+    tests/launch_spec_sm90.py's launch_specs(SMALL_WY_LAUNCH) in place of the table's entries."""
+    from launch_spec_sm90 import launch_specs
+
+    from k3.ops import tuning
+
+    launched = launch_specs(SMALL_WY_LAUNCH)
+    assert [s["name"] for s in launched] == ["k3.ops._kda_bwd_triton._dqkg_kernel",
+                                             "k3.ops._kda_bwd_triton._dv_dA_kernel"]
+    compiles = tuning.load_table(tuning.TABLE_PATH)["NVIDIA H200"]["compiles"]
+    shipped = [s for s in compiles if s["name"].startswith("k3.ops._kda_bwd_triton.")]
+    assert shipped == launched
+    # both before fla's own WY kernel, where the step meets them in its first-use order
+    names = [s["name"] for s in compiles]
+    assert names.index(launched[-1]["name"]) < names.index("fla.ops.kda.chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused")
+
+
 def _fla_or_skip():
     """Skip without CUDA; on CUDA without fla, skip unless K3_REQUIRE_FLA=1 (then fail)."""
     from k3.ops.kda_fla import fla_available
