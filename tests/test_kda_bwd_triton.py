@@ -123,12 +123,34 @@ def test_kernel_equals_reference(shape, dtype):
 INTRA_SHAPES = [(1, 64, 1, 32, False), (2, 100, 3, 64, False), (1, 130, 1, 128, True), (1, 40, 1, 16, True)]
 
 
+# the intra kernel's forms, the diagonal dots' precisions and the sub form's early reads (k3.ops._kda_bwd_triton's
+# INTRA_FORM, INTRA_DIAG, INTRA_EARLY); the interpreter takes no bf16x3 (CUDA's)
+INTRA_VARIANTS = [("walk", "ieee", False), ("sub", "ieee", False), ("sub", "tf32x3", True)]
+CUDA_INTRA_VARIANTS = [*INTRA_VARIANTS, ("sub", "bf16x3", False), ("sub", "bf16x3", True)]
+
+
+def _intra_variant_id(variant):
+    return f"{variant[0]}-{variant[1]}" + "-early" * variant[2]
+
+
+def _use_intra_variant(monkeypatch, variant):
+    from k3.ops import _kda_bwd_triton
+
+    for name, value in zip(("INTRA_FORM", "INTRA_DIAG", "INTRA_EARLY"), variant):
+        monkeypatch.setattr(_kda_bwd_triton, name, value)
+
+
+@pytest.mark.parametrize("variant", INTRA_VARIANTS if DEVICE == "cpu" else CUDA_INTRA_VARIANTS, ids=_intra_variant_id)
 @pytest.mark.parametrize("shape", INTRA_SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + ("-strongest" * s[4]))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_intra_kernel_equals_reference(shape, dtype):
-    """Also at the strongest decays fla's safe gate allows (e^-5 a token): the sub-chunk anchors keep fp32 finite."""
+def test_intra_kernel_equals_reference(shape, dtype, variant, monkeypatch):
+    """Also at the strongest decays fla's safe gate allows (e^-5 a token): the sub-chunk anchors keep fp32 finite.
+    Each form and diagonal precision (the interpreter computes every dot in fp32 or fp64: bf16x3's rounding is
+    the CUDA tests' case)."""
     pytest.importorskip("triton")
     from k3.ops._kda_bwd_triton import chunk_kda_bwd_intra
+
+    _use_intra_variant(monkeypatch, variant)
 
     if dtype == torch.float64 and DEVICE == "cuda":
         pytest.skip("float64 dots: the interpreter's case")
@@ -307,14 +329,18 @@ def test_kernels_equal_flas_at_the_training_shape(B):
     _against_fla(("dq", "dk", "dv2", "db", "dg", "dA"), got, want, exact)
 
 
+@pytest.mark.parametrize("variant", CUDA_INTRA_VARIANTS, ids=_intra_variant_id)
 @pytest.mark.parametrize("B", [8, 1])
-def test_intra_kernel_equals_flas_at_the_training_shape(B):
+def test_intra_kernel_equals_flas_at_the_training_shape(B, variant, monkeypatch):
     """B x 4096, H 12, K 128, bf16 q and k, fp32 the rest, at the safe gate's strongest decays: every output
-    against fla's own kernel (safe gate, bound -5), and at B 1 both against the float64 reference."""
+    against fla's own kernel (safe gate, bound -5), and at B 1 both against the float64 reference; each form and
+    diagonal precision of k3's kernel."""
     _fla_or_skip()
     from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra as fla_intra
 
     from k3.ops._kda_bwd_triton import chunk_kda_bwd_intra
+
+    _use_intra_variant(monkeypatch, variant)
 
     x = intra_inputs(B, 4096, 12, 128, dtype=torch.float32, device="cuda", seed=7, strongest=True)
     x[0], x[1] = x[0].bfloat16(), x[1].bfloat16()

@@ -188,10 +188,20 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
     return dq, dk, dv2, db, dg, dA
 
 
-# chunk_kda_bwd_intra: sub-chunks of INTRA_BC rows; K split into programs of INTRA_BK columns. Compiled for sm_90
-# (benchmarks/sass_kda_bwd.py; untimed): 168 registers, no spills (fla's 1-warp programs: 255 and 104 bytes), 3
-# programs (12 warps) an SM against fla's 8 warps.
-INTRA_BC, INTRA_BK, INTRA_WARPS, INTRA_STAGES, INTRA_MAXNREG = 16, 32, 4, 2, None
+# chunk_kda_bwd_intra: sub-chunks of INTRA_BC rows; K split into programs of INTRA_BK columns. Two forms:
+# - "walk" (`_intra_kernel`): a program per (K block, chunk, head) walks the chunk's sub-chunks. Compiled for
+#   sm_90: 168 registers, no spills, 3 programs an SM; on the H200 (session 18) 2196 us against fla's 1556. Its
+#   SASS (benchmarks/sass_kda_bwd.py) says why: 1712 instructions a thread a sub-chunk at 4 warps, of which the
+#   diagonal's fp32 "ieee" dots are ~280 FFMA and ~260 shared loads, and 38 barriers a sub-chunk (the layout
+#   changes of four warps sharing [16, 32] tiles); each sub-chunk also forms two [64, BK] factor tiles (exp2 of
+#   the whole chunk, masked), 4x the exponentials and dot work the pairs of sub-chunks need.
+# - "sub" (`_intra_sub_kernel`): a program per (K block and sub-chunk, chunk, head), as fla's grid, that visits
+#   only the sub-chunk pairs it needs: a [BC, BK] factor tile a pair, BC x BC dots.
+# INTRA_EARLY ("sub" only): read the given dq, dk, dg before the sums (more bytes in flight, more registers).
+# INTRA_DIAG: the diagonal blocks' dot precision for fp32 ("ieee": fp32 FMAs; "bf16x3" as fla on Triton >= 3.6:
+# three bf16 tensor-core products, ~16 mantissa bits; "tf32x3" likewise).
+INTRA_FORM, INTRA_BC, INTRA_BK, INTRA_WARPS, INTRA_STAGES, INTRA_MAXNREG, INTRA_DIAG, INTRA_EARLY = \
+    "walk", 16, 32, 4, 2, None, "ieee", False
 
 
 @triton.jit
@@ -292,6 +302,112 @@ def _intra_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, db_part, dg2,
                      tl.sum(b_dkr * b_kr, axis=1).to(db_part.dtype.element_ty), mask=m_r)
 
 
+@triton.jit
+def _intra_sub_kernel(q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, db_part, dg2, T,
+                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                      ACC: tl.constexpr, DIAG_PRECISION: tl.constexpr, EARLY: tl.constexpr):
+    """`_intra_kernel`'s sums, one program per (K block and sub-chunk, chunk, head): the sub-chunk's rows take
+    each earlier sub-chunk J as one BC x BC dot of the keys anchored at the rows' first row (k_j 2^(first - g_j)
+    <= 1, then x 2^(g_i - first) <= 1), the diagonal block anchored at its middle row, and, as keys, each later
+    sub-chunk J's queries and beta-scaled keys anchored at the rows' last row (2^(g_i - last) <= 1, then
+    x 2^(last - g_j) <= 1). One [BC, BK] exponential tile a pair: no masked whole-chunk tiles."""
+    NC: tl.constexpr = BT // BC
+    i_kc, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, i_i = i_kc // NC, i_kc % NC
+    i_b, i_h = i_bh // H, i_bh % H
+    n_rows = tl.num_programs(2) // H  # B
+    t0 = i_t * BT
+    s = t0 + i_i * BC
+    if s < T:
+        bos = (i_b * T).to(tl.int64)
+        # pointers moved to this row and head once: int32 offsets below (as _intra_kernel)
+        rows = bos * (H * K) + i_h * K
+        q, k, g, dq, dk, dg, dq2, dk2, dg2 = q + rows, k + rows, g + rows, dq + rows, dk + rows, dg + rows, \
+            dq2 + rows, dk2 + rows, dg2 + rows
+        dAqk, dAkk = dAqk + bos * (H * BT) + i_h * BT, dAkk + bos * (H * BT) + i_h * BT
+        beta += bos * H + i_h
+        db_part += (i_k * n_rows * T + bos) * H + i_h
+        o_c = tl.arange(0, BC)
+        o_k = i_k * BK + tl.arange(0, BK)
+        o_r = s + o_c
+        m_r = o_r < T
+        m_rk = m_r[:, None]
+        rows_r = o_r[:, None] * (H * K) + o_k[None, :]
+        rows_a = o_r[:, None] * (H * BT) + o_c[None, :]  # [BC, BC] of dA: this sub-chunk's rows, a J's columns
+        last = tl.minimum(s + BC, T) - 1
+        g_row = g + o_k
+        b_first = tl.load(g_row + s * (H * K)).to(ACC)
+        b_last = tl.load(g_row + last * (H * K)).to(ACC)
+        b_mid = tl.load(g_row + tl.minimum(s + BC // 2, last) * (H * K)).to(ACC)
+        b_gr = tl.load(g + rows_r, mask=m_rk, other=0.0).to(ACC)
+        if EARLY:  # the given gradients' reads (first touches of memory) overlap the sums below; costs registers
+            b_dq0 = tl.load(dq + rows_r, mask=m_rk, other=0.0)
+            b_dk0 = tl.load(dk + rows_r, mask=m_rk, other=0.0)
+            b_dg0 = tl.load(dg + rows_r, mask=m_rk, other=0.0)
+
+        # rows' side, earlier sub-chunks (whole: they lie before row s < T)
+        b_dq = tl.zeros([BC, BK], dtype=ACC)
+        b_dkr = tl.zeros([BC, BK], dtype=ACC)
+        for j in range(0, NC):
+            if j < i_i:
+                tile_j = (t0 + j * BC + o_c)[:, None] * (H * K) + o_k[None, :]
+                b_kx = tl.load(k + tile_j).to(ACC) * tl.exp2(b_first[None, :] - tl.load(g + tile_j).to(ACC))
+                b_dAq = tl.load(dAqk + rows_a + j * BC, mask=m_rk, other=0.0).to(ACC)
+                b_dAk = tl.load(dAkk + rows_a + j * BC, mask=m_rk, other=0.0).to(ACC)
+                b_dq = tl.dot(b_dAq, b_kx, b_dq, out_dtype=ACC)
+                b_dkr = tl.dot(b_dAk, b_kx, b_dkr, out_dtype=ACC)
+        b_e = tl.exp2(tl.where(m_rk, b_gr - b_first[None, :], 0.0))
+        b_dq *= b_e
+        b_dkr *= b_e
+
+        # the diagonal block, both sides, anchored at its middle row
+        b_up = tl.exp2(tl.where(m_rk, b_gr - b_mid[None, :], 0.0))
+        b_down = tl.exp2(tl.where(m_rk, b_mid[None, :] - b_gr, 0.0))
+        m_valid = m_rk & m_r[None, :]
+        b_dAq_d = tl.load(dAqk + rows_a + i_i * BC, mask=m_valid & (o_c[:, None] >= o_c[None, :]), other=0.0)
+        b_dAk_d = tl.load(dAkk + rows_a + i_i * BC, mask=m_valid & (o_c[:, None] > o_c[None, :]), other=0.0)
+        b_dAq_d, b_dAk_d = b_dAq_d.to(ACC), b_dAk_d.to(ACC)
+        b_kr = tl.load(k + rows_r, mask=m_rk, other=0.0).to(ACC)
+        b_kd = b_kr * b_down
+        b_dq += tl.dot(b_dAq_d, b_kd, input_precision=DIAG_PRECISION, out_dtype=ACC) * b_up
+        b_dkr += tl.dot(b_dAk_d, b_kd, input_precision=DIAG_PRECISION, out_dtype=ACC) * b_up
+        b_qr = tl.load(q + rows_r, mask=m_rk, other=0.0).to(ACC)
+        b_br = tl.load(beta + o_r * H, mask=m_r, other=0.0).to(ACC)
+        b_dkc = (tl.dot(tl.trans(b_dAq_d), b_qr * b_up, input_precision=DIAG_PRECISION, out_dtype=ACC)
+                 + tl.dot(tl.trans(b_dAk_d), b_kr * b_br[:, None] * b_up, input_precision=DIAG_PRECISION,
+                          out_dtype=ACC)) * b_down
+
+        # columns' side, later sub-chunks: Σ_i dA_ij (q_i, β_i k_i) 2^(g_i - last), then x 2^(last - g_j)
+        b_dkl = tl.zeros([BC, BK], dtype=ACC)
+        for j in range(0, NC):
+            if (j > i_i) & (t0 + j * BC < T):
+                o_j = t0 + j * BC + o_c
+                m_j = o_j < T
+                tile_j = o_j[:, None] * (H * K) + o_k[None, :]
+                b_ex = tl.exp2(tl.where(m_j[:, None], tl.load(g + tile_j, mask=m_j[:, None], other=0.0).to(ACC)
+                                        - b_last[None, :], 0.0))
+                b_qx = tl.load(q + tile_j, mask=m_j[:, None], other=0.0).to(ACC) * b_ex
+                b_bj = tl.load(beta + o_j * H, mask=m_j, other=0.0).to(ACC)
+                b_kbx = tl.load(k + tile_j, mask=m_j[:, None], other=0.0).to(ACC) * (b_bj[:, None] * b_ex)
+                cols = o_j[None, :] * (H * BT) + i_i * BC + o_c[:, None]  # [BC, BC]: dA[J rows, our columns]^T
+                b_dAq_t = tl.load(dAqk + cols, mask=m_j[None, :], other=0.0).to(ACC)
+                b_dAk_t = tl.load(dAkk + cols, mask=m_j[None, :], other=0.0).to(ACC)
+                b_dkl = tl.dot(b_dAq_t, b_qx, b_dkl, out_dtype=ACC)
+                b_dkl = tl.dot(b_dAk_t, b_kbx, b_dkl, out_dtype=ACC)
+        b_dkc += b_dkl * tl.exp2(tl.where(m_rk, b_last[None, :] - b_gr, 0.0))
+
+        if not EARLY:
+            b_dq0 = tl.load(dq + rows_r, mask=m_rk, other=0.0)
+            b_dk0 = tl.load(dk + rows_r, mask=m_rk, other=0.0)
+            b_dg0 = tl.load(dg + rows_r, mask=m_rk, other=0.0)
+        tl.store(dq2 + rows_r, (b_dq0 + b_dq).to(dq2.dtype.element_ty), mask=m_rk)
+        b_dkb = b_dkr * b_br[:, None]
+        tl.store(dk2 + rows_r, (b_dk0 + b_dkb + b_dkc).to(dk2.dtype.element_ty), mask=m_rk)
+        b_dgr = b_dg0 + b_qr * b_dq + (b_dkb - b_dkc) * b_kr
+        tl.store(dg2 + rows_r, b_dgr.to(dg2.dtype.element_ty), mask=m_rk)
+        tl.store(db_part + o_r * H, tl.sum(b_dkr * b_kr, axis=1).to(db_part.dtype.element_ty), mask=m_r)
+
+
 def chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg):
     """(dq, dk, db, dg) with the intra-chunk parts added, as fla's chunk_kda_bwd_intra returns them (new tensors:
     dq, dk in dq's and dk's dtype, db, dg fp32; float64 in, float64 out). Layouts: q, k, g, dq, dk, dg [B, T, H, K];
@@ -306,9 +422,11 @@ def chunk_kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg):
     dq2, dk2 = torch.empty_like(dq), torch.empty_like(dk)
     dg2 = torch.empty_like(dg, dtype=wide)
     db_part = torch.empty(K // bk, B, T, H, dtype=wide, device=q.device)
+    sub = INTRA_FORM == "sub"
+    kernel, grid, form = (_intra_sub_kernel, (K // bk * (CHUNK // INTRA_BC), NT, B * H), dict(EARLY=INTRA_EARLY)) \
+        if sub else (_intra_kernel, (K // bk, NT, B * H), {})
     with on_device(q):
-        _intra_kernel[(K // bk, NT, B * H)](q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, db_part, dg2, T,
-                                           H=H, K=K, BT=CHUNK, BC=INTRA_BC, BK=bk, ACC=acc,
-                                           DIAG_PRECISION="ieee" if acc == tl.float32 else None,
-                                           num_warps=INTRA_WARPS, num_stages=INTRA_STAGES, maxnreg=INTRA_MAXNREG)
+        kernel[grid](q, k, g, beta, dAqk, dAkk, dq, dk, dg, dq2, dk2, db_part, dg2, T, H=H, K=K, BT=CHUNK,
+                     BC=INTRA_BC, BK=bk, ACC=acc, DIAG_PRECISION=INTRA_DIAG if acc == tl.float32 else None,
+                     num_warps=INTRA_WARPS, num_stages=INTRA_STAGES, maxnreg=INTRA_MAXNREG, **form)
     return dq2, dk2, db_part.sum(0) + db, dg2
