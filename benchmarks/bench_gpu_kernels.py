@@ -380,8 +380,15 @@ KDA_BWD_LAUNCH = {
             "DVA_BV", "DVA_WARPS", "DVA_STAGES", "DVA_MAXNREG"),
            [(32, 64, 4, 3, None, 32, 4, 3, None), (64, 64, 8, 2, None, 64, 8, 2, None),
             (32, 64, 4, 2, 128, 32, 4, 2, None)]),
-    "intra": (("INTRA_BK", "INTRA_WARPS", "INTRA_STAGES", "INTRA_MAXNREG"),
-              [(32, 4, 3, None), (32, 8, 2, None), (16, 4, 2, None), (32, 4, 2, 128)]),
+    # session 18 timed the walk's other launches (3 stages, 8 warps, BK 16, a 128 cap: 2139-5127 us, none a win);
+    # here the walk with bf16x3 diagonal dots and the sub form's launches (registers and programs an SM: sm_90
+    # compile, benchmarks/sass_kda_bwd.py)
+    "intra": (("INTRA_FORM", "INTRA_BK", "INTRA_WARPS", "INTRA_STAGES", "INTRA_MAXNREG", "INTRA_DIAG", "INTRA_EARLY"),
+              [("walk", 32, 4, 2, None, "bf16x3", False),
+               ("sub", 32, 4, 2, None, "ieee", False), ("sub", 32, 4, 2, None, "bf16x3", False),
+               ("sub", 32, 4, 2, None, "bf16x3", True), ("sub", 32, 2, 2, None, "bf16x3", False),
+               ("sub", 32, 1, 2, None, "bf16x3", False), ("sub", 16, 1, 2, None, "bf16x3", False),
+               ("sub", 16, 1, 2, None, "bf16x3", True), ("sub", 16, 2, 2, None, "bf16x3", True)]),
 }
 
 

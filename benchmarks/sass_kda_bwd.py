@@ -6,7 +6,9 @@ against k3's `_intra_kernel`, at `small`'s training shapes (bf16, H 12, K = V = 
 chunks a row).
 Columns: REG and STACK (spill bytes) a thread, shared memory a program, programs an SM those allow, the launch's
 programs and waves over the 132 SMs, and the SASS's local-memory loads/stores (LDL/STL: the spills' traffic),
-warpgroup MMAs (HGMMA) and warp MMAs (HMMA).
+warpgroup MMAs (HGMMA) and warp MMAs (HMMA), exponentials and other special functions (MUFU), fp32 FMAs (FFMA),
+shared-memory loads (LDS) and barriers (BAR), and all instructions (SASS; static counts: a loop's body once). The
+intra rows: k3's default launch and the others bench_gpu_kernels.py --kda-bwd times (KDA_BWD_LAUNCH).
 
 Run: python benchmarks/sass_kda_bwd.py   (needs triton; no CUDA device; fla from its wheel in .whl/ or installed)
 """
@@ -96,17 +98,35 @@ def rows():
                           SAFE_GATE=True, GATE_SHIFT=5.0 / math.log(2), USE_GATHER=True, USE_GRAPH=False))
     sig = dict(q=bf, k=bf, g=f32, beta=f32, dAqk=f32, dAkk=f32, dq=f32, dk=f32, dg=f32, dq2=f32, dk2=f32,
                db_part=f32, dg2=f32, T="i32")
-    bk, bc, w, st, cap = kb.INTRA_BK, kb.INTRA_BC, kb.INTRA_WARPS, kb.INTRA_STAGES, kb.INTRA_MAXNREG
-    yield ("k3 _intra_kernel", f"BK {bk}, BC {bc}, {st} stages, cap {cap}", w, (K // bk, NT, B * H),
-           compile_kernel(kb._intra_kernel, sig, w, st, cap, H=H, K=K, BT=BT, BC=bc, BK=bk, ACC=tl.float32,
-                          DIAG_PRECISION="ieee"))
+    names, others = intra_launches()
+    default = tuple(getattr(kb, n) for n in names)
+    for values in [default] + [v for v in others if v != default]:
+        c = dict(zip(names, values))
+        form, bk, w, st, cap, bc = (c["INTRA_FORM"], c["INTRA_BK"], c["INTRA_WARPS"], c["INTRA_STAGES"],
+                                    c["INTRA_MAXNREG"], kb.INTRA_BC)
+        sub = form == "sub"
+        fn, grid = (kb._intra_sub_kernel, (K // bk * BT // bc, NT, B * H)) if sub else \
+            (kb._intra_kernel, (K // bk, NT, B * H))
+        early = " early" * c["INTRA_EARLY"] if sub else ""
+        yield (f"k3 {fn.__name__}" + " (default)" * (values == default),
+               f"BK {bk}, BC {bc}, {st} stages, cap {cap}, diag {c['INTRA_DIAG']}{early}", w, grid,
+               compile_kernel(fn, sig, w, st, cap, H=H, K=K, BT=BT, BC=bc, BK=bk, ACC=tl.float32,
+                              DIAG_PRECISION=c["INTRA_DIAG"], **({"EARLY": c["INTRA_EARLY"]} if sub else {})))
+
+
+def intra_launches():
+    """(constant names, other values) of the intra kernel's launches bench_gpu_kernels.py --kda-bwd times."""
+    sys.path.insert(0, HERE)
+    from bench_gpu_kernels import KDA_BWD_LAUNCH
+
+    return KDA_BWD_LAUNCH["intra"]
 
 
 def main():
     print(f"sm_90, bf16, B {B} T {T} H {H} K {K} V {V} chunk {BT}")
     print("| kernel | tiles | warps | REG | STACK | shared bytes | programs an SM | programs | waves | LDL | STL "
-          "| HGMMA | HMMA |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| HGMMA | HMMA | MUFU | FFMA | LDS | BAR | SASS |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, tiles, warps, grid, kernel in rows():
         res = resources(kernel)
         per_sm = min(ctas_per_sm(res["REG"], res["SHARED"], warps), 32)
@@ -117,7 +137,8 @@ def main():
                                              cuobjdump(kernel.asm["cubin"], "-sass"), re.M))
         print(f"| {name} | {tiles} | {warps} | {res['REG']} | {res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | "
               f"{programs} | {programs / (per_sm * SMS):.1f} | {ops['LDL']} | {ops['STL']} | {ops['HGMMA']} | "
-              f"{ops['HMMA']} |", flush=True)
+              f"{ops['HMMA']} | {ops['MUFU']} | {ops['FFMA']} | {ops['LDS']} | {ops['BAR']} | {sum(ops.values())} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ Here the work is split by what it needs:
   dA and db whole: no cross-program sum.
 
 `chunk_kda_bwd_intra` (fla's `chunk_kda_bwd_intra`): the gradients through the chunk's intra-chunk scores Aqk and
-Akk added to dq, dk, db, dg (`_intra_kernel`, one program per (K block, chunk, head); see its docstring).
+Akk added to dq, dk, db, dg: `_intra_kernel` (one program per (K block, chunk, head)) or `_intra_sub_kernel` (one
+per (K block and sub-chunk, chunk, head)), as INTRA_FORM names; see their docstrings.
 
 Each kernel moves its pointers to the program's row and head once (64-bit scalars) and indexes tiles with int32
 offsets: 64-bit offset tiles took ~90 registers a thread in each.
