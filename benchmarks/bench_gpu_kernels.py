@@ -41,8 +41,8 @@ intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
      [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards] [--kda-core] [--kda-bwd] [--residual-add]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
---kda-bwd: only KDA's chunk-backward WY/state and intra-chunk stages, fla's kernels against
-k3.ops._kda_bwd_triton (`kda_bwd_rows`).
+--kda-bwd [wy,intra]: only KDA's chunk-backward WY/state and intra-chunk stages (or those named), fla's kernels
+against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
 --residual-add: only a training mix with the residual add before it, the add in the mix kernel's launch against
 the add separate (K3_NO_RESIDUAL_ADD_FOLD; `residual_add_rows`).
 """
@@ -392,7 +392,7 @@ KDA_BWD_LAUNCH = {
 }
 
 
-def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
+def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda", stages=("wy", "intra")) -> list[dict]:
     """KDA's chunk-backward stages that k3 can take from fla, each alone at `small`'s shapes (12 heads,
     K = V = 128; bf16 q, k, v and states, fp32 gates, beta and gradients as fla passes them): the WY/state stage
     (chunk_kda_bwd_wy_dqkg_fused: dq, dk, dg through the chunk states, dv2, db, dA through the WY form) and the
@@ -415,12 +415,12 @@ def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
     wy[4], wy[5] = wy[4].float(), wy[5].float()
     intra = intra_inputs(B, T, H, K, dtype=torch.float32, device=device, strongest=True)
     intra[0], intra[1] = intra[0].bfloat16(), intra[1].bfloat16()
-    stages = {"wy": ("KDA bwd wy_dqkg stage", wy, lambda: chunk_kda_bwd_wy_dqkg_fused(*wy, scale=K ** -0.5),
-                     lambda: k3_bwd.chunk_kda_bwd_wy_dqkg(*wy, K ** -0.5)),
-              "intra": ("KDA bwd intra stage", intra, lambda: chunk_kda_bwd_intra(*intra, safe_gate=True),
-                        lambda: k3_bwd.chunk_kda_bwd_intra(*intra))}
+    calls = {"wy": ("KDA bwd wy_dqkg stage", wy, lambda: chunk_kda_bwd_wy_dqkg_fused(*wy, scale=K ** -0.5),
+                    lambda: k3_bwd.chunk_kda_bwd_wy_dqkg(*wy, K ** -0.5)),
+             "intra": ("KDA bwd intra stage", intra, lambda: chunk_kda_bwd_intra(*intra, safe_gate=True),
+                       lambda: k3_bwd.chunk_kda_bwd_intra(*intra))}
     rows = []
-    for stage, (op, x, fla_call, k3_call) in stages.items():
+    for stage, (op, x, fla_call, k3_call) in [(s, calls[s]) for s in stages]:
         with envs.override(kda_bwd="fla"):
             ref = fla_call()
         floor_us = sum(t.numel() * t.element_size() for t in [*x, *ref]) / bw * 1e6
@@ -502,8 +502,9 @@ def main():
                     help="only the AttnRes mix and short conv backwards, new against the kernels they replaced")
     ap.add_argument("--kda-core", action="store_true",
                     help="only KDA's core forward + backward, fla recomputing against keeping its intermediates")
-    ap.add_argument("--kda-bwd", action="store_true",
-                    help="only KDA's chunk-backward WY/state and intra stages, fla's kernels against k3's")
+    ap.add_argument("--kda-bwd", nargs="?", const="wy,intra", default="",
+                    help="only KDA's chunk-backward WY/state and intra stages (or a comma list of wy, intra), "
+                         "fla's kernels against k3's")
     ap.add_argument("--residual-add", action="store_true",
                     help="only a training mix with its residual add folded in against the add separate")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
@@ -525,7 +526,7 @@ def main():
         return save("kda_core", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     bw = measure_ceilings()["copy_TBps"] * 1e12
     if a.kda_bwd:
-        rows = kda_bwd_rows(B, T, bw)
+        rows = kda_bwd_rows(B, T, bw, stages=a.kda_bwd.split(","))
         print(f"B={B} T={T}, copy bandwidth {bw / 1e12:.2f} TB/s")
         print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "rel_err"]))
         return save("kda_bwd", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
