@@ -11,6 +11,7 @@ the one read of the sampled ids, so it includes waiting for the device) and the 
 under torch.profiler gives the device's busy time per step kind (kernels' summed time) and its kernel count.
 With --sync-trace, a short pass per variant counts where each step makes the host wait for the device (CUDA's
 sync debug mode: reads of device values, copies from pageable memory, stream syncs), by file and line.
+With --cprofile, a short pass under cProfile lists the prompt-chunk steps' Python time by function.
 With --census, a short pass per variant counts the torch ops each step launches (ops that launch a kernel on a GPU:
 views and allocations left out), by where: the engine around the forward (scheduling, the pool's slot copies and
 zeroing, sampling), the runner's own (the step's layout, logits), the model's (KDA's cores counted apart, as calls:
@@ -20,7 +21,7 @@ tiny widths) makes a CPU pass fast; a count does not depend on widths. Its last 
 forward (no cache) of a full step's tokens, and per step kind it lists the ops launched beyond that forward's
 (what serving adds); `--dtype bfloat16` on a CPU counts the casts the GPU's dtype makes.
 Run: PYTHONPATH=src python benchmarks/profile_serve.py [--preset small --device cuda --streams 64]
-    [--variants ';split_mixed_steps=true'] [--rounds 2] [--profile] [--sync-trace] [--census]
+    [--variants ';split_mixed_steps=true'] [--rounds 2] [--profile] [--sync-trace] [--cprofile] [--census]
 A variant may also set k3.envs switches, e.g. `--variants 'fla_lean=false;fla_lean=true'` (fla's public chunk_kda
 against k3.ops.kda_fla_lean).
 """
@@ -334,6 +335,46 @@ def per_step_kind(rec, prompts, params, streams, measure) -> dict[str, list]:
     return per_kind
 
 
+def short_path(filename: str) -> str:
+    """A frame's file from its package on (k3/serve/runner.py, fla/ops/..., torch/...)."""
+    for mark in ("/k3/", "/site-packages/", "/benchmarks/"):
+        if mark in filename:
+            return filename.split(mark, 1)[1] if mark == "/site-packages/" else mark[1:] + filename.split(mark, 1)[1]
+    return filename
+
+
+def python_profile(rec, prompts, params, streams, rows=30) -> list[dict]:
+    """The prompt-chunk steps' Python time by function (cProfile, one profile a step, those of mixed and prefill
+    steps summed): where the host's time goes between launches, which torch.profiler's with_stack cannot name on
+    every torch. Per step: the functions with the most own time (tottime), then k3's with the most time inside
+(cumtime: which of k3's layers and helpers hold the host), by file:line(function)."""
+    import cProfile
+    import pstats
+
+    @contextlib.contextmanager
+    def profiled():
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            yield prof
+        finally:
+            prof.disable()
+    per_kind = per_step_kind(rec, prompts, params, streams, profiled)
+    chunk = [p for kind, ps in per_kind.items() if is_prompt_chunk(kind) for p in ps]
+    if not chunk:
+        return []
+    stats = pstats.Stats(chunk[0])
+    for p in chunk[1:]:
+        stats.add(p)
+    n = len(chunk)
+    items = stats.stats.items()
+    own = sorted(items, key=lambda kv: -kv[1][2])[:rows]
+    ours = sorted(((k, v) for k, v in items if short_path(k[0]).startswith("k3/")), key=lambda kv: -kv[1][3])[:rows]
+    return [dict(order=order, function=f"{short_path(file)}:{line}({fn})"[-90:], own_us=tot / n * 1e6,
+                 cum_us=cum / n * 1e6, calls=calls / n)
+            for order, part in (("own", own), ("k3 cum", ours)) for (file, line, fn), (_, calls, tot, cum, _) in part]
+
+
 def sync_trace(rec, prompts, params, streams) -> list[dict]:
     """Host waits per step kind over a short pass: steps, waits per step (median, max) and the commonest sites."""
     per_kind = per_step_kind(rec, prompts, params, streams, device_waits)
@@ -491,6 +532,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also the pass under torch.profiler (first variant)")
     ap.add_argument("--sync-trace", action="store_true", help="also a short pass per variant counting the host's "
                     "waits for the device per step, by site (CUDA only)")
+    ap.add_argument("--cprofile", action="store_true", help="also a short pass (first variant) with cProfile "
+                    "on: the prompt-chunk steps' Python time by function, per step")
     ap.add_argument("--census", action="store_true", help="also a short pass per variant counting each step's "
                     "kernel-launching torch ops by where they launch (any device)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -555,6 +598,13 @@ def main():
                 row["device"] = device_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
             print("\n== under torch.profiler (slower host): per step, kernels' summed device time and count")
             print(table(row["device"], ["kind", "steps", "wall_ms", "kernel_ms", "kernels", "idle_share"]), flush=True)
+        if a.cprofile and len(res["variants"]) == 1:
+            rec.steps.clear()
+            with torch.inference_mode():
+                short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
+                row["python"] = python_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
+            print("\n== prompt-chunk steps under cProfile (slower host): Python time per step by function")
+            print(table(row["python"], ["order", "function", "own_us", "cum_us", "calls"]), flush=True)
         if a.sync_trace and dev.type == "cuda" and round_ == a.rounds - 1:
             rec.steps.clear()
             with torch.inference_mode():

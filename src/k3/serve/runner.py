@@ -35,14 +35,19 @@ class PromptScores:
 
 
 def token_slots(seqs: list[Sequence], lens: list[int], block_size: int) -> list[int]:
-    """The pool slot (block · block_size + offset) of each new token of the step, sequence after sequence: one
-    range per block a chunk touches, flattened at C speed (a loop over tokens cost ~2 ms a 8,192-token step)."""
+    """The pool slot (block · block_size + offset) of each new token of the step, sequence after sequence."""
+    return span_slots([(s.block_table, s.num_computed, s.num_computed + n) for s, n in zip(seqs, lens)], block_size)
+
+
+def span_slots(spans: list[tuple[list[int], int, int]], block_size: int) -> list[int]:
+    """The pool slots of positions [start, end) of each (block table, start, end), span after span: one range per
+    block a span touches, flattened at C speed (a loop over tokens cost ~2 ms a 8,192-token step; torch's CPU ops
+    on small index tensors cost up to ~0.6 ms each on the H200's host)."""
     runs = []
-    for s, n in zip(seqs, lens):
-        p, end = s.num_computed, s.num_computed + n
+    for table, p, end in spans:
         while p < end:
             b, off = divmod(p, block_size)
-            base = s.block_table[b] * block_size
+            base = table[b] * block_size
             stop = min(end - p, block_size - off)
             runs.append(range(base + off, base + off + stop))
             p += stop
@@ -60,11 +65,13 @@ class PagedBatchView(BatchCacheView):
         bs = pool.block_size
         width = max(len(s.block_table) for s in seqs)
         tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
-        self.slots, tables_t, self.slot_mapping = self.upload(
-            [[s.slot for s in seqs], tables, token_slots(seqs, lens, bs)], dev)
+        # one copy: the rows' slots, block tables, new tokens' pool slots and every prefill row's context slots
+        # (row after row, as `mla_prefill_context` packs them)
+        context = span_slots([(seqs[r].block_table, 0, self.kv_lens[r]) for r in self.prefill_rows], bs)
+        self.slots, tables_t, self.slot_mapping, context_t = self.upload(
+            [[s.slot for s in seqs], tables, token_slots(seqs, lens, bs), context], dev)
         self.block_tables = tables_t.view(len(seqs), width)
-        self.prefill_context_slots = self.send(self._prefill_context_slots(
-            torch.tensor(tables, dtype=torch.long).view(len(seqs), width)), dev) if self.prefill_rows else None
+        self.prefill_context_slots = context_t if self.prefill_rows else None
 
     def kda_state(self, layer_idx: int) -> KDAState:
         # a layer's short convs and its core both read it: gathered once, until the layer writes its state back
@@ -108,16 +115,6 @@ class PagedBatchView(BatchCacheView):
         kv = self.pool.kv[layer_idx]
         ctx = kv.view(-1, kv.shape[-1])[self.prefill_context_slots]  # [C, R + rope]
         return ctx.split([self.pool.latent_dim, kv.shape[-1] - self.pool.latent_dim], -1)
-
-    def _prefill_context_slots(self, tables: torch.Tensor) -> torch.Tensor:
-        """The pool slots of every prefill row's context positions, row after row (as `mla_prefill_context` packs
-        them), from the host block tables [S, width]: a few vector ops on the host, not a loop over tokens."""
-        rows = torch.tensor(self.prefill_rows)
-        lens = torch.tensor([self.kv_lens[r] for r in self.prefill_rows])
-        row = torch.repeat_interleave(torch.arange(rows.numel()), lens)
-        pos = torch.arange(row.numel()) - (lens.cumsum(0) - lens)[row]
-        bs = self.pool.block_size
-        return tables[rows[row], pos // bs] * bs + pos % bs
 
 
 class DecodeGraphView(PagedBatchView):
