@@ -197,12 +197,14 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
 #   changes of four warps sharing [16, 32] tiles); each sub-chunk also forms two [64, BK] factor tiles (exp2 of
 #   the whole chunk, masked), 4x the exponentials and dot work the pairs of sub-chunks need.
 # - "sub" (`_intra_sub_kernel`): a program per (K block and sub-chunk, chunk, head), as fla's grid, that visits
-#   only the sub-chunk pairs it needs: a [BC, BK] factor tile a pair, BC x BC dots.
+#   only the sub-chunk pairs it needs: a [BC, BK] factor tile a pair, BC x BC dots. The default: on the H200
+#   (session 19, bench_gpu_kernels.py --kda-bwd intra, 8x4096) 1383 us at BK 32, one warp, bf16x3 diagonals,
+#   against fla's 1432 and the walk's 2163 (ieee) and the sub form's 1846 at 4 warps, 1443 at 2.
 # INTRA_EARLY ("sub" only): read the given dq, dk, dg before the sums (more bytes in flight, more registers).
 # INTRA_DIAG: the diagonal blocks' dot precision for fp32 ("ieee": fp32 FMAs; "bf16x3" as fla on Triton >= 3.6:
 # three bf16 tensor-core products, ~16 mantissa bits; "tf32x3" likewise).
 INTRA_FORM, INTRA_BC, INTRA_BK, INTRA_WARPS, INTRA_STAGES, INTRA_MAXNREG, INTRA_DIAG, INTRA_EARLY = \
-    "walk", 16, 32, 4, 2, None, "ieee", False
+    "sub", 16, 32, 1, 2, None, "bf16x3", False
 
 
 @triton.jit
