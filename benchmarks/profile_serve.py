@@ -532,7 +532,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also the pass under torch.profiler (first variant)")
     ap.add_argument("--sync-trace", action="store_true", help="also a short pass per variant counting the host's "
                     "waits for the device per step, by site (CUDA only)")
-    ap.add_argument("--cprofile", action="store_true", help="also a short pass (first variant) with cProfile "
+    ap.add_argument("--cprofile", action="store_true", help="also a short pass per variant (last round) with cProfile "
                     "on: the prompt-chunk steps' Python time by function, per step")
     ap.add_argument("--census", action="store_true", help="also a short pass per variant counting each step's "
                     "kernel-launching torch ops by where they launch (any device)")
@@ -598,7 +598,7 @@ def main():
                 row["device"] = device_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
             print("\n== under torch.profiler (slower host): per step, kernels' summed device time and count")
             print(table(row["device"], ["kind", "steps", "wall_ms", "kernel_ms", "kernels", "idle_share"]), flush=True)
-        if a.cprofile and len(res["variants"]) == 1:
+        if a.cprofile and round_ == a.rounds - 1:
             rec.steps.clear()
             with torch.inference_mode():
                 short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)

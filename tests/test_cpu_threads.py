@@ -117,6 +117,14 @@ result["governed"] = [governor.active, governor.update()]
 """
 
 
+# a GPU-serving process: the k3 command's policy first, then the engine's (cuda) call
+ACCELERATOR = """
+first = cpu_threads.configure_torch_threads().threads
+policy = cpu_threads.configure_torch_threads(accelerator=True)
+result = {"first": first, "mode": policy.mode, "threads": torch.get_num_threads()}
+"""
+
+
 @pytest.fixture(scope="module")
 def policies() -> dict:
     """The policy tests' fresh processes, started together: the policy reads no load at start (only the
@@ -125,6 +133,8 @@ def policies() -> dict:
     fails on) its own process's outcome."""
     procs = {json.dumps(case.values[0]): _start(POLICY, case.values[0]) for case in POLICY_CASES}
     procs["caller"] = _start(CALLER)
+    procs["accelerator"] = _start(ACCELERATOR)
+    procs["accelerator fixed"] = _start(ACCELERATOR, {"K3_CPU_THREADS": "2"})
     if len(CPUS) >= 2:
         procs["affinity"] = _start(AFFINITY)
     return {key: _finish(proc) for key, proc in procs.items()}
@@ -139,6 +149,12 @@ def test_policy_in_a_fresh_process(env, mode, threads, wait, policies):
 def test_thread_count_follows_the_affinity_set_after_start(policies):
     got = _result(policies["affinity"])
     assert got["mode"] == "auto" and got["threads"] == 1
+
+
+def test_a_process_driving_a_gpu_runs_torch_on_one_cpu_thread_unless_the_user_fixed_it(policies):
+    """Its CPU ops are small index lists, where OpenMP regions cost thread wake-ups (k3.cpu_threads)."""
+    assert _result(policies["accelerator"]) == {"first": len(CPUS), "mode": "auto", "threads": 1}
+    assert _result(policies["accelerator fixed"]) == {"first": 2, "mode": "fixed", "threads": 2}
 
 
 def test_a_thread_count_set_by_the_caller_is_kept(policies):

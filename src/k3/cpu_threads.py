@@ -122,8 +122,13 @@ def _user_thread_count(environ) -> int | None:
     return None
 
 
-def configure_torch_threads(environ=None) -> ThreadPolicy:
-    """Give torch the thread count of k3's policy (see the module docstring) and say which policy applies."""
+def configure_torch_threads(environ=None, accelerator: bool = False) -> ThreadPolicy:
+    """Give torch the thread count of k3's policy (see the module docstring) and say which policy applies.
+
+    accelerator: the process drives a GPU (an engine serving from one), so its CPU ops are the host's small
+    index and list work, where OpenMP only wakes threads: "auto" gives torch one thread there. (A 16-element
+    CPU `repeat_interleave` cost ~640 us at the pool's threads against ~15 us at one, measured in a serving step's
+    layout code; vLLM's GPU workers run with OMP_NUM_THREADS=1 for the same reason.)"""
     import torch
 
     global _k3_set_threads
@@ -142,8 +147,9 @@ def configure_torch_threads(environ=None) -> ThreadPolicy:
     # any count other than torch's start-up default or k3's own was set by the caller
     if current != _k3_set_threads and current != _startup_cpus:
         return ThreadPolicy("caller", current, available)
-    _set_threads(available)
-    return ThreadPolicy("auto", available, available)
+    threads = 1 if accelerator else available
+    _set_threads(threads)
+    return ThreadPolicy("auto", threads, available)
 
 
 def _set_threads(n: int) -> None:

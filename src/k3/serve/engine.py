@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from k3.cpu_threads import configure_torch_threads
 from k3.model.cache import BatchCacheView
 from k3.ops.mx_experts import use_decode_layout_, wants_decode_layout
 from k3.serve.block_pool import CachePool, plan_capacity
@@ -100,6 +101,8 @@ class LLMEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         param = next(model.parameters())
+        if param.device.type == "cuda":  # the host's work is small index lists: no OpenMP wake-ups (cpu_threads)
+            configure_torch_threads(accelerator=True)
         slots = config.num_state_slots or 2 * config.max_num_seqs
         tp = getattr(model, "tensor_parallel_size", 1)  # a TP rank's KDA slots hold its heads only
         self.capacity = plan_capacity(model.config, config.memory_bytes, config.block_size, slots, param.dtype,
