@@ -6,12 +6,15 @@ be captured in a CUDA graph), and `BatchCacheView` maps sequences of different l
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
 
 from k3.ops.varlen_attention import VarlenSegments
+
+_TYPECODES = {torch.long: "q", torch.int32: "i", torch.float32: "f"}  # array.array's, for BatchCacheView.upload
 
 
 def kda_local_heads(config, tp: int = 1) -> int:
@@ -233,9 +236,12 @@ class BatchCacheView:
         """Tensors of `dtype` (int64 by default) on `device` holding the given host lists, sent in one copy. On
         CUDA it leaves from pinned memory without blocking: a plain copy from pageable memory waits for every
         queued kernel."""
-        pinned = torch.device(device).type == "cuda"
-        # (chain flattens at C speed: an eager step's lists hold a value per token, 8,192 at full steps)
-        flat = torch.tensor(list(chain.from_iterable(lists)), dtype=dtype, pin_memory=pinned)
+        # an eager step's lists hold a value per token (8,192 at full steps) and per context position: chain
+        # flattens at C speed and array.array packs ~3x faster than torch.tensor(list) (130 us for 2,048 ints)
+        buf = array.array(_TYPECODES[dtype], chain.from_iterable(lists))
+        flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+        if torch.device(device).type == "cuda":
+            flat = flat.pin_memory()
         return list(flat.to(device, non_blocking=True).split([len(xs) for xs in lists]))
 
     @staticmethod
