@@ -160,15 +160,27 @@ def test_cuda_pieces_replay_equal_plain_engine(model):
             assert a["ids"] == b["ids"] == reference(model, p, params.max_tokens)
 
 
+def test_the_default_is_on_where_decode_graphs_run_and_off_on_a_cpu(model):
+    """EngineConfig.prefill_graphs None: the pieces on CUDA (a model graphs allow), none on a CPU (where they would
+    only pad each step to its bucket)."""
+    cfg = dict(memory_bytes=16 << 20, block_size=16, match_unit=4, max_batch_tokens=24, max_num_seqs=8)
+    assert EngineConfig().prefill_graphs is None
+    assert LLMEngine(model, None, EngineConfig(**cfg)).runner.prefill_graphs is None
+    if torch.cuda.is_available():
+        cuda = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
+        assert LLMEngine(cuda, None, EngineConfig(**cfg)).runner.prefill_graphs is not None
+        assert LLMEngine(cuda, None, EngineConfig(**cfg, prefill_graphs=False)).runner.prefill_graphs is None
+
+
 def test_cli_flag_reaches_the_engine_and_distributed_serving_refuses_it():
     """`--prefill-graphs` sets EngineConfig.prefill_graphs for `k3 serve` and `k3 bench serve`; serving over
     several ranks refuses it by name before starting any rank (its pieces would capture collectives)."""
     from k3.cli import _engine_config, build_parser
     from k3.serve.distributed import serve_from_cli
     for argv in (["serve", "--model", "m"], ["bench", "serve"]):
-        assert not _engine_config(build_parser().parse_args(argv)).prefill_graphs
-        a = build_parser().parse_args(argv + ["--prefill-graphs"])
-        assert _engine_config(a).prefill_graphs
+        assert _engine_config(build_parser().parse_args(argv)).prefill_graphs is None  # the engine's default
+        assert _engine_config(build_parser().parse_args(argv + ["--prefill-graphs"])).prefill_graphs is True
+        assert _engine_config(build_parser().parse_args(argv + ["--no-prefill-graphs"])).prefill_graphs is False
     a = build_parser().parse_args(["serve", "--model", "m", "--nproc", "2", "--prefill-graphs"])
     with pytest.raises(ValueError, match="--prefill-graphs"):
         serve_from_cli(a, _engine_config(a), None)

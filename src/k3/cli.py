@@ -660,9 +660,9 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
     p.add_argument("--async-output", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each decode step before reading the previous one back (host work overlaps the device; "
                         "on by default, --no-async-output reads every step back before the next launches)")
-    p.add_argument("--prefill-graphs", action="store_true",
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run prompt-chunk steps through piecewise CUDA graphs (one per token bucket, broken at the "
-                        "mixers' cores)")
+                        "mixers' cores; default: on CUDA from one process)")
 
 
 def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -277,6 +277,8 @@ def build_rank_engine(model_dir, layout: ServeLayout, engine_config: EngineConfi
     model = load_rank_model(d, layout.rank_layout(rank), device=device, ep_group=groups.ep, tp_group=groups.tp,
                             replicas=layout.replicas)
     engine_config = fit_engine_config(config, engine_config)
+    if engine_config.prefill_graphs is None:  # one process's default only (see serve_from_cli)
+        engine_config = replace(engine_config, prefill_graphs=False)
     if wants_decode_layout(device, engine_config.decode_layout):  # before the engine: its biases agree over EP
         use_decode_layout_(model, groups.ep)
     engine = DistributedEngine(model, model_tokenizer(d), engine_config, Lockstep(groups))

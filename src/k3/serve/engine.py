@@ -42,9 +42,10 @@ class EngineConfig:
     # default: at 64 streams on an H200 it doubled the engine's output tok/s (4,488 -> 9,614, issue 21).
     async_output: bool = True
     # steps that feed prompt chunks (their decodes too, unless split off) through piecewise CUDA graphs, one per
-    # token bucket, broken at the mixers' cores (k3.serve.prefill_graphs). Off by default until timed on a GPU
-    # (issue 21: a 2,048-token eager step spent 115-170 ms launching on the H200 host, its kernels ~45-70 ms).
-    prefill_graphs: bool = False
+    # token bucket, broken at the mixers' cores (k3.serve.prefill_graphs). Default: on CUDA where the model allows
+    # graphs, from one process (a distributed engine's pieces would capture collectives: not yet tried). On an
+    # H200 at 64 streams a 2,048-token step took 56 ms eager (host-bound) and 22 ms through them (issue 21).
+    prefill_graphs: bool | None = None
     # packed MXFP4 experts in the GPU kernels' decode layout, rearranged once at load (default: on CUDA where the
     # kernels run; True forces it, e.g. on the CPU for tests; checkpoints saved from the model stay released)
     decode_layout: bool | None = None

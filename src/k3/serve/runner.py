@@ -220,14 +220,15 @@ class DecodeGraphs:
 
 class ModelRunner:
     def __init__(self, model, pool: CachePool, decode_graphs: bool | None = None, max_num_seqs: int = 64,
-                 vocab: int | None = None, split_mixed: bool = False, prefill_graphs: bool = False,
+                 vocab: int | None = None, split_mixed: bool = False, prefill_graphs: bool | None = False,
                  max_batch_tokens: int = 8192):
         """decode_graphs: replay decode-only steps from CUDA graphs (default: on CUDA). On CPU, True runs the
         same fixed-shape decode step eagerly (for tests). vocab: the ids prompt logprobs range over (the
         engine's sampling vocabulary; default the model's). split_mixed: with graphs, a step that mixes decodes
         with prefill chunks replays the decodes' graph and runs only the chunks eagerly (see `_run`).
         prefill_graphs: the other steps (up to max_batch_tokens tokens) through piecewise CUDA graphs broken at
-        the mixers' cores (k3.serve.prefill_graphs; on CPU the same pieces and breaks run eagerly)."""
+        the mixers' cores (k3.serve.prefill_graphs; None: on CUDA where the model allows; True on CPU runs the
+        same pieces and breaks eagerly)."""
         self.model, self.pool, self.split_mixed = model, pool, split_mixed
         self.vocab = vocab or model.config.vocab_size
         self.device = next(model.parameters()).device
@@ -236,7 +237,7 @@ class ModelRunner:
         use = wants_graphs(model, self.device, decode_graphs)
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
         self.prefill_graphs = (PrefillGraphs(model, max_batch_tokens, self.device, capture=on_cuda)
-                               if prefill_graphs and wants_graphs(model, self.device, True) else None)
+                               if wants_graphs(model, self.device, prefill_graphs) else None)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int],
