@@ -228,6 +228,26 @@ def host_table(evs, spans, marks, rows=14):
             self_us.most_common(rows)]
 
 
+def kernel_launchers(evs, spans, marks, kernels, top=2) -> None:
+    """For each kernel named, the ops that launched it in prompt-chunk steps (their input shapes and the k3 line
+    that called them), by device time: which call a cuBLAS or elementwise kernel of the top list comes from."""
+    starts = [a for a, _ in spans]
+    by = collections.defaultdict(collections.Counter)
+    for e in evs:
+        if e.device_type == torch.autograd.DeviceType.CUDA or not e.kernels:
+            continue
+        j = step_of(e.time_range.start, starts)
+        if j < 0 or j >= len(marks) or not is_prompt_chunk(marks[j]):
+            continue
+        for k in e.kernels:
+            if k.name in kernels:
+                by[k.name][f"{e.name} {e.input_shapes} @ {calling_line(e)[-60:]}"] += k.duration
+    print("== prompt-chunk steps: who launched the top kernels (device us over the pass)", flush=True)
+    for name in dict.fromkeys(kernels):
+        for who, us in by[name].most_common(top):
+            print(f"  {name[:50]:50s} {us:9.0f} us  {who[:200]}")
+
+
 def device_profile(rec, prompts, params, streams) -> list[dict]:
     """Kernels per step kind under torch.profiler: summed kernel time, count, and the step's wall; and the host
     table of prompt-chunk steps (see host_table). On a CPU the kernel columns are empty; the host table holds."""
@@ -243,7 +263,7 @@ def device_profile(rec, prompts, params, streams) -> list[dict]:
         return outs
     rec.step = marked_step
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts, with_stack=True) as prof:
+    with profile(activities=acts, with_stack=True, record_shapes=True) as prof:
         drive(rec, prompts, params, streams)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -274,6 +294,7 @@ def device_profile(rec, prompts, params, streams) -> list[dict]:
             n = marks.count(kind)
             print(f"== {kind}: top kernels, device us per step: " + "; ".join(
                 f"{name[:60]} {us / n:.0f}" for name, us in c.most_common(15)), flush=True)
+    kernel_launchers(evs, spans, marks, [name for c in named.values() for name, _ in c.most_common(8)])
     by = collections.defaultdict(list)
     for (a, b), (busy, n), kind in zip(spans, per, marks):
         by[kind].append(((b - a) / 1e3, busy / 1e3, n))
