@@ -200,7 +200,7 @@ def test_dispatch_takes_the_op_and_compiles_as_one_call():
         eager = selected_experts_situ_mlp(z, idx, wt, w1, w3, w2)
         compiled = torch.compile(selected_experts_situ_mlp, backend=recording_backend(ops), fullgraph=True)
         got = compiled(z, idx, wt, w1, w3, w2)
-    assert [op for op in ops if "k3." in op] == ["k3.moe_expert_major.default"], ops
+    assert [op.removesuffix(".default") for op in ops if "k3." in op] == ["k3.moe_expert_major"], ops
     assert rel_err(eager, want) < 1e-5 and torch.equal(got, eager)
 
 

@@ -112,12 +112,64 @@ def test_dispatch_falls_back_to_the_reference_where_the_kernels_do_not_run(monke
     reference too, even where the kernels run."""
     monkeypatch.setattr(slot_sum, "use_triton", lambda t, name: name == "_slot_sum_triton")
     taken = []
-    monkeypatch.setattr(slot_sum._SlotSum, "apply", lambda *a: taken.append(1) or slot_sum.slot_sum_reference(*a))
+    monkeypatch.setattr(slot_sum, "_slot_sum_kernels", lambda *a: taken.append(1) or slot_sum.slot_sum_reference(*a))
     y, slot, w, _ = case(10, 4, 2, 8, torch.float32)
     slot_sum.slot_sum(y, slot, w)
     slot_sum.slot_sum(y[:6].requires_grad_(), slot % 6, w)  # 8 slots over 6 rows, y needs a gradient
     slot_sum.slot_sum(y[:6], slot % 6, w)  # no gradient: any rows may be read
     assert taken == [1, 1]
+
+
+@pytest.mark.parametrize("entry", ["slot_sum", "combine_rows"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no_input_needs_grad"])
+def test_without_gradients_the_forward_kernel_runs_alone(monkeypatch, entry, mode):
+    """No input needing a gradient (or grad mode off): the forward kernel alone, not `_SlotSum.apply` (its host
+    cost, issue 21): no autograd node on the output, and the value is the reference's."""
+    monkeypatch.setattr(slot_sum, "use_triton", lambda t, name: name == "_slot_sum_triton")
+    monkeypatch.setattr(slot_sum._SlotSum, "apply", lambda *a: pytest.fail("went through _SlotSum.apply"))
+    runs = []
+    forward = _slot_sum_triton.slot_sum_forward
+    monkeypatch.setattr(_slot_sum_triton, "slot_sum_forward", lambda *a: runs.append(1) or forward(*a))
+    y, slot, w, _ = case(11, 9, 4, 40, torch.float32)
+    if mode != "no_input_needs_grad":
+        y, w = y.requires_grad_(), w.requires_grad_()
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "no_input_needs_grad": torch.enable_grad}[mode]
+    with context():
+        out = call_entry(entry, y, slot, w)
+    assert runs == [1] and out.grad_fn is None and not out.requires_grad
+    torch.testing.assert_close(out, slot_sum.slot_sum_reference(y.detach(), slot, w.detach()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("entry", ["slot_sum", "combine_rows"])
+@pytest.mark.parametrize("needs", ["y", "w", "both"])
+def test_with_gradients_the_kernels_go_through_autograd(monkeypatch, entry, needs):
+    """Where y or w needs a gradient (grad mode on), `_SlotSum` records the node: the output, ∂L/∂y and ∂L/∂w
+    equal the float64 reference's."""
+    monkeypatch.setattr(slot_sum, "use_triton", lambda t, name: name == "_slot_sum_triton")
+    calls, apply = [], slot_sum._SlotSum.apply
+    monkeypatch.setattr(slot_sum._SlotSum, "apply", lambda *a: calls.append(1) or apply(*a))
+    y, slot, w, dout = case(12, 7, 3, 50, torch.float32)
+    leaves = {"y": [y], "w": [w], "both": [y, w]}[needs]
+    got_in = [t.detach().clone().requires_grad_(any(t is l for l in leaves)) for t in (y, w)]
+    out = call_entry(entry, got_in[0], slot, got_in[1])
+    assert calls == [1] and out.grad_fn is not None
+    got = torch.autograd.grad(out, [t for t in got_in if t.requires_grad], dout)
+    want_in = [t.detach().double().requires_grad_(any(t is l for l in leaves)) for t in (y, w)]
+    want_out = slot_sum.slot_sum_reference(want_in[0], slot, want_in[1])
+    want = torch.autograd.grad(want_out, [t for t in want_in if t.requires_grad], dout.double())
+    torch.testing.assert_close(out.detach().double(), want_out.detach(), rtol=1e-5, atol=1e-5)
+    assert len(got) == len(want) == len(leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+def call_entry(entry, y, slot, w):
+    """`slot_sum(y, slot, w)`, or the MoE's `combine_rows` on the same sum (slot flattened, with its inverse)."""
+    if entry == "slot_sum":
+        return slot_sum.slot_sum(y, slot, w)
+    flat = slot.flatten()
+    return slot_sum.combine_rows(y, w, flat, torch.argsort(flat))
 
 
 @pytest.mark.parametrize("kernel,consts", [
@@ -149,8 +201,8 @@ def test_moe_layer_with_the_kernels_equals_its_torch_path(monkeypatch, seed):
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(2, 9, moe.gate.weight.shape[1], device=DEVICE)
-    calls, apply = [], slot_sum._SlotSum.apply
-    monkeypatch.setattr(slot_sum._SlotSum, "apply", lambda *a: calls.append(a[2] is None) or apply(*a))
+    calls, kernels = [], slot_sum._slot_sum_kernels
+    monkeypatch.setattr(slot_sum, "_slot_sum_kernels", lambda *a: calls.append(a[2] is None) or kernels(*a))
 
     def grads(kernels):
         monkeypatch.setattr(slot_sum, "use_triton", lambda t, name: kernels and name == "_slot_sum_triton")

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from k3.ops._attn_res_triton import NUM_WARPS, _blocks, _mix_fwd_kernel
-from k3.ops.triton_dispatch import on_device
+from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
 
 def score_weight(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -27,15 +27,16 @@ def mix_norm_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tupl
                      uw: torch.Tensor | None = None):
     """(RMSNorm(mix(sources with the last one plus `add`)), that last source plus `add`, or None without add).
     u, w: the mix's key-norm weight [D] and pseudo-query [1, D], or `uw`: `score_weight(u, w)` made beforehand;
-    sources, add: contiguous [..., D], one dtype. Launches through the custom op `k3::attn_res_mix_norm`."""
+    sources, add: contiguous [..., D], one dtype. Launches through the custom op `k3::attn_res_mix_norm` (inside
+    torch.compile; its function directly elsewhere: k3.ops.triton_dispatch.call_op)."""
     uw = score_weight(u, w) if uw is None else uw
-    outs = torch.ops.k3.attn_res_mix_norm(uw, float(eps), list(sources), norm_weight, float(norm_eps), add)
+    outs = call_op("attn_res_mix_norm", uw, float(eps), list(sources), norm_weight, float(norm_eps), add)
     return outs[0], (outs[1] if add is not None else None)
 
 
 # A custom op so that torch.compile keeps the launch as one opaque call (inference only: no autograd formula).
 # It returns [y] without add and [y, p + add] with it (an op's outputs cannot be None).
-@torch.library.custom_op("k3::attn_res_mix_norm", mutates_args=())
+@inference_op("attn_res_mix_norm")
 def _mix_norm_op(uw: torch.Tensor, eps: float, sources: list[torch.Tensor],
                  norm_weight: torch.Tensor, norm_eps: float, add: torch.Tensor | None) -> list[torch.Tensor]:
     D = sources[0].shape[-1]

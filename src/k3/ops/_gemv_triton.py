@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from k3.ops._situ_triton import _sigmoid, _tanh
-from k3.ops.triton_dispatch import on_device, sm_count
+from k3.ops.triton_dispatch import inference_op, on_device, sm_count
 
 # Rows from which 16-bit weights go through tl.dot (x padded to 16 rows); below it the FMA units. A first guess.
 DOT_MIN_ROWS = 4
@@ -245,7 +245,7 @@ def pair_plan(M: int, N: int, KA: int, KB: int, dtype: torch.dtype, sms: int) ->
     return out
 
 
-@torch.library.custom_op("k3::decode_gemv", mutates_args=())
+@inference_op("decode_gemv")
 def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                 norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, glu_up: torch.Tensor | None = None,
                 beta_gate: float = 0.0, beta_up: float = 0.0, out_gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,7 +292,7 @@ def _(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=None, be
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-@torch.library.custom_op("k3::decode_gemv_pair", mutates_args=())
+@inference_op("decode_gemv_pair")
 def decode_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, glu_up: torch.Tensor | None, beta_gate: float,
                      beta_up: float, b: torch.Tensor, weight_b: torch.Tensor, norm_weight: torch.Tensor | None,
                      norm_eps: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_dispatch import on_device
+from k3.ops.triton_dispatch import inference_op, on_device
 
 MAX_HEAD_DIM = 128  # q, k, the gate and [K, TILE_V] state tiles are held whole along K; wider heads: unfused
 
@@ -134,7 +134,7 @@ _TILE_V = 32
 _NUM_WARPS = 8
 
 
-@torch.library.custom_op("k3::kda_decode_step", mutates_args=("state", "conv_q", "conv_k", "conv_v"))
+@inference_op("kda_decode_step", mutates_args=("state", "conv_q", "conv_k", "conv_v"))
 def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: torch.Tensor,
                     beta_logits: torch.Tensor, gate: torch.Tensor,
                     wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, f_b: torch.Tensor,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_dispatch import on_device, sm_count
+from k3.ops.triton_dispatch import call_op, inference_op, on_device, sm_count
 
 
 @triton.jit
@@ -130,14 +130,15 @@ def static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k
                             tickets: torch.Tensor, norm_weight: torch.Tensor | None = None,
                             norm_eps: float = 0.0) -> torch.Tensor:
     """k3.ops.mla_static_decode.static_decode_attention_reference's contract, through the custom op
-    `k3::mla_static_decode` (inputs checked by the caller, k3.ops.mla_static_decode.static_decode_attention)."""
-    return torch.ops.k3.mla_static_decode(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length,
-                                          float(scale), tickets, norm_weight, float(norm_eps))
+    `k3::mla_static_decode` (inside torch.compile; its function directly elsewhere: k3.ops.triton_dispatch.call_op);
+    inputs checked by the caller, k3.ops.mla_static_decode.static_decode_attention."""
+    return call_op("mla_static_decode", q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length,
+                   float(scale), tickets, norm_weight, float(norm_eps))
 
 
 # A custom op so that torch.compile keeps the launch as one opaque call. The cache buffers are written (the new
 # token), and the workspace is declared written too: the kernel's atomics do write it, though they leave it zero.
-@torch.library.custom_op("k3::mla_static_decode", mutates_args=("cache_latent", "cache_k_rope", "tickets"))
+@inference_op("mla_static_decode", mutates_args=("cache_latent", "cache_k_rope", "tickets"))
 def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                       cache_latent: torch.Tensor, cache_k_rope: torch.Tensor, length: torch.Tensor, scale: float,
                       tickets: torch.Tensor, norm_weight: torch.Tensor | None = None,

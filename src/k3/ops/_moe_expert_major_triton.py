@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from k3.ops._situ_triton import _sigmoid, _tanh
-from k3.ops.triton_dispatch import on_device
+from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
 # Launch shapes (names so a sweep can time others). Untimed first guesses: 64-row weight tiles (≥ 8 programs an
 # expert at small's widths: 512 and 768 programs a launch), scan: routing ids read a step of the scan (256 spills
@@ -135,12 +135,18 @@ def _combine_kernel(y_ptr, idx_ptr, wt_ptr, out_ptr, E, L, TOP_K: tl.constexpr, 
     tl.store(out_ptr + n.to(tl.int64) * L + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < L)
 
 
-# A custom op so that torch.compile and CUDA graphs keep the three launches as one call (inference only).
-@torch.library.custom_op("k3::moe_expert_major", mutates_args=())
 def expert_major_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
                           w3: torch.Tensor, w2: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
     """Same contract as k3.ops.moe_decode.selected_experts_situ_mlp_reference (z: [N, L], idx/weights: [N, k];
-    w1, w2, w3 in z's dtype; inputs checked by the caller)."""
+    w1, w2, w3 in z's dtype; inputs checked by the caller). The custom op `k3::moe_expert_major` inside
+    torch.compile, its function directly elsewhere (k3.ops.triton_dispatch.call_op)."""
+    return call_op("moe_expert_major", z, idx, weights, w1, w3, w2, float(beta_gate), float(beta_up))
+
+
+# A custom op so that torch.compile keeps the three launches as one call (inference only).
+@inference_op("moe_expert_major")
+def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                     w3: torch.Tensor, w2: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
     N, k = idx.shape
     E, I, L = w1.shape
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
@@ -166,6 +172,6 @@ def expert_major_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Ten
     return out
 
 
-@expert_major_situ_mlp.register_fake
+@_expert_major_op.register_fake
 def _(z, idx, weights, w1, w3, w2, beta_gate, beta_up):
     return z.new_empty(idx.shape[0], w1.shape[2])

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_dispatch import on_device
+from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
 
 @triton.jit
@@ -71,7 +71,8 @@ LAUNCH = dict(block_e=8, block_d=512, num_warps=4)
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
                  scale: float, tickets: torch.Tensor | None = None):
     """Same contract as k3.ops.router.route_tokens: (idx [N, k] int64, weights [N, k] fp32, scores [N, E] fp32).
-    Checks its inputs, then launches through the custom op `k3::route_tokens_decode`."""
+    Checks its inputs, then launches through the custom op `k3::route_tokens_decode` (inside torch.compile; its
+    function directly elsewhere: k3.ops.triton_dispatch.call_op)."""
     N, D = x.shape
     E = weight.shape[0]
     if not 1 <= k <= E:
@@ -81,14 +82,14 @@ def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: i
     elif tickets.dtype != torch.int32 or tickets.numel() < N or tickets.device != x.device:
         raise ValueError(f"tickets must be int32 zeros on {x.device} with at least {N} entries, got "
                          f"{tickets.dtype} [{tickets.numel()}] on {tickets.device}")
-    return tuple(torch.ops.k3.route_tokens_decode(x.contiguous(), weight.contiguous(), bias.contiguous(), tickets, k,
-                                                  renormalize, float(scale)))
+    return tuple(call_op("route_tokens_decode", x.contiguous(), weight.contiguous(), bias.contiguous(), tickets, k,
+                         renormalize, float(scale)))
 
 
 # A custom op so that torch.compile keeps the launch as one opaque call (Dynamo cannot trace a Triton launch on
 # the interpreter, and inductor would not fuse this selection). The workspace is declared written: the kernel's
 # atomics do write it, even though they leave it zero.
-@torch.library.custom_op("k3::route_tokens_decode", mutates_args=("tickets",))
+@inference_op("route_tokens_decode", mutates_args=("tickets",))
 def _route_tokens_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tickets: torch.Tensor, k: int,
                      renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launch, on inputs `route_tokens` checked (x, weight and bias contiguous)."""

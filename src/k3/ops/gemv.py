@@ -21,7 +21,7 @@ from torch import nn
 
 from k3.ops.fused_situ import situ_glu_fast
 from k3.ops.norm import rms_norm
-from k3.ops.triton_dispatch import Forced, triton_module, use_triton_op
+from k3.ops.triton_dispatch import Forced, call_op, triton_module, use_triton_op
 
 __all__ = ["MAX_ROWS", "WIN_ROWS", "WIN_WEIGHT_ELEMS", "kernel_wins", "linear_reference", "use_gemv", "force_gemv",
            "linear", "linear_pair_reference", "use_gemv_pair", "linear_pair", "DecodeLinear"]
@@ -152,10 +152,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _launch(x, weight, bias, residual, norm_weight=None, norm_eps=0.0, glu_up=None, beta_gate=4.0, beta_up=25.0,
             out_gate=None):
-    """The kernel, through its custom op (registered by k3.ops._gemv_triton, which `use_gemv` imported); called
-    by name, not as a module attribute, which torch.compile would have to guard."""
-    return torch.ops.k3.decode_gemv(x, weight, bias, residual, norm_weight, norm_eps, glu_up, beta_gate, beta_up,
-                                    out_gate)
+    """The kernel, through its custom op (registered by k3.ops._gemv_triton, which `use_gemv` imported) inside
+    torch.compile, its function directly elsewhere (triton_dispatch.call_op); called by name, not as a module
+    attribute, which torch.compile would have to guard."""
+    return call_op("decode_gemv", x, weight, bias, residual, norm_weight, norm_eps, glu_up, beta_gate, beta_up,
+                   out_gate)
 
 
 def linear_pair_reference(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
@@ -197,7 +198,7 @@ def linear_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight
 def _launch_pair(a, weight_a, glu_up, beta_gate, beta_up, b, weight_b, norm_weight, norm_eps):
     """The two-segment kernel through its custom op (registered by k3.ops._gemv_triton), called by name as
     `_launch`."""
-    return torch.ops.k3.decode_gemv_pair(a, weight_a, glu_up, beta_gate, beta_up, b, weight_b, norm_weight, norm_eps)
+    return call_op("decode_gemv_pair", a, weight_a, glu_up, beta_gate, beta_up, b, weight_b, norm_weight, norm_eps)
 
 
 class DecodeLinear(nn.Linear):

@@ -26,7 +26,7 @@ from k3 import envs
 from k3.ops.kda import kda_gate
 from k3.ops.kda_core import forced_backend, log_once
 from k3.ops.norm import rms_norm_reference
-from k3.ops.triton_dispatch import OPT_IN, Forced, triton_module
+from k3.ops.triton_dispatch import OPT_IN, Forced, call_op, triton_module
 
 __all__ = ["DecodeWeights", "kda_decode_step_reference", "use_fused_decode", "force_fused_decode",
            "kda_decode_step"]
@@ -132,7 +132,7 @@ def kda_decode_step(xq, xk, xv, fa, beta_logits, gate, weights: DecodeWeights, s
     w = weights
     if triton_module(KERNELS) is None:
         raise RuntimeError("the fused KDA decode step needs triton")
-    return torch.ops.k3.kda_decode_step(  # the custom op registered by the kernel module
-        xq, xk, xv, fa, beta_logits, gate, w.conv_q.contiguous(), w.conv_k.contiguous(), w.conv_v.contiguous(),
-        w.f_b.contiguous(), w.A_log, w.dt_bias.reshape(-1), w.norm_weight, state, conv_q, conv_k, conv_v, slots,
-        float(w.lower_bound), float(w.eps))
+    return call_op(  # the custom op registered by the kernel module (its function directly outside torch.compile)
+        "kda_decode_step", xq, xk, xv, fa, beta_logits, gate, w.conv_q.contiguous(), w.conv_k.contiguous(),
+        w.conv_v.contiguous(), w.f_b.contiguous(), w.A_log, w.dt_bias.reshape(-1), w.norm_weight, state, conv_q,
+        conv_k, conv_v, slots, float(w.lower_bound), float(w.eps))

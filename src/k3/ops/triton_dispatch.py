@@ -5,6 +5,12 @@ parsed once, in k3.envs (tests switch them with `k3.envs.override`). `use_triton
 inductor; `use_triton_op` also chooses, inside torch.compile, the inference kernels entered through a
 torch.library custom op (decode's router and AttnRes mix + norm), which a compiled graph keeps as one call.
 
+Those custom ops are declared with `inference_op` and entered through `call_op`: the op inside torch.compile (the
+graph keeps it as one opaque call, its fake impl gives the shapes), the op's own Python function elsewhere. Eager
+code gains nothing from the dispatcher's round trip, which cost 28-45 µs a call on the H200's host (issue 21:
+AttnRes mix + norm, 32 calls a prefill step) against the 22-35 µs of the launch itself; the function is the same
+launch, so CUDA graph capture (eager) records the same kernel.
+
 Kernel modules (`k3.ops._*_triton`) import triton at the top, so they are imported only through
 `triton_module`, which returns None where triton is missing (the CPU install). Tests may call a kernel module's
 functions on CPU tensors under TRITON_INTERPRET=1, where triton is installed.
@@ -15,6 +21,7 @@ import contextlib
 import functools
 import importlib
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -88,6 +95,42 @@ def on_device(t: torch.Tensor | torch.device):
 def sm_count(device_index: int | None) -> int:
     """Streaming multiprocessors of a CUDA device: how many programs fill it (grid sizing of the kernels)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_op_functions: dict[str, Callable] = {}
+
+
+def inference_op(name: str, mutates_args: tuple[str, ...] = ()):
+    """`torch.library.custom_op("k3::<name>", mutates_args=...)` for an inference kernel's launch (no autograd
+    formula), its Python function also kept for `call_op`. Returns the op (`.register_fake` as usual)."""
+    def register(fn: Callable):
+        _op_functions[name] = fn
+        return torch.library.custom_op(f"k3::{name}", mutates_args=mutates_args)(fn)
+    return register
+
+
+def call_op(name: str, *args, **kwargs):
+    """The `inference_op` k3::<name> on these arguments: through the dispatcher (`torch.ops.k3.<name>`) inside
+    torch.compile, where the graph keeps it as one call; otherwise its function called directly (the same launch,
+    in-place writes included, without the dispatcher's host cost). The dispatcher is kept, too, where it does
+    something: a torch dispatch mode is active (FakeTensorMode tracing, a FlopCounterMode), or an input needs a
+    gradient (the op then answers as it would: it has no autograd formula, so backward raises, where the bare launch
+    would hand back an output silently cut from the graph)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or (torch.is_grad_enabled() and _any_requires_grad(args, kwargs.values()))):
+        return getattr(torch.ops.k3, name)(*args, **kwargs)
+    return _op_functions[name](*args, **kwargs)
+
+
+def _any_requires_grad(*groups) -> bool:
+    for group in groups:
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                if a.requires_grad:
+                    return True
+            elif isinstance(a, (list, tuple)) and _any_requires_grad(a):
+                return True
+    return False
 
 
 def use_triton(x: torch.Tensor, name: str) -> bool:
