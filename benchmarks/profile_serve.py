@@ -564,8 +564,8 @@ def main():
                     "reverse order of the one before: a process's first variant also pays for warm-up the untimed "
                     "wave misses (autotuning of new step shapes), so compare variants from round 2 on")
     ap.add_argument("--variants", default="", help="engines to time, ';'-separated, each extra EngineConfig "
-                    "fields or k3.envs switches k=v,k=v (ints or true/false); '' = the defaults. E.g. "
-                    "';split_mixed_steps=true' or 'fla_lean=false;fla_lean=true'")
+                    "fields or k3.envs switches k=v,k=v (ints, true/false or names); '' = the defaults. E.g. "
+                    "';split_mixed_steps=true', 'fla_lean=false;fla_lean=true' or ';triton_opt_in=_conv_varlen_triton'")
     a = ap.parse_args()
     dev = torch.device(a.device)
     cfg = (_scaled(num_layers=16, hidden=128, heads=4, head_dim=32, vocab=8192, dense_inter=384, experts=64,
@@ -586,7 +586,7 @@ def main():
     variants = a.variants.split(";")
     order = [(r, v) for r in range(a.rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
     for round_, variant in order:
-        extra = {k: (v == "true" if v in ("true", "false") else int(v))
+        extra = {k: (v == "true" if v in ("true", "false") else int(v) if v.lstrip("-").isdigit() else v)
                  for k, v in (kv.split("=") for kv in variant.split(",") if kv)}
         # k3.envs switches (e.g. fla_lean=true) hold for this variant's engine; the rest are EngineConfig fields
         switches = {k: extra.pop(k) for k in list(extra) if k in envs.Switches.__dataclass_fields__}

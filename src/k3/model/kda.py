@@ -18,6 +18,7 @@ from k3.ops.gemv import DecodeLinear
 from k3.ops.kda_core import kda_core, select_backend
 from k3.ops.kda_decode import DecodeWeights, kda_decode_step, use_fused_decode
 from k3.ops.kda_fla import fla_output_gate
+from k3.ops.triton_dispatch import triton_module, use_triton
 
 
 def doc_ids_to_cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -126,15 +127,22 @@ class VarlenLayout:
 
     def short_convs(self, m: "KimiDeltaAttention", xs: list[torch.Tensor]):
         view, N, W = self.view, xs[0].shape[1], m.q_conv1d.weight.shape[-1]
-        index = view.shared(("short_conv", W), lambda: short_conv_varlen_index(view.cu_seqlens, N, W))
         st = view.kda_state(m.layer_idx)
         # q, k and v as one depthwise conv over their channels side by side: one gather of the windows and one of
         # the new tails for the three (each gather, cat and cast a launch in an eager step), the same sums
         S, C = st.conv_q.shape[0], xs[0].shape[-1]
         # (the weights stacked once, not per call; x's three parts are adjacent columns of one GEMM: a view)
         tails = joined_columns([st.conv_q, st.conv_k, st.conv_v])  # (a view where they sit side by side: the pool)
-        y, tail = short_conv_varlen(joined_columns(xs)[0], m.conv_weights.current(), tails, index)
-        y = F.silu(y.view(N, 3, C).transpose(0, 1).contiguous(), inplace=True)  # [3, N, C]: each a dense block
+        x = joined_columns(xs)[0]
+        if use_triton(x, "_conv_varlen_triton"):  # one kernel: the convs, SiLU and split; the new tails
+            seg = view.shared("token_seq", lambda: torch.repeat_interleave(
+                torch.arange(S, device=x.device, dtype=torch.int32), view.cu_seqlens.diff(), output_size=N))
+            y, tail = triton_module("_conv_varlen_triton").short_convs_varlen(
+                x, m.conv_weights.current(), tails, view.cu_seqlens, seg)
+        else:
+            index = view.shared(("short_conv", W), lambda: short_conv_varlen_index(view.cu_seqlens, N, W))
+            y, tail = short_conv_varlen(x, m.conv_weights.current(), tails, index)
+            y = F.silu(y.view(N, 3, C).transpose(0, 1).contiguous(), inplace=True)  # [3, N, C]: each a dense block
         tail = tail.view(S, W - 1, 3, C)
         return [y[i][None] for i in range(3)], [tail[:, :, i] for i in range(3)]
 
