@@ -612,33 +612,29 @@ def main():
         print(table(row["by_kind"], ["kind", "steps", "total_ms", "wall_ms", "sched_ms", "run_ms", "sample_ms",
                                      "book_ms", "append_ms", "other_ms", "rows", "tokens", "blocks_read_over_real"]),
               flush=True)
-        if a.profile and len(res["variants"]) == 1:
+
+        def short_pass(measure):
+            """`measure(rec, prompts, params, streams)` over a short pass of other prompts."""
             rec.steps.clear()
             with torch.inference_mode():
                 short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
-                row["device"] = device_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
+                return measure(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
+        if a.profile and len(res["variants"]) == 1:
+            row["device"] = short_pass(device_profile)
             print("\n== under torch.profiler (slower host): per step, kernels' summed device time and count")
             print(table(row["device"], ["kind", "steps", "wall_ms", "kernel_ms", "kernels", "idle_share"]), flush=True)
         if a.cprofile and round_ == a.rounds - 1:
-            rec.steps.clear()
-            with torch.inference_mode():
-                short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
-                row["python"] = python_profile(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
+            row["python"] = short_pass(python_profile)
             print("\n== prompt-chunk steps under cProfile (slower host): Python time per step by function")
             print(table(row["python"], ["order", "function", "own_us", "cum_us", "calls"]), flush=True)
         if a.sync_trace and dev.type == "cuda" and round_ == a.rounds - 1:
-            rec.steps.clear()
-            with torch.inference_mode():
-                short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
-                row["waits"] = sync_trace(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
+            row["waits"] = short_pass(sync_trace)
             print("\n== host waits for the device per step (CUDA sync debug mode), commonest sites (per step)")
             print(table(row["waits"], ["kind", "steps", "waits_median", "waits_max", "sites"]), flush=True)
         if a.census and round_ == a.rounds - 1:
-            rec.steps.clear()
+            row["census"] = short_pass(census)
+            tokens = ecfg.max_batch_tokens
             with torch.inference_mode():
-                short = SamplingParams(max_tokens=a.profile_output_len, temperature=0, ignore_eos=True)
-                row["census"] = census(rec, make(a.profile_requests or a.streams, 3), short, a.streams)
-                tokens = ecfg.max_batch_tokens
                 row["census"].append(forward_census(model, tokens, max(1, tokens // a.input_len), cfg.vocab_size))
             print("\n== kernel-launching torch ops per step (means) by where they launch; last: the model's own "
                   "forward of a full step's tokens")
