@@ -40,9 +40,12 @@ intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
      [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards] [--kda-core] [--kda-bwd] [--residual-add]
+     [--conv-varlen]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
 --kda-bwd [wy,intra]: only KDA's chunk-backward WY/state and intra-chunk stages (or those named), fla's kernels
 against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
+--conv-varlen: only serving's q/k/v short convs over a step's packed sequences, the torch path against the opt-in
+kernel (`conv_varlen_rows`).
 --residual-add: only a training mix with the residual add before it, the add in the mix kernel's launch against
 the add separate (K3_NO_RESIDUAL_ADD_FOLD; `residual_add_rows`).
 """
@@ -493,6 +496,48 @@ def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[d
     return rows
 
 
+def conv_varlen_rows(bw: float, device: str = "cuda", sizes=(2048, 8192), C: int = 1536) -> list[dict]:
+    """Serving's q/k/v short convs over one step's packed sequences (`small`: 3 x 1536 channels, 4 taps, bf16 x as
+    a column slice of the fused projections' output, fp32 tails of 64 sequences): the torch path the engine takes
+    by default (k3.model.kda.short_conv_varlen's window gather and einsum, then the SiLU and the [3, N, C] split)
+    against k3.ops._conv_varlen_triton's kernels (opt-in: K3_TRITON=_conv_varlen_triton). Steps of 2,048 and
+    8,192 tokens: a prefill chunk of 256 per sequence, the rest decode rows of one token. floor_us: x read and y
+    written once (bf16) over the copy bandwidth; per_step_ms: µs x small's 12 KDA layers."""
+    from k3.model.kda import short_conv_varlen, short_conv_varlen_index
+    from k3.ops._conv_varlen_triton import short_convs_varlen
+
+    W, S = 4, 64
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for N in sizes:
+        chunks = min(S, N // 256)
+        lens = [256] * chunks + [1] * (S - chunks)
+        lens[0] += N - sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
+        seg = torch.repeat_interleave(torch.arange(S, device=device, dtype=torch.int32), cu.diff(), output_size=N)
+        wide = torch.randn(N, 3 * C + 2 * C, generator=gen, device=device).bfloat16()
+        x = wide[:, :3 * C]
+        tails = torch.randn(S, W - 1, 3 * C, generator=gen, device=device)
+        weight = torch.randn(3 * C, 1, W, generator=gen, device=device) * 0.5
+        index = short_conv_varlen_index(cu, N, W)
+
+        def torch_path():
+            y, tail = short_conv_varlen(x, weight, tails, index)
+            return F.silu(y.view(N, 3, C).transpose(0, 1).contiguous(), inplace=True), tail
+
+        want = torch_path()[0]
+        floor = 2 * N * 3 * C * 2 / bw * 1e6
+        for impl, fn in (("torch (default)", torch_path), ("triton (opt-in)",
+                                                           lambda: short_convs_varlen(x, weight, tails, cu, seg))):
+            us = time_ms(fn, inner=20) * 1e3
+            got = fn()[0]
+            rows.append(dict(op=f"varlen short convs, {N} tokens", impl=impl, us=us, floor_us=floor,
+                             of_floor=floor / us, per_step_ms=us * 12e-3,
+                             rel_err=((got.float() - want.float()).norm() / want.float().norm()).item()))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8,4096", help="B,T")
@@ -505,6 +550,8 @@ def main():
     ap.add_argument("--kda-bwd", nargs="?", const="wy,intra", default="",
                     help="only KDA's chunk-backward WY/state and intra stages (or a comma list of wy, intra), "
                          "fla's kernels against k3's")
+    ap.add_argument("--conv-varlen", action="store_true",
+                    help="only serving's varlen q/k/v short convs, the torch path against the opt-in kernel")
     ap.add_argument("--residual-add", action="store_true",
                     help="only a training mix with its residual add folded in against the add separate")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
@@ -530,6 +577,11 @@ def main():
         print(f"B={B} T={T}, copy bandwidth {bw / 1e12:.2f} TB/s")
         print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "rel_err"]))
         return save("kda_bwd", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
+    if a.conv_varlen:
+        rows = conv_varlen_rows(bw)
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+        print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "rel_err"]))
+        return save("conv_varlen", {"rows": rows, "copy_TBps": bw / 1e12})
     if a.residual_add:
         rows = residual_add_rows(B, T, bw)
         print(table(rows, ["op", "impl", "fwd_us", "fwd_bwd_us", "floor_fwd_us", "saved_per_step_ms"]))
