@@ -31,6 +31,9 @@ def test_bench_serve_runs_every_dataset_and_the_baseline(tmp_path, flags, runs):
         r = rows[name]
         assert 0 < r["ttft_ms"]["mean"] < r["e2e_ms"]["mean"], name
         assert r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["median"] > 0, name
+        e = r["engine"]  # the engine's own trace of the timed run: every request prefilled and decoded in it
+        assert e["prompt"]["steps"] >= 1 and e["decode"]["steps"] >= 4, name  # 5 tokens: 4 decode steps at least
+        assert 0 < e["step_s"] < r["wall_s"] and e["idle_s"] > -1e-3, name
     assert rows["engine multiturn c=2"]["hit_rate"] > 0.2  # turn 2 resumes turn 1's checkpointed prefix
 
 

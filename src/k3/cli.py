@@ -749,6 +749,8 @@ def cmd_bench_serve(a) -> int:
         problems.extend(f"{name}: {p}" for p in s["problems"])
         print(f"{bench.format_table(rows[-1:]).splitlines()[-1]}  ({time.perf_counter() - t_start:.0f} s)",
               flush=True)
+        if "engine" in s:
+            print(f"  {bench.format_engine_summary(s['engine'])}", flush=True)
         if a.json:  # after every row, so a run cut short still leaves its results
             Path(a.json).write_text(json.dumps([{"run": n, **r} for n, r in rows], indent=2))
 

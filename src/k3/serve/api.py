@@ -560,6 +560,9 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
     model = load_model(d, device=device, keep_mxfp4=torch.device(device).type == "cuda")
     engine = LLMEngine(model, tokenizer, fit_engine_config(model.config, engine_config))
     print(f"k3 serve: {engine.describe_capacity()}", flush=True)
+    t0 = time.perf_counter()
+    if made := engine.warm_up():  # no request waits for a capture
+        print(f"k3 serve: {made} CUDA graphs captured in {time.perf_counter() - t0:.1f} s", flush=True)
     app = create_app(engine, tokenizer, model_name or d.name, api_key, max_request_bytes=max_request_bytes)
     uvicorn.run(app, **uvicorn_settings(host, port, timeout_keep_alive, header_timeout, limit_concurrency))
 

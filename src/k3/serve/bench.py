@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.serve.local_server import local_server
+from k3.serve.metrics import StepLog
 
 DATASETS = ("random", "multiturn")  # shared-nothing random prompts; multi-turn chats over a shared prefix
 
@@ -211,10 +212,11 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
     clients in a process of their own → the summary, plus `problems`: failed requests, outputs of the wrong
     length, a pool not empty afterwards.
     on_start(engine): called once the engine exists (e.g. to print its capacity).
-    warmup: first the same load untimed, other prompts at the same concurrency and lengths, so that the timed run
-    does not pay the engine's first uses (a CUDA graph captured per batch-size bucket, kernel autotuning).
-    `graphs_first_used` counts the decode-graph keys and prefill-graph buckets first used while timed (each a
-    capture on CUDA): above 0, the warm-up missed one and the timed figures include its capture."""
+    warmup: first the engine's own warm-up (`LLMEngine.warm_up`: every graph, as `k3 serve` starts) and the same
+    load untimed, other prompts at the same concurrency and lengths, so that the timed run does not pay the
+    engine's first uses (graph captures, kernel autotuning). `graphs_first_used` counts the decode-graph keys and
+    prefill-graph buckets first used while timed (each a capture on CUDA): above 0, the warm-up missed one and
+    the timed figures include its capture. `engine`: where the timed run's time went (`StepLog.summary`)."""
     from k3.serve.api import create_app
     from k3.serve.engine import LLMEngine
 
@@ -222,15 +224,18 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
     try:
         if on_start is not None:
             on_start(engine)
-        if warmup:
-            warm_prefill_buckets(engine, seed + 7919)
+        if warmup:  # every graph now (as `k3 serve` starts), then the load itself for the rest
+            engine.warm_up()
         with local_server(create_app(engine, tokenizer, "k3")) as url:
             if warmup and concurrency:  # other random prompts (another seed): nothing for the timed run to hit
                 run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                         output_len, turns, None, seed + 104729)
             used = graph_keys_used(engine)
+            engine.step_log = log = StepLog()
             s = run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                         output_len, turns, None, seed)
+            engine.step_log = None
+            s["engine"] = log.summary(s["wall_s"])
             s["graph_keys"] = graph_keys_used(engine)
             s["graphs_first_used"] = s["graph_keys"] - used
         blocks, slots = engine.pool.num_used_blocks, engine.pool.num_used_slots
@@ -247,33 +252,20 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
             torch.cuda.empty_cache()
 
 
-def warm_prefill_buckets(engine, seed: int) -> None:
-    """Each prefill-graph token bucket once, before the server drives the engine: one request of exactly the
-    bucket's tokens (random ids, one output token) on the idle engine is one step of that bucket. The load's own
-    warm-up cannot promise this: which step sizes a load makes depends on when its requests arrive (with async
-    output a warm-up at c=2 missed a bucket its timed run used). Buckets past max_model_len are left to the load."""
-    graphs = engine.runner.prefill_graphs
-    if graphs is None:
-        return
-    from k3.serve.sampling import SamplingParams
-
-    rng = random.Random(seed)
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    lo = min(64, engine.model.config.vocab_size - 1)  # clear of the special tokens
-    with torch.inference_mode():
-        for tokens in graphs.buckets:
-            if tokens + 1 > engine.max_model_len:
-                continue
-            engine.add_request([rng.randrange(lo, engine.model.config.vocab_size) for _ in range(tokens)], params)
-            while engine.has_unfinished():  # alone: the step holds this prompt's tokens and nothing else
-                engine.step()
-
-
 def graph_keys_used(engine) -> int:
     """How many decode-graph (rows, width) keys and prefill-graph token buckets the engine has used so far (on
     CUDA each was captured at its first use; on CPU the same keys are made, run eagerly)."""
     runner = engine.runner
     return sum(len(g.entries) for g in (runner.graphs, runner.prefill_graphs) if g is not None)
+
+
+def format_engine_summary(e: dict) -> str:
+    """One line from `StepLog.summary`: where the engine's time went in a timed run."""
+    kinds = ", ".join(f"{e[k]['steps']} {k} steps of {e[k]['rows']:.0f} rows / {e[k]['tokens']:.0f} tokens every "
+                      f"{e[k]['period_ms']:.1f} ms" for k in ("decode", "prompt"))
+    slow = ", ".join(f"{x['ms']:.0f}" for x in e["slowest"])
+    return (f"engine: stepping {e['step_s']:.2f} s, emitting {e['emit_s']:.2f} s, idle {e['idle_s']:.2f} s; {kinds}; "
+            f"slowest periods {slow} ms")
 
 
 def format_table(rows: list[tuple[str, dict]]) -> str:

@@ -13,13 +13,18 @@ from k3.cpu_threads import configure_torch_threads
 from k3.model.cache import BatchCacheView
 from k3.ops.mx_experts import use_decode_layout_, wants_decode_layout
 from k3.serve.block_pool import CachePool, plan_capacity
-from k3.serve.metrics import Metrics
+from k3.serve.metrics import Metrics, StepLog
 from k3.serve.runner import ModelRunner, PromptScores
 from k3.serve.sampling import (MAX_PROMPT_LOGPROB_ENTRIES, DeviceRead, PendingSample, SamplingParams, finish_sampling,
                                launch_sampling, make_adjuster, make_generator, make_grammar_state, read_back,
                                start_read, token_logprobs)
 from k3.serve.scheduler import Scheduler
 from k3.serve.sequence import OutputIds, RequestOutput, Sequence, Status
+
+
+# Contexts (tokens) whose decode graphs `warm_up` captures before serving; a longer context captures its block-table
+# width at first use (vLLM's max_seq_len_to_capture, 8192, made the same trade).
+WARMUP_LEN = 8192
 
 
 @dataclass
@@ -126,10 +131,47 @@ class LLMEngine:
                                   config.split_mixed_steps, config.prefill_graphs, config.max_batch_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.in_flight: LaunchedStep | None = None  # async output: the step on the device, not yet finished
+        self.step_log: StepLog | None = None  # set to trace every step (benchmarks)
 
     def describe_capacity(self) -> str:
         return (f"{self.capacity.describe()}; max {self.scheduler.max_num_seqs} concurrent sequences, "
                 f"max {self.max_model_len} tokens per sequence")
+
+    def warm_up(self, max_len: int | None = None) -> int:
+        """Make now every CUDA graph the engine replays, so that no request waits for a capture: each prefill-graph
+        token bucket (one request of exactly that many random tokens, alone on the idle engine: one step of the
+        bucket) and each decode graph (row bucket × block-table width) for contexts up to max_len tokens (default
+        WARMUP_LEN; longer ones are captured at their first use). On a CPU the same steps run eagerly where graphs
+        are forced on (tests). The warm-up's requests stay out of the metrics. Returns how many graphs were made."""
+        if self.has_unfinished():
+            raise RuntimeError("warm_up runs on an idle engine: requests are in flight")
+        max_len = min(max_len or WARMUP_LEN, self.max_model_len)
+        metrics, self.metrics = self.metrics, Metrics()
+        try:
+            made = self._warm_up(max_len)
+        finally:
+            self.metrics = metrics
+        return made
+
+    def _warm_up(self, max_len: int) -> int:
+        runner, made = self.runner, 0
+        with torch.inference_mode():
+            if runner.prefill_graphs is not None:
+                before = len(runner.prefill_graphs.entries)
+                params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+                V = self.model.config.vocab_size
+                rng = torch.Generator().manual_seed(7919)  # random prompts: nothing later hits their cache entries
+                lo = min(64, V - 1)  # clear of the special tokens
+                for tokens in runner.prefill_graphs.buckets:
+                    if tokens in runner.prefill_graphs.entries or tokens + 1 > self.max_model_len:
+                        continue
+                    self.add_request(torch.randint(lo, V, (tokens,), generator=rng).tolist(), params)
+                    while self.has_unfinished():
+                        self.step()
+                made += len(runner.prefill_graphs.entries) - before
+            if runner.graphs is not None:
+                made += runner.graphs.warm_up(-(-max_len // self.pool.block_size))
+        return made
 
     # ---- requests -------------------------------------------------------------------------------------
     def check_request(self, prompt: list[int], params: SamplingParams, images: list | None = None) -> None:
@@ -294,7 +336,10 @@ class LLMEngine:
         """Queue one step on the device: the forward, the host bookkeeping that needs no new token (progress,
         prefix units, checkpoints) and the sampling, with no read-back. ids: a decode step's input tokens on the
         device (the previous step's picks)."""
-        self.metrics.on_step(seqs, lens, time.perf_counter())
+        now = time.perf_counter()
+        self.metrics.on_step(seqs, lens, now)
+        if self.step_log is not None:
+            self.step_log.launch(now, seqs, lens)
         # a row samples when it feeds the last known token (an in-flight one counts as known)
         done = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens) + s.in_flight]
         sampling = [i for i in done if seqs[i].params.max_tokens > 0]
@@ -502,14 +547,18 @@ class EngineThread:
                     else:
                         eng.abort(item[1])
                         self._listeners.pop(item[1], None)
+                t0 = time.perf_counter()
                 with torch.inference_mode():
                     outputs = eng.step()
+                t1 = time.perf_counter()
                 for out in outputs:
                     cb = self._listeners.get(out.request_id)
                     if out.finished:
                         self._listeners.pop(out.request_id, None)
                     if cb is not None:
                         cb(out)
+                if eng.step_log is not None:
+                    eng.step_log.iteration(t0, t1, time.perf_counter())
         except BaseException as e:  # surface engine crashes to waiting requests instead of hanging them
             self.error = e
             for rid, cb in list(self._listeners.items()):

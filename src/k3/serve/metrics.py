@@ -223,3 +223,36 @@ class _Snapshot:
 
     def collect(self):
         return iter(self._families)
+
+
+class StepLog:
+    """A trace of the engine's steps, for benchmarks (`LLMEngine.step_log`): each launched step (time, rows, tokens,
+    prompt rows) and each EngineThread iteration (start, step returned, outputs handed to the server). `summary`
+    says where a run's time went: stepping, handing outputs over, or idle (waiting for requests)."""
+
+    def __init__(self):
+        self.launches: list[tuple[float, int, int, int]] = []
+        self.iterations: list[tuple[float, float, float]] = []
+
+    def launch(self, now: float, seqs: list, lens: list[int]) -> None:
+        self.launches.append((now, len(seqs), sum(lens), sum(1 for s in seqs if s.in_prefill)))
+
+    def iteration(self, start: float, stepped: float, emitted: float) -> None:
+        self.iterations.append((start, stepped, emitted))
+
+    def summary(self, wall: float) -> dict:
+        """Seconds stepping / emitting / idle over `wall`, and per kind of launched step (decode-only, or with
+        prompt rows): count, mean rows and tokens, and the mean time to the next launch (the step's period, which
+        includes whatever the host did in between). `slowest`: the five longest periods (a capture shows here)."""
+        step = sum(b - a for a, b, _ in self.iterations)
+        emit = sum(c - b for _, b, c in self.iterations)
+        out = {"iterations": len(self.iterations), "step_s": step, "emit_s": emit, "idle_s": wall - step - emit}
+        periods = [(b[0] - a[0], a) for a, b in zip(self.launches, self.launches[1:])]
+        for kind, keep in (("decode", lambda p: p == 0), ("prompt", lambda p: p > 0)):
+            ps = [(dt, a) for dt, a in periods if keep(a[3])]
+            n = len(ps) or 1
+            out[kind] = {"steps": len(ps), "rows": sum(a[1] for _, a in ps) / n,
+                         "tokens": sum(a[2] for _, a in ps) / n, "period_ms": 1e3 * sum(dt for dt, _ in ps) / n}
+        out["slowest"] = [{"ms": 1e3 * dt, "rows": a[1], "tokens": a[2], "prompt_rows": a[3]}
+                          for dt, a in sorted(periods, key=lambda x: x[0], reverse=True)[:5]]
+        return out

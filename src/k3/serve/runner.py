@@ -179,19 +179,31 @@ class DecodeGraphs:
         on the device when given)."""
         rows = 1 << (len(seqs) - 1).bit_length()
         width = 1 << (max(len(s.block_table) for s in seqs) - 1).bit_length()
-        key = (rows, width)
+        return self._step((rows, width), seqs, ids)[:len(seqs)]
+
+    def warm_up(self, max_blocks: int) -> int:
+        """Make every (rows, width) graph for block tables up to max_blocks wide now, each from a step of pad rows
+        only (the scratch slot and block: nothing real is read or written). Returns how many were new."""
+        widths = [1 << w for w in range((max(1, max_blocks) - 1).bit_length() + 1)]
+        keys = [(1 << r, w) for r in range(self.max_rows.bit_length()) for w in widths]
+        new = [k for k in keys if k not in self.entries]
+        for key in new:
+            self._step(key, [])
+        return len(new)
+
+    def _step(self, key: tuple[int, int], seqs: list[Sequence], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The step of key's graph over seqs (padded to its rows), captured first if new → logits [rows, vocab]."""
         fresh = key not in self.entries
         if fresh:
-            self.entries[key] = (DecodeGraphView(self.pool, self.model.config.num_hidden_layers, rows, width),
-                                 None, None)
+            self.entries[key] = (DecodeGraphView(self.pool, self.model.config.num_hidden_layers, *key), None, None)
         view, graph, out = self.entries[key]
         view.load(seqs, ids)
         if graph is not None:
             graph.replay()
-            return out[:len(seqs)]
+            return out
         if fresh and self.capture:
-            return self._capture(key, view)[:len(seqs)]
-        return self._forward(view)[:len(seqs)]
+            return self._capture(key, view)
+        return self._forward(view)
 
     def _capture(self, key: tuple[int, int], view: DecodeGraphView) -> torch.Tensor:
         """Run the loaded step eagerly on a side stream (it is also the warm-up capture needs: autotuning,
