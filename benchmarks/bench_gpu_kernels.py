@@ -498,9 +498,9 @@ def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[d
 
 def conv_varlen_rows(bw: float, device: str = "cuda", sizes=(2048, 8192), C: int = 1536) -> list[dict]:
     """Serving's q/k/v short convs over one step's packed sequences (`small`: 3 x 1536 channels, 4 taps, bf16 x as
-    a column slice of the fused projections' output, fp32 tails of 64 sequences): the torch path the engine takes
-    by default (k3.model.kda.short_conv_varlen's window gather and einsum, then the SiLU and the [3, N, C] split)
-    against k3.ops._conv_varlen_triton's kernels (opt-in: K3_TRITON=_conv_varlen_triton). Steps of 2,048 and
+    a column slice of the fused projections' output, fp32 tails of 64 sequences): the torch path (CPUs, and CUDA
+    under K3_NO_TRITON; k3.model.kda.short_conv_varlen's window gather and einsum, then the SiLU and the split)
+    against k3.ops._conv_varlen_triton's kernels (the default on CUDA since session 20). Steps of 2,048 and
     8,192 tokens: a prefill chunk of 256 per sequence, the rest decode rows of one token. floor_us: x read and y
     written once (bf16) over the copy bandwidth; per_step_ms: µs x small's 12 KDA layers."""
     from k3.model.kda import short_conv_varlen, short_conv_varlen_index
@@ -527,7 +527,7 @@ def conv_varlen_rows(bw: float, device: str = "cuda", sizes=(2048, 8192), C: int
 
         want = torch_path()[0]
         floor = 2 * N * 3 * C * 2 / bw * 1e6
-        for impl, fn in (("torch (default)", torch_path), ("triton (opt-in)",
+        for impl, fn in (("torch", torch_path), ("triton (default)",
                                                            lambda: short_convs_varlen(x, weight, tails, cu, seg))):
             us = time_ms(fn, inner=20) * 1e3
             got = fn()[0]

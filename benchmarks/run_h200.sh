@@ -60,7 +60,8 @@ for step in $steps; do
                 tests/test_gemv_triton.py tests/test_mla_static_decode_triton.py tests/test_moe_expert_major_triton.py \
                 tests/test_gemv_fusions.py tests/test_varlen_attention.py tests/test_serve_mla_prefill.py \
                 tests/test_serve_kda_glue.py tests/test_serve_prefill_graphs.py tests/test_decode_compile_graph.py \
-                tests/test_tuned_launch.py tests/test_decode_folds.py ;;
+                tests/test_tuned_launch.py tests/test_decode_folds.py tests/test_conv_varlen_triton.py \
+                tests/test_serve_warm_up.py ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;

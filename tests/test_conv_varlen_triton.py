@@ -71,7 +71,8 @@ def test_the_serving_layout_takes_the_kernel_and_keeps_its_outputs(monkeypatch):
     from k3.serve import EngineConfig, LLMEngine, SamplingParams
 
     torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny")).eval()
+    with torch.device(DEVICE):  # where the kernel runs (the CPU: under the interpreter)
+        model = K3ForCausalLM(K3Config.preset("tiny")).eval()
     seen, outs = [], {}
     real = kda.VarlenLayout.short_convs
 
@@ -86,7 +87,8 @@ def test_the_serving_layout_takes_the_kernel_and_keeps_its_outputs(monkeypatch):
         monkeypatch.setattr(kda, "use_triton", lambda t, name: kernel and name == "_conv_varlen_triton"
                             and not seen.append(name))
         eng = LLMEngine(model, None, EngineConfig(memory_bytes=16 << 20, block_size=16, match_unit=4,
-                                                  max_batch_tokens=24, max_num_seqs=4))
+                                                  max_batch_tokens=24, max_num_seqs=4, decode_graphs=False,
+                                                  prefill_graphs=False))
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         with torch.inference_mode():
             for p in ([5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]):

@@ -80,7 +80,11 @@ ARRIVALS = [(prompt(1, 5), SamplingParams(max_tokens=12, logprobs=2, **GREEDY), 
 
 
 def test_token_buckets():
-    assert pg.token_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert pg.token_buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 1280, 1536, 1792, 2048]
+    big = pg.token_buckets(8192)
+    assert big[7:] == [1280, 1536, 1792, 2048, 2560, 3072, 3840, 4608, 5632, 6912, 8192]  # + a quarter, to 256s
+    assert all(b / a <= 1.25 for a, b in zip(big[6:], big[7:]))  # past the doublings a step pads at most 25%
+    assert pg.token_buckets(1100) == [16, 32, 64, 128, 256, 512, 1024, 1100]
     assert pg.token_buckets(100) == [16, 32, 64, 100]
     assert pg.token_buckets(16) == [16] and pg.token_buckets(5) == [5]
 

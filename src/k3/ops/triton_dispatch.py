@@ -38,9 +38,9 @@ from k3.ops.lazy_dynamo import assume_constant_result
 # 3.44 -> 2.60 ms at batch 8 and 5.63 -> 4.28 at batch 64 with both; benchmarks/RESULTS.md). The MoE's slot sums
 # left it in session 16 (H200: 395 against 1,708 µs for the combine forward + backward; the small step at 8 x 4096
 # 376 -> 353 ms).
-# _conv_varlen_triton (serving's q/k/v short convs over a step's packed sequences, session 19): interpreter-tested
-# only, untimed on a GPU (the torch path it replaces took ~5 ms of a 2,048-token step's ~25 ms of kernels).
-OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton", "_conv_varlen_triton"})
+# The serving step's varlen short convs (_conv_varlen_triton) left it in session 20 (H200: 54 against 931 µs a layer
+# at 2,048 tokens, 0.65 against 11.2 ms a step; profile_serve's 64 streams 10,601 -> 12,582 output tok/s).
+OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton"})
 
 
 _modules: dict[str, ModuleType | None] = {}
