@@ -269,3 +269,23 @@ def test_each_kda_layer_gathers_its_state_once_a_step(model, monkeypatch, pieces
         with torch.inference_mode():
             eng.step()
         assert len(gathers) == kda_layers, (step, gathers)
+
+
+def test_gc_paused_holds_the_collector_off_and_restores_it():
+    """Captures run with the cyclic collector off (it could free another graph mid-capture); it comes back after,
+    also when the capture raises, and stays off where the caller had it off."""
+    import gc
+    assert gc.isenabled()
+    with pg.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), pg.gc_paused():
+        raise ValueError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pg.gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -14,7 +14,9 @@ fp32 models with routed experts capture the expert GEMMs through per-row weights
 memory rows × expert size): serve bf16, where `_grouped_mm` captures as it is."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import logging
 
 import torch
@@ -40,6 +42,19 @@ def token_buckets(max_tokens: int) -> list[int]:
         out.append(b)
         b = 2 * b if b < DOUBLING_UNTIL else b + max(256, b // 4 // 256 * 256)
     return out + [max_tokens]
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No garbage collection inside: a CUDA graph captured while Python's collector frees another one (an old
+    engine's, say) is invalidated, since destroying a graph is not allowed while a stream captures."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class PiecewiseLayout:
@@ -132,7 +147,7 @@ class PrefillGraph:
         self.pieces, self.breaks, self.capturing = [torch.cuda.CUDAGraph()], [], True
         try:
             # thread_local: the server's other threads may touch CUDA while this one captures
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), gc_paused():
                 self.pieces[0].capture_begin(mempool, capture_error_mode="thread_local")
                 try:
                     self.hidden = self.forward()

@@ -13,7 +13,7 @@ from k3.model.cuda_graph import wants_graphs
 from k3.ops.fused_linear import fuse_projections, joined_columns
 from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
-from k3.serve.prefill_graphs import PrefillGraphs
+from k3.serve.prefill_graphs import PrefillGraphs, gc_paused
 from k3.serve.sampling import score_rows
 from k3.serve.sequence import Sequence
 
@@ -218,8 +218,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's other threads may touch CUDA while this one captures; a capture stream of
         # the pool's device (the graph's default capture stream belongs to whichever device first made it)
-        with torch.cuda.graph(graph, pool=self.mempool, stream=torch.cuda.Stream(device),
-                              capture_error_mode="thread_local"):
+        with gc_paused(), torch.cuda.graph(graph, pool=self.mempool, stream=torch.cuda.Stream(device),
+                                           capture_error_mode="thread_local"):
             out = self._forward(view)
         self.entries[key] = (view, graph, out)
         return logits
