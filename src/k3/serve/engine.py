@@ -535,6 +535,7 @@ class EngineThread:
                     if self._stop:
                         return
                     inbox, self._inbox = self._inbox, []
+                t_in = time.perf_counter()
                 for item in inbox:
                     if item[0] == "add":
                         _, prompt, params, rid, cb, ckpt, images, version = item
@@ -547,10 +548,10 @@ class EngineThread:
                     else:
                         eng.abort(item[1])
                         self._listeners.pop(item[1], None)
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.thread_time()
                 with torch.inference_mode():
                     outputs = eng.step()
-                t1 = time.perf_counter()
+                t1, cpu1 = time.perf_counter(), time.thread_time()
                 for out in outputs:
                     cb = self._listeners.get(out.request_id)
                     if out.finished:
@@ -558,7 +559,7 @@ class EngineThread:
                     if cb is not None:
                         cb(out)
                 if eng.step_log is not None:
-                    eng.step_log.iteration(t0, t1, time.perf_counter())
+                    eng.step_log.iteration(t0, t1, time.perf_counter(), intake=t0 - t_in, step_cpu=cpu1 - cpu0)
         except BaseException as e:  # surface engine crashes to waiting requests instead of hanging them
             self.error = e
             for rid, cb in list(self._listeners.items()):
