@@ -18,8 +18,10 @@ of bf16 weights, far below the card's 141 GB. Results go to --json after every r
 check failed.
 
 The engine runs with async output (the default: each decode step launches before the previous one is read back;
-`--no-async-output` times the synchronous engine). Its warm-up runs each prefill-graph bucket once, then the whole
-timed load on other prompts; `graphs_first_used` > 0 in a row means a capture landed inside its figures."""
+`--no-async-output` times the synchronous engine). Its warm-up is the engine's own (`LLMEngine.warm_up`, as `k3 serve`
+starts: every prefill bucket and decode graph), then the whole timed load on other prompts; `graphs_first_used` > 0
+in a row means a capture landed inside its figures. Under each engine row, the engine's trace of the timed run
+(`StepLog`): request intake, stepping (and its CPU share), emitting, idle, and each step kind's count and period."""
 import sys
 
 from k3.cli import main
