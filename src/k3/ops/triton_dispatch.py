@@ -39,7 +39,7 @@ from k3.ops.lazy_dynamo import assume_constant_result
 # left it in session 16 (H200: 395 against 1,708 µs for the combine forward + backward; the small step at 8 x 4096
 # 376 -> 353 ms).
 # The serving step's varlen short convs (_conv_varlen_triton) left it in session 20 (H200: 54 against 931 µs a layer
-# at 2,048 tokens, 0.65 against 11.2 ms a step; profile_serve's 64 streams 10,601 -> 12,582 output tok/s).
+# at 2,048 tokens, 0.65 against 11.2 ms a step; profile_serve's 64 streams ~10,900 -> ~12,000 output tok/s).
 OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton"})
 
 

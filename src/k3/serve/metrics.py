@@ -244,7 +244,7 @@ class StepLog:
         self.iterations.append((start, stepped, emitted, intake, step_cpu))
 
     def summary(self, wall: float) -> dict:
-        """Seconds stepping / emitting / idle over `wall`, and per kind of launched step (decode-only, or with
+        """Seconds taking requests in / stepping (and of it on the CPU) / emitting / idle over `wall`, and per kind of launched step (decode-only, or with
         prompt rows): count, mean rows and tokens, and the mean time to the next launch (the step's period, which
         includes whatever the host did in between). `slowest`: the five longest periods (a capture shows here)."""
         step = sum(it[1] - it[0] for it in self.iterations)
