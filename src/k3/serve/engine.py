@@ -548,18 +548,21 @@ class EngineThread:
                     else:
                         eng.abort(item[1])
                         self._listeners.pop(item[1], None)
-                t0, cpu0 = time.perf_counter(), time.thread_time()
+                # (the thread's CPU clock only when tracing: on the dev VM reading it made a 64-stream step behind
+                # HTTP ~2.5 ms slower, benchmarks/bench_serve_host.py)
+                log = eng.step_log
+                t0, cpu0 = time.perf_counter(), time.thread_time() if log is not None else 0.0
                 with torch.inference_mode():
                     outputs = eng.step()
-                t1, cpu1 = time.perf_counter(), time.thread_time()
+                t1, cpu1 = time.perf_counter(), time.thread_time() if log is not None else 0.0
                 for out in outputs:
                     cb = self._listeners.get(out.request_id)
                     if out.finished:
                         self._listeners.pop(out.request_id, None)
                     if cb is not None:
                         cb(out)
-                if eng.step_log is not None:
-                    eng.step_log.iteration(t0, t1, time.perf_counter(), intake=t0 - t_in, step_cpu=cpu1 - cpu0)
+                if log is not None:
+                    log.iteration(t0, t1, time.perf_counter(), intake=t0 - t_in, step_cpu=cpu1 - cpu0)
         except BaseException as e:  # surface engine crashes to waiting requests instead of hanging them
             self.error = e
             for rid, cb in list(self._listeners.items()):
