@@ -663,6 +663,9 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run prompt-chunk steps through piecewise CUDA graphs (one per token bucket, broken at the "
                         "mixers' cores; default: on CUDA from one process)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own beside the HTTP server's (their Python does not "
+                        "share one GIL; --no-engine-process: one process, the engine on a thread)")
 
 
 def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
@@ -700,7 +703,7 @@ def cmd_serve(a) -> int:
         serve(a.model, host=a.host, port=a.port, api_key=api_key, engine_config=engine_config,
               model_name=a.served_model_name, device=a.device, max_request_bytes=a.max_request_bytes,
               timeout_keep_alive=a.timeout_keep_alive, header_timeout=a.header_timeout,
-              limit_concurrency=a.limit_concurrency)
+              limit_concurrency=a.limit_concurrency, engine_process=a.engine_process)
     except ImportError as e:
         raise CLIError(f"{e.name} is missing: install the serve extra (pip install 'k3[serve]')") from None
     return 0
@@ -708,6 +711,7 @@ def cmd_serve(a) -> int:
 
 def cmd_bench_serve(a) -> int:
     import dataclasses
+    import functools
     import time
 
     import torch
@@ -725,20 +729,9 @@ def cmd_bench_serve(a) -> int:
     torch.manual_seed(a.seed)
     # On a shared CPU, OpenMP spin-waiting across threads can slow small ops 10x; one thread is steadier.
     torch.set_num_threads(a.threads or (1 if a.device == "cpu" else torch.get_num_threads()))
-    if a.model:
-        from k3.model.decoder import K3ForCausalLM
-        model_dir = Path(a.model)
-        tokenizer = model_tokenizer(model_dir)
-        model = K3ForCausalLM.from_pretrained(model_dir, device=a.device)
-    else:
-        from k3 import K3Config, K3ForCausalLM
-        tokenizer = Tokenizer.from_file()
-        with torch.device(a.device):  # built where it runs: no host copy of the weights first
-            model = K3ForCausalLM(K3Config.preset(a.preset), init=False)  # the seeded init below is the one
-        model.reset_parameters(seed=a.seed)
-    model.eval()
-    if a.dtype != "float32":
-        model = model.to(getattr(torch, a.dtype))
+    tokenizer = model_tokenizer(Path(a.model)) if a.model else Tokenizer.from_file()
+    make_model = functools.partial(bench.make_model, a.model, a.preset, a.seed, a.device, a.dtype)
+    model = make_model()
     levels = a.concurrency or [None]
     datasets = a.dataset
     rows, problems = [], []
@@ -763,7 +756,8 @@ def cmd_bench_serve(a) -> int:
             n = bench.requests_per_level(level, a.num_prompts, a.prompts_per_concurrency)
             for dataset in datasets:
                 s = bench.run_engine(model, tokenizer, engine_config, dataset, n, level, a.request_rate, a.input_len,
-                                     a.output_len, a.turns, a.seed, warmup=True)
+                                     a.output_len, a.turns, a.seed, warmup=True,
+                                     make_model=make_model if a.engine_process else None)
                 record(f"engine {dataset} c={level}" if level else f"engine {dataset} rate={a.request_rate}/s", s)
             if a.baseline and level:
                 s = bench.static_batch_baseline(model, tokenizer, n, level, a.input_len, a.output_len, a.seed,

@@ -34,6 +34,7 @@ from k3.data.chat_template import THINKING_EFFORTS
 from k3.serve import protocol as P
 from k3.serve.chat_template import render_chat
 from k3.serve.engine import EngineThread, LLMEngine, fit_engine_config
+from k3.serve.engine_process import EngineProcess
 from k3.serve.grammar import Grammar, GrammarError, chat_grammar
 from k3.serve.head_timeout import (HEADER_TIMEOUT_S, LIMIT_CONCURRENCY, fit_connection_limit,
                                    head_deadline_protocol)
@@ -170,13 +171,14 @@ DOCUMENTED = (P.CompletionRequest, P.ChatRequest, P.TokenizeRequest, P.Detokeniz
 def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: str | None = None,
                max_tokens_limit: int | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
                body_timeout_s: float = BODY_TIMEOUT_S, runner: EngineThread | None = None) -> FastAPI:
-    """The FastAPI app around an engine (started and stopped with the app's lifespan); runner: the thread that
-    drives it (default a plain EngineThread; distributed serving brings its own)."""
-    runner = runner or EngineThread(engine)
+    """The FastAPI app around an engine (started and stopped with the app's lifespan): an LLMEngine, or an
+    EngineProcess (the engine in a process of its own, which is its own runner); runner: the thread that drives an
+    LLMEngine (default a plain EngineThread; distributed serving brings its own)."""
+    if runner is None:
+        runner = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
     max_len = engine.max_model_len
     max_tokens_limit = min(max_tokens_limit or max_len, max_len)
-    engine.metrics.model_name = model_name
-    engine.metrics.set_max_model_len(max_len)
+    engine.metrics.describe_model(model_name, max_len)
     serving = Serving(runner, engine.metrics)
 
     @asynccontextmanager
@@ -272,7 +274,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
 
     def image_collector():
         """(list the images land in, media callback for render_chat, or None for a text-only model)."""
-        vision = getattr(engine.model, "vision_config", None)
+        vision = engine.vision_config
         images: list = []
         if vision is None:
             return images, None
@@ -334,7 +336,8 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request):
-        body, content_type = engine.metrics.render(engine, request.headers.get("accept"))
+        # (an engine in its own process is asked for it: off the loop)
+        body, content_type = await asyncio.to_thread(engine.metrics.render, engine, request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
 
     def model_card() -> dict:
@@ -538,33 +541,51 @@ def _tokenizer_info(tokenizer, max_len: int) -> dict:
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           engine_config=None, model_name: str | None = None, device: str = "cpu",
           max_request_bytes: int = MAX_REQUEST_BYTES, timeout_keep_alive: float = 5.0,
-          header_timeout: float = HEADER_TIMEOUT_S, limit_concurrency: int = LIMIT_CONCURRENCY) -> None:
+          header_timeout: float = HEADER_TIMEOUT_S, limit_concurrency: int = LIMIT_CONCURRENCY,
+          engine_process: bool = True) -> None:
     """Load a model directory and serve it until Ctrl-C. The engine's max_model_len defaults to the model's
     max_position_embeddings (capped by what the cache pool holds). header_timeout: seconds a connection may take
     to send a request head (slow or silent clients are cut off); limit_concurrency: open connections + running
-    requests past which a request gets a 503 (lowered to what the open-files limit allows)."""
+    requests past which a request gets a 503 (lowered to what the open-files limit allows). engine_process: the
+    engine loads and runs in a process of its own (k3.serve.engine_process); else on a thread of this one."""
+    import functools
     from pathlib import Path
 
-    import torch
     import uvicorn
 
     from k3.data import model_tokenizer
-    from k3.vision.multimodal import load_model
 
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"--model {d}: no config.json there")
     tokenizer = model_tokenizer(d)
-    # a vision model when config.json has a vision_config; on a GPU MXFP4 experts stay packed (the MXFP4 kernels,
-    # a quarter of the bytes), as every --nproc rank keeps them; on a CPU dequantised experts run faster
-    model = load_model(d, device=device, keep_mxfp4=torch.device(device).type == "cuda")
-    engine = LLMEngine(model, tokenizer, fit_engine_config(model.config, engine_config))
-    print(f"k3 serve: {engine.describe_capacity()}", flush=True)
+    build = functools.partial(load_engine, str(d), device, engine_config)
     t0 = time.perf_counter()
-    if made := engine.warm_up():  # no request waits for a capture
-        print(f"k3 serve: {made} CUDA graphs captured in {time.perf_counter() - t0:.1f} s", flush=True)
+    if engine_process:
+        engine = EngineProcess(build).start()
+        made = engine.info["graphs"]
+    else:
+        engine = build()
+        made = engine.warm_up()  # no request waits for a capture
+    print(f"k3 serve: {engine.describe_capacity()}", flush=True)
+    if made:
+        print(f"k3 serve: {made} CUDA graphs captured (loaded and warm in {time.perf_counter() - t0:.1f} s)",
+              flush=True)
     app = create_app(engine, tokenizer, model_name or d.name, api_key, max_request_bytes=max_request_bytes)
     uvicorn.run(app, **uvicorn_settings(host, port, timeout_keep_alive, header_timeout, limit_concurrency))
+
+
+def load_engine(model_dir: str, device: str, engine_config) -> LLMEngine:
+    """The engine `k3 serve` runs, in whichever process runs it: the model directory loaded onto device (a vision
+    model when config.json has a vision_config; on a GPU MXFP4 experts stay packed: the MXFP4 kernels, a quarter
+    of the bytes, as every --nproc rank keeps them; on a CPU dequantised experts run faster)."""
+    import torch
+
+    from k3.data import model_tokenizer
+    from k3.vision.multimodal import load_model
+
+    model = load_model(model_dir, device=device, keep_mxfp4=torch.device(device).type == "cuda")
+    return LLMEngine(model, model_tokenizer(model_dir), fit_engine_config(model.config, engine_config))
 
 
 def uvicorn_settings(host: str, port: int, timeout_keep_alive: float = 5.0, header_timeout: float = HEADER_TIMEOUT_S,

@@ -168,6 +168,20 @@ def requests_per_level(concurrency: int | None, num_prompts: int, per_concurrenc
     return num_prompts if concurrency is None else max(num_prompts, per_concurrency * concurrency)
 
 
+def make_model(model_dir: str | None, preset: str, seed: int, device: str = "cpu", dtype: str = "float32"):
+    """The benchmark's model: a checkpoint directory's, or the preset's initialised from seed (on device, the same
+    weights every time: the engine's process makes its own copy this way, `k3.serve.engine_process`)."""
+    from k3 import K3Config, K3ForCausalLM
+    if model_dir:
+        model = K3ForCausalLM.from_pretrained(model_dir, device=device)
+    else:
+        with torch.device(device):  # built where it runs: no host copy of the weights first
+            model = K3ForCausalLM(K3Config.preset(preset), init=False)  # the seeded init below is the one
+        model.reset_parameters(seed=seed)
+    model.eval()
+    return model if dtype == "float32" else model.to(getattr(torch, dtype))
+
+
 def static_batch_baseline(model, tokenizer, num_prompts: int, batch_size: int, input_len: int, output_len: int,
                           seed: int = 0, warmup: bool = False) -> dict:
     """What one writes without an engine: `generate` over fixed batches of equal-length prompts, on the model's
@@ -207,56 +221,62 @@ def _sync(device: torch.device) -> None:
 
 def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, concurrency: int | None,
                request_rate: float | None, input_len: int, output_len: int, turns: int, seed: int = 0,
-               on_start=None, warmup: bool = False) -> dict:
+               on_start=None, warmup: bool = False, make_model=None) -> dict:
     """One load run against a fresh engine (so a cold prefix cache) behind an in-process server, loaded by
     clients in a process of their own → the summary, plus `problems`: failed requests, outputs of the wrong
     length, a pool not empty afterwards.
     on_start(engine): called once the engine exists (e.g. to print its capacity).
+    make_model: a picklable maker of `model` (`make_model`): the engine then runs in a process of its own, which
+    makes its model with it (`k3.serve.engine_process`, as `k3 serve` runs); None: on a thread beside the server.
     warmup: first the engine's own warm-up (`LLMEngine.warm_up`: every graph, as `k3 serve` starts) and the same
     load untimed, other prompts at the same concurrency and lengths, so that the timed run does not pay the
     engine's first uses (graph captures, kernel autotuning). `graphs_first_used` counts the decode-graph keys and
     prefill-graph buckets first used while timed (each a capture on CUDA): above 0, the warm-up missed one and
     the timed figures include its capture. `engine`: where the timed run's time went (`StepLog.summary`)."""
+    import functools
+
     from k3.serve.api import create_app
     from k3.serve.engine import LLMEngine
+    from k3.serve.engine_process import EngineProcess, build_engine, inspect
 
-    engine = LLMEngine(model, tokenizer, engine_config)
+    if make_model is not None:
+        engine = EngineProcess(functools.partial(build_engine, make_model, tokenizer, engine_config), warm_up=warmup)
+        engine.start()
+        ask = engine.call
+    else:
+        engine = LLMEngine(model, tokenizer, engine_config)
+        ask = functools.partial(inspect, engine)
     try:
         if on_start is not None:
             on_start(engine)
-        if warmup:  # every graph now (as `k3 serve` starts), then the load itself for the rest
+        if warmup and make_model is None:  # every graph now (as `k3 serve` starts), then the load itself for the rest
             engine.warm_up()
         with local_server(create_app(engine, tokenizer, "k3")) as url:
             if warmup and concurrency:  # other random prompts (another seed): nothing for the timed run to hit
                 run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                         output_len, turns, None, seed + 104729)
-            used = graph_keys_used(engine)
-            engine.step_log = log = StepLog()
+            used = ask("graph_keys")
+            ask("trace")
             s = run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                         output_len, turns, None, seed)
-            engine.step_log = None
-            s["engine"] = log.summary(s["wall_s"])
-            s["graph_keys"] = graph_keys_used(engine)
+            s["engine"] = ask("trace_summary", s["wall_s"])
+            s["graph_keys"] = ask("graph_keys")
             s["graphs_first_used"] = s["graph_keys"] - used
-        blocks, slots = engine.pool.num_used_blocks, engine.pool.num_used_slots
+            blocks, slots, unfinished = ask("pool_usage")
         s["problems"] = [msg for bad, msg in (
             (s["failed"], f"{s['failed']} failed requests"),
             (s["wrong_length"], f"{s['wrong_length']} requests without exactly {output_len} output tokens"),
-            (blocks or slots or engine.has_unfinished(),
+            (blocks or slots or unfinished,
              f"pool not empty afterwards ({blocks} blocks, {slots} slots held)")) if bad]
         return s
     finally:  # the next run allocates a pool of its own: free this one's device memory first
-        engine.close()
+        if make_model is None:
+            engine.close()
+        else:
+            engine.shutdown()  # (the server's lifespan has stopped it already: the process is gone)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def graph_keys_used(engine) -> int:
-    """How many decode-graph (rows, width) keys and prefill-graph token buckets the engine has used so far (on
-    CUDA each was captured at its first use; on CPU the same keys are made, run eagerly)."""
-    runner = engine.runner
-    return sum(len(g.entries) for g in (runner.graphs, runner.prefill_graphs) if g is not None)
 
 
 def format_engine_summary(e: dict) -> str:

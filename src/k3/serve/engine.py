@@ -95,6 +95,46 @@ def check_policy_version(policy_version) -> None:
         raise ValueError(f"policy_version must be an int, a str or None, got {type(policy_version).__name__}")
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit to be served: the engine checks with it, and so does a server whose engine runs in
+    another process (k3.serve.engine_process), before anything is queued."""
+    vocab_size: int
+    max_model_len: int
+    media_pad: int | None  # the <|media_pad|> id of a vision model, None for text only
+
+    def check(self, prompt: list[int], params: SamplingParams, images: list | None = None) -> None:
+        """Raise ValueError (naming the field) for a request the engine cannot serve.
+        images: preprocessed images (k3.vision.ImageInput) whose pads the prompt carries, in order."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        V = self.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {V})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = next((t for t in ids if t >= V), None)
+            if bad is not None:
+                raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {V})")
+        if params.prompt_logprobs is not None:
+            entries = len(prompt) * (params.prompt_logprobs + 1)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise ValueError(f"prompt_logprobs {params.prompt_logprobs} over {len(prompt)} prompt tokens would "
+                                 f"keep {entries} logprobs (tokens × (k+1)); at most {MAX_PROMPT_LOGPROB_ENTRIES} "
+                                 f"per sequence: ask for fewer top logprobs or score a shorter prompt")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"maximum sequence length {self.max_model_len}")
+        pad = self.media_pad
+        if images and pad is None:
+            raise ValueError("images were given but this model has no vision tower (text only)")
+        if pad is not None:
+            want = sum(im.num_tokens for im in images or [])
+            if prompt.count(pad) != want:
+                raise ValueError(f"prompt holds {prompt.count(pad)} <|media_pad|> tokens but the images need {want}")
+
+
 class LLMEngine:
     # Set by distributed serving (k3.serve.distributed): how the sampled ids become rank 0's on every rank, and
     # how often an idle EngineThread steps anyway (the heartbeat the other ranks wait on).
@@ -174,36 +214,18 @@ class LLMEngine:
         return made
 
     # ---- requests -------------------------------------------------------------------------------------
+    @property
+    def limits(self) -> "RequestLimits":
+        return RequestLimits(self.model.config.vocab_size, self.max_model_len,
+                             getattr(self.model, "media_placeholder_token_id", None))
+
+    @property
+    def vision_config(self):
+        return getattr(self.model, "vision_config", None)
+
     def check_request(self, prompt: list[int], params: SamplingParams, images: list | None = None) -> None:
-        """Raise ValueError (naming the field) for a request the engine cannot serve.
-        images: preprocessed images (k3.vision.ImageInput) whose pads the prompt carries, in order."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError("prompt must be a non-empty list of token ids")
-        V = self.model.config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {V})")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
-            bad = next((t for t in ids if t >= V), None)
-            if bad is not None:
-                raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {V})")
-        if params.prompt_logprobs is not None:
-            entries = len(prompt) * (params.prompt_logprobs + 1)
-            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
-                raise ValueError(f"prompt_logprobs {params.prompt_logprobs} over {len(prompt)} prompt tokens would "
-                                 f"keep {entries} logprobs (tokens × (k+1)); at most {MAX_PROMPT_LOGPROB_ENTRIES} "
-                                 f"per sequence: ask for fewer top logprobs or score a shorter prompt")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"maximum sequence length {self.max_model_len}")
-        pad = getattr(self.model, "media_placeholder_token_id", None)
-        if images and pad is None:
-            raise ValueError("images were given but this model has no vision tower (text only)")
-        if pad is not None:
-            want = sum(im.num_tokens for im in images or [])
-            if prompt.count(pad) != want:
-                raise ValueError(f"prompt holds {prompt.count(pad)} <|media_pad|> tokens but the images need {want}")
+        """Raise ValueError (naming the field) for a request the engine cannot serve (`RequestLimits.check`)."""
+        self.limits.check(prompt, params, images)
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     checkpoint_at: list[int] | None = None, images: list | None = None,
@@ -488,10 +510,12 @@ class LLMEngine:
 
 
 class EngineThread:
-    """Owns an LLMEngine in a background thread; other threads submit and abort through a mailbox."""
+    """Owns an LLMEngine in a background thread; other threads submit and abort through a mailbox.
+    after_outputs: called on the engine thread once each iteration's outputs have gone to their listeners (and once
+    after a crash's error outputs): where a listener that batches them sends its batch."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, after_outputs: Callable[[], None] | None = None):
+        self.engine, self.after_outputs = engine, after_outputs
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
         self._listeners: dict[str, Callable[[RequestOutput], None]] = {}
@@ -561,10 +585,14 @@ class EngineThread:
                         self._listeners.pop(out.request_id, None)
                     if cb is not None:
                         cb(out)
+                if self.after_outputs is not None:
+                    self.after_outputs()
                 if log is not None:
                     log.iteration(t0, t1, time.perf_counter(), intake=t0 - t_in, step_cpu=cpu1 - cpu0)
         except BaseException as e:  # surface engine crashes to waiting requests instead of hanging them
             self.error = e
             for rid, cb in list(self._listeners.items()):
                 cb(RequestOutput(rid, [], "", [], [], "", True, f"error: {e}", 0, None))
+            if self.after_outputs is not None:
+                self.after_outputs()
             raise

@@ -97,6 +97,11 @@ class Metrics:
         self.generation_tokens = 0
         self.finished: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
 
+    def describe_model(self, model_name: str, max_model_len: int) -> None:
+        """The served model's name and length limit (the label and the length histograms' buckets)."""
+        self.model_name = model_name
+        self.set_max_model_len(max_model_len)
+
     def set_max_model_len(self, max_model_len: int) -> None:
         buckets = buckets_1_2_5(max_model_len)
         with self.lock:
