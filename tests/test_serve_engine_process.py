@@ -1,0 +1,215 @@
+"""The engine in a process of its own (k3.serve.engine_process), live behind the real server and the real openai
+client: its tokens, text and logprobs must equal the in-process engine's and the model's own `generate`; the
+server's counters reach the engine's /metrics; a client that leaves frees its blocks in the other process; a bad
+request is refused before anything crosses; and the failures are attacked: the engine process killed mid-stream,
+a build that fails, and the server process killed (its engine must not outlive it)."""
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from k3.data import Tokenizer
+from k3.serve import EngineConfig, LLMEngine
+from k3.serve.api import create_app
+from k3.serve.bench import make_model
+from k3.serve.engine_process import EngineProcess, build_engine
+from k3.serve.local_server import local_server
+from k3.serve.sampling import SamplingParams
+
+NAME, SEED = "k3-tiny", 3
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def config() -> EngineConfig:
+    return EngineConfig(memory_bytes=32 << 20, block_size=16, match_unit=4, max_batch_tokens=256, max_num_seqs=32,
+                        max_model_len=200)
+
+
+def process(tok, maker=functools.partial(make_model, None, "tiny", SEED)) -> EngineProcess:
+    return EngineProcess(functools.partial(build_engine, maker, tok, config()))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_file()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(None, "tiny", SEED)  # the same weights the engine process makes for itself
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # (the engine process takes this count too)
+    proc = process(tok).start()
+    with local_server(create_app(proc, tok, NAME)) as url:
+        yield url, proc
+    torch.set_num_threads(n)
+    assert not proc._proc.is_alive()  # the app's shutdown stopped it
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def wait_pool_empty(proc, timeout=10.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.call("pool_usage") == (0, 0, False):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_tokens_text_and_logprobs_equal_the_in_process_engine(client, server, model, tok):
+    prompts = ["To be, or not to be", "Once more unto the breach", "Now is the winter"]
+    local = LLMEngine(model, tok, config())
+    ids = [local.add_request(tok.encode(p), SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=2))
+           for p in prompts]
+    lps = {i: [] for i in ids}
+    final = {}
+    while local.has_unfinished():
+        for out in local.step():
+            lps[out.request_id] += out.new_logprobs
+            if out.finished:
+                final[out.request_id] = out
+    want = [final[i] for i in ids]
+    for p, w, i in zip(prompts, want, ids):
+        ref = model.generate(torch.tensor([tok.encode(p)]), max_new_tokens=9)[0, len(tok.encode(p)):].tolist()
+        assert list(w.output_ids) == ref
+        r = client.completions.create(model=NAME, prompt=p, max_tokens=9, logprobs=2, **GREEDY)
+        c = r.choices[0]
+        assert c.token_ids == ref and c.text == w.text and c.finish_reason == "length"
+        assert c.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in lps[i]], abs=1e-5)
+        tops = [sorted(t.values(), reverse=True) for t in c.logprobs.top_logprobs]
+        assert tops == [pytest.approx([v for _, v in lp.top], abs=1e-5) for lp in lps[i]]
+        streamed = list(client.completions.create(model=NAME, prompt=p, max_tokens=9, stream=True, **GREEDY))
+        assert "".join(x.choices[0].text for x in streamed if x.choices) == w.text
+        assert sum((x.choices[0].token_ids for x in streamed if x.choices), []) == ref
+    # a stop string: the cut text is the engine's (sent whole with the last output), as in one process
+    first = want[0].text
+    stop = first[len(first) // 2:len(first) // 2 + 3]
+    assert stop.strip()
+    cut = local.generate([tok.encode(prompts[0])], SamplingParams(max_tokens=9, temperature=0, stop=[stop]))[0]
+    r = client.completions.create(model=NAME, prompt=prompts[0], max_tokens=9, stop=[stop], temperature=0)
+    assert r.choices[0].text == cut.text and r.choices[0].finish_reason == cut.finish_reason == "stop"
+    assert wait_pool_empty(server[1])
+    local.close()
+
+
+def test_counters_reach_the_engines_metrics(client, server):
+    url, proc = server
+
+    def counts() -> tuple[float, float]:
+        body = httpx.get(url + "/metrics").text
+        n = re.search(r'^vllm:request_params_n_count\{[^}]*\} (\S+)$', body, re.M)
+        gen = re.search(r'^vllm:generation_tokens_total\{[^}]*\} (\S+)$', body, re.M)
+        return float(n.group(1)), float(gen.group(1))
+    n0, gen0 = counts()
+    client.completions.create(model=NAME, prompt=["Hark", "Alas"], max_tokens=5, n=2, **GREEDY)
+    n1, gen1 = counts()
+    assert n1 - n0 == 2  # the server's per-prompt count, sent over to the engine's Metrics
+    assert gen1 - gen0 == 2 * 2 * 5  # the engine's own
+
+
+def test_client_disconnect_frees_the_engine_process_pool(server):
+    url, proc = server
+    body = {"model": NAME, "prompt": "Now is the winter of our discontent", "max_tokens": 150, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", url + "/v1/completions", json=body) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data:"))
+            assert json.loads(first[5:])["choices"]
+            assert proc.call("pool_usage")[2]  # running in the other process
+    assert wait_pool_empty(proc, 5)  # aborted there long before 150 tokens
+
+
+@pytest.mark.parametrize("prompt,why", [([8192], r"in \[0, 8192\)"), ([5] * 199, "maximum sequence length")])
+def test_bad_requests_are_refused_before_they_cross(client, server, prompt, why):
+    with pytest.raises(openai.BadRequestError, match=why):
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=5)
+    assert server[1].call("pool_usage") == (0, 0, False)
+
+
+def test_engine_process_killed_mid_stream(tok):
+    """SIGKILL the engine process while a stream runs: the stream ends with an error event and [DONE] (no hang),
+    /health answers 503, and a new request fails at once."""
+    proc = process(tok).start()
+    with local_server(create_app(proc, tok, NAME)) as url, httpx.Client(base_url=url, timeout=30) as h:
+        assert h.get("/health").status_code == 200
+        body = {"model": NAME, "prompt": "Friends, Romans", "max_tokens": 150, "stream": True, "ignore_eos": True}
+        events = []
+        with h.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+                    if len(events) == 2:
+                        os.kill(proc.pid, signal.SIGKILL)
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert len(events) < 150
+        assert h.get("/health").status_code == 503
+        t0 = time.monotonic()
+        r = h.post("/v1/completions", json={**body, "stream": False})
+        assert r.status_code >= 500 and time.monotonic() - t0 < 5
+        with pytest.raises(RuntimeError, match="engine"):
+            proc.call("pool_usage")
+
+
+def test_a_failing_build_is_reported(tok, tmp_path):
+    proc = process(tok, functools.partial(make_model, str(tmp_path / "missing"), "tiny", 0))
+    with pytest.raises(RuntimeError, match="failed to start"):
+        proc.start()
+    assert not proc._proc.is_alive()
+
+
+def test_engine_exits_with_its_server_process(tmp_path):
+    """The server's process killed outright (no shutdown runs): its engine process sees the pipe close and exits."""
+    script = textwrap.dedent("""
+        import functools, sys, time
+        from k3.data import Tokenizer
+        from k3.serve import EngineConfig
+        from k3.serve.bench import make_model
+        from k3.serve.engine_process import EngineProcess, build_engine
+        if __name__ == "__main__":
+            cfg = EngineConfig(memory_bytes=32 << 20, block_size=16, match_unit=4, max_model_len=200)
+            proc = EngineProcess(functools.partial(build_engine, functools.partial(make_model, None, "tiny", 0),
+                                                   Tokenizer.from_file(), cfg)).start()
+            print(proc.pid, flush=True)
+            time.sleep(120)
+    """)
+    path = tmp_path / "server.py"
+    path.write_text(script)
+    server = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(server.stdout.readline())
+        os.kill(engine_pid, 0)  # alive
+        server.kill()
+        server.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _alive(engine_pid):
+            time.sleep(0.1)
+        assert not _alive(engine_pid)
+    finally:
+        server.kill()
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an orphan's zombie is reaped by init, not by us)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
