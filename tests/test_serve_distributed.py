@@ -134,7 +134,8 @@ def children_of(pid: int) -> list[int]:
 def test_http_nproc2_equals_nproc1(model_dir, tmp_path):
     answers = {}
     for n in (1, 2):
-        with k3_serve(model_dir / "f32", "k", "m", tmp_path / f"log{n}", "--nproc", str(n)) as url:
+        one = ["--no-engine-process"] if n == 1 else []  # one process: no engine process beside it either
+        with k3_serve(model_dir / "f32", "k", "m", tmp_path / f"log{n}", "--nproc", str(n), *one) as url:
             answers[n] = [complete(url, p) for p in ("ROMEO:", "To be, or not to be")]
             workers = children_of(_serving_pid(url))
             assert len(workers) == n - 1

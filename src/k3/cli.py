@@ -664,7 +664,7 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
                    help="run prompt-chunk steps through piecewise CUDA graphs (one per token bucket, broken at the "
                         "mixers' cores; default: on CUDA from one process)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the engine in a process of its own beside the HTTP server's (their Python does not "
+                   help="one-device serving: the engine in a process of its own beside the HTTP server's (their Python does not "
                         "share one GIL; --no-engine-process: one process, the engine on a thread)")
 
 
