@@ -664,8 +664,8 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
                    help="run prompt-chunk steps through piecewise CUDA graphs (one per token bucket, broken at the "
                         "mixers' cores; default: on CUDA from one process)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="one-device serving: the engine in a process of its own beside the HTTP server's (their Python does not "
-                        "share one GIL; --no-engine-process: one process, the engine on a thread)")
+                   help="one-device serving: the engine in a process of its own beside the HTTP server's (their "
+                        "Python does not share one GIL; --no-engine-process: one process, the engine on a thread)")
 
 
 def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
