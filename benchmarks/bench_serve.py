@@ -21,7 +21,8 @@ The engine runs with async output (the default: each decode step launches before
 `--no-async-output` times the synchronous engine). Its warm-up is the engine's own (`LLMEngine.warm_up`, as `k3 serve`
 starts: every prefill bucket and decode graph), then the whole timed load on other prompts; `graphs_first_used` > 0
 in a row means a capture landed inside its figures. Under each engine row, the engine's trace of the timed run
-(`StepLog`): request intake, stepping (and its CPU share), emitting, idle, and each step kind's count and period."""
+(`StepLog`): request intake, stepping, emitting, idle, and each step kind's count and period. The engine runs in
+a process of its own, as `k3 serve` runs it (`--no-engine-process`: on a thread of the server's process)."""
 import sys
 
 from k3.cli import main

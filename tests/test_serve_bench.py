@@ -34,7 +34,7 @@ def test_bench_serve_runs_every_dataset_and_the_baseline(tmp_path, flags, runs):
         e = r["engine"]  # the engine's own trace of the timed run: every request prefilled and decoded in it
         assert e["prompt"]["steps"] >= 1 and e["decode"]["steps"] >= 4, name  # 5 tokens: 4 decode steps at least
         assert 0 < e["step_s"] < r["wall_s"] and e["idle_s"] > -1e-3, name
-        assert 0 < e["step_cpu_s"] <= e["step_s"] + 1e-3 and e["intake_s"] > 0, name  # 4 requests were taken in
+        assert e["intake_s"] > 0, name  # 4 requests were taken in
     assert rows["engine multiturn c=2"]["hit_rate"] > 0.2  # turn 2 resumes turn 1's checkpointed prefix
 
 

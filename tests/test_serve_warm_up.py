@@ -71,11 +71,10 @@ def test_step_log_summary_splits_the_wall_time_and_the_step_kinds():
         log.launch(t, [S(False)] * 3, [1, 1, 1])
     log.launch(0.040, [S(False)] * 2, [1, 1])
     for a, b, c in ((0.0, 0.009, 0.010), (0.010, 0.013, 0.014), (0.014, 0.017, 0.018), (0.018, 0.019, 0.020)):
-        log.iteration(a, b, c, intake=0.0005, step_cpu=(b - a) / 2)
+        log.iteration(a, b, c, intake=0.0005)
     out = StepLog.summary(log, wall=0.050)
     assert out["iterations"] == 4
     assert out["step_s"] == pytest.approx(0.009 + 0.003 + 0.003 + 0.001)
-    assert out["step_cpu_s"] == pytest.approx(0.008)
     assert out["emit_s"] == pytest.approx(0.004) and out["intake_s"] == pytest.approx(0.002)
     assert out["idle_s"] == pytest.approx(0.050 - 0.002 - 0.016 - 0.004)
     assert out["prompt"] == pytest.approx({"steps": 1, "rows": 3, "tokens": 300, "period_ms": 10.0})

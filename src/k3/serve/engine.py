@@ -572,13 +572,10 @@ class EngineThread:
                     else:
                         eng.abort(item[1])
                         self._listeners.pop(item[1], None)
-                # (the thread's CPU clock only when tracing: on the dev VM reading it made a 64-stream step behind
-                # HTTP ~2.5 ms slower, benchmarks/bench_serve_host.py)
-                log = eng.step_log
-                t0, cpu0 = time.perf_counter(), time.thread_time() if log is not None else 0.0
+                t0 = time.perf_counter()
                 with torch.inference_mode():
                     outputs = eng.step()
-                t1, cpu1 = time.perf_counter(), time.thread_time() if log is not None else 0.0
+                t1 = time.perf_counter()
                 for out in outputs:
                     cb = self._listeners.get(out.request_id)
                     if out.finished:
@@ -587,8 +584,8 @@ class EngineThread:
                         cb(out)
                 if self.after_outputs is not None:
                     self.after_outputs()
-                if log is not None:
-                    log.iteration(t0, t1, time.perf_counter(), intake=t0 - t_in, step_cpu=cpu1 - cpu0)
+                if (log := eng.step_log) is not None:
+                    log.iteration(t0, t1, time.perf_counter(), intake=t0 - t_in)
         except BaseException as e:  # surface engine crashes to waiting requests instead of hanging them
             self.error = e
             for rid, cb in list(self._listeners.items()):

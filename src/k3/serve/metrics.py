@@ -233,30 +233,27 @@ class _Snapshot:
 class StepLog:
     """A trace of the engine's steps, for benchmarks (`LLMEngine.step_log`): each launched step (time, rows, tokens,
     prompt rows) and each EngineThread iteration (start, step returned, outputs handed to the server; the time its
-    new requests took to queue before it, and the engine thread's CPU time inside the step: wall time the thread
-    did not spend on the CPU is time it waited, for the GIL or the device). `summary` says where a run's time went:
+    new requests took to queue before it). `summary` says where a run's time went:
     taking requests in, stepping, handing outputs over, or idle (waiting for requests)."""
 
     def __init__(self):
         self.launches: list[tuple[float, int, int, int]] = []
-        self.iterations: list[tuple[float, float, float, float, float]] = []
+        self.iterations: list[tuple[float, float, float, float]] = []
 
     def launch(self, now: float, seqs: list, lens: list[int]) -> None:
         self.launches.append((now, len(seqs), sum(lens), sum(1 for s in seqs if s.in_prefill)))
 
-    def iteration(self, start: float, stepped: float, emitted: float, intake: float = 0.0,
-                  step_cpu: float = 0.0) -> None:
-        self.iterations.append((start, stepped, emitted, intake, step_cpu))
+    def iteration(self, start: float, stepped: float, emitted: float, intake: float = 0.0) -> None:
+        self.iterations.append((start, stepped, emitted, intake))
 
     def summary(self, wall: float) -> dict:
-        """Seconds taking requests in / stepping (and of it on the CPU) / emitting / idle over `wall`, and per kind of launched step (decode-only, or with
+        """Seconds taking requests in / stepping / emitting / idle over `wall`, and per kind of launched step (decode-only, or with
         prompt rows): count, mean rows and tokens, and the mean time to the next launch (the step's period, which
         includes whatever the host did in between). `slowest`: the five longest periods (a capture shows here)."""
         step = sum(it[1] - it[0] for it in self.iterations)
         emit = sum(it[2] - it[1] for it in self.iterations)
         intake = sum(it[3] for it in self.iterations)
-        out = {"iterations": len(self.iterations), "intake_s": intake, "step_s": step,
-               "step_cpu_s": sum(it[4] for it in self.iterations), "emit_s": emit,
+        out = {"iterations": len(self.iterations), "intake_s": intake, "step_s": step, "emit_s": emit,
                "idle_s": wall - intake - step - emit}
         periods = [(b[0] - a[0], a) for a, b in zip(self.launches, self.launches[1:])]
         for kind, keep in (("decode", lambda p: p == 0), ("prompt", lambda p: p > 0)):
