@@ -213,3 +213,23 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_images_cross_to_the_engine_process(vlm, tok):
+    """A chat request with an image (its preprocessed tensors cross the pipe): the same answer as the in-process
+    engine's, and a bad image is still refused by the server with a 400."""
+    from fastapi.testclient import TestClient
+    from test_vision_serve import chat_body, data_url, png
+    from tiny_vlm import make_tiny_vlm
+
+    def answer(engine) -> tuple[dict, int]:
+        with TestClient(create_app(engine, tok, "k3")) as client:
+            ok = client.post("/v1/chat/completions", json={**chat_body(data_url(png(5))), "max_tokens": 6})
+            bad = client.post("/v1/chat/completions", json=chat_body(data_url(b"not a png")))
+            assert ok.status_code == 200, ok.text
+            return ({k: ok.json()[k] for k in ("choices", "usage")}, bad.status_code)
+    local = answer(LLMEngine(vlm, tok, config()))
+    proc = EngineProcess(functools.partial(build_engine, make_tiny_vlm, tok, config())).start()
+    assert proc.vision_config is not None
+    assert answer(proc) == local and local[1] == 400
+    assert not proc._proc.is_alive()
