@@ -89,33 +89,42 @@ def test_token_buckets():
     assert pg.token_buckets(16) == [16] and pg.token_buckets(5) == [5]
 
 
-@pytest.mark.parametrize("split,decode_graphs", [(True, True), (False, True), (False, False)])
-def test_pieces_equal_plain_engine_and_generate(model, split, decode_graphs):
+def breaks_per_step(model, static: bool) -> int:
+    """One break per mixer core; with the static KDA layout, MLA's only."""
+    return len(model.config.linear_attn_config.full_attn_layers) if static else model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("split,decode_graphs,static", [(True, True, False), (False, True, False),
+                                                        (False, False, False), (True, True, True),
+                                                        (False, False, True)])
+def test_pieces_equal_plain_engine_and_generate(model, split, decode_graphs, static):
     """Requests arriving while others decode (chunks of several prompts in one step, split or unsplit mixed
     steps, decode-only steps through the pieces when decode graphs are off, a prompt scored, seeded sampling):
-    outputs equal the plain engine's, greedy tokens equal generate's, steps ran padded, one break per layer."""
+    outputs equal the plain engine's, greedy tokens equal generate's, steps ran padded, one break per core (per
+    MLA core with the KDA cores over the bucket's fixed-shape layout: its one-token rows run the chunked form)."""
     cfg = dict(split_mixed_steps=split, decode_graphs=decode_graphs)
-    got, steps, breaks = drive(make(model, True, **cfg), ARRIVALS)
+    got, steps, breaks = drive(make(model, True, static_kda_cores=static, **cfg), ARRIVALS)
     want, none, _ = drive(make(model, False, **cfg), ARRIVALS)
     assert none == [] and len(steps) >= 4, steps
     assert any(n < bucket for n, bucket in steps) and any(n > 16 for n, _ in steps), steps
-    assert len(breaks) == len(steps) * model.config.num_hidden_layers
+    assert len(breaks) == len(steps) * breaks_per_step(model, static)
     for (p, params, _), a, b in zip(ARRIVALS, got, want):
         assert_same(a, b)
         if params.temperature == 0:
             assert a["ids"] == reference(model, p, params.max_tokens)
 
 
-def test_pieces_under_preemption_and_prefix_hits(model):
+@pytest.mark.parametrize("static", [False, True])
+def test_pieces_under_preemption_and_prefix_hits(model, static):
     """A pool too small for every sequence (preemption by swap, chunks resumed), then a follow-up prompt that
     hits the first run's prefix units and KDA checkpoints: still generate's tokens through the pieces."""
     prompts = [prompt(40 + i, 18) for i in range(3)]
-    eng = make(model, True, num_blocks=7, prefix_caching=False)
+    eng = make(model, True, num_blocks=7, prefix_caching=False, static_kda_cores=static)
     got, steps, _ = drive(eng, [(p, SamplingParams(max_tokens=20, **GREEDY), 0) for p in prompts])
     assert eng.scheduler.num_preemptions > 0 and steps
     for p, r in zip(prompts, got):
         assert r["ids"] == reference(model, p, 20)
-    eng = make(model, True)
+    eng = make(model, True, static_kda_cores=static)
     p = prompt(90, 10)
     first, _, _ = drive(eng, [(p, SamplingParams(max_tokens=13, **GREEDY), 0)])
     follow = p + first[0]["ids"] + prompt(91, 3)
@@ -124,10 +133,13 @@ def test_pieces_under_preemption_and_prefix_hits(model):
     assert list(out.output_ids) == reference(model, follow, 6)
 
 
-def test_pad_rows_never_reach_real_rows(model, monkeypatch):
+@pytest.mark.parametrize("static", [False, True])
+def test_pad_rows_never_reach_real_rows(model, monkeypatch, static):
     """The attack: every pad row of every step holds a different random token (and so routes to other experts
-    and carries other values through every per-token part). The real rows' outputs do not move."""
-    calm, steps, _ = drive(make(model, True), ARRIVALS)
+    and carries other values through every per-token part; with the static KDA layout, through the pad document's
+    KDA and the scratch slot's state, which is also filled with large random values before every step). The real
+    rows' outputs do not move."""
+    calm, steps, _ = drive(make(model, True, static_kda_cores=static), ARRIVALS)
     load = pg.PrefillGraph.load
     gen = torch.Generator().manual_seed(7)
 
@@ -136,29 +148,65 @@ def test_pad_rows_never_reach_real_rows(model, monkeypatch):
         pad = torch.randint(0, model.config.vocab_size, (self.tokens - len(ids),), generator=gen)
         self.host[len(ids):] = pad
         self.ids.copy_(self.host)
+        if static:
+            pool = eng.pool
+            for layer, state in pool.state.items():
+                state[pool.scratch_slot] = 100 * torch.randn(state[0].shape, generator=gen)
+                pool.conv[layer][pool.scratch_slot] = 100 * torch.randn(pool.conv[layer][0].shape, generator=gen)
     monkeypatch.setattr(pg.PrefillGraph, "load", hostile_load)
-    hostile, steps2, _ = drive(make(model, True), ARRIVALS)
+    eng = make(model, True, static_kda_cores=static)
+    hostile, steps2, _ = drive(eng, ARRIVALS)
     assert steps2 == steps and sum(b - n for n, b in steps) > 20
     for a, b in zip(hostile, calm):
         assert_same(a, b)
 
 
+def test_static_kda_layout_pads_the_documents_and_the_chunk_plan(model):
+    """StaticKDAView.load: the step's documents first, then one over the pad rows, then empty ones; fla's chunk plan
+    of the real documents as `chunk_plan` makes it, padded with entries of the last (empty) document; slots past
+    the step's rows are the scratch slot; too many rows or tokens are refused."""
+    from k3.ops.kda_fla_lean import chunk_plan
+    from k3.serve.runner import StaticKDAView
+
+    eng = make(model, True, static_kda_cores=True)
+    view = StaticKDAView(eng.pool, model.config.num_hidden_layers, 256, 4)
+    lens, slots = [70, 1, 64], [5, 2, 9]
+    view.load(lens, slots)
+    S, scratch = 6, eng.pool.scratch_slot
+    assert view.cu_cpu.tolist() == view.cu_seqlens.tolist() == [0, 70, 71, 135, 256, 256, 256]
+    assert view.slots.tolist() == [5, 2, 9, scratch, scratch, scratch]
+    real = chunk_plan(torch.tensor([0, 70, 71, 135]))
+    n = real.chunk_indices.shape[0]  # 2 + 1 + 1 chunks
+    pad_doc = [[3, i] for i in range(2)]  # 121 pad tokens: 2 chunks
+    assert view.plan.chunk_indices[:n].tolist() == real.chunk_indices.tolist()
+    assert view.plan.chunk_indices[n:n + 2].tolist() == pad_doc
+    assert view.plan.chunk_indices.shape[0] == 256 // 64 + S
+    assert (view.plan.chunk_indices[n + 2:] == torch.tensor([S - 1, 0])).all()
+    assert view.plan.chunk_offsets.tolist() == [0, 2, 3, 4, 6, 6, 6]
+    with pytest.raises(ValueError, match="do not fit"):
+        view.load([1] * 5, list(range(5)))
+    with pytest.raises(ValueError, match="do not fit"):
+        view.load([200, 57], [1, 2])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_pieces_replay_equal_plain_engine(model):
+@pytest.mark.parametrize("static", [False, True])
+def test_cuda_pieces_replay_equal_plain_engine(model, static):
     """On CUDA each bucket is captured after its first (eager) step as num_layers + 1 graphs with the cores
-    between them, and later steps of that bucket replay them: fp32 tokens equal the plain engine's and
-    generate's, split and unsplit."""
+    between them (MLA layers + 1 with the static KDA layout: fla's kernels over padded plans and empty documents,
+    refilled before each replay), and later steps of that bucket replay them: fp32 tokens equal the plain engine's
+    and generate's, split and unsplit."""
     cuda = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
     cuda.load_state_dict(model.state_dict())
     greedy = [(p, SamplingParams(max_tokens=params.max_tokens, **GREEDY), at) for p, params, at in ARRIVALS]
     for split in (True, False):
-        eng = make(cuda, True, split_mixed_steps=split)
+        eng = make(cuda, True, split_mixed_steps=split, static_kda_cores=static)
         with torch.inference_mode():
             got, steps, _ = drive(eng, greedy)
             want, _, _ = drive(make(cuda, False, split_mixed_steps=split), greedy)
         entries = eng.runner.prefill_graphs.entries
-        assert entries and all(len(g.pieces) == cuda.config.num_hidden_layers + 1 for g in entries.values())
+        assert entries and all(len(g.pieces) == breaks_per_step(cuda, static) + 1 for g in entries.values())
         assert len(steps) > len(entries)  # some steps replayed a captured bucket
         for (p, params, _), a, b in zip(greedy, got, want):
             assert a["ids"] == b["ids"] == reference(model, p, params.max_tokens)
@@ -185,6 +233,8 @@ def test_cli_flag_reaches_the_engine_and_distributed_serving_refuses_it():
         assert _engine_config(build_parser().parse_args(argv)).prefill_graphs is None  # the engine's default
         assert _engine_config(build_parser().parse_args(argv + ["--prefill-graphs"])).prefill_graphs is True
         assert _engine_config(build_parser().parse_args(argv + ["--no-prefill-graphs"])).prefill_graphs is False
+        assert _engine_config(build_parser().parse_args(argv)).static_kda_cores is False
+        assert _engine_config(build_parser().parse_args(argv + ["--static-kda-cores"])).static_kda_cores is True
     a = build_parser().parse_args(["serve", "--model", "m", "--nproc", "2", "--prefill-graphs"])
     with pytest.raises(ValueError, match="--prefill-graphs"):
         serve_from_cli(a, _engine_config(a), None)

@@ -643,7 +643,7 @@ def _engine_config(a):
     config = EngineConfig(memory_bytes=int(a.memory_gib * 2**30), block_size=a.block_size, match_unit=a.match_unit,
                           max_batch_tokens=a.max_batch_tokens, max_num_seqs=a.max_num_seqs,
                           prefix_caching=not a.no_prefix_caching, async_output=a.async_output,
-                          prefill_graphs=a.prefill_graphs)
+                          prefill_graphs=a.prefill_graphs, static_kda_cores=a.static_kda_cores)
     if a.block_size % a.match_unit:  # the engine's own rule, said in flags
         raise CLIError(f"--block-size {a.block_size} must be a multiple of --match-unit {a.match_unit}")
     config.validate()  # now, not once the model is loaded
@@ -663,6 +663,9 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run prompt-chunk steps through piecewise CUDA graphs (one per token bucket, broken at the "
                         "mixers' cores; default: on CUDA from one process)")
+    p.add_argument("--static-kda-cores", action=argparse.BooleanOptionalAction, default=False,
+                   help="with prefill graphs: the KDA cores over a fixed-shape layout per token bucket, captured "
+                        "with the pieces (only MLA's cores break them; not yet timed on a GPU)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="one-device serving: the engine in a process of its own beside the HTTP server's (their "
                         "Python does not share one GIL; --no-engine-process: one process, the engine on a thread)")

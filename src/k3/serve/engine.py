@@ -51,6 +51,11 @@ class EngineConfig:
     # graphs, from one process (a distributed engine's pieces would capture collectives: not yet tried). On an
     # H200 at 64 streams a 2,048-token step took 56 ms eager (host-bound) and 22 ms through them (issue 21).
     prefill_graphs: bool | None = None
+    # with prefill graphs: their KDA cores over a fixed-shape layout per token bucket (the step's rows, a pad
+    # document, empty ones; fla's chunk plan padded alike: k3.serve.runner.StaticKDAView), captured with the pieces,
+    # so only MLA's cores break the chain. Off until timed on a GPU: the eager cores cost a 64-stream prompt step
+    # ~12 ms of host work on an H200 (issue 21, benchmarks/RESULTS.md, twenty-first session).
+    static_kda_cores: bool = False
     # packed MXFP4 experts in the GPU kernels' decode layout, rearranged once at load (default: on CUDA where the
     # kernels run; True forces it, e.g. on the CPU for tests; checkpoints saved from the model stay released)
     decode_layout: bool | None = None
@@ -168,7 +173,8 @@ class LLMEngine:
         if wants_decode_layout(param.device, config.decode_layout):  # a distributed load has done it already
             use_decode_layout_(model)
         self.runner = ModelRunner(model, self.pool, config.decode_graphs, config.max_num_seqs, self.sample_vocab,
-                                  config.split_mixed_steps, config.prefill_graphs, config.max_batch_tokens)
+                                  config.split_mixed_steps, config.prefill_graphs, config.max_batch_tokens,
+                                  config.static_kda_cores)
         self.seqs: dict[str, Sequence] = {}
         self.in_flight: LaunchedStep | None = None  # async output: the step on the device, not yet finished
         self.step_log: StepLog | None = None  # set to trace every step (benchmarks)

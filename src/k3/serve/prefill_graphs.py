@@ -9,6 +9,10 @@ graphs, with its attention ops as the breaks; here the breaks are the mixers' la
 Padding: the step's N tokens sit in the first N rows of the bucket's static ids; the pad rows embed token 0 and
 flow through the per-token parts (norms, mixes, MLP, experts), while every core runs on the first N rows only and
 leaves zeros in the pad rows of its output. Nothing a real row computes reads a pad row.
+With a fixed-shape KDA layout per bucket (`static_kda_cores`, k3.serve.runner.StaticKDAView: the step's rows, a pad
+document over the pad rows and empty documents up to a fixed count, fla's chunk plan padded likewise, all refilled
+in place before each replay) the KDA cores need no break: only MLA's cores split the chain (4 breaks for `small`'s
+16 layers instead of 16).
 On a CPU (or where graphs are off) the same pieces and breaks run eagerly in one pass: the path tests compare.
 fp32 models with routed experts capture the expert GEMMs through per-row weights (k3.ops.grouped_mm.rows_linear,
 memory rows × expert size): serve bf16, where `_grouped_mm` captures as it is."""
@@ -71,9 +75,13 @@ class PiecewiseLayout:
         return None  # never the fused one-kernel decode step: its slots are the step's, not the graph's
 
     def short_convs(self, m, xs: list[torch.Tensor]):
+        if self.graph.kda_view is not None:  # the bucket's fixed-shape layout: convolved here, inside the piece
+            return kda_mixer.VarlenLayout(self.graph.kda_view).short_convs(m, xs)
         return xs, (None, None, None)  # convolved in `core`'s break, which knows the step's sequences
 
     def core(self, m, q, k, v, f, beta_logits, tails) -> torch.Tensor:
+        if self.graph.kda_view is not None:  # no break: the core over the padded layout is part of the piece
+            return kda_mixer.VarlenLayout(self.graph.kda_view).core(m, q, k, v, f, beta_logits, tails)
         return self.graph.split(functools.partial(self._kda_core, m), (q, k, v, f, beta_logits), v.shape, v.dtype)
 
     def _kda_core(self, m, q, k, v, f, beta_logits, out: torch.Tensor) -> None:
@@ -99,8 +107,9 @@ class PrefillGraph:
     """One token bucket: static ids [tokens], the final hidden states [tokens, D] and, once captured, the pieces
     (CUDA graphs) with the breaks between them (each a core: its function, input tensors and output buffer)."""
 
-    def __init__(self, model, tokens: int, device: torch.device):
+    def __init__(self, model, tokens: int, device: torch.device, kda_view=None):
         self.model, self.tokens, self.device = model, tokens, device
+        self.kda_view = kda_view  # the KDA layers' fixed-shape layout (k3.serve.runner.StaticKDAView), or None
         self.layout = PiecewiseLayout(self)
         pinned = device.type == "cuda"
         self.host = torch.zeros(tokens, dtype=torch.long, pin_memory=pinned)
@@ -176,8 +185,10 @@ class PrefillGraphs:
     All buckets share one memory pool of their own (one step replays at a time; the decode graphs keep theirs,
     whose logits a split step still reads after this replay)."""
 
-    def __init__(self, model, max_tokens: int, device: torch.device, capture: bool):
-        self.model, self.device, self.capture = model, device, capture
+    def __init__(self, model, max_tokens: int, device: torch.device, capture: bool, kda_view=None):
+        """kda_view: None (the KDA cores break the chain) or a factory of a bucket's fixed-shape KDA layout
+        (tokens → k3.serve.runner.StaticKDAView): its cores are then captured with the rest, and only MLA's break."""
+        self.model, self.device, self.capture, self.kda_view = model, device, capture, kda_view
         self.buckets = token_buckets(max_tokens)
         self.entries: dict[int, PrefillGraph] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
@@ -192,9 +203,12 @@ class PrefillGraphs:
         graph = self.entries.get(tokens)
         fresh = graph is None
         if fresh:
-            graph = self.entries[tokens] = PrefillGraph(self.model, tokens, self.device)
+            graph = self.entries[tokens] = PrefillGraph(self.model, tokens, self.device,
+                                                        self.kda_view(tokens) if self.kda_view else None)
         graph.layout.view = view
         graph.load(ids)
+        if graph.kda_view is not None:
+            graph.kda_view.load(view.lens, view.slots_host)
         try:
             if graph.pieces:
                 return graph.replay()

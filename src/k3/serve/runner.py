@@ -3,6 +3,8 @@ model's own KDA and MLA modules read and write the pool through a BatchCacheView
 instead replay a CUDA graph captured for their padded batch size and block-table width (DecodeGraphs)."""
 from __future__ import annotations
 
+import array
+import itertools
 from dataclasses import dataclass
 from itertools import chain
 
@@ -61,6 +63,7 @@ class PagedBatchView(BatchCacheView):
     def __init__(self, pool: CachePool, num_layers: int, seqs: list[Sequence], lens: list[int]):
         dev = pool.device
         self.pool, self.num_layers, self.seq_len = pool, num_layers, 0
+        self.lens, self.slots_host = list(lens), [s.slot for s in seqs]
         self.set_layout(lens, [s.num_computed + n for s, n in zip(seqs, lens)], dev)
         bs = pool.block_size
         width = max(len(s.block_table) for s in seqs)
@@ -69,7 +72,7 @@ class PagedBatchView(BatchCacheView):
         # (row after row, as `mla_prefill_context` packs them)
         context = span_slots([(seqs[r].block_table, 0, self.kv_lens[r]) for r in self.prefill_rows], bs)
         self.slots, tables_t, self.slot_mapping, context_t = self.upload(
-            [[s.slot for s in seqs], tables, token_slots(seqs, lens, bs), context], dev)
+            [self.slots_host, tables, token_slots(seqs, lens, bs), context], dev)
         self.block_tables = tables_t.view(len(seqs), width)
         self.prefill_context_slots = context_t if self.prefill_rows else None
 
@@ -156,6 +159,57 @@ class DecodeGraphView(PagedBatchView):
         self._kda_read = {}  # (a forward cut short by an error may have left a layer's read)
 
 
+class StaticKDAView(PagedBatchView):
+    """The KDA layers' layout of a prefill-graph bucket of `tokens` tokens in fixed shapes, refilled in place before
+    each step (`load`), so that a CUDA graph captures the KDA cores with the rest of the step: S = max_rows + 2
+    documents (the step's rows, one pad document over the bucket's pad rows, empty ones after), each with a state
+    slot (the pool's scratch slot for all but the step's rows), and fla's chunk plan padded to the most chunks a
+    step of the bucket can cut, its spare entries naming the last (empty) document, whose loads and stores the
+    kernels mask. Every document is a prefill row (a one-token row runs the chunked form: the same function)."""
+
+    def __init__(self, pool: CachePool, num_layers: int, tokens: int, max_rows: int):
+        from k3.ops.kda_fla_lean import CHUNK_SIZE, ChunkPlan, use_plan
+
+        dev, S = pool.device, max_rows + 2
+        self.pool, self.num_layers, self.seq_len, self.tokens, self.S = pool, num_layers, 0, tokens, S
+        self.chunk, self.nt = CHUNK_SIZE, tokens // CHUNK_SIZE + S  # Σ ceil(len/64) <= tokens/64 + documents
+        pinned = dev.type == "cuda"
+        self.host = torch.zeros(S + (S + 1) + 2 * self.nt + (S + 1), dtype=torch.long, pin_memory=pinned)
+        self.buf = torch.zeros_like(self.host, device=dev)
+        self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host` has run
+        self.slots, self.cu_seqlens, pairs, offsets = self.buf.split([S, S + 1, 2 * self.nt, S + 1])
+        self.cu_cpu = torch.zeros(S + 1, dtype=torch.long)  # the offsets on the host (the CPU reference reads them)
+        self.plan = ChunkPlan(self.cu_seqlens, self.cu_cpu, pairs.view(self.nt, 2), offsets)
+        use_plan(self.plan)  # fla's lean entry plans from these buffers, not from the host offsets at capture
+        self.decode_rows, self.prefill_rows = [], list(range(S))
+        self.prefill_span = (slice(0, S), slice(0, tokens))
+        self.prefill_cu_seqlens, self.prefill_cu_seqlens_cpu = self.cu_seqlens, self.cu_cpu
+        self._kda_read = {}
+        self.forget_shared()
+
+    def load(self, lens: list[int], slots: list[int]) -> None:
+        """The step's rows (new tokens and state slot of each, at most max_rows, tokens within the bucket)."""
+        S, n = self.S, sum(lens)
+        if len(lens) > S - 2 or n > self.tokens:
+            raise ValueError(f"{len(lens)} rows of {n} tokens do not fit the layout of {S - 2} rows, {self.tokens} "
+                             f"tokens")
+        docs = [*lens, self.tokens - n] + [0] * (S - 1 - len(lens))
+        cu = [0, *itertools.accumulate(docs)]
+        counts = [-(-d // self.chunk) for d in docs]
+        pairs = [v for doc, c in enumerate(counts) for i in range(c) for v in (doc, i)]
+        pairs += [S - 1, 0] * (self.nt - len(pairs) // 2)
+        values = [*slots, *[self.pool.scratch_slot] * (S - len(slots)), *cu, *pairs, 0, *itertools.accumulate(counts)]
+        if self.copied is not None:  # the previous step's copy may still be queued: never overwrite its source
+            self.copied.synchronize()
+        self.host.copy_(torch.frombuffer(array.array("q", values), dtype=torch.long))
+        self.buf.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.cu_cpu.copy_(torch.tensor(cu))
+        self._kda_read = {}
+        self.forget_shared()
+
+
 class DecodeGraphs:
     """Decode-only steps replayed from CUDA graphs, one per (padded batch size, block-table width) and captured
     on first use. Batch sizes pad up to a power of two and widths to a power of two of blocks, so few graphs
@@ -233,14 +287,15 @@ class DecodeGraphs:
 class ModelRunner:
     def __init__(self, model, pool: CachePool, decode_graphs: bool | None = None, max_num_seqs: int = 64,
                  vocab: int | None = None, split_mixed: bool = False, prefill_graphs: bool | None = False,
-                 max_batch_tokens: int = 8192):
+                 max_batch_tokens: int = 8192, static_kda: bool = False):
         """decode_graphs: replay decode-only steps from CUDA graphs (default: on CUDA). On CPU, True runs the
         same fixed-shape decode step eagerly (for tests). vocab: the ids prompt logprobs range over (the
         engine's sampling vocabulary; default the model's). split_mixed: with graphs, a step that mixes decodes
         with prefill chunks replays the decodes' graph and runs only the chunks eagerly (see `_run`).
         prefill_graphs: the other steps (up to max_batch_tokens tokens) through piecewise CUDA graphs broken at
         the mixers' cores (k3.serve.prefill_graphs; None: on CUDA where the model allows; True on CPU runs the
-        same pieces and breaks eagerly)."""
+        same pieces and breaks eagerly). static_kda: the prefill graphs' KDA cores over a fixed-shape layout per
+        bucket (StaticKDAView), captured with the pieces instead of breaking them."""
         self.model, self.pool, self.split_mixed = model, pool, split_mixed
         self.vocab = vocab or model.config.vocab_size
         self.device = next(model.parameters()).device
@@ -248,7 +303,9 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         use = wants_graphs(model, self.device, decode_graphs)
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
-        self.prefill_graphs = (PrefillGraphs(model, max_batch_tokens, self.device, capture=on_cuda)
+        layers = model.config.num_hidden_layers
+        kda_view = (lambda tokens: StaticKDAView(pool, layers, tokens, max_num_seqs)) if static_kda else None
+        self.prefill_graphs = (PrefillGraphs(model, max_batch_tokens, self.device, capture=on_cuda, kda_view=kda_view)
                                if wants_graphs(model, self.device, prefill_graphs) else None)
 
     @torch.inference_mode()
