@@ -125,6 +125,13 @@ def test_counters_reach_the_engines_metrics(client, server):
     assert gen1 - gen0 == 2 * 2 * 5  # the engine's own
 
 
+def test_ctrl_c_is_the_servers_to_handle(server):
+    """SIGINT (Ctrl-C reaches the whole process group) leaves the engine process serving: the server stops it."""
+    os.kill(server[1].pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert server[1]._proc.is_alive() and server[1].call("pool_usage") == (0, 0, False)
+
+
 def test_client_disconnect_frees_the_engine_process_pool(server):
     url, proc = server
     body = {"model": NAME, "prompt": "Now is the winter of our discontent", "max_tokens": 150, "stream": True,

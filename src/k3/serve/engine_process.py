@@ -94,9 +94,13 @@ def _engine_main(conn, build: Callable[[], LLMEngine], warm_up: bool, threads: i
     """The engine process: build the engine, warm it up, then step it on its own thread while this one reads the
     pipe. Ends when the server says stop or its end of the pipe closes. threads: torch's intra-op threads, as
     the server's process had them (a spawned process starts from the default, one per core)."""
+    import signal
+
     import torch
 
     torch.set_num_threads(threads)
+    # Ctrl-C reaches the whole process group: the server stops this process in order (its shutdown), not the key
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     lock = threading.Lock()  # the engine thread and this one both send
 
     def send(msg) -> None:
@@ -236,10 +240,7 @@ class EngineProcess:
         if self._proc is None or self._stopping:
             return
         self._stopping = True
-        try:
-            self._send(("stop",))
-        except (OSError, ValueError):
-            pass  # already gone
+        self._send(("stop",))
         self._proc.join(timeout)
         self._kill()
         self._conn.close()
@@ -284,7 +285,7 @@ class EngineProcess:
             if self.error is not None:
                 raise RuntimeError(f"the engine has failed: {self.error}")
             self._calls[n] = slot = [done, False, None]
-        self._send(("call", n, name, args))
+        self._send(("call", n, name, args))  # (if the engine is gone, its reader answers every call)
         if not done.wait(timeout):
             self._calls.pop(n, None)
             raise RuntimeError(f"the engine did not answer {name!r} within {timeout:g} s")
@@ -309,12 +310,17 @@ class EngineProcess:
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
-        if self.error is None:
-            self._send(("abort", request_id))
+        self._send(("abort", request_id))
 
-    def _send(self, msg) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
+    def _send(self, msg) -> bool:
+        """Send to the engine process; False when it is gone (its reader then ends every request and call that
+        was waiting on it, this one's included)."""
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+            return True
+        except (OSError, ValueError):  # a broken or closed pipe
+            return False
 
     def _read(self) -> None:
         """The reader thread: outputs to their listeners, replies to their callers, until the pipe closes."""
