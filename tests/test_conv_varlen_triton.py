@@ -126,3 +126,31 @@ def test_kernels_compile_for_sm90_without_spills(kernel):
     ptx = ptx_for_sm90("k3.ops._conv_varlen_triton", kernel, sig, num_warps=kv.NUM_WARPS, **consts)
     assert "ld.global" in ptx and "st.global" in ptx
     assert ".local" not in ptx and "__local_depot" not in ptx
+
+
+@pytest.mark.parametrize("lens", [[3, 0, 5, 0, 0], [0, 7], [1, 0, 1, 0]])
+def test_empty_sequences_keep_their_tails(lens):
+    """Empty documents, as the static KDA layout of the prefill graphs pads a step with (k3.serve.runner.
+    StaticKDAView): the other sequences' outputs as without them, and each empty one's new tail its old tail."""
+    from k3.ops._conv_varlen_triton import short_convs_varlen
+
+    g = torch.Generator().manual_seed(sum(lens) + len(lens))
+    W, C, S, N = 4, 16, len(lens), sum(lens)
+    x = torch.randn(N, 3 * C, generator=g).to(DEVICE)
+    tails = torch.randn(S, W - 1, 3 * C, generator=g).to(DEVICE)
+    weight = (torch.randn(3 * C, 1, W, generator=g) * 0.5).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.long, device=DEVICE)
+    seg = torch.repeat_interleave(torch.arange(S, dtype=torch.int32), torch.tensor(lens)).to(DEVICE)
+    y, new = short_convs_varlen(x, weight, tails, cu, seg)
+    want_y, want_tail = short_conv_varlen(x, weight, tails, short_conv_varlen_index(cu, N, W))
+    want_y = F.silu(want_y.float()).view(N, 3, C).transpose(0, 1)
+    assert torch.allclose(y, want_y, atol=1e-5) and torch.allclose(new, want_tail, atol=1e-6)
+    real = [s for s, n in enumerate(lens) if n]
+    empty = [s for s, n in enumerate(lens) if not n]
+    assert torch.equal(new[empty], tails[empty])
+    x_real = torch.cat([x[a:b] for a, b, n in zip(cu[:-1].tolist(), cu[1:].tolist(), lens) if n])
+    cu_real = torch.tensor([0, *torch.tensor([lens[s] for s in real]).cumsum(0).tolist()], device=DEVICE)
+    seg_real = torch.repeat_interleave(torch.arange(len(real), dtype=torch.int32),
+                                       torch.tensor([lens[s] for s in real])).to(DEVICE)
+    y_real, new_real = short_convs_varlen(x_real, weight, tails[real].contiguous(), cu_real, seg_real)
+    assert torch.allclose(y, y_real, atol=1e-6) and torch.allclose(new[real], new_real, atol=1e-6)
