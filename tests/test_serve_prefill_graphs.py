@@ -163,7 +163,7 @@ def test_pad_rows_never_reach_real_rows(model, monkeypatch, static):
 
 def test_static_kda_layout_pads_the_documents_and_the_chunk_plan(model):
     """StaticKDAView.load: the step's documents first, then one over the pad rows, then empty ones; fla's chunk plan
-    of the real documents as `chunk_plan` makes it, padded with entries of the last (empty) document; slots past
+    of the real documents as `chunk_plan` makes it, padded with fla's graph-mode sentinel rows (document −1); slots past
     the step's rows are the scratch slot; too many rows or tokens are refused."""
     from k3.ops.kda_fla_lean import chunk_plan
     from k3.serve.runner import StaticKDAView
@@ -181,7 +181,7 @@ def test_static_kda_layout_pads_the_documents_and_the_chunk_plan(model):
     assert view.plan.chunk_indices[:n].tolist() == real.chunk_indices.tolist()
     assert view.plan.chunk_indices[n:n + 2].tolist() == pad_doc
     assert view.plan.chunk_indices.shape[0] == 256 // 64 + S
-    assert (view.plan.chunk_indices[n + 2:] == torch.tensor([S - 1, 0])).all()
+    assert (view.plan.chunk_indices[n + 2:] == torch.tensor([-1, 0])).all() and view.plan.graph
     assert view.plan.chunk_offsets.tolist() == [0, 2, 3, 4, 6, 6, 6]
     with pytest.raises(ValueError, match="do not fit"):
         view.load([1] * 5, list(range(5)))

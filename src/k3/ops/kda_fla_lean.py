@@ -94,11 +94,14 @@ def _stage_set(tuned: bool) -> dict:
 class ChunkPlan:
     """The documents of a packed row cut into chunks of CHUNK_SIZE tokens, as fla's varlen kernels read them:
     `chunk_indices` [NT, 2] (document, chunk within it) and `chunk_offsets` [N+1] (each document's first chunk),
-    int64 on the device; `cu_seqlens` the device offsets and `cu_seqlens_cpu` the host ones they came from."""
+    int64 on the device; `cu_seqlens` the device offsets and `cu_seqlens_cpu` the host ones they came from.
+    graph: a fixed-shape plan for CUDA graphs in fla's graph mode (its `use_graph`): trailing empty documents, and
+    rows past the real chunks with document −1, on which the chunk kernels return at once."""
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
+    graph: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -170,16 +173,17 @@ def chunk_kda_prefill(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound: floa
     # the stages of fla 0.6's chunk_kda_fwd (use_gate_in_kernel, safe_gate, keys-first states), in its order:
     # the bounded gate with its chunk-local cumsum (in log2 units), the intra-chunk factors with the triangular
     # solve (w, u, gated keys, Aqk), the chunk-boundary states, then the output
+    graph = plan is not None and plan.graph  # the chunk kernels skip the plan's sentinel rows
     g = st["gate_cumsum"](g=f, A_log=A_log, dt_bias=dt_bias, scale=st["rcp_ln2"], chunk_size=BT, cu_seqlens=cu,
-                          chunk_indices=indices, lower_bound=float(lower_bound))
+                          chunk_indices=indices, lower_bound=float(lower_bound), use_graph=graph)
     w, u, _, kg, Aqk, _ = st["intra"](q=q, k=k, v=v, gk=g, beta=beta, scale=scale, cu_seqlens=cu, chunk_size=BT,
-                                      chunk_indices=indices, safe_gate=True)
+                                      chunk_indices=indices, safe_gate=True, use_graph=graph)
     h, v_new, final_state = st["states"](
         k=kg, w=w, u=u, gk=g, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
         cu_seqlens_cpu=None if plan is None else plan.cu_seqlens_cpu, chunk_indices=indices,
         chunk_offsets=None if plan is None else plan.chunk_offsets, chunk_size=BT, state_v_first=False)
     o = st["output"](q=q, v=v_new, g=g, A=Aqk, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=indices,
-                     state_v_first=False)
+                     state_v_first=False, use_graph=graph)
     return o.to(q.dtype), final_state
 
 

@@ -164,8 +164,9 @@ class StaticKDAView(PagedBatchView):
     each step (`load`), so that a CUDA graph captures the KDA cores with the rest of the step: S = max_rows + 2
     documents (the step's rows, one pad document over the bucket's pad rows, empty ones after), each with a state
     slot (the pool's scratch slot for all but the step's rows), and fla's chunk plan padded to the most chunks a
-    step of the bucket can cut, its spare entries naming the last (empty) document, whose loads and stores the
-    kernels mask. Every document is a prefill row (a one-token row runs the chunked form: the same function)."""
+    step of the bucket can cut, in fla's graph mode (its `use_graph`: spare rows name document −1, on which the
+    chunk kernels return at once). Every document is a prefill row (a one-token row runs the chunked form: the
+    same function)."""
 
     def __init__(self, pool: CachePool, num_layers: int, tokens: int, max_rows: int):
         from k3.ops.kda_fla_lean import CHUNK_SIZE, ChunkPlan, use_plan
@@ -179,7 +180,7 @@ class StaticKDAView(PagedBatchView):
         self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host` has run
         self.slots, self.cu_seqlens, pairs, offsets = self.buf.split([S, S + 1, 2 * self.nt, S + 1])
         self.cu_cpu = torch.zeros(S + 1, dtype=torch.long)  # the offsets on the host (the CPU reference reads them)
-        self.plan = ChunkPlan(self.cu_seqlens, self.cu_cpu, pairs.view(self.nt, 2), offsets)
+        self.plan = ChunkPlan(self.cu_seqlens, self.cu_cpu, pairs.view(self.nt, 2), offsets, graph=True)
         use_plan(self.plan)  # fla's lean entry plans from these buffers, not from the host offsets at capture
         self.decode_rows, self.prefill_rows = [], list(range(S))
         self.prefill_span = (slice(0, S), slice(0, tokens))
@@ -197,7 +198,7 @@ class StaticKDAView(PagedBatchView):
         cu = [0, *itertools.accumulate(docs)]
         counts = [-(-d // self.chunk) for d in docs]
         pairs = [v for doc, c in enumerate(counts) for i in range(c) for v in (doc, i)]
-        pairs += [S - 1, 0] * (self.nt - len(pairs) // 2)
+        pairs += [-1, 0] * (self.nt - len(pairs) // 2)  # fla's sentinel rows
         values = [*slots, *[self.pool.scratch_slot] * (S - len(slots)), *cu, *pairs, 0, *itertools.accumulate(counts)]
         if self.copied is not None:  # the previous step's copy may still be queued: never overwrite its source
             self.copied.synchronize()
