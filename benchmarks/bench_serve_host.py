@@ -7,7 +7,9 @@ model call replaced by fixed logits and a sleep of --device-ms (the GIL is relea
 
 Rows: "engine alone" steps the engine directly (the peer: no HTTP), "engine alone, CPU time" the same timed by
 the engine thread's CPU time (host work only, whatever else loads the CPU); "engine + HTTP" serves the same requests
-through the real server to streaming clients in another process (`k3 bench serve`'s load generator). The limit is
+through the real server to streaming clients in another process (`k3 bench serve`'s load generator); the two
+"(trace)" rows time the same by the engine's own trace (the mean period of its decode-only steps), with the engine
+on a thread of the server's process and in a process of its own (`k3 serve`'s default). The limit is
 --device-ms, the step time if host work cost nothing. Only steps where every sequence decodes are counted.
 --sampler instead times one step's sampling of c rows (temperature 1, top-p 0.9, each request with its own
 generator): the engine's batched `sample_tokens` against the same sampler called row by row.
@@ -15,6 +17,7 @@ Run: OMP_NUM_THREADS=1 python benchmarks/bench_serve_host.py [--concurrency 64] 
      [--no-http] [--staggered] [--logit-columns 1024] [--sampler --vocab 163840 --device cuda]
 """
 import argparse
+import functools
 import statistics
 import time
 
@@ -28,14 +31,13 @@ from k3.serve import runner as runner_mod
 from k3.serve.sampling import make_generator, sample_tokens
 from k3.serve.api import create_app
 from k3.serve.bench import run_load_in_own_process
+from k3.serve.engine_process import EngineProcess, inspect
 from k3.serve.local_server import local_server
 
 
-def build_engine(c: int, device_ms: float, clock=time.perf_counter, vocab: int | None = None
-                 ) -> tuple[LLMEngine, list[float]]:
-    """A tiny engine whose decode steps cost `device_ms` of GIL-free waiting; returns it and its step periods
-    by `clock` (time.thread_time: the engine thread's CPU time, the host work alone, which time taken by other
-    load on a shared CPU does not inflate)."""
+def fake_engine(c: int, device_ms: float, vocab: int | None = None) -> LLMEngine:
+    """A tiny engine whose decode steps cost `device_ms` of GIL-free waiting (also the `build` of the engine's own
+    process: the stand-in is patched in there)."""
     cfg = K3Config.preset("tiny")
     model = K3ForCausalLM(cfg)
     model.reset_parameters(seed=0)
@@ -50,9 +52,16 @@ def build_engine(c: int, device_ms: float, clock=time.perf_counter, vocab: int |
         return bank[calls[0] % len(bank), :view.rows]
 
     runner_mod.DecodeGraphs._forward = fake_forward
-    engine = LLMEngine(model.eval(), Tokenizer.from_file(), EngineConfig(
+    return LLMEngine(model.eval(), Tokenizer.from_file(), EngineConfig(
         memory_bytes=1 << 30, block_size=256, match_unit=16, max_batch_tokens=2048, max_num_seqs=c,
         num_state_slots=4 * c, decode_graphs=True))
+
+
+def build_engine(c: int, device_ms: float, clock=time.perf_counter, vocab: int | None = None
+                 ) -> tuple[LLMEngine, list[float]]:
+    """`fake_engine` and its step periods by `clock` (time.thread_time: the engine thread's CPU time, the host
+    work alone, which time taken by other load on a shared CPU does not inflate)."""
+    engine = fake_engine(c, device_ms, vocab)
     periods, last = [], [None]
     step = engine.step
 
@@ -84,10 +93,30 @@ def engine_alone(c: int, device_ms: float, prompts: list[list[int]], out_len: in
 def engine_http(c: int, device_ms: float, input_len: int, out_len: int) -> list[float]:
     engine, periods = build_engine(c, device_ms)
     with torch.inference_mode(), local_server(create_app(engine, engine.tokenizer, "k3")) as url:
-        s = run_load_in_own_process(url, "k3", "random", c, c, None, input_len, out_len, 1, None, 0)
+        check(run_load_in_own_process(url, "k3", "random", c, c, None, input_len, out_len, 1, None, 0))
+    return periods
+
+
+def engine_http_traced(c: int, device_ms: float, input_len: int, out_len: int, process: bool) -> list[float]:
+    """The HTTP row timed by the engine's own trace (`StepLog`: the mean period of its decode-only steps), with
+    the engine on a thread of the server's process or in a process of its own (k3.serve.engine_process)."""
+    if process:
+        engine = EngineProcess(functools.partial(fake_engine, c, device_ms), warm_up=False).start()
+        ask = engine.call
+    else:
+        engine = fake_engine(c, device_ms)
+        ask = functools.partial(inspect, engine)
+    with torch.inference_mode(), local_server(create_app(engine, Tokenizer.from_file(), "k3")) as url:
+        ask("trace")
+        s = check(run_load_in_own_process(url, "k3", "random", c, c, None, input_len, out_len, 1, None, 0))
+        decode = ask("trace_summary", s["wall_s"])["decode"]
+        return [decode["period_ms"]] * decode["steps"]  # (the table's median of these is the mean period)
+
+
+def check(s: dict) -> dict:
     if s["failed"] or s["wrong_length"]:
         raise RuntimeError(f"the load failed: {s['failed']} failed, {s['wrong_length']} wrong length")
-    return periods
+    return s
 
 
 def sampler_table(c: int, vocab: int, device: str, reps: int = 20) -> None:
@@ -141,7 +170,11 @@ def main():
     runs = [("engine alone", lambda: engine_alone(a.concurrency, a.device_ms, prompts, a.output_len)),
             ("engine alone, CPU time", lambda: engine_alone(a.concurrency, a.device_ms, prompts, a.output_len,
                                                              time.thread_time, a.logit_columns)),
-            ("engine + HTTP", lambda: engine_http(a.concurrency, a.device_ms, a.input_len, a.output_len))]
+            ("engine + HTTP", lambda: engine_http(a.concurrency, a.device_ms, a.input_len, a.output_len)),
+            ("engine + HTTP, one process (trace)", lambda: engine_http_traced(
+                a.concurrency, a.device_ms, a.input_len, a.output_len, False)),
+            ("engine + HTTP, engine process (trace)", lambda: engine_http_traced(
+                a.concurrency, a.device_ms, a.input_len, a.output_len, True))]
     for name, run in runs[:2] if a.no_http else runs:
         for r in range(a.repeats):
             p = run()
