@@ -50,3 +50,17 @@ def test_bench_serve_warm_up_uses_every_graph_key_the_timed_run_uses(tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["graph_keys"] > 0  # the prefill buckets were in use: the count below is not vacuous
     assert row["graphs_first_used"] == 0
+
+
+def test_profile_engine_lists_the_engine_steps_functions(capsys):
+    """`--profile-engine N`: the timed run's engine steps under cProfile, in the engine's own process; its tables
+    name the engine's step and at most N rows each."""
+    from k3.cli import main
+    code = main(["bench", "serve", "--quick", "--dataset", "random", "--no-baseline", "--profile-engine", "7"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "engine.py" in out and "(step)" in out and "Ordered by: internal time" in out
+    tables = out.split("Ordered by:")[1:]
+    assert len(tables) == 2 * 2  # --quick's two engine rows (concurrency 1 and 4): own time, then cumulative
+    for t in tables:
+        assert "List reduced from" in t and "to 7 due to restriction <7>" in t

@@ -747,6 +747,8 @@ def cmd_bench_serve(a) -> int:
               flush=True)
         if "engine" in s:
             print(f"  {bench.format_engine_summary(s['engine'])}", flush=True)
+        if "profile" in s:
+            print(s["profile"], flush=True)
         if a.json:  # after every row, so a run cut short still leaves its results
             Path(a.json).write_text(json.dumps([{"run": n, **r} for n, r in rows], indent=2))
 
@@ -760,7 +762,8 @@ def cmd_bench_serve(a) -> int:
             for dataset in datasets:
                 s = bench.run_engine(model, tokenizer, engine_config, dataset, n, level, a.request_rate, a.input_len,
                                      a.output_len, a.turns, a.seed, warmup=True,
-                                     make_model=make_model if a.engine_process else None)
+                                     make_model=make_model if a.engine_process else None,
+                                     profile_top=a.profile_engine)
                 record(f"engine {dataset} c={level}" if level else f"engine {dataset} rate={a.request_rate}/s", s)
             if a.baseline and level:
                 s = bench.static_batch_baseline(model, tokenizer, n, level, a.input_len, a.output_len, a.seed,
@@ -975,6 +978,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: 1 on CPU)")
     bs.add_argument("--json", type=_output_file, default=None, help="write the results to this file (after every row)")
+    bs.add_argument("--profile-engine", type=_positive_int, default=0, metavar="N",
+                    help="run each engine row's timed load with the engine's steps under cProfile and print its top "
+                         "N functions (by own and by cumulative time; the row's figures are then not comparable)")
     bs.add_argument("--quick", action="store_true",
                     help="a small sanity run: concurrency 1,4, 2 requests per concurrent slot of 16 words and 8 "
                          "tokens out, 2 turns (overrides those flags)")

@@ -221,7 +221,7 @@ def _sync(device: torch.device) -> None:
 
 def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, concurrency: int | None,
                request_rate: float | None, input_len: int, output_len: int, turns: int, seed: int = 0,
-               on_start=None, warmup: bool = False, make_model=None) -> dict:
+               on_start=None, warmup: bool = False, make_model=None, profile_top: int = 0) -> dict:
     """One load run against a fresh engine (so a cold prefix cache) behind an in-process server, loaded by
     clients in a process of their own → the summary, plus `problems`: failed requests, outputs of the wrong
     length, a pool not empty afterwards.
@@ -232,7 +232,9 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
     load untimed, other prompts at the same concurrency and lengths, so that the timed run does not pay the
     engine's first uses (graph captures, kernel autotuning). `graphs_first_used` counts the decode-graph keys and
     prefill-graph buckets first used while timed (each a capture on CUDA): above 0, the warm-up missed one and
-    the timed figures include its capture. `engine`: where the timed run's time went (`StepLog.summary`)."""
+    the timed figures include its capture. `engine`: where the timed run's time went (`StepLog.summary`).
+    profile_top > 0: the timed run's engine steps also run under cProfile (slower: the figures are not comparable
+    with an unprofiled row) and `profile` holds pstats' tables of the top functions."""
     import functools
 
     from k3.serve.api import create_app
@@ -257,9 +259,13 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
                                         output_len, turns, None, seed + 104729)
             used = ask("graph_keys")
             ask("trace")
+            if profile_top:
+                ask("profile")
             s = run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                         output_len, turns, None, seed)
             s["engine"] = ask("trace_summary", s["wall_s"])
+            if profile_top:
+                s["profile"] = ask("profile_summary", profile_top)
             s["graph_keys"] = ask("graph_keys")
             s["graphs_first_used"] = s["graph_keys"] - used
             blocks, slots, unfinished = ask("pool_usage")

@@ -178,6 +178,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.in_flight: LaunchedStep | None = None  # async output: the step on the device, not yet finished
         self.step_log: StepLog | None = None  # set to trace every step (benchmarks)
+        self.profiler = None  # a cProfile.Profile: EngineThread profiles every step under it (benchmarks)
 
     def describe_capacity(self) -> str:
         return (f"{self.capacity.describe()}; max {self.scheduler.max_num_seqs} concurrent sequences, "
@@ -578,9 +579,15 @@ class EngineThread:
                     else:
                         eng.abort(item[1])
                         self._listeners.pop(item[1], None)
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    outputs = eng.step()
+                t0, prof = time.perf_counter(), eng.profiler
+                if prof is not None:
+                    prof.enable()
+                try:
+                    with torch.inference_mode():
+                        outputs = eng.step()
+                finally:
+                    if prof is not None:
+                        prof.disable()
                 t1 = time.perf_counter()
                 for out in outputs:
                     cb = self._listeners.get(out.request_id)

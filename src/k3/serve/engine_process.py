@@ -47,6 +47,23 @@ def _trace_summary(engine: LLMEngine, wall_s: float) -> dict:
     return log.summary(wall_s)
 
 
+def _profile(engine: LLMEngine) -> None:
+    import cProfile
+    engine.profiler = cProfile.Profile()
+
+
+def _profile_summary(engine: LLMEngine, top: int) -> str:
+    """The profile's `top` functions by own time, then by cumulative time (pstats' tables), and stop profiling."""
+    import io
+    import pstats
+    prof, engine.profiler = engine.profiler, None
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
 def graph_keys_used(engine: LLMEngine) -> int:
     """How many decode-graph (rows, width) keys and prefill-graph token buckets the engine has used so far (on
     CUDA each was captured at its first use; on CPU the same keys are made, run eagerly)."""
@@ -62,6 +79,8 @@ CALLS: dict[str, Callable] = {
     "metrics": lambda engine, accept: engine.metrics.render(engine, accept),  # the /metrics body
     "trace": _trace,  # benchmarks: trace every step from now (StepLog) ...
     "trace_summary": _trace_summary,  # ... and stop, → its summary over a run of wall_s seconds
+    "profile": _profile,  # benchmarks: every step the engine thread runs from now under cProfile ...
+    "profile_summary": _profile_summary,  # ... and stop, → pstats' tables of the top functions
     "graph_keys": graph_keys_used,
     "pool_usage": _pool_usage,  # (blocks held, state slots held, requests unfinished)
 }
