@@ -240,3 +240,27 @@ def test_images_cross_to_the_engine_process(vlm, tok):
     assert proc.vision_config is not None
     assert answer(proc) == local and local[1] == 400
     assert not proc._proc.is_alive()
+
+
+def test_k3_serve_runs_its_engine_in_a_child_and_takes_it_down_on_sigterm(tmp_path):
+    """The CLI as a user starts it: `k3 serve` answers as the model's own `generate`, from an engine process that
+    is its child; SIGTERM (what process managers send) stops the server and the engine process with it."""
+    from live_serve import k3_serve, save_tiny_model
+    from test_serve_distributed import _serving_pid, children_of
+
+    model = save_tiny_model(tmp_path / "model")
+    tok = Tokenizer.from_file()
+    with k3_serve(tmp_path / "model", "k", "m", tmp_path / "serve.log") as url:
+        server = _serving_pid(url)
+        engines = [p for p in children_of(server) if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(engines) == 1
+        ids = tok.encode("Friends, Romans")
+        r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer k"}, timeout=60,
+                       json={"model": "m", "prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                             "return_token_ids": True})
+        want = model.generate(torch.tensor([ids]), max_new_tokens=6)[0, len(ids):].tolist()
+        assert r.json()["choices"][0]["token_ids"] == want
+    deadline = time.monotonic() + 15  # k3_serve's exit sent SIGTERM and waited for the server
+    while time.monotonic() < deadline and _alive(engines[0]):
+        time.sleep(0.1)
+    assert not _alive(engines[0])
