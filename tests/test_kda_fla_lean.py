@@ -250,3 +250,26 @@ def test_lean_gated_norm_equals_fla_public_on_cuda():
             lean = kda_fla.fla_output_gate(o, gate, w, 1e-6)
     assert lean.shape == ref.shape and lean.dtype == ref.dtype
     assert rel_err(lean, ref) < 1e-3
+
+
+def test_a_callers_graph_plan_reaches_the_stages_and_nothing_else_takes_it(monkeypatch):
+    """A plan the caller made (a CUDA-graph layout's, k3.serve.runner.StaticKDAView) is the one every chunk stage
+    reads, in fla's graph mode; a step's own plan runs without it; the public entry, which would plan from the host
+    offsets once at capture, refuses a graph plan."""
+    fake = FakeFla(monkeypatch, "0.6.0")
+    args, kw = kda_args([3, 0, 70])
+    cu = kw["cu_seqlens"]
+    graph = kda_fla_lean.ChunkPlan(cu, kw["cu_seqlens_cpu"], torch.tensor([[0, 0], [2, 0], [2, 1], [-1, 0]]),
+                                   torch.tensor([0, 1, 1, 3]), graph=True)
+    with envs.override(fla_lean=True), torch.inference_mode():
+        kda_fla.fla_kda_gated(*args, plan=graph, **kw)
+        chunked = [kw_ for n, kw_ in fake.stages if n in ("gate_cumsum", "intra", "output")]
+        assert len(chunked) == 3 and all(k["use_graph"] and k["chunk_indices"] is graph.chunk_indices for k in chunked)
+        assert next(k for n, k in fake.stages if n == "states")["chunk_offsets"] is graph.chunk_offsets
+        fake.stages.clear()
+        kda_fla.fla_kda_gated(*args, **kw)  # no plan given: the step's own, built here, not in graph mode
+        chunked = [kw_ for n, kw_ in fake.stages if n in ("gate_cumsum", "intra", "output")]
+        assert not any(k["use_graph"] for k in chunked) and chunked[0]["chunk_indices"].shape[0] == 3
+    with envs.override(fla_lean=False), torch.inference_mode(), pytest.raises(ValueError, match="lean entry"):
+        kda_fla.fla_kda_gated(*args, plan=graph, **kw)
+    assert fake.public == []

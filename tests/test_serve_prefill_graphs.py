@@ -178,11 +178,11 @@ def test_static_kda_layout_pads_the_documents_and_the_chunk_plan(model):
     real = chunk_plan(torch.tensor([0, 70, 71, 135]))
     n = real.chunk_indices.shape[0]  # 2 + 1 + 1 chunks
     pad_doc = [[3, i] for i in range(2)]  # 121 pad tokens: 2 chunks
-    assert view.plan.chunk_indices[:n].tolist() == real.chunk_indices.tolist()
-    assert view.plan.chunk_indices[n:n + 2].tolist() == pad_doc
-    assert view.plan.chunk_indices.shape[0] == 256 // 64 + S
-    assert (view.plan.chunk_indices[n + 2:] == torch.tensor([-1, 0])).all() and view.plan.graph
-    assert view.plan.chunk_offsets.tolist() == [0, 2, 3, 4, 6, 6, 6]
+    assert view.prefill_plan.chunk_indices[:n].tolist() == real.chunk_indices.tolist()
+    assert view.prefill_plan.chunk_indices[n:n + 2].tolist() == pad_doc
+    assert view.prefill_plan.chunk_indices.shape[0] == 256 // 64 + S
+    assert (view.prefill_plan.chunk_indices[n + 2:] == torch.tensor([-1, 0])).all() and view.prefill_plan.graph
+    assert view.prefill_plan.chunk_offsets.tolist() == [0, 2, 3, 4, 6, 6, 6]
     with pytest.raises(ValueError, match="do not fit"):
         view.load([1] * 5, list(range(5)))
     with pytest.raises(ValueError, match="do not fit"):

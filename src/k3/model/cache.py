@@ -191,6 +191,7 @@ class BatchCacheView:
     """
     num_layers: int
     seq_len: int = 0  # unused (sequences differ); kept so the model's bookkeeping works unchanged
+    prefill_plan = None  # fla's chunk plan of the prefill rows when the view makes its own (a CUDA-graph layout's)
 
     def set_layout(self, lens: list[int], kv_lens: list[int], device) -> None:
         """Fill the layout attributes from the host lengths (every T_s >= 1), with one copy to `device`."""

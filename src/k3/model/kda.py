@@ -168,7 +168,7 @@ class VarlenLayout:
             rows, t = view.prefill_span or (view.prefill_rows_t, view.prefill_tokens_t)
             op, sp = kda_core(*(x[None, t] for x in feats), *params, initial_state=st.state[rows],
                               output_final_state=True, cu_seqlens=view.prefill_cu_seqlens,
-                              cu_seqlens_cpu=view.prefill_cu_seqlens_cpu)
+                              cu_seqlens_cpu=view.prefill_cu_seqlens_cpu, plan=view.prefill_plan)
             if not view.decode_rows:  # the chunks are the whole step: their outputs are the step's, no copies
                 o, state = op[0].to(o.dtype), sp.to(state.dtype)
             else:

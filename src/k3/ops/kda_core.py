@@ -63,7 +63,7 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
              A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float, *,
              initial_state: torch.Tensor | None = None, output_final_state: bool = False,
              cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
-             recurrent: bool = False, state_in_place: bool = False,
+             recurrent: bool = False, state_in_place: bool = False, plan=None,
              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kda(l2(q), l2(k), v, kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(beta_logits)).
 
@@ -75,6 +75,8 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     tensor is returned; fla's recurrent kernel does it without a copy (fp32 contiguous states).
     cu_seqlens_cpu: cu_seqlens' values on the host, when the caller knows them (the serving layout does): both
     backends then plan the documents from it instead of reading the device tensor back.
+    plan: fla's chunk plan of cu_seqlens made by the caller (k3.ops.kda_fla_lean.ChunkPlan: a CUDA-graph layout's
+    fixed-shape one, k3.serve.runner.StaticKDAView); the torch references read cu_seqlens_cpu instead.
     """
     backend = backend or select_backend(q)
     if backend not in BACKENDS:
@@ -91,12 +93,14 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
             return fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, recurrent=True,
                                  state_in_place=True, **fla_args)
         o, state = fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound,
-                                 recurrent=None if recurrent else False, **fla_args)
+                                 recurrent=None if recurrent else False, plan=plan, **fla_args)
         return _written_over(o, state, initial_state if state_in_place else None)
     q, k = l2_norm(q), l2_norm(k)
     beta = torch.sigmoid(beta_logits.float() if beta_logits.dtype != torch.float64 else beta_logits)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     if backend == "fla":  # gates below fla's safe bound: its general kernels on the gates computed here
+        if plan is not None and plan.graph:
+            raise ValueError("a CUDA-graph chunk plan needs fla's safe gate (lower_bound in its range)")
         o, state = (fla_kda_recurrent if recurrent else fla_kda_chunk)(q, k, v, g, beta, **fla_args)
     else:  # the references read the bounds only, on the host
         if cu_seqlens_cpu is not None:

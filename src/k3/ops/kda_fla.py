@@ -202,7 +202,7 @@ def fla_kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_f
 
 def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, scale=None, initial_state=None,
                   output_final_state=False, cu_seqlens=None, recurrent=None, state_in_place=False,
-                  cu_seqlens_cpu=None):
+                  cu_seqlens_cpu=None, plan=None):
     """The K3 mixer's inner op with gate, q/k L2 norm and beta sigmoid fused into fla's kernels.
 
     q, k: [B, T, H, K] raw (after conv and SiLU, before the L2 norm); v: [B, T, H, V];
@@ -212,6 +212,8 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
     state_in_place: the recurrent kernel writes the final state over initial_state (fp32, contiguous) and
     returns it: a decode step over a preallocated cache then reads and writes each state once, no copy.
     cu_seqlens_cpu: cu_seqlens' values on the host, if known (the chunked kernel plans from it, no read-back).
+    plan: the chunked kernel's plan of cu_seqlens made by the caller (k3.ops.kda_fla_lean.ChunkPlan); a CUDA-graph
+    plan (`graph`) runs only through the lean entry, the one that takes it.
     Computes kda_recurrent(l2(q), l2(k), v, kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(beta_logits)).
     """
     B, T, H, K = q.shape
@@ -255,11 +257,15 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
     elif not needs_grad and _lean():  # inference: the lean entry (unless K3_FLA_LEAN=0), same kernels
         from k3.ops import kda_fla_lean
 
-        plan = None if cu is None else kda_fla_lean.chunk_plan(cu, cu_cpu)
+        if plan is None and cu is not None:
+            plan = kda_fla_lean.chunk_plan(cu, cu_cpu)
         with on_device(q):
             o, state = kda_fla_lean.chunk_kda_prefill(
                 *(dense_as(t, dt) for t in (q, k, v, f, beta_logits)), A, bias, lower_bound, scale=scale,
                 initial_state=_state(initial_state), output_final_state=output_final_state, plan=plan)
+    elif plan is not None and plan.graph:
+        raise ValueError("a CUDA-graph chunk plan runs through the lean entry only (inference, K3_FLA_LEAN on, fla "
+                         "0.6, not recurrent)")
     else:
         from fla.ops.kda import chunk_kda
 

@@ -31,8 +31,8 @@ import logging
 
 import torch
 
-__all__ = ["SUPPORTED_SERIES", "CHUNK_SIZE", "ChunkPlan", "lean_supported", "chunk_plan", "use_plan", "forget_plan",
-           "chunk_kda_prefill", "gated_rms_norm", "dense_as"]
+__all__ = ["SUPPORTED_SERIES", "CHUNK_SIZE", "ChunkPlan", "lean_supported", "chunk_plan", "chunk_kda_prefill",
+            "gated_rms_norm", "dense_as"]
 
 SUPPORTED_SERIES = (0, 6)  # fla's (major, minor) whose internals are called here
 CHUNK_SIZE = 64  # fla's default KDA chunk (the public entry's, and what the shipped autotune table was made with)
@@ -109,20 +109,6 @@ class ChunkPlan:
 
 
 _last_plan: list = [None, None, None]  # (cu_seqlens, cu_seqlens_cpu, plan) of the last call: one step's layers
-# plans made by their owners in static buffers (a captured layout's), by id of their cu_seqlens: see `use_plan`
-_static_plans: dict[int, ChunkPlan] = {}
-
-
-def use_plan(plan: ChunkPlan) -> None:
-    """From now on `chunk_plan(plan.cu_seqlens, ...)` is `plan`, whatever the offsets hold: a layout whose buffers
-    are refilled in place before each CUDA graph replay (k3.serve.prefill_graphs) keeps its own plan, padded to a
-    fixed size, instead of one built from the host values at capture. `forget_plan` ends it."""
-    _static_plans[id(plan.cu_seqlens)] = plan
-
-
-def forget_plan(plan: ChunkPlan) -> None:
-    if _static_plans.get(id(plan.cu_seqlens)) is plan:
-        del _static_plans[id(plan.cu_seqlens)]
 
 
 def chunk_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None) -> ChunkPlan:
@@ -130,9 +116,6 @@ def chunk_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = N
     read back from the device when not given, one wait) and sent in one non-blocking copy. The last plan is kept
     with the two tensors themselves: a serving step passes the same two objects to every layer, so it is built once
     a step (neither tensor may be changed in place afterwards, as fla's own cache assumes)."""
-    static = _static_plans.get(id(cu_seqlens))
-    if static is not None and static.cu_seqlens is cu_seqlens:
-        return static
     if _last_plan[0] is cu_seqlens and _last_plan[1] is cu_seqlens_cpu and cu_seqlens_cpu is not None:
         return _last_plan[2]
     host = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).to("cpu", torch.int64)

@@ -208,7 +208,8 @@ class PrefillGraphs:
         graph.layout.view = view
         graph.load(ids)
         if graph.kda_view is not None:
-            graph.kda_view.load(view.lens, view.slots_host)
+            cu = view.cu_host
+            graph.kda_view.load([b - a for a, b in zip(cu, cu[1:])], view.slots_host)
         try:
             if graph.pieces:
                 return graph.replay()

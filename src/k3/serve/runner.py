@@ -63,7 +63,7 @@ class PagedBatchView(BatchCacheView):
     def __init__(self, pool: CachePool, num_layers: int, seqs: list[Sequence], lens: list[int]):
         dev = pool.device
         self.pool, self.num_layers, self.seq_len = pool, num_layers, 0
-        self.lens, self.slots_host = list(lens), [s.slot for s in seqs]
+        self.slots_host = [s.slot for s in seqs]
         self.set_layout(lens, [s.num_computed + n for s, n in zip(seqs, lens)], dev)
         bs = pool.block_size
         width = max(len(s.block_table) for s in seqs)
@@ -169,7 +169,7 @@ class StaticKDAView(PagedBatchView):
     same function)."""
 
     def __init__(self, pool: CachePool, num_layers: int, tokens: int, max_rows: int):
-        from k3.ops.kda_fla_lean import CHUNK_SIZE, ChunkPlan, use_plan
+        from k3.ops.kda_fla_lean import CHUNK_SIZE, ChunkPlan
 
         dev, S = pool.device, max_rows + 2
         self.pool, self.num_layers, self.seq_len, self.tokens, self.S = pool, num_layers, 0, tokens, S
@@ -180,8 +180,8 @@ class StaticKDAView(PagedBatchView):
         self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host` has run
         self.slots, self.cu_seqlens, pairs, offsets = self.buf.split([S, S + 1, 2 * self.nt, S + 1])
         self.cu_cpu = torch.zeros(S + 1, dtype=torch.long)  # the offsets on the host (the CPU reference reads them)
-        self.plan = ChunkPlan(self.cu_seqlens, self.cu_cpu, pairs.view(self.nt, 2), offsets, graph=True)
-        use_plan(self.plan)  # fla's lean entry plans from these buffers, not from the host offsets at capture
+        # the KDA cores' plan (`prefill_plan`): these buffers, not one made from the host offsets at capture
+        self.prefill_plan = ChunkPlan(self.cu_seqlens, self.cu_cpu, pairs.view(self.nt, 2), offsets, graph=True)
         self.decode_rows, self.prefill_rows = [], list(range(S))
         self.prefill_span = (slice(0, S), slice(0, tokens))
         self.prefill_cu_seqlens, self.prefill_cu_seqlens_cpu = self.cu_seqlens, self.cu_cpu
