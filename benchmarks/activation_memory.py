@@ -133,7 +133,7 @@ class _FlaKDASaves(torch.autograd.Function):
 
 def _fla_kda_gated_saves(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, scale=None,
                          initial_state=None, output_final_state=False, cu_seqlens=None, recurrent=None,
-                         state_in_place=False, cu_seqlens_cpu=None):
+                         state_in_place=False, cu_seqlens_cpu=None, plan=None):
     return _FlaKDASaves.apply(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens), None
 
 

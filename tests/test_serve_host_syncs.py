@@ -56,7 +56,8 @@ class FlaRecorder:
         self.calls, self.step = [], 0
 
     def gated(self, q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, *, initial_state=None,
-              output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, recurrent=None, state_in_place=False):
+              output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, recurrent=None, state_in_place=False,
+              plan=None):
         self.calls.append((self.step, cu_seqlens, cu_seqlens_cpu))
         return core_mod.kda_core(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
