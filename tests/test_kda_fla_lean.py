@@ -5,6 +5,7 @@ On the CPU: the chunk plan against a plain count of chunks, built once per step;
 functions with one log line), with fla replaced by recorders. On CUDA (marked gpu): equal to fla's public
 `chunk_kda` and `rms_norm_gated` over varlen batches with length-1 and length-65 sequences and initial states.
 """
+import itertools
 import logging
 import math
 import sys
@@ -225,7 +226,7 @@ def test_lean_chunk_equals_fla_public_chunk_kda_on_cuda(lens, with_state):
             o_pub, s_pub = kda_fla.fla_kda_gated(q, k, v, f, beta, A_log, dt_bias, -5.0, **kw)
         with envs.override(fla_lean=True):
             o_lean, s_lean = kda_fla.fla_kda_gated(q, k, v, f, beta, A_log, dt_bias, -5.0, **kw)
-            assert kda_fla._lean()
+            assert kda_fla.lean_enabled()
     assert o_lean.shape == o_pub.shape and o_lean.dtype == o_pub.dtype
     assert rel_err(o_lean, o_pub) < 2e-3 and rel_err(s_lean, s_pub) < 2e-3
     if lens:  # a length-1 and a length-65 document compared alone, where a chunk-plan slip would show first
@@ -273,3 +274,58 @@ def test_a_callers_graph_plan_reaches_the_stages_and_nothing_else_takes_it(monke
     with envs.override(fla_lean=False), torch.inference_mode(), pytest.raises(ValueError, match="lean entry"):
         kda_fla.fla_kda_gated(*args, plan=graph, **kw)
     assert fake.public == []
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_fla
+def test_graph_plan_captured_once_replays_any_layout_of_its_bucket_on_cuda():
+    """The prefill graphs' fixed-shape KDA layout (k3.serve.runner.StaticKDAView: the step's documents, a pad
+    document, empty ones; fla's chunk plan padded with sentinel rows) through the lean chunked KDA, captured in a
+    CUDA graph on one layout and replayed on others: each replay's outputs and final states equal an eager run over
+    the same documents with a plan of their own (no empty documents, no sentinel rows); an empty document's final
+    state is its initial state."""
+    from types import SimpleNamespace
+
+    from k3.serve.runner import StaticKDAView
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    H, K, tokens, rows = 2, 128, 512, 6
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    view = StaticKDAView(SimpleNamespace(device=torch.device("cuda"), scratch_slot=0), 1, tokens, rows)
+    S = view.S
+    q, k, v, f = (r(1, tokens, H, K).bfloat16() for _ in range(4))
+    beta = r(1, tokens, H).bfloat16()
+    A_log, dt_bias = r(H) * 0.5, r(H * K)
+    h0 = r(S, H, K, K) * 0.1
+    layouts = [[100, 1, 64], [5, 130, 64, 1, 200, 77], [512], [63, 65], [1] * rows, []]
+
+    def graph_run():
+        return kda_fla.fla_kda_gated(q, k, v, f, beta, A_log, dt_bias, -5.0, initial_state=h0, output_final_state=True,
+                                     cu_seqlens=view.cu_seqlens, cu_seqlens_cpu=view.cu_cpu, recurrent=False,
+                                     plan=view.prefill_plan)
+
+    with envs.override(fla_lean=True), torch.inference_mode():
+        view.load(layouts[0], list(range(len(layouts[0]))))
+        graph_run()  # the eager pass: compiles and tunes outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            o_g, s_g = graph_run()
+        for lens in layouts:
+            view.load(lens, list(range(len(lens))))
+            g.replay()
+            docs = [*lens, tokens - sum(lens)]
+            cu = [0, *itertools.accumulate(docs)]
+            live = [i for i, d in enumerate(docs) if d]  # fla's own plan takes no empty documents
+            cu_live = [0, *itertools.accumulate(docs[i] for i in live)]
+            o, s = kda_fla.fla_kda_gated(q, k, v, f, beta, A_log, dt_bias, -5.0, initial_state=h0[live].contiguous(),
+                                         output_final_state=True, recurrent=False,
+                                         cu_seqlens=torch.tensor(cu_live, device="cuda"),
+                                         cu_seqlens_cpu=torch.tensor(cu_live))
+            torch.cuda.synchronize()
+            assert cu == view.cu_cpu[:len(cu)].tolist()
+            assert rel_err(o_g, o) < 1e-5, lens
+            assert rel_err(s_g[live], s) < 1e-5, lens
+            empty = [i for i in range(S) if i not in live]
+            assert torch.equal(s_g[empty], h0[empty]), lens

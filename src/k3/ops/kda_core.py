@@ -15,10 +15,11 @@ import torch
 
 from k3.ops.lazy_dynamo import assume_constant_result
 from k3.ops.kda import kda_chunk, kda_gate, kda_recurrent
-from k3.ops.kda_fla import fla_kda_chunk, fla_kda_gated, fla_kda_recurrent, fla_usable, safe_gate_ok
+from k3.ops.kda_fla import (fla_kda_chunk, fla_kda_gated, fla_kda_recurrent, fla_usable, lean_enabled,
+                            safe_gate_ok)
 from k3.ops.norm import l2_norm
 
-__all__ = ["BACKENDS", "select_backend", "force_backend", "forced_backend", "kda_core"]
+__all__ = ["BACKENDS", "select_backend", "force_backend", "forced_backend", "takes_graph_plan", "kda_core"]
 
 BACKENDS = ("reference", "fla")
 _forced: str | None = None
@@ -57,6 +58,14 @@ def log_once(logger: str, message: str) -> bool:
         _logged.add((logger, message))
         logging.getLogger(logger).info(message)
     return True
+
+
+def takes_graph_plan(q: torch.Tensor, lower_bound: float) -> bool:
+    """Whether the chunked core of q's device and dtype (q [..., H, K], non-empty) runs over a CUDA-graph chunk
+    plan (k3.ops.kda_fla_lean.ChunkPlan.graph): fla's lean entry in its graph mode. The references and fla's public
+    entry plan from the host offsets on every call, so a graph captured over them would keep the capture's
+    documents."""
+    return select_backend(q) == "fla" and safe_gate_ok(lower_bound) and lean_enabled()
 
 
 def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
@@ -103,6 +112,9 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
             raise ValueError("a CUDA-graph chunk plan needs fla's safe gate (lower_bound in its range)")
         o, state = (fla_kda_recurrent if recurrent else fla_kda_chunk)(q, k, v, g, beta, **fla_args)
     else:  # the references read the bounds only, on the host
+        if plan is not None and plan.graph and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ValueError("the KDA reference plans on the host: a CUDA graph of it would keep the capture's "
+                             "documents (a graph plan needs fla's lean chunked core: `takes_graph_plan`)")
         if cu_seqlens_cpu is not None:
             state_args["cu_seqlens"] = cu_seqlens_cpu
         o, state = (kda_recurrent if recurrent else kda_chunk)(q, k, v, g, beta, **state_args)

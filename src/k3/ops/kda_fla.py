@@ -128,7 +128,7 @@ def _pin_choices(x: torch.Tensor) -> None:
         tuning.pin_for_device(x.device)
 
 
-def _lean() -> bool:
+def lean_enabled() -> bool:
     """Whether inference takes k3.ops.kda_fla_lean: not switched off (K3_FLA_LEAN=0), fla of the series it calls, and
     not inside torch.compile (fla's public entries keep their stages out of the graph; the lean calls do not)."""
     if not envs.current().fla_lean or torch.compiler.is_compiling():
@@ -254,7 +254,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
                                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
                                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                        lower_bound=float(lower_bound), state_v_first=False, cu_seqlens=cu)
-    elif not needs_grad and _lean():  # inference: the lean entry (unless K3_FLA_LEAN=0), same kernels
+    elif not needs_grad and lean_enabled():  # inference: the lean entry (unless K3_FLA_LEAN=0), same kernels
         from k3.ops import kda_fla_lean
 
         if plan is None and cu is not None:
@@ -284,7 +284,7 @@ def fla_output_gate(o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps:
     forward and one backward, fp32 inside, o's dtype out (the plain path is a norm, a sigmoid and a multiply,
     each a pass over [B, T, H, K] both ways). o, g: [..., K]; weight: [K] (fp32 in the checkpoint)."""
     _pin_choices(o)
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (o, g, weight))) and _lean():
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (o, g, weight))) and lean_enabled():
         from k3.ops import kda_fla_lean
 
         with on_device(o):

@@ -61,6 +61,17 @@ def gc_paused():
             gc.enable()
 
 
+def _abandon_capture(graph: torch.cuda.CUDAGraph, device: torch.device, mempool) -> None:
+    """End a capture whose recording failed, so that the next one can begin: the stream's capture is closed (its
+    graph dropped) and the allocator stops routing allocations to the pool (capture_end can fail before it does,
+    and the next capture_begin on the pool would then refuse: "already recording to mempool_id")."""
+    with contextlib.suppress(Exception):
+        graph.capture_end()
+    with contextlib.suppress(Exception):  # raises where capture_end got that far
+        torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
+                                         mempool)
+
+
 class PiecewiseLayout:
     """The `cache` a piecewise forward hands the model: KDA's and MLA's layout hooks (see k3.model.kda.kda_layout
     and k3.model.mla.mla_layout), each core a break of `graph`. KDA's short convs read the pool's tails by slot,
@@ -150,6 +161,8 @@ class PrefillGraph:
         """Record the pieces of the loaded shape (nothing runs: the cores are skipped, the pool is not written).
         The caller has run the same bucket eagerly first (autotuning and workspaces happen outside capture)."""
         device, self.mempool = self.device, mempool
+        if self.kda_view is not None:  # what the eager pass derived from the layout (the conv's gather indices) is
+            self.kda_view.forget_shared()  # derived again inside: a replay must recompute it from the refilled layout
         torch.cuda.synchronize(device)  # as torch.cuda.graph does: nothing queued while the allocator turns to the pool
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -160,8 +173,10 @@ class PrefillGraph:
                 self.pieces[0].capture_begin(mempool, capture_error_mode="thread_local")
                 try:
                     self.hidden = self.forward()
-                finally:
-                    self.pieces[-1].capture_end()
+                except BaseException:
+                    _abandon_capture(self.pieces[-1], device, mempool)
+                    raise  # the forward's own error, not capture_end's "failed due to a previous error"
+                self.pieces[-1].capture_end()
         except BaseException:
             self.pieces, self.breaks, self.hidden = [], [], None
             raise
@@ -224,6 +239,7 @@ class PrefillGraphs:
             try:
                 graph.capture(self.mempool)
             except Exception as e:  # the step has run; this bucket stays eager rather than fail the engine
+                self.mempool = torch.cuda.graph_pool_handle()  # the failed capture may have left the pool in use
                 _log.warning("prefill graphs: the %d-token bucket could not be captured (%s: %s); its steps run "
                              "eagerly", tokens, type(e).__name__, e)
             return hidden

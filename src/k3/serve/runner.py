@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import logging
 from dataclasses import dataclass
 from itertools import chain
 
@@ -12,12 +13,16 @@ import torch
 
 from k3.model.cache import BatchCacheView, KDASlots, KDAState
 from k3.model.cuda_graph import wants_graphs
+from k3.model.kda import KimiDeltaAttention
 from k3.ops.fused_linear import fuse_projections, joined_columns
+from k3.ops.kda_core import takes_graph_plan
 from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
 from k3.serve.prefill_graphs import PrefillGraphs, gc_paused
 from k3.serve.sampling import score_rows
 from k3.serve.sequence import Sequence
+
+_log = logging.getLogger(__name__)
 
 # Prompt positions scored per lm_head call: bounds the [rows, vocab] float32 logits a long chunk would make
 # (2048 × 163,840 × 4 B = 1.3 GB at once; 256 rows: 168 MB).
@@ -285,6 +290,14 @@ class DecodeGraphs:
             not any(s.mm and s.in_prefill for s in seqs)
 
 
+def kda_cores_take_graph_plans(model, device: torch.device) -> bool:
+    """Whether every KDA layer's chunked core runs over a CUDA-graph chunk plan on `device` (k3.ops.kda_core.
+    takes_graph_plan): what capturing the cores with the prefill graphs (StaticKDAView) needs."""
+    dtype = model.model.embed_tokens.weight.dtype  # the features' dtype
+    return all(takes_graph_plan(torch.empty(1, 1, m.num_heads, m.head_dim, dtype=dtype, device=device), m.lower_bound)
+               for m in model.modules() if isinstance(m, KimiDeltaAttention))
+
+
 class ModelRunner:
     def __init__(self, model, pool: CachePool, decode_graphs: bool | None = None, max_num_seqs: int = 64,
                  vocab: int | None = None, split_mixed: bool = False, prefill_graphs: bool | None = False,
@@ -305,6 +318,11 @@ class ModelRunner:
         use = wants_graphs(model, self.device, decode_graphs)
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
         layers = model.config.num_hidden_layers
+        if static_kda and on_cuda and not kda_cores_take_graph_plans(model, self.device):
+            _log.warning("static KDA cores: this model's KDA core on %s does not run over a CUDA-graph chunk plan "
+                         "(that needs fla's lean chunked core on a 16-bit model): its prefill graphs break at the "
+                         "KDA cores instead", self.device)
+            static_kda = False
         kda_view = (lambda tokens: StaticKDAView(pool, layers, tokens, max_num_seqs)) if static_kda else None
         self.prefill_graphs = (PrefillGraphs(model, max_batch_tokens, self.device, capture=on_cuda, kda_view=kda_view)
                                if wants_graphs(model, self.device, prefill_graphs) else None)
