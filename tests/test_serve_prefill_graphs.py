@@ -231,7 +231,9 @@ def test_cuda_static_kda_cores_replay_equal_the_breaking_pieces(model, split):
     """bf16, where fla's lean chunked core runs: with the static KDA layout each bucket is captured as MLA layers
     + 1 pieces, the KDA cores inside them, and its later steps replay them over the layout refilled in place (other
     rows, lengths and slots than the capture's; then prompts that hit the first ones' prefix units and KDA
-    checkpoints): tokens, sampled and prompt logprobs equal those of the pieces that break at every core."""
+    checkpoints): tokens, sampled and prompt logprobs equal those of the pieces that break at every core (the
+    logprobs within 0.1: the two paths' kernels tile the KDA cores differently, and bf16 logits of magnitude 2-4
+    differ by a few of their ulps of 1/64; a layout the replay did not refill changes the greedy tokens)."""
     cuda = K3ForCausalLM(K3Config.preset("tiny")).eval()
     cuda.load_state_dict(model.state_dict())
     cuda = cuda.cuda().bfloat16()
@@ -249,7 +251,7 @@ def test_cuda_static_kda_cores_replay_equal_the_breaking_pieces(model, split):
     (got, steps, _), (want, steps_want, _) = runs
     assert steps == steps_want
     for a, b in zip(got, want):
-        assert_same(a, b, tol=2e-2)
+        assert_same(a, b, tol=0.1)
 
 
 def test_the_default_is_on_where_decode_graphs_run_and_off_on_a_cpu(model):
