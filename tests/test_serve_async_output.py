@@ -23,10 +23,12 @@ def drive(eng: LLMEngine, requests, abort_at: dict | None = None):
     of its outputs, in request order; how many steps launched with their input ids on the device).
     abort_at: {step: request index} aborted before that step runs."""
     overlapped = []
+    eng.launches = []  # per step: (launched with device ids, with prompt rows)
     run = eng.runner.run
 
     def counting_run(seqs, lens, sample_rows, ids=None):
         overlapped.append(ids is not None)
+        eng.launches.append((ids is not None, any(s.in_prefill for s in seqs)))
         return run(seqs, lens, sample_rows, ids)
     eng.runner.run = counting_run
     ids, recs, step = [None] * len(requests), {}, 0
@@ -37,8 +39,11 @@ def drive(eng: LLMEngine, requests, abort_at: dict | None = None):
         if abort_at and step in abort_at:
             assert eng.abort(ids[abort_at[step]])
         for o in eng.step():
-            rec = recs.setdefault(o.request_id, {"ids": [], "lp": [], "text": "", "reason": None, "outputs": 0})
+            rec = recs.setdefault(o.request_id, {"ids": [], "lp": [], "text": "", "reason": None, "outputs": 0,
+                                                 "prompt": None})
             assert rec["reason"] is None, "an output after the request finished"
+            if o.prompt_logprobs is not None:
+                rec["prompt"] = [(x.token_id, x.logprob, x.top) for x in o.prompt_logprobs[1:]]
             rec["ids"] += o.new_token_ids
             rec["lp"] += [(x.token_id, x.logprob, x.top) for x in o.new_logprobs]
             rec["text"] += o.new_text
@@ -75,6 +80,59 @@ def test_async_equals_sync_and_one_shot_generate(model, graphs):
         for x, y in zip(a["lp"], b["lp"]):
             assert x[0] == y[0] and x[1] == pytest.approx(y[1], abs=1e-5)
             assert [t for t, _ in x[2]] == [t for t, _ in y[2]]
+
+
+# one request every other step, as an HTTP load brings them: logprobs, a scored prompt, seeded sampling
+STAGGERED = [(prompt(100 + i, 5 + 4 * i), SamplingParams(max_tokens=9 - i % 3, logprobs=i % 2 or None,
+                                                          prompt_logprobs=2 if i == 3 else None, **GREEDY), 2 * i)
+             for i in range(6)] + [(prompt(110, 7), SamplingParams(max_tokens=8, temperature=0.8, seed=4), 5)]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_arrivals_and_prompt_chunks_launch_beside_in_flight_decodes(model, graphs):
+    """Requests arriving one by one while others decode: with the split decode graphs, each admission and prompt
+    chunk launches beside the in-flight decodes (their ids from the device) instead of draining the device's
+    queue; without them the step drains. Either way async == sync: tokens, logprobs, prompt logprobs, seeded
+    sampling; greedy tokens equal generate's."""
+    cfg = dict(decode_graphs=graphs, max_batch_tokens=12, match_unit=4)
+    sync, _ = drive(make(model, False, **cfg), STAGGERED)
+    eng = make(model, True, **cfg)
+    asyn, _ = drive(eng, STAGGERED)
+    mixed = sum(fed and prefill for fed, prefill in eng.launches)
+    drained = sum(not fed for fed, _ in eng.launches[1:])
+    if graphs:
+        assert mixed >= len(STAGGERED) - 1 and drained <= 2, eng.launches
+    else:
+        assert mixed == 0 and drained >= len(STAGGERED) - 1, eng.launches
+    for (p, params, _), a, b in zip(STAGGERED, asyn, sync):
+        assert (a["ids"], a["reason"], a["outputs"]) == (b["ids"], b["reason"], b["outputs"])
+        if params.temperature == 0:
+            assert a["ids"] == reference(model, p, params.max_tokens)
+        assert [x[0] for x in a["lp"]] == [x[0] for x in b["lp"]]
+        assert [x[1] for x in a["lp"]] == pytest.approx([x[1] for x in b["lp"]], abs=1e-5)
+        assert (a["prompt"] is None) == (b["prompt"] is None) == (params.prompt_logprobs is None)
+        if a["prompt"] is not None:
+            assert [x[0] for x in a["prompt"]] == [x[0] for x in b["prompt"]] == p[1:]
+            assert [x[1] for x in a["prompt"]] == pytest.approx([x[1] for x in b["prompt"]], abs=1e-5)
+
+
+def test_device_ids_beside_prompt_chunks_need_the_split_decode_graphs(model):
+    """The runner refuses a mixed step with device ids where no decode graph reads them (the chunks' rows would
+    take host tokens the host does not have), and ids that do not match the step's decodes."""
+    eng = make(model, True, decode_graphs=False)
+    eng.add_request(prompt(120, 5), SamplingParams(max_tokens=4, **GREEDY))
+    while eng.in_flight is None:  # the prompt (chunked at its match boundary), then its token in flight
+        eng.step()
+    seq, = eng.scheduler.running
+    eng.add_request(prompt(121, 6), SamplingParams(max_tokens=4, **GREEDY))
+    assert eng.scheduler.schedule_in_flight(eng._may_feed_in_flight, eng._ends_in_flight, admit=False) is None
+    new = eng.scheduler.waiting[0]
+    eng.pool.admit(new, 0)
+    ids = eng.in_flight.sample.picked
+    with pytest.raises(ValueError, match="split decode graphs"):
+        eng.runner.run([seq, new], [1, 6], [0, 1], ids)
+    with pytest.raises(ValueError, match="one per decoding row"):
+        eng.runner.run([seq, new], [1, 6], [0, 1], torch.cat([ids, ids]))
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8])
@@ -154,11 +212,12 @@ def test_abort_right_after_launch_leaves_nothing_in_flight_for_it(model):
     assert_pool_empty(eng)
 
 
-def test_preemption_under_async_equals_uninterrupted(model):
-    """A pool too small for every sequence: a step short of blocks drains to the synchronous path, which
-    preempts; the tokens still equal generate's."""
+@pytest.mark.parametrize("graphs", [False, True])
+def test_preemption_under_async_equals_uninterrupted(model, graphs):
+    """A pool too small for every sequence: a step short of blocks (or with a swapped-out sequence next to come
+    back) drains to the synchronous path, which preempts and swaps in; the tokens still equal generate's."""
     prompts = [prompt(40 + i, 18) for i in range(3)]
-    eng = make(model, True, num_blocks=7, prefix_caching=False)
+    eng = make(model, True, num_blocks=7, prefix_caching=False, decode_graphs=graphs)
     got, n = drive(eng, [(p, SamplingParams(max_tokens=20, **GREEDY), 0) for p in prompts])
     assert n > 0 and eng.scheduler.num_preemptions > 0
     assert eng.pool.stats["swaps_in"] == eng.pool.stats["swaps_out"] > 0

@@ -297,30 +297,36 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the steps that finished in it. Without config.async_output: plan,
-        launch, read back, finish. With it (the default), a decode step whose next step needs no host token
-        stays on the device (`in_flight`); the next call plans and launches its successor, feeding the picked
-        ids on the device, and only then finishes it, so the host's work overlaps the device's. Whatever needs
-        the host's tokens first (admission, prefill, preemption, grammar, a last token, distributed serving's
-        agreement) drains to the synchronous path; a match boundary does not (see `_file_boundaries`)."""
+        launch, read back, finish. With it (the default), a step that samples stays on the device (`in_flight`);
+        the next call plans and launches its successor, its decodes feeding the picked ids on the device (beside
+        prompt chunks and admissions where the runner takes such a step: `ModelRunner.takes_mixed_in_flight`),
+        and only then finishes it, so the host's work overlaps the device's. Whatever needs the host's tokens
+        first (preemption, a swap-in, grammar, a last token, distributed serving's agreement) drains to the
+        synchronous path; a match boundary does not (see `_file_boundaries`)."""
         outputs = []
         if self.in_flight is not None:
             previous, self.in_flight = self.in_flight, None
-            seqs = self.scheduler.schedule_in_flight(self._may_feed_in_flight)
-            if seqs is not None:
-                self.in_flight = self._launch(seqs, [1] * len(seqs), self._picked_ids(previous, seqs))
+            plan = self.scheduler.schedule_in_flight(self._may_feed_in_flight, self._ends_in_flight,
+                                                     self.runner.takes_mixed_in_flight)
+            if plan is not None:
+                seqs, lens = plan
+                fed = [s for s in seqs if s.in_flight]  # the decodes, in step order
+                launched = self._launch(seqs, lens, self._picked_ids(previous, fed))
                 outputs = self._finish_step(previous)
                 self._file_boundaries(seqs)
-                return outputs
+                return outputs + self._defer_or_finish(launched)
             outputs = self._finish_step(previous)
         seqs, lens = self.scheduler.schedule()
         if not seqs:
             return outputs
-        launched = self._launch(seqs, lens)
+        return outputs + self._defer_or_finish(self._launch(seqs, lens))
+
+    def _defer_or_finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Keep a launched step on the device for the next call when it may stay (`_may_defer`), else finish it."""
         if self.config.async_output and self._may_defer(launched):
             self.in_flight = launched
-        else:
-            outputs += self._finish_step(launched)
-        return outputs
+            return []
+        return self._finish_step(launched)
 
     def _may_defer(self, launched: LaunchedStep) -> bool:
         """Whether a step may stay in flight: it samples, no row follows a grammar (the next mask needs the host
@@ -329,11 +335,15 @@ class LLMEngine:
                 and all(s.grammar is None for s in launched.chosen))
 
     def _may_feed_in_flight(self, seq: Sequence) -> bool:
-        """Whether seq's next step may feed its in-flight token before the host knows it: not when that token
-        may be its last (max_tokens, max_model_len). A step that completes a match unit may: its state is copied
-        at launch, the unit and checkpoint hashed once the token is read back (`_file_boundaries`)."""
-        return (seq.grammar is None and seq.num_output + seq.in_flight < seq.params.max_tokens
-                and len(seq.tokens) + seq.in_flight < self.max_model_len)
+        """Whether seq's next step may feed its in-flight token before the host knows it: not under a grammar (its
+        next mask needs the token). A step that completes a match unit may: its state is copied at launch, the
+        unit and checkpoint hashed once the token is read back (`_file_boundaries`)."""
+        return seq.grammar is None
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether seq's in-flight token is its last (max_tokens, max_model_len): it finishes at the read-back."""
+        return (seq.num_output + seq.in_flight >= seq.params.max_tokens
+                or len(seq.tokens) + seq.in_flight >= self.max_model_len)
 
     def _file_boundaries(self, seqs: list[Sequence]) -> None:
         """After the previous step's read-back: register the units and name the checkpoints of the match
@@ -363,8 +373,8 @@ class LLMEngine:
 
     def _launch(self, seqs: list[Sequence], lens: list[int], ids: torch.Tensor | None = None) -> LaunchedStep:
         """Queue one step on the device: the forward, the host bookkeeping that needs no new token (progress,
-        prefix units, checkpoints) and the sampling, with no read-back. ids: a decode step's input tokens on the
-        device (the previous step's picks)."""
+        prefix units, checkpoints) and the sampling, with no read-back. ids: the input tokens of the step's
+        decodes on the device (the previous step's picks: every decoding row then has one in flight)."""
         now = time.perf_counter()
         self.metrics.on_step(seqs, lens, now)
         if self.step_log is not None:
@@ -381,7 +391,7 @@ class LLMEngine:
             decoding = not s.in_prefill
             s.num_computed += n
             if not decoding or s.num_computed % unit == 0:  # a decoded token completes a unit only on a boundary
-                if ids is not None:  # the unit's last token is on the device: hashed after the read-back
+                if s.in_flight:  # the unit's last token is on the device: hashed after the read-back
                     s.unfiled_boundary = (s.num_computed, self.pool.copy_state_unnamed(s))
                     continue
                 self.pool.register_computed(s)

@@ -333,17 +333,28 @@ class ModelRunner:
         """Feed seqs[i].tokens[num_computed : num_computed + lens[i]] for every i; return the last-token
         logits [len(sample_rows), vocab] of the rows that will sample, and the prompt logprobs of the chunk's
         positions for sequences that ask for them (None when none does). Does not advance num_computed.
-        ids: for a decode-only step, its input tokens [len(seqs)] on the device (async output: the previous
-        step's picks, not yet on the host)."""
+        ids: the input tokens of the step's decoding rows [rows], in step order, on the device (async output: the
+        previous step's picks, not yet on the host); beside prompt chunks only where `takes_mixed_in_flight`."""
         with on_device(self.device):  # the engine's own thread starts on device 0
-            if ids is not None:
-                if any(n != 1 or s.in_prefill for s, n in zip(seqs, lens)):
-                    raise ValueError("device input ids are for decode-only steps")
-                if self.graphs is not None and self.graphs.fits(seqs, lens):
-                    logits = self.graphs.run(seqs, ids)
-                    return (logits if len(sample_rows) == len(seqs) else logits[sample_rows]), None
-                return self._run_eager(seqs, lens, sample_rows, [], ids)
-            return self._run(seqs, lens, sample_rows)
+            if ids is None:
+                return self._run(seqs, lens, sample_rows)
+            decodes = [i for i, s in enumerate(seqs) if not s.in_prefill]
+            if len(decodes) != ids.shape[0] or any(lens[i] != 1 for i in decodes):
+                raise ValueError(f"device input ids are one per decoding row: {ids.shape[0]} for {len(decodes)}")
+            if len(decodes) < len(seqs):
+                if not self.takes_mixed_in_flight:
+                    raise ValueError("device input ids beside prompt chunks need the split decode graphs")
+                return self._run_split(seqs, lens, sample_rows, decodes, self.scored_spans(seqs, lens), ids)
+            if self.graphs is not None and self.graphs.fits(seqs, lens):
+                logits = self.graphs.run(seqs, ids)
+                return (logits if len(sample_rows) == len(seqs) else logits[sample_rows]), None
+            return self._run_eager(seqs, lens, sample_rows, [], ids)
+
+    @property
+    def takes_mixed_in_flight(self) -> bool:
+        """Whether a step may feed its decodes' ids from the device beside prompt chunks: the decodes then replay
+        their graph (`_run_split`), which reads the ids on the device, and only the chunks need host tokens."""
+        return self.graphs is not None and self.split_mixed
 
     @staticmethod
     def scored_spans(seqs: list[Sequence], lens: list[int]) -> list[tuple[int, int, int]]:
@@ -374,15 +385,16 @@ class ModelRunner:
         return rows if rows and len(rows) < len(seqs) and len(rows) <= self.graphs.max_rows else []
 
     def _run_split(self, seqs: list[Sequence], lens: list[int], sample_rows: list[int], decodes: list[int],
-                   spans: list[tuple[int, int, int]]) -> tuple[torch.Tensor, PromptScores | None]:
+                   spans: list[tuple[int, int, int]], ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, PromptScores | None]:
         """A mixed step as two forwards: the decoding rows replay their graph, the prompt chunks run eagerly. An
         eager forward's host work grows with its rows (the profile of 64 streams on an H200: a 2,048-token step
         took 173 ms with 56 decodes in it, 118 ms without); the graph's replay costs the host almost nothing, and
         the two read and write disjoint slots and blocks. Logits come back in sample_rows order, prompt scores
-        with the step's own row indices (only prompt chunks score)."""
+        with the step's own row indices (only prompt chunks score). ids: the decodes' input tokens on the device."""
         dec, sampling = set(decodes), set(sample_rows)
         rest = [i for i in range(len(seqs)) if i not in dec]
-        graph_logits = self.graphs.run([seqs[i] for i in decodes])  # a static buffer: read before the next replay
+        graph_logits = self.graphs.run([seqs[i] for i in decodes], ids)  # a static buffer: read before the next replay
         sampled_rest = [j for j, i in enumerate(rest) if i in sampling]
         where = {i: j for j, i in enumerate(rest)}
         chunk_logits, scores = self._run_eager([seqs[i] for i in rest], [lens[i] for i in rest], sampled_rest,

@@ -60,19 +60,42 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def schedule_in_flight(self, may_feed_in_flight: Callable[[Sequence], bool]) -> list[Sequence] | None:
-        """Plan a decode step while the previous one is still on the device (async output): every running
-        sequence feeds its in-flight token, which only the device knows yet. None when the step needs the host
-        to go first: a request waits (admission), a running sequence has no token in flight (prefill) or
-        `may_feed_in_flight` refuses it (e.g. its in-flight token may be its last), the token budget is short,
-        or a block is missing (preemption). Those steps run after the previous one finishes, via `schedule`."""
-        if self.waiting or not self.running or len(self.running) > self.max_batch_tokens:
+    def schedule_in_flight(self, may_feed_in_flight: Callable[[Sequence], bool],
+                           ends_in_flight: Callable[[Sequence], bool],
+                           admit: bool) -> tuple[list[Sequence], list[int]] | None:
+        """Plan a step while the previous one is still on the device (async output): every decoding sequence
+        feeds its in-flight token, which only the device knows yet, but one whose in-flight token ends it
+        (`ends_in_flight`: max_tokens, max_model_len) sits the step out and finishes at the read-back. With
+        `admit` (the runner takes prompt chunks beside such decodes), running prompts take their next chunks and
+        waiting requests are admitted as in `schedule`, the decodes served first; without it only decode steps
+        are planned.
+        None when the step needs the host to go first: a decoding sequence has no token in flight or
+        `may_feed_in_flight` refuses it (e.g. a grammar's next mask needs the token), the budget is short of the
+        decodes, a block is missing (preemption), a swapped-out sequence is next to come back, (without `admit`)
+        a prompt would run, or nothing would. Those steps run after the previous one finishes, via `schedule`."""
+        running = [s for s in self.running if not (s.in_flight and ends_in_flight(s))]
+        decoding = [s for s in running if not s.in_prefill]
+        if not running or len(decoding) > self.max_batch_tokens:
             return None
-        if not all(s.in_flight and may_feed_in_flight(s) for s in self.running):
+        if not all(s.in_flight and may_feed_in_flight(s) for s in decoding):
             return None
-        if not all(self.pool.ensure_blocks(s, s.num_computed + 1) for s in self.running):
+        if not admit and (len(decoding) < len(running) or self.waiting):
             return None
-        return list(self.running)
+        if self.waiting and self.waiting[0].status is Status.SWAPPED:  # swapped ones wait at the front
+            return None
+        budget = self.max_batch_tokens - len(decoding)
+        plan: list[tuple[Sequence, int]] = []
+        for seq in running:
+            n = self.chunk_len(seq, budget) if seq.in_prefill else 1  # (decodes are in the budget already)
+            if n <= 0:
+                continue
+            if not self.pool.ensure_blocks(seq, seq.num_computed + n):
+                return None
+            plan.append((seq, n))
+            if seq.in_prefill:
+                budget -= n
+        self._admit(plan, budget)
+        return [s for s, _ in plan], [n for _, n in plan]
 
     def schedule(self) -> tuple[list[Sequence], list[int]]:
         """Plan one step → (sequences, tokens to feed for each)."""
@@ -91,6 +114,12 @@ class Scheduler:
                 plan.append((seq, n))
                 budget -= n
                 i += 1
+        self._admit(plan, budget)
+        return [s for s, _ in plan], [n for _, n in plan]
+
+    def _admit(self, plan: list[tuple[Sequence, int]], budget: int) -> None:
+        """Waiting sequences into `plan` (FCFS: swapped-out ones first) while the budget, the sequence limit and
+        the pool allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.status is Status.SWAPPED:
@@ -111,4 +140,3 @@ class Scheduler:
             self.running.append(seq)
             plan.append((seq, n))
             budget -= n
-        return [s for s, _ in plan], [n for _, n in plan]
