@@ -66,9 +66,10 @@ def test_step_log_summary_splits_the_wall_time_and_the_step_kinds():
             self.in_prefill = prefill
     log = StepLog()
     # launches at 0, 10, 14, 18, 40 ms: a prompt step (2 prompt rows + 1 decode, 300 tokens), then decodes of 3 rows
+    # (the last two launched while the step before them was on the device)
     log.launch(0.000, [S(True), S(True), S(False)], [200, 99, 1])
     for t in (0.010, 0.014, 0.018):
-        log.launch(t, [S(False)] * 3, [1, 1, 1])
+        log.launch(t, [S(False)] * 3, [1, 1, 1], overlapped=t > 0.012)
     log.launch(0.040, [S(False)] * 2, [1, 1])
     for a, b, c in ((0.0, 0.009, 0.010), (0.010, 0.013, 0.014), (0.014, 0.017, 0.018), (0.018, 0.019, 0.020)):
         log.iteration(a, b, c, intake=0.0005)
@@ -77,8 +78,8 @@ def test_step_log_summary_splits_the_wall_time_and_the_step_kinds():
     assert out["step_s"] == pytest.approx(0.009 + 0.003 + 0.003 + 0.001)
     assert out["emit_s"] == pytest.approx(0.004) and out["intake_s"] == pytest.approx(0.002)
     assert out["idle_s"] == pytest.approx(0.050 - 0.002 - 0.016 - 0.004)
-    assert out["prompt"] == pytest.approx({"steps": 1, "rows": 3, "tokens": 300, "period_ms": 10.0})
+    assert out["prompt"] == pytest.approx({"steps": 1, "rows": 3, "tokens": 300, "period_ms": 10.0, "overlapped": 0})
     # decode periods: 4, 4, 22 ms (the last launch has no successor and is not counted)
-    assert out["decode"] == pytest.approx({"steps": 3, "rows": 3, "tokens": 3, "period_ms": 10.0})
+    assert out["decode"] == pytest.approx({"steps": 3, "rows": 3, "tokens": 3, "period_ms": 10.0, "overlapped": 2})
     assert [round(x["ms"]) for x in out["slowest"]] == [22, 10, 4, 4]
     assert out["slowest"][1]["prompt_rows"] == 2

@@ -288,7 +288,7 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
 def format_engine_summary(e: dict) -> str:
     """One line from `StepLog.summary`: where the engine's time went in a timed run."""
     kinds = ", ".join(f"{e[k]['steps']} {k} steps of {e[k]['rows']:.0f} rows / {e[k]['tokens']:.0f} tokens every "
-                      f"{e[k]['period_ms']:.1f} ms" for k in ("decode", "prompt"))
+                      f"{e[k]['period_ms']:.1f} ms ({e[k]['overlapped']} overlapped)" for k in ("decode", "prompt"))
     slow = ", ".join(f"{x['ms']:.0f}" for x in e["slowest"])
     return (f"engine: intake {e['intake_s']:.2f} s, stepping {e['step_s']:.2f} s, emitting {e['emit_s']:.2f} s, "
             f"idle {e['idle_s']:.2f} s; {kinds}; slowest periods {slow} ms")

@@ -378,7 +378,7 @@ class LLMEngine:
         now = time.perf_counter()
         self.metrics.on_step(seqs, lens, now)
         if self.step_log is not None:
-            self.step_log.launch(now, seqs, lens)
+            self.step_log.launch(now, seqs, lens, ids is not None)
         # a row samples when it feeds the last known token (an in-flight one counts as known)
         done = [i for i, (s, n) in enumerate(zip(seqs, lens)) if s.num_computed + n == len(s.tokens) + s.in_flight]
         sampling = [i for i in done if seqs[i].params.max_tokens > 0]

@@ -237,19 +237,22 @@ class StepLog:
     taking requests in, stepping, handing outputs over, or idle (waiting for requests)."""
 
     def __init__(self):
-        self.launches: list[tuple[float, int, int, int]] = []
+        self.launches: list[tuple[float, int, int, int, bool]] = []
         self.iterations: list[tuple[float, float, float, float]] = []
 
-    def launch(self, now: float, seqs: list, lens: list[int]) -> None:
-        self.launches.append((now, len(seqs), sum(lens), sum(1 for s in seqs if s.in_prefill)))
+    def launch(self, now: float, seqs: list, lens: list[int], overlapped: bool = False) -> None:
+        """overlapped: launched while the previous step was still on the device (async output)."""
+        self.launches.append((now, len(seqs), sum(lens), sum(1 for s in seqs if s.in_prefill), overlapped))
 
     def iteration(self, start: float, stepped: float, emitted: float, intake: float = 0.0) -> None:
         self.iterations.append((start, stepped, emitted, intake))
 
     def summary(self, wall: float) -> dict:
         """Seconds taking requests in / stepping / emitting / idle over `wall`, and per kind of launched step (decode-only, or with
-        prompt rows): count, mean rows and tokens, and the mean time to the next launch (the step's period, which
-        includes whatever the host did in between). `slowest`: the five longest periods (a capture shows here)."""
+        prompt rows): count, mean rows and tokens, the mean time to the next launch (the step's period, which
+        includes whatever the host did in between) and how many launched while the previous step was still on the
+        device (`overlapped`; the others waited for its read-back). `slowest`: the five longest periods (a capture
+        shows here)."""
         step = sum(it[1] - it[0] for it in self.iterations)
         emit = sum(it[2] - it[1] for it in self.iterations)
         intake = sum(it[3] for it in self.iterations)
@@ -260,7 +263,8 @@ class StepLog:
             ps = [(dt, a) for dt, a in periods if keep(a[3])]
             n = len(ps) or 1
             out[kind] = {"steps": len(ps), "rows": sum(a[1] for _, a in ps) / n,
-                         "tokens": sum(a[2] for _, a in ps) / n, "period_ms": 1e3 * sum(dt for dt, _ in ps) / n}
+                         "tokens": sum(a[2] for _, a in ps) / n, "period_ms": 1e3 * sum(dt for dt, _ in ps) / n,
+                         "overlapped": sum(a[4] for _, a in ps)}
         out["slowest"] = [{"ms": 1e3 * dt, "rows": a[1], "tokens": a[2], "prompt_rows": a[3]}
                           for dt, a in sorted(periods, key=lambda x: x[0], reverse=True)[:5]]
         return out
