@@ -665,7 +665,8 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
                         "mixers' cores; default: on CUDA from one process)")
     p.add_argument("--static-kda-cores", action=argparse.BooleanOptionalAction, default=False,
                    help="with prefill graphs: the KDA cores over a fixed-shape layout per token bucket, captured "
-                        "with the pieces (only MLA's cores break them; not yet timed on a GPU)")
+                        "with the pieces (only MLA's cores break them; 16-bit models; opt-in until its bf16 CUDA "
+                        "test has passed)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="one-device serving: the engine in a process of its own beside the HTTP server's (their "
                         "Python does not share one GIL; --no-engine-process: one process, the engine on a thread)")

@@ -42,9 +42,10 @@ class EngineConfig:
     # with graphs: a step's decodes replay their graph beside its prompt chunks (issue 21: its CUDA test passed on an
     # H200; at 64 streams ~7% more output tok/s and ~17% shorter mixed steps, see benchmarks/RESULTS.md)
     split_mixed_steps: bool = True
-    # async output processing: while a decode step runs on the device, the host finishes the previous one
-    # (read-back, stop checks, outputs) and launches the next, which feeds the picked ids from the device. On by
-    # default: at 64 streams on an H200 it doubled the engine's output tok/s (4,488 -> 9,614, issue 21).
+    # async output processing: while a step runs on the device, the host finishes the previous one (read-back,
+    # stop checks, outputs) and launches the next, whose decodes feed the picked ids from the device (with graphs
+    # and split steps, beside new admissions and prompt chunks). On by default: at 64 streams on an H200 it doubled
+    # the engine's output tok/s (4,488 -> 9,614, issue 21; before admissions stopped draining it).
     async_output: bool = True
     # steps that feed prompt chunks (their decodes too, unless split off) through piecewise CUDA graphs, one per
     # token bucket, broken at the mixers' cores (k3.serve.prefill_graphs). Default: on CUDA where the model allows
@@ -53,8 +54,9 @@ class EngineConfig:
     prefill_graphs: bool | None = None
     # with prefill graphs: their KDA cores over a fixed-shape layout per token bucket (the step's rows, a pad
     # document, empty ones; fla's chunk plan padded alike: k3.serve.runner.StaticKDAView), captured with the pieces,
-    # so only MLA's cores break the chain. Off until timed on a GPU: the eager cores cost a 64-stream prompt step
-    # ~12 ms of host work on an H200 (issue 21, benchmarks/RESULTS.md, twenty-first session).
+    # so only MLA's cores break the chain: a 2,048-token step at 64 streams on an H200 took 5.9 ms against 19.1 ms
+    # (issue 21, benchmarks/RESULTS.md, twenty-second session). 16-bit models only (fla's lean chunked core; the
+    # runner refuses others with a warning). Off until its bf16 CUDA equality test has passed.
     static_kda_cores: bool = False
     # packed MXFP4 experts in the GPU kernels' decode layout, rearranged once at load (default: on CUDA where the
     # kernels run; True forces it, e.g. on the CPU for tests; checkpoints saved from the model stay released)
