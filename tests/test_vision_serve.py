@@ -96,6 +96,34 @@ def test_fixed_shape_decode_steps_with_an_image_equal_reference(vlm, tok):
     assert eng.runner.graphs.entries  # the decodes went through it
 
 
+def test_image_prompts_arriving_beside_in_flight_decodes_equal_reference(vlm, tok):
+    """Async output with the decode graphs' fixed-shape step: image prompts admitted while another request
+    decodes launch beside its in-flight decodes (their image rows spliced into the chunk's eager forward, the
+    decodes' ids read on the device); every request's tokens equal the reference's."""
+    reqs = [request(tok, 6 + i) for i in range(3)]
+    eng = engine(vlm, tok, max_batch_tokens=16, prefix_caching=False, decode_graphs=True)
+    fed_beside_prompts = []
+    run = eng.runner.run
+
+    def counting_run(seqs, lens, sample_rows, ids=None):
+        fed_beside_prompts.append(ids is not None and any(s.in_prefill and s.mm for s in seqs))
+        return run(seqs, lens, sample_rows, ids)
+    eng.runner.run = counting_run
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    rids, outs, step = [], {}, 0
+    while len(rids) < len(reqs) or eng.has_unfinished():
+        if step % 3 == 0 and len(rids) < len(reqs):
+            ids, im = reqs[len(rids)]
+            rids.append(eng.add_request(ids, params, images=[im]))
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+        assert step < 200
+    assert any(fed_beside_prompts)
+    for rid, (ids, im) in zip(rids, reqs):
+        assert outs[rid] == reference(vlm, ids, im, 8)
+
+
 def test_engine_refuses_mismatched_images(vlm, tok):
     ids, im = request(tok, 4)
     eng = engine(vlm, tok)
