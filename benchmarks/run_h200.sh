@@ -2,11 +2,12 @@
 # Every GPU benchmark and the GPU tests on one H200, in the order that pays for fla's Triton compilation once:
 # the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
-#   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests kernels kbench decode prefill train
+#   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests serve-tests kernels kbench decode prefill train
 #   train-ckpt moe mxfp4 vision serve serve64 sampler profile pack k3-shaped
 #   (default: all but kernels, kbench, train-ckpt, profile, pack and k3-shaped). tests = every GPU test (k3's Triton kernel
 #   tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
-#   GPU tests that need no new fla compile; serve64 = the serving bench at 64 streams only (set K3_TRITON to time
+#   GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
+#   the static KDA layout, async output, fla's graph mode); serve64 = the serving bench at 64 streams only (set K3_TRITON to time
 #   opt-in kernels; SERVE_BATCH_TOKENS=8192: steps of up to 8,192 tokens, default 2,048; SERVE_FLAGS: more engine
 #   flags, e.g. --prefill-graphs, or --no-async-output for the synchronous engine; serve and serve64 run with async
 #   output, the engine's default since session 16); sampler = the batched
@@ -62,6 +63,9 @@ for step in $steps; do
                 tests/test_serve_kda_glue.py tests/test_serve_prefill_graphs.py tests/test_decode_compile_graph.py \
                 tests/test_tuned_launch.py tests/test_decode_folds.py tests/test_conv_varlen_triton.py \
                 tests/test_serve_warm_up.py ;;
+        serve-tests) xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
+            run serve-tests 300 python3 -m pytest -q -rfE -p no:cacheprovider $xdist tests/test_serve_prefill_graphs.py \
+                tests/test_serve_async_output.py tests/test_kda_fla_lean.py -k cuda ;;
         decode) run decode 300 python3 benchmarks/bench_gpu_decode.py --compile ;;
         prefill) run prefill 240 python3 benchmarks/bench_gpu_prefill.py ;;
         kbench) run kbench 120 python3 benchmarks/bench_gpu_kernels.py ;;
