@@ -31,8 +31,8 @@ import logging
 
 import torch
 
-__all__ = ["SUPPORTED_SERIES", "CHUNK_SIZE", "ChunkPlan", "lean_supported", "chunk_plan", "chunk_kda_prefill",
-            "gated_rms_norm", "dense_as"]
+__all__ = ["SUPPORTED_SERIES", "CHUNK_SIZE", "ChunkPlan", "lean_supported", "chunk_lists", "chunk_plan",
+           "chunk_kda_prefill", "gated_rms_norm", "dense_as"]
 
 SUPPORTED_SERIES = (0, 6)  # fla's (major, minor) whose internals are called here
 CHUNK_SIZE = 64  # fla's default KDA chunk (the public entry's, and what the shipped autotune table was made with)
@@ -108,6 +108,14 @@ class ChunkPlan:
         return self.cu_seqlens_cpu.numel() - 1
 
 
+def chunk_lists(lens: list[int]) -> tuple[list[int], list[int]]:
+    """A chunk plan's values on the host for documents of `lens` tokens: the (document, chunk within it) pairs of
+    `chunk_indices`, flattened, and `chunk_offsets` (each document's first chunk, then the count)."""
+    counts = [-(-n // CHUNK_SIZE) for n in lens]
+    pairs = [v for doc, c in enumerate(counts) for within in range(c) for v in (doc, within)]
+    return pairs, [0, *itertools.accumulate(counts)]
+
+
 _last_plan: list = [None, None, None]  # (cu_seqlens, cu_seqlens_cpu, plan) of the last call: one step's layers
 
 
@@ -124,9 +132,7 @@ def chunk_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = N
     lens = [b - a for a, b in zip(cu, cu[1:])]
     if not lens or min(lens) < 0:
         raise ValueError(f"cu_seqlens must be non-decreasing offsets of >= 1 documents, got {cu}")
-    counts = [(n + CHUNK_SIZE - 1) // CHUNK_SIZE for n in lens]
-    offsets = [0, *itertools.accumulate(counts)]
-    pairs = [v for seq, c in enumerate(counts) for within in range(c) for v in (seq, within)]
+    pairs, offsets = chunk_lists(lens)
     flat = torch.tensor(pairs + offsets, dtype=torch.long, pin_memory=cu_seqlens.device.type == "cuda")
     # pinned: the copy leaves without waiting for the queued kernels
     flat = flat.to(cu_seqlens.device, non_blocking=True)

@@ -61,17 +61,6 @@ def gc_paused():
             gc.enable()
 
 
-def _abandon_capture(graph: torch.cuda.CUDAGraph, device: torch.device, mempool) -> None:
-    """End a capture whose recording failed, so that the next one can begin: the stream's capture is closed (its
-    graph dropped) and the allocator stops routing allocations to the pool (capture_end can fail before it does,
-    and the next capture_begin on the pool would then refuse: "already recording to mempool_id")."""
-    with contextlib.suppress(Exception):
-        graph.capture_end()
-    with contextlib.suppress(Exception):  # raises where capture_end got that far
-        torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
-                                         mempool)
-
-
 class PiecewiseLayout:
     """The `cache` a piecewise forward hands the model: KDA's and MLA's layout hooks (see k3.model.kda.kda_layout
     and k3.model.mla.mla_layout), each core a break of `graph`. KDA's short convs read the pool's tails by slot,
@@ -174,7 +163,8 @@ class PrefillGraph:
                 try:
                     self.hidden = self.forward()
                 except BaseException:
-                    _abandon_capture(self.pieces[-1], device, mempool)
+                    with contextlib.suppress(Exception):  # close the stream's capture; the caller takes a new pool
+                        self.pieces[-1].capture_end()
                     raise  # the forward's own error, not capture_end's "failed due to a previous error"
                 self.pieces[-1].capture_end()
         except BaseException:
@@ -239,7 +229,9 @@ class PrefillGraphs:
             try:
                 graph.capture(self.mempool)
             except Exception as e:  # the step has run; this bucket stays eager rather than fail the engine
-                self.mempool = torch.cuda.graph_pool_handle()  # the failed capture may have left the pool in use
+                # a fresh pool: capture_end can fail before the allocator stops routing to this one, and the next
+                # capture_begin on it would refuse ("already recording to mempool_id")
+                self.mempool = torch.cuda.graph_pool_handle()
                 _log.warning("prefill graphs: the %d-token bucket could not be captured (%s: %s); its steps run "
                              "eagerly", tokens, type(e).__name__, e)
             return hidden

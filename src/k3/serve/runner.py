@@ -16,6 +16,7 @@ from k3.model.cuda_graph import wants_graphs
 from k3.model.kda import KimiDeltaAttention
 from k3.ops.fused_linear import fuse_projections, joined_columns
 from k3.ops.kda_core import takes_graph_plan
+from k3.ops.kda_fla_lean import CHUNK_SIZE, ChunkPlan, chunk_lists
 from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
 from k3.serve.prefill_graphs import PrefillGraphs, gc_paused
@@ -174,11 +175,9 @@ class StaticKDAView(PagedBatchView):
     same function)."""
 
     def __init__(self, pool: CachePool, num_layers: int, tokens: int, max_rows: int):
-        from k3.ops.kda_fla_lean import CHUNK_SIZE, ChunkPlan
-
         dev, S = pool.device, max_rows + 2
         self.pool, self.num_layers, self.seq_len, self.tokens, self.S = pool, num_layers, 0, tokens, S
-        self.chunk, self.nt = CHUNK_SIZE, tokens // CHUNK_SIZE + S  # Σ ceil(len/64) <= tokens/64 + documents
+        self.nt = tokens // CHUNK_SIZE + S  # Σ ceil(len/64) <= tokens/64 + documents
         pinned = dev.type == "cuda"
         self.host = torch.zeros(S + (S + 1) + 2 * self.nt + (S + 1), dtype=torch.long, pin_memory=pinned)
         self.buf = torch.zeros_like(self.host, device=dev)
@@ -190,7 +189,6 @@ class StaticKDAView(PagedBatchView):
         self.decode_rows, self.prefill_rows = [], list(range(S))
         self.prefill_span = (slice(0, S), slice(0, tokens))
         self.prefill_cu_seqlens, self.prefill_cu_seqlens_cpu = self.cu_seqlens, self.cu_cpu
-        self._kda_read = {}
         self.forget_shared()
 
     def load(self, lens: list[int], slots: list[int]) -> None:
@@ -201,10 +199,9 @@ class StaticKDAView(PagedBatchView):
                              f"tokens")
         docs = [*lens, self.tokens - n] + [0] * (S - 1 - len(lens))
         cu = [0, *itertools.accumulate(docs)]
-        counts = [-(-d // self.chunk) for d in docs]
-        pairs = [v for doc, c in enumerate(counts) for i in range(c) for v in (doc, i)]
+        pairs, offsets = chunk_lists(docs)
         pairs += [-1, 0] * (self.nt - len(pairs) // 2)  # fla's sentinel rows
-        values = [*slots, *[self.pool.scratch_slot] * (S - len(slots)), *cu, *pairs, 0, *itertools.accumulate(counts)]
+        values = [*slots, *[self.pool.scratch_slot] * (S - len(slots)), *cu, *pairs, *offsets]
         if self.copied is not None:  # the previous step's copy may still be queued: never overwrite its source
             self.copied.synchronize()
         self.host.copy_(torch.frombuffer(array.array("q", values), dtype=torch.long))
@@ -212,7 +209,6 @@ class StaticKDAView(PagedBatchView):
         if self.copied is not None:
             self.copied.record()
         self.cu_cpu.copy_(torch.tensor(cu))
-        self._kda_read = {}
         self.forget_shared()
 
 
