@@ -73,6 +73,19 @@ def assert_same(a: dict, b: dict, tol: float = 1e-5) -> None:
             assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=tol)
 
 
+def assert_same_until_a_tie(a: dict, b: dict, tol: float) -> None:
+    """Greedy runs of two paths that round differently (bf16): as assert_same up to the first token where they part,
+    and there the two picks must tie within tol in both runs' top logprobs (rounding may break a near-tie either
+    way); past it each continues from another text, so only the lengths are compared."""
+    assert len(a["ids"]) == len(b["ids"])
+    n = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), len(a["ids"]))
+    if n < len(a["ids"]):
+        for run, mine, other in ((a, a["ids"][n], b["ids"][n]), (b, b["ids"][n], a["ids"][n])):
+            top = dict(run["lp"][n][2])
+            assert other in top and top[mine] - top[other] <= tol, (n, run["lp"][n])
+    assert_same({**a, "ids": a["ids"][:n], "lp": a["lp"][:n]}, {**b, "ids": b["ids"][:n], "lp": b["lp"][:n]}, tol)
+
+
 def assert_same_top(a: dict, b: dict, tol: float) -> None:
     """Top logprobs {id: logprob} alike: the same ids with logprobs within tol, except where the last places tie
     within tol (bf16 logits tie often: which of the tied ids is listed is arbitrary)."""
@@ -232,13 +245,15 @@ def test_cuda_static_kda_cores_replay_equal_the_breaking_pieces(model, split):
     + 1 pieces, the KDA cores inside them, and its later steps replay them over the layout refilled in place (other
     rows, lengths and slots than the capture's; then prompts that hit the first ones' prefix units and KDA
     checkpoints): tokens, sampled and prompt logprobs equal those of the pieces that break at every core (the
-    logprobs within 0.1: the two paths' kernels tile the KDA cores differently, and bf16 logits of magnitude 2-4
-    differ by a few of their ulps of 1/64; a layout the replay did not refill changes the greedy tokens)."""
+    logprobs within 0.1: the two paths' kernels tile the KDA cores differently, a decode row beside prompt rows
+    runs the chunked form rather than the recurrent one, and bf16 logits of magnitude 2-4 differ by a few of their
+    ulps of 1/64; so a greedy run may part from the other at a near-tie, and is compared up to there. A layout the
+    replay did not refill parts at once, with no tie)."""
     cuda = K3ForCausalLM(K3Config.preset("tiny")).eval()
     cuda.load_state_dict(model.state_dict())
     cuda = cuda.cuda().bfloat16()
-    greedy = [(p, SamplingParams(max_tokens=params.max_tokens, logprobs=params.logprobs,
-                                 prompt_logprobs=params.prompt_logprobs, **GREEDY), at) for p, params, at in ARRIVALS]
+    greedy = [(p, SamplingParams(max_tokens=params.max_tokens, logprobs=4, prompt_logprobs=params.prompt_logprobs,
+                                 **GREEDY), at) for p, params, at in ARRIVALS]
     again = greedy + [(p + prompt(60 + i, 9), params, 12 + i) for i, (p, params, _) in enumerate(greedy)]
     runs = []
     for static in (True, False):
@@ -250,8 +265,11 @@ def test_cuda_static_kda_cores_replay_equal_the_breaking_pieces(model, split):
         assert len(runs[-1][1]) > 2 * len(entries)  # most steps replayed a captured bucket
     (got, steps, _), (want, steps_want, _) = runs
     assert steps == steps_want
+    parted = 0
     for a, b in zip(got, want):
-        assert_same(a, b, tol=0.1)
+        assert_same_until_a_tie(a, b, tol=0.1)
+        parted += a["ids"] != b["ids"]
+    assert parted <= len(again) // 4, parted  # near-ties are rare: most runs agree to the end
 
 
 def test_the_default_is_on_where_decode_graphs_run_and_off_on_a_cpu(model):
