@@ -65,20 +65,17 @@ class StepRecorder:
         sched_in_flight = engine.scheduler.schedule_in_flight
         graphs = engine.runner.graphs
 
-        def timed_schedule(in_flight=None):
+        def timed_schedule(*in_flight):
             t = time.perf_counter()
-            if in_flight is not None:
-                seqs = sched_in_flight(in_flight)
-                if seqs is None:
-                    return None
-                lens = [1] * len(seqs)
-            else:
-                seqs, lens = sched()
+            plan = sched_in_flight(*in_flight) if in_flight else sched()
+            if plan is None:
+                return None
+            seqs, lens = plan
             prefill = sum(1 for s in seqs if s.in_prefill)
             fits = graphs is not None and graphs.fits(seqs, lens)
             kind = "prefill" if prefill == len(seqs) else ("mixed" if prefill else
                                                            ("decode graph" if fits else "decode eager"))
-            kind += " async" if in_flight is not None else ""
+            kind += " async" if in_flight else ""
             real = sum(len(s.block_table) for s in seqs) if seqs else 0
             if seqs and fits:
                 rows = 1 << (len(seqs) - 1).bit_length()
@@ -87,7 +84,7 @@ class StepRecorder:
                 read = len(seqs) * max((len(s.block_table) for s in seqs), default=0)
             self.cur = dict(t0=t, kind=kind, rows=len(seqs), tokens=sum(lens), blocks_real=real, blocks_read=read,
                             sched_ms=(time.perf_counter() - t) * 1e3, run_ms=0.0, sample_ms=0.0)
-            return seqs if in_flight is not None else (seqs, lens)
+            return seqs, lens
 
         def timed_run(*a, **k):
             t = time.perf_counter()
@@ -96,7 +93,7 @@ class StepRecorder:
             return out
 
         engine.scheduler.schedule, engine.runner.run = timed_schedule, timed_run
-        engine.scheduler.schedule_in_flight = lambda may: timed_schedule(may)
+        engine.scheduler.schedule_in_flight = timed_schedule
         for name, fn in SAMPLERS.items():
             setattr(engine_mod, name, self._summed(fn, "sample_ms"))
         # the engine's bookkeeping between the forward and the sampler, and its per-token output work
