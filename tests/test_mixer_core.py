@@ -80,7 +80,7 @@ def test_backend_selector_defaults_overrides_and_logs_once(caplog):
 
 def test_fused_linears_equal_the_separate_projections_and_follow_weight_changes():
     torch.manual_seed(0)
-    lins = [torch.nn.Linear(16, n, bias=False).double() for n in (8, 3, 5)]
+    lins = [torch.nn.Linear(16, n, bias=False).double() for n in (8, 3, 6)]
     fused = FusedLinears(*lins)
     x = torch.randn(4, 16, dtype=torch.float64)
     with torch.no_grad():
@@ -90,6 +90,8 @@ def test_fused_linears_equal_the_separate_projections_and_follow_weight_changes(
         got = fused(x)
         for a, lin in zip(got, lins):
             torch.testing.assert_close(a, lin(x), rtol=1e-12, atol=1e-12)
+        # 17 rows padded to 24: the output's rows start 16-byte aligned at 16 bits (cuBLAS's Hopper GEMMs)
+        assert fused.weight.shape == (24, 16) and all(a.stride(0) == 24 for a in got) and len(got) == 3
         storage = fused.weight.data_ptr()
         lins[1].weight.mul_(-3.0)  # an in-place update (an optimizer step, a load): refreshed, same storage
         torch.testing.assert_close(fused(x)[1], lins[1](x), rtol=1e-12, atol=1e-12)

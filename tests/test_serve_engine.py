@@ -409,22 +409,24 @@ def test_each_output_keeps_the_ids_of_its_own_step(model):
 
 
 class _Writes(TorchDispatchMode):
-    """The in-place writes (index_put_, index_fill_, copy_) made while active."""
+    """The in-place writes made while active: (op, storage, offset into it) for index_put_, index_fill_, copy_,
+    zero_ and fill_."""
 
     def __init__(self):
         super().__init__()
-        self.ops = []
+        self.ops, self.at = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in ("index_put_", "index_fill_", "copy_"):
+        if func.overloadpacket.__name__ in ("index_put_", "index_fill_", "copy_", "zero_", "fill_"):
             self.ops.append(func.overloadpacket.__name__)
+            self.at.append((args[0].untyped_storage().data_ptr(), args[0].storage_offset()))
         return func(*args, **(kwargs or {}))
 
 
 def test_a_steps_checkpoints_are_copied_together_and_exactly(model):
-    """Sequences that reach a match boundary on the same step get their KDA checkpoints in one flush (one write
-    per pool tensor, every KDA layer in it), and each checkpoint slot then holds exactly its sequence's state;
-    outputs stay the reference's."""
+    """Sequences that reach a match boundary on the same step get their KDA checkpoints in one flush (one copy
+    per checkpoint and pool tensor, every KDA layer in it: none per layer, no index sent to the device), and each
+    checkpoint slot then holds exactly its sequence's state; outputs stay the reference's."""
     eng = engine(model)
     flushes, real = [], eng.pool.flush_checkpoint_copies
 
@@ -435,8 +437,8 @@ def test_a_steps_checkpoints_are_copied_together_and_exactly(model):
         writes = _Writes()
         with writes:
             real()
-        if pending:  # the copies: one index_put_ into each of the two pool tensors (none per layer)
-            assert writes.ops.count("index_put_") == 2, writes.ops
+        if pending:  # the copies: one into each of the two pool tensors per checkpoint (none per layer)
+            assert writes.ops == ["copy_"] * (2 * len(pending)), writes.ops
         now = lambda slot: [(pool.state[l][slot], pool.conv[l][slot]) for l in pool.kda_layers]  # noqa: E731
         same = lambda a, b: all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))  # noqa: E731
         # each checkpoint holds its source's state, and the sources are untouched
@@ -453,19 +455,22 @@ def test_a_steps_checkpoints_are_copied_together_and_exactly(model):
 
 def test_a_steps_admissions_zero_their_slots_together_before_the_forward(model, monkeypatch):
     """New sequences' KDA slots (here slots a finished request left dirty, every layer) are zeroed in one flush
-    before the step's forward: one fill per pool tensor for all of them, none per sequence or layer, and nothing
-    of the earlier request's state leaks into the new ones' tokens."""
+    before the step's forward: one fill per slot and pool tensor, none per layer, and nothing of the earlier
+    request's state leaks into the new ones' tokens."""
     eng = engine(model, prefix_caching=False, num_state_slots=4)
     eng.generate([prompt(90, 9)], SamplingParams(max_tokens=4, **GREEDY))  # leaves its slot's state behind
     pool = eng.pool
     assert any(pool.all_state[:, s].abs().sum() > 0 for s in range(pool.capacity.num_slots))
     fills, forwards = [], []
-    index_fill = torch.Tensor.index_fill_
+    flush = pool.flush_checkpoint_copies
 
-    def counted(self, dim, index, value):
-        fills.append((self.data_ptr(), index.tolist()))
-        return index_fill(self, dim, index, value)
-    monkeypatch.setattr(torch.Tensor, "index_fill_", counted)
+    def counted():
+        writes = _Writes()
+        with writes:
+            flush()
+        if writes.ops:
+            fills.append(writes)
+    monkeypatch.setattr(pool, "flush_checkpoint_copies", counted)
     run = eng.runner.run
 
     def watched(seqs, *a, **k):  # the slots the forward reads are zero by then
@@ -477,7 +482,9 @@ def test_a_steps_admissions_zero_their_slots_together_before_the_forward(model, 
     outs = eng.generate(prompts, SamplingParams(max_tokens=3, **GREEDY))
     assert [o.output_ids for o in outs] == [reference(model, p, 3) for p in prompts]
     assert forwards[0] == [True] * 3
-    slots = sorted(fills[0][1])
-    assert len(fills) == 2 and {p for p, _ in fills} == {pool.all_state.data_ptr(), pool.all_conv.data_ptr()}
-    assert len(slots) == 3 and all(sorted(ix) == slots for _, ix in fills)
+    first = fills[0]  # the admissions' flush: each new slot once in each pool tensor, by its offset there
+    assert set(first.ops) <= {"zero_", "fill_"} and len(first.ops) == 6, first.ops
+    by_tensor = {t.untyped_storage().data_ptr(): t.stride(1) for t in (pool.all_state, pool.all_conv)}
+    slots = {ptr: sorted(off // by_tensor[ptr] for p, off in first.at if p == ptr) for ptr in by_tensor}
+    assert all(len(v) == 3 for v in slots.values()) and len(set(map(tuple, slots.values()))) == 1, slots
     assert_pool_empty(eng)

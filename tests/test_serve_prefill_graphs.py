@@ -272,16 +272,24 @@ def test_cuda_static_kda_cores_replay_equal_the_breaking_pieces(model, split):
     assert parted <= len(again) // 4, parted  # near-ties are rare: most runs agree to the end
 
 
-def test_the_default_is_on_where_decode_graphs_run_and_off_on_a_cpu(model):
+def test_the_default_is_on_where_decode_graphs_run_and_off_on_a_cpu(model, caplog):
     """EngineConfig.prefill_graphs None: the pieces on CUDA (a model graphs allow), none on a CPU (where they would
-    only pad each step to its bucket)."""
+    only pad each step to its bucket). static_kda_cores None: the fixed-shape KDA layout where the cores take a
+    graph plan (a bf16 model on CUDA), silently without it elsewhere (an fp32 model's reference core; a CPU)."""
     cfg = dict(memory_bytes=16 << 20, block_size=16, match_unit=4, max_batch_tokens=24, max_num_seqs=8)
-    assert EngineConfig().prefill_graphs is None
+    assert EngineConfig().prefill_graphs is None and EngineConfig().static_kda_cores is None
     assert LLMEngine(model, None, EngineConfig(**cfg)).runner.prefill_graphs is None
+    assert LLMEngine(model, None, EngineConfig(**cfg, prefill_graphs=True)).runner.prefill_graphs.kda_view is None
+    asked = LLMEngine(model, None, EngineConfig(**cfg, prefill_graphs=True, static_kda_cores=True))
+    assert asked.runner.prefill_graphs.kda_view is not None  # on a CPU only when asked (eagerly, for tests)
     if torch.cuda.is_available():
         cuda = K3ForCausalLM(K3Config.preset("tiny")).cuda().eval()
-        assert LLMEngine(cuda, None, EngineConfig(**cfg)).runner.prefill_graphs is not None
+        assert LLMEngine(cuda, None, EngineConfig(**cfg)).runner.prefill_graphs.kda_view is None  # fp32
         assert LLMEngine(cuda, None, EngineConfig(**cfg, prefill_graphs=False)).runner.prefill_graphs is None
+        bf16 = LLMEngine(cuda.bfloat16(), None, EngineConfig(**cfg)).runner.prefill_graphs
+        assert bf16 is not None and bf16.kda_view is not None
+        assert LLMEngine(cuda, None, EngineConfig(**cfg, static_kda_cores=False)).runner.prefill_graphs.kda_view is None
+        assert "graph chunk plan" not in caplog.text  # the default falls back without a warning
 
 
 def test_cli_flag_reaches_the_engine_and_distributed_serving_refuses_it():
@@ -293,7 +301,8 @@ def test_cli_flag_reaches_the_engine_and_distributed_serving_refuses_it():
         assert _engine_config(build_parser().parse_args(argv)).prefill_graphs is None  # the engine's default
         assert _engine_config(build_parser().parse_args(argv + ["--prefill-graphs"])).prefill_graphs is True
         assert _engine_config(build_parser().parse_args(argv + ["--no-prefill-graphs"])).prefill_graphs is False
-        assert _engine_config(build_parser().parse_args(argv)).static_kda_cores is False
+        assert _engine_config(build_parser().parse_args(argv)).static_kda_cores is None  # where the cores allow
+        assert _engine_config(build_parser().parse_args(argv + ["--no-static-kda-cores"])).static_kda_cores is False
         assert _engine_config(build_parser().parse_args(argv + ["--static-kda-cores"])).static_kda_cores is True
     a = build_parser().parse_args(["serve", "--model", "m", "--nproc", "2", "--prefill-graphs"])
     with pytest.raises(ValueError, match="--prefill-graphs"):

@@ -663,10 +663,10 @@ def _add_engine_args(p: argparse.ArgumentParser, block: int, unit: int) -> None:
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run prompt-chunk steps through piecewise CUDA graphs (one per token bucket, broken at the "
                         "mixers' cores; default: on CUDA from one process)")
-    p.add_argument("--static-kda-cores", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--static-kda-cores", action=argparse.BooleanOptionalAction, default=None,
                    help="with prefill graphs: the KDA cores over a fixed-shape layout per token bucket, captured "
-                        "with the pieces (only MLA's cores break them; 16-bit models; opt-in until its bf16 CUDA "
-                        "test has passed)")
+                        "with the pieces (only MLA's cores break them; default: where the KDA core is fla's lean "
+                        "chunked one, i.e. 16-bit models on CUDA; --no-static-kda-cores breaks them at every core)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="one-device serving: the engine in a process of its own beside the HTTP server's (their "
                         "Python does not share one GIL; --no-engine-process: one process, the engine on a thread)")

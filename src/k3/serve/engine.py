@@ -55,9 +55,10 @@ class EngineConfig:
     # with prefill graphs: their KDA cores over a fixed-shape layout per token bucket (the step's rows, a pad
     # document, empty ones; fla's chunk plan padded alike: k3.serve.runner.StaticKDAView), captured with the pieces,
     # so only MLA's cores break the chain: a 2,048-token step at 64 streams on an H200 took 5.9 ms against 19.1 ms
-    # (issue 21, benchmarks/RESULTS.md, twenty-second session). 16-bit models only (fla's lean chunked core; the
-    # runner refuses others with a warning). Off until its bf16 CUDA equality test has passed.
-    static_kda_cores: bool = False
+    # (issue 21, benchmarks/RESULTS.md, twenty-second session). Default: where every KDA core is fla's lean chunked
+    # one (16-bit models on CUDA); True asks for it (the runner refuses other models with a warning; on a CPU the
+    # layout runs eagerly, for tests), False breaks the pieces at every core.
+    static_kda_cores: bool | None = None
     # packed MXFP4 experts in the GPU kernels' decode layout, rearranged once at load (default: on CUDA where the
     # kernels run; True forces it, e.g. on the CPU for tests; checkpoints saved from the model stay released)
     decode_layout: bool | None = None

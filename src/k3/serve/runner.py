@@ -297,7 +297,7 @@ def kda_cores_take_graph_plans(model, device: torch.device) -> bool:
 class ModelRunner:
     def __init__(self, model, pool: CachePool, decode_graphs: bool | None = None, max_num_seqs: int = 64,
                  vocab: int | None = None, split_mixed: bool = False, prefill_graphs: bool | None = False,
-                 max_batch_tokens: int = 8192, static_kda: bool = False):
+                 max_batch_tokens: int = 8192, static_kda: bool | None = None):
         """decode_graphs: replay decode-only steps from CUDA graphs (default: on CUDA). On CPU, True runs the
         same fixed-shape decode step eagerly (for tests). vocab: the ids prompt logprobs range over (the
         engine's sampling vocabulary; default the model's). split_mixed: with graphs, a step that mixes decodes
@@ -305,7 +305,8 @@ class ModelRunner:
         prefill_graphs: the other steps (up to max_batch_tokens tokens) through piecewise CUDA graphs broken at
         the mixers' cores (k3.serve.prefill_graphs; None: on CUDA where the model allows; True on CPU runs the
         same pieces and breaks eagerly). static_kda: the prefill graphs' KDA cores over a fixed-shape layout per
-        bucket (StaticKDAView), captured with the pieces instead of breaking them."""
+        bucket (StaticKDAView), captured with the pieces instead of breaking them (None: on CUDA where every KDA
+        core takes a graph plan)."""
         self.model, self.pool, self.split_mixed = model, pool, split_mixed
         self.vocab = vocab or model.config.vocab_size
         self.device = next(model.parameters()).device
@@ -314,7 +315,9 @@ class ModelRunner:
         use = wants_graphs(model, self.device, decode_graphs)
         self.graphs = DecodeGraphs(model, pool, max_num_seqs, capture=on_cuda) if use else None
         layers = model.config.num_hidden_layers
-        if static_kda and on_cuda and not kda_cores_take_graph_plans(model, self.device):
+        if static_kda is None:
+            static_kda = on_cuda and kda_cores_take_graph_plans(model, self.device)
+        elif static_kda and on_cuda and not kda_cores_take_graph_plans(model, self.device):
             _log.warning("static KDA cores: this model's KDA core on %s does not run over a CUDA-graph chunk plan "
                          "(that needs fla's lean chunked core on a 16-bit model): its prefill graphs break at the "
                          "KDA cores instead", self.device)
