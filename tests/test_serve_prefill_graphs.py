@@ -199,6 +199,7 @@ def test_static_kda_layout_pads_the_documents_and_the_chunk_plan(model):
     S, scratch = 6, eng.pool.scratch_slot
     assert view.cu_cpu.tolist() == view.cu_seqlens.tolist() == [0, 70, 71, 135, 256, 256, 256]
     assert view.slots.tolist() == [5, 2, 9, scratch, scratch, scratch]
+    assert view.kda_rows.item() == 4  # the rows whose states move: the step's and the pad document's
     real = chunk_plan(torch.tensor([0, 70, 71, 135]))
     n = real.chunk_indices.shape[0]  # 2 + 1 + 1 chunks
     pad_doc = [[3, i] for i in range(2)]  # 121 pad tokens: 2 chunks

@@ -17,6 +17,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.ops.fused_linear import fuse_projections, joined_columns
 from k3.ops.kda_core import takes_graph_plan
 from k3.ops.kda_fla_lean import CHUNK_SIZE, ChunkPlan, chunk_lists
+from k3.ops.slot_rows import gather_slots, scatter_slots_
 from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
 from k3.serve.prefill_graphs import PrefillGraphs, gc_paused
@@ -66,6 +67,8 @@ class PagedBatchView(BatchCacheView):
     """S sequences' views into the pool: KDA state rows by slot, MLA latents by block table. Everything the
     step needs is built here from host lists and sent in one copy per group (see BatchCacheView.upload)."""
 
+    kda_rows: torch.Tensor | None = None  # the leading rows whose KDA states move (k3.ops.slot_rows); None: all
+
     def __init__(self, pool: CachePool, num_layers: int, seqs: list[Sequence], lens: list[int]):
         dev = pool.device
         self.pool, self.num_layers, self.seq_len = pool, num_layers, 0
@@ -87,8 +90,8 @@ class PagedBatchView(BatchCacheView):
         kept = self._kda_read.get(layer_idx)
         if kept is not None:
             return kept
-        conv = self.pool.conv[layer_idx][self.slots]  # [S, W−1, 3·C]: the q, k, v tails side by side
-        st = KDAState(self.pool.state[layer_idx][self.slots], *conv.chunk(3, -1))
+        conv = gather_slots(self.pool.conv[layer_idx], self.slots, self.kda_rows)  # [S, W−1, 3·C]: q, k, v tails
+        st = KDAState(gather_slots(self.pool.state[layer_idx], self.slots, self.kda_rows), *conv.chunk(3, -1))
         self._kda_read[layer_idx] = st
         return st
 
@@ -98,9 +101,10 @@ class PagedBatchView(BatchCacheView):
 
     def set_kda_state(self, layer_idx: int, st: KDAState) -> None:
         self._kda_read.pop(layer_idx, None)
-        self.pool.state[layer_idx][self.slots] = st.state.to(torch.float32)
+        scatter_slots_(self.pool.state[layer_idx], self.slots, st.state, self.kda_rows)
         # the short convs return the new tails as views of one [S, W−1, 3·C] tensor: written back as it is
-        self.pool.conv[layer_idx][self.slots] = joined_columns([st.conv_q, st.conv_k, st.conv_v]).to(torch.float32)
+        scatter_slots_(self.pool.conv[layer_idx], self.slots, joined_columns([st.conv_q, st.conv_k, st.conv_v]),
+                       self.kda_rows)
 
     def kda_slots(self, layer_idx: int) -> KDASlots:
         conv = self.pool.conv[layer_idx]  # [slots, W−1, 3·C]
@@ -172,17 +176,19 @@ class StaticKDAView(PagedBatchView):
     slot (the pool's scratch slot for all but the step's rows), and fla's chunk plan padded to the most chunks a
     step of the bucket can cut, in fla's graph mode (its `use_graph`: spare rows name document −1, on which the
     chunk kernels return at once). Every document is a prefill row (a one-token row runs the chunked form: the
-    same function)."""
+    same function). `kda_rows` counts the step's rows and the pad document: the states of the empty documents after
+    them are neither read from nor written to the pool where k3.ops.slot_rows' kernels run."""
 
     def __init__(self, pool: CachePool, num_layers: int, tokens: int, max_rows: int):
         dev, S = pool.device, max_rows + 2
         self.pool, self.num_layers, self.seq_len, self.tokens, self.S = pool, num_layers, 0, tokens, S
         self.nt = tokens // CHUNK_SIZE + S  # Σ ceil(len/64) <= tokens/64 + documents
         pinned = dev.type == "cuda"
-        self.host = torch.zeros(S + (S + 1) + 2 * self.nt + (S + 1), dtype=torch.long, pin_memory=pinned)
+        self.host = torch.zeros(S + (S + 1) + 2 * self.nt + (S + 1) + 1, dtype=torch.long, pin_memory=pinned)
         self.buf = torch.zeros_like(self.host, device=dev)
         self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host` has run
-        self.slots, self.cu_seqlens, pairs, offsets = self.buf.split([S, S + 1, 2 * self.nt, S + 1])
+        self.slots, self.cu_seqlens, pairs, offsets, rows = self.buf.split([S, S + 1, 2 * self.nt, S + 1, 1])
+        self.kda_rows = rows[0]
         self.cu_cpu = torch.zeros(S + 1, dtype=torch.long)  # the offsets on the host (the CPU reference reads them)
         # the KDA cores' plan (`prefill_plan`): these buffers, not one made from the host offsets at capture
         self.prefill_plan = ChunkPlan(self.cu_seqlens, self.cu_cpu, pairs.view(self.nt, 2), offsets, graph=True)
@@ -201,7 +207,7 @@ class StaticKDAView(PagedBatchView):
         cu = [0, *itertools.accumulate(docs)]
         pairs, offsets = chunk_lists(docs)
         pairs += [-1, 0] * (self.nt - len(pairs) // 2)  # fla's sentinel rows
-        values = [*slots, *[self.pool.scratch_slot] * (S - len(slots)), *cu, *pairs, *offsets]
+        values = [*slots, *[self.pool.scratch_slot] * (S - len(slots)), *cu, *pairs, *offsets, len(lens) + 1]
         if self.copied is not None:  # the previous step's copy may still be queued: never overwrite its source
             self.copied.synchronize()
         self.host.copy_(torch.frombuffer(array.array("q", values), dtype=torch.long))
