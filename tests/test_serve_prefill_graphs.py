@@ -212,6 +212,10 @@ def test_static_kda_layout_pads_the_documents_and_the_chunk_plan(model):
         view.load([1] * 5, list(range(5)))
     with pytest.raises(ValueError, match="do not fit"):
         view.load([200, 57], [1, 2])
+    small = StaticKDAView(eng.pool, model.config.num_hidden_layers, 3, 4)  # 3 tokens hold 3 rows at most
+    assert small.S == 5 and small.slots.shape == (5,)
+    small.load([1, 1, 1], [5, 2, 9])
+    assert small.cu_cpu.tolist() == [0, 1, 2, 3, 3, 3] and small.kda_rows.item() == 4
 
 
 @pytest.mark.gpu

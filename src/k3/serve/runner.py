@@ -171,8 +171,9 @@ class DecodeGraphView(PagedBatchView):
 
 class StaticKDAView(PagedBatchView):
     """The KDA layers' layout of a prefill-graph bucket of `tokens` tokens in fixed shapes, refilled in place before
-    each step (`load`), so that a CUDA graph captures the KDA cores with the rest of the step: S = max_rows + 2
-    documents (the step's rows, one pad document over the bucket's pad rows, empty ones after), each with a state
+    each step (`load`), so that a CUDA graph captures the KDA cores with the rest of the step: S = R + 2 documents
+    (R = min(max_rows, tokens): a row has a token at least; the step's rows, one pad document over the bucket's pad
+    rows, empty ones after), each with a state
     slot (the pool's scratch slot for all but the step's rows), and fla's chunk plan padded to the most chunks a
     step of the bucket can cut, in fla's graph mode (its `use_graph`: spare rows name document −1, on which the
     chunk kernels return at once). Every document is a prefill row (a one-token row runs the chunked form: the
@@ -180,7 +181,7 @@ class StaticKDAView(PagedBatchView):
     them are neither read from nor written to the pool where k3.ops.slot_rows' kernels run."""
 
     def __init__(self, pool: CachePool, num_layers: int, tokens: int, max_rows: int):
-        dev, S = pool.device, max_rows + 2
+        dev, S = pool.device, min(max_rows, tokens) + 2
         self.pool, self.num_layers, self.seq_len, self.tokens, self.S = pool, num_layers, 0, tokens, S
         self.nt = tokens // CHUNK_SIZE + S  # Σ ceil(len/64) <= tokens/64 + documents
         pinned = dev.type == "cuda"
