@@ -172,13 +172,13 @@ class DecodeGraphView(PagedBatchView):
 class StaticKDAView(PagedBatchView):
     """The KDA layers' layout of a prefill-graph bucket of `tokens` tokens in fixed shapes, refilled in place before
     each step (`load`), so that a CUDA graph captures the KDA cores with the rest of the step: S = R + 2 documents
-    (R = min(max_rows, tokens): a row has a token at least; the step's rows, one pad document over the bucket's pad
-    rows, empty ones after), each with a state
-    slot (the pool's scratch slot for all but the step's rows), and fla's chunk plan padded to the most chunks a
-    step of the bucket can cut, in fla's graph mode (its `use_graph`: spare rows name document −1, on which the
-    chunk kernels return at once). Every document is a prefill row (a one-token row runs the chunked form: the
-    same function). `kda_rows` counts the step's rows and the pad document: the states of the empty documents after
-    them are neither read from nor written to the pool where k3.ops.slot_rows' kernels run."""
+    (R = min(max_rows, tokens), as a row has a token at least: the step's rows, one pad document over the bucket's
+    pad rows, empty ones after), each with a state slot (the pool's scratch slot for all but the step's rows), and
+    fla's chunk plan padded to the most chunks a step of the bucket can cut, in fla's graph mode (its `use_graph`:
+    spare rows name document −1, on which the chunk kernels return at once). Every document is a prefill row (a
+    one-token row runs the chunked form: the same function). `kda_rows` counts the step's rows and the pad document:
+    the states of the empty documents after them are neither read from nor written to the pool where
+    k3.ops.slot_rows' kernels run."""
 
     def __init__(self, pool: CachePool, num_layers: int, tokens: int, max_rows: int):
         dev, S = pool.device, min(max_rows, tokens) + 2
