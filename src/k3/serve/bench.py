@@ -7,10 +7,12 @@ engine's pool empty afterwards."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import random
+import ssl
 import statistics
 import subprocess
 import sys
@@ -99,22 +101,51 @@ def random_prompts(n: int, input_len: int, vocab_words: list[str], seed: int) ->
     return [" ".join(rng.choice(vocab_words) for _ in range(input_len)) for _ in range(n)]
 
 
+class _Connections:
+    """httpx clients of one connection each, lent one per request, at most `limit` at once (None: no limit).
+    One shared client's pool rescans every connection it holds, polling each idle socket, whenever a request starts
+    or ends: at 64 streams that made the load generator, not the server, the bottleneck (a 2-core VM: ~10,000
+    tok/s and ~120 ms of TTFT from a server that streams a token every 4 ms, the client process at 100% of a core,
+    two thirds of it in httpcore's pool)."""
+
+    def __init__(self, limit: int | None):
+        self.sem = asyncio.Semaphore(limit or 10**9)
+        self.free, self.made = [], []
+        self.tls = ssl.create_default_context()  # one for all: loading the CA store took ~20 ms a client
+
+    @contextlib.asynccontextmanager
+    async def lend(self):
+        import httpx
+        async with self.sem:
+            if not self.free:
+                self.made.append(httpx.AsyncClient(timeout=600, verify=self.tls,
+                                                   limits=httpx.Limits(max_connections=1)))
+                self.free.append(self.made[-1])
+            client = self.free.pop()
+            try:
+                yield client
+            finally:
+                self.free.append(client)
+
+    async def aclose(self) -> None:
+        for client in self.made:
+            await client.aclose()
+
+
 async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurrency: int | None,
                    request_rate: float | None, input_len: int, output_len: int, turns: int, api_key: str | None,
                    seed: int = 0) -> dict:
-    import httpx
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     words = ("thou art the king of all that the sea and sky would hold in a summer day when love is "
              "young and night is gone").split()
-    sem = asyncio.Semaphore(concurrency or 10**9)
     rng = random.Random(seed)
     results: list[RequestResult] = []
     common = {"model": model, "max_tokens": output_len, "temperature": 0, "ignore_eos": True}
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as client:
+    connections = _Connections(concurrency)
+    try:
         async def one_completion(prompt):
-            async with sem:
+            async with connections.lend() as client:
                 r, _ = await _stream(client, url, "/v1/completions", {**common, "prompt": prompt}, headers)
                 results.append(r)
 
@@ -123,7 +154,7 @@ async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurr
             messages = [{"role": "system", "content": system}]
             for t in range(turns):
                 messages.append({"role": "user", "content": f"Verse {t} about {words[(i * 7 + t) % len(words)]}."})
-                async with sem:
+                async with connections.lend() as client:
                     r, text = await _stream(client, url, "/v1/chat/completions", {**common, "messages": messages}, headers)
                 results.append(r)
                 messages.append({"role": "assistant", "content": "", "reasoning_content": text})
@@ -142,6 +173,8 @@ async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurr
                 await asyncio.sleep(rng.expovariate(request_rate))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+    finally:
+        await connections.aclose()
     out = summarize(results, wall)
     out["wrong_length"] = sum(r.output_tokens != output_len for r in results if r.ok)
     return out
