@@ -12,7 +12,6 @@ import gc
 import json
 import os
 import random
-import ssl
 import statistics
 import subprocess
 import sys
@@ -111,7 +110,8 @@ class _Connections:
     def __init__(self, limit: int | None):
         self.sem = asyncio.Semaphore(limit or 10**9)
         self.free, self.made = [], []
-        self.tls = ssl.create_default_context()  # one for all: loading the CA store took ~20 ms a client
+        import httpx
+        self.tls = httpx.create_ssl_context()  # httpx's default, made once: loading the CAs took ~20 ms a client
 
     @contextlib.asynccontextmanager
     async def lend(self):
