@@ -1,10 +1,16 @@
 """k3.ops.slot_rows: a step's rows of the serving pool's KDA states and short-conv tails. The references index the
 pool (every row); the kernels (k3.ops._slot_rows_triton, opt-in) move only the rows before a device count, so a
 CUDA graph captured over a fixed-shape layout (StaticKDAView: real rows, a pad document, empty ones on the scratch
-slot) moves only the replayed step's rows. Checked against the references on random pools and slots, under a
-graph replayed with other counts, slots and rows, and through the engine (tokens and logprobs equal)."""
+slot) moves only the replayed step's rows. Checked against the references on random pools and slots (without
+CUDA: on CPU tensors under the Triton interpreter, where triton is installed), under a graph replayed with other
+counts, slots and rows, and through the engine (tokens and logprobs equal)."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from k3 import K3Config, K3ForCausalLM, envs
 from k3.ops.slot_rows import gather_slots, scatter_slots_
@@ -38,22 +44,40 @@ def test_references_move_every_row_whatever_the_count():
     assert torch.equal(pool, want)
 
 
-@cuda
 @pytest.mark.parametrize("shape,rows_dtype", SHAPES)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_kernels_move_the_rows_before_the_count_and_nothing_else(shape, rows_dtype, seed):
+    pytest.importorskip("triton")
+    from k3.ops import _slot_rows_triton as kernels
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     n = shape[0] - 3
-    pool, slots, rows = case(shape, rows_dtype, "cuda", seed, n)
-    count = torch.tensor(n + 1, device="cuda")  # the real rows and the first scratch row (a pad document's)
-    with envs.override(**KERNELS):
-        got = gather_slots(pool, slots, count)
-        assert torch.equal(got[:n + 1], pool[slots[:n + 1]])
-        assert torch.equal(gather_slots(pool, slots), pool[slots])  # no count: every row
-        before = pool.clone()
-        scatter_slots_(pool, slots, rows, count)
+    pool, slots, rows = case(shape, rows_dtype, dev, seed, n)
+    count = torch.tensor(n + 1, device=dev)  # the real rows and the first scratch row (a pad document's)
+    flat = pool.view(pool.shape[0], -1)
+    got = torch.full((n + 3, flat.shape[1]), float("nan"), device=dev)  # a gather's rows: the pool's dtype
+    kernels.move_rows(flat, got, slots, count, to_pool=False)
+    assert torch.equal(got[:n + 1], flat[slots[:n + 1]])
+    assert got[n + 1:].isnan().all()  # past the count: not touched
+    kernels.move_rows(flat, got, slots, None, to_pool=False)  # no count: every row
+    assert torch.equal(got, flat[slots])
+    before = pool.clone()
+    kernels.move_rows(flat, rows.view(n + 3, -1), slots, count, to_pool=True)
     want = before.clone()
     want[slots[:n + 1]] = rows[:n + 1].to(pool.dtype)  # the rows past the count never reach the pool
     assert torch.equal(pool, want)
+
+
+@cuda
+def test_the_dispatch_takes_the_kernels_where_opted_in_on_cuda():
+    pool, slots, rows = case((9, 3, 8, 8), torch.float32, "cuda", 7, 6)
+    count = torch.tensor(7, device="cuda")
+    with envs.override(**KERNELS):
+        assert torch.equal(gather_slots(pool, slots, count)[:7], pool[slots[:7]])
+        before = pool.clone()
+        scatter_slots_(pool, slots, rows, count)
+    want = before.clone()
+    want[slots[:7]] = rows[:7]
+    assert torch.equal(pool, want)  # the scratch slot (rows 7, 8) untouched: the kernels ran, not the reference
 
 
 @cuda
