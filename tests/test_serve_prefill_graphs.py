@@ -375,15 +375,16 @@ def test_each_kda_layer_gathers_its_state_once_a_step(model, monkeypatch, pieces
     read until the layer writes back): one gather of the pool's state per KDA layer in an eager step (a prefill
     step and a mixed one, plain and through the pieces)."""
     eng = make(model, pieces, decode_graphs=False, prefix_caching=False)  # (no checkpoint copies: they gather too)
+    import k3.serve.runner as runner_mod
     states = {t.data_ptr() for t in eng.pool.state.values()}
     gathers = []
-    getitem = torch.Tensor.__getitem__
+    gather = runner_mod.gather_slots
 
-    def counted(self, index):
-        if isinstance(index, torch.Tensor) and self.data_ptr() in states:
-            gathers.append(index.numel())
-        return getitem(self, index)
-    monkeypatch.setattr(torch.Tensor, "__getitem__", counted)
+    def counted(pool, slots, count=None):  # the view's gathers, through the kernels or the reference
+        if pool.data_ptr() in states:
+            gathers.append(slots.numel())
+        return gather(pool, slots, count)
+    monkeypatch.setattr(runner_mod, "gather_slots", counted)
     kda_layers = sum(not model.config.is_mla(l) for l in range(model.config.num_hidden_layers))
     eng.add_request(prompt(80, 9), SamplingParams(max_tokens=4, **GREEDY))
     for step in range(3):  # the prefill, then decodes beside a new prompt's chunk
