@@ -108,24 +108,24 @@ class _Connections:
     two thirds of it in httpcore's pool)."""
 
     def __init__(self, limit: int | None):
-        self.sem = asyncio.Semaphore(limit or 10**9)
-        self.free, self.made = [], []
         import httpx
+        self.httpx, self.sem = httpx, asyncio.Semaphore(limit or 10**9)
+        self.free, self.made = [], []
         self.tls = httpx.create_ssl_context()  # httpx's default, made once: loading the CAs took ~20 ms a client
 
     @contextlib.asynccontextmanager
     async def lend(self):
-        import httpx
         async with self.sem:
-            if not self.free:
-                self.made.append(httpx.AsyncClient(timeout=600, verify=self.tls,
-                                                   limits=httpx.Limits(max_connections=1)))
-                self.free.append(self.made[-1])
-            client = self.free.pop()
+            client = self.free.pop() if self.free else self._open()
             try:
                 yield client
             finally:
                 self.free.append(client)
+
+    def _open(self):
+        client = self.httpx.AsyncClient(timeout=600, verify=self.tls, limits=self.httpx.Limits(max_connections=1))
+        self.made.append(client)
+        return client
 
     async def aclose(self) -> None:
         for client in self.made:
