@@ -87,7 +87,7 @@ ROW_ALIGN = 8
 
 def _stacked_aligned(*weights: torch.Tensor) -> torch.Tensor:
     """The weights side by side along dim 0, then zero rows up to a multiple of ROW_ALIGN (outputs never read)."""
-    w = torch.cat(weights)
+    w = _stacked(*weights)
     pad = -w.shape[0] % ROW_ALIGN
     return torch.cat([w, w.new_zeros(pad, *w.shape[1:])]) if pad else w
 
