@@ -133,6 +133,8 @@ def test_device_ids_beside_prompt_chunks_need_the_split_decode_graphs(model):
         eng.runner.run([seq, new], [1, 6], [0, 1], ids)
     with pytest.raises(ValueError, match="one per decoding row"):
         eng.runner.run([seq, new], [1, 6], [0, 1], torch.cat([ids, ids]))
+    with pytest.raises(ValueError, match="one per decoding row"):  # prompt chunks only: no ids to feed
+        eng.runner.run([new], [6], [0], ids[:0])
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8])
@@ -291,3 +293,20 @@ def test_stop_token_that_completes_a_unit_files_nothing_and_frees_its_copy(model
     assert n >= 4 and asyn[0]["ids"] == ref[:6] and asyn[0]["reason"] == "stop"
     assert asyn == sync
     assert len(eng.pool.free_slots) + len(eng.pool.checkpoints) == eng.pool.capacity.num_slots
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_in_flight_plan_of_prompt_chunks_only_feeds_host_tokens(model, graphs):
+    """The H200's serve64 once killed the engine thread: the previous step's only decode ended on its in-flight
+    token while a long prompt was mid-prefill, so the next plan held prompt chunks and no in-flight row, and the
+    runner was handed an empty tensor of device ids (a split step with no decodes). Such a plan feeds host
+    tokens; both requests equal the synchronous engine's and generate's."""
+    requests = [(prompt(130, 4), SamplingParams(max_tokens=2, **GREEDY), 0),
+                (prompt(131, 40), SamplingParams(max_tokens=3, **GREEDY), 0)]
+    cfg = dict(decode_graphs=graphs, max_batch_tokens=16, match_unit=16)
+    sync, _ = drive(make(model, False, **cfg), requests)
+    eng = make(model, True, **cfg)
+    asyn, _ = drive(eng, requests)
+    assert (False, True) in eng.launches[1:], eng.launches  # a step of prompt chunks only, after an in-flight one
+    for (p, params, _), a, b in zip(requests, asyn, sync):
+        assert a["ids"] == b["ids"] == reference(model, p, params.max_tokens)

@@ -314,7 +314,9 @@ class LLMEngine:
             if plan is not None:
                 seqs, lens = plan
                 fed = [s for s in seqs if s.in_flight]  # the decodes, in step order
-                launched = self._launch(seqs, lens, self._picked_ids(previous, fed))
+                # none when the previous step's decodes all end on their in-flight tokens beside a running prompt:
+                # the plan is prompt chunks only, fed from the host
+                launched = self._launch(seqs, lens, self._picked_ids(previous, fed) if fed else None)
                 outputs = self._finish_step(previous)
                 self._file_boundaries(seqs)
                 return outputs + self._defer_or_finish(launched)

@@ -345,8 +345,9 @@ class ModelRunner:
             if ids is None:
                 return self._run(seqs, lens, sample_rows)
             decodes = [i for i, s in enumerate(seqs) if not s.in_prefill]
-            if len(decodes) != ids.shape[0] or any(lens[i] != 1 for i in decodes):
-                raise ValueError(f"device input ids are one per decoding row: {ids.shape[0]} for {len(decodes)}")
+            if not decodes or len(decodes) != ids.shape[0] or any(lens[i] != 1 for i in decodes):
+                raise ValueError(f"device input ids are one per decoding row (a step has one or more): "
+                                 f"{ids.shape[0]} for {len(decodes)}")
             if len(decodes) < len(seqs):
                 if not self.takes_mixed_in_flight:
                     raise ValueError("device input ids beside prompt chunks need the split decode graphs")
