@@ -35,6 +35,8 @@ def test_bench_serve_runs_every_dataset_and_the_baseline(tmp_path, flags, runs):
         assert e["prompt"]["steps"] >= 1 and e["decode"]["steps"] >= 4, name  # 5 tokens: 4 decode steps at least
         assert 0 < e["step_s"] < r["wall_s"] and e["idle_s"] > -1e-3, name
         assert e["intake_s"] > 0, name  # 4 requests were taken in
+        # the engine sees a request after the client sent it and hands its first token over before the client reads it
+        assert 0 < e["engine_ms"]["ttft"] < r["ttft_ms"]["mean"], name
     assert rows["engine multiturn c=2"]["hit_rate"] > 0.2  # turn 2 resumes turn 1's checkpointed prefix
 
 

@@ -3,6 +3,8 @@ that would otherwise land inside a request's latency). On a CPU, with graphs for
 eagerly: the warm-up must make every key a load within its length uses, leave no trace a request could see (the
 decode graphs' warm-up steps run pad rows only, over the scratch slot and block), and stay out of the metrics.
 Also `StepLog`, the per-step trace `k3 bench serve` reports from."""
+import math
+
 import pytest
 
 from k3.serve import SamplingParams
@@ -83,3 +85,18 @@ def test_step_log_summary_splits_the_wall_time_and_the_step_kinds():
     assert out["decode"] == pytest.approx({"steps": 3, "rows": 3, "tokens": 3, "period_ms": 10.0, "overlapped": 2})
     assert [round(x["ms"]) for x in out["slowest"]] == [22, 10, 4, 4]
     assert out["slowest"][1]["prompt_rows"] == 2
+
+
+def test_step_log_gives_the_engine_side_phases_of_the_requests_over_its_trace():
+    """With the engine's Metrics, the summary's `engine_ms` are the means of the requests' TTFT, queue and prefill
+    times observed during the trace only (those before it do not count); none observed: nan."""
+    from k3.serve.metrics import Metrics
+    m = Metrics()
+    m.on_token(True, 5.0)  # before the trace
+    log = StepLog(m)
+    assert all(math.isnan(v) for v in log.summary(1.0)["engine_ms"].values())
+    m.on_token(True, 0.010)
+    m.on_token(True, 0.030)
+    m.on_token(False, 9.0)  # an inter-token latency: not a first token
+    out = log.summary(1.0)["engine_ms"]
+    assert out["ttft"] == pytest.approx(20.0) and math.isnan(out["queue"])

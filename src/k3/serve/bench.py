@@ -323,8 +323,10 @@ def format_engine_summary(e: dict) -> str:
     kinds = ", ".join(f"{e[k]['steps']} {k} steps of {e[k]['rows']:.0f} rows / {e[k]['tokens']:.0f} tokens every "
                       f"{e[k]['period_ms']:.1f} ms ({e[k]['overlapped']} overlapped)" for k in ("decode", "prompt"))
     slow = ", ".join(f"{x['ms']:.0f}" for x in e["slowest"])
+    phases = ", ".join(f"{k} {v:.0f}" for k, v in e.get("engine_ms", {}).items())
     return (f"engine: intake {e['intake_s']:.2f} s, stepping {e['step_s']:.2f} s, emitting {e['emit_s']:.2f} s, "
-            f"idle {e['idle_s']:.2f} s; {kinds}; slowest periods {slow} ms")
+            f"idle {e['idle_s']:.2f} s; {kinds}; slowest periods {slow} ms"
+            + (f"; per request from its arrival at the engine (ms): {phases}" if phases else ""))
 
 
 def format_table(rows: list[tuple[str, dict]]) -> str:

@@ -39,7 +39,7 @@ CALL_TIMEOUT_S = 60.0
 
 # ---- what the server may ask of the engine (run in the engine's process, or locally on an in-process engine) ----
 def _trace(engine: LLMEngine) -> None:
-    engine.step_log = StepLog()
+    engine.step_log = StepLog(engine.metrics)
 
 
 def _trace_summary(engine: LLMEngine, wall_s: float) -> dict:

@@ -234,11 +234,25 @@ class StepLog:
     """A trace of the engine's steps, for benchmarks (`LLMEngine.step_log`): each launched step (time, rows, tokens,
     prompt rows) and each EngineThread iteration (start, step returned, outputs handed to the server; the time its
     new requests took to queue before it). `summary` says where a run's time went:
-    taking requests in, stepping, handing outputs over, or idle (waiting for requests)."""
+    taking requests in, stepping, handing outputs over, or idle (waiting for requests).
+    metrics: the engine's Metrics, whose latency histograms give the summary the engine's own view of each
+    request's phases over the trace (`PHASES`: from its arrival at the engine, so a client's TTFT less the
+    engine's is what HTTP, the pipe and the client took)."""
 
-    def __init__(self):
+    PHASES = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+              "prefill": "vllm:request_prefill_time_seconds"}
+
+    def __init__(self, metrics: Metrics | None = None):
         self.launches: list[tuple[float, int, int, int, bool]] = []
         self.iterations: list[tuple[float, float, float, float]] = []
+        self.metrics = metrics
+        self.marks = self._phase_sums()
+
+    def _phase_sums(self) -> dict[str, tuple[float, int]]:
+        if self.metrics is None:
+            return {}
+        with self.metrics.lock:
+            return {k: (self.metrics.hist[name].sum, self.metrics.hist[name].count) for k, name in self.PHASES.items()}
 
     def launch(self, now: float, seqs: list, lens: list[int], overlapped: bool = False) -> None:
         """overlapped: launched while the previous step was still on the device (async output)."""
@@ -267,4 +281,7 @@ class StepLog:
                          "overlapped": sum(a[4] for _, a in ps)}
         out["slowest"] = [{"ms": 1e3 * dt, "rows": a[1], "tokens": a[2], "prompt_rows": a[3]}
                           for dt, a in sorted(periods, key=lambda x: x[0], reverse=True)[:5]]
+        now = self._phase_sums()
+        out["engine_ms"] = {k: 1e3 * (now[k][0] - s0) / (now[k][1] - n0) if now[k][1] > n0 else float("nan")
+                            for k, (s0, n0) in self.marks.items()}  # mean per request, over the trace
         return out

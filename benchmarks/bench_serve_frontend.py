@@ -1,0 +1,166 @@
+"""The HTTP front-end's own ceiling: what `k3 serve` delivers from an engine that costs nothing.
+
+`k3 bench serve` compares the engine behind HTTP with a static batch on the same card; whatever the server
+process spends per token (reading the engine's pipe, rendering and writing each SSE chunk, parsing and
+tokenising requests) shows up there as engine time. Here the real server (`create_app` over `EngineProcess`, the
+engine in a process of its own, as `k3 serve` runs) drives a stand-in engine that, every `pace` ms, gives each
+running request one token (its first one tick after it arrives, as a prefill would): the ideal is streams x 1000 /
+pace tokens/s, and a first token one or two ticks after a request arrives. Beside it, in the same run, the
+floor of the stack k3 serves with: a bare Starlette app streaming the same chunks at the same pace
+(`bench_load_client.paced_app`). Each client runs in a process of its own (`bench_load_client.run_client`).
+Run: python benchmarks/bench_serve_frontend.py [--streams 64] [--requests 256] [--output-len 128] [--pace-ms 4 2]
+       [--profile N]   (the server process's top N functions under cProfile, for the k3 server with aiohttp)
+"""
+import argparse
+import cProfile
+import functools
+import io
+import os
+import pstats
+import resource
+import socket
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from bench_load_client import paced_app, run_client  # noqa: E402
+
+
+class PacedEngine:
+    """The faces of LLMEngine that EngineThread and the engine process use, over no model: every `pace_s`, one
+    token for each running request, until its max_tokens."""
+    idle_step_s = None
+    profiler = step_log = vision_config = None
+
+    def __init__(self, pace_s: float, vocab_size: int, max_model_len: int = 1 << 16):
+        from k3.serve.engine import RequestLimits
+        self.pace_s, self.limits = pace_s, RequestLimits(vocab_size, max_model_len, None)
+        self.running: dict[str, list] = {}  # rid -> [prompt tokens, max_tokens, ids so far]
+        self.next_tick = 0.0
+        self.metrics = type("NoMetrics", (), {"__getattr__": lambda self, name: lambda *a, **k: None})()
+
+    def describe_capacity(self) -> str:
+        return f"a stand-in engine: a token per running request every {self.pace_s * 1e3:g} ms"
+
+    def warm_up(self, *args) -> int:
+        return 0
+
+    def check_request(self, prompt, params, images=None) -> None:
+        self.limits.check(prompt, params, images)
+
+    def add_request(self, prompt, params, rid, *rest) -> None:
+        self.running[rid] = [len(prompt), params.max_tokens, []]
+
+    def abort(self, rid: str) -> bool:
+        return self.running.pop(rid, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self):
+        from k3.serve.sequence import CacheReport, RequestOutput
+        now = time.perf_counter()
+        if self.next_tick > now:
+            time.sleep(self.next_tick - now)
+        self.next_tick = max(self.next_tick, now) + self.pace_s
+        outputs = []
+        for rid, (prompt_tokens, max_tokens, ids) in list(self.running.items()):
+            ids.append(100 + len(ids) % 1000)
+            last = len(ids) == max_tokens
+            if last:
+                del self.running[rid]
+            outputs.append(RequestOutput(rid, ids[-1:], " thou", [], ids, " thou" * len(ids), last,
+                                         "length" if last else None, prompt_tokens, CacheReport()))
+        return outputs
+
+    def close(self) -> None:
+        self.running.clear()
+
+
+def k3_app(pace_s: float):
+    """k3's OpenAI server over an EngineProcess of the stand-in engine → (app, the engine process)."""
+    from k3.data import Tokenizer
+    from k3.serve.api import create_app
+    from k3.serve.engine_process import EngineProcess
+    tokenizer = Tokenizer.from_file()  # the bundled one
+    proc = EngineProcess(functools.partial(PacedEngine, pace_s, tokenizer.vocab_size)).start()
+    return create_app(proc, tokenizer, "m"), proc
+
+
+def serve_and_run(app, client: str, a, profile: int = 0) -> dict:
+    """One client row against app, served by uvicorn on this process's main thread (so cProfile sees the
+    server's event loop) while the client runs in a process of its own → the row, with the server process's CPU
+    seconds (this process: the server's loop, the engine reader thread)."""
+    import uvicorn
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    row: dict = {}
+
+    def drive():
+        while not server.started:
+            time.sleep(0.02)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        try:
+            row.update(run_client(client, f"http://127.0.0.1:{sock.getsockname()[1]}", a))
+        finally:
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            row["server_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+            server.should_exit = True
+    th = threading.Thread(target=drive, daemon=True)
+    th.start()
+    prof = cProfile.Profile() if profile else None
+    if prof is not None:
+        prof.enable()
+    server.run(sockets=[sock])
+    if prof is not None:
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(profile)
+        row["profile"] = out.getvalue()
+    th.join()
+    sock.close()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--pace-ms", type=float, nargs="+", default=[4.0, 2.0])
+    ap.add_argument("--profile", type=int, default=0)
+    a = ap.parse_args()
+    print(f"{a.streams} streams, {a.requests} requests of {a.output_len} tokens; each client in its own process")
+    print("| server | pace | client | out tok/s | ideal tok/s | share | TTFT mean / p99 ms | server CPU s |")
+    print("|---|---|---|---:|---:|---:|---|---:|")
+    profiles = []
+    for pace in a.pace_ms:
+        ideal = a.streams * 1e3 / pace
+        for server in ("k3", "starlette (floor)"):
+            for client in ("aiohttp", "k3"):
+                proc = None
+                if server == "k3":
+                    app, proc = k3_app(pace / 1e3)
+                else:
+                    app = paced_app(pace)
+                try:
+                    r = serve_and_run(app, client, a, a.profile if server == "k3" and client == "aiohttp" else 0)
+                finally:
+                    if proc is not None:
+                        proc.shutdown()
+                assert r["tokens"] == a.requests * a.output_len, r
+                print(f"| {server} | {pace:g} ms | {client} | {r['out_tok_per_s']:,.0f} | {ideal:,.0f} | "
+                      f"{r['out_tok_per_s'] / ideal:.1%} | {r['ttft_mean_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+                      f"{r['server_cpu_s']:.2f} |", flush=True)
+                if "profile" in r:
+                    profiles.append((pace, r["profile"]))
+    for pace, text in profiles:
+        print(f"\n== the k3 server process at {pace:g} ms (aiohttp client), by own time\n{text}")
+
+
+if __name__ == "__main__":
+    main()
