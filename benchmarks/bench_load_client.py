@@ -4,7 +4,8 @@ A serving benchmark measures the server only while its clients keep up. Here a s
 request's tokens at a fixed pace (k3-shaped completion chunks with `token_ids`, then the usage chunk), so the ideal
 is known: streams x 1000 / pace tokens/s, and a first token as soon as a request arrives. Each client runs in a
 process of its own against it, as `k3 bench serve` runs its load (64 streams, 4 requests each by default):
-  k3                 k3.serve.bench.run_load (one httpx client of one connection per stream, since session 23)
+  k3                 k3.serve.bench.run_load (one aiohttp session since session 24; in session 23 one httpx client
+                     of one connection per stream)
   httpx shared       one httpx.AsyncClient for every stream (k3's load generator before session 23)
   aiohttp (peer)     one aiohttp session, the client library of vLLM's `vllm bench serve`
 Run: python benchmarks/bench_load_client.py [--streams 64] [--requests 256] [--output-len 128] [--pace-ms 4 0]
@@ -124,7 +125,7 @@ def main():
     for pace in a.pace_ms:
         ideal = a.streams * 1e3 / pace if pace else float("inf")
         with local_server(paced_app(pace)) as url:
-            for kind, name in (("k3", "k3"), ("httpx", "httpx shared (k3 before)"), ("aiohttp", "aiohttp (peer)")):
+            for kind, name in (("k3", "k3"), ("httpx", "httpx shared (k3 before session 23)"), ("aiohttp", "aiohttp (peer)")):
                 if importlib.util.find_spec(kind if kind != "k3" else "httpx") is None:
                     print(f"| {pace:g} ms | {name} | not installed | | | |")
                     continue

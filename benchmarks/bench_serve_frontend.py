@@ -9,7 +9,8 @@ pace tokens/s, and a first token one or two ticks after a request arrives. Besid
 floor of the stack k3 serves with: a bare Starlette app streaming the same chunks at the same pace
 (`bench_load_client.paced_app`). Each client runs in a process of its own (`bench_load_client.run_client`).
 Run: python benchmarks/bench_serve_frontend.py [--streams 64] [--requests 256] [--output-len 128] [--pace-ms 4 2]
-       [--profile N]   (the server process's top N functions under cProfile, for the k3 server with aiohttp)
+       [--profile N]   (then one more run of the k3 server under cProfile, aiohttp's load: its top N functions;
+                        profiling doubles the server's CPU, so its figures are not in the table)
 """
 import argparse
 import cProfile
@@ -137,29 +138,33 @@ def main():
     print(f"{a.streams} streams, {a.requests} requests of {a.output_len} tokens; each client in its own process")
     print("| server | pace | client | out tok/s | ideal tok/s | share | TTFT mean / p99 ms | server CPU s |")
     print("|---|---|---|---:|---:|---:|---|---:|")
-    profiles = []
     for pace in a.pace_ms:
         ideal = a.streams * 1e3 / pace
         for server in ("k3", "starlette (floor)"):
             for client in ("aiohttp", "k3"):
-                proc = None
-                if server == "k3":
-                    app, proc = k3_app(pace / 1e3)
-                else:
-                    app = paced_app(pace)
-                try:
-                    r = serve_and_run(app, client, a, a.profile if server == "k3" and client == "aiohttp" else 0)
-                finally:
-                    if proc is not None:
-                        proc.shutdown()
-                assert r["tokens"] == a.requests * a.output_len, r
+                r = run_row(server, client, pace, a)
                 print(f"| {server} | {pace:g} ms | {client} | {r['out_tok_per_s']:,.0f} | {ideal:,.0f} | "
                       f"{r['out_tok_per_s'] / ideal:.1%} | {r['ttft_mean_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
                       f"{r['server_cpu_s']:.2f} |", flush=True)
-                if "profile" in r:
-                    profiles.append((pace, r["profile"]))
-    for pace, text in profiles:
-        print(f"\n== the k3 server process at {pace:g} ms (aiohttp client), by own time\n{text}")
+    if a.profile:
+        r = run_row("k3", "aiohttp", a.pace_ms[0], a, a.profile)
+        print(f"\n== the k3 server process under cProfile at {a.pace_ms[0]:g} ms (aiohttp's load), by own time\n"
+              f"{r['profile']}")
+
+
+def run_row(server: str, client: str, pace: float, a, profile: int = 0) -> dict:
+    proc = None
+    if server == "k3":
+        app, proc = k3_app(pace / 1e3)
+    else:
+        app = paced_app(pace)
+    try:
+        r = serve_and_run(app, client, a, profile)
+    finally:
+        if proc is not None:
+            proc.shutdown()
+    assert r["tokens"] == a.requests * a.output_len, r
+    return r
 
 
 if __name__ == "__main__":

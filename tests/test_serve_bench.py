@@ -69,15 +69,14 @@ def test_profile_engine_lists_the_engine_steps_functions(capsys):
 
 
 @pytest.mark.parametrize("keep_alive", [True, False])
-def test_load_generator_holds_one_connection_per_stream_and_survives_closed_ones(keep_alive, monkeypatch):
-    """run_load lends each request a client of one connection (k3.serve.bench._Connections: one shared client's
-    pool rescans all its connections per request, which made the load generator the bottleneck at 64 streams,
-    benchmarks/bench_load_client.py): at most `concurrency` clients of one connection each; the server sees at
-    most that many requests at once and, with keep-alive, no more connections over the whole run; a server that
-    closes every connection after its response (Connection: close) still gets every request."""
+def test_load_generator_keeps_a_connection_per_stream_and_survives_closed_ones_and_long_lines(keep_alive):
+    """run_load's session (aiohttp: httpx's pools made the load generator the bottleneck at 64 streams,
+    benchmarks/bench_load_client.py): the server sees at most `concurrency` requests at once and, with keep-alive,
+    no more connections over the whole run; a server that closes every connection after its response
+    (Connection: close) still gets every request; a chunk longer than aiohttp's default line limit (64 KiB: long
+    logprobs) is read whole."""
     import asyncio
 
-    import httpx
     from starlette.applications import Starlette
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
@@ -95,7 +94,8 @@ def test_load_generator_holds_one_connection_per_stream_and_survives_closed_ones
 
         async def events():
             for i in range(n):
-                yield "data: " + json.dumps({"choices": [{"index": 0, "text": "a", "token_ids": [i]}]}) + "\n\n"
+                text = "a" * (300_000 if i == 1 else 1)
+                yield "data: " + json.dumps({"choices": [{"index": 0, "text": text, "token_ids": [i]}]}) + "\n\n"
                 await asyncio.sleep(0.002)
             yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}}) + "\n\n"
             yield "data: [DONE]\n\n"
@@ -103,16 +103,9 @@ def test_load_generator_holds_one_connection_per_stream_and_survives_closed_ones
         headers = {} if keep_alive else {"Connection": "close"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
-    made, init = [], httpx.AsyncClient.__init__
-
-    def spy(self, *a, **k):
-        made.append(k.get("limits"))
-        init(self, *a, **k)
-    monkeypatch.setattr(httpx.AsyncClient, "__init__", spy)
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
     with local_server(app) as url:
         out = asyncio.run(run_load(url, "m", "random", 12, 3, None, 4, 5, 1, None))
-    assert 1 <= len(made) <= 3 and all(lim.max_connections == 1 for lim in made), made
     assert out["requests"] == 12 and out["failed"] == 0 and out["wrong_length"] == 0
     assert live["most"] <= 3
     assert len(peers) <= 3 if keep_alive else len(peers) == 12  # kept connections reused; closed ones replaced

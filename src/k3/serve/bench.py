@@ -7,7 +7,6 @@ engine's pool empty afterwards."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import os
@@ -58,19 +57,19 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
             "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0}
 
 
-async def _stream(client, url: str, path: str, body: dict, headers: dict) -> tuple[RequestResult, str]:
+async def _stream(session, url: str, path: str, body: dict, headers: dict) -> tuple[RequestResult, str]:
     """One streamed request → (timings, generated text). Tokens are timed by their ids (`return_token_ids`):
     a token whose text is empty or held back still arrives in its own chunk, so TTFT and ITL are per token."""
     res, text = RequestResult(), ""
     t0 = time.perf_counter()
     last = None
-    async with client.stream("POST", url + path, json={**body, "stream": True, "return_token_ids": True,
-                                                        "stream_options": {"include_usage": True}},
-                             headers=headers) as r:
-        if r.status_code != 200:
-            await r.aread()
+    async with session.post(url + path, json={**body, "stream": True, "return_token_ids": True,
+                                              "stream_options": {"include_usage": True}}, headers=headers) as r:
+        if r.status != 200:
+            await r.read()
             return res, ""
-        async for line in r.aiter_lines():
+        async for raw in r.content:  # one line at a time
+            line = raw.decode().rstrip("\r\n")
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             obj = json.loads(line[6:])
@@ -100,36 +99,16 @@ def random_prompts(n: int, input_len: int, vocab_words: list[str], seed: int) ->
     return [" ".join(rng.choice(vocab_words) for _ in range(input_len)) for _ in range(n)]
 
 
-class _Connections:
-    """httpx clients of one connection each, lent one per request, at most `limit` at once (None: no limit).
-    One shared client's pool rescans every connection it holds, polling each idle socket, whenever a request starts
-    or ends: at 64 streams that made the load generator, not the server, the bottleneck (a 2-core VM: ~10,000
-    tok/s and ~120 ms of TTFT from a server that streams a token every 4 ms, the client process at 100% of a core,
-    two thirds of it in httpcore's pool)."""
-
-    def __init__(self, limit: int | None):
-        import httpx
-        self.httpx, self.sem = httpx, asyncio.Semaphore(limit or 10**9)
-        self.free, self.made = [], []
-        self.tls = httpx.create_ssl_context()  # httpx's default, made once: loading the CAs took ~20 ms a client
-
-    @contextlib.asynccontextmanager
-    async def lend(self):
-        async with self.sem:
-            client = self.free.pop() if self.free else self._open()
-            try:
-                yield client
-            finally:
-                self.free.append(client)
-
-    def _open(self):
-        client = self.httpx.AsyncClient(timeout=600, verify=self.tls, limits=self.httpx.Limits(max_connections=1))
-        self.made.append(client)
-        return client
-
-    async def aclose(self) -> None:
-        for client in self.made:
-            await client.aclose()
+def _session(concurrency: int | None):
+    """The load's HTTP client: one aiohttp session (the client library of vLLM's `vllm bench serve`), keeping at
+    most `concurrency` connections alive for reuse. httpx cost the load generator its own ceiling at 64 streams
+    (benchmarks/bench_load_client.py, against a server that streams a token every 4 ms, ideal 16,000 tok/s): one
+    shared client's pool rescans every connection per request (2-core VM: 9,844 tok/s, TTFT 132 ms), and even a
+    client of one connection per stream parsed each chunk through anyio's layers (the H200's host: 11,264 tok/s
+    and TTFT 77 ms, where aiohttp read 11,869 and 19 ms). Lines up to 1 MiB (long logprob chunks)."""
+    import aiohttp
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency or 0), read_bufsize=1 << 20,
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=600))
 
 
 async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurrency: int | None,
@@ -142,11 +121,11 @@ async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurr
     results: list[RequestResult] = []
     common = {"model": model, "max_tokens": output_len, "temperature": 0, "ignore_eos": True}
 
-    connections = _Connections(concurrency)
-    try:
+    sem = asyncio.Semaphore(concurrency or 10**9)
+    async with _session(concurrency) as session:
         async def one_completion(prompt):
-            async with connections.lend() as client:
-                r, _ = await _stream(client, url, "/v1/completions", {**common, "prompt": prompt}, headers)
+            async with sem:
+                r, _ = await _stream(session, url, "/v1/completions", {**common, "prompt": prompt}, headers)
                 results.append(r)
 
         async def one_session(i):  # turns share the growing conversation as their prefix
@@ -154,8 +133,9 @@ async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurr
             messages = [{"role": "system", "content": system}]
             for t in range(turns):
                 messages.append({"role": "user", "content": f"Verse {t} about {words[(i * 7 + t) % len(words)]}."})
-                async with connections.lend() as client:
-                    r, text = await _stream(client, url, "/v1/chat/completions", {**common, "messages": messages}, headers)
+                async with sem:
+                    r, text = await _stream(session, url, "/v1/chat/completions", {**common, "messages": messages},
+                                            headers)
                 results.append(r)
                 messages.append({"role": "assistant", "content": "", "reasoning_content": text})
 
@@ -173,8 +153,6 @@ async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurr
                 await asyncio.sleep(rng.expovariate(request_rate))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
-    finally:
-        await connections.aclose()
     out = summarize(results, wall)
     out["wrong_length"] = sum(r.output_tokens != output_len for r in results if r.ok)
     return out
