@@ -312,3 +312,41 @@ def test_models_health_metrics_tokenize(server, client, tok):
         assert name in m
     count = float(next(l for l in m.splitlines() if l.startswith("vllm:e2e_request_latency_seconds_count")).split()[-1])
     assert count >= 1
+
+
+def test_small_requests_stay_on_the_event_loop_and_large_or_grammar_ones_go_to_threads(server, model, tok,
+                                                                                       monkeypatch):
+    """A small request is parsed, tokenised and queued on the event loop (a hop to a thread and back costs more
+    under load: k3.serve.serving.off_loop); a body over INLINE_BODY_BYTES takes all three steps to worker threads,
+    a small chat with a response_format its preparation (a grammar's compile); each gets the same tokens."""
+    from k3.serve.serving import INLINE_BODY_BYTES
+    url, _ = server
+    hops, to_thread = [], asyncio.to_thread
+
+    async def counting(fn, *a, **k):
+        hops.append(getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "?"))
+        return await to_thread(fn, *a, **k)
+    monkeypatch.setattr(asyncio, "to_thread", counting)
+    ids = tok.encode("Now is the winter of our discontent")
+    want = reference(model, ids, 6)
+    body = {"model": NAME, "prompt": "Now is the winter of our discontent", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    def streamed(h, path, content):
+        got = []
+        with h.stream("POST", path, content=content) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    got += [t for c in json.loads(line[5:])["choices"] for t in c.get("token_ids") or []]
+        return got
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as h:
+        assert streamed(h, "/v1/completions", json.dumps(body)) == want and hops == []
+        padded = json.dumps(body) + " " * INLINE_BODY_BYTES  # the same request, a body past the limit
+        assert streamed(h, "/v1/completions", padded) == want
+        assert hops == ["parse_body", "prepare", "submit_all"], hops
+        hops.clear()
+        chat = {"model": NAME, "messages": [{"role": "user", "content": "Say a word."}], "max_tokens": 4,
+                "response_format": {"type": "json_object"}, "stream": True, "return_token_ids": True}
+        assert len(streamed(h, "/v1/chat/completions", json.dumps(chat))) >= 1 and hops == ["prepare"], hops

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import re
 import secrets
@@ -40,7 +41,7 @@ from k3.serve.head_timeout import (HEADER_TIMEOUT_S, LIMIT_CONCURRENCY, fit_conn
                                    head_deadline_protocol)
 from k3.serve.render import ChatRenderer, CompletionRenderer
 from k3.serve.sampling import MAX_PROMPT_LOGPROB_ENTRIES, SamplingParams
-from k3.serve.serving import APIError, Job, LoopMailbox, Serving, error_response, new_id
+from k3.serve.serving import APIError, Job, LoopMailbox, Serving, error_response, mark_body, new_id, off_loop
 
 MAX_REQUEST_BYTES = 64 << 20  # a 1M-token prompt as token ids is ~8 MB of JSON; images as data URLs add more
 BODY_TIMEOUT_S = 30.0  # a client that takes longer to send its body is cut off (408): a slow client holds no worker
@@ -241,7 +242,8 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             raw = await asyncio.wait_for(request.body(), body_timeout_s)
         except asyncio.TimeoutError:
             raise APIError(408, f"the request body took longer than {body_timeout_s:g} s to arrive")
-        return await asyncio.to_thread(parse_body, raw, cls)  # a multi-megabyte body is parsed off the loop
+        mark_body(request, len(raw))
+        return await off_loop(request, functools.partial(parse_body, raw, cls))  # a large body: off the loop
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -417,7 +419,7 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
             texts = [p if isinstance(p, str) else tokenizer.decode(i) for p, i in zip(prompts, ids)] if req.echo \
                 else ["" for _ in ids]
             return ids, texts
-        ids, texts = await asyncio.to_thread(prepare)
+        ids, texts = await off_loop(request, prepare)
         job = Job(ids, params, req.n, [ckpt] * len(ids) if ckpt is not None else None, None, req.policy_version)
         renderer = CompletionRenderer(tokenizer, req, ids, texts, new_id("cmpl"), model_name)
         return await serving.respond(request, job, renderer, req.stream, _include_usage(req))
@@ -505,7 +507,9 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
                                     "tool_choice required, none or a named function)", "ignore_eos")
             check_prompts([ids], params, images)
             return ids, turn_ends, images, params
-        ids, turn_ends, images, params = await asyncio.to_thread(prepare)
+        # (a grammar's first compile may take long: off the loop)
+        ids, turn_ends, images, params = await off_loop(request, prepare, inline=req.response_format is None
+                                                        and not req.tools and req.tool_choice is None)
         job = Job([ids], params, req.n, [turn_ends], images, req.policy_version)
         renderer = ChatRenderer(tokenizer, req, ids, thinking, new_id("chatcmpl"), model_name)
         return await serving.respond(request, job, renderer, req.stream, _include_usage(req))

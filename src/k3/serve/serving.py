@@ -19,6 +19,7 @@ from k3.serve.protocol import MAX_SEED
 from k3.serve.sampling import SamplingParams
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still connected
+INLINE_BODY_BYTES = 8 << 10  # a request body up to this is parsed, tokenised and queued on the event loop itself
 
 _CLIENT_GONE = object()
 
@@ -63,6 +64,22 @@ class LoopMailbox:
             items, self.items, self.scheduled = self.items, [], False
         for queue, item in items:
             queue.put_nowait(item)
+
+
+def mark_body(request: Request, size: int) -> None:
+    """Note whether the request is small enough for `off_loop` to do its work on the event loop."""
+    request.state.inline = size <= INLINE_BODY_BYTES
+
+
+async def off_loop(request: Request, fn, inline: bool = True):
+    """fn() on a worker thread, or here for a small request (`mark_body`; and `inline`: the caller's own say, e.g.
+    no grammar to compile). A long prompt takes seconds to tokenise and must not stall every stream; a small one
+    takes ~0.5 ms, less than the hop: under load the worker waits for the GIL behind the event loop and the engine's
+    reader (5 ms switch interval) and its result waits behind every stream's chunks. Three hops a request were
+    most of the front-end's TTFT at 64 streams on the H200's host (benchmarks/bench_serve_frontend.py)."""
+    if inline and getattr(request.state, "inline", False):
+        return fn()
+    return await asyncio.to_thread(fn)
 
 
 async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
@@ -135,7 +152,7 @@ class Serving:
         watcher = asyncio.ensure_future(_watch_disconnect(request, queue))
         try:
             try:
-                await asyncio.to_thread(submit_all)
+                await off_loop(request, submit_all)
             except ValueError as e:
                 raise APIError(400, str(e), "prompt")
             while pending:
