@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_load_client import paced_app, run_client  # noqa: E402
 
+from k3.serve.gc_freeze import frozen  # noqa: E402
+
 
 class PacedEngine:
     """The faces of LLMEngine that EngineThread and the engine process use, over no model: every `pace_s`, one
@@ -116,7 +118,8 @@ def serve_and_run(app, client: str, a, profile: int = 0) -> dict:
     prof = cProfile.Profile() if profile else None
     if prof is not None:
         prof.enable()
-    server.run(sockets=[sock])
+    with frozen():  # as `k3 serve` runs (k3.serve.gc_freeze)
+        server.run(sockets=[sock])
     if prof is not None:
         prof.disable()
         out = io.StringIO()

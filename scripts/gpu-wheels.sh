@@ -11,7 +11,7 @@ pin() { v=$(grep -i "^$1==" "$lock" | cut -d= -f3); [ -n "$v" ] || { echo "$1 is
 platforms=""
 for n in 17 24 27 28 31 34 35; do platforms="$platforms --platform manylinux_2_${n}_x86_64"; done
 pkgs="flash-linear-attention==0.6.0 fla-core==0.6.0"
-for p in fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection llguidance openai \
+for p in fastapi starlette uvicorn uvloop httptools pydantic pydantic-core annotated-types typing-inspection llguidance openai \
          jiter sniffio httpx2 httpcore2 truststore anyio opentelemetry-api; do
     pkgs="$pkgs $(pin $p)"
 done

@@ -40,10 +40,10 @@ from k3.ops.lazy_dynamo import assume_constant_result
 # 376 -> 353 ms).
 # The serving step's varlen short convs (_conv_varlen_triton) left it in session 20 (H200: 54 against 931 µs a layer
 # at 2,048 tokens, 0.65 against 11.2 ms a step; profile_serve's 64 streams ~10,900 -> ~12,000 output tok/s).
-# _slot_rows_triton (the serving pool's KDA state rows, moved only for the step's real rows under a fixed-shape
-# layout): written in session 23 after the device time was spent; on an H200 the static layout's gathers and
-# index_puts took ~1.3 ms of a ~10 ms prompt step, mostly over the scratch slot's empty documents.
-OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton", "_slot_rows_triton"})
+# The serving pool's KDA state rows under the static layout (_slot_rows_triton: only the step's real rows move, not
+# the scratch slot's empty documents) left it in session 24 (H200: CUDA tests passed; the gathers and index_puts'
+# ~1.3 ms a mixed step became one ~0.2 ms kernel; serve64 12,446 -> 12,822 and 11,083 -> 12,485 tok/s in two A/Bs).
+OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_gemv_triton"})
 
 
 _modules: dict[str, ModuleType | None] = {}

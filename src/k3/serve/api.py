@@ -32,6 +32,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.data.chat_template import THINKING_EFFORTS
+from k3.serve import gc_freeze
 from k3.serve import protocol as P
 from k3.serve.chat_template import render_chat
 from k3.serve.engine import EngineThread, LLMEngine, fit_engine_config
@@ -576,6 +577,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, api_key: st
         print(f"k3 serve: {made} CUDA graphs captured (loaded and warm in {time.perf_counter() - t0:.1f} s)",
               flush=True)
     app = create_app(engine, tokenizer, model_name or d.name, api_key, max_request_bytes=max_request_bytes)
+    gc_freeze.freeze()  # the model, engine and app: out of every later full collection
     uvicorn.run(app, **uvicorn_settings(host, port, timeout_keep_alive, header_timeout, limit_concurrency))
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.serve import gc_freeze
 from k3.serve.local_server import local_server
 from k3.serve.metrics import StepLog
 
@@ -163,8 +164,8 @@ def run_load_in_own_process(*args) -> dict:
     server's own process, parsing 64 clients' SSE streams would take the GIL from the engine and the HTTP layer
     and show up as server latency. A fresh interpreter (not multiprocessing), so no caller needs a __main__
     guard."""
-    code = ("import asyncio, json, sys\nfrom k3.serve.bench import run_load\n"
-            "print(json.dumps(asyncio.run(run_load(*json.load(sys.stdin)))))")
+    code = ("import asyncio, json, sys\nfrom k3.serve.bench import run_load\nfrom k3.serve.gc_freeze import freeze\n"
+            "freeze()\nprint(json.dumps(asyncio.run(run_load(*json.load(sys.stdin)))))")
     k3_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [k3_root, os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", code], input=json.dumps(args), capture_output=True, text=True, env=env)
@@ -272,8 +273,9 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
             ask("trace")
             if profile_top:
                 ask("profile")
-            s = run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
-                                        output_len, turns, None, seed)
+            with gc_freeze.frozen():  # this process serves the HTTP side (k3.serve.gc_freeze)
+                s = run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
+                                            output_len, turns, None, seed)
             s["engine"] = ask("trace_summary", s["wall_s"])
             if profile_top:
                 s["profile"] = ask("profile_summary", profile_top)

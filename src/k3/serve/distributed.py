@@ -412,6 +412,7 @@ def _serve_http(engine: DistributedEngine, d: Path, host, port, api_key, model_n
                 timeout_keep_alive, header_timeout, limit_concurrency, children) -> None:
     import uvicorn
 
+    from k3.serve import gc_freeze
     from k3.serve.api import HEADER_TIMEOUT_S, LIMIT_CONCURRENCY, MAX_REQUEST_BYTES, create_app, uvicorn_settings
 
     failure: list[BaseException] = []
@@ -433,6 +434,7 @@ def _serve_http(engine: DistributedEngine, d: Path, host, port, api_key, model_n
     # the same guards as one process: keep-alive, the request-head deadline, the connection limit
     server = uvicorn.Server(uvicorn.Config(app, **uvicorn_settings(
         host, port, timeout_keep_alive, header_timeout or HEADER_TIMEOUT_S, limit_concurrency or LIMIT_CONCURRENCY)))
+    gc_freeze.freeze()  # (k3.serve.gc_freeze)
     server.run()
     if failure:
         exits = describe_exits(children)

@@ -23,11 +23,13 @@ if the server process dies, the engine process sees its pipe close and exits."""
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import os
 import threading
 from typing import Callable
 
+from k3.serve import gc_freeze
 from k3.serve.engine import EngineThread, LLMEngine, RequestLimits, check_policy_version
 from k3.serve.metrics import StepLog
 from k3.serve.sampling import SamplingParams
@@ -83,6 +85,7 @@ CALLS: dict[str, Callable] = {
     "profile_summary": _profile_summary,  # ... and stop, → pstats' tables of the top functions
     "graph_keys": graph_keys_used,
     "pool_usage": _pool_usage,  # (blocks held, state slots held, requests unfinished)
+    "gc_frozen": lambda engine: gc.get_freeze_count(),  # objects exempt from the collector (k3.serve.gc_freeze)
 }
 METRICS = ("on_request", "on_abort", "describe_model")  # the counters the server keeps on the engine's Metrics
 
@@ -129,6 +132,7 @@ def _engine_main(conn, build: Callable[[], LLMEngine], warm_up: bool, threads: i
     try:
         engine = build()
         made = engine.warm_up() if warm_up else 0
+        gc_freeze.freeze()  # the model and the engine: out of every later full collection (a step waits for one)
     except BaseException as e:  # noqa: BLE001 - whatever it is, the server must hear it instead of waiting
         send(("failed", f"{type(e).__name__}: {e}"))
         return
