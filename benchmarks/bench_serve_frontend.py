@@ -16,11 +16,13 @@ import argparse
 import cProfile
 import functools
 import io
+import json
 import os
 import pstats
 import resource
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -38,10 +40,12 @@ class PacedEngine:
     idle_step_s = None
     profiler = step_log = vision_config = None
 
-    def __init__(self, pace_s: float, vocab_size: int, max_model_len: int = 1 << 16):
+    def __init__(self, pace_s: float, vocab_size: int, waits_path: str | None = None, max_model_len: int = 1 << 16):
         from k3.serve.engine import RequestLimits
         self.pace_s, self.limits = pace_s, RequestLimits(vocab_size, max_model_len, None)
-        self.running: dict[str, list] = {}  # rid -> [prompt tokens, max_tokens, ids so far]
+        self.running: dict[str, list] = {}  # rid -> [prompt tokens, max_tokens, ids so far, arrival]
+        self.waits: list[float] = []  # per request: its arrival here to its first token handed over
+        self.waits_path = waits_path  # written at close (the engine process's end)
         self.next_tick = 0.0
         self.metrics = type("NoMetrics", (), {"__getattr__": lambda self, name: lambda *a, **k: None})()
 
@@ -55,7 +59,7 @@ class PacedEngine:
         self.limits.check(prompt, params, images)
 
     def add_request(self, prompt, params, rid, *rest) -> None:
-        self.running[rid] = [len(prompt), params.max_tokens, []]
+        self.running[rid] = [len(prompt), params.max_tokens, [], time.perf_counter()]
 
     def abort(self, rid: str) -> bool:
         return self.running.pop(rid, None) is not None
@@ -70,7 +74,9 @@ class PacedEngine:
             time.sleep(self.next_tick - now)
         self.next_tick = max(self.next_tick, now) + self.pace_s
         outputs = []
-        for rid, (prompt_tokens, max_tokens, ids) in list(self.running.items()):
+        for rid, (prompt_tokens, max_tokens, ids, arrival) in list(self.running.items()):
+            if not ids:
+                self.waits.append(time.perf_counter() - arrival)
             ids.append(100 + len(ids) % 1000)
             last = len(ids) == max_tokens
             if last:
@@ -81,15 +87,41 @@ class PacedEngine:
 
     def close(self) -> None:
         self.running.clear()
+        if self.waits_path:
+            with open(self.waits_path, "w") as f:
+                json.dump(self.waits, f)
 
 
-def k3_app(pace_s: float):
-    """k3's OpenAI server over an EngineProcess of the stand-in engine → (app, the engine process)."""
+class FirstChunks:
+    """ASGI middleware timing each POST from its arrival at the app to its response head and to its first body chunk
+    holding a choice's text (the client's first token, less the network and the client)."""
+
+    def __init__(self, app):
+        self.app, self.heads, self.firsts = app, [], []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        t0, seen = time.perf_counter(), set()
+
+        async def timed(msg):
+            if msg["type"] == "http.response.start":
+                self.heads.append(time.perf_counter() - t0)
+            elif "first" not in seen and b'"text"' in msg.get("body", b""):
+                seen.add("first")
+                self.firsts.append(time.perf_counter() - t0)
+            await send(msg)
+        await self.app(scope, receive, timed)
+
+
+def k3_app(pace_s: float, waits_path: str):
+    """k3's OpenAI server over an EngineProcess of the stand-in engine (its first-token waits to waits_path)
+    → (app, the engine process)."""
     from k3.data import Tokenizer
     from k3.serve.api import create_app
     from k3.serve.engine_process import EngineProcess
     tokenizer = Tokenizer.from_file()  # the bundled one
-    proc = EngineProcess(functools.partial(PacedEngine, pace_s, tokenizer.vocab_size)).start()
+    proc = EngineProcess(functools.partial(PacedEngine, pace_s, tokenizer.vocab_size, waits_path)).start()
     return create_app(proc, tokenizer, "m"), proc
 
 
@@ -141,6 +173,7 @@ def main():
     print(f"{a.streams} streams, {a.requests} requests of {a.output_len} tokens; each client in its own process")
     print("| server | pace | client | out tok/s | ideal tok/s | share | TTFT mean / p99 ms | server CPU s |")
     print("|---|---|---|---:|---:|---:|---|---:|")
+    waits = []
     for pace in a.pace_ms:
         ideal = a.streams * 1e3 / pace
         for server in ("k3", "starlette (floor)"):
@@ -149,6 +182,16 @@ def main():
                 print(f"| {server} | {pace:g} ms | {client} | {r['out_tok_per_s']:,.0f} | {ideal:,.0f} | "
                       f"{r['out_tok_per_s'] / ideal:.1%} | {r['ttft_mean_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
                       f"{r['server_cpu_s']:.2f} |", flush=True)
+                if server == "k3":
+                    waits.append((pace, client, r))
+    print("\nWhere a k3 request's first token waits (means, ms): the client's TTFT; in the server process, from the "
+          "request's arrival at the app to its response head and to its first token's chunk; in the engine, from "
+          "the request's arrival to its first token handed over (at most a tick or two)")
+    print("| pace | client | client TTFT | server: head | server: first chunk | engine: first token |")
+    print("|---|---|---:|---:|---:|---:|")
+    for pace, client, r in waits:
+        print(f"| {pace:g} ms | {client} | {r['ttft_mean_ms']:.1f} | {r['head_ms']:.1f} | {r['first_chunk_ms']:.1f} | "
+              f"{r['engine_first_ms']:.1f} |")
     if a.profile:
         r = run_row("k3", "aiohttp", a.pace_ms[0], a, a.profile)
         print(f"\n== the k3 server process under cProfile at {a.pace_ms[0]:g} ms (aiohttp's load), by own time\n"
@@ -156,16 +199,26 @@ def main():
 
 
 def run_row(server: str, client: str, pace: float, a, profile: int = 0) -> dict:
+    """One row; for the k3 server also its first-token waits (`FirstChunks`, `PacedEngine.waits`)."""
     proc = None
-    if server == "k3":
-        app, proc = k3_app(pace / 1e3)
-    else:
-        app = paced_app(pace)
-    try:
-        r = serve_and_run(app, client, a, profile)
-    finally:
+    with tempfile.TemporaryDirectory() as tmp:
+        waits_path = os.path.join(tmp, "waits.json")
+        if server == "k3":
+            app, proc = k3_app(pace / 1e3, waits_path)
+            app = timing = FirstChunks(app)
+        else:
+            app = paced_app(pace)
+        try:
+            r = serve_and_run(app, client, a, profile)
+        finally:
+            if proc is not None:
+                proc.shutdown()
         if proc is not None:
-            proc.shutdown()
+            with open(waits_path) as f:
+                engine_waits = json.load(f)
+            mean = lambda xs: 1e3 * sum(xs) / len(xs)  # noqa: E731
+            r.update(head_ms=mean(timing.heads), first_chunk_ms=mean(timing.firsts),
+                     engine_first_ms=mean(engine_waits))
     assert r["tokens"] == a.requests * a.output_len, r
     return r
 
