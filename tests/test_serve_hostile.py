@@ -216,3 +216,23 @@ def test_http_prompt_logprobs_under_the_bound_are_served(api, model):
     for t, entry in enumerate(got[1:], start=1):
         assert entry[str(ids[t])]["logprob"] == pytest.approx(float(ref[t - 1, ids[t]]), abs=1e-4)
         assert {int(i) for i in entry} >= set(ref[t - 1].topk(3).indices.tolist())
+
+
+def test_a_body_that_stops_arriving_gets_a_408_after_the_body_timeout_and_nothing_is_queued(model):
+    """A request whose head promises more body than ever comes: a 408 once body_timeout_s has passed (not sooner,
+    not never), and the engine never sees it."""
+    eng = engine(model)
+    body = b'{"model": "%s", "prompt": "hello", "max_tokens": 3}' % NAME.encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) + 50}\r\n\r\n").encode()
+    with local_server(create_app(eng, Tokenizer.from_file(), NAME, body_timeout_s=1.0)) as url:
+        host, port = url.rsplit("/", 1)[1].split(":")
+        with socket.create_connection((host, int(port))) as s:
+            t0 = time.monotonic()
+            s.sendall(head + body)  # 50 bytes short
+            response = _read_response(s)
+            waited = time.monotonic() - t0
+    assert response.startswith(b"HTTP/1.1 408 ") and b"longer than 1 s" in response, response[:300]
+    assert 0.9 <= waited <= 5.0, waited
+    assert not eng.has_unfinished()
+    assert_pool_empty(eng)
