@@ -1,7 +1,7 @@
 """k3.ops.slot_rows: a step's rows of the serving pool's KDA states and short-conv tails. The references index the
-pool (every row); the kernels (k3.ops._slot_rows_triton, opt-in) move only the rows before a device count, so a
-CUDA graph captured over a fixed-shape layout (StaticKDAView: real rows, a pad document, empty ones on the scratch
-slot) moves only the replayed step's rows. Checked against the references on random pools and slots (without
+pool (every row); the kernels (k3.ops._slot_rows_triton, on CUDA by default since session 24) move only the rows
+before a device count, so a CUDA graph captured over a fixed-shape layout (StaticKDAView: real rows, a pad
+document, empty ones on the scratch slot) moves only the replayed step's rows. Checked against the references on random pools and slots (without
 CUDA: on CPU tensors under the Triton interpreter, where triton is installed), under a graph replayed with other
 counts, slots and rows, and through the engine (tokens and logprobs equal)."""
 import os

@@ -92,8 +92,7 @@ async def off_loop(request: Request, fn, inline: bool = True):
     """fn() on a worker thread, or here for a small request (`mark_body`; and `inline`: the caller's own say, e.g.
     no grammar to compile). A long prompt takes seconds to tokenise and must not stall every stream; a small one
     takes ~0.5 ms, less than the hop: under load the worker waits for the GIL behind the event loop and the engine's
-    reader (5 ms switch interval) and its result waits behind every stream's chunks. Three hops a request were
-    most of the front-end's TTFT at 64 streams on the H200's host (benchmarks/bench_serve_frontend.py)."""
+    reader (5 ms switch interval), and its result waits behind every stream's chunks (a request took three)."""
     if inline and getattr(request.state, "inline", False):
         return fn()
     return await asyncio.to_thread(fn)
