@@ -106,12 +106,18 @@ def run_client(kind: str, url: str, a) -> dict:
     return row
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def load_arguments(doc: str, paces: list[float]) -> argparse.ArgumentParser:
+    """The options of a paced load (this benchmark's and bench_serve_frontend's): streams, requests, tokens, paces."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--pace-ms", type=float, nargs="+", default=[4.0, 0.0])
+    ap.add_argument("--pace-ms", type=float, nargs="+", default=paces)
+    return ap
+
+
+def main():
+    ap = load_arguments(__doc__, [4.0, 0.0])
     ap.add_argument("--client", choices=("httpx", "aiohttp"), help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -12,7 +12,6 @@ Run: python benchmarks/bench_serve_frontend.py [--streams 64] [--requests 256] [
        [--profile N]   (then one more run of the k3 server under cProfile, aiohttp's load: its top N functions;
                         profiling doubles the server's CPU, so its figures are not in the table)
 """
-import argparse
 import cProfile
 import functools
 import io
@@ -29,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from bench_load_client import paced_app, run_client  # noqa: E402
+from bench_load_client import load_arguments, paced_app, run_client  # noqa: E402
 
 from k3.serve.gc_freeze import frozen  # noqa: E402
 
@@ -163,11 +162,7 @@ def serve_and_run(app, client: str, a, profile: int = 0) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--pace-ms", type=float, nargs="+", default=[4.0, 2.0])
+    ap = load_arguments(__doc__, [4.0, 2.0])
     ap.add_argument("--profile", type=int, default=0)
     a = ap.parse_args()
     print(f"{a.streams} streams, {a.requests} requests of {a.output_len} tokens; each client in its own process")
