@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from k3.checkpoint.sharded import RankLayout
+from k3.serve import gc_freeze
 from k3.serve.engine import EngineConfig, EngineThread, LLMEngine, fit_engine_config
 
 HEARTBEAT_S = 1.0         # an idle rank 0 steps this often (the other ranks wait in its broadcast meanwhile)
@@ -388,6 +389,7 @@ def serve_rank(model_dir, layout: ServeLayout, engine_config: EngineConfig | Non
     try:
         engine = build_rank_engine(model_dir, layout, engine_config, device)
         watch.disarm()  # every rank is up: from here a lost rank fails rank 0's next collective
+        gc_freeze.freeze()  # the model and the engine: out of every later full collection (k3.serve.gc_freeze)
         if rank == 0:
             _serve_http(engine, Path(model_dir), host, port, api_key, model_name, max_request_bytes,
                         timeout_keep_alive, header_timeout, limit_concurrency, children)
@@ -412,7 +414,6 @@ def _serve_http(engine: DistributedEngine, d: Path, host, port, api_key, model_n
                 timeout_keep_alive, header_timeout, limit_concurrency, children) -> None:
     import uvicorn
 
-    from k3.serve import gc_freeze
     from k3.serve.api import HEADER_TIMEOUT_S, LIMIT_CONCURRENCY, MAX_REQUEST_BYTES, create_app, uvicorn_settings
 
     failure: list[BaseException] = []
@@ -434,7 +435,7 @@ def _serve_http(engine: DistributedEngine, d: Path, host, port, api_key, model_n
     # the same guards as one process: keep-alive, the request-head deadline, the connection limit
     server = uvicorn.Server(uvicorn.Config(app, **uvicorn_settings(
         host, port, timeout_keep_alive, header_timeout or HEADER_TIMEOUT_S, limit_concurrency or LIMIT_CONCURRENCY)))
-    gc_freeze.freeze()  # (k3.serve.gc_freeze)
+    gc_freeze.freeze()  # and the app
     server.run()
     if failure:
         exits = describe_exits(children)
