@@ -7,7 +7,9 @@ engine in a process of its own, as `k3 serve` runs) drives a stand-in engine tha
 running request one token (its first one tick after it arrives, as a prefill would): the ideal is streams x 1000 /
 pace tokens/s, and a first token one or two ticks after a request arrives. Beside it, in the same run, the
 floor of the stack k3 serves with: a bare Starlette app streaming the same chunks at the same pace
-(`bench_load_client.paced_app`). Each client runs in a process of its own (`bench_load_client.run_client`).
+(`bench_load_client.paced_app`). Each client runs in a process of its own (`bench_load_client.run_client`). A
+second table splits a k3 request's first-token wait: the client's TTFT, the server's (from the request's arrival at
+the app to its response head and to its first token's chunk, `FirstChunks`) and the stand-in engine's.
 Run: python benchmarks/bench_serve_frontend.py [--streams 64] [--requests 256] [--output-len 128] [--pace-ms 4 2]
        [--profile N]   (then one more run of the k3 server under cProfile, aiohttp's load: its top N functions;
                         profiling doubles the server's CPU, so its figures are not in the table)
