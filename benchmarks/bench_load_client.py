@@ -132,7 +132,7 @@ def main():
         ideal = a.streams * 1e3 / pace if pace else float("inf")
         with local_server(paced_app(pace)) as url:
             for kind, name in (("k3", "k3"), ("httpx", "httpx shared (k3 before session 23)"), ("aiohttp", "aiohttp (peer)")):
-                if importlib.util.find_spec(kind if kind != "k3" else "httpx") is None:
+                if importlib.util.find_spec(kind if kind != "k3" else "aiohttp") is None:
                     print(f"| {pace:g} ms | {name} | not installed | | | |")
                     continue
                 r = run_client(kind, url, a)

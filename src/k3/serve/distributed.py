@@ -389,11 +389,11 @@ def serve_rank(model_dir, layout: ServeLayout, engine_config: EngineConfig | Non
     try:
         engine = build_rank_engine(model_dir, layout, engine_config, device)
         watch.disarm()  # every rank is up: from here a lost rank fails rank 0's next collective
-        gc_freeze.freeze()  # the model and the engine: out of every later full collection (k3.serve.gc_freeze)
         if rank == 0:
             _serve_http(engine, Path(model_dir), host, port, api_key, model_name, max_request_bytes,
                         timeout_keep_alive, header_timeout, limit_concurrency, children)
         else:
+            gc_freeze.freeze()  # the model and the engine: out of every later full collection (k3.serve.gc_freeze)
             try:
                 engine.follow()
             except Exception as e:
@@ -435,7 +435,7 @@ def _serve_http(engine: DistributedEngine, d: Path, host, port, api_key, model_n
     # the same guards as one process: keep-alive, the request-head deadline, the connection limit
     server = uvicorn.Server(uvicorn.Config(app, **uvicorn_settings(
         host, port, timeout_keep_alive, header_timeout or HEADER_TIMEOUT_S, limit_concurrency or LIMIT_CONCURRENCY)))
-    gc_freeze.freeze()  # and the app
+    gc_freeze.freeze()  # the model, the engine and the app (k3.serve.gc_freeze)
     server.run()
     if failure:
         exits = describe_exits(children)

@@ -4,9 +4,8 @@ A process that imported torch and built a model, an engine and an app holds hund
 objects; each full (generation 2) collection walks them all while the event loop, or the engine's step loop, stands
 still. On a 2-core VM one took 145 ms in the middle of 64 streams, and new requests' first tokens waited behind it
 (a probe of benchmarks/bench_serve_frontend.py's server: its first chunks 124 -> 43 ms after the requests arrived,
-with ~206,000 objects frozen). `freeze` moves everything
-alive now into the permanent generation, which the collector skips (vLLM's servers do the same at start-up);
-what is made afterwards is collected as before."""
+with ~206,000 objects frozen). `freeze` moves everything alive now into the permanent generation, which the
+collector skips (vLLM's servers do the same at start-up); what is made afterwards is collected as before."""
 from __future__ import annotations
 
 import contextlib

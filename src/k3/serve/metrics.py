@@ -151,6 +151,11 @@ class Metrics:
             self.prompt_tokens += seq.prompt_len
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
+    def totals(self, names) -> dict[str, tuple[float, int]]:
+        """(sum, count) of each named histogram, read together."""
+        with self.lock:
+            return {name: (self.hist[name].sum, self.hist[name].count) for name in names}
+
     def on_abort(self, count: int = 1) -> None:
         """Requests cancelled before they finished (client gone, or an error in a sibling choice)."""
         with self.lock:
@@ -251,8 +256,8 @@ class StepLog:
     def _phase_sums(self) -> dict[str, tuple[float, int]]:
         if self.metrics is None:
             return {}
-        with self.metrics.lock:
-            return {k: (self.metrics.hist[name].sum, self.metrics.hist[name].count) for k, name in self.PHASES.items()}
+        totals = self.metrics.totals(self.PHASES.values())
+        return {k: totals[name] for k, name in self.PHASES.items()}
 
     def launch(self, now: float, seqs: list, lens: list[int], overlapped: bool = False) -> None:
         """overlapped: launched while the previous step was still on the device (async output)."""
