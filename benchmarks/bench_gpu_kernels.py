@@ -28,6 +28,9 @@ bandwidth; per_step_us: µs × the count of such calls in one decode step. --gem
 Decode's routed experts ("moe" rows, `moe_expert_rows`: small's 64 experts, top-8, at 8 and 64 tokens, bf16): the
 expert-major kernel against the grouped path k3 takes there today and the slot-major kernel; --moe: only these;
 --moe-sweep: the expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) instead.
+--decode-sweep: only two decode kernels under their launch shapes, at small's widths and 1/8/64 rows, each timed as
+a CUDA graph of calls: MLA over a StaticCache of 4K tokens (k3.ops._mla_static_decode_triton.LAUNCH; floor: the
+cache's bytes) and KDA's step (k3.ops._kda_decode_triton.LAUNCH; floor: the state and tails read and written).
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
 programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
 (5 sources) at other warp counts, forward and backward (k3.ops._attn_res_triton.NUM_WARPS), and its backward
@@ -39,7 +42,7 @@ against the torch forms), and KDA's core through fla with its backward recomputi
 intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total at `small`'s call counts
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--backwards] [--kda-core] [--kda-bwd] [--residual-add]
+     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep] [--backwards] [--kda-core] [--kda-bwd] [--residual-add]
      [--conv-varlen]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
 --kda-bwd [wy,intra]: only KDA's chunk-backward WY/state and intra-chunk stages (or those named), fla's kernels
@@ -558,6 +561,8 @@ def main():
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
     ap.add_argument("--moe-sweep", action="store_true", help="the expert-major kernel's launch shapes instead")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="only MLA's StaticCache decode and KDA's decode step under their launch shapes")
     ap.add_argument("--only", default="", help="comma list: only the training-shape rows whose op name contains "
                                                "one of these (the decode rows always run)")
     a = ap.parse_args()
@@ -592,6 +597,11 @@ def main():
         cols = ["op", "N", "K", "rows", "impl", "us", "floor_us", "GBps"]
         print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))
         return save("gemv_sweep" if a.gemv_sweep else "gemv", {"rows": gemv, "copy_TBps": bw / 1e12})
+    if a.decode_sweep:
+        swept = mla_decode_sweep(bw) + kda_decode_sweep(bw)
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+        print(table(swept, ["op", "rows", "launch", "splits", "us", "floor_us", "of_floor"]))
+        return save("decode_sweep", {"rows": swept, "copy_TBps": bw / 1e12})
     moe_cols = ["op", "rows", "impl", "us", "floor_us", "GBps", "rel_err"]
     if a.moe or a.moe_sweep:
         moe = moe_expert_sweep(bw) if a.moe_sweep else moe_expert_rows(bw)
@@ -674,6 +684,69 @@ def _mla_static_decode_case(n: int, context: int) -> dict:
                                                  length, 0.07)
     return {f"MLA decode over a StaticCache ({context} tokens)":
             ("_mla_static_decode_triton", fn, n * (context + 1) * (R + E) * 2)}
+
+
+def mla_decode_sweep(bw: float, context: int = 4096, calls: int = 20) -> list[dict]:
+    """MLA's StaticCache decode kernel (`_mla_static_decode_case`) at 1, 8 and 64 rows under the default launch
+    and a few others (programs an SM, shortest split, warps), µs a call from a CUDA graph of `calls` calls."""
+    from k3.ops import _mla_static_decode_triton as kernel
+
+    default, out = dict(kernel.LAUNCH), []
+    changes = [{}, dict(programs_per_sm=1), dict(programs_per_sm=4), dict(min_split=128), dict(min_split=512),
+               dict(num_warps=4), dict(programs_per_sm=4, num_warps=4)]
+    for n in (1, 8, 64):
+        (op, (_, fn, nbytes)), = _mla_static_decode_case(n, context).items()
+        for change in changes:
+            kernel.LAUNCH.update(default, **change)
+            try:
+                splits = kernel.launch_shape(n, 12, context + 1, torch.device("cuda"))[1]
+                with torch.no_grad():
+                    us = _graphed_us(lambda _: fn(), [None] * calls)
+            finally:
+                kernel.LAUNCH.update(default)
+            floor = nbytes / bw * 1e6
+            out.append(dict(op="MLA decode", rows=n, launch=str(change or "default"), splits=splits, us=us,
+                            floor_us=floor, of_floor=floor / us))
+            print(out[-1], flush=True)
+    return out
+
+
+def kda_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
+    """KDA's decode step kernel (k3.ops.kda_decode.kda_decode_step: 12 heads of 128, gate rank 128, 4 taps, bf16
+    projections, fp32 state and tails in a pool of 4·rows slots) at 1, 8 and 64 rows under the default launch and
+    a few others (programs an SM, columns a tile, warps), µs a call from a CUDA graph of `calls` calls."""
+    from k3.ops import _kda_decode_triton as kernel
+    from k3.ops.kda_decode import DecodeWeights, kda_decode_step
+
+    H, K, W = 12, 128, 4
+    f32, bf = dict(device="cuda"), dict(device="cuda", dtype=torch.bfloat16)
+    weights = DecodeWeights(*(torch.randn(H * K, 1, W, **f32) * 0.5 for _ in range(3)),
+                            f_b=torch.randn(H * K, K, **bf) * K ** -0.5, A_log=torch.randn(H, **f32) * 0.5,
+                            dt_bias=torch.randn(H * K, **f32), norm_weight=torch.ones(K, **f32), lower_bound=-5.0,
+                            eps=1e-5)
+    default, out = dict(kernel.LAUNCH), []
+    changes = [{}, dict(programs_per_sm=0), dict(programs_per_sm=2), dict(tile_v=16, programs_per_sm=2),
+               dict(num_warps=4), dict(num_warps=4, tile_v=16), dict(num_warps=4, programs_per_sm=2)]
+    for n in (1, 8, 64):
+        slots = 4 * n
+        feats = [t for t in torch.randn(n, 3 * H * K + K + H + H * K, **bf).split([H * K] * 3 + [K, H, H * K], -1)]
+        state = torch.randn(slots, H, K, K, **f32) * 0.1
+        tails = [torch.randn(slots, W - 1, H * K, **f32) for _ in range(3)]
+        rows = torch.randperm(slots, device="cuda")[:n]
+        nbytes = n * (2 * H * K * K * 4 + 3 * 2 * (W - 1) * H * K * 4 + 7 * H * K * 2)
+        for change in changes:
+            kernel.LAUNCH.update(default, **change)
+            try:
+                splits = kernel.column_splits(n * H, K, torch.device("cuda"))
+                with torch.no_grad():
+                    us = _graphed_us(lambda _: kda_decode_step(*feats, weights, state, *tails, rows), [None] * calls)
+            finally:
+                kernel.LAUNCH.update(default)
+            floor = nbytes / bw * 1e6
+            out.append(dict(op="KDA decode step", rows=n, launch=str(change or "default"), splits=splits, us=us,
+                            floor_us=floor, of_floor=floor / us))
+            print(out[-1], flush=True)
+    return out
 
 
 def decode_linears(preset: str = "small") -> dict[tuple[str, int, int, bool], int]:

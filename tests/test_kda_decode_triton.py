@@ -9,14 +9,15 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 import k3.model.kda as kda_model  # noqa: E402
 from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
-from k3.ops import kda_decode  # noqa: E402
+from k3.ops import kda_decode, triton_dispatch  # noqa: E402
 from k3.ops.kda_core import force_backend  # noqa: E402
+from k3.ops.triton_dispatch import triton_module  # noqa: E402
 from k3.ops.kda_decode import (DecodeWeights, force_fused_decode, kda_decode_step,  # noqa: E402
                                kda_decode_step_reference)
 
@@ -55,12 +56,28 @@ def run_both(feats, weights, state, tails, slots):
     return results
 
 
+@pytest.fixture(params=["one program a head", "columns split"])
+def column_splits(request, monkeypatch):
+    """The kernel's launch with each head in one program, or its state columns split over as many programs as
+    8-column tiles allow (the last program to finish stores the q/k tails and the norm): the expected splits."""
+    kernels = triton_module("_kda_decode_triton")
+    if request.param == "columns split":
+        monkeypatch.setitem(kernels.LAUNCH, "tile_v", 8)
+        monkeypatch.setitem(kernels.LAUNCH, "programs_per_sm", 1000)
+        return lambda V: max(1, triton.next_power_of_2(V) // 8)
+    monkeypatch.setitem(kernels.LAUNCH, "programs_per_sm", 0)
+    return lambda V: 1
+
+
 @pytest.mark.parametrize("B,H,K,V,R,W", [(1, 2, 16, 16, 16, 4), (3, 3, 32, 32, 32, 4), (2, 2, 16, 8, 12, 3),
                                          (4, 1, 24, 24, 16, 4), (2, 2, 128, 128, 128, 4)])
 @pytest.mark.parametrize("with_slots", [False, True])
-def test_kernel_equals_the_reference_step(B, H, K, V, R, W, with_slots):
+def test_kernel_equals_the_reference_step(B, H, K, V, R, W, with_slots, column_splits):
     """fp32: output and state to rounding, tails exactly; with a slot table with holes (rows in another order
-    than the slots, slots skipped) every slot no row names is left bit for bit as it was."""
+    than the slots, slots skipped) every slot no row names is left bit for bit as it was. Split over programs,
+    the same, and the ticket workspace left zero."""
+    kernels = triton_module("_kda_decode_triton")
+    assert kernels.column_splits(B * H, triton.next_power_of_2(V), torch.device(DEVICE)) == column_splits(V)
     n_slots = 2 * B + 3 if with_slots else B
     feats, weights, state, tails = step_case(B * 100 + H * 10 + K, B, H, K, V, R, W, n_slots)
     slots = torch.randperm(n_slots, generator=torch.Generator().manual_seed(B))[:B].to(DEVICE) if with_slots else None
@@ -76,6 +93,7 @@ def test_kernel_equals_the_reference_step(B, H, K, V, R, W, with_slots):
     assert torch.equal(st[untouched], state[untouched]) and not torch.equal(st[touched], state[touched])
     for got, old in zip(tl, tails):
         assert torch.equal(got[untouched], old[untouched])
+    assert not any(t.any() for t in triton_dispatch._ticket_workspaces)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -91,7 +109,7 @@ def test_16_bit_inputs_keep_fp32_state_math(dtype):
     assert all(torch.equal(a, b) for a, b in zip(tl, want_tl))
 
 
-def test_steps_chain_like_the_recurrence():
+def test_steps_chain_like_the_recurrence(column_splits):
     """Five steps in a row through the same storage (each reading the tails and state the last one wrote)."""
     B, H, K, W = 2, 2, 16, 4
     feats, weights, state, tails = step_case(11, B, H, K, K, K, W, B)
@@ -286,3 +304,26 @@ def test_the_step_compiles_as_one_op_that_writes_the_storage():
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(state, ref_state, rtol=2e-5, atol=2e-5)
     assert all(torch.equal(a, b) for a, b in zip(tails, ref_tails))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_compiles_for_the_h200(splits):
+    """The kernel compiled for sm_90 by ptxas (no GPU needed) at small's widths (12 heads of 128, the gate's rank
+    128, 4 taps) in bf16, one program a head and 4 column splits: no spills; split, the ticket is an
+    acquire-release atomic and the other programs' sums and outputs are read back from L2."""
+    from sm90_compile import ptx_for_sm90
+
+    ptrs = ["xq_ptr", "xk_ptr", "xv_ptr", "fa_ptr", "beta_ptr", "gate_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "fb_ptr",
+            "A_log_ptr", "dt_bias_ptr", "norm_w_ptr", "out_ptr"]
+    sig = {**{n: "*bf16" for n in ptrs}, **{n: "*fp32" for n in ("state_ptr", "tq_ptr", "tk_ptr", "tv_ptr",
+                                                                    "sum_sq_ptr")},
+           "slots_ptr": "*i64", "tickets_ptr": "*i32",
+           **{n: "i32" for n in ("sx_q", "sx_k", "sx_v", "s_fa", "s_beta", "s_gate", "s_state", "s_tq", "s_tk",
+                                 "s_tv", "r_tq", "r_tk", "r_tv", "n_slots", "H", "K", "V", "R")},
+           "scale": "fp32", "lower_bound": "fp32", "eps": "fp32"}
+    kernels = triton_module("_kda_decode_triton")
+    ptx = ptx_for_sm90("k3.ops._kda_decode_triton", "kda_decode_kernel", sig, num_warps=kernels.LAUNCH["num_warps"],
+                       W=4, HAS_SLOTS=True, TAIL_ROWS=4, BLOCK_K=128, BLOCK_V=128, BLOCK_R=128, R_CHUNK=32,
+                       TILE_V=kernels.LAUNCH["tile_v"], SPLITS=splits)
+    assert ".local" not in ptx  # no spills
+    assert ("atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx) == (splits > 1)

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from k3 import envs  # noqa: E402
-from k3.ops import mla_static_decode  # noqa: E402
+from k3.ops import mla_static_decode, triton_dispatch  # noqa: E402
 from k3.ops.mla_static_decode import (static_decode_attention, static_decode_attention_reference,  # noqa: E402
                                       use_static_decode_kernel)
 
@@ -64,7 +64,7 @@ def test_kernel_matches_the_reference(B, H, R, E, S, length, dtype):
         others[length] = False
         assert torch.equal(args[4][:, others], ref_args[4][:, others])
         assert torch.equal(args[5][:, others], ref_args[5][:, others])
-    workspaces = [t for t in mla_static_decode._tickets if t.device == got.device]
+    workspaces = [t for t in triton_dispatch._ticket_workspaces if t.device == got.device]
     assert workspaces and not any(t.any() for t in workspaces)
 
 
@@ -276,7 +276,7 @@ def test_kernel_compiles_for_the_h200(norm):
            "out_ptr": "*bf16", "norm_w_ptr": "*bf16", "norm_eps": "fp32", "H": "i32", "R": "i32", "E": "i32", "max_len": "i32", "scale": "fp32",
            "split_len": "i32", "splits": "i32", "head_blocks": "i32"}
     ptx = ptx_for_sm90("k3.ops._mla_static_decode_triton", "_static_decode_kernel", sig, num_warps=8,
-                       BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, PRECISION="tf32", NORM=norm)
+                       BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, BLOCK_S=32, PRECISION="tf32", NORM=norm)
     assert "atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx and "mma" in ptx
     assert ".local" not in ptx  # no spills
 

@@ -9,17 +9,18 @@ the fp32 state and the gated output RMSNorm (per head, so no cross-program reduc
 registers; the state and each tail are read once and written once. Rows find their state through
 a slot table (the serving pool's) or are their own slot (a StaticCache).
 
-Why not split V over programs, as fla's recurrent kernel does: every V tile needs the whole of q and k, hence
-the q/k conv tails, and a tile that rewrote a tail could do it before another tile had read it. One program per
-head keeps each tail with a single owner; it walks the [K, V] state in column tiles. The output norm needs the
-whole of o: each tile's gated o is stored with its sum of squares kept, then scaled by 1/rms in a second pass
-over the [V] output row (the unfused path rounds o to the model's dtype before its norm too).
+Few rows leave the GPU idle at one program a head (batch 1: 12 programs), so a head's state columns are split
+over programs, as fla's recurrent kernel splits V (`column_splits`). Every split needs the whole of q and k, hence
+the q/k conv tails: each computes them, and the head's last program to finish (an atomic ticket) stores the new
+tails, when every split has read the old ones. The output norm needs the whole of o: each split stores its gated
+o with its sum of squares kept; the last program scales the [V] output row by 1/rms (the unfused path rounds o to
+the model's dtype before its norm too).
 """
 import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_dispatch import inference_op, on_device
+from k3.ops.triton_dispatch import inference_op, on_device, sm_count, ticket_workspace
 
 MAX_HEAD_DIM = 128  # q, k, the gate and [K, TILE_V] state tiles are held whole along K; wider heads: unfused
 
@@ -51,13 +52,14 @@ def kda_decode_kernel(
         sx_q, sx_k, sx_v, s_fa, s_beta, s_gate,  # their row strides (columns are contiguous)
         wq_ptr, wk_ptr, wv_ptr, fb_ptr, A_log_ptr, dt_bias_ptr, norm_w_ptr,  # the layer's weights
         state_ptr, s_state, tq_ptr, tk_ptr, tv_ptr, s_tq, s_tk, s_tv, r_tq, r_tk, r_tv,  # per-slot storage
-        slots_ptr, n_slots, out_ptr,
+        slots_ptr, n_slots, out_ptr, sum_sq_ptr, tickets_ptr,
         H, K, V, R, scale, lower_bound, eps,
         W: tl.constexpr, HAS_SLOTS: tl.constexpr, TAIL_ROWS: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
-        TILE_V: tl.constexpr):
+        TILE_V: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    sp = tl.program_id(2)
     slot = row
     if HAS_SLOTS:
         slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -67,14 +69,15 @@ def kda_decode_kernel(
     k_ok = offs_k < K
     ck = h * K + offs_k  # this head's channels of the q/k columns
 
-    # ---- q, k (whole heads), the gate and beta; then the q/k tails rewritten once every warp has read them
+    # ---- q, k (whole heads), the gate and beta; the new q/k tails are stored once every program of the head has
+    # read the old ones (one program: once its warps have)
     q, tail_q = _conv_silu(xq_ptr + row * sx_q, tq_ptr + slot * s_tq, wq_ptr, ck, k_ok, slot_ok, r_tq, W, TAIL_ROWS)
     k, tail_k = _conv_silu(xk_ptr + row * sx_k, tk_ptr + slot * s_tk, wk_ptr, ck, k_ok, slot_ok, r_tk, W, TAIL_ROWS)
     r = tl.arange(0, TAIL_ROWS)[:, None]
     tail_ok = (r < W - 1) & slot_ok
     tl.debug_barrier()  # (a row or column of a small tile may sit in several warps)
-    tl.store(tq_ptr + slot * s_tq + r * r_tq + ck[None, :], tail_q, mask=tail_ok & k_ok[None, :])
-    tl.store(tk_ptr + slot * s_tk + r * r_tk + ck[None, :], tail_k, mask=tail_ok & k_ok[None, :])
+    if SPLITS == 1:
+        _store_tails(tq_ptr + slot * s_tq, tk_ptr + slot * s_tk, tail_q, tail_k, r, ck, r_tq, r_tk, tail_ok, k_ok)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale  # L2 norm (eps 1e-6), then the K^-1/2 scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     f = tl.zeros([BLOCK_K], dtype=tl.float32)  # W_fb · f_a, this head's K rows, R_CHUNK columns at a time
@@ -90,13 +93,13 @@ def kda_decode_kernel(
     alpha = tl.exp(lower_bound * tl.sigmoid(rate * (f + dt_bias)))  # exp(g), g in (lower_bound, 0) (SPEC §3.2)
     beta = tl.sigmoid(tl.load(beta_ptr + row * s_beta + h).to(tl.float32))
 
-    # ---- the state TILE_V columns at a time (a whole [K, V] tile per thread block spills its registers):
-    # v's conv and tail, the delta rule, o gated but not yet normalised, and o's sum of squares
+    # ---- this program's state columns TILE_V at a time (a whole [K, V] tile per thread block spills its
+    # registers): v's conv and tail, the delta rule, o gated but not yet normalised, and o's sum of squares
     state_ptr += slot * s_state + h * K * V
     out_ptr += row * H * V + h * V
     sum_sq = 0.0
-    for v0 in range(0, BLOCK_V, TILE_V):
-        offs_v = v0 + tl.arange(0, TILE_V)
+    for i in range(0, BLOCK_V // SPLITS, TILE_V):  # (constant bounds: Triton's CPU interpreter needs them)
+        offs_v = sp * (BLOCK_V // SPLITS) + i + tl.arange(0, TILE_V)
         v_ok = offs_v < V
         cv = h * V + offs_v
         v, tail_v = _conv_silu(xv_ptr + row * sx_v, tv_ptr + slot * s_tv, wv_ptr, cv, v_ok, slot_ok, r_tv, W,
@@ -116,22 +119,55 @@ def kda_decode_kernel(
         norm_w = tl.load(norm_w_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs_v, (o * norm_w * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty), mask=v_ok)
 
-    # ---- o_norm's 1/rms (per head, SPEC §3.2) over what this program just wrote
-    rstd = tl.rsqrt(sum_sq / V + eps)
-    tl.debug_barrier()
-    for v0 in range(0, BLOCK_V, TILE_V):
-        offs_v = v0 + tl.arange(0, TILE_V)
-        v_ok = offs_v < V
-        y = tl.load(out_ptr + offs_v, mask=v_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_v, (y * rstd).to(out_ptr.dtype.element_ty), mask=v_ok)
+    # ---- o_norm's 1/rms (per head, SPEC §3.2) over the head's output row, by its last program to finish
+    last = True
+    if SPLITS > 1:
+        tl.store(sum_sq_ptr + (row * H + h) * SPLITS + sp, sum_sq)
+        # every thread's stores (and reads of the old tails) precede the ticket (the barrier); the ticket releases
+        # them to the program that draws the last one (its acquire), as k3.ops._mla_static_decode_triton's merge
+        tl.debug_barrier()
+        ticket_ptr = tickets_ptr + row * H + h
+        last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == SPLITS - 1
+        if last:
+            _store_tails(tq_ptr + slot * s_tq, tk_ptr + slot * s_tk, tail_q, tail_k, r, ck, r_tq, r_tk, tail_ok,
+                         k_ok)
+            # (.cg: from L2, where the other programs' stores are; never a stale line of this SM's L1)
+            sum_sq = tl.sum(tl.load(sum_sq_ptr + (row * H + h) * SPLITS + tl.arange(0, SPLITS),
+                                    cache_modifier=".cg"), axis=0)
+            tl.store(ticket_ptr, 0)
+    if last:
+        rstd = tl.rsqrt(sum_sq / V + eps)
+        tl.debug_barrier()
+        for v0 in range(0, BLOCK_V, TILE_V):
+            offs_v = v0 + tl.arange(0, TILE_V)
+            v_ok = offs_v < V
+            y = tl.load(out_ptr + offs_v, mask=v_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(out_ptr + offs_v, (y * rstd).to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
+def _store_tails(tq_ptr, tk_ptr, tail_q, tail_k, r, ck, r_tq, r_tk, tail_ok, k_ok):
+    tl.store(tq_ptr + r * r_tq + ck[None, :], tail_q, mask=tail_ok & k_ok[None, :])
+    tl.store(tk_ptr + r * r_tk + ck[None, :], tail_k, mask=tail_ok & k_ok[None, :])
 
 
 # Sized by ptxas for sm_90 at K = V = 128, bf16 (triton 3.6, compiled here without a GPU): 8 warps and 32 state
 # columns a step use 204 registers, no spills (before the slot check: 16 warps 115, 16 columns 119); a whole
 # [128, 128] tile at once spilled 180-420 bytes a thread at 8 and 16 warps, 64 columns at 4 and 8 warps.
-# Untimed: the first GPU session sweeps them.
-_TILE_V = 32
-_NUM_WARPS = 8
+# A head's columns are split over programs while rows × heads leave the GPU short of `programs_per_sm` programs
+# an SM (batch 1: 12 heads on 132 SMs), each split at least `tile_v` columns.
+LAUNCH = dict(tile_v=32, num_warps=8, programs_per_sm=1)
+
+
+def column_splits(rows_x_heads: int, block_v: int, device: torch.device) -> int:
+    """Programs a head's state columns are split over: a power of two, at most block_v / tile_v."""
+    tile_v = min(block_v, LAUNCH["tile_v"])
+    sms = sm_count(device.index) if device.type == "cuda" else 2  # (the interpreter: tests set the launch)
+    want = triton.cdiv(LAUNCH["programs_per_sm"] * sms, max(rows_x_heads, 1))
+    splits = 1
+    while splits * 2 <= min(want, block_v // tile_v):
+        splits *= 2
+    return splits
 
 
 @inference_op("kda_decode_step", mutates_args=("state", "conv_q", "conv_k", "conv_v"))
@@ -149,18 +185,21 @@ def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: to
     if B == 0:
         return out
     block_k, block_v, block_r = triton.next_power_of_2(K), triton.next_power_of_2(V), triton.next_power_of_2(R)
+    splits = column_splits(B * H, block_v, xq.device)
+    sum_sq = torch.empty(B * H * splits, dtype=torch.float32, device=xq.device)
+    tickets = ticket_workspace(B * H, xq.device) if splits > 1 else sum_sq  # (one program a head: unread)
     with on_device(xq):
-        kda_decode_kernel[(B, H)](
+        kda_decode_kernel[(B, H, splits)](
             xq, xk, xv, fa, beta_logits, gate,
             xq.stride(0), xk.stride(0), xv.stride(0), fa.stride(0), beta_logits.stride(0), gate.stride(0),
             wq, wk, wv, f_b, A_log, dt_bias, norm_weight,
             state, state.stride(0), conv_q, conv_k, conv_v, conv_q.stride(0), conv_k.stride(0), conv_v.stride(0),
             conv_q.stride(1), conv_k.stride(1), conv_v.stride(1), xq if slots is None else slots, state.shape[0],
-            out,
+            out, sum_sq, tickets,
             H, K, V, R, K ** -0.5, float(lower_bound), float(eps),
             W=W, HAS_SLOTS=slots is not None, TAIL_ROWS=triton.next_power_of_2(max(W - 1, 1)),
             BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_R=block_r, R_CHUNK=min(block_r, 32),
-            TILE_V=min(block_v, _TILE_V), num_warps=_NUM_WARPS)
+            TILE_V=min(block_v, LAUNCH["tile_v"]), SPLITS=splits, num_warps=LAUNCH["num_warps"])
     return out
 
 

@@ -25,7 +25,8 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
                           new_lat_row, new_rope_ptr, new_rope_row, lat_ptr, rope_ptr, length_ptr, acc_ptr, m_ptr,
                           l_ptr, tickets_ptr, out_ptr, norm_w_ptr, norm_eps, H, R, E, max_len, scale, split_len, splits,
                           head_blocks, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                          NORM: tl.constexpr):
     b, hb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     r, e = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_E)
@@ -56,17 +57,19 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    # one tile ahead: the next tile's loads are in flight while this one's dots and softmax run (a while loop is
+    # not software-pipelined by Triton, and Triton's CPU interpreter cannot run `range` over runtime bounds)
     t0 = start
-    while t0 < end:  # a while loop: Triton's CPU interpreter cannot run `range` over runtime bounds
+    old_end = tl.minimum(pos, end)  # tokens below it were written by earlier steps
+    lat_next, rope_next = _cached_tile(lat_ptr, rope_ptr, cache_row, t0, old_end, r, e, r_ok, e_ok, R, E, BLOCK_N)
+    while t0 < end:
         tok = t0 + tl.arange(0, BLOCK_N)
         t_ok = tok < end
-        old = tok < pos  # written by earlier steps; the new one comes from the inputs
-        is_new = (tok == pos)[:, None]
-        rows = (cache_row + tok)[:, None]
-        lat = tl.load(lat_ptr + rows * R + r[None, :], mask=old[:, None] & r_ok[None, :], other=0.0)
-        lat = tl.where(is_new, new_lat[None, :], lat).to(tl.float32)
-        k_rope = tl.load(rope_ptr + rows * E + e[None, :], mask=old[:, None] & e_ok[None, :], other=0.0)
-        k_rope = tl.where(is_new, new_rope[None, :], k_rope).to(tl.float32)
+        is_new = (tok == pos)[:, None]  # written by this step: it comes from the inputs
+        lat = tl.where(is_new, new_lat[None, :], lat_next).to(tl.float32)
+        k_rope = tl.where(is_new, new_rope[None, :], rope_next).to(tl.float32)
+        lat_next, rope_next = _cached_tile(lat_ptr, rope_ptr, cache_row, t0 + BLOCK_N, old_end, r, e, r_ok, e_ok,
+                                           R, E, BLOCK_N)
         sc = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
         sc += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         sc = tl.where(t_ok[None, :], sc * scale, float("-inf"))
@@ -87,41 +90,57 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
     ticket_ptr = tickets_ptr + b * head_blocks + hb
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
     if ticket == splits - 1:
-        # a split past the context has m = -inf and weighs 0; split 0 always holds token 0, so m_max is finite
-        m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        s = 0
-        while s < splits:
-            # .cg: from L2, where the other programs' stores are; never a stale line of this SM's L1
-            m_s = tl.load(m_ptr + (b * splits + s) * H + heads, mask=h_ok, other=0.0, cache_modifier=".cg")
-            m_max = tl.maximum(m_max, m_s)
-            s += 1
-        total = tl.zeros([BLOCK_H], tl.float32)
+        # every split's max and sum at once (.cg: from L2, where the other programs' stores are; never a stale
+        # line of this SM's L1); a split past the context has m = -inf and weighs 0; split 0 always holds token 0
+        s_idx = tl.arange(0, BLOCK_S)
+        stats = (b * splits + s_idx[:, None]) * H + heads[None, :]
+        s_ok = (s_idx[:, None] < splits) & h_ok[None, :]
+        m_all = tl.load(m_ptr + stats, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+        l_all = tl.load(l_ptr + stats, mask=s_ok, other=0.0, cache_modifier=".cg")
+        m_max = tl.where(h_ok, tl.max(m_all, axis=0), 0.0)
+        w_all = tl.exp(m_all - m_max[None, :])
+        total = tl.sum(w_all * l_all, axis=0)
+        # the partial contexts one split ahead, as the main loop's tiles
+        acc_rows = acc_ptr + ((b * splits) * H + heads[:, None]) * R + r[None, :]
+        hr_ok = h_ok[:, None] & r_ok[None, :]
+        part_next = tl.load(acc_rows, mask=hr_ok, other=0.0, cache_modifier=".cg")
         ctx = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         s = 0
         while s < splits:
-            row = (b * splits + s) * H + heads
-            w = tl.exp(tl.load(m_ptr + row, mask=h_ok, other=0.0, cache_modifier=".cg") - m_max)
-            total += w * tl.load(l_ptr + row, mask=h_ok, other=0.0, cache_modifier=".cg")
-            ctx += w[:, None] * tl.load(acc_ptr + row[:, None] * R + r[None, :], mask=h_ok[:, None] & r_ok[None, :],
-                                        other=0.0, cache_modifier=".cg")
+            this = part_next
+            part_next = tl.load(acc_rows + (s + 1) * H * R, mask=hr_ok & (s + 1 < splits), other=0.0,
+                                cache_modifier=".cg")
+            w = tl.sum(tl.where(s_idx[:, None] == s, w_all, 0.0), axis=0)
+            ctx += w[:, None] * this
             s += 1
         ctx = ctx / tl.where(h_ok, total, 1.0)[:, None]
-        tl.store(out_ptr + q_rows[:, None] * R + r[None, :], ctx.to(out_ptr.dtype.element_ty),
-                 mask=h_ok[:, None] & r_ok[None, :])
+        tl.store(out_ptr + q_rows[:, None] * R + r[None, :], ctx.to(out_ptr.dtype.element_ty), mask=hr_ok)
         tl.store(ticket_ptr, 0)
 
 
-# Heads per program (tl.dot needs every dimension >= 16), tokens per tile, the fewest tokens a split takes, warps.
-LAUNCH = dict(block_h=16, block_n=32, min_split=256, num_warps=8)
+@triton.jit
+def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E, BLOCK_N: tl.constexpr):
+    """The cache's latent and k_rope rows of tokens t0 .. t0 + BLOCK_N that lie below `below` (zeros elsewhere)."""
+    tok = t0 + tl.arange(0, BLOCK_N)
+    rows = (cache_row + tok)[:, None]
+    ok = (tok < below)[:, None]
+    lat = tl.load(lat_ptr + rows * R + r[None, :], mask=ok & r_ok[None, :], other=0.0)
+    k_rope = tl.load(rope_ptr + rows * E + e[None, :], mask=ok & e_ok[None, :], other=0.0)
+    return lat, k_rope
+
+
+# Heads per program (tl.dot needs every dimension >= 16), tokens per tile, the fewest tokens a split takes, programs
+# an SM the splits aim for, the most splits (the last program merges them one by one), warps.
+LAUNCH = dict(block_h=16, block_n=32, min_split=256, programs_per_sm=2, max_splits=128, num_warps=8)
 
 
 def launch_shape(B: int, H: int, max_len: int, device: torch.device) -> tuple[int, int, int]:
-    """(head blocks, splits, tokens a split): enough programs to fill the GPU when rows are few, each split at
-    least LAUNCH["min_split"] tokens of the cache's capacity (fixed by it, so a CUDA graph replays the launch at
-    any length). The interpreter gets a few splits, for the tests."""
+    """(head blocks, splits, tokens a split): enough programs to fill the GPU LAUNCH["programs_per_sm"] deep, each
+    split at least LAUNCH["min_split"] tokens of the cache's capacity (fixed by it, so a CUDA graph replays the
+    launch at any length). The interpreter gets a few splits, for the tests."""
     head_blocks = triton.cdiv(H, LAUNCH["block_h"])
-    sms = sm_count(device.index) if device.type == "cuda" else 4
-    splits = max(1, min(triton.cdiv(max_len, LAUNCH["min_split"]), sms // (B * head_blocks)))
+    slots = LAUNCH["programs_per_sm"] * sm_count(device.index) if device.type == "cuda" else 4
+    splits = max(1, min(triton.cdiv(max_len, LAUNCH["min_split"]), slots // (B * head_blocks), LAUNCH["max_splits"]))
     split_len = LAUNCH["block_n"] * triton.cdiv(triton.cdiv(max_len, splits), LAUNCH["block_n"])
     return head_blocks, triton.cdiv(max_len, split_len), split_len
 
@@ -158,6 +177,7 @@ def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
             out if norm_weight is None else norm_weight, norm_eps,  # (out: an unread stand-in pointer)
             H, R, E, max_len, scale, split_len, splits, head_blocks, BLOCK_H=LAUNCH["block_h"], BLOCK_R=block_r,
             BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_N=LAUNCH["block_n"],
+            BLOCK_S=triton.next_power_of_2(splits),
             PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",  # (tf32: exact for bf16/fp16 values)
             NORM=norm_weight is not None, num_warps=LAUNCH["num_warps"])
     return out

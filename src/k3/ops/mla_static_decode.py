@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from k3.ops.norm import rms_norm_reference
-from k3.ops.triton_dispatch import triton_module, use_triton_op
+from k3.ops.triton_dispatch import ticket_workspace, triton_module, use_triton_op
 
 KERNELS = "_mla_static_decode_triton"
 
@@ -52,23 +52,6 @@ def use_static_decode_kernel(q_lat: torch.Tensor, cache_latent: torch.Tensor, ne
             and use_triton_op(q_lat, KERNELS))
 
 
-# The kernels' ticket workspaces, per device, every one ever handed out: a captured CUDA graph keeps writing the
-# one it was captured with, so none may be freed and its memory reused. The kernel leaves a workspace zero, and
-# the launches of one stream never overlap, so every layer shares it.
-_tickets: list[torch.Tensor] = []
-
-
-def tickets(entries: int, device: torch.device) -> torch.Tensor:
-    """An int32 zero workspace of at least `entries` entries on `device`."""
-    for t in reversed(_tickets):
-        if t.device == device and t.numel() >= entries:
-            return t
-    fresh = torch.zeros(max(entries, 64), dtype=torch.int32, device=device)
-    if not torch.compiler.is_compiling():  # a traced step zeroes its own: growing the list it guards on would
-        _tickets.append(fresh)             # recompile it at its next call
-    return fresh
-
-
 def static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k_rope, length,
                             scale: float, norm_weight: torch.Tensor | None = None,
                             norm_eps: float = 0.0) -> torch.Tensor:
@@ -97,6 +80,6 @@ def static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent, cache_k
     if norm_weight is not None and (tuple(norm_weight.shape) != (R,) or not norm_weight.is_contiguous()):
         raise ValueError(f"norm_weight must be a contiguous [{R}], got {list(norm_weight.shape)} "
                          f"strides {norm_weight.stride()}")
-    work = tickets(B * H, q_lat.device)  # one per (row, head block): B·H is enough for any block
+    work = ticket_workspace(B * H, q_lat.device)  # one per (row, head block): B·H is enough for any block
     return triton_module(KERNELS).static_decode_attention(q_lat, q_rope, latent, k_rope, cache_latent,
                                                           cache_k_rope, length, scale, work, norm_weight, norm_eps)

@@ -102,6 +102,24 @@ def sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Ticket workspaces (the kernels whose last program merges the others' partials draw atomic tickets), per device,
+# every one ever handed out: a captured CUDA graph keeps writing the one it was captured with, so none may be freed
+# and its memory reused. A kernel leaves its workspace zero, and the launches of one stream never overlap, so every
+# layer and kernel shares one.
+_ticket_workspaces: list[torch.Tensor] = []
+
+
+def ticket_workspace(entries: int, device: torch.device) -> torch.Tensor:
+    """An int32 zero workspace of at least `entries` entries on `device`."""
+    for t in reversed(_ticket_workspaces):
+        if t.device == device and t.numel() >= entries:
+            return t
+    fresh = torch.zeros(max(entries, 64), dtype=torch.int32, device=device)
+    if not torch.compiler.is_compiling():  # a traced step zeroes its own: growing the list it guards on would
+        _ticket_workspaces.append(fresh)   # recompile it at its next call
+    return fresh
+
+
 _op_functions: dict[str, Callable] = {}
 
 
