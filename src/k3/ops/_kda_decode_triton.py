@@ -151,12 +151,13 @@ def _store_tails(tq_ptr, tk_ptr, tail_q, tail_k, r, ck, r_tq, r_tk, tail_ok, k_o
     tl.store(tk_ptr + r * r_tk + ck[None, :], tail_k, mask=tail_ok & k_ok[None, :])
 
 
-# Sized by ptxas for sm_90 at K = V = 128, bf16 (triton 3.6, compiled here without a GPU): 8 warps and 32 state
-# columns a step use 204 registers, no spills (before the slot check: 16 warps 115, 16 columns 119); a whole
-# [128, 128] tile at once spilled 180-420 bytes a thread at 8 and 16 warps, 64 columns at 4 and 8 warps.
-# A head's columns are split over programs while rows × heads leave the GPU short of `programs_per_sm` programs
-# an SM (batch 1: 12 heads on 132 SMs), each split at least `tile_v` columns.
-LAUNCH = dict(tile_v=32, num_warps=8, programs_per_sm=1)
+# Sized by ptxas for sm_90 at K = V = 128, bf16 (triton 3.6, compiled without a GPU): 32 state columns a step fit
+# without spills at 4 and 8 warps; a whole [128, 128] tile at once spilled 180-420 bytes a thread at 8 and 16 warps,
+# 64 columns at 4 and 8 warps. Timed on the H200 (`bench_gpu_kernels.py --decode-sweep`, session 25, µs a call at
+# 1 / 8 / 64 rows): one program a head at 8 warps 15.9 / 16.1 / 80.5; columns split at 8 warps 7.8 / 19.5 / 80.4;
+# split at 4 warps 7.4 / 11.7 / 67.6. A head's columns are split over programs while rows × heads leave the GPU
+# short of `programs_per_sm` programs an SM (batch 1: 12 heads on 132 SMs), each split at least `tile_v` columns.
+LAUNCH = dict(tile_v=32, num_warps=4, programs_per_sm=1)
 
 
 def column_splits(rows_x_heads: int, block_v: int, device: torch.device) -> int:
