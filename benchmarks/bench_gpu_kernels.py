@@ -691,30 +691,21 @@ def mla_decode_sweep(bw: float, context: int = 4096, calls: int = 20) -> list[di
     and a few others (programs an SM, shortest split, warps), µs a call from a CUDA graph of `calls` calls."""
     from k3.ops import _mla_static_decode_triton as kernel
 
-    default, out = dict(kernel.LAUNCH), []
-    changes = [{}, dict(programs_per_sm=1), dict(programs_per_sm=4), dict(min_split=128), dict(min_split=512),
-               dict(num_warps=4), dict(programs_per_sm=4, num_warps=4)]
+    changes = [{}, dict(programs_per_sm=2), dict(programs_per_sm=4), dict(min_split=128), dict(min_split=512),
+               dict(num_warps=4)]
+    out = []
     for n in (1, 8, 64):
-        (op, (_, fn, nbytes)), = _mla_static_decode_case(n, context).items()
-        for change in changes:
-            kernel.LAUNCH.update(default, **change)
-            try:
-                splits = kernel.launch_shape(n, 12, context + 1, torch.device("cuda"))[1]
-                with torch.no_grad():
-                    us = _graphed_us(lambda _: fn(), [None] * calls)
-            finally:
-                kernel.LAUNCH.update(default)
-            floor = nbytes / bw * 1e6
-            out.append(dict(op="MLA decode", rows=n, launch=str(change or "default"), splits=splits, us=us,
-                            floor_us=floor, of_floor=floor / us))
-            print(out[-1], flush=True)
+        (_, (_, fn, nbytes)), = _mla_static_decode_case(n, context).items()
+        out += _launch_rows("MLA decode", kernel.LAUNCH, changes, n, lambda _: fn(), nbytes / bw * 1e6, calls,
+                            lambda: kernel.launch_shape(n, 12, context + 1, torch.device("cuda"))[1])
     return out
 
 
 def kda_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
     """KDA's decode step kernel (k3.ops.kda_decode.kda_decode_step: 12 heads of 128, gate rank 128, 4 taps, bf16
     projections, fp32 state and tails in a pool of 4·rows slots) at 1, 8 and 64 rows under the default launch and
-    a few others (programs an SM, columns a tile, warps), µs a call from a CUDA graph of `calls` calls."""
+    a few others (programs an SM, columns a tile, warps; `programs_per_sm=0`: one program a head, and with 8 warps
+    the launch before session 25), µs a call from a CUDA graph of `calls` calls."""
     from k3.ops import _kda_decode_triton as kernel
     from k3.ops.kda_decode import DecodeWeights, kda_decode_step
 
@@ -724,28 +715,38 @@ def kda_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
                             f_b=torch.randn(H * K, K, **bf) * K ** -0.5, A_log=torch.randn(H, **f32) * 0.5,
                             dt_bias=torch.randn(H * K, **f32), norm_weight=torch.ones(K, **f32), lower_bound=-5.0,
                             eps=1e-5)
-    default, out = dict(kernel.LAUNCH), []
-    changes = [{}, dict(programs_per_sm=0), dict(programs_per_sm=2), dict(tile_v=16, programs_per_sm=2),
-               dict(num_warps=4), dict(num_warps=4, tile_v=16), dict(num_warps=4, programs_per_sm=2)]
+    changes = [{}, dict(programs_per_sm=0, num_warps=8), dict(num_warps=8), dict(programs_per_sm=0),
+               dict(programs_per_sm=2), dict(tile_v=16, programs_per_sm=2)]
+    out = []
     for n in (1, 8, 64):
         slots = 4 * n
-        feats = [t for t in torch.randn(n, 3 * H * K + K + H + H * K, **bf).split([H * K] * 3 + [K, H, H * K], -1)]
+        feats = list(torch.randn(n, 3 * H * K + K + H + H * K, **bf).split([H * K] * 3 + [K, H, H * K], -1))
         state = torch.randn(slots, H, K, K, **f32) * 0.1
         tails = [torch.randn(slots, W - 1, H * K, **f32) for _ in range(3)]
         rows = torch.randperm(slots, device="cuda")[:n]
         nbytes = n * (2 * H * K * K * 4 + 3 * 2 * (W - 1) * H * K * 4 + 7 * H * K * 2)
-        for change in changes:
-            kernel.LAUNCH.update(default, **change)
-            try:
-                splits = kernel.column_splits(n * H, K, torch.device("cuda"))
-                with torch.no_grad():
-                    us = _graphed_us(lambda _: kda_decode_step(*feats, weights, state, *tails, rows), [None] * calls)
-            finally:
-                kernel.LAUNCH.update(default)
-            floor = nbytes / bw * 1e6
-            out.append(dict(op="KDA decode step", rows=n, launch=str(change or "default"), splits=splits, us=us,
-                            floor_us=floor, of_floor=floor / us))
-            print(out[-1], flush=True)
+        out += _launch_rows("KDA decode step", kernel.LAUNCH, changes, n,
+                            lambda _: kda_decode_step(*feats, weights, state, *tails, rows), nbytes / bw * 1e6, calls,
+                            lambda: kernel.column_splits(n * H, K, torch.device("cuda")))
+    return out
+
+
+def _launch_rows(op: str, launch: dict, changes: list[dict], n: int, fn, floor_us: float, calls: int,
+                 splits) -> list[dict]:
+    """One row a launch change: `launch` (a kernel module's LAUNCH) updated with it, fn timed from a CUDA graph of
+    `calls` calls, splits() the programs the launch splits the work over; the defaults put back after each."""
+    default, out = dict(launch), []
+    for change in changes:
+        launch.update(default, **change)
+        try:
+            parts = splits()
+            with torch.no_grad():
+                us = _graphed_us(fn, [None] * calls)
+        finally:
+            launch.update(default)
+        out.append(dict(op=op, rows=n, launch=str(change or "default"), splits=parts, us=us, floor_us=floor_us,
+                        of_floor=floor_us / us))
+        print(out[-1], flush=True)
     return out
 
 
