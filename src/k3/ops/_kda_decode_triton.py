@@ -15,6 +15,8 @@ the q/k conv tails: each computes them, and the head's last program to finish (a
 tails, when every split has read the old ones. The output norm needs the whole of o: each split stores its gated
 o with its sum of squares kept; the last program scales the [V] output row by 1/rms (the unfused path rounds o to
 the model's dtype before its norm too).
+Rows that share a slot (a fixed-shape step's padding rows, all on the pool's scratch slot) race for it: split, its
+columns may end up from different rows. Nothing reads that slot for a real sequence.
 """
 import torch
 import triton
