@@ -56,7 +56,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB89]|\\u[dD][c-fC-F]")
 class BearerAuth:
     """ASGI middleware: every route but the public probes (health, ping, version, metrics, the API docs) needs
     'Authorization: Bearer KEY'. Plain ASGI rather than @app.middleware("http"): Starlette's BaseHTTPMiddleware
-    wraps `receive` so that Request.is_disconnected() never sees a disconnect."""
+    wraps `receive` so that the disconnect watcher (`serving._watch_disconnect`) never sees a disconnect."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
