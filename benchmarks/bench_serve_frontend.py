@@ -103,13 +103,14 @@ class FirstChunks:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        t0, seen = time.perf_counter(), set()
+        t0, first_seen = time.perf_counter(), False
 
         async def timed(msg):
+            nonlocal first_seen
             if msg["type"] == "http.response.start":
                 self.heads.append(time.perf_counter() - t0)
-            elif "first" not in seen and b'"text"' in msg.get("body", b""):
-                seen.add("first")
+            elif not first_seen and b'"text"' in msg.get("body", b""):
+                first_seen = True
                 self.firsts.append(time.perf_counter() - t0)
             await send(msg)
         await self.app(scope, receive, timed)

@@ -98,20 +98,21 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
         m_all = tl.load(m_ptr + stats, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
         l_all = tl.load(l_ptr + stats, mask=s_ok, other=0.0, cache_modifier=".cg")
         m_max = tl.where(h_ok, tl.max(m_all, axis=0), 0.0)
-        w_all = tl.exp(m_all - m_max[None, :])
-        total = tl.sum(w_all * l_all, axis=0)
-        # the partial contexts one split ahead, as the main loop's tiles
+        total = tl.sum(tl.exp(m_all - m_max[None, :]) * l_all, axis=0)
+        # the partial contexts (and their maxima) one split ahead, as the main loop's tiles
         acc_rows = acc_ptr + ((b * splits) * H + heads[:, None]) * R + r[None, :]
+        m_rows = m_ptr + b * splits * H + heads
         hr_ok = h_ok[:, None] & r_ok[None, :]
         part_next = tl.load(acc_rows, mask=hr_ok, other=0.0, cache_modifier=".cg")
+        m_next = tl.load(m_rows, mask=h_ok, other=0.0, cache_modifier=".cg")
         ctx = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         s = 0
         while s < splits:
-            this = part_next
-            part_next = tl.load(acc_rows + (s + 1) * H * R, mask=hr_ok & (s + 1 < splits), other=0.0,
-                                cache_modifier=".cg")
-            w = tl.sum(tl.where(s_idx[:, None] == s, w_all, 0.0), axis=0)
-            ctx += w[:, None] * this
+            this, m_s = part_next, m_next
+            more = s + 1 < splits
+            part_next = tl.load(acc_rows + (s + 1) * H * R, mask=hr_ok & more, other=0.0, cache_modifier=".cg")
+            m_next = tl.load(m_rows + (s + 1) * H, mask=h_ok & more, other=0.0, cache_modifier=".cg")
+            ctx += tl.exp(m_s - m_max)[:, None] * this
             s += 1
         ctx = ctx / tl.where(h_ok, total, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * R + r[None, :], ctx.to(out_ptr.dtype.element_ty), mask=hr_ok)
