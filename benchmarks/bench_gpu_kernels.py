@@ -28,9 +28,11 @@ bandwidth; per_step_us: µs × the count of such calls in one decode step. --gem
 Decode's routed experts ("moe" rows, `moe_expert_rows`: small's 64 experts, top-8, at 8 and 64 tokens, bf16): the
 expert-major kernel against the grouped path k3 takes there today and the slot-major kernel; --moe: only these;
 --moe-sweep: the expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) instead.
---decode-sweep: only two decode kernels under their launch shapes, at small's widths and 1/8/64 rows, each timed as
-a CUDA graph of calls: MLA over a StaticCache of 4K tokens (k3.ops._mla_static_decode_triton.LAUNCH; floor: the
-cache's bytes) and KDA's step (k3.ops._kda_decode_triton.LAUNCH; floor: the state and tails read and written).
+--decode-sweep: only four decode kernels under their launch shapes, at small's widths, each timed as a CUDA graph of
+calls: the router at 1/8/64 rows (k3.ops._router_triton.LAUNCH; floor: its weight), the slot-major routed experts
+at 1/2 tokens (k3.ops._moe_decode_triton.LAUNCH; floor: the chosen experts), MLA over a StaticCache of 4K tokens
+at 1/8/64 rows (k3.ops._mla_static_decode_triton.LAUNCH; floor: the cache's bytes) and KDA's step at 1/8/64 rows
+(k3.ops._kda_decode_triton.LAUNCH; floor: the state and tails read and written).
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
 programs per SM of its persistent grid; k3.ops._norm_triton.FWD_LAUNCH, BWD_LAUNCH), and the AttnRes mix
 (5 sources) at other warp counts, forward and backward (k3.ops._attn_res_triton.NUM_WARPS), and its backward
@@ -562,7 +564,8 @@ def main():
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
     ap.add_argument("--moe-sweep", action="store_true", help="the expert-major kernel's launch shapes instead")
     ap.add_argument("--decode-sweep", action="store_true",
-                    help="only MLA's StaticCache decode and KDA's decode step under their launch shapes")
+                    help="only the router, slot-major experts, MLA's StaticCache decode and KDA's decode step "
+                         "under their launch shapes")
     ap.add_argument("--only", default="", help="comma list: only the training-shape rows whose op name contains "
                                                "one of these (the decode rows always run)")
     a = ap.parse_args()
@@ -598,7 +601,7 @@ def main():
         print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))
         return save("gemv_sweep" if a.gemv_sweep else "gemv", {"rows": gemv, "copy_TBps": bw / 1e12})
     if a.decode_sweep:
-        swept = mla_decode_sweep(bw) + kda_decode_sweep(bw)
+        swept = router_decode_sweep(bw) + moe_slot_sweep(bw) + mla_decode_sweep(bw) + kda_decode_sweep(bw)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
         print(table(swept, ["op", "rows", "launch", "splits", "us", "floor_us", "of_floor"]))
         return save("decode_sweep", {"rows": swept, "copy_TBps": bw / 1e12})
@@ -686,17 +689,56 @@ def _mla_static_decode_case(n: int, context: int) -> dict:
             ("_mla_static_decode_triton", fn, n * (context + 1) * (R + E) * 2)}
 
 
+def router_decode_sweep(bw: float, copies: int = 300) -> list[dict]:
+    """The router's one-launch kernel (k3.ops._router_triton.LAUNCH: small's 64 experts of 1536, top-8) at 1, 8
+    and 64 rows under the default launch and a few others, µs a call from a CUDA graph of calls over `copies`
+    router weights (59 MB: L2 cold, as each layer's router is in a decode step); floor: the weight and x."""
+    from k3.ops import _router_triton as kernel
+
+    D, E, k = 1536, 64, 8
+    ws = [torch.randn(E, D, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
+    bias = torch.zeros(E, device="cuda")
+    changes = [{}, dict(block_e=8, block_d=512), dict(block_e=8), dict(block_e=2), dict(block_d=512),
+               dict(rank_select_max_experts=0), dict(num_warps=8)]
+    out = []
+    for n in (1, 8, 64):
+        x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+        tickets = torch.zeros(n, dtype=torch.int32, device="cuda")
+        out += _launch_rows("router", kernel.LAUNCH, changes, n,
+                            lambda w: kernel.route_tokens(x, w, bias, k, True, 1.0, tickets), (E + n) * D * 2 / bw * 1e6,
+                            ws, lambda: -(-E // kernel.LAUNCH["block_e"]))
+    return out
+
+
+def moe_slot_sweep(bw: float) -> list[dict]:
+    """The slot-major experts kernel (k3.ops._moe_decode_triton.LAUNCH), which decode takes while N·k ≤ E/4 (1 and
+    2 tokens at small), under its default launch and a few others: `moe_expert_rows`' case and timing."""
+    from k3.ops import _moe_decode_triton as kernel
+
+    changes = [{}, dict(down_block_l=2), dict(down_block_l=8), dict(gate_up_block_i=4), dict(gate_up_block_i=16),
+               dict(gate_up_block_l=128), dict(gate_up_block_l=1024), dict(num_warps=2), dict(num_warps=8)]
+    default, out = dict(kernel.LAUNCH), []
+    try:
+        for change in changes:
+            kernel.LAUNCH.update(default, **change)
+            for row in moe_expert_rows(bw, batches=(1, 2), impls=("slot-major",)):
+                out.append(dict(row, op="MoE slot-major", launch=str(change or "default"), splits=None,
+                                of_floor=row["floor_us"] / row["us"]))
+    finally:
+        kernel.LAUNCH.update(default)
+    return out
+
+
 def mla_decode_sweep(bw: float, context: int = 4096, calls: int = 20) -> list[dict]:
     """MLA's StaticCache decode kernel (`_mla_static_decode_case`) at 1, 8 and 64 rows under the default launch
     and a few others (programs an SM, shortest split, warps), µs a call from a CUDA graph of `calls` calls."""
     from k3.ops import _mla_static_decode_triton as kernel
 
-    changes = [{}, dict(programs_per_sm=2), dict(programs_per_sm=4), dict(min_split=128), dict(min_split=512),
-               dict(num_warps=4)]
+    changes = [{}, dict(programs_per_sm=2), dict(min_split=64), dict(min_split=256), dict(block_n=64)]
     out = []
     for n in (1, 8, 64):
         (_, (_, fn, nbytes)), = _mla_static_decode_case(n, context).items()
-        out += _launch_rows("MLA decode", kernel.LAUNCH, changes, n, lambda _: fn(), nbytes / bw * 1e6, calls,
+        out += _launch_rows("MLA decode", kernel.LAUNCH, changes, n, lambda _: fn(), nbytes / bw * 1e6, [None] * calls,
                             lambda: kernel.launch_shape(n, 12, context + 1, torch.device("cuda"))[1])
     return out
 
@@ -726,22 +768,24 @@ def kda_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
         rows = torch.randperm(slots, device="cuda")[:n]
         nbytes = n * (2 * H * K * K * 4 + 3 * 2 * (W - 1) * H * K * 4 + 7 * H * K * 2)
         out += _launch_rows("KDA decode step", kernel.LAUNCH, changes, n,
-                            lambda _: kda_decode_step(*feats, weights, state, *tails, rows), nbytes / bw * 1e6, calls,
+                            lambda _: kda_decode_step(*feats, weights, state, *tails, rows), nbytes / bw * 1e6,
+                            [None] * calls,
                             lambda: kernel.column_splits(n * H, K, torch.device("cuda")))
     return out
 
 
-def _launch_rows(op: str, launch: dict, changes: list[dict], n: int, fn, floor_us: float, calls: int,
+def _launch_rows(op: str, launch: dict, changes: list[dict], n: int, fn, floor_us: float, args: list,
                  splits) -> list[dict]:
     """One row a launch change: `launch` (a kernel module's LAUNCH) updated with it, fn timed from a CUDA graph of
-    `calls` calls, splits() the programs the launch splits the work over; the defaults put back after each."""
+    fn(a) for a in args, splits() the programs the launch splits the work over; the defaults put back after
+    each."""
     default, out = dict(launch), []
     for change in changes:
         launch.update(default, **change)
         try:
             parts = splits()
             with torch.no_grad():
-                us = _graphed_us(fn, [None] * calls)
+                us = _graphed_us(fn, args)
         finally:
             launch.update(default)
         out.append(dict(op=op, rows=n, launch=str(change or "default"), splits=parts, us=us, floor_us=floor_us,

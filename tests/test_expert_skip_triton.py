@@ -60,8 +60,6 @@ def test_packed_selected_kernel_skips_other_ranks_slots(monkeypatch, decode):
     assert sorted(set(spy.experts)) == sorted({IDX[n][j] for n, j in held})
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="the float decode kernels loop over a runtime bound, which Triton 3.6's "
-                    "interpreter cannot run (the same before this change); the GPU request runs it")
 def test_float_selected_kernels_skip_other_ranks_slots():
     g = torch.Generator().manual_seed(8)
     E, L, I = 4, 48, 40

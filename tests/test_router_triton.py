@@ -63,6 +63,8 @@ def exact_case(N, E, D, k, seed, ties=True):
     (4, 24, 700, 1),  # top-1
     (2, 12, 64, 12),  # top-k = every expert
     (7, 40, 33, 16),
+    (2, 200, 96, 16),  # past 128 experts: k rounds of the largest free key, not places
+    (3, 128, 64, 8),  # the most experts selected by places
 ])
 @pytest.mark.parametrize("renormalize,scale", [(True, 1.0), (False, 2.5)])
 def test_kernel_selects_exactly_as_the_reference(N, E, D, k, renormalize, scale):
@@ -119,6 +121,27 @@ def test_kernel_compiles_as_one_custom_op():
     assert torch.equal(idx.cpu(), ref_idx)
     torch.testing.assert_close(w.cpu().double(), ref_w, rtol=2e-6, atol=1e-7)
     assert not tickets.any()
+
+
+@pytest.mark.parametrize("E", [64, 200])
+def test_kernel_picks_k_distinct_experts_past_a_nan_score(E):
+    """A NaN in x makes every score of its row NaN, and one NaN in the bias one expert's key: the kernel still
+    writes k distinct valid ids for every row (the places path counts a NaN key as -inf), and the rows without
+    NaN select exactly as the reference."""
+    kt = kernels()
+    x, W, bias = exact_case(4, E, 64, 8, seed=E, ties=False)
+    x[1, 3] = float("nan")
+    bias[5] = float("nan")
+    idx, w, _ = kt.route_tokens(x.to(DEVICE), W.to(DEVICE), bias.to(DEVICE), 8, True, 1.0)
+    idx = idx.cpu()
+    assert ((idx >= 0) & (idx < E)).all()
+    if E <= 128:  # the places path; the rounds path picks valid ids but may repeat one for a NaN row
+        assert all(len(set(r)) == 8 for r in idx.tolist())
+    clean = [0, 2, 3]
+    ref_idx, ref_w = route(router_scores_reference(x[clean].double(), W.double()),
+                           torch.where(bias.isnan(), float("-inf"), bias).double(), 8)
+    assert torch.equal(idx[clean], ref_idx)
+    torch.testing.assert_close(w.cpu()[clean].double(), ref_w, rtol=2e-6, atol=1e-7)
 
 
 def test_kernel_refuses_a_bad_top_k_and_workspace():
@@ -225,7 +248,7 @@ def test_kernel_compiles_for_the_h200_with_its_ticket_ordering():
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "scores_ptr": "*fp32", "tickets_ptr": "*i32",
            "idx_ptr": "*i64", "wt_ptr": "*fp32", "E": "i32", "D": "i32", "scale": "fp32"}
     ptx = ptx_for_sm90("k3.ops._router_triton", "_router_kernel", sig, TOP_K=8, K_PAD=8, E_PAD=64,
-                       RENORMALIZE=True, BLOCK_E=8, BLOCK_D=512)
+                       RENORMALIZE=True, RANK_SELECT=True, BLOCK_E=4, BLOCK_D=2048)
     ops = [line.strip() for line in ptx.splitlines()
            if any(t in line for t in ("st.global", "bar.sync", "atom.", "ld.global.cg"))]
     atomics = [i for i, op in enumerate(ops) if "atom." in op]

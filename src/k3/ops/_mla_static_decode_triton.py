@@ -132,9 +132,10 @@ def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E
 
 # Heads per program (tl.dot needs every dimension >= 16), tokens per tile, the fewest tokens a split takes, programs
 # an SM the splits aim for, the most splits (the last program merges them one by one), warps. Timed on the H200
-# (`bench_gpu_kernels.py --decode-sweep`, session 25, small's widths at 4K tokens, µs at 1 / 8 / 64 rows): this
-# launch 27.8 / 29.8 / 140; 2 programs an SM 27.9 / 28.1 / 147; 4 warps 41 / 43 / 205; min_split 128 24 / 37 / 147.
-LAUNCH = dict(block_h=16, block_n=32, min_split=256, programs_per_sm=1, max_splits=128, num_warps=8)
+# (`bench_gpu_kernels.py --decode-sweep`, small's widths at 4K tokens, µs at 1 / 8 / 64 rows), session 26: splits of
+# ≥ 256 tokens 27 / 29.1 / 139, ≥ 128 (33 splits at one row; the same launch at 8 and 64) 22.3 / 28.7 / 139; 2
+# programs an SM 27 / 27.1 / 147; 4 warps 40 / 44 / 312.
+LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8)
 
 
 def launch_shape(B: int, H: int, max_len: int, device: torch.device) -> tuple[int, int, int]:

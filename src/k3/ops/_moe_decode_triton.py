@@ -13,9 +13,14 @@ import triton.language as tl
 from k3.ops._situ_triton import _sigmoid, _tanh
 
 
+# Launch shapes (names, so that a sweep can time others): rows of W1/W3 a gate+up program, columns a step along L
+# (all steps unrolled: every load of a program is in flight at once), rows of W2 a down program.
+LAUNCH = dict(gate_up_block_i=8, gate_up_block_l=256, down_block_l=4, down_block_i=512, num_warps=4)
+
+
 @triton.jit
-def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, I, L, beta_gate, beta_up,
-                    BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, EXACT: tl.constexpr):
+def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, beta_up, I: tl.constexpr,
+                    L: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, EXACT: tl.constexpr):
     s = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     e = tl.load(idx_ptr + s).to(tl.int64)
@@ -25,7 +30,7 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, I, L, beta_gat
     acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
     base = e * I * L
-    for l0 in range(0, L, BLOCK_L):
+    for l0 in tl.static_range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
         x = tl.load(z_ptr + token * L + cols, mask=cols < L, other=0.0).to(tl.float32)
         offs = base + rows[:, None] * L + cols[None, :]
@@ -38,24 +43,24 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, I, L, beta_gat
 
 
 @triton.jit
-def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, I, L, TOP_K: tl.constexpr,
+def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, I: tl.constexpr, L: tl.constexpr, TOP_K: tl.constexpr,
                  BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr):
     n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # unrolled: the k experts' loads are in flight together
+    for j in tl.static_range(TOP_K):  # unrolled, and no branch: the k experts' loads are in flight together
         s = n * TOP_K + j
         e = tl.load(idx_ptr + s).to(tl.int64)
-        if e >= 0:  # e < 0: held by another rank, nothing read
-            wt = tl.load(wt_ptr + s).to(tl.float32)
-            part = tl.zeros((BLOCK_L,), dtype=tl.float32)
-            for i0 in range(0, I, BLOCK_I):
-                cols = i0 + tl.arange(0, BLOCK_I)
-                h = tl.load(h_ptr + s * I + cols, mask=cols < I, other=0.0).to(tl.float32)
-                w = tl.load(w2_ptr + e * L * I + rows[:, None] * I + cols[None, :],
-                            mask=(rows[:, None] < L) & (cols[None, :] < I), other=0.0).to(tl.float32)
-                part += tl.sum(w * h[None, :], 1)
-            acc += wt * part
+        held = e >= 0  # e < 0: held by another rank, its loads masked off (nothing read)
+        e = tl.maximum(e, 0)
+        part = tl.zeros((BLOCK_L,), dtype=tl.float32)
+        for i0 in tl.static_range(0, I, BLOCK_I):
+            cols = i0 + tl.arange(0, BLOCK_I)
+            h = tl.load(h_ptr + s * I + cols, mask=(cols < I) & held, other=0.0).to(tl.float32)
+            w = tl.load(w2_ptr + e * L * I + rows[:, None] * I + cols[None, :],
+                        mask=(rows[:, None] < L) & (cols[None, :] < I) & held, other=0.0).to(tl.float32)
+            part += tl.sum(w * h[None, :], 1)
+        acc += tl.where(held, tl.load(wt_ptr + s).to(tl.float32), 0.0) * part
     tl.store(out_ptr + n * L + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < L)
 
 
@@ -67,11 +72,14 @@ def selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch
     z, idx, weights = z.contiguous(), idx.contiguous(), weights.float().contiguous()
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
     h = torch.empty(N * k, I, dtype=z.dtype, device=z.device)
+    p = LAUNCH
     # small row blocks: a decode step has few slots, so the programs come from the rows (≥ 4 per SM at small)
-    _gate_up_kernel[(N * k, triton.cdiv(I, 8))](z, idx, w1, w3, h, k, I, L, float(beta_gate), float(beta_up),
-                                                 BLOCK_I=8, BLOCK_L=min(256, triton.next_power_of_2(L)),
-                                                 EXACT=z.dtype == torch.float32, num_warps=4)
+    _gate_up_kernel[(N * k, triton.cdiv(I, p["gate_up_block_i"]))](
+        z, idx, w1, w3, h, k, float(beta_gate), float(beta_up), I=I, L=L, BLOCK_I=p["gate_up_block_i"],
+        BLOCK_L=min(p["gate_up_block_l"], triton.next_power_of_2(L)), EXACT=z.dtype == torch.float32,
+        num_warps=p["num_warps"])
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
-    _down_kernel[(N, triton.cdiv(L, 4))](h, idx, weights, w2, out, I, L, TOP_K=k, BLOCK_L=4,
-                                         BLOCK_I=min(512, triton.next_power_of_2(I)), num_warps=4)
+    _down_kernel[(N, triton.cdiv(L, p["down_block_l"]))](
+        h, idx, weights, w2, out, I=I, L=L, TOP_K=k, BLOCK_L=p["down_block_l"],
+        BLOCK_I=min(p["down_block_i"], triton.next_power_of_2(I)), num_warps=p["num_warps"])
     return out

@@ -3,9 +3,10 @@
 One launch from the hidden states x [N, D] and the router weight [E, D], both read as stored (bf16, fp16 or
 fp32) and multiplied in fp32 registers, to each row's top-k expert ids and their weights. Program (row, block of
 experts) forms its experts' sigmoid scores and writes them to an fp32 scratch row; the last program of a row to
-finish (an atomic ticket per row) reads the row's scores back and selects: k rounds of "largest score + bias,
-lowest id among equals" (the rule of k3.ops.router.route), then the chosen unbiased scores renormalised and
-scaled. That program also sets the row's ticket back to zero, so the workspace stays zero between launches and
+finish (an atomic ticket per row) reads the row's scores back and selects by the rule of k3.ops.router.route
+(largest score + bias first, lower id among equals): for up to 128 experts every expert's place in that order at
+once (the experts ahead of it), beyond that k rounds of "the largest free key"; then the chosen unbiased scores
+renormalised and scaled. That program also sets the row's ticket back to zero, so the workspace stays zero between launches and
 a CUDA graph replays it as captured; two launches sharing one workspace must not run at the same time.
 """
 import torch
@@ -18,7 +19,7 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, bias_ptr, scores_ptr, tickets_ptr, idx_ptr, wt_ptr, E, D, scale,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+                   RANK_SELECT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < E
@@ -44,28 +45,40 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, scores_ptr, tickets_ptr, idx_ptr, wt_
         # .cg: from L2, where the other programs' stores are; never a stale line of this SM's L1
         s = tl.load(scores_ptr + n * E + ids, mask=valid, other=0.0, cache_modifier=".cg")
         key = s + tl.load(bias_ptr + ids, mask=valid, other=0.0).to(tl.float32)
-        free = valid
         slots = tl.arange(0, K_PAD)
-        picked = tl.zeros([K_PAD], tl.int64)
-        weight = tl.zeros([K_PAD], tl.float32)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(tl.where(free, key, float("-inf")), axis=0)
-            # the lowest free id holding the best key (a NaN key matches nothing: clamp to a valid id)
-            pick = tl.minimum(tl.min(tl.where(free & (key == best), ids, E_PAD), axis=0), E - 1)
-            hit = ids == pick
-            picked = tl.where(slots == j, pick.to(tl.int64), picked)
-            weight = tl.where(slots == j, tl.sum(tl.where(hit, s, 0.0), axis=0), weight)
-            free = free & ~hit
+        if RANK_SELECT:
+            # every expert's place in the order (key descending, lower id first among equals) at once: the
+            # experts ahead of it. A NaN key counts as -inf, so the places are a permutation of 0..E-1.
+            key = tl.where((key == key) & valid, key, float("-inf"))
+            ahead = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (ids[None, :] < ids[:, None]))
+            place = tl.sum((ahead & valid[None, :]).to(tl.int32), axis=1)  # [E_PAD]
+            chosen = (place[None, :] == slots[:, None]) & valid[None, :]  # [K_PAD, E_PAD]: one id a slot
+            picked = tl.sum(tl.where(chosen, ids[None, :], 0), axis=1).to(tl.int64)
+            weight = tl.sum(tl.where(chosen, s[None, :], 0.0), axis=1)
+        else:  # many experts (an [E, E] comparison would not fit): k rounds of the largest free key
+            free = valid
+            picked = tl.zeros([K_PAD], tl.int64)
+            weight = tl.zeros([K_PAD], tl.float32)
+            for j in tl.static_range(TOP_K):
+                best = tl.max(tl.where(free, key, float("-inf")), axis=0)
+                # the lowest free id holding the best key (a NaN key matches nothing: clamp to a valid id)
+                pick = tl.minimum(tl.min(tl.where(free & (key == best), ids, E_PAD), axis=0), E - 1)
+                hit = ids == pick
+                picked = tl.where(slots == j, pick.to(tl.int64), picked)
+                weight = tl.where(slots == j, tl.sum(tl.where(hit, s, 0.0), axis=0), weight)
+                free = free & ~hit
         if RENORMALIZE:
-            weight = weight / tl.sum(weight, axis=0)
+            weight = weight / tl.sum(tl.where(slots < TOP_K, weight, 0.0), axis=0)
         out = n * TOP_K + slots
         tl.store(idx_ptr + out, picked, mask=slots < TOP_K)
         tl.store(wt_ptr + out, weight * scale, mask=slots < TOP_K)
         tl.store(tickets_ptr + n, 0)
 
 
-# Experts per program and the width of each step along D: names, so that a launch sweep can time others.
-LAUNCH = dict(block_e=8, block_d=512, num_warps=4)
+# Experts per program, the width of each step along D (2048: small's D = 1536 in one step, whose loads are all in
+# flight at once), and the most experts selected by places (an [E, E] comparison in the last program: 4 rounds of
+# reductions instead of 3 a choice); names, so that a launch sweep can time others.
+LAUNCH = dict(block_e=4, block_d=2048, num_warps=4, rank_select_max_experts=128)
 
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
@@ -105,7 +118,7 @@ def _route_tokens_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
             _router_kernel[(N, triton.cdiv(E, block_e))](
                 x, weight, bias, scores, tickets, idx, w, E, D, scale,
                 TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), RENORMALIZE=renormalize,
-                BLOCK_E=block_e, BLOCK_D=block_d, num_warps=LAUNCH["num_warps"])
+                RANK_SELECT=E <= LAUNCH["rank_select_max_experts"], BLOCK_E=block_e, BLOCK_D=block_d, num_warps=LAUNCH["num_warps"])
     return idx, w, scores
 
 

@@ -8,7 +8,11 @@ as it likes. `HeadDeadlineProtocol` is uvicorn's own HTTP protocol (the one it w
 that starts when the connection is accepted or its previous response is finished, stops once a request head has
 been parsed, and closes the connection when it fires (with a 408 if part of a head had arrived). The body has its
 own timeout in the app (api.BODY_TIMEOUT_S); a long response (a stream) is never cut by this one. The head's size
-is bounded by h11 itself (16 KiB of incomplete request by default)."""
+is bounded by h11 itself (16 KiB of incomplete request by default).
+
+It also tells every unfinished request of a connection that the connection is gone: uvicorn tells only its newest
+(`cycle`), and under httptools a pipelined request is parsed, and becomes the newest, while the one before it still
+streams; that stream would generate on for nobody (see `connection_lost`)."""
 from __future__ import annotations
 
 import asyncio
@@ -33,6 +37,19 @@ def head_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
 
     class HeadDeadlineProtocol(AutoHTTPProtocol):
         head_timeout_s = timeout_s
+        _cycle = None
+        _cycles: list | tuple = ()  # the connection's unfinished requests, oldest first (kept by the setter)
+
+        @property
+        def cycle(self):
+            """The newest request. Both of uvicorn's protocols assign every request they parse to `cycle`, so its
+            setter is where the older, still unfinished ones are remembered."""
+            return self._cycle
+
+        @cycle.setter
+        def cycle(self, cycle) -> None:
+            live = [c for c in self._cycles if not c.response_complete]
+            self._cycles, self._cycle = (live if cycle is None else live + [cycle]), cycle
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -57,6 +74,12 @@ def head_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            # uvicorn marks only the newest request disconnected: a stream followed by a pipelined request head
+            # (parsed at once by httptools) would never see http.disconnect, and generate on for nobody
+            for cycle in self._cycles:
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()  # wakes its receive(), which then answers http.disconnect
             super().connection_lost(exc)
 
         def _in_request(self) -> bool:

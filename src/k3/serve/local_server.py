@@ -9,13 +9,14 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def local_server(app, timeout: float = 20.0):
-    """Yields the base URL `http://127.0.0.1:PORT`; the server stops when the block ends."""
+def local_server(app, timeout: float = 20.0, **settings):
+    """Yields the base URL `http://127.0.0.1:PORT`; the server stops when the block ends. `settings` go to
+    uvicorn.Config (e.g. `http=`: the protocol `k3 serve` uses, head_timeout.head_deadline_protocol)."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", **settings}))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + timeout
