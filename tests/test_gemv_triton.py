@@ -91,10 +91,10 @@ def test_strided_rows_and_leading_dims():
 
 def test_selector_defaults_overrides_and_refusals():
     x, w = torch.zeros(4, 64, device=DEVICE), torch.zeros(32, 64, device=DEVICE)
-    opted = DEVICE == "cuda"
-    assert not use_gemv(x, w)  # listed in OPT_IN: not taken until K3_TRITON names it
+    on_cuda = DEVICE == "cuda"
+    assert use_gemv(x, w) == on_cuda  # on by default on CUDA (no longer in OPT_IN)
     with envs.override(triton_opt_in="_gemv_triton"):
-        assert use_gemv(x, w) == opted
+        assert use_gemv(x, w) == on_cuda
         assert not use_gemv(x.cpu(), w.cpu())  # CPU: the plain matmul unless forced
         with envs.override(no_triton="_gemv_triton"):
             assert not use_gemv(x, w)

@@ -77,8 +77,11 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, scores_ptr, tickets_ptr, idx_ptr, wt_
 
 # Experts per program, the width of each step along D (2048: small's D = 1536 in one step, whose loads are all in
 # flight at once), and the most experts selected by places (an [E, E] comparison in the last program: 4 rounds of
-# reductions instead of 3 a choice); names, so that a launch sweep can time others.
-LAUNCH = dict(block_e=4, block_d=2048, num_warps=4, rank_select_max_experts=128)
+# reductions instead of 3 a choice); names, so that a launch sweep can time others. H200, session 26
+# (`bench_gpu_kernels.py --decode-sweep`, small's router from L2-cold copies, µs at 1 / 8 / 64 rows): this launch
+# 4.35 / 4.93 / 8.47; 4 experts a program 5.44 / 5.85 / 10.3; 2 experts 5.42 / 5.80 / 10.4; steps of 512 along D
+# (the launch before) 9.24 / 10.4 / 11.6; k rounds instead of places (4 experts) 6.98 / 7.00 / 10.6.
+LAUNCH = dict(block_e=8, block_d=2048, num_warps=4, rank_select_max_experts=128)
 
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
