@@ -43,8 +43,9 @@ def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr
             v = (v.to(tl.float32) + tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(v.dtype)
             tl.store(sum_ptr + offs, v, mask=mask)
         v = v.to(tl.float32)
-        r = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-        s = r * tl.sum(v * uw[None, :], axis=1)
+        sq, dot = tl.reduce((v * v, v * uw[None, :]), 1, _add_pairs)  # one pass across the warps for both sums
+        r = tl.rsqrt(sq / D + eps)
+        s = r * dot
         if STATS:
             tl.store(scores_ptr + i * R + rows, s, mask=row_ok)
         m_new = tl.maximum(m, s)

@@ -30,16 +30,20 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, bet
     if e < 0:  # a slot another rank computes: no weight read (the down kernel skips it too)
         return
     token = s // TOP_K
-    acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    # products summed elementwise over the steps, reduced across the warps once at the end (a reduction a step
+    # would put a barrier between the steps)
+    acc_g = tl.zeros((BLOCK_I, BLOCK_L), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_I, BLOCK_L), dtype=tl.float32)
     base = e * I * L
     for l0 in tl.static_range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
         x = tl.load(z_ptr + token * L + cols, mask=cols < L, other=0.0).to(tl.float32)
         offs = base + rows[:, None] * L + cols[None, :]
         m = (rows[:, None] < I) & (cols[None, :] < L)
-        acc_g += tl.sum(tl.load(w1_ptr + offs, mask=m, other=0.0).to(tl.float32) * x[None, :], 1)
-        acc_u += tl.sum(tl.load(w3_ptr + offs, mask=m, other=0.0).to(tl.float32) * x[None, :], 1)
+        acc_g += tl.load(w1_ptr + offs, mask=m, other=0.0).to(tl.float32) * x[None, :]
+        acc_u += tl.load(w3_ptr + offs, mask=m, other=0.0).to(tl.float32) * x[None, :]
+    acc_g = tl.sum(acc_g, 1)
+    acc_u = tl.sum(acc_u, 1)
     a = beta_gate * _tanh(acc_g * (1.0 / beta_gate), EXACT) * _sigmoid(acc_g, EXACT)
     b = beta_up * _tanh(acc_u * (1.0 / beta_up), EXACT)
     tl.store(h_ptr + s * I + rows, (a * b).to(h_ptr.dtype.element_ty), mask=rows < I)
@@ -50,21 +54,20 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, I: tl.constexpr, L: tl
                  BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr):
     n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
-    acc = tl.zeros((BLOCK_L,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_L, BLOCK_I), dtype=tl.float32)  # reduced across the warps once, after every expert
     for j in tl.static_range(TOP_K):  # unrolled, and no branch: the k experts' loads are in flight together
         s = n * TOP_K + j
         e = tl.load(idx_ptr + s).to(tl.int64)
         held = e >= 0  # e < 0: held by another rank, its loads masked off (nothing read)
         e = tl.maximum(e, 0)
-        part = tl.zeros((BLOCK_L,), dtype=tl.float32)
+        wt = tl.where(held, tl.load(wt_ptr + s).to(tl.float32), 0.0)
         for i0 in tl.static_range(0, I, BLOCK_I):
             cols = i0 + tl.arange(0, BLOCK_I)
             h = tl.load(h_ptr + s * I + cols, mask=(cols < I) & held, other=0.0).to(tl.float32)
             w = tl.load(w2_ptr + e * L * I + rows[:, None] * I + cols[None, :],
                         mask=(rows[:, None] < L) & (cols[None, :] < I) & held, other=0.0).to(tl.float32)
-            part += tl.sum(w * h[None, :], 1)
-        acc += tl.where(held, tl.load(wt_ptr + s).to(tl.float32), 0.0) * part
-    tl.store(out_ptr + n * L + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < L)
+            acc += w * (wt * h)[None, :]
+    tl.store(out_ptr + n * L + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=rows < L)
 
 
 def selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
