@@ -28,10 +28,9 @@ bandwidth; per_step_us: µs × the count of such calls in one decode step. --gem
 Decode's routed experts ("moe" rows, `moe_expert_rows`: small's 64 experts, top-8, at 8 and 64 tokens, bf16): the
 expert-major kernel against the grouped path k3 takes there today and the slot-major kernel; --moe: only these;
 --moe-sweep: the expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) instead.
---decode-sweep: only five decode kernels under their launch shapes, at small's widths, each timed as a CUDA graph of
+--decode-sweep: only four decode kernels under their launch shapes, at small's widths, each timed as a CUDA graph of
 calls: the router at 1/8/64 rows (k3.ops._router_triton.LAUNCH; floor: its weight), the slot-major routed experts
-at 1/2 tokens (k3.ops._moe_decode_triton.LAUNCH; floor: the chosen experts), the AttnRes mix with its add and norm
-(k3.ops._attn_res_norm_triton.LAUNCH; floor: the rows it reads and writes), MLA over a StaticCache of 4K tokens
+at 1/2 tokens (k3.ops._moe_decode_triton.LAUNCH; floor: the chosen experts), MLA over a StaticCache of 4K tokens
 at 1/8/64 rows (k3.ops._mla_static_decode_triton.LAUNCH; floor: the cache's bytes) and KDA's step at 1/8/64 rows
 (k3.ops._kda_decode_triton.LAUNCH; floor: the state and tails read and written).
 --sweep: instead, the norm's kernels alone under other launch shapes (elements per row tile, warps, and backward
@@ -602,8 +601,7 @@ def main():
         print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))
         return save("gemv_sweep" if a.gemv_sweep else "gemv", {"rows": gemv, "copy_TBps": bw / 1e12})
     if a.decode_sweep:
-        swept = (router_decode_sweep(bw) + moe_slot_sweep(bw) + mix_norm_decode_sweep(bw) + mla_decode_sweep(bw)
-                 + kda_decode_sweep(bw))
+        swept = router_decode_sweep(bw) + moe_slot_sweep(bw) + mla_decode_sweep(bw) + kda_decode_sweep(bw)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
         print(table(swept, ["op", "rows", "launch", "splits", "us", "floor_us", "of_floor"]))
         return save("decode_sweep", {"rows": swept, "copy_TBps": bw / 1e12})
@@ -709,26 +707,6 @@ def router_decode_sweep(bw: float, copies: int = 300) -> list[dict]:
         out += _launch_rows("router", kernel.LAUNCH, changes, n,
                             lambda w: kernel.route_tokens(x, w, bias, k, True, 1.0, tickets), (E + n) * D * 2 / bw * 1e6,
                             ws, lambda: -(-E // kernel.LAUNCH["block_e"]))
-    return out
-
-
-def mix_norm_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
-    """A layer's second AttnRes mix as decode runs it (4 blocks + p + the attention output: the add, mix and norm
-    in one launch, k3.ops._attn_res_norm_triton.LAUNCH) at 1, 8 and 64 rows under other warp counts at few rows,
-    µs a call from a CUDA graph of `calls` calls; floor: the 8 rows of D read and written."""
-    from k3.ops import _attn_res_norm_triton as kernel
-
-    D = 1536
-    norm, out_norm = RMSNorm(D, 1e-5).cuda().bfloat16(), RMSNorm(D, 1e-5).cuda().bfloat16()
-    proj = torch.nn.Linear(D, 1, bias=False).cuda().bfloat16()
-    changes = [{}, dict(few_rows_warps=1), dict(few_rows_warps=2), dict(few_rows_warps=8)]
-    out = []
-    for n in (1, 8, 64):
-        blocks = [torch.randn(n, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        p, attn = (torch.randn(n, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        out += _launch_rows("AttnRes mix + add + norm", kernel.LAUNCH, changes if n <= 8 else changes[:1], n,
-                            lambda _: attn_res_mix_norm(blocks, p, norm, proj, out_norm, add=attn),
-                            8 * n * D * 2 / bw * 1e6, [None] * calls, lambda: None)
     return out
 
 

@@ -34,11 +34,6 @@ def mix_norm_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tupl
     return outs[0], (outs[1] if add is not None else None)
 
 
-# Warps a program at decode's few rows (up to `few_rows`; a row a program there, so the warps are what shares a
-# row's reductions), names so that a launch sweep can time others; more rows: the mix's forward launch.
-LAUNCH = dict(few_rows=8, few_rows_warps=4)
-
-
 # A custom op so that torch.compile keeps the launch as one opaque call (inference only: no autograd formula).
 # It returns [y] without add and [y, p + add] with it (an op's outputs cannot be None).
 @inference_op("attn_res_mix_norm")
@@ -54,9 +49,7 @@ def _mix_norm_op(uw: torch.Tensor, eps: float, sources: list[torch.Tensor],
                                                     out if add is None else add, out if total is None else total,
                                                     norm_weight, R, D, eps, norm_eps, N=len(sources),
                                                     STATS=False, ADD=add is not None, NORM=True,
-                                                    BLOCK_R=block_r, BLOCK_D=block_d,
-                                                    num_warps=LAUNCH["few_rows_warps"] if R <= LAUNCH["few_rows"]
-                                                    else NUM_WARPS["fwd"])
+                                                    BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"])
     return [out] if total is None else [out, total]
 
 

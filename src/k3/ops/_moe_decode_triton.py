@@ -15,10 +15,10 @@ from k3.ops._situ_triton import _sigmoid, _tanh
 
 # Launch shapes (names, so that a sweep can time others): rows of W1/W3 a gate+up program, columns a step along L
 # (all steps unrolled: every load of a program is in flight at once), rows of W2 a down program. H200, session 26
-# (`bench_gpu_kernels.py --decode-sweep`, small's experts L2-cold, both launches, µs at 1 / 2 tokens): 4 warps
-# 18.5 / 25.7, 8 warps 16.7 / 22.5, 2 warps 20.4 / 26.2; 2 rows a down program 16.7 / 23.0, 8 rows 21.1 / 30.6;
-# 4 or 16 rows a gate+up program, steps of 128 or 1024 columns: within 1.5 µs of 4 warps'. Floor 4.5 / 9.0.
-LAUNCH = dict(gate_up_block_i=8, gate_up_block_l=256, down_block_l=4, down_block_i=512, num_warps=8)
+# (`bench_gpu_kernels.py --decode-sweep`, small's experts L2-cold, both launches, µs at 1 / 2 tokens; floor 4.6 /
+# 8.0): with one reduction a program, 2 warps 12.2 / 18.3, 8 warps 16.5 / 21.5, 8 warps and 2 rows a down program
+# 13.8 / 21.6; before (a reduction a step or expert), 4 warps 18.5 / 25.7, 8 warps 16.7 / 22.5, 2 warps 20.4 / 26.2.
+LAUNCH = dict(gate_up_block_i=8, gate_up_block_l=256, down_block_l=4, down_block_i=512, num_warps=2)
 
 
 @triton.jit
