@@ -44,7 +44,7 @@ against the torch forms), and KDA's core through fla with its backward recomputi
 intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total at `small`'s call counts
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep] [--backwards] [--kda-core] [--kda-bwd] [--residual-add]
+     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]] [--backwards] [--kda-core] [--kda-bwd] [--residual-add]
      [--conv-varlen]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
 --kda-bwd [wy,intra]: only KDA's chunk-backward WY/state and intra-chunk stages (or those named), fla's kernels
@@ -563,9 +563,9 @@ def main():
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
     ap.add_argument("--moe-sweep", action="store_true", help="the expert-major kernel's launch shapes instead")
-    ap.add_argument("--decode-sweep", action="store_true",
+    ap.add_argument("--decode-sweep", nargs="?", const="router,moe,mla,kda", default="",
                     help="only the router, slot-major experts, MLA's StaticCache decode and KDA's decode step "
-                         "under their launch shapes")
+                         "under their launch shapes (or a comma list of router, moe, mla, kda)")
     ap.add_argument("--only", default="", help="comma list: only the training-shape rows whose op name contains "
                                                "one of these (the decode rows always run)")
     a = ap.parse_args()
@@ -601,7 +601,8 @@ def main():
         print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))
         return save("gemv_sweep" if a.gemv_sweep else "gemv", {"rows": gemv, "copy_TBps": bw / 1e12})
     if a.decode_sweep:
-        swept = router_decode_sweep(bw) + moe_slot_sweep(bw) + mla_decode_sweep(bw) + kda_decode_sweep(bw)
+        sweeps = dict(router=router_decode_sweep, moe=moe_slot_sweep, mla=mla_decode_sweep, kda=kda_decode_sweep)
+        swept = [row for name in a.decode_sweep.split(",") for row in sweeps[name](bw)]
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
         print(table(swept, ["op", "rows", "launch", "splits", "us", "floor_us", "of_floor"]))
         return save("decode_sweep", {"rows": swept, "copy_TBps": bw / 1e12})
@@ -734,7 +735,8 @@ def mla_decode_sweep(bw: float, context: int = 4096, calls: int = 20) -> list[di
     and a few others (programs an SM, shortest split, warps), µs a call from a CUDA graph of `calls` calls."""
     from k3.ops import _mla_static_decode_triton as kernel
 
-    changes = [{}, dict(programs_per_sm=2), dict(min_split=64), dict(min_split=256), dict(block_n=64)]
+    changes = [{}, dict(merge_group=1), dict(merge_group=2), dict(merge_group=8), dict(min_split=64),
+               dict(min_split=256)]
     out = []
     for n in (1, 8, 64):
         (_, (_, fn, nbytes)), = _mla_static_decode_case(n, context).items()
