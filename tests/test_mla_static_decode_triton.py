@@ -68,21 +68,6 @@ def test_kernel_matches_the_reference(B, H, R, E, S, length, dtype):
     assert workspaces and not any(t.any() for t in workspaces)
 
 
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_the_merge_takes_any_group_of_splits(monkeypatch, group):
-    """The last program merges the splits `merge_group` at a time: 3 splits (the interpreter's launch for 300
-    tokens at one row) in groups of 1, 2 (a group with a slot past the last split), 4 and 8 (one step, mostly
-    empty slots): the same context as the reference."""
-    from k3.ops import _mla_static_decode_triton as kernel
-
-    monkeypatch.setitem(kernel.LAUNCH, "merge_group", group)
-    args = case(1, 12, 256, 64, 300, 290, torch.float32, seed=group)
-    if DEVICE == "cpu":
-        assert kernel.launch_shape(1, 12, 300, torch.device("cpu"))[1] == 3
-    want = static_decode_attention_reference(*[t.clone() for t in args], scale=0.125)
-    torch.testing.assert_close(static_decode_attention(*args, scale=0.125), want, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("B,H,R,E,S,length", [
     (1, 12, 256, 64, 300, 170),  # small's MLA at batch 1
     (3, 5, 40, 12, 65, 64),  # odd widths; the new token in the last slot
@@ -291,8 +276,7 @@ def test_kernel_compiles_for_the_h200(norm):
            "out_ptr": "*bf16", "norm_w_ptr": "*bf16", "norm_eps": "fp32", "H": "i32", "R": "i32", "E": "i32", "max_len": "i32", "scale": "fp32",
            "split_len": "i32", "splits": "i32", "head_blocks": "i32"}
     ptx = ptx_for_sm90("k3.ops._mla_static_decode_triton", "_static_decode_kernel", sig, num_warps=8,
-                       BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, BLOCK_S=32, MERGE_GROUP=4, PRECISION="tf32",
-                       NORM=norm)
+                       BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, BLOCK_S=32, PRECISION="tf32", NORM=norm)
     assert "atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx and "mma" in ptx
     assert ".local" not in ptx  # no spills
 

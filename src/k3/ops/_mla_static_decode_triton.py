@@ -25,8 +25,8 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
                           new_lat_row, new_rope_ptr, new_rope_row, lat_ptr, rope_ptr, length_ptr, acc_ptr, m_ptr,
                           l_ptr, tickets_ptr, out_ptr, norm_w_ptr, norm_eps, H, R, E, max_len, scale, split_len, splits,
                           head_blocks, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_GROUP: tl.constexpr,
-                          PRECISION: tl.constexpr, NORM: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
+                          NORM: tl.constexpr):
     b, hb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     r, e = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_E)
@@ -99,30 +99,23 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
         l_all = tl.load(l_ptr + stats, mask=s_ok, other=0.0, cache_modifier=".cg")
         m_max = tl.where(h_ok, tl.max(m_all, axis=0), 0.0)
         total = tl.sum(tl.exp(m_all - m_max[None, :]) * l_all, axis=0)
-        # the partial contexts (and their maxima) MERGE_GROUP splits a step, one step ahead, as the main loop's
-        # tiles: a split a step would make the merge a chain of `splits` dependent L2 round trips
-        g2 = tl.arange(0, MERGE_GROUP)[:, None]  # [group, 1]
-        g = g2[:, :, None]  # [group, 1, 1]
-        acc_rows = acc_ptr + ((b * splits + g) * H + heads[None, :, None]) * R + r[None, None, :]
-        m_rows = m_ptr + (b * splits + g2) * H + heads[None, :]  # [group, heads]
-        hr_ok = h_ok[None, :, None] & r_ok[None, None, :]
-        part_next = tl.load(acc_rows, mask=hr_ok & (g < splits), other=0.0, cache_modifier=".cg")
-        m_next = tl.load(m_rows, mask=h_ok[None, :] & (g2 < splits), other=float("-inf"),
-                         cache_modifier=".cg")
+        # the partial contexts (and their maxima) one split ahead, as the main loop's tiles
+        acc_rows = acc_ptr + ((b * splits) * H + heads[:, None]) * R + r[None, :]
+        m_rows = m_ptr + b * splits * H + heads
+        hr_ok = h_ok[:, None] & r_ok[None, :]
+        part_next = tl.load(acc_rows, mask=hr_ok, other=0.0, cache_modifier=".cg")
+        m_next = tl.load(m_rows, mask=h_ok, other=0.0, cache_modifier=".cg")
         ctx = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         s = 0
         while s < splits:
             this, m_s = part_next, m_next
-            more = g2 + s + MERGE_GROUP < splits  # [group, 1]
-            part_next = tl.load(acc_rows + (s + MERGE_GROUP) * H * R, mask=hr_ok & more[:, :, None], other=0.0,
-                                cache_modifier=".cg")
-            m_next = tl.load(m_rows + (s + MERGE_GROUP) * H, mask=h_ok[None, :] & more,
-                             other=float("-inf"), cache_modifier=".cg")
-            ctx += tl.sum(tl.exp(m_s - m_max[None, :])[:, :, None] * this, axis=0)  # a split past them weighs 0
-            s += MERGE_GROUP
+            more = s + 1 < splits
+            part_next = tl.load(acc_rows + (s + 1) * H * R, mask=hr_ok & more, other=0.0, cache_modifier=".cg")
+            m_next = tl.load(m_rows + (s + 1) * H, mask=h_ok & more, other=0.0, cache_modifier=".cg")
+            ctx += tl.exp(m_s - m_max)[:, None] * this
+            s += 1
         ctx = ctx / tl.where(h_ok, total, 1.0)[:, None]
-        tl.store(out_ptr + q_rows[:, None] * R + r[None, :], ctx.to(out_ptr.dtype.element_ty),
-                 mask=h_ok[:, None] & r_ok[None, :])
+        tl.store(out_ptr + q_rows[:, None] * R + r[None, :], ctx.to(out_ptr.dtype.element_ty), mask=hr_ok)
         tl.store(ticket_ptr, 0)
 
 
@@ -138,11 +131,12 @@ def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E
 
 
 # Heads per program (tl.dot needs every dimension >= 16), tokens per tile, the fewest tokens a split takes, programs
-# an SM the splits aim for, the most splits, the splits the last program merges a step (a power of 2), warps. Timed on the H200
+# an SM the splits aim for, the most splits (the last program merges them one by one), warps. Timed on the H200
 # (`bench_gpu_kernels.py --decode-sweep`, small's widths at 4K tokens, µs at 1 / 8 / 64 rows), session 26: splits of
 # ≥ 256 tokens 27 / 29.1 / 139, ≥ 128 (33 splits at one row; the same launch at 8 and 64) 22.3 / 28.7 / 139; 2
-# programs an SM 27 / 27.1 / 147; 4 warps 40 / 44 / 312.
-LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, merge_group=4, num_warps=8)
+# programs an SM 27 / 27.1 / 147; 4 warps 40 / 44 / 312. The merge four splits a step (a [4, heads, R] tile, one
+# step ahead) was slower: 104 / 65 / 151 against 23 / 30 / 141 in the same call.
+LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8)
 
 
 def launch_shape(B: int, H: int, max_len: int, device: torch.device) -> tuple[int, int, int]:
@@ -188,7 +182,7 @@ def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
             out if norm_weight is None else norm_weight, norm_eps,  # (out: an unread stand-in pointer)
             H, R, E, max_len, scale, split_len, splits, head_blocks, BLOCK_H=LAUNCH["block_h"], BLOCK_R=block_r,
             BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_N=LAUNCH["block_n"],
-            BLOCK_S=triton.next_power_of_2(splits), MERGE_GROUP=LAUNCH["merge_group"],
+            BLOCK_S=triton.next_power_of_2(splits),
             PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",  # (tf32: exact for bf16/fp16 values)
             NORM=norm_weight is not None, num_warps=LAUNCH["num_warps"])
     return out
