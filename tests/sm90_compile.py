@@ -4,6 +4,7 @@ tests can check the memory-ordering instructions a kernel relies on. Runs in a f
 TRITON_INTERPRET (in a process that set it, triton.language is the interpreter's)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,17 @@ module, name, signature, constexprs, num_warps, stage = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 signature = {k: tuple(v) if isinstance(v, list) else v for k, v in signature.items()}
 src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-sys.stdout.write(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm[stage])
+asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm
+if stage == "res-usage":  # ptxas's allocation, from the cubin: registers a thread and spill bytes (STACK)
+    import os, subprocess, tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(asm["cubin"])
+        f.flush()
+        sys.stdout.write(subprocess.run([tool, "-res-usage", f.name], check=True, capture_output=True,
+                                        text=True).stdout)
+else:
+    sys.stdout.write(asm[stage])
 """
 
 
@@ -29,8 +40,17 @@ def ptx_for_sm90(module: str, kernel: str, signature: dict, num_warps: int = 4, 
     return asm_for_sm90("ptx", module, kernel, signature, num_warps, **constexprs)
 
 
+def registers_for_sm90(module: str, kernel: str, signature: dict, num_warps: int = 4, **constexprs) -> dict:
+    """{"REG": registers a thread, "STACK": bytes a thread spilled to local memory} as ptxas allocated them for
+    sm_90. A spill is ptxas's choice, made after the PTX: `.local` in the PTX shows only what Triton itself put
+    there, so "no spills" is read here."""
+    text = asm_for_sm90("res-usage", module, kernel, signature, num_warps, **constexprs)
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK):(\d+)", text)}
+
+
 def asm_for_sm90(stage: str, module: str, kernel: str, signature: dict, num_warps: int = 4, **constexprs) -> str:
-    """One stage of that compilation ("ttir": Triton's IR after its own passes, "ttgir", "ptx", ...)."""
+    """One stage of that compilation ("ttir": Triton's IR after its own passes, "ttgir", "ptx", ...; "res-usage":
+    cuobjdump's resource usage of the cubin)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.join(os.path.dirname(__file__), "..", "src")

@@ -107,11 +107,17 @@ def test_the_serving_layout_takes_the_kernel_and_keeps_its_outputs(monkeypatch):
             assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(wt, gt))
 
 
-@pytest.mark.parametrize("kernel", ["conv_varlen_fwd_kernel", "conv_varlen_tails_kernel"])
+SPILLS = ("ptxas spills 88 B a thread (found in session 26, when the check moved from the PTX, where a spill never "
+          "shows, to ptxas's allocation); a launch without them wants timing on the H200")
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("conv_varlen_fwd_kernel", marks=pytest.mark.xfail(strict=True,
+                                                                                                   reason=SPILLS)),
+                                    "conv_varlen_tails_kernel"])
 def test_kernels_compile_for_sm90_without_spills(kernel):
     """Both kernels at `small`'s serving launch (bf16 x, fp32 weights and tails, W 4) compile for the H200 (no
-    GPU: tests/sm90_compile.py): no local memory (spills) in the PTX."""
-    from sm90_compile import ptx_for_sm90
+    GPU: tests/sm90_compile.py): no spills in ptxas's allocation."""
+    from sm90_compile import ptx_for_sm90, registers_for_sm90
 
     from k3.ops import _conv_varlen_triton as kv
     if kernel == "conv_varlen_fwd_kernel":
@@ -125,7 +131,8 @@ def test_kernels_compile_for_sm90_without_spills(kernel):
         consts = dict(W=4, BLOCK_W=4, BLOCK_C=kv.BLOCK_C)
     ptx = ptx_for_sm90("k3.ops._conv_varlen_triton", kernel, sig, num_warps=kv.NUM_WARPS, **consts)
     assert "ld.global" in ptx and "st.global" in ptx
-    assert ".local" not in ptx and "__local_depot" not in ptx
+    assert registers_for_sm90("k3.ops._conv_varlen_triton", kernel, sig, num_warps=kv.NUM_WARPS,
+                              **consts)["STACK"] == 0  # no spills
 
 
 @pytest.mark.parametrize("lens", [[3, 0, 5, 0, 0], [0, 7], [1, 0, 1, 0]])

@@ -306,13 +306,9 @@ def test_the_step_compiles_as_one_op_that_writes_the_storage():
     assert all(torch.equal(a, b) for a, b in zip(tails, ref_tails))
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_kernel_compiles_for_the_h200(splits):
-    """The kernel compiled for sm_90 by ptxas (no GPU needed) at small's widths (12 heads of 128, the gate's rank
-    128, 4 taps) in bf16, one program a head and 4 column splits: no spills; split, the ticket is an
-    acquire-release atomic and the other programs' sums and outputs are read back from L2."""
-    from sm90_compile import ptx_for_sm90
-
+def _sm90_case(splits: int) -> tuple[dict, dict]:
+    """(signature, constexprs) of the kernel at small's widths (12 heads of 128, the gate's rank 128, 4 taps) in
+    bf16 with its state columns split over `splits` programs."""
     ptrs = ["xq_ptr", "xk_ptr", "xv_ptr", "fa_ptr", "beta_ptr", "gate_ptr", "wq_ptr", "wk_ptr", "wv_ptr", "fb_ptr",
             "A_log_ptr", "dt_bias_ptr", "norm_w_ptr", "out_ptr"]
     sig = {**{n: "*bf16" for n in ptrs}, **{n: "*fp32" for n in ("state_ptr", "tq_ptr", "tk_ptr", "tv_ptr",
@@ -321,9 +317,31 @@ def test_kernel_compiles_for_the_h200(splits):
            **{n: "i32" for n in ("sx_q", "sx_k", "sx_v", "s_fa", "s_beta", "s_gate", "s_state", "s_tq", "s_tk",
                                  "s_tv", "r_tq", "r_tk", "r_tv", "n_slots", "H", "K", "V", "R")},
            "scale": "fp32", "lower_bound": "fp32", "eps": "fp32"}
-    kernels = triton_module("_kda_decode_triton")
-    ptx = ptx_for_sm90("k3.ops._kda_decode_triton", "kda_decode_kernel", sig, num_warps=kernels.LAUNCH["num_warps"],
-                       W=4, HAS_SLOTS=True, TAIL_ROWS=4, BLOCK_K=128, BLOCK_V=128, BLOCK_R=128, R_CHUNK=32,
-                       TILE_V=kernels.LAUNCH["tile_v"], SPLITS=splits)
-    assert ".local" not in ptx  # no spills
+    consts = dict(W=4, HAS_SLOTS=True, TAIL_ROWS=4, BLOCK_K=128, BLOCK_V=128, BLOCK_R=128, R_CHUNK=32,
+                  TILE_V=triton_module("_kda_decode_triton").LAUNCH["tile_v"], SPLITS=splits)
+    return sig, consts
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_compiles_for_the_h200(splits):
+    """The kernel compiled for sm_90 by ptxas (no GPU needed), one program a head and 4 column splits: split, the
+    ticket is an acquire-release atomic and the other programs' sums and outputs are read back from L2."""
+    from sm90_compile import ptx_for_sm90
+
+    sig, consts = _sm90_case(splits)
+    ptx = ptx_for_sm90("k3.ops._kda_decode_triton", "kda_decode_kernel", sig,
+                       num_warps=triton_module("_kda_decode_triton").LAUNCH["num_warps"], **consts)
     assert ("atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx) == (splits > 1)
+
+
+@pytest.mark.parametrize("splits", [pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=(
+    "ptxas spills 152 B a thread at one program a head (255 registers at 4 warps; found in session 26, when the check "
+    "moved from the PTX, where a spill never shows, to ptxas's allocation). Tile 16 columns does not spill (216 "
+    "registers) but was 1-2% slower at 64 rows on the H200 (session 26's sweep), so the launch stays"))), 4])
+def test_kernel_does_not_spill_on_the_h200(splits):
+    """ptxas's allocation for sm_90 at the launch (`LAUNCH`): no spills."""
+    from sm90_compile import registers_for_sm90
+
+    sig, consts = _sm90_case(splits)
+    assert registers_for_sm90("k3.ops._kda_decode_triton", "kda_decode_kernel", sig,
+                              num_warps=triton_module("_kda_decode_triton").LAUNCH["num_warps"], **consts)["STACK"] == 0

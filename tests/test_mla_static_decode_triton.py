@@ -262,23 +262,41 @@ def test_tiny_decode_with_the_kernel_equals_the_full_forward(monkeypatch, compil
         assert torch.equal(got.argmax(-1), base.argmax(-1))
 
 
-@pytest.mark.parametrize("norm", [False, True], ids=["plain", "latent_norm"])
-def test_kernel_compiles_for_the_h200(norm):
-    """The kernel compiled for sm_90 by ptxas (no GPU needed) at small's widths in bf16, with and without the
-    latent's norm folded in: the merge's ticket is an acquire-release atomic and the partials are read back
-    from L2."""
-    from sm90_compile import ptx_for_sm90
-
+def _sm90_case(norm: bool) -> tuple[dict, dict]:
+    """(signature, constexprs) of the kernel at small's widths in bf16, with or without the latent's norm."""
     sig = {"q_lat_ptr": "*bf16", "q_lat_row": "i32", "q_lat_head": "i32", "q_rope_ptr": "*bf16",
            "q_rope_row": "i32", "q_rope_head": "i32", "new_lat_ptr": "*bf16", "new_lat_row": "i32",
            "new_rope_ptr": "*bf16", "new_rope_row": "i32", "lat_ptr": "*bf16", "rope_ptr": "*bf16",
            "length_ptr": "*i64", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "tickets_ptr": "*i32",
-           "out_ptr": "*bf16", "norm_w_ptr": "*bf16", "norm_eps": "fp32", "H": "i32", "R": "i32", "E": "i32", "max_len": "i32", "scale": "fp32",
-           "split_len": "i32", "splits": "i32", "head_blocks": "i32"}
-    ptx = ptx_for_sm90("k3.ops._mla_static_decode_triton", "_static_decode_kernel", sig, num_warps=8,
-                       BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, BLOCK_S=32, PRECISION="tf32", NORM=norm)
+           "out_ptr": "*bf16", "norm_w_ptr": "*bf16", "norm_eps": "fp32", "H": "i32", "R": "i32", "E": "i32",
+           "max_len": "i32", "scale": "fp32", "split_len": "i32", "splits": "i32", "head_blocks": "i32"}
+    return sig, dict(BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, BLOCK_S=32, PRECISION="tf32", NORM=norm)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "latent_norm"])
+def test_kernel_compiles_for_the_h200(norm):
+    """The kernel compiled for sm_90 by ptxas (no GPU needed) at small's widths in bf16, with and without the
+    latent's norm folded in: the merge's ticket is an acquire-release atomic, the partials are read back from L2,
+    and the products run on the tensor cores."""
+    from sm90_compile import ptx_for_sm90
+
+    sig, consts = _sm90_case(norm)
+    ptx = ptx_for_sm90("k3.ops._mla_static_decode_triton", "_static_decode_kernel", sig, num_warps=8, **consts)
     assert "atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx and "mma" in ptx
-    assert ".local" not in ptx  # no spills
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ptxas spills 232-248 B a thread (255 registers at 8 warps: one CTA an SM; 64 B before session 25's tile-ahead "
+    "prefetch, which still won on the H200: 35.7 -> 27.0 us at one row); found in session 26, when the check moved "
+    "from the PTX, where a spill never shows, to ptxas's allocation. A launch without spills wants timing"))
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "latent_norm"])
+def test_kernel_does_not_spill_on_the_h200(norm):
+    """ptxas's allocation for sm_90 at the launch: no spills."""
+    from sm90_compile import registers_for_sm90
+
+    sig, consts = _sm90_case(norm)
+    assert registers_for_sm90("k3.ops._mla_static_decode_triton", "_static_decode_kernel", sig, num_warps=8,
+                              **consts)["STACK"] == 0
 
 
 @pytest.mark.gpu
