@@ -4,7 +4,7 @@ At batch 1..16 a decode step's linears are matrix-vector products that only have
 about a quarter of an H200's bandwidth on them (benchmarks/RESULTS.md, "Decode, issue 21"). `linear` is the one
 entry: with no gradient, plain CUDA tensors of one float dtype, a shape where the kernel beat cuBLAS on an H200
 (`kernel_wins`: at most WIN_ROWS rows and a weight of at most WIN_WEIGHT_ELEMS elements) and the kernel switched
-on (k3.ops.triton_dispatch: `_gemv_triton`, opt-in until re-timed with this rule, K3_TRITON), it runs
+on (k3.ops.triton_dispatch: `_gemv_triton`, on by default on CUDA since session 26; K3_NO_TRITON), it runs
 k3.ops._gemv_triton's kernel (the custom op `k3::decode_gemv`, so a torch.compile'd decode step keeps it);
 otherwise the plain `linear_reference` (cuBLAS). `DecodeLinear` is an nn.Linear whose forward is `linear` (and
 may take the residual add that follows it at its call site, and the RMSNorm before it: the kernel's prologue and
