@@ -735,7 +735,8 @@ def mla_decode_sweep(bw: float, context: int = 4096, calls: int = 20) -> list[di
     and a few others (programs an SM, shortest split, warps), µs a call from a CUDA graph of `calls` calls."""
     from k3.ops import _mla_static_decode_triton as kernel
 
-    changes = [{}, dict(programs_per_sm=2), dict(min_split=64), dict(min_split=256), dict(block_n=64)]
+    changes = [{}, dict(dot16=True), dict(dot16=True, block_n=16), dict(dot16=True, num_warps=4, block_n=16),
+               dict(block_n=16), dict(min_split=256)]
     out = []
     for n in (1, 8, 64):
         (_, (_, fn, nbytes)), = _mla_static_decode_case(n, context).items()

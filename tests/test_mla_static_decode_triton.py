@@ -35,6 +35,23 @@ def case(B, H, R, E, S, length, dtype, seed):
             torch.tensor(length, device=DEVICE))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="16-bit tile products: CUDA only (the interpreter's are wrong)")
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_16_bit_products_match_the_reference(monkeypatch, block_n):
+    """The launch's `dot16` (the tensor cores' bf16 products, the probabilities rounded to bf16 for p·latent):
+    the context within bf16 tolerance of the reference, small's widths at 1 and 3 rows, a split boundary crossed."""
+    from k3.ops import _mla_static_decode_triton as kernel
+
+    monkeypatch.setitem(kernel.LAUNCH, "dot16", True)
+    monkeypatch.setitem(kernel.LAUNCH, "block_n", block_n)
+    for B, S, length in ((1, 4100, 4000), (3, 700, 411)):
+        args = case(B, 12, 256, 64, S, length, torch.bfloat16, seed=B + block_n)
+        want = static_decode_attention_reference(*[t.clone() for t in args], scale=0.0625)
+        got = static_decode_attention(*args, scale=0.0625)
+        err = (got.double() - want.double()).norm() / want.double().norm()
+        assert err < 1e-2, (B, f"relative error {err:.2e}")
+
+
 @pytest.mark.parametrize("B,H,R,E,S,length", [
     (1, 12, 256, 64, 300, 170),  # small's MLA at batch 1 (12 heads, kv rank 256, k_extra 64)
     (3, 4, 32, 16, 37, 0),  # tiny's, the first token: the context is the new token alone
@@ -262,27 +279,32 @@ def test_tiny_decode_with_the_kernel_equals_the_full_forward(monkeypatch, compil
         assert torch.equal(got.argmax(-1), base.argmax(-1))
 
 
-def _sm90_case(norm: bool) -> tuple[dict, dict]:
-    """(signature, constexprs) of the kernel at small's widths in bf16, with or without the latent's norm."""
+def _sm90_case(norm: bool, dot16: bool = False) -> tuple[dict, dict]:
+    """(signature, constexprs) of the kernel at small's widths in bf16, with or without the latent's norm, with
+    tf32 products of fp32 tiles or (dot16) bf16 products."""
     sig = {"q_lat_ptr": "*bf16", "q_lat_row": "i32", "q_lat_head": "i32", "q_rope_ptr": "*bf16",
            "q_rope_row": "i32", "q_rope_head": "i32", "new_lat_ptr": "*bf16", "new_lat_row": "i32",
            "new_rope_ptr": "*bf16", "new_rope_row": "i32", "lat_ptr": "*bf16", "rope_ptr": "*bf16",
            "length_ptr": "*i64", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "tickets_ptr": "*i32",
            "out_ptr": "*bf16", "norm_w_ptr": "*bf16", "norm_eps": "fp32", "H": "i32", "R": "i32", "E": "i32",
            "max_len": "i32", "scale": "fp32", "split_len": "i32", "splits": "i32", "head_blocks": "i32"}
-    return sig, dict(BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, BLOCK_S=32, PRECISION="tf32", NORM=norm)
+    return sig, dict(BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, BLOCK_S=32, PRECISION="tf32", NORM=norm,
+                     DOT16=dot16)
 
 
+@pytest.mark.parametrize("dot16", [False, True], ids=["tf32", "bf16"])
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "latent_norm"])
-def test_kernel_compiles_for_the_h200(norm):
+def test_kernel_compiles_for_the_h200(norm, dot16):
     """The kernel compiled for sm_90 by ptxas (no GPU needed) at small's widths in bf16, with and without the
     latent's norm folded in: the merge's ticket is an acquire-release atomic, the partials are read back from L2,
-    and the products run on the tensor cores."""
+    and the products run on the tensor cores, on tf32 or (dot16) bf16 operands."""
     from sm90_compile import ptx_for_sm90
 
-    sig, consts = _sm90_case(norm)
+    sig, consts = _sm90_case(norm, dot16)
     ptx = ptx_for_sm90("k3.ops._mla_static_decode_triton", "_static_decode_kernel", sig, num_warps=8, **consts)
-    assert "atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx and "mma" in ptx
+    assert "atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx
+    mma = [line for line in ptx.splitlines() if "mma" in line and ".f32" in line]
+    assert mma and all((".bf16" in line) == dot16 and (".tf32" in line) != dot16 for line in mma), mma[:2]
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -26,17 +26,23 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
                           l_ptr, tickets_ptr, out_ptr, norm_w_ptr, norm_eps, H, R, E, max_len, scale, split_len, splits,
                           head_blocks, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                          NORM: tl.constexpr):
+                          NORM: tl.constexpr, DOT16: tl.constexpr):
     b, hb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     r, e = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_E)
     h_ok, r_ok, e_ok = heads < H, r < R, e < E
     q_rows = b * H + heads
-    # the products in fp32: a bf16/fp16 value is exact in tf32, which PRECISION then names for them
+    # DOT16: the tensor cores' 16-bit products of the cache's dtype (fp32 sums; the probabilities rounded to that
+    # dtype for p·latent), half the registers of fp32 tiles. Else the products in fp32: a bf16/fp16 value is
+    # exact in tf32, which PRECISION then names for them (Triton's interpreter multiplies 16-bit tiles wrongly).
     q_lat = tl.load(q_lat_ptr + b * q_lat_row + heads[:, None] * q_lat_head + r[None, :],
-                    mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+                    mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     q_rope = tl.load(q_rope_ptr + b * q_rope_row + heads[:, None] * q_rope_head + e[None, :],
-                     mask=h_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+                     mask=h_ok[:, None] & e_ok[None, :], other=0.0)
+    if DOT16:
+        q_lat, q_rope = q_lat.to(lat_ptr.dtype.element_ty), q_rope.to(rope_ptr.dtype.element_ty)
+    else:
+        q_lat, q_rope = q_lat.to(tl.float32), q_rope.to(tl.float32)
     pos = tl.load(length_ptr)  # the new token's slot; the context is tokens 0..pos
     start = sp * split_len
     end = tl.minimum(tl.minimum(start + split_len, pos + 1), max_len)  # (a full cache: nothing read past it)
@@ -66,8 +72,10 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
         tok = t0 + tl.arange(0, BLOCK_N)
         t_ok = tok < end
         is_new = (tok == pos)[:, None]  # written by this step: it comes from the inputs
-        lat = tl.where(is_new, new_lat[None, :], lat_next).to(tl.float32)
-        k_rope = tl.where(is_new, new_rope[None, :], rope_next).to(tl.float32)
+        lat = tl.where(is_new, new_lat[None, :], lat_next)
+        k_rope = tl.where(is_new, new_rope[None, :], rope_next)
+        if not DOT16:
+            lat, k_rope = lat.to(tl.float32), k_rope.to(tl.float32)
         lat_next, rope_next = _cached_tile(lat_ptr, rope_ptr, cache_row, t0 + BLOCK_N, old_end, r, e, r_ok, e_ok,
                                            R, E, BLOCK_N)
         sc = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
@@ -77,7 +85,10 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
         alpha = tl.exp(m - m_new)
         p = tl.exp(sc - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, lat, input_precision=PRECISION)
+        if DOT16:
+            acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, lat, input_precision=PRECISION)
         m = m_new
         t0 += BLOCK_N
     part = (b * splits + sp) * H + heads
@@ -136,7 +147,10 @@ def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E
 # ≥ 256 tokens 27 / 29.1 / 139, ≥ 128 (33 splits at one row; the same launch at 8 and 64) 22.3 / 28.7 / 139; 2
 # programs an SM 27 / 27.1 / 147; 4 warps 40 / 44 / 312. The merge four splits a step (a [4, heads, R] tile, one
 # step ahead) was slower: 104 / 65 / 151 against 23 / 30 / 141 in the same call.
-LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8)
+# dot16: the 16-bit products on the tensor cores instead of tf32 products of fp32 tiles (CUDA, bf16/fp16 caches
+# only: the interpreter multiplies 16-bit tiles wrongly); sm_90 (ptxas), 8 warps: spills 232 -> 8 bytes a thread,
+# 0 at 16 tokens a tile; untimed.
+LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8, dot16=False)
 
 
 def launch_shape(B: int, H: int, max_len: int, device: torch.device) -> tuple[int, int, int]:
@@ -184,7 +198,8 @@ def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
             BLOCK_E=max(16, triton.next_power_of_2(E)), BLOCK_N=LAUNCH["block_n"],
             BLOCK_S=triton.next_power_of_2(splits),
             PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",  # (tf32: exact for bf16/fp16 values)
-            NORM=norm_weight is not None, num_warps=LAUNCH["num_warps"])
+            NORM=norm_weight is not None, num_warps=LAUNCH["num_warps"],
+            DOT16=LAUNCH["dot16"] and q_lat.is_cuda and cache_latent.dtype in (torch.bfloat16, torch.float16))
     return out
 
 
