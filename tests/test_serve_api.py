@@ -6,6 +6,7 @@ import json
 import logging
 import socket
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -254,30 +255,23 @@ def test_non_streaming_client_disconnect_frees_blocks_and_state_slot(server, mon
 
 PROTOCOLS = {"httptools": ("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol"),
              "h11": ("uvicorn.protocols.http.h11_impl", "H11Protocol")}
+PIPELINING = [pytest.param(impl, loop, id=f"{impl}-{loop}") for impl in PROTOCOLS for loop in ("asyncio", "uvloop")]
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-@pytest.mark.parametrize("impl", ["httptools", "h11"])
-def test_a_stream_whose_client_pipelines_a_second_request_then_leaves_is_cancelled(model, tok, monkeypatch, impl,
-                                                                                   loop):
-    """HTTP/1.1 pipelining over a raw socket, under the protocol `k3 serve` uses: a streaming request, a second
-    request head sent while the first streams, then the socket closed. uvicorn's httptools protocol parses that
-    head at once and keeps only the newest request, so the close reached only the second one: on asyncio's loop the
-    stream ran on to max_tokens for nobody; on uvloop's its next write raised (an error logged) and its generator,
-    left to the garbage collector, ran on until collected (h11 leaves the head unparsed until the stream ends). Each
-    way the stream must end cleanly: its sequence freed within 2 s (150 held steps take 7.5 s), no error logged."""
+@contextmanager
+def slow_server(model, tok, monkeypatch, impl, loop):
+    """A fresh engine at 50 ms a token behind the protocol `k3 serve` uses, on `impl`'s uvicorn protocol and `loop`
+    → (a connected raw socket, the engine, the messages uvicorn logged at ERROR)."""
     pytest.importorskip(loop)
     module, name = PROTOCOLS[impl]
     monkeypatch.setattr(head_timeout, "AutoHTTPProtocol", getattr(pytest.importorskip(module), name))  # its base
     eng = engine(model, tok)
     step = eng.step
 
-    def slow_step():  # 50 ms a token: the stream is still running when the client leaves
+    def slow_step():  # 50 ms a token: a request is still running when the client leaves
         time.sleep(0.05)
         return step()
     monkeypatch.setattr(eng, "step", slow_step)
-    body = json.dumps({"model": NAME, "prompt": "Now is the winter of our discontent", "max_tokens": 150,
-                       "stream": True, "ignore_eos": True, "temperature": 0}).encode()
     errors = logging.Handler(logging.ERROR)
     errors.emit = (logged := []).append
     protocol = head_timeout.head_deadline_protocol(head_timeout.HEADER_TIMEOUT_S)
@@ -286,19 +280,91 @@ def test_a_stream_whose_client_pipelines_a_second_request_then_leaves_is_cancell
         try:
             host, port = url.removeprefix("http://").split(":")
             with socket.create_connection((host, int(port)), timeout=10) as sock:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                got = b""
-                while b"data:" not in got:  # the response head and the first event: the stream has begun
-                    chunk = sock.recv(65536)
-                    assert chunk, got
-                    got += chunk
-                sock.sendall(b"GET /health HTTP/1.1\r\nHost: k3\r\n\r\n")
-                time.sleep(0.3)  # the server reads the second head before the close (else it sees the close alone)
-                assert eng.has_unfinished()  # still streaming
-            assert wait_pool_empty(eng, 2.0)  # cancelled, not run on for nobody
+                yield sock, eng, logged
         finally:
             logging.getLogger("uvicorn.error").removeHandler(errors)
+
+
+def completion_request(max_tokens: int, stream: bool) -> bytes:
+    """A greedy /v1/completions request of `max_tokens` tokens, as raw HTTP/1.1 bytes."""
+    body = json.dumps({"model": NAME, "prompt": "Now is the winter of our discontent", "max_tokens": max_tokens,
+                       "stream": stream, "ignore_eos": True, "temperature": 0}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+HEALTH_REQUEST = b"GET /health HTTP/1.1\r\nHost: k3\r\n\r\n"
+
+
+@pytest.mark.parametrize("impl,loop", PIPELINING)
+def test_a_stream_whose_client_pipelines_a_second_request_then_leaves_is_cancelled(model, tok, monkeypatch, impl,
+                                                                                   loop):
+    """HTTP/1.1 pipelining over a raw socket, under the protocol `k3 serve` uses: a streaming request, a second
+    request head sent while the first streams, then the socket closed. uvicorn's httptools protocol parses that
+    head at once and keeps only the newest request, so the close reached only the second one: on asyncio's loop the
+    stream ran on to max_tokens for nobody; on uvloop's its next write raised (an error logged) and its generator,
+    left to the garbage collector, ran on until collected (h11 leaves the head unparsed until the stream ends). Each
+    way the stream must end cleanly: its sequence freed within 2 s (150 held steps take 7.5 s), no error logged."""
+    with slow_server(model, tok, monkeypatch, impl, loop) as (sock, eng, logged):
+        sock.sendall(completion_request(150, stream=True))
+        got = b""
+        while b"data:" not in got:  # the response head and the first event: the stream has begun
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        sock.sendall(HEALTH_REQUEST)
+        time.sleep(0.3)  # the server reads the second head before the close (else it sees the close alone)
+        assert eng.has_unfinished()  # still streaming
+        sock.close()
+        assert wait_pool_empty(eng, 2.0)  # cancelled, not run on for nobody
+    assert not [r.getMessage() for r in logged]
+
+
+def send_pipelined_behind_a_running_completion(sock, eng, max_tokens: int) -> None:
+    """A plain (non-streaming) completion, then, once it generates, a second request head on the same socket."""
+    sock.sendall(completion_request(max_tokens, stream=False))
+    deadline = time.monotonic() + 10
+    while eng.metrics.generation_tokens == 0:  # nothing comes back until it is done: watch the engine instead
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    sock.sendall(HEALTH_REQUEST)
+
+
+@pytest.mark.parametrize("impl,loop", PIPELINING)
+def test_a_plain_request_whose_client_pipelines_a_second_request_then_leaves_is_cancelled(model, tok, monkeypatch,
+                                                                                          impl, loop):
+    """The same attack on a non-streaming request: both uvicorn protocols stop reading the socket once a pipelined
+    head arrives (flow control) and a plain response writes nothing until it is done, so nothing noticed the close
+    and all 150 tokens were generated for nobody (freed after ~9 s; without the pipelined head, at once). The
+    server must notice the hang-up of a connection it is not reading: freed within 2 s, no error logged."""
+    with slow_server(model, tok, monkeypatch, impl, loop) as (sock, eng, logged):
+        send_pipelined_behind_a_running_completion(sock, eng, 150)
+        time.sleep(0.3)  # the server reads the second head, and stops reading, before the close
+        assert eng.has_unfinished()
+        sock.close()
+        assert wait_pool_empty(eng, 2.0)  # cancelled, not run on for nobody
+    assert not [r.getMessage() for r in logged]
+
+
+def read_response(f) -> tuple[int, bytes]:
+    """One HTTP/1.1 response with a Content-Length from a socket's file → (status, body)."""
+    status = int(f.readline().split()[1])
+    headers = dict(line.decode().lower().split(":", 1) for line in iter(f.readline, b"\r\n"))
+    return status, f.read(int(headers["content-length"]))
+
+
+@pytest.mark.parametrize("impl,loop", PIPELINING)
+def test_a_pipelined_request_on_an_open_connection_is_answered_after_the_first(model, tok, monkeypatch, impl, loop):
+    """What the hang-up watch must not break: a client that pipelines and stays (the watch polls its unread socket
+    a few times while the first request runs) gets both answers, in order."""
+    with slow_server(model, tok, monkeypatch, impl, loop) as (sock, eng, logged):
+        send_pipelined_behind_a_running_completion(sock, eng, 20)  # ~1 s of steps: several polls of the socket
+        with sock.makefile("rb") as f:
+            status, body = read_response(f)
+            assert status == 200 and json.loads(body)["choices"][0]["finish_reason"] == "length"
+            status, body = read_response(f)
+            assert status == 200 and json.loads(body)["status"] == "ok"
+        assert wait_pool_empty(eng, 2.0)
     assert not [r.getMessage() for r in logged]
 
 

@@ -12,17 +12,23 @@ is bounded by h11 itself (16 KiB of incomplete request by default).
 
 It also tells every unfinished request of a connection that the connection is gone: uvicorn tells only its newest
 (`cycle`), and under httptools a pipelined request is parsed, and becomes the newest, while the one before it still
-streams; that stream would generate on for nobody (see `connection_lost`)."""
+streams; that stream would generate on for nobody (see `connection_lost`). And it notices a client that hangs up
+while uvicorn is not reading its socket (see `_watch_hangup`)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import select
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 HEADER_TIMEOUT_S = 10.0  # a request head is a few hundred bytes: any live client sends it in well under a second
 LIMIT_CONCURRENCY = 1024  # open connections + running requests past which uvicorn answers 503
 _SPARE_FILES = 256  # descriptors kept for everything but client sockets: model files, torch, logs, pipes
+HANGUP_POLL_S = 0.25  # how often the socket of a connection uvicorn is not reading is checked for the peer's close
+# the peer's FIN (Linux's poll flag; POLLHUP and POLLERR, for a reset, are always reported). Elsewhere it is 0 and
+# there is no watch: a hang-up during a paused read is seen at the next write, as in plain uvicorn
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0)
 
 _TIMEOUT_TEXT = b"the request head (request line and headers) took too long to arrive\n"
 _REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
@@ -38,6 +44,7 @@ def head_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
     class HeadDeadlineProtocol(AutoHTTPProtocol):
         head_timeout_s = timeout_s
         _cycle = None
+        _hangup_timer: asyncio.TimerHandle | None = None
         _cycles: list | tuple = ()  # the connection's unfinished requests, oldest first (kept by the setter)
 
         @property
@@ -61,12 +68,14 @@ def head_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
             super().data_received(data)
             if self._head_timer is not None and self._in_request():
                 self._disarm()
+            self._watch_hangup()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             # the next request's head gets its own deadline, unless a pipelined one has already started
             if not self.transport.is_closing() and not self._in_request():
                 self._arm()
+            self._watch_hangup()  # reading has resumed (or, under h11, paused again for the next pipelined request)
 
         def handle_websocket_upgrade(self, *args) -> None:
             self._disarm()  # the connection now belongs to a WebSocket protocol, with its own timeouts
@@ -74,6 +83,8 @@ def head_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self._hangup_timer is not None:
+                self._hangup_timer.cancel()
             # uvicorn marks only the newest request disconnected: a stream followed by a pipelined request head
             # (parsed at once by httptools) would never see http.disconnect, and generate on for nobody
             for cycle in self._cycles:
@@ -81,6 +92,33 @@ def head_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
                     cycle.disconnected = True
                     cycle.message_event.set()  # wakes its receive(), which then answers http.disconnect
             super().connection_lost(exc)
+
+        def _watch_hangup(self) -> None:
+            """Poll the socket for the peer's close while uvicorn is not reading it, and only then. Both protocols
+            pause reading while a request is served and a pipelined one waits (or its body is not yet consumed); a
+            paused socket reports neither EOF nor reset until the server writes, and a non-streaming response
+            writes nothing until it is done, so a client that pipelines and leaves had all its tokens generated for
+            nobody. Called after whatever may pause or resume reading (parsing data, finishing a response)."""
+            reading = self.transport.is_closing() or self.transport.is_reading()
+            if reading and self._hangup_timer is not None:
+                self._hangup_timer.cancel()
+                self._hangup_timer = None
+            elif not reading and self._hangup_timer is None and _POLLRDHUP:
+                self._hangup_timer = self.loop.call_later(HANGUP_POLL_S, self._check_hangup)
+
+        def _check_hangup(self) -> None:
+            self._hangup_timer = None
+            sock = self.transport.get_extra_info("socket")
+            if self.transport.is_closing() or self.transport.is_reading() or sock is None:
+                return  # closed, or reading again (a request's receive() resumes reading unseen by this class)
+            poller = select.poll()  # asks for the hang-up events only: the unread data stays uvicorn's
+            poller.register(sock.fileno(), _POLLRDHUP)
+            if poller.poll(0):
+                # what uvicorn does on EOF while reading (eof_received returns None): close; connection_lost then
+                # marks every unfinished request disconnected. A half-closed client counts as gone there too
+                self.transport.close()
+            else:
+                self._watch_hangup()
 
         def _in_request(self) -> bool:
             """Whether a request whose head has been parsed is being served (both protocols set `cycle` then)."""
