@@ -42,3 +42,25 @@ def test_a_token_may_pick_one_expert_twice():
     once = selected_experts_situ_mlp_reference(z.double(), idx[:, 1:], wt[:, 1:].double(), w1.double(), w3.double(),
                                                w2.double())
     assert rel_err(out, want) < 1e-5 and rel_err(out, once) > 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["_gate_up_kernel", "_down_kernel"])
+def test_kernels_compile_for_the_h200_at_the_released_widths_without_spills(kernel):
+    """Both kernels at the released model's expert widths (latent 3584, width 3072, top-16; bf16) compile for sm_90
+    (ptxas, no GPU: tests/sm90_compile.py) at the launch `selected_experts_situ_mlp` takes, with no spills: their
+    loops are 14 and 6 steps long there, which unrolled whole spilled 6 KB a thread."""
+    from sm90_compile import registers_for_sm90
+
+    p, I, L = kernels.LAUNCH, 3072, 3584
+    block_l, block_i = min(p["gate_up_block_l"], 4096), min(p["down_block_i"], 4096)
+    if kernel == "_gate_up_kernel":
+        sig = {"z_ptr": "*bf16", "idx_ptr": "*i64", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "h_ptr": "*bf16",
+               "TOP_K": "i32", "beta_gate": "fp32", "beta_up": "fp32"}
+        consts = dict(I=I, L=L, BLOCK_I=p["gate_up_block_i"], BLOCK_L=block_l, UNROLL=kernels._unroll(-(-L // block_l)),
+                      EXACT=False)
+    else:
+        sig = {"h_ptr": "*bf16", "idx_ptr": "*i64", "wt_ptr": "*fp32", "w2_ptr": "*bf16", "out_ptr": "*bf16"}
+        consts = dict(I=I, L=L, TOP_K=16, BLOCK_L=p["down_block_l"], BLOCK_I=block_i,
+                      UNROLL=kernels._unroll(-(-I // block_i)))
+    got = registers_for_sm90("k3.ops._moe_decode_triton", kernel, sig, num_warps=p["num_warps"], **consts)
+    assert got["STACK"] == 0, got

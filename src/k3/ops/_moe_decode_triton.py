@@ -13,17 +13,21 @@ import triton.language as tl
 from k3.ops._situ_triton import _sigmoid, _tanh
 
 
-# Launch shapes (names, so that a sweep can time others): rows of W1/W3 a gate+up program, columns a step along L
-# (all steps unrolled: every load of a program is in flight at once), rows of W2 a down program. H200, session 26
+# Launch shapes (names, so that a sweep can time others): rows of W1/W3 a gate+up program, columns a step along L,
+# rows of W2 a down program; a loop of up to `whole_unroll` steps is unrolled whole (small's: every load of a program
+# in flight at once), a longer one `unroll` steps at a time (sm_90, 2 warps: the released widths' 14-step gate+up
+# loop spills 6 KB a thread unrolled whole, 232 B 4 at a time, nothing 2 at a time with 95 registers). H200, session 26
 # (`bench_gpu_kernels.py --decode-sweep`, small's experts L2-cold, both launches, µs at 1 / 2 tokens; floor 4.6 /
 # 8.0): with one reduction a program, 2 warps 12.2 / 18.3, 8 warps 16.5 / 21.5, 8 warps and 2 rows a down program
 # 13.8 / 21.6; before (a reduction a step or expert), 4 warps 18.5 / 25.7, 8 warps 16.7 / 22.5, 2 warps 20.4 / 26.2.
-LAUNCH = dict(gate_up_block_i=8, gate_up_block_l=256, down_block_l=4, down_block_i=512, num_warps=2)
+LAUNCH = dict(gate_up_block_i=8, gate_up_block_l=256, down_block_l=4, down_block_i=512, num_warps=2, whole_unroll=3,
+              unroll=2)
 
 
 @triton.jit
 def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, beta_up, I: tl.constexpr,
-                    L: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, EXACT: tl.constexpr):
+                    L: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, UNROLL: tl.constexpr,
+                    EXACT: tl.constexpr):
     s = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     e = tl.load(idx_ptr + s).to(tl.int64)
@@ -35,7 +39,7 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, bet
     acc_g = tl.zeros((BLOCK_I, BLOCK_L), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_I, BLOCK_L), dtype=tl.float32)
     base = e * I * L
-    for l0 in tl.static_range(0, L, BLOCK_L):
+    for l0 in tl.range(0, L, BLOCK_L, loop_unroll_factor=UNROLL):
         cols = l0 + tl.arange(0, BLOCK_L)
         x = tl.load(z_ptr + token * L + cols, mask=cols < L, other=0.0).to(tl.float32)
         offs = base + rows[:, None] * L + cols[None, :]
@@ -51,7 +55,7 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, bet
 
 @triton.jit
 def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, I: tl.constexpr, L: tl.constexpr, TOP_K: tl.constexpr,
-                 BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr):
+                 BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr):
     n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     acc = tl.zeros((BLOCK_L, BLOCK_I), dtype=tl.float32)  # reduced across the warps once, after every expert
@@ -61,13 +65,17 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, I: tl.constexpr, L: tl
         held = e >= 0  # e < 0: held by another rank, its loads masked off (nothing read)
         e = tl.maximum(e, 0)
         wt = tl.where(held, tl.load(wt_ptr + s).to(tl.float32), 0.0)
-        for i0 in tl.static_range(0, I, BLOCK_I):
+        for i0 in tl.range(0, I, BLOCK_I, loop_unroll_factor=UNROLL):
             cols = i0 + tl.arange(0, BLOCK_I)
             h = tl.load(h_ptr + s * I + cols, mask=(cols < I) & held, other=0.0).to(tl.float32)
             w = tl.load(w2_ptr + e * L * I + rows[:, None] * I + cols[None, :],
                         mask=(rows[:, None] < L) & (cols[None, :] < I) & held, other=0.0).to(tl.float32)
             acc += w * (wt * h)[None, :]
     tl.store(out_ptr + n * L + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=rows < L)
+
+
+def _unroll(steps: int) -> int:
+    return steps if steps <= LAUNCH["whole_unroll"] else LAUNCH["unroll"]
 
 
 def selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
@@ -79,13 +87,15 @@ def selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch
     w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
     h = torch.empty(N * k, I, dtype=z.dtype, device=z.device)
     p = LAUNCH
+    block_l = min(p["gate_up_block_l"], triton.next_power_of_2(L))
+    block_i = min(p["down_block_i"], triton.next_power_of_2(I))
     # small row blocks: a decode step has few slots, so the programs come from the rows (≥ 4 per SM at small)
     _gate_up_kernel[(N * k, triton.cdiv(I, p["gate_up_block_i"]))](
         z, idx, w1, w3, h, k, float(beta_gate), float(beta_up), I=I, L=L, BLOCK_I=p["gate_up_block_i"],
-        BLOCK_L=min(p["gate_up_block_l"], triton.next_power_of_2(L)), EXACT=z.dtype == torch.float32,
+        BLOCK_L=block_l, UNROLL=_unroll(triton.cdiv(L, block_l)), EXACT=z.dtype == torch.float32,
         num_warps=p["num_warps"])
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
     _down_kernel[(N, triton.cdiv(L, p["down_block_l"]))](
-        h, idx, weights, w2, out, I=I, L=L, TOP_K=k, BLOCK_L=p["down_block_l"],
-        BLOCK_I=min(p["down_block_i"], triton.next_power_of_2(I)), num_warps=p["num_warps"])
+        h, idx, weights, w2, out, I=I, L=L, TOP_K=k, BLOCK_L=p["down_block_l"], BLOCK_I=block_i,
+        UNROLL=_unroll(triton.cdiv(I, block_i)), num_warps=p["num_warps"])
     return out
