@@ -44,8 +44,8 @@ against the torch forms), and KDA's core through fla with its backward recomputi
 intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total at `small`'s call counts
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]] [--backwards] [--kda-core] [--kda-bwd] [--residual-add]
-     [--conv-varlen]
+     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]] [--backwards] [--kda-core]
+     [--kda-bwd] [--residual-add] [--conv-varlen]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
 --kda-bwd [wy,intra]: only KDA's chunk-backward WY/state and intra-chunk stages (or those named), fla's kernels
 against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
@@ -706,7 +706,8 @@ def router_decode_sweep(bw: float, copies: int = 300) -> list[dict]:
         x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
         tickets = torch.zeros(n, dtype=torch.int32, device="cuda")
         out += _launch_rows("router", kernel.LAUNCH, changes, n,
-                            lambda w: kernel.route_tokens(x, w, bias, k, True, 1.0, tickets), (E + n) * D * 2 / bw * 1e6,
+                            lambda w: kernel.route_tokens(x, w, bias, k, True, 1.0, tickets),
+                            (E + n) * D * 2 / bw * 1e6,
                             ws, lambda: -(-E // kernel.LAUNCH["block_e"]))
     return out
 

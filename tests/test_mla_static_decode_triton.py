@@ -35,7 +35,7 @@ def case(B, H, R, E, S, length, dtype, seed):
             torch.tensor(length, device=DEVICE))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="16-bit tile products: CUDA only (the interpreter's are wrong)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="16-bit tile products: CUDA only (the interpreter's: wrong)")
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_16_bit_products_match_the_reference(monkeypatch, block_n):
     """The launch's `dot16` (the tensor cores' bf16 products, the probabilities rounded to bf16 for p·latent):

@@ -6,8 +6,8 @@ experts) forms its experts' sigmoid scores and writes them to an fp32 scratch ro
 finish (an atomic ticket per row) reads the row's scores back and selects by the rule of k3.ops.router.route
 (largest score + bias first, lower id among equals): for up to 128 experts every expert's place in that order at
 once (the experts ahead of it), beyond that k rounds of "the largest free key"; then the chosen unbiased scores
-renormalised and scaled. That program also sets the row's ticket back to zero, so the workspace stays zero between launches and
-a CUDA graph replays it as captured; two launches sharing one workspace must not run at the same time.
+renormalised and scaled. That program also sets the row's ticket back to zero, so the workspace stays zero between
+launches and a CUDA graph replays it as captured; two launches sharing one workspace must not run at the same time.
 """
 import torch
 import triton
@@ -121,7 +121,8 @@ def _route_tokens_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
             _router_kernel[(N, triton.cdiv(E, block_e))](
                 x, weight, bias, scores, tickets, idx, w, E, D, scale,
                 TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), RENORMALIZE=renormalize,
-                RANK_SELECT=E <= LAUNCH["rank_select_max_experts"], BLOCK_E=block_e, BLOCK_D=block_d, num_warps=LAUNCH["num_warps"])
+                RANK_SELECT=E <= LAUNCH["rank_select_max_experts"], BLOCK_E=block_e, BLOCK_D=block_d,
+                num_warps=LAUNCH["num_warps"])
     return idx, w, scores
 
 
