@@ -13,11 +13,11 @@ TRITON_INTERPRET=1 (the lead's /work/tvenv): the kernels are then chosen as on C
 (K3_TRITON, K3_NO_TRITON; `--switches default,all` runs both), so the census reflects them. Without triton the
 references run and are counted. fla never runs off CUDA: at the default switches KDA's core is counted as k3's
 reference (fla's recurrent step is ~4 kernels there), with K3_TRITON=all it is k3's one-kernel step anyway.
-The decode GEMV (k3.ops.gemv), where switched on, is chosen by its shape rule as on CUDA (`kernel_wins`: the
-narrow linears at <= 4 rows, where it beat cuBLAS; lm_head, the interpreter's slowest, is left to cuBLAS) and
-takes the MoE's routed norm, the shared experts' SiTU-GLU and their `+ s` with it (3 ops fewer a MoE layer); its
+The decode GEMV (k3.ops.gemv; on by default since session 26) is chosen by its shape rule as on CUDA
+(`kernel_wins`: the narrow linears at <= 4 rows, where it beat cuBLAS; lm_head, the interpreter's slowest, is left
+to cuBLAS) and takes the MoE's routed norm, the shared experts' SiTU-GLU and their `+ s` with it (3 ops fewer a MoE layer); its
 op counts as one, though where K is split (o_proj at 1 row) it launches two kernels. The float decode experts'
-two kernels cannot run there and are counted as launched, their values from the reference.
+two kernels are counted as launched, their values from the reference (the interpreter's pace).
 `--inside` also lists the tensor ops that k3's custom ops run in their bodies around the kernel: counted here
 as part of one op, each is a kernel of its own on the GPU (in fp32, the default, a cast that bf16 weights would
 launch is a no-op and not listed: `--dtype bf16` builds the model as the H200 decodes it, so such casts are counted,
@@ -219,8 +219,8 @@ def kernels_chosen_as_on_cuda():
 
 
 def _experts_counted_not_interpreted(z, idx, weights, w1, w3, w2, beta_gate, beta_up):
-    """The float decode experts' two launches (gate+up, down), counted; their values from the reference, as
-    Triton 3.6's interpreter cannot run their loops over a runtime bound (tests/test_expert_skip_triton.py)."""
+    """The float decode experts' two launches (gate+up, down), counted; their values from the reference, which the
+    interpreter reaches much sooner than the kernels (tests/test_moe_slot_major_triton.py runs those)."""
     from k3.ops.moe_decode import selected_experts_situ_mlp_reference
 
     for census in _active_census[-1:]:
