@@ -55,6 +55,7 @@ kernel (`conv_varlen_rows`).
 the add separate (K3_NO_RESIDUAL_ADD_FOLD; `residual_add_rows`).
 """
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -719,15 +720,12 @@ def moe_slot_sweep(bw: float) -> list[dict]:
 
     changes = [{}, dict(down_block_l=2), dict(down_block_l=8), dict(gate_up_block_i=4), dict(gate_up_block_i=16),
                dict(gate_up_block_l=128), dict(gate_up_block_l=1024), dict(num_warps=2), dict(num_warps=8)]
-    default, out = dict(kernel.LAUNCH), []
-    try:
-        for change in changes:
-            kernel.LAUNCH.update(default, **change)
-            for row in moe_expert_rows(bw, batches=(1, 2), impls=("slot-major",)):
-                out.append(dict(row, op="MoE slot-major", launch=str(change or "default"), splits=None,
-                                of_floor=row["floor_us"] / row["us"]))
-    finally:
-        kernel.LAUNCH.update(default)
+    out = []
+    for change in changes:
+        with _changed(kernel.LAUNCH, change):
+            out += [dict(row, op="MoE slot-major", launch=_label(change), splits=None,
+                         of_floor=row["floor_us"] / row["us"])
+                    for row in moe_expert_rows(bw, batches=(1, 2), impls=("slot-major",))]
     return out
 
 
@@ -777,21 +775,30 @@ def kda_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
     return out
 
 
+@contextlib.contextmanager
+def _changed(launch: dict, change: dict):
+    """`launch` (a kernel module's LAUNCH) with `change` applied inside the block, its values put back after."""
+    saved = dict(launch)
+    launch.update(change)
+    try:
+        yield
+    finally:
+        launch.update(saved)
+
+
+def _label(change: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in change.items()) or "default"
+
+
 def _launch_rows(op: str, launch: dict, changes: list[dict], n: int, fn, floor_us: float, args: list,
                  splits) -> list[dict]:
     """One row a launch change: `launch` (a kernel module's LAUNCH) updated with it, fn timed from a CUDA graph of
-    fn(a) for a in args, splits() the programs the launch splits the work over; the defaults put back after
-    each."""
-    default, out = dict(launch), []
+    fn(a) for a in args, splits() the programs the launch splits the work over."""
+    out = []
     for change in changes:
-        launch.update(default, **change)
-        try:
-            parts = splits()
-            with torch.no_grad():
-                us = _graphed_us(fn, args)
-        finally:
-            launch.update(default)
-        out.append(dict(op=op, rows=n, launch=str(change or "default"), splits=parts, us=us, floor_us=floor_us,
+        with _changed(launch, change), torch.no_grad():
+            parts, us = splits(), _graphed_us(fn, args)
+        out.append(dict(op=op, rows=n, launch=_label(change), splits=parts, us=us, floor_us=floor_us,
                         of_floor=floor_us / us))
         print(out[-1], flush=True)
     return out
@@ -872,26 +879,21 @@ def gemv_sweep(bw: float) -> list[dict]:
     """The kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at o_proj's [1536, 1536] and KDA's stacked input
     projections [6284, 1536], 1 and 8 rows."""
     from k3.ops import _gemv_triton  # (needs triton)
-    default, out = dict(_gemv_triton.LAUNCH), []
+    out = []
     variants = [{}, dict(fma_block_n=4), dict(fma_block_n=16), dict(fma_tile_elems=4096),
                 dict(fma_tile_elems=16384), dict(fma_warps=8), dict(programs_per_sm=1), dict(programs_per_sm=4),
                 dict(dot_block_n=32), dict(dot_block_k=128), dict(dot_block_k=512), dict(dot_warps=8),
                 dict(min_split_k=128), dict(min_split_k=512), dict(fma_stages=1), dict(fma_stages=3),
                 dict(dot_stages=2), dict(dot_stages=4)]
-    try:
-        for N, K in ((1536, 1536), (6284, 1536)):
-            for M in (1, 8):
-                for change in variants:
-                    if any(k.startswith("fma" if M > 1 else "dot") for k in change):  # a form not taken
-                        continue
-                    _gemv_triton.LAUNCH.update(default, **change)
-                    row = dict(op="gemv", launch=",".join(f"{k}={v}" for k, v in change.items()) or "default",
-                               **time_gemv(N, K, M, False, "triton", bw))
-                    out.append(row)
-                    print(row, flush=True)
-                out.append(dict(op="gemv", launch="cublas", **time_gemv(N, K, M, False, "cublas", bw)))
-    finally:
-        _gemv_triton.LAUNCH.update(default)
+    for N, K in ((1536, 1536), (6284, 1536)):
+        for M in (1, 8):
+            for change in variants:
+                if any(k.startswith("fma" if M > 1 else "dot") for k in change):  # a form not taken
+                    continue
+                with _changed(_gemv_triton.LAUNCH, change):
+                    out.append(dict(op="gemv", launch=_label(change), **time_gemv(N, K, M, False, "triton", bw)))
+                print(out[-1], flush=True)
+            out.append(dict(op="gemv", launch="cublas", **time_gemv(N, K, M, False, "cublas", bw)))
     return out
 
 
@@ -949,17 +951,13 @@ def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "exper
 def moe_expert_sweep(bw: float) -> list[dict]:
     """The expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) at 8 and 64 tokens."""
     from k3.ops import _moe_expert_major_triton as kernels  # (needs triton)
-    default, out = dict(kernels.LAUNCH), []
     variants = [{}, dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
                 dict(down_block_l=32), dict(down_block_l=128), dict(down_block_i=128), dict(stages=2),
                 dict(stages=4), dict(warps=8), dict(scan=64)]
-    try:
-        for change in variants:
-            kernels.LAUNCH.update(default, **change)
-            for row in moe_expert_rows(bw, impls=("expert-major",)):
-                out.append(dict(row, launch=",".join(f"{k}={v}" for k, v in change.items()) or "default"))
-    finally:
-        kernels.LAUNCH.update(default)
+    out = []
+    for change in variants:
+        with _changed(kernels.LAUNCH, change):
+            out += [dict(row, launch=_label(change)) for row in moe_expert_rows(bw, impls=("expert-major",))]
     return out
 
 

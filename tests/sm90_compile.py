@@ -4,7 +4,6 @@ tests can check the memory-ordering instructions a kernel relies on. Runs in a f
 TRITON_INTERPRET (in a process that set it, triton.language is the interpreter's)."""
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -20,17 +19,12 @@ module, name, signature, constexprs, num_warps, stage = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 signature = {k: tuple(v) if isinstance(v, list) else v for k, v in signature.items()}
 src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm
-if stage == "res-usage":  # ptxas's allocation, from the cubin: registers a thread and spill bytes (STACK)
-    import os, subprocess, tempfile
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(asm["cubin"])
-        f.flush()
-        sys.stdout.write(subprocess.run([tool, "-res-usage", f.name], check=True, capture_output=True,
-                                        text=True).stdout)
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+if stage == "resources":  # ptxas's allocation, read from the cubin as the SASS benchmarks read it
+    from sass_mxfp4_loop import resources
+    sys.stdout.write(json.dumps(resources(kernel)))
 else:
-    sys.stdout.write(asm[stage])
+    sys.stdout.write(kernel.asm[stage])
 """
 
 
@@ -41,20 +35,20 @@ def ptx_for_sm90(module: str, kernel: str, signature: dict, num_warps: int = 4, 
 
 
 def registers_for_sm90(module: str, kernel: str, signature: dict, num_warps: int = 4, **constexprs) -> dict:
-    """{"REG": registers a thread, "STACK": bytes a thread spilled to local memory} as ptxas allocated them for
-    sm_90. A spill is ptxas's choice, made after the PTX: `.local` in the PTX shows only what Triton itself put
-    there, so "no spills" is read here."""
-    text = asm_for_sm90("res-usage", module, kernel, signature, num_warps, **constexprs)
-    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK):(\d+)", text)}
+    """{"REG": registers a thread, "STACK": bytes a thread spilled to local memory, "SHARED": bytes} as ptxas
+    allocated them for sm_90 (benchmarks/sass_mxfp4_loop.resources). A spill is ptxas's choice, made after the
+    PTX: `.local` in the PTX shows only what Triton itself put there, so "no spills" is read here."""
+    return json.loads(asm_for_sm90("resources", module, kernel, signature, num_warps, **constexprs))
 
 
 def asm_for_sm90(stage: str, module: str, kernel: str, signature: dict, num_warps: int = 4, **constexprs) -> str:
-    """One stage of that compilation ("ttir": Triton's IR after its own passes, "ttgir", "ptx", ...; "res-usage":
-    cuobjdump's resource usage of the cubin)."""
+    """One stage of that compilation ("ttir": Triton's IR after its own passes, "ttgir", "ptx", ...; "resources":
+    `registers_for_sm90`'s JSON)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    benchmarks = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, benchmarks, env.get("PYTHONPATH")) if p)
     args = json.dumps([module, kernel, signature, constexprs, num_warps, stage])
     # a cache of its own: a shared one may hold the kernel packed without its PTX (run_h200.sh's `pack`)
     with tempfile.TemporaryDirectory() as cache:

@@ -189,11 +189,10 @@ def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: to
         return out
     block_k, block_v, block_r = triton.next_power_of_2(K), triton.next_power_of_2(V), triton.next_power_of_2(R)
     splits = column_splits(B * H, block_v, xq.device)
+    sum_sq = tickets = out  # (one program a head: neither is read; out stands in)
     if splits > 1:
-        sum_sq, tickets = torch.empty(B * H * splits, dtype=torch.float32, device=xq.device), \
-            ticket_workspace(B * H, xq.device)
-    else:
-        sum_sq = tickets = out  # (one program a head: neither is read; out stands in)
+        sum_sq = torch.empty(B * H * splits, dtype=torch.float32, device=xq.device)
+        tickets = ticket_workspace(B * H, xq.device)
     with on_device(xq):
         kda_decode_kernel[(B, H, splits)](
             xq, xk, xv, fa, beta_logits, gate,
