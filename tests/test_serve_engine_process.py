@@ -54,7 +54,7 @@ def server(tok):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # (the engine process takes this count too)
     proc = process(tok).start()
-    with local_server(create_app(proc, tok, NAME)) as url:
+    with local_server(create_app(proc, tok, NAME), as_k3_serve=True) as url:
         yield url, proc
     torch.set_num_threads(n)
     assert not proc._proc.is_alive()  # the app's shutdown stopped it

@@ -50,7 +50,7 @@ def server(model, tok):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     eng = make_engine(model, tok)
-    with local_server(create_app(eng, tok, NAME, api_key=KEY)) as url:
+    with local_server(create_app(eng, tok, NAME, api_key=KEY), as_k3_serve=True) as url:
         yield url, eng
     torch.set_num_threads(n)
 

@@ -59,7 +59,7 @@ def server(tok):
     torch.set_num_threads(1)
     eng = LLMEngine(model.eval(), tok, EngineConfig(memory_bytes=32 << 20, block_size=16, match_unit=4,
                                                     max_batch_tokens=512, max_num_seqs=16, max_model_len=1024))
-    with local_server(create_app(eng, tok, NAME, api_key=KEY)) as url:
+    with local_server(create_app(eng, tok, NAME, api_key=KEY), as_k3_serve=True) as url:
         yield url
     torch.set_num_threads(n)
 

@@ -9,10 +9,16 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def local_server(app, timeout: float = 20.0, **settings):
-    """Yields the base URL `http://127.0.0.1:PORT`; the server stops when the block ends. `settings` go to
-    uvicorn.Config (e.g. `http=`: the protocol `k3 serve` uses, head_timeout.head_deadline_protocol)."""
+def local_server(app, timeout: float = 20.0, as_k3_serve: bool = False, **settings):
+    """Yields the base URL `http://127.0.0.1:PORT`; the server stops when the block ends. `as_k3_serve`: uvicorn
+    configured as `k3 serve` configures it (k3.serve.api.uvicorn_settings: its HTTP protocol with the head deadline
+    and the connection-close watch, keep-alive, concurrency limit); `settings` go to uvicorn.Config on top."""
     import uvicorn
+
+    if as_k3_serve:
+        from k3.serve.api import uvicorn_settings
+        served = {k: v for k, v in uvicorn_settings("127.0.0.1", 0).items() if k not in ("host", "port")}
+        settings = {**served, **settings}
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
