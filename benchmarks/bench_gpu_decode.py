@@ -6,15 +6,19 @@ length moved there (decode speed does not depend on their values; a real 32K x 6
 device time). Each timed step decodes one token per row at that context and advances the cache.
 Rows: "eager" = the model's forward per step; "graph" = k3.model.cuda_graph.GraphedDecodeStep (the path
 `generate` takes on CUDA); "graph+compile" = the same with the step compiled by torch.compile before capture
-(--compile; a failure is recorded as a row and the run goes on).
+(--compile; a failure is recorded as a row and the run goes on); "graph+pdl" = the graph captured with K3_PDL's
+programmatic dependent launch (--pdl, k3.ops._pdl_triton), "graph+pdl+gemv" = that with decode's GEMV taken for
+every linear of ≤ 16 rows (--pdl-gemv: k3.ops.gemv.force_gemv, the cuBLAS input projections and lm_head included).
 Memory roofline per step = bytes that must be read: every dense weight once (embedding row only), the
 routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per MoE layer), lm_head,
 each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer's cached latent+k_extra read
 once. Fraction =
 (bytes / copy bandwidth measured in the same run) / measured step time. Target (issue 6): batch-1 >= 60%.
-Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--contexts 4096] [--batches 1,8]
+Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--pdl] [--pdl-gemv] [--contexts 4096]
+[--batches 1,8]
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -23,10 +27,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench_util import measure_ceilings, save, table, time_ms  # noqa: E402
 
+from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.cache import MLAState  # noqa: E402
 from k3.model.cuda_graph import GraphedDecodeStep  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from k3.ops.gemv import force_gemv  # noqa: E402
 
 REPS, WARMUP = 20, 3
 
@@ -64,7 +70,14 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time the graph of a torch.compile'd step")
     ap.add_argument("--contexts", default="4096,32768", help="comma-separated context lengths")
     ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
+    ap.add_argument("--pdl", action="store_true", help="also time the graph captured with K3_PDL")
+    ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for every linear")
     a = ap.parse_args()
+    graphs = [("graph", contextlib.nullcontext)]
+    if a.pdl:
+        graphs.append(("graph+pdl", lambda: envs.override(pdl=True)))
+    if a.pdl_gemv:
+        graphs.append(("graph+pdl+gemv", lambda: _both(envs.override(pdl=True), force_gemv(True))))
     ceil = measure_ceilings()
     copy_bw = ceil["copy_TBps"] * 1e12
     print(ceil, flush=True)
@@ -87,10 +100,13 @@ def main():
             with torch.no_grad():
                 cache = filled_cache(model, cfg, B, ctx)
                 eager_ms = time_ms(lambda: model(tok, cache=cache), warmup=WARMUP, reps=REPS)
-                cache = filled_cache(model, cfg, B, ctx)
-                graphed = GraphedDecodeStep(model, cache)
-                graph_ms = time_ms(lambda: graphed.step(tok), warmup=WARMUP, reps=REPS)
-                timings = [("eager", eager_ms), ("graph", graph_ms)]
+                timings = [("eager", eager_ms)]
+                for mode, switches in graphs:  # (captured under the switches: the launches stay in the graph)
+                    cache = graphed = None
+                    cache = filled_cache(model, cfg, B, ctx)
+                    with switches():
+                        graphed = GraphedDecodeStep(model, cache)
+                    timings.append((mode, time_ms(lambda: graphed.step(tok), warmup=WARMUP, reps=REPS)))
                 if a.compile:
                     cache = graphed = None
                     cache = filled_cache(model, cfg, B, ctx)
@@ -108,6 +124,12 @@ def main():
             torch.cuda.empty_cache()
     print(table(rows, ["batch", "context", "mode", "step_ms", "tokens_per_s", "bytes_MB", "floor_ms", "roofline_frac"]))
     save("decode" + ("_quick" if a.quick else ""), {"rows": rows, "ceilings": ceil})
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 if __name__ == "__main__":

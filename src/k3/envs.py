@@ -28,6 +28,9 @@
   instead of each mix's backward adding into one buffer per block (k3.model.attn_res).
 - K3_NO_RESIDUAL_ADD_FOLD: "1" keeps each residual add before a training AttnRes mix as its own op, instead of in
   the mix kernel's forward launch (k3.model.attn_res._AttnResAddMixFused); for timing the fold against it.
+- K3_PDL: "1" launches decode's Triton kernels with programmatic dependent launch (Hopper and later: each may start
+  while the kernel before it runs, prefetching its weights into L2, and waits for it before reading anything;
+  k3.ops._pdl_triton). Off by default until an H200 step times it.
 - K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
 - K3_API_KEY: the key `k3 serve` requires ('Authorization: Bearer KEY') when --api-key is not given (as vLLM's
   VLLM_API_KEY): a key on the command line shows in `ps`, one in the environment does not.
@@ -67,6 +70,7 @@ class Switches:
     no_shared_input_grad: bool = False
     no_block_grad_buffer: bool = False
     no_residual_add_fold: bool = False
+    pdl: bool = False
     commit: str | None = None
     autotune_table: str | None = None  # None: the shipped table; "off"; or a path
     precompile_workers: int | None = None  # None: automatic
@@ -122,6 +126,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
                     no_shared_input_grad=_flag(get("K3_NO_SHARED_INPUT_GRAD")),
                     no_block_grad_buffer=_flag(get("K3_NO_BLOCK_GRAD_BUFFER")),
                     no_residual_add_fold=_flag(get("K3_NO_RESIDUAL_ADD_FOLD")),
+                    pdl=_flag(get("K3_PDL")),
                     commit=get("K3_COMMIT") or None,
                     autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None,
                     precompile_workers=_count("K3_PRECOMPILE_WORKERS", get("K3_PRECOMPILE_WORKERS")),

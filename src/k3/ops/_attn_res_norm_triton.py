@@ -12,6 +12,7 @@ are rounded to the model's dtype before they are read on), so it is a reordered 
 import torch
 import triton
 
+from k3.ops import _pdl_triton as pdl
 from k3.ops._attn_res_triton import NUM_WARPS, _blocks, _mix_fwd_kernel
 from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
@@ -49,7 +50,8 @@ def _mix_norm_op(uw: torch.Tensor, eps: float, sources: list[torch.Tensor],
                                                     out if add is None else add, out if total is None else total,
                                                     norm_weight, R, D, eps, norm_eps, N=len(sources),
                                                     STATS=False, ADD=add is not None, NORM=True,
-                                                    BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"])
+                                                    BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"],
+                                                    **pdl.launch(out))
     return [out] if total is None else [out, total]
 
 

@@ -18,16 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._pdl_triton import pdl_enter
 from k3.ops.triton_dispatch import on_device
 
 
 @triton.jit
 def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, R, D, eps, norm_eps,
                     N: tl.constexpr, STATS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """STATS: store the scores and log-sum-exp (for backward). ADD: the last source is srcs[N-1] + add, rounded
     to the sources' dtype as a separate add would, and stored to sum_ptr. NORM: out is the RMSNorm (weight
-    nw, norm_eps) of the mix, itself rounded to the output dtype first, as the norm would read it."""
+    nw, norm_eps) of the mix, itself rounded to the output dtype first, as the norm would read it. PDL: launched
+    with programmatic dependent launch (k3.ops._pdl_triton; inference's mix + norm)."""
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     row_ok, col_ok = rows < R, cols < D

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops import _pdl_triton as pdl
+from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
 from k3.ops._situ_triton import _sigmoid, _tanh
 from k3.ops.triton_dispatch import inference_op, on_device, sm_count
 
@@ -120,17 +122,29 @@ def _tile_sums(x_ptr, w_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols,
 
 
 @triton.jit
+def _prefetch_w(w_ptr, cols, N, K, k_start, stride_wn, K_SPLIT: tl.constexpr, CHUNKS: tl.constexpr):
+    """Into L2 (PDL's step 1, k3.ops._pdl_triton): rows `cols` of W over the K_SPLIT columns from k_start."""
+    elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    row_bytes = tl.minimum(K_SPLIT, K - k_start) * elem
+    prefetch_rows_l2(w_ptr + cols.to(tl.int64) * stride_wn + k_start, cols < N, row_bytes, CHUNKS)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr, eps, up_ptr, beta_gate, beta_up,
                  M, N, K, stride_xm, stride_wn, stride_rm, stride_om, stride_um,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_GLU: tl.constexpr,
                  GLU_EXACT: tl.constexpr, SPLIT: tl.constexpr,
                  USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, NORM_K: tl.constexpr,
-                 NORM_BLOCK: tl.constexpr, OUT_GATE: tl.constexpr = False):
+                 NORM_BLOCK: tl.constexpr, OUT_GATE: tl.constexpr = False, PDL: tl.constexpr = False,
+                 PREFETCH: tl.constexpr = False, PF_CHUNKS: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    if PREFETCH:
+        _prefetch_w(w_ptr, cols, N, K, pid_k * K_SPLIT, stride_wn, K_SPLIT, PF_CHUNKS)
+    pdl_enter(PDL)
     # this split's K_SPLIT columns (a whole number of tiles; the last split is cut at K)
     acc = _tile_sums(x_ptr, w_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, K, pid_k * K_SPLIT,
                      stride_xm, stride_wn, stride_um, HAS_NORM, HAS_GLU, GLU_EXACT, OUT_GATE, USE_DOT, DOT_IN_FP32,
@@ -150,7 +164,8 @@ def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, 
                       A_GLU: tl.constexpr, B_NORM: tl.constexpr, GLU_EXACT: tl.constexpr, SPLIT: tl.constexpr,
                       USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, K_SPLIT_A: tl.constexpr, K_SPLIT_B: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, NORM_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                      NUM_STAGES: tl.constexpr, NORM_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_CHUNKS: tl.constexpr = 1):
     """Two K segments into one output: a (through its GLU) by W_a plus b (g ⊙ b, times its rows' rstd) by W_b.
     Unsplit, each program walks both segments whole and stores the sum (one launch for the two linears); SPLIT,
     splits 0..splits_a-1 walk a, the rest b, and each stores its partial sums for the reduce kernel (which
@@ -159,6 +174,13 @@ def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, 
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH:  # the slices of W_a and W_b this program reads
+        if not SPLIT or pid_k < splits_a:
+            _prefetch_w(wa_ptr, cols, N, KA, pid_k * K_SPLIT_A, stride_wan, K_SPLIT_A, PF_CHUNKS)
+        if not SPLIT or pid_k >= splits_a:
+            _prefetch_w(wb_ptr, cols, N, KB, (pid_k - splits_a) * K_SPLIT_B if SPLIT else 0, stride_wbn, K_SPLIT_B,
+                        PF_CHUNKS)
+    pdl_enter(PDL)
     if SPLIT:
         if pid_k < splits_a:
             acc = _tile_sums(a_ptr, wa_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, KA,
@@ -187,9 +209,10 @@ def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, 
 def _reduce_splits_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, x_ptr, eps, M, N, K, n_splits, stride_rm, stride_om,
                           stride_xm, norm_from, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                           HAS_NORM: tl.constexpr, BLOCK: tl.constexpr, NORM_K: tl.constexpr,
-                          NORM_BLOCK: tl.constexpr):
+                          NORM_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, cols] = Σ_s part[s, m, cols] (s in order; those from `norm_from` on × the row's rstd of x, a pair's
     second segment) with the epilogue; one program per (row, column block)."""
+    pdl_enter(PDL)
     m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -245,6 +268,13 @@ def pair_plan(M: int, N: int, KA: int, KB: int, dtype: torch.dtype, sms: int) ->
     return out
 
 
+def _prefetch(launch: dict, p: dict, *weights: torch.Tensor) -> dict:
+    """The GEMV's prefetch of its weight slices under PDL (k3.ops._pdl_triton), where they are aligned for it:
+    one chunk of a W row a thread."""
+    on = launch["PDL"] and pdl.prefetchable(*weights)
+    return dict(PREFETCH=on, PF_CHUNKS=max(1, 32 * p["warps"] // p["block_n"]))
+
+
 @inference_op("decode_gemv")
 def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                 norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, glu_up: torch.Tensor | None = None,
@@ -272,17 +302,19 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     glu = dict(HAS_GLU=glu_up is not None, GLU_EXACT=x.dtype == torch.float32, OUT_GATE=out_gate is not None)
     norm_block = min(LAUNCH["norm_block"], triton.next_power_of_2(max(K, 1)))
     norm = dict(NORM_K=triton.cdiv(max(K, 1), norm_block) * norm_block, NORM_BLOCK=norm_block)
+    launch = pdl.launch(x)
     with on_device(x):
         _gemv_kernel[(p["n_blocks"], p["split"])](
             x, weight, b, res, out, part, norm_w, norm_eps, up, beta_gate, beta_up, M, N, K, x.stride(0),
-            weight.stride(0), res.stride(0), out.stride(0), up.stride(0), SPLIT=split, USE_DOT=p["use_dot"], DOT_IN_FP32=not x.is_cuda, BLOCK_M=p["block_m"],
-            BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"], NUM_STAGES=p["stages"],
-            num_warps=p["warps"], **flags, **norm, **glu)
+            weight.stride(0), res.stride(0), out.stride(0), up.stride(0), SPLIT=split, USE_DOT=p["use_dot"],
+            DOT_IN_FP32=not x.is_cuda, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
+            K_SPLIT=p["k_per_split"], NUM_STAGES=p["stages"], num_warps=p["warps"], **flags, **norm, **glu,
+            **_prefetch(launch, p, weight), **launch)
         if split:
             block = min(LAUNCH["reduce_block"], triton.next_power_of_2(N))
             _reduce_splits_kernel[(M, triton.cdiv(N, block))](
                 part, b, res, out, x, norm_eps, M, N, K, p["split"], res.stride(0), out.stride(0), x.stride(0), 0,
-                BLOCK=block, num_warps=4, **flags, **norm)
+                BLOCK=block, num_warps=4, **flags, **norm, **launch)
     return out
 
 
@@ -313,6 +345,7 @@ def decode_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, glu_up: torch.Tens
     norm_w = norm_weight if norm_weight is not None else out
     norm_block = min(LAUNCH["norm_block"], triton.next_power_of_2(max(KB, 1)))
     norm = dict(NORM_K=triton.cdiv(max(KB, 1), norm_block) * norm_block, NORM_BLOCK=norm_block)
+    launch = pdl.launch(a)
     with on_device(a):
         _gemv_pair_kernel[(p["n_blocks"], splits)](
             a, weight_a, up, beta_gate, beta_up, b, weight_b, norm_w, norm_eps, part, out, M, N, KA, KB,
@@ -320,13 +353,14 @@ def decode_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, glu_up: torch.Tens
             out.stride(0), A_GLU=glu_up is not None, B_NORM=norm_weight is not None,
             GLU_EXACT=a.dtype == torch.float32, SPLIT=p["split"], USE_DOT=p["use_dot"], DOT_IN_FP32=not a.is_cuda,
             BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT_A=p["k_per_split_a"],
-            K_SPLIT_B=p["k_per_split_b"], NUM_STAGES=p["stages"], num_warps=p["warps"], **norm)
+            K_SPLIT_B=p["k_per_split_b"], NUM_STAGES=p["stages"], num_warps=p["warps"], **norm,
+            **_prefetch(launch, p, weight_a, weight_b), **launch)
         if p["split"]:
             block = min(LAUNCH["reduce_block"], triton.next_power_of_2(N))
             _reduce_splits_kernel[(M, triton.cdiv(N, block))](
                 part, out, out, out, b, norm_eps, M, N, KB, splits, out.stride(0), out.stride(0), b.stride(0),
                 p["split_a"], BLOCK=block, num_warps=4, HAS_BIAS=False, HAS_RES=False,
-                HAS_NORM=norm_weight is not None, **norm)
+                HAS_NORM=norm_weight is not None, **norm, **launch)
     return out
 
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops import _pdl_triton as pdl
+from k3.ops._pdl_triton import pdl_enter
 from k3.ops.triton_dispatch import inference_op, on_device, sm_count, ticket_workspace
 
 MAX_HEAD_DIM = 128  # q, k, the gate and [K, TILE_V] state tiles are held whole along K; wider heads: unfused
@@ -58,7 +60,8 @@ def kda_decode_kernel(
         H, K, V, R, scale, lower_bound, eps,
         W: tl.constexpr, HAS_SLOTS: tl.constexpr, TAIL_ROWS: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
-        TILE_V: tl.constexpr, SPLITS: tl.constexpr):
+        TILE_V: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -204,7 +207,7 @@ def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: to
             H, K, V, R, K ** -0.5, float(lower_bound), float(eps),
             W=W, HAS_SLOTS=slots is not None, TAIL_ROWS=triton.next_power_of_2(max(W - 1, 1)),
             BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_R=block_r, R_CHUNK=min(block_r, 32),
-            TILE_V=min(block_v, LAUNCH["tile_v"]), SPLITS=splits, num_warps=LAUNCH["num_warps"])
+            TILE_V=min(block_v, LAUNCH["tile_v"]), SPLITS=splits, num_warps=LAUNCH["num_warps"], **pdl.launch(xq))
     return out
 
 

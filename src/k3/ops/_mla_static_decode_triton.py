@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops import _pdl_triton as pdl
+from k3.ops._pdl_triton import pdl_enter
 from k3.ops.triton_dispatch import call_op, inference_op, on_device, sm_count
 
 
@@ -26,7 +28,8 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
                           l_ptr, tickets_ptr, out_ptr, norm_w_ptr, norm_eps, H, R, E, max_len, scale, split_len, splits,
                           head_blocks, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                          NORM: tl.constexpr, DOT16: tl.constexpr):
+                          NORM: tl.constexpr, DOT16: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b, hb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     r, e = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_E)
@@ -199,7 +202,8 @@ def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
             BLOCK_S=triton.next_power_of_2(splits),
             PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",  # (tf32: exact for bf16/fp16 values)
             NORM=norm_weight is not None, num_warps=LAUNCH["num_warps"],
-            DOT16=LAUNCH["dot16"] and q_lat.is_cuda and cache_latent.dtype in (torch.bfloat16, torch.float16))
+            DOT16=LAUNCH["dot16"] and q_lat.is_cuda and cache_latent.dtype in (torch.bfloat16, torch.float16),
+            **pdl.launch(q_lat))
     return out
 
 

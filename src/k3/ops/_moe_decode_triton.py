@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops import _pdl_triton as pdl
+from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
 from k3.ops._situ_triton import _sigmoid, _tanh
 
 
@@ -27,7 +29,8 @@ LAUNCH = dict(gate_up_block_i=8, gate_up_block_l=256, down_block_l=4, down_block
 @triton.jit
 def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, beta_up, I: tl.constexpr,
                     L: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, UNROLL: tl.constexpr,
-                    EXACT: tl.constexpr):
+                    EXACT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     s = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     e = tl.load(idx_ptr + s).to(tl.int64)
@@ -55,9 +58,23 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, bet
 
 @triton.jit
 def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, I: tl.constexpr, L: tl.constexpr, TOP_K: tl.constexpr,
-                 BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr):
+                 BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False,
+                 PREFETCH: tl.constexpr = False, E: tl.constexpr = 0, K_PAD: tl.constexpr = 1,
+                 PF_CHUNKS: tl.constexpr = 1):
     n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    if PREFETCH:
+        # this program's rows of its k experts' W2 (one contiguous block each) into L2. The ids are read before the
+        # wait, for the prefetch alone: the router wrote them kernels ago, and were one stale, a prefetch would miss
+        # (never an address outside the stack: ids outside [0, E) prefetch nothing); the loads below read them again
+        j = tl.arange(0, K_PAD)
+        e = tl.load(idx_ptr + n * TOP_K + j, mask=j < TOP_K, other=-1).to(tl.int64)
+        ok = (e >= 0) & (e < E)
+        row0 = tl.program_id(1) * BLOCK_L
+        elem: tl.constexpr = w2_ptr.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_rows_l2(w2_ptr + tl.where(ok, e, 0) * L * I + row0 * I, ok, tl.minimum(BLOCK_L, L - row0) * I * elem,
+                         PF_CHUNKS)
+    pdl_enter(PDL)
     acc = tl.zeros((BLOCK_L, BLOCK_I), dtype=tl.float32)  # reduced across the warps once, after every expert
     for j in tl.static_range(TOP_K):  # unrolled, and no branch: the k experts' loads are in flight together
         s = n * TOP_K + j
@@ -89,13 +106,16 @@ def selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch
     p = LAUNCH
     block_l = min(p["gate_up_block_l"], triton.next_power_of_2(L))
     block_i = min(p["down_block_i"], triton.next_power_of_2(I))
+    launch = pdl.launch(z)
     # small row blocks: a decode step has few slots, so the programs come from the rows (≥ 4 per SM at small)
     _gate_up_kernel[(N * k, triton.cdiv(I, p["gate_up_block_i"]))](
         z, idx, w1, w3, h, k, float(beta_gate), float(beta_up), I=I, L=L, BLOCK_I=p["gate_up_block_i"],
         BLOCK_L=block_l, UNROLL=_unroll(triton.cdiv(L, block_l)), EXACT=z.dtype == torch.float32,
-        num_warps=p["num_warps"])
+        num_warps=p["num_warps"], **launch)
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
     _down_kernel[(N, triton.cdiv(L, p["down_block_l"]))](
         h, idx, weights, w2, out, I=I, L=L, TOP_K=k, BLOCK_L=p["down_block_l"], BLOCK_I=block_i,
-        UNROLL=_unroll(triton.cdiv(I, block_i)), num_warps=p["num_warps"])
+        UNROLL=_unroll(triton.cdiv(I, block_i)), num_warps=p["num_warps"], **launch,
+        PREFETCH=launch["PDL"] and pdl.prefetchable(w2), E=E, K_PAD=triton.next_power_of_2(k),
+        PF_CHUNKS=max(1, 32 * p["num_warps"] // triton.next_power_of_2(k)))
     return out

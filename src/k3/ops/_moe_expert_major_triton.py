@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops import _pdl_triton as pdl
+from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
 from k3.ops._situ_triton import _sigmoid, _tanh
 from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
@@ -71,9 +73,14 @@ def _dot(a, b, DOT_IN_FP32: tl.constexpr):
 def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gate, beta_up, TOP_K: tl.constexpr,
                     I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                     BLOCK_L: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
-                    DOT_IN_FP32: tl.constexpr):
+                    DOT_IN_FP32: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                    PF_CHUNKS: tl.constexpr = 1):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # rows of W1_e, W3_e = columns of h
+    if PREFETCH:  # this program's rows of W1_e and W3_e into L2, whether or not a slot is routed to e
+        _prefetch_expert_rows(w1_ptr, e, rows, I, L, PF_CHUNKS)
+        _prefetch_expert_rows(w3_ptr, e, rows, I, L, PF_CHUNKS)
+    pdl_enter(PDL)
     w_rows = e.to(tl.int64) * I * L + rows[:, None] * L
     slots, count = _routed_slots(idx_ptr, S, e, 0, BLOCK_M, SCAN)
     base = 0
@@ -101,9 +108,13 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gat
 @triton.jit
 def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr,
-                 DOT_IN_FP32: tl.constexpr):
+                 DOT_IN_FP32: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                 PF_CHUNKS: tl.constexpr = 1):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)  # rows of W2_e = columns of y
+    if PREFETCH:
+        _prefetch_expert_rows(w2_ptr, e, rows, L, I, PF_CHUNKS)
+    pdl_enter(PDL)
     w_rows = e.to(tl.int64) * L * I + rows[:, None] * I
     slots, count = _routed_slots(idx_ptr, S, e, 0, BLOCK_M, SCAN)
     base = 0
@@ -122,7 +133,16 @@ def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.conste
 
 
 @triton.jit
-def _combine_kernel(y_ptr, idx_ptr, wt_ptr, out_ptr, E, L, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _prefetch_expert_rows(w_ptr, e, rows, OUT: tl.constexpr, IN: tl.constexpr, CHUNKS: tl.constexpr):
+    """Rows `rows` of expert e's [OUT, IN] matrix of the stack w into L2 (PDL's step 1, k3.ops._pdl_triton)."""
+    elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    prefetch_rows_l2(w_ptr + (e.to(tl.int64) * OUT + rows) * IN, rows < OUT, IN * elem, CHUNKS)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, idx_ptr, wt_ptr, out_ptr, E, L, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     n = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -161,14 +181,19 @@ def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     p = LAUNCH
     common = dict(BLOCK_M=block_m(N * k, E), SCAN=p["scan"], STAGES=p["stages"],
                   DOT_IN_FP32=not z.is_cuda or z.dtype == torch.float32, num_warps=p["warps"])
+    launch = pdl.launch(z)
+    prefetch = launch["PDL"] and pdl.prefetchable(w1, w3, w2)
     with on_device(z):
         _gate_up_kernel[(E, triton.cdiv(I, p["gate_up_block_i"]))](
             z, idx, w1, w3, h, N * k, z.stride(0), float(beta_gate), float(beta_up), TOP_K=k, I=I, L=L,
-            BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=z.dtype == torch.float32, **common)
+            BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=z.dtype == torch.float32, **common,
+            PREFETCH=prefetch, PF_CHUNKS=max(1, 32 * p["warps"] // p["gate_up_block_i"]), **launch)
         _down_kernel[(E, triton.cdiv(L, p["down_block_l"]))](
-            h, idx, w2, y, N * k, I=I, L=L, BLOCK_L=p["down_block_l"], BLOCK_I=p["down_block_i"], **common)
+            h, idx, w2, y, N * k, I=I, L=L, BLOCK_L=p["down_block_l"], BLOCK_I=p["down_block_i"], **common,
+            PREFETCH=prefetch, PF_CHUNKS=max(1, 32 * p["warps"] // p["down_block_l"]), **launch)
         block = min(p["combine_block"], triton.next_power_of_2(L))
-        _combine_kernel[(N, triton.cdiv(L, block))](y, idx, weights, out, E, L, TOP_K=k, BLOCK=block, num_warps=4)
+        _combine_kernel[(N, triton.cdiv(L, block))](y, idx, weights, out, E, L, TOP_K=k, BLOCK=block, num_warps=4,
+                                                    **launch)
     return out
 
 

@@ -13,16 +13,23 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops import _pdl_triton as pdl
+from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
 from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, bias_ptr, scores_ptr, tickets_ptr, idx_ptr, wt_ptr, E, D, scale,
                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                   RANK_SELECT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+                   RANK_SELECT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_CHUNKS: tl.constexpr = 1):
     n = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < E
+    if PREFETCH and n == 0:  # its experts' weight rows into L2, once (the first row's programs)
+        elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_rows_l2(w_ptr + experts.to(tl.int64) * D, e_ok, D * elem, PF_CHUNKS)
+    pdl_enter(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
     d0 = 0
     while d0 < D:  # not `for ... range(D)`: Triton's interpreter (the CPU tests) needs a constant bound there
@@ -116,13 +123,16 @@ def _route_tokens_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     w = torch.empty(N, k, dtype=torch.float32, device=x.device)
     block_e = min(LAUNCH["block_e"], triton.next_power_of_2(E))
     block_d = min(LAUNCH["block_d"], triton.next_power_of_2(D))
+    launch = pdl.launch(x)
+    prefetch = dict(PREFETCH=launch["PDL"] and pdl.prefetchable(weight),
+                    PF_CHUNKS=max(1, 32 * LAUNCH["num_warps"] // block_e))
     if N:
         with on_device(x):
             _router_kernel[(N, triton.cdiv(E, block_e))](
                 x, weight, bias, scores, tickets, idx, w, E, D, scale,
                 TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), RENORMALIZE=renormalize,
                 RANK_SELECT=E <= LAUNCH["rank_select_max_experts"], BLOCK_E=block_e, BLOCK_D=block_d,
-                num_warps=LAUNCH["num_warps"])
+                num_warps=LAUNCH["num_warps"], **prefetch, **launch)
     return idx, w, scores
 
 

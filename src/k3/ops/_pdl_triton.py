@@ -1,0 +1,79 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for decode's Triton kernels (imported only through the
+kernel modules; needs triton). Switch: K3_PDL (k3.envs), off until an H200 step times it.
+
+A decode step is ~190 kernels of a few µs each, one after another in one stream, and each pays its launch and its
+first loads' latency after the kernel before it has finished. Launched with PDL (`launch_pdl`), a kernel may start
+as soon as every program of the kernel before it has let it (`griddepcontrol.launch_dependents`) or exited. Each
+of k3's PDL kernels opens with `pdl_enter`:
+1. before the wait, it may only prefetch into L2 what it will read (`prefetch_rows_l2`: its weights), which
+   returns nothing to the program: L2 is where the GPU's writes meet, so a line prefetched before the kernel before
+   it writes that line is updated by the write, never stale. Nothing is stored; a value loaded there only ever
+   addresses a prefetch (the routed experts' ids: a stale one costs a useless prefetch, never a wrong result), and
+   the kernel loads it again after the wait (tests/test_pdl.py checks each kernel's PTX for this order);
+2. `griddepcontrol.wait`: the kernel before it has completed and its writes are visible;
+3. `griddepcontrol.launch_dependents`: the next kernel may start its own step 1.
+A kernel lets the next one start only after its own wait, so when any kernel passes its wait, every kernel before
+it in the stream has completed. Kernels launched without PDL (cuBLAS, torch's own) wait for the one before them as
+always; a PDL kernel after one of them starts when it exits. A CUDA graph captured from such launches keeps the
+programmatic edges.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from k3 import envs
+
+# Bulk L2 prefetches (`cp.async.bulk.prefetch.L2`, sm_90) take 16-byte-aligned addresses and sizes.
+ALIGN = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def launch(t: torch.Tensor) -> dict:
+    """A PDL kernel's launch keywords for work on t's device: `PDL` (the kernel's constexpr: `pdl_enter` waits,
+    and prefetches where the kernel has any) and, where it is on, Triton's `launch_pdl`. On where K3_PDL is set and
+    t is on a CUDA device of compute capability 9.0 or later; off elsewhere (the interpreter, older cards)."""
+    on = t.is_cuda and envs.current().pdl and _hopper_or_later(t.device.index)
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
+def prefetchable(*tensors: torch.Tensor) -> bool:
+    """Whether rows of these tensors can be bulk-prefetched: each 16-byte aligned, its row stride a multiple of 16
+    bytes (a row's slice then starts aligned where its column offset is a multiple of 16 bytes)."""
+    return all(t.data_ptr() % ALIGN == 0 and (t.dim() < 2 or t.stride(-2) * t.element_size() % ALIGN == 0)
+               for t in tensors)
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Steps 2 and 3 above (nothing without PDL). Everything before it may only prefetch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes):
+    """One bulk prefetch into L2 per element: nbytes[i] (a multiple of 16; 0: none) from ptrs[i] (16-byte aligned)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows_l2(row_ptrs, row_ok, row_bytes, CHUNKS: tl.constexpr):
+    """Prefetches `row_bytes` bytes (rounded down to 16) from each row pointer (16-byte aligned) where row_ok, each
+    row cut into CHUNKS pieces, so that a program's threads issue one each (rows × CHUNKS = its threads)."""
+    chunk = tl.cdiv(tl.cdiv(row_bytes, CHUNKS), 16) * 16
+    starts = tl.arange(0, CHUNKS) * chunk
+    size = tl.minimum(tl.maximum(row_bytes - starts, 0), chunk) // 16 * 16  # [CHUNKS]
+    ptrs = row_ptrs.to(tl.pointer_type(tl.int8))[:, None] + starts[None, :]
+    _prefetch_l2(ptrs, tl.where(row_ok[:, None], size[None, :], 0).to(tl.int32))

@@ -1,0 +1,244 @@
+"""Programmatic dependent launch in decode's kernels (k3.ops._pdl_triton, K3_PDL).
+
+With the switch on, every launch decode's kernel modules make asks for PDL and hands its kernel PDL=True; each
+such kernel, compiled for sm_90 by ptxas (no GPU needed), waits (`griddepcontrol.wait`) before its first global
+load, store or atomic, lets the next kernel launch only after that wait, and prefetches into L2 only before it.
+Without CUDA the launches are recorded, not run (the interpreter cannot run the wait). On a GPU (CUDA tests), each
+kernel's outputs with PDL equal those without, bit for bit, and so do a graphed decode step's logits."""
+import inspect
+import os
+import re
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+pytest.importorskip("triton")
+
+from k3 import envs  # noqa: E402
+from k3.ops import _pdl_triton as pdl  # noqa: E402
+from k3.ops.kda_decode import force_fused_decode, kda_decode_step  # noqa: E402
+from k3.ops.triton_dispatch import triton_module  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+bf16 = torch.bfloat16
+
+
+def _rand(seed):
+    g = torch.Generator().manual_seed(seed)
+    return lambda *shape, dtype=bf16, scale=1.0: (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+# Each case: decode's kernel module function on `small`'s widths at one or a few rows, returning what it writes.
+def _gemv_split_k():  # o_proj at one row: K split, then the reduce kernel
+    r = _rand(1)
+    return [triton_module("_gemv_triton").decode_gemv(r(1, 1536), r(1536, 1536, scale=0.03), None, r(1, 1536))]
+
+
+def _gemv_norm():  # MLA's q_b with the q_a norm in its prologue
+    r = _rand(2)
+    return [triton_module("_gemv_triton").decode_gemv(r(1, 384), r(2304, 384, scale=0.05), None, None,
+                                                       norm_weight=r(384), norm_eps=1e-6)]
+
+
+def _gemv_pair():  # the shared experts' down (GLU) + the routed up (norm), split
+    r = _rand(3)
+    return [triton_module("_gemv_triton").decode_gemv_pair(r(1, 1024), r(1536, 1024, scale=0.03), r(1, 1024), 4.0,
+                                                            25.0, r(1, 768), r(1536, 768, scale=0.03), r(768), 1e-6)]
+
+
+def _router():
+    r = _rand(4)
+    return list(triton_module("_router_triton").route_tokens(r(2, 1536), r(64, 1536, dtype=torch.float32, scale=0.03),
+                                                             r(64, dtype=torch.float32, scale=0.01), 8, True, 2.5))
+
+
+def _mix_norm():
+    r = _rand(5)
+    out = triton_module("_attn_res_norm_triton").mix_norm_forward(
+        r(1536), r(1, 1536), 1e-6, tuple(r(1, 1, 1536) for _ in range(4)), r(1536), 1e-6, add=r(1, 1, 1536))
+    return [t for t in out if t is not None]
+
+
+def _experts(tokens):
+    r = _rand(6 + tokens)
+    idx = torch.stack([torch.randperm(64, generator=torch.Generator().manual_seed(t))[:8] for t in range(tokens)])
+    return (r(tokens, 768), idx.to(DEVICE), r(tokens, 8, dtype=torch.float32).abs(), r(64, 512, 768, scale=0.03),
+            r(64, 512, 768, scale=0.03), r(64, 768, 512, scale=0.03), 4.0, 25.0)
+
+
+def _slot_major():
+    return [triton_module("_moe_decode_triton").selected_experts_situ_mlp(*_experts(1))]
+
+
+def _expert_major():
+    return [triton_module("_moe_expert_major_triton").expert_major_situ_mlp(*_experts(24))]
+
+
+def _kda():
+    from test_kda_decode_triton import step_case
+    feats, weights, state, tails = step_case(7, 2, 4, 128, 128, 32, 4, 3, dtype=bf16)
+    with force_fused_decode(True):
+        out = kda_decode_step(*feats, weights, state, *tails, torch.tensor([2, 0], device=DEVICE))
+    return [out, state, *tails]
+
+
+def _mla():
+    from test_mla_static_decode_triton import case
+    args = case(2, 12, 256, 64, 640, 300, bf16, 8)
+    tickets = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    out = triton_module("_mla_static_decode_triton").static_decode_attention(*args, 0.07, tickets)
+    return [out, args[4], args[5], tickets]
+
+
+CASES = {"gemv_split_k": _gemv_split_k, "gemv_norm": _gemv_norm, "gemv_pair": _gemv_pair, "router": _router,
+         "mix_norm": _mix_norm, "slot_major": _slot_major, "expert_major": _expert_major, "kda": _kda, "mla": _mla}
+
+
+def test_the_switch_is_off_by_default_and_never_on_off_the_gpu(monkeypatch):
+    assert not envs.parse({}).pdl and envs.parse({"K3_PDL": "1"}).pdl and not envs.parse({"K3_PDL": "0"}).pdl
+    with envs.override(pdl=True):
+        assert pdl.launch(torch.zeros(1)) == {"PDL": False}  # a CPU tensor: the interpreter
+    if torch.cuda.is_available():
+        x = torch.zeros(1, device="cuda")
+        with envs.override(pdl=False):
+            assert pdl.launch(x) == {"PDL": False}
+        with envs.override(pdl=True):
+            on = torch.cuda.get_device_capability() >= (9, 0)
+            assert pdl.launch(x) == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
+
+
+def test_prefetch_needs_16_byte_rows():
+    w = torch.zeros(8, 24, dtype=bf16)
+    assert pdl.prefetchable(w)  # rows of 48 bytes
+    assert not pdl.prefetchable(torch.zeros(8, 20, dtype=bf16))  # rows of 40 bytes
+    assert not pdl.prefetchable(w.view(-1)[1:].view(-1)[:184].view(8, 23))  # a base off by 2 bytes
+
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+          torch.int32: "i32", torch.uint8: "u8"}
+
+
+def _triton_type(value):
+    if isinstance(value, torch.Tensor):
+        return "*" + _TYPES[value.dtype]
+    if isinstance(value, (tuple, list)):
+        return [_triton_type(v) for v in value]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def recorded_launches(case, monkeypatch) -> list[tuple]:
+    """(the @triton.jit function, its arguments by name, launch options) of every launch `case` makes with PDL
+    switched on; the kernels are not run."""
+    from k3.ops import _gemv_triton
+    kernel_type = type(_gemv_triton._gemv_kernel)  # the interpreter's function, or Triton's JITFunction on a GPU
+    launches = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        named = dict(zip(inspect.signature(fn).parameters, args))
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k not in inspect.signature(fn).parameters}
+        launches.append((fn, {**named, **kwargs}, options))
+
+    monkeypatch.setattr(kernel_type, "run", record)
+    monkeypatch.setattr(pdl, "launch", lambda t: dict(PDL=True, launch_pdl=True))
+    case()
+    return launches
+
+
+_STORE = re.compile(r"\b(st\.global|atom\.|red\.global)")
+_LOAD = re.compile(r"\b(ld\.global|cp\.async\.(?!bulk\.prefetch))")
+# Kernels that read something before the wait, for their prefetch's addresses alone (see each kernel).
+READS_BEFORE_WAIT = {"k3.ops._moe_decode_triton._down_kernel"}
+
+
+def assert_waits_first(ptx: str, plain_ptx: str, prefetch: bool, reads_before: bool) -> None:
+    """The PTX of a PDL kernel against the same kernel's without PDL (`plain_ptx`): the wait before any global
+    store or atomic and before every load the plain kernel makes (as many after the wait as there; with
+    `reads_before`, the prefetch's own reads may come before it, never in place of a later one); the next kernel
+    let go after the wait; bulk L2 prefetches (where it makes them) before the wait, and none after."""
+    lines = ptx.splitlines()
+    at = lambda pattern: [i for i, line in enumerate(lines) if re.search(pattern, line)]  # noqa: E731
+    wait, go = at("griddepcontrol\\.wait"), at("griddepcontrol\\.launch_dependents")
+    assert len(wait) == 1 and len(go) == 1 and wait[0] < go[0], (wait, go)
+    stores, loads, prefetches = at(_STORE), at(_LOAD), at("cp\\.async\\.bulk\\.prefetch\\.L2")
+    assert stores and min(stores) > wait[0], lines[min(stores)]
+    assert sum(i > wait[0] for i in loads) == len(_LOAD.findall(plain_ptx))
+    assert reads_before or not any(i < wait[0] for i in loads), [lines[i] for i in loads if i < wait[0]]
+    assert bool(prefetches) == prefetch and all(i < wait[0] for i in prefetches)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_launch_waits_before_it_touches_memory_on_the_h200(name, monkeypatch):
+    from sm90_compile import ptx_for_sm90
+
+    launches = recorded_launches(CASES[name], monkeypatch)
+    assert launches
+    for fn, args, options in launches:
+        params = inspect.signature(fn).parameters
+        constexpr = {k for k, p in params.items() if p.annotation is not inspect.Parameter.empty}
+        assert args.get("PDL") is True and options.get("launch_pdl") is True, (fn.__name__, options)
+        signature = {k: _triton_type(v) for k, v in args.items() if k not in constexpr}
+        constexprs = {k: v for k, v in args.items() if k in constexpr}
+        if "DOT_IN_FP32" in constexprs:  # the card's launch: its bf16 tiles go in as they are (fp32: the interpreter)
+            constexprs["DOT_IN_FP32"] = False
+        ptx, plain = (ptx_for_sm90(fn.__module__, fn.__name__, signature, num_warps=options.get("num_warps", 4),
+                                   **{**constexprs, **off}) for off in ({}, {k: False for k in ("PDL", "PREFETCH") if k in constexprs}))
+        assert "griddepcontrol" not in plain
+        assert_waits_first(ptx, plain, prefetch=bool(constexprs.get("PREFETCH")),
+                           reads_before=f"{fn.__module__}.{fn.__name__}" in READS_BEFORE_WAIT)
+    # the weight-reading kernels prefetch their weights (the GEMVs, the router, the experts after the router)
+    prefetching = {fn.__name__ for fn, args, _ in launches if args.get("PREFETCH")}
+    wanted = {"gemv_split_k": {"_gemv_kernel"}, "gemv_norm": {"_gemv_kernel"}, "gemv_pair": {"_gemv_pair_kernel"},
+              "router": {"_router_kernel"}, "expert_major": {"_gate_up_kernel", "_down_kernel"},
+              "slot_major": {"_down_kernel"}}
+    assert prefetching == wanted.get(name, set())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the kernels: CUDA only (the interpreter has no wait)")
+@pytest.mark.parametrize("name", CASES)
+def test_outputs_with_pdl_equal_those_without(name):
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    results = []
+    for on in (False, True):
+        with envs.override(pdl=on):
+            results.append(CASES[name]())
+        torch.cuda.synchronize()
+    for off, on in zip(*results):
+        assert torch.equal(off, on)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: CUDA only")
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_graphed_decode_step_with_pdl_equals_one_without(batch):
+    """The decode step captured in one CUDA graph with every decode kernel launched under PDL (programmatic edges
+    in the graph) gives the logits the step without PDL gives, bit for bit, over several steps (a kernel that read
+    its predecessor's output before the wait would read it stale)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs compute capability 9.0")
+    from k3.config import K3Config
+    from k3.model.cuda_graph import GraphedDecodeStep
+    from k3.model.decoder import K3ForCausalLM
+    from k3.model.generate import chunked_prefill
+
+    torch.manual_seed(2)
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM(cfg).cuda().to(bf16).eval()
+    T, n = 24, 6
+    ids = torch.randint(0, cfg.vocab_size, (batch, T + n), device="cuda")
+    logits = []
+    for on in (False, True):
+        with torch.no_grad(), envs.override(pdl=on):
+            cache = model.new_cache(batch, T + n)
+            chunked_prefill(model, ids[:, :T], cache, 16)
+            step = GraphedDecodeStep(model, cache)
+            logits.append(torch.stack([step.step(ids[:, t]).clone() for t in range(T, T + n)]))
+    assert torch.equal(logits[0], logits[1])
