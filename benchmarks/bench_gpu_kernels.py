@@ -734,8 +734,8 @@ def mla_decode_sweep(bw: float, context: int = 4096, calls: int = 20) -> list[di
     and a few others (programs an SM, shortest split, warps), µs a call from a CUDA graph of `calls` calls."""
     from k3.ops import _mla_static_decode_triton as kernel
 
-    changes = [{}, dict(dot16=True), dict(dot16=True, block_n=16), dict(dot16=True, num_warps=4, block_n=16),
-               dict(block_n=16), dict(min_split=256)]
+    changes = [{}, dict(prefetch=True), dict(dot16=True), dict(dot16=True, prefetch=True), dict(dot16=True, block_n=16),
+               dict(block_n=16)]
     out = []
     for n in (1, 8, 64):
         (_, (_, fn, nbytes)), = _mla_static_decode_case(n, context).items()
@@ -758,8 +758,7 @@ def kda_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
                             f_b=torch.randn(H * K, K, **bf) * K ** -0.5, A_log=torch.randn(H, **f32) * 0.5,
                             dt_bias=torch.randn(H * K, **f32), norm_weight=torch.ones(K, **f32), lower_bound=-5.0,
                             eps=1e-5)
-    changes = [{}, dict(programs_per_sm=0, num_warps=8), dict(num_warps=8), dict(programs_per_sm=0),
-               dict(programs_per_sm=2), dict(tile_v=16, programs_per_sm=2)]
+    changes = [{}, dict(prefetch=True), dict(tile_v=16), dict(tile_v=16, prefetch=True), dict(programs_per_sm=2)]
     out = []
     for n in (1, 8, 64):
         slots = 4 * n
@@ -951,7 +950,7 @@ def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "exper
 def moe_expert_sweep(bw: float) -> list[dict]:
     """The expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) at 8 and 64 tokens."""
     from k3.ops import _moe_expert_major_triton as kernels  # (needs triton)
-    variants = [{}, dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
+    variants = [{}, dict(prefetch=True), dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
                 dict(down_block_l=32), dict(down_block_l=128), dict(down_block_i=128), dict(stages=2),
                 dict(stages=4), dict(warps=8), dict(scan=64)]
     out = []

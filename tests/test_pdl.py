@@ -99,7 +99,9 @@ CASES = {"gemv_split_k": _gemv_split_k, "gemv_norm": _gemv_norm, "gemv_pair": _g
 def test_the_switch_is_off_by_default_and_never_on_off_the_gpu(monkeypatch):
     assert not envs.parse({}).pdl and envs.parse({"K3_PDL": "1"}).pdl and not envs.parse({"K3_PDL": "0"}).pdl
     with envs.override(pdl=True):
-        assert pdl.launch(torch.zeros(1)) == {"PDL": False}  # a CPU tensor: the interpreter
+        cpu = torch.zeros(1)
+        assert pdl.launch(cpu) == {"PDL": False}  # a CPU tensor: the interpreter
+        assert not pdl.prefetching(pdl.launch(cpu), cpu, True, cpu)  # a LAUNCH's opt-in: CUDA only
     if torch.cuda.is_available():
         x = torch.zeros(1, device="cuda")
         with envs.override(pdl=False):
@@ -156,7 +158,7 @@ def recorded_launches(case, monkeypatch) -> list[tuple]:
 _STORE = re.compile(r"\b(st\.global|atom\.|red\.global)")
 _LOAD = re.compile(r"\b(ld\.global|cp\.async\.(?!bulk\.prefetch))")
 # Kernels that read something before the wait, for their prefetch's addresses alone (see each kernel).
-READS_BEFORE_WAIT = {"k3.ops._moe_decode_triton._down_kernel"}
+READS_BEFORE_WAIT = {"k3.ops._moe_decode_triton._down_kernel", "k3.ops._kda_decode_triton.kda_decode_kernel"}
 
 
 def assert_waits_first(ptx: str, plain_ptx: str, prefetch: bool, reads_before: bool) -> None:
@@ -194,26 +196,33 @@ def test_every_launch_waits_before_it_touches_memory_on_the_h200(name, monkeypat
         assert "griddepcontrol" not in plain
         assert_waits_first(ptx, plain, prefetch=bool(constexprs.get("PREFETCH")),
                            reads_before=f"{fn.__module__}.{fn.__name__}" in READS_BEFORE_WAIT)
-    # the weight-reading kernels prefetch their weights (the GEMVs, the router, the experts after the router)
+    # the kernels that stream weights, states or cache rows prefetch them (not the mix, the gate+up after cuBLAS,
+    # the split-K reduce or the combine, whose inputs the kernel before writes)
     prefetching = {fn.__name__ for fn, args, _ in launches if args.get("PREFETCH")}
     wanted = {"gemv_split_k": {"_gemv_kernel"}, "gemv_norm": {"_gemv_kernel"}, "gemv_pair": {"_gemv_pair_kernel"},
               "router": {"_router_kernel"}, "expert_major": {"_gate_up_kernel", "_down_kernel"},
-              "slot_major": {"_down_kernel"}}
+              "slot_major": {"_down_kernel"}, "kda": {"kda_decode_kernel"}, "mla": {"_static_decode_kernel"}}
     assert prefetching == wanted.get(name, set())
+
+
+PREFETCH_OPT_IN = ("_kda_decode_triton", "_mla_static_decode_triton", "_moe_expert_major_triton")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the kernels: CUDA only (the interpreter has no wait)")
 @pytest.mark.parametrize("name", CASES)
-def test_outputs_with_pdl_equal_those_without(name):
+def test_outputs_with_pdl_or_prefetch_equal_those_without(name, monkeypatch):
+    """Each case plain, under PDL, and with the LAUNCH prefetch opt-ins alone: the same bits."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs compute capability 9.0")
     results = []
-    for on in (False, True):
-        with envs.override(pdl=on):
+    for mode in ("plain", "pdl", "prefetch"):
+        with monkeypatch.context() as m, envs.override(pdl=mode == "pdl"):
+            for module in PREFETCH_OPT_IN:
+                m.setitem(triton_module(module).LAUNCH, "prefetch", mode == "prefetch")
             results.append(CASES[name]())
         torch.cuda.synchronize()
-    for off, on in zip(*results):
-        assert torch.equal(off, on)
+    for plain, *others in zip(*results):
+        assert all(torch.equal(plain, other) for other in others)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: CUDA only")

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from k3.ops import _pdl_triton as pdl
-from k3.ops._pdl_triton import pdl_enter
+from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
 from k3.ops.triton_dispatch import inference_op, on_device, sm_count, ticket_workspace
 
 MAX_HEAD_DIM = 128  # q, k, the gate and [K, TILE_V] state tiles are held whole along K; wider heads: unfused
@@ -60,18 +60,30 @@ def kda_decode_kernel(
         H, K, V, R, scale, lower_bound, eps,
         W: tl.constexpr, HAS_SLOTS: tl.constexpr, TAIL_ROWS: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr,
-        TILE_V: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+        TILE_V: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.program_id(2)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    if PREFETCH:
+        # this program's block of the state into L2 first: its loads overlap the head's prologue (and, under PDL,
+        # the kernel before). The slot is read before the wait for this alone (the engine set it before the
+        # step; a stale one costs a useless prefetch) and again after it.
+        pf_slot = row
+        if HAS_SLOTS:
+            pf_slot = tl.load(slots_ptr + row).to(tl.int64)
+        pf_ok = (pf_slot >= 0) & (pf_slot < n_slots)
+        col0 = sp * (BLOCK_V // SPLITS)
+        elem: tl.constexpr = state_ptr.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_rows_l2(state_ptr + tl.where(pf_ok, pf_slot, 0) * s_state + (h * K + offs_k) * V + col0,
+                         k_ok & pf_ok, tl.minimum(BLOCK_V // SPLITS, V - col0) * elem, 1)
+    pdl_enter(PDL)
     slot = row
     if HAS_SLOTS:
         slot = tl.load(slots_ptr + row).to(tl.int64)
     # a slot outside the storage is neither read nor written (its row reads zero state): never memory corruption
     slot_ok = (slot >= 0) & (slot < n_slots)
-    offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
     ck = h * K + offs_k  # this head's channels of the q/k columns
 
     # ---- q, k (whole heads), the gate and beta; the new q/k tails are stored once every program of the head has
@@ -162,7 +174,8 @@ def _store_tails(tq_ptr, tk_ptr, tail_q, tail_k, r, ck, r_tq, r_tk, tail_ok, k_o
 # 1 / 8 / 64 rows): one program a head at 8 warps 15.9 / 16.1 / 80.5; columns split at 8 warps 7.8 / 19.5 / 80.4;
 # split at 4 warps 7.4 / 11.7 / 67.6. A head's columns are split over programs while rows × heads leave the GPU
 # short of `programs_per_sm` programs an SM (batch 1: 12 heads on 132 SMs), each split at least `tile_v` columns.
-LAUNCH = dict(tile_v=32, num_warps=4, programs_per_sm=1)
+# prefetch: the program's state block into L2 at its start (always under PDL: k3.ops._pdl_triton); untimed.
+LAUNCH = dict(tile_v=32, num_warps=4, programs_per_sm=1, prefetch=False)
 
 
 def column_splits(rows_x_heads: int, block_v: int, device: torch.device) -> int:
@@ -196,6 +209,7 @@ def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: to
     if splits > 1:
         sum_sq = torch.empty(B * H * splits, dtype=torch.float32, device=xq.device)
         tickets = ticket_workspace(B * H, xq.device)
+    launch = pdl.launch(xq)
     with on_device(xq):
         kda_decode_kernel[(B, H, splits)](
             xq, xk, xv, fa, beta_logits, gate,
@@ -207,7 +221,8 @@ def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: to
             H, K, V, R, K ** -0.5, float(lower_bound), float(eps),
             W=W, HAS_SLOTS=slots is not None, TAIL_ROWS=triton.next_power_of_2(max(W - 1, 1)),
             BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_R=block_r, R_CHUNK=min(block_r, 32),
-            TILE_V=min(block_v, LAUNCH["tile_v"]), SPLITS=splits, num_warps=LAUNCH["num_warps"], **pdl.launch(xq))
+            TILE_V=min(block_v, LAUNCH["tile_v"]), SPLITS=splits, num_warps=LAUNCH["num_warps"],
+            PREFETCH=pdl.prefetching(launch, xq, LAUNCH["prefetch"], state), **launch)
     return out
 
 

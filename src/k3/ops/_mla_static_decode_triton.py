@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from k3.ops import _pdl_triton as pdl
-from k3.ops._pdl_triton import pdl_enter
+from k3.ops._pdl_triton import pdl_enter, prefetch_range_l2
 from k3.ops.triton_dispatch import call_op, inference_op, on_device, sm_count
 
 
@@ -28,9 +28,19 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
                           l_ptr, tickets_ptr, out_ptr, norm_w_ptr, norm_eps, H, R, E, max_len, scale, split_len, splits,
                           head_blocks, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                          NORM: tl.constexpr, DOT16: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                          NORM: tl.constexpr, DOT16: tl.constexpr, PDL: tl.constexpr = False,
+                          PREFETCH: tl.constexpr = False, PF_CHUNKS: tl.constexpr = 1):
     b, hb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    if PREFETCH and hb == 0:
+        # this split's cache rows (latent and k_rope, each one contiguous range) into L2 first, before the length
+        # is known (the tail of the last split's range may go unread): its tiles' loads then find them there
+        first = b * max_len + sp * split_len
+        rows = tl.minimum(split_len, max_len - sp * split_len)
+        lat_elem: tl.constexpr = lat_ptr.dtype.element_ty.primitive_bitwidth // 8
+        rope_elem: tl.constexpr = rope_ptr.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_range_l2(lat_ptr + first * R, rows * R * lat_elem, PF_CHUNKS)
+        prefetch_range_l2(rope_ptr + first * E, rows * E * rope_elem, PF_CHUNKS)
+    pdl_enter(PDL)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     r, e = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_E)
     h_ok, r_ok, e_ok = heads < H, r < R, e < E
@@ -153,7 +163,9 @@ def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E
 # dot16: the 16-bit products on the tensor cores instead of tf32 products of fp32 tiles (CUDA, bf16/fp16 caches
 # only: the interpreter multiplies 16-bit tiles wrongly); sm_90 (ptxas), 8 warps: spills 232 -> 8 bytes a thread,
 # 0 at 16 tokens a tile; untimed.
-LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8, dot16=False)
+# prefetch: each split's cache rows into L2 at the program's start (always under PDL: k3.ops._pdl_triton); untimed.
+LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8, dot16=False,
+              prefetch=False)
 
 
 def launch_shape(B: int, H: int, max_len: int, device: torch.device) -> tuple[int, int, int]:
@@ -192,6 +204,7 @@ def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
     m = torch.empty(B, splits, H, dtype=torch.float32, device=q_lat.device)
     l = torch.empty_like(m)
     block_r = max(16, triton.next_power_of_2(R))
+    launch = pdl.launch(q_lat)
     with on_device(q_lat):
         _static_decode_kernel[(B, head_blocks, splits)](
             q_lat, q_lat.stride(0), q_lat.stride(1), q_rope, q_rope.stride(0), q_rope.stride(1), latent,
@@ -203,7 +216,8 @@ def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
             PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",  # (tf32: exact for bf16/fp16 values)
             NORM=norm_weight is not None, num_warps=LAUNCH["num_warps"],
             DOT16=LAUNCH["dot16"] and q_lat.is_cuda and cache_latent.dtype in (torch.bfloat16, torch.float16),
-            **pdl.launch(q_lat))
+            PREFETCH=pdl.prefetching(launch, q_lat, LAUNCH["prefetch"], cache_latent, cache_k_rope),
+            PF_CHUNKS=32 * LAUNCH["num_warps"], **launch)
     return out
 
 

@@ -28,8 +28,10 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 # Launch shapes (names so a sweep can time others). Untimed first guesses: 64-row weight tiles (≥ 8 programs an
 # expert at small's widths: 512 and 768 programs a launch), scan: routing ids read a step of the scan (256 spills
 # in gate+up for sm_90: benchmarks/sass_moe_expert_major.py). The slots a pass: `block_m`.
+# prefetch: each program puts its weight rows in flight into L2 first, so that its scan of the routing ids does
+# not hold them back (always under PDL: k3.ops._pdl_triton); untimed.
 LAUNCH = dict(gate_up_block_i=64, gate_up_block_l=64, down_block_l=64, down_block_i=64, stages=3, warps=4,
-              scan=128, combine_block=256)
+              scan=128, combine_block=256, prefetch=False)
 
 
 def block_m(slots: int, experts: int) -> int:
@@ -182,7 +184,7 @@ def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     common = dict(BLOCK_M=block_m(N * k, E), SCAN=p["scan"], STAGES=p["stages"],
                   DOT_IN_FP32=not z.is_cuda or z.dtype == torch.float32, num_warps=p["warps"])
     launch = pdl.launch(z)
-    prefetch = launch["PDL"] and pdl.prefetchable(w1, w3, w2)
+    prefetch = pdl.prefetching(launch, z, p["prefetch"], w1, w3, w2)
     with on_device(z):
         _gate_up_kernel[(E, triton.cdiv(I, p["gate_up_block_i"]))](
             z, idx, w1, w3, h, N * k, z.stride(0), float(beta_gate), float(beta_up), TOP_K=k, I=I, L=L,

@@ -37,6 +37,13 @@ def _hopper_or_later(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+def prefetching(launch: dict, t: torch.Tensor, opted_in: bool, *tensors: torch.Tensor) -> bool:
+    """Whether a kernel on t's device prefetches `tensors` into L2 at its start: under PDL (`launch`), or where its
+    module's LAUNCH opts in (a kernel whose own prologue the prefetch overlaps); CUDA sm_90+ only, aligned rows."""
+    return ((launch["PDL"] or (opted_in and t.is_cuda and _hopper_or_later(t.device.index)))
+            and prefetchable(*tensors))
+
+
 def launch(t: torch.Tensor) -> dict:
     """A PDL kernel's launch keywords for work on t's device: `PDL` (the kernel's constexpr: `pdl_enter` waits,
     and prefetches where the kernel has any) and, where it is on, Triton's `launch_pdl`. On where K3_PDL is set and
@@ -66,6 +73,12 @@ def _prefetch_l2(ptrs, nbytes):
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_range_l2(ptr, nbytes, CHUNKS: tl.constexpr):
+    """Prefetches `nbytes` bytes (rounded down to 16) from ptr (16-byte aligned), cut into CHUNKS pieces."""
+    prefetch_rows_l2(ptr + tl.zeros([1], dtype=tl.int32), tl.full([1], True, tl.int1), nbytes, CHUNKS)
 
 
 @triton.jit
