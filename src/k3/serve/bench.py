@@ -265,7 +265,7 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
             on_start(engine)
         if warmup and make_model is None:  # every graph now (as `k3 serve` starts), then the load itself for the rest
             engine.warm_up()
-        with local_server(create_app(engine, tokenizer, "k3")) as url:
+        with local_server(create_app(engine, tokenizer, "k3"), as_k3_serve=True) as url:  # as `k3 serve` runs it
             if warmup and concurrency:  # other random prompts (another seed): nothing for the timed run to hit
                 run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                         output_len, turns, None, seed + 104729)
