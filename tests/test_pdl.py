@@ -165,7 +165,7 @@ def assert_waits_first(ptx: str, plain_ptx: str, prefetch: bool, reads_before: b
     """The PTX of a PDL kernel against the same kernel's without PDL (`plain_ptx`): the wait before any global
     store or atomic and before every load the plain kernel makes (as many after the wait as there; with
     `reads_before`, the prefetch's own reads may come before it, never in place of a later one); the next kernel
-    let go after the wait; bulk L2 prefetches (where it makes them) before the wait, and none after."""
+    let go after the wait; bulk L2 prefetches (where it makes them) before the wait (and in its loops, ahead)."""
     lines = ptx.splitlines()
     at = lambda pattern: [i for i, line in enumerate(lines) if re.search(pattern, line)]  # noqa: E731
     wait, go = at("griddepcontrol\\.wait"), at("griddepcontrol\\.launch_dependents")
@@ -174,7 +174,7 @@ def assert_waits_first(ptx: str, plain_ptx: str, prefetch: bool, reads_before: b
     assert stores and min(stores) > wait[0], lines[min(stores)]
     assert sum(i > wait[0] for i in loads) == len(_LOAD.findall(plain_ptx))
     assert reads_before or not any(i < wait[0] for i in loads), [lines[i] for i in loads if i < wait[0]]
-    assert bool(prefetches) == prefetch and all(i < wait[0] for i in prefetches)
+    assert bool(prefetches) == prefetch and (not prefetch or min(prefetches) < wait[0])
 
 
 @pytest.mark.parametrize("name", CASES)

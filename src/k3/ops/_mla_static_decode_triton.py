@@ -29,17 +29,14 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
                           head_blocks, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
                           NORM: tl.constexpr, DOT16: tl.constexpr, PDL: tl.constexpr = False,
-                          PREFETCH: tl.constexpr = False, PF_CHUNKS: tl.constexpr = 1):
+                          PREFETCH: tl.constexpr = False, PF_TILES: tl.constexpr = 1, PF_CHUNKS: tl.constexpr = 1):
     b, hb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     if PREFETCH and hb == 0:
-        # this split's cache rows (latent and k_rope, each one contiguous range) into L2 first, before the length
-        # is known (the tail of the last split's range may go unread): its tiles' loads then find them there
-        first = b * max_len + sp * split_len
-        rows = tl.minimum(split_len, max_len - sp * split_len)
-        lat_elem: tl.constexpr = lat_ptr.dtype.element_ty.primitive_bitwidth // 8
-        rope_elem: tl.constexpr = rope_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_range_l2(lat_ptr + first * R, rows * R * lat_elem, PF_CHUNKS)
-        prefetch_range_l2(rope_ptr + first * E, rows * E * rope_elem, PF_CHUNKS)
+        # the first PF_TILES tiles of this split's cache rows into L2 first, before the length is known (past it a
+        # prefetch goes unread); the loop keeps PF_TILES tiles ahead (a whole split at once would not fit L2 at
+        # 64 rows: 168 MB of cache)
+        _prefetch_cache_rows(lat_ptr, rope_ptr, b * max_len + sp * split_len,
+                             tl.minimum(split_len, max_len - sp * split_len), R, E, PF_TILES * BLOCK_N, PF_CHUNKS)
     pdl_enter(PDL)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     r, e = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_E)
@@ -82,6 +79,9 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
     old_end = tl.minimum(pos, end)  # tokens below it were written by earlier steps
     lat_next, rope_next = _cached_tile(lat_ptr, rope_ptr, cache_row, t0, old_end, r, e, r_ok, e_ok, R, E, BLOCK_N)
     while t0 < end:
+        if PREFETCH and hb == 0:  # the tile PF_TILES ahead
+            ahead = t0 + PF_TILES * BLOCK_N
+            _prefetch_cache_rows(lat_ptr, rope_ptr, cache_row + ahead, old_end - ahead, R, E, BLOCK_N, PF_CHUNKS)
         tok = t0 + tl.arange(0, BLOCK_N)
         t_ok = tok < end
         is_new = (tok == pos)[:, None]  # written by this step: it comes from the inputs
@@ -144,6 +144,16 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
 
 
 @triton.jit
+def _prefetch_cache_rows(lat_ptr, rope_ptr, first, rows, R, E, MOST: tl.constexpr, CHUNKS: tl.constexpr):
+    """Cache rows first .. first + min(rows, MOST) of the latent and k_rope into L2 (none where rows ≤ 0)."""
+    n = tl.minimum(rows, MOST)
+    lat_elem: tl.constexpr = lat_ptr.dtype.element_ty.primitive_bitwidth // 8
+    rope_elem: tl.constexpr = rope_ptr.dtype.element_ty.primitive_bitwidth // 8
+    prefetch_range_l2(lat_ptr + first * R, n * R * lat_elem, CHUNKS)
+    prefetch_range_l2(rope_ptr + first * E, n * E * rope_elem, CHUNKS)
+
+
+@triton.jit
 def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E, BLOCK_N: tl.constexpr):
     """The cache's latent and k_rope rows of tokens t0 .. t0 + BLOCK_N that lie below `below` (zeros elsewhere)."""
     tok = t0 + tl.arange(0, BLOCK_N)
@@ -163,9 +173,10 @@ def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E
 # dot16: the 16-bit products on the tensor cores instead of tf32 products of fp32 tiles (CUDA, bf16/fp16 caches
 # only: the interpreter multiplies 16-bit tiles wrongly); sm_90 (ptxas), 8 warps: spills 232 -> 8 bytes a thread,
 # 0 at 16 tokens a tile; untimed.
-# prefetch: each split's cache rows into L2 at the program's start (always under PDL: k3.ops._pdl_triton); untimed.
+# prefetch: each split's cache rows into L2 prefetch_tiles tiles ahead of its loads, from the program's start
+# (always under PDL: k3.ops._pdl_triton); untimed.
 LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8, dot16=False,
-              prefetch=False)
+              prefetch=False, prefetch_tiles=8)
 
 
 def launch_shape(B: int, H: int, max_len: int, device: torch.device) -> tuple[int, int, int]:
@@ -217,7 +228,7 @@ def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
             NORM=norm_weight is not None, num_warps=LAUNCH["num_warps"],
             DOT16=LAUNCH["dot16"] and q_lat.is_cuda and cache_latent.dtype in (torch.bfloat16, torch.float16),
             PREFETCH=pdl.prefetching(launch, q_lat, LAUNCH["prefetch"], cache_latent, cache_k_rope),
-            PF_CHUNKS=32 * LAUNCH["num_warps"], **launch)
+            PF_TILES=LAUNCH["prefetch_tiles"], PF_CHUNKS=32 * LAUNCH["num_warps"], **launch)
     return out
 
 

@@ -28,10 +28,11 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 # Launch shapes (names so a sweep can time others). Untimed first guesses: 64-row weight tiles (≥ 8 programs an
 # expert at small's widths: 512 and 768 programs a launch), scan: routing ids read a step of the scan (256 spills
 # in gate+up for sm_90: benchmarks/sass_moe_expert_major.py). The slots a pass: `block_m`.
-# prefetch: each program puts its weight rows in flight into L2 first, so that its scan of the routing ids does
-# not hold them back (always under PDL: k3.ops._pdl_triton); untimed.
+# prefetch: each program puts its first prefetch_steps steps of weight rows in flight into L2 first, so that its
+# scan of the routing ids does not hold them back, and keeps that many steps ahead (always under PDL:
+# k3.ops._pdl_triton); untimed.
 LAUNCH = dict(gate_up_block_i=64, gate_up_block_l=64, down_block_l=64, down_block_i=64, stages=3, warps=4,
-              scan=128, combine_block=256, prefetch=False)
+              scan=128, combine_block=256, prefetch=False, prefetch_steps=4)
 
 
 def block_m(slots: int, experts: int) -> int:
@@ -76,12 +77,12 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gat
                     I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                     BLOCK_L: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
                     DOT_IN_FP32: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                    PF_CHUNKS: tl.constexpr = 1):
+                    PF_STEPS: tl.constexpr = 1, PF_CHUNKS: tl.constexpr = 1):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # rows of W1_e, W3_e = columns of h
-    if PREFETCH:  # this program's rows of W1_e and W3_e into L2, whether or not a slot is routed to e
-        _prefetch_expert_rows(w1_ptr, e, rows, I, L, PF_CHUNKS)
-        _prefetch_expert_rows(w3_ptr, e, rows, I, L, PF_CHUNKS)
+    if PREFETCH:  # the first PF_STEPS steps of this program's rows of W1_e and W3_e, whether a slot is routed or not
+        _prefetch_expert_rows(w1_ptr, e, rows, I, L, 0, PF_STEPS * BLOCK_L, PF_CHUNKS)
+        _prefetch_expert_rows(w3_ptr, e, rows, I, L, 0, PF_STEPS * BLOCK_L, PF_CHUNKS)
     pdl_enter(PDL)
     w_rows = e.to(tl.int64) * I * L + rows[:, None] * L
     slots, count = _routed_slots(idx_ptr, S, e, 0, BLOCK_M, SCAN)
@@ -92,6 +93,9 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gat
         acc_g = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
         for l0 in tl.range(0, L, BLOCK_L, num_stages=STAGES):
+            if PREFETCH:  # the step PF_STEPS ahead (all of a program's rows at once would not fit L2 at 64 rows)
+                _prefetch_expert_rows(w1_ptr, e, rows, I, L, l0 + PF_STEPS * BLOCK_L, BLOCK_L, PF_CHUNKS)
+                _prefetch_expert_rows(w3_ptr, e, rows, I, L, l0 + PF_STEPS * BLOCK_L, BLOCK_L, PF_CHUNKS)
             cols = l0 + tl.arange(0, BLOCK_L)
             x = tl.load(x_rows + cols[None, :], mask=ok[:, None] & (cols[None, :] < L), other=0.0)
             m = (rows[:, None] < I) & (cols[None, :] < L)
@@ -111,11 +115,11 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gat
 def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                 PF_CHUNKS: tl.constexpr = 1):
+                 PF_STEPS: tl.constexpr = 1, PF_CHUNKS: tl.constexpr = 1):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)  # rows of W2_e = columns of y
     if PREFETCH:
-        _prefetch_expert_rows(w2_ptr, e, rows, L, I, PF_CHUNKS)
+        _prefetch_expert_rows(w2_ptr, e, rows, L, I, 0, PF_STEPS * BLOCK_I, PF_CHUNKS)
     pdl_enter(PDL)
     w_rows = e.to(tl.int64) * L * I + rows[:, None] * I
     slots, count = _routed_slots(idx_ptr, S, e, 0, BLOCK_M, SCAN)
@@ -125,6 +129,8 @@ def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.conste
         h_rows = h_ptr + tl.where(ok, slots, 0).to(tl.int64)[:, None] * I
         acc = tl.zeros((BLOCK_M, BLOCK_L), dtype=tl.float32)
         for i0 in tl.range(0, I, BLOCK_I, num_stages=STAGES):
+            if PREFETCH:
+                _prefetch_expert_rows(w2_ptr, e, rows, L, I, i0 + PF_STEPS * BLOCK_I, BLOCK_I, PF_CHUNKS)
             cols = i0 + tl.arange(0, BLOCK_I)
             h = tl.load(h_rows + cols[None, :], mask=ok[:, None] & (cols[None, :] < I), other=0.0)
             w = tl.load(w2_ptr + w_rows + cols[None, :], mask=(rows[:, None] < L) & (cols[None, :] < I), other=0.0)
@@ -135,10 +141,13 @@ def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.conste
 
 
 @triton.jit
-def _prefetch_expert_rows(w_ptr, e, rows, OUT: tl.constexpr, IN: tl.constexpr, CHUNKS: tl.constexpr):
-    """Rows `rows` of expert e's [OUT, IN] matrix of the stack w into L2 (PDL's step 1, k3.ops._pdl_triton)."""
+def _prefetch_expert_rows(w_ptr, e, rows, OUT: tl.constexpr, IN: tl.constexpr, col0, COLS: tl.constexpr,
+                          CHUNKS: tl.constexpr):
+    """Columns col0 .. col0 + COLS (cut at IN) of rows `rows` of expert e's [OUT, IN] matrix of the stack w into L2
+    (k3.ops._pdl_triton)."""
     elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    prefetch_rows_l2(w_ptr + (e.to(tl.int64) * OUT + rows) * IN, rows < OUT, IN * elem, CHUNKS)
+    prefetch_rows_l2(w_ptr + (e.to(tl.int64) * OUT + rows) * IN + col0, rows < OUT,
+                     tl.minimum(COLS, IN - col0) * elem, CHUNKS)
 
 
 @triton.jit
@@ -189,10 +198,12 @@ def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
         _gate_up_kernel[(E, triton.cdiv(I, p["gate_up_block_i"]))](
             z, idx, w1, w3, h, N * k, z.stride(0), float(beta_gate), float(beta_up), TOP_K=k, I=I, L=L,
             BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=z.dtype == torch.float32, **common,
-            PREFETCH=prefetch, PF_CHUNKS=max(1, 32 * p["warps"] // p["gate_up_block_i"]), **launch)
+            PREFETCH=prefetch, PF_STEPS=p["prefetch_steps"], PF_CHUNKS=max(1, 32 * p["warps"] // p["gate_up_block_i"]),
+            **launch)
         _down_kernel[(E, triton.cdiv(L, p["down_block_l"]))](
             h, idx, w2, y, N * k, I=I, L=L, BLOCK_L=p["down_block_l"], BLOCK_I=p["down_block_i"], **common,
-            PREFETCH=prefetch, PF_CHUNKS=max(1, 32 * p["warps"] // p["down_block_l"]), **launch)
+            PREFETCH=prefetch, PF_STEPS=p["prefetch_steps"], PF_CHUNKS=max(1, 32 * p["warps"] // p["down_block_l"]),
+            **launch)
         block = min(p["combine_block"], triton.next_power_of_2(L))
         _combine_kernel[(N, triton.cdiv(L, block))](y, idx, weights, out, E, L, TOP_K=k, BLOCK=block, num_warps=4,
                                                     **launch)

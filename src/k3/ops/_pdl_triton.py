@@ -83,8 +83,10 @@ def prefetch_range_l2(ptr, nbytes, CHUNKS: tl.constexpr):
 
 @triton.jit
 def prefetch_rows_l2(row_ptrs, row_ok, row_bytes, CHUNKS: tl.constexpr):
-    """Prefetches `row_bytes` bytes (rounded down to 16) from each row pointer (16-byte aligned) where row_ok, each
-    row cut into CHUNKS pieces, so that a program's threads issue one each (rows × CHUNKS = its threads)."""
+    """Prefetches `row_bytes` bytes (rounded down to 16; none where ≤ 0) from each row pointer (16-byte aligned)
+    where row_ok, each row cut into CHUNKS pieces, so that a program's threads issue one each (rows × CHUNKS = its
+    threads)."""
+    row_bytes = tl.maximum(row_bytes, 0)
     chunk = tl.cdiv(tl.cdiv(row_bytes, CHUNKS), 16) * 16
     starts = tl.arange(0, CHUNKS) * chunk
     size = tl.minimum(tl.maximum(row_bytes - starts, 0), chunk) // 16 * 16  # [CHUNKS]
