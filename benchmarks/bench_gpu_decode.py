@@ -7,8 +7,9 @@ device time). Each timed step decodes one token per row at that context and adva
 Rows: "eager" = the model's forward per step; "graph" = k3.model.cuda_graph.GraphedDecodeStep (the path
 `generate` takes on CUDA); "graph+compile" = the same with the step compiled by torch.compile before capture
 (--compile; a failure is recorded as a row and the run goes on); "graph+pdl" = the graph captured with K3_PDL's
-programmatic dependent launch (--pdl, k3.ops._pdl_triton), "graph+pdl+gemv" = that with decode's GEMV taken for
-every linear of ≤ 16 rows (--pdl-gemv: k3.ops.gemv.force_gemv, the cuBLAS input projections and lm_head included).
+programmatic dependent launch (--pdl, k3.ops._pdl_triton), "graph+pdl+gemv" = that with decode's GEMV also taken
+for weights up to 10M elements (--pdl-gemv: k3.ops.gemv.WIN_WEIGHT_ELEMS raised, so the mixers' and MoEs' input
+projections, cuBLAS's today, join the PDL chain; lm_head and the dense MLP's gate+up stay cuBLAS's).
 Memory roofline per step = bytes that must be read: every dense weight once (embedding row only), the
 routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per MoE layer), lm_head,
 each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer's cached latent+k_extra read
@@ -32,7 +33,7 @@ from k3.config import K3Config  # noqa: E402
 from k3.model.cache import MLAState  # noqa: E402
 from k3.model.cuda_graph import GraphedDecodeStep  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
-from k3.ops.gemv import force_gemv  # noqa: E402
+from k3.ops import gemv  # noqa: E402
 
 REPS, WARMUP = 20, 3
 
@@ -71,13 +72,13 @@ def main():
     ap.add_argument("--contexts", default="4096,32768", help="comma-separated context lengths")
     ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     ap.add_argument("--pdl", action="store_true", help="also time the graph captured with K3_PDL")
-    ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for every linear")
+    ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
     a = ap.parse_args()
     graphs = [("graph", contextlib.nullcontext)]
     if a.pdl:
         graphs.append(("graph+pdl", lambda: envs.override(pdl=True)))
     if a.pdl_gemv:
-        graphs.append(("graph+pdl+gemv", lambda: _both(envs.override(pdl=True), force_gemv(True))))
+        graphs.append(("graph+pdl+gemv", lambda: _both(envs.override(pdl=True), _gemv_up_to(10_000_000))))
     ceil = measure_ceilings()
     copy_bw = ceil["copy_TBps"] * 1e12
     print(ceil, flush=True)
@@ -130,6 +131,16 @@ def main():
 def _both(first, second):
     with first, second:
         yield
+
+
+@contextlib.contextmanager
+def _gemv_up_to(elements: int):
+    """Decode's GEMV taken for weights of up to `elements` elements (k3.ops.gemv.kernel_wins) inside the block."""
+    saved, gemv.WIN_WEIGHT_ELEMS = gemv.WIN_WEIGHT_ELEMS, elements
+    try:
+        yield
+    finally:
+        gemv.WIN_WEIGHT_ELEMS = saved
 
 
 if __name__ == "__main__":
