@@ -158,7 +158,8 @@ def recorded_launches(case, monkeypatch) -> list[tuple]:
 _STORE = re.compile(r"\b(st\.global|atom\.|red\.global)")
 _LOAD = re.compile(r"\b(ld\.global|cp\.async\.(?!bulk\.prefetch))")
 # Kernels that read something before the wait, for their prefetch's addresses alone (see each kernel).
-READS_BEFORE_WAIT = {"k3.ops._moe_decode_triton._down_kernel", "k3.ops._kda_decode_triton.kda_decode_kernel"}
+READS_BEFORE_WAIT = {"k3.ops._moe_decode_triton._gate_up_kernel", "k3.ops._moe_decode_triton._down_kernel",
+                     "k3.ops._kda_decode_triton.kda_decode_kernel"}
 
 
 def assert_waits_first(ptx: str, plain_ptx: str, prefetch: bool, reads_before: bool) -> None:
@@ -196,12 +197,13 @@ def test_every_launch_waits_before_it_touches_memory_on_the_h200(name, monkeypat
         assert "griddepcontrol" not in plain
         assert_waits_first(ptx, plain, prefetch=bool(constexprs.get("PREFETCH")),
                            reads_before=f"{fn.__module__}.{fn.__name__}" in READS_BEFORE_WAIT)
-    # the kernels that stream weights, states or cache rows prefetch them (not the mix, the gate+up after cuBLAS,
-    # the split-K reduce or the combine, whose inputs the kernel before writes)
+    # the kernels that stream weights, states or cache rows prefetch them (not the mix, the split-K reduce or the
+    # combine, whose inputs the kernel before writes)
     prefetching = {fn.__name__ for fn, args, _ in launches if args.get("PREFETCH")}
     wanted = {"gemv_split_k": {"_gemv_kernel"}, "gemv_norm": {"_gemv_kernel"}, "gemv_pair": {"_gemv_pair_kernel"},
               "router": {"_router_kernel"}, "expert_major": {"_gate_up_kernel", "_down_kernel"},
-              "slot_major": {"_down_kernel"}, "kda": {"kda_decode_kernel"}, "mla": {"_static_decode_kernel"}}
+              "slot_major": {"_gate_up_kernel", "_down_kernel"}, "kda": {"kda_decode_kernel"},
+              "mla": {"_static_decode_kernel"}}
     assert prefetching == wanted.get(name, set())
 
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from k3.ops import _pdl_triton as pdl
-from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
+from k3.ops._pdl_triton import pdl_enter, prefetch_range_l2, prefetch_rows_l2
 from k3.ops._situ_triton import _sigmoid, _tanh
 
 
@@ -29,10 +29,19 @@ LAUNCH = dict(gate_up_block_i=8, gate_up_block_l=256, down_block_l=4, down_block
 @triton.jit
 def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, beta_up, I: tl.constexpr,
                     L: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, UNROLL: tl.constexpr,
-                    EXACT: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                    EXACT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                    E: tl.constexpr = 0, PF_CHUNKS: tl.constexpr = 1):
     s = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    if PREFETCH:  # this program's rows of its expert's W1 and W3 (each one contiguous block), as the down kernel's
+        pf_e = tl.load(idx_ptr + s).to(tl.int64)
+        row0 = tl.program_id(1) * BLOCK_I
+        elem: tl.constexpr = w1_ptr.dtype.element_ty.primitive_bitwidth // 8
+        nbytes = tl.where((pf_e >= 0) & (pf_e < E), tl.minimum(BLOCK_I, I - row0) * L * elem, 0)
+        first = (tl.minimum(tl.maximum(pf_e, 0), E - 1) * I + row0) * L
+        prefetch_range_l2(w1_ptr + first, nbytes, PF_CHUNKS)
+        prefetch_range_l2(w3_ptr + first, nbytes, PF_CHUNKS)
+    pdl_enter(PDL)
     e = tl.load(idx_ptr + s).to(tl.int64)
     if e < 0:  # a slot another rank computes: no weight read (the down kernel skips it too)
         return
@@ -111,7 +120,8 @@ def selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch
     _gate_up_kernel[(N * k, triton.cdiv(I, p["gate_up_block_i"]))](
         z, idx, w1, w3, h, k, float(beta_gate), float(beta_up), I=I, L=L, BLOCK_I=p["gate_up_block_i"],
         BLOCK_L=block_l, UNROLL=_unroll(triton.cdiv(L, block_l)), EXACT=z.dtype == torch.float32,
-        num_warps=p["num_warps"], **launch)
+        num_warps=p["num_warps"], **launch, PREFETCH=launch["PDL"] and pdl.prefetchable(w1, w3), E=E,
+        PF_CHUNKS=32 * p["num_warps"])
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
     _down_kernel[(N, triton.cdiv(L, p["down_block_l"]))](
         h, idx, weights, w2, out, I=I, L=L, TOP_K=k, BLOCK_L=p["down_block_l"], BLOCK_I=block_i,
