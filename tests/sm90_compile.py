@@ -15,10 +15,18 @@ import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, name, signature, constexprs, num_warps, stage = json.loads(sys.argv[1])
+module, name, signature, constexprs, num_warps, stage, divisible, unaligned = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 signature = {k: tuple(v) if isinstance(v, list) else v for k, v in signature.items()}
-src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+# as a launch specialises its arguments: pointers 16-byte aligned (torch's allocations are; not those named
+# unaligned: column slices), and the integers named divisible by 16
+attrs = {}
+for i, (k, t) in enumerate(signature.items()):
+    for j, u in (enumerate(t) if isinstance(t, tuple) else [(None, t)]):
+        if (u.startswith("*") and k not in unaligned) or (k in divisible and j is None):
+            attrs[(i,) if j is None else (i, j)] = [["tt.divisibility", 16]]
+src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs,
+                attrs=attrs)
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 if stage == "resources":  # ptxas's allocation, read from the cubin as the SASS benchmarks read it
     from sass_mxfp4_loop import resources
@@ -30,7 +38,9 @@ else:
 
 def ptx_for_sm90(module: str, kernel: str, signature: dict, num_warps: int = 4, **constexprs) -> str:
     """The PTX of `module.kernel` (a @triton.jit function) compiled through ptxas for sm_90, for the argument
-    types in `signature` ("*bf16", "i32", a tuple of them, ...) and the constexprs."""
+    types in `signature` ("*bf16", "i32", a tuple of them, ...) and the constexprs, specialised as Triton
+    specialises a launch: every pointer 16-byte aligned but those named in `unaligned` (a column slice off a
+    16-byte boundary), and the integers named in `divisible` multiples of 16."""
     return asm_for_sm90("ptx", module, kernel, signature, num_warps, **constexprs)
 
 
@@ -41,7 +51,8 @@ def registers_for_sm90(module: str, kernel: str, signature: dict, num_warps: int
     return json.loads(asm_for_sm90("resources", module, kernel, signature, num_warps, **constexprs))
 
 
-def asm_for_sm90(stage: str, module: str, kernel: str, signature: dict, num_warps: int = 4, **constexprs) -> str:
+def asm_for_sm90(stage: str, module: str, kernel: str, signature: dict, num_warps: int = 4,
+                 divisible: tuple[str, ...] = (), unaligned: tuple[str, ...] = (), **constexprs) -> str:
     """One stage of that compilation ("ttir": Triton's IR after its own passes, "ttgir", "ptx", ...; "resources":
     `registers_for_sm90`'s JSON)."""
     pytest.importorskip("triton")
@@ -49,7 +60,7 @@ def asm_for_sm90(stage: str, module: str, kernel: str, signature: dict, num_warp
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     benchmarks = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, benchmarks, env.get("PYTHONPATH")) if p)
-    args = json.dumps([module, kernel, signature, constexprs, num_warps, stage])
+    args = json.dumps([module, kernel, signature, constexprs, num_warps, stage, list(divisible), list(unaligned)])
     # a cache of its own: a shared one may hold the kernel packed without its PTX (run_h200.sh's `pack`)
     with tempfile.TemporaryDirectory() as cache:
         env["TRITON_CACHE_DIR"] = cache

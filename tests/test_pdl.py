@@ -92,8 +92,19 @@ def _mla():
     return [out, args[4], args[5], tickets]
 
 
+def _mxfp4_selected():  # packed MXFP4 experts at decode (issue 22's kernel), 2 tokens of top-4 of 16
+    g = torch.Generator().manual_seed(10)
+    E, L, I = 16, 256, 256
+    packed = lambda out, inp: (torch.randint(0, 256, (E, out, inp // 2), generator=g, dtype=torch.uint8).to(DEVICE),  # noqa: E731
+                               torch.randint(120, 126, (E, out, inp // 32), generator=g, dtype=torch.uint8).to(DEVICE))
+    idx = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(2)]).to(DEVICE)
+    return [triton_module("_mxfp4_triton").selected_situ_mlp(_rand(11)(2, L), idx, packed(I, L), packed(I, L),
+                                                              packed(L, I), 4.0, 25.0)]
+
+
 CASES = {"gemv_split_k": _gemv_split_k, "gemv_norm": _gemv_norm, "gemv_pair": _gemv_pair, "router": _router,
-         "mix_norm": _mix_norm, "slot_major": _slot_major, "expert_major": _expert_major, "kda": _kda, "mla": _mla}
+         "mix_norm": _mix_norm, "slot_major": _slot_major, "expert_major": _expert_major, "kda": _kda, "mla": _mla,
+         "mxfp4_selected": _mxfp4_selected}
 
 
 def test_the_switch_is_off_by_default_and_never_on_off_the_gpu(monkeypatch):
@@ -136,6 +147,17 @@ def _triton_type(value):
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+def _divisible(args: dict, signature: dict) -> tuple[str, ...]:
+    """The integer arguments a launch specialises as multiples of 16."""
+    return tuple(k for k, t in signature.items() if t in ("i32", "i64") and args[k] % 16 == 0)
+
+
+def _unaligned(args: dict, signature: dict) -> tuple[str, ...]:
+    """The tensor arguments a launch does not specialise as 16-byte aligned (column slices off a boundary)."""
+    return tuple(k for k, t in signature.items() if isinstance(t, str) and t.startswith("*")
+                 and args[k].data_ptr() % 16)
+
+
 def recorded_launches(case, monkeypatch) -> list[tuple]:
     """(the @triton.jit function, its arguments by name, launch options) of every launch `case` makes with PDL
     switched on; the kernels are not run."""
@@ -159,7 +181,7 @@ _STORE = re.compile(r"\b(st\.global|atom\.|red\.global)")
 _LOAD = re.compile(r"\b(ld\.global|cp\.async\.(?!bulk\.prefetch))")
 # Kernels that read something before the wait, for their prefetch's addresses alone (see each kernel).
 READS_BEFORE_WAIT = {"k3.ops._moe_decode_triton._gate_up_kernel", "k3.ops._moe_decode_triton._down_kernel",
-                     "k3.ops._kda_decode_triton.kda_decode_kernel"}
+                     "k3.ops._kda_decode_triton.kda_decode_kernel", "k3.ops._mxfp4_triton._expert_gemm_kernel"}
 
 
 def assert_waits_first(ptx: str, plain_ptx: str, prefetch: bool, reads_before: bool) -> None:
@@ -192,8 +214,12 @@ def test_every_launch_waits_before_it_touches_memory_on_the_h200(name, monkeypat
         constexprs = {k: v for k, v in args.items() if k in constexpr}
         if "DOT_IN_FP32" in constexprs:  # the card's launch: its bf16 tiles go in as they are (fp32: the interpreter)
             constexprs["DOT_IN_FP32"] = False
+        if "USE_ASM" in constexprs:  # the card's launch: the MXFP4 kernels' inline PTX (none under the interpreter)
+            constexprs["USE_ASM"] = True
         ptx, plain = (ptx_for_sm90(fn.__module__, fn.__name__, signature, num_warps=options.get("num_warps", 4),
-                                   **{**constexprs, **off}) for off in ({}, {k: False for k in ("PDL", "PREFETCH") if k in constexprs}))
+                                   divisible=_divisible(args, signature), unaligned=_unaligned(args, signature),
+                                   **{**constexprs, **off})
+                      for off in ({}, {k: False for k in ("PDL", "PREFETCH") if k in constexprs}))
         assert "griddepcontrol" not in plain
         assert_waits_first(ptx, plain, prefetch=bool(constexprs.get("PREFETCH")),
                            reads_before=f"{fn.__module__}.{fn.__name__}" in READS_BEFORE_WAIT)
@@ -203,7 +229,7 @@ def test_every_launch_waits_before_it_touches_memory_on_the_h200(name, monkeypat
     wanted = {"gemv_split_k": {"_gemv_kernel"}, "gemv_norm": {"_gemv_kernel"}, "gemv_pair": {"_gemv_pair_kernel"},
               "router": {"_router_kernel"}, "expert_major": {"_gate_up_kernel", "_down_kernel"},
               "slot_major": {"_gate_up_kernel", "_down_kernel"}, "kda": {"kda_decode_kernel"},
-              "mla": {"_static_decode_kernel"}}
+              "mla": {"_static_decode_kernel"}, "mxfp4_selected": {"_expert_gemm_kernel"}}
     assert prefetching == wanted.get(name, set())
 
 

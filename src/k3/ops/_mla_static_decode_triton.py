@@ -171,8 +171,8 @@ def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E
 # programs an SM 27 / 27.1 / 147; 4 warps 40 / 44 / 312. The merge four splits a step (a [4, heads, R] tile, one
 # step ahead) was slower: 104 / 65 / 151 against 23 / 30 / 141 in the same call.
 # dot16: the 16-bit products on the tensor cores instead of tf32 products of fp32 tiles (CUDA, bf16/fp16 caches
-# only: the interpreter multiplies 16-bit tiles wrongly); sm_90 (ptxas), 8 warps: spills 232 -> 8 bytes a thread,
-# 0 at 16 tokens a tile; untimed.
+# only: the interpreter multiplies 16-bit tiles wrongly); sm_90 (ptxas, the arguments specialised as launched),
+# 8 warps: 255 registers and 8 bytes a thread spilled -> 232 and none; untimed.
 # prefetch: each split's cache rows into L2 prefetch_tiles tiles ahead of its loads, from the program's start
 # (always under PDL: k3.ops._pdl_triton); untimed.
 LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8, dot16=False,

@@ -25,8 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops import _pdl_triton as pdl
+from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
 from k3.ops._situ_triton import _sigmoid, _tanh
 from k3.ops.mxfp4_layout import DecodeLayoutWeight
+
+# Under PDL (K3_PDL, k3.ops._pdl_triton) a decode (selected) program prefetches its packed rows' first
+# PREFETCH_STEPS K blocks into L2 before the wait, then keeps that many blocks ahead of its loads.
+PREFETCH_STEPS = 4
 
 
 @triton.jit
@@ -247,9 +253,21 @@ def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_til
                         SELECTED: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EXACT: tl.constexpr, W_LEFT: tl.constexpr,
                         DECODE_LAYOUT: tl.constexpr, USE_ASM: tl.constexpr, BIAS_A: tl.constexpr,
-                        BIAS_B: tl.constexpr):
+                        BIAS_B: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                        E: tl.constexpr = 0, PF_STEPS: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
+    if PREFETCH:  # (selected only) the packed bytes of this slot's expert's rows, PF_STEPS K blocks of them: the
+        # expert id is read before the wait for this alone (the router wrote it kernels before; a stale one costs a
+        # useless prefetch, an id outside [0, E) none) and again after it
+        pf_e = tl.load(sched_ptr + t).to(tl.int64)
+        pf_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        pf_ok = (pf_n < N) & (pf_e >= 0) & (pf_e < E)
+        pf_rows = (tl.where(pf_ok, pf_e, 0) * N + pf_n) * (K // 2)
+        prefetch_rows_l2(wa_p + pf_rows, pf_ok, tl.minimum(PF_STEPS * BLOCK_K, K) // 2, 1)
+        if GLU:
+            prefetch_rows_l2(wb_p + pf_rows, pf_ok, tl.minimum(PF_STEPS * BLOCK_K, K) // 2, 1)
+    pdl_enter(PDL)
     if SELECTED:  # slot t: token t // TOP_K's row, expert sched[t], output row t
         e = tl.load(sched_ptr + t).to(tl.int64)
         x_row, y_row, n_rows = t // TOP_K, t, 1
@@ -279,6 +297,13 @@ def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_til
     acc_a = tl.zeros(acc_shape, dtype=tl.float32)
     acc_b = tl.zeros(acc_shape, dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        if PREFETCH and (k0 // BLOCK_K) % PF_STEPS == 0:  # every PF_STEPS blocks, the next PF_STEPS ahead
+            ahead = (k0 + PF_STEPS * BLOCK_K) // 2
+            pf_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows_at = (e * N + pf_n) * kh + ahead
+            prefetch_rows_l2(wa_p + rows_at, pf_n < N, tl.minimum(PF_STEPS * BLOCK_K // 2, kh - ahead), 1)
+            if GLU:
+                prefetch_rows_l2(wb_p + rows_at, pf_n < N, tl.minimum(PF_STEPS * BLOCK_K // 2, kh - ahead), 1)
         kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         p_mask = n_ok[:, None] & (kp[None, :] < kh)
@@ -351,11 +376,15 @@ def _launch(x, w_a, w_b, out, sched, num_tiles, tiles, top_k, selected, betas, c
     # the bf16 factors 2^(s - 1 - bias) need the bias; fp32 weights hold every scale as they are
     bias_a, bias_b = (w_a.bias, w_b.bias) if decode_layout and not exact else (0, 0)
     grid = (triton.cdiv(N, block_n), tiles)
+    launch = pdl.launch(x)
+    # (one row of packed bytes a thread: a tile's rows are its threads at 4 warps; more rows just repeat)
+    prefetch = selected and launch["PDL"] and pdl.prefetchable(w_a[0], w_b[0])
     _expert_gemm_kernel[grid](x, w_a[0], w_a[1], w_b[0], w_b[1], out, sched, num_tiles, top_k,
                               float(betas[0]), float(betas[1]), N=N, K=2 * kh, SELECTED=selected,
                               GLU=glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EXACT=exact,
                               W_LEFT=w_left, DECODE_LAYOUT=decode_layout, USE_ASM=x.is_cuda, BIAS_A=bias_a,
-                              BIAS_B=bias_b, num_warps=num_warps, num_stages=num_stages, **options)
+                              BIAS_B=bias_b, num_warps=num_warps, num_stages=num_stages, **options, **launch,
+                              PREFETCH=prefetch, E=E, PF_STEPS=PREFETCH_STEPS)
 
 
 def tile_config(rows_per_tile: int, x: torch.Tensor) -> tuple[int, int, int, int, int, bool]:
