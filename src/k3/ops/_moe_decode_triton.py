@@ -17,8 +17,9 @@ from k3.ops._situ_triton import _sigmoid, _tanh
 
 # Launch shapes (names, so that a sweep can time others): rows of W1/W3 a gate+up program, columns a step along L,
 # rows of W2 a down program; a loop of up to `whole_unroll` steps is unrolled whole (small's: every load of a program
-# in flight at once), a longer one `unroll` steps at a time (sm_90, 2 warps: the released widths' 14-step gate+up
-# loop spills 6 KB a thread unrolled whole, 232 B 4 at a time, nothing 2 at a time with 95 registers). H200, session 26
+# in flight at once), a longer one `unroll` steps at a time (sm_90, 2 warps, arguments specialised as launched: the
+# released widths' 14-step gate+up loop spills 232 B a thread unrolled whole, nothing 2 at a time with 138
+# registers). H200, session 26
 # (`bench_gpu_kernels.py --decode-sweep`, small's experts L2-cold, both launches, µs at 1 / 2 tokens; floor 4.6 /
 # 8.0): with one reduction a program, 2 warps 12.2 / 18.3, 8 warps 16.5 / 21.5, 8 warps and 2 rows a down program
 # 13.8 / 21.6; before (a reduction a step or expert), 4 warps 18.5 / 25.7, 8 warps 16.7 / 22.5, 2 warps 20.4 / 26.2.
