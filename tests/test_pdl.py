@@ -112,7 +112,7 @@ def test_the_switch_is_off_by_default_and_never_on_off_the_gpu(monkeypatch):
     with envs.override(pdl=True):
         cpu = torch.zeros(1)
         assert pdl.launch(cpu) == {"PDL": False}  # a CPU tensor: the interpreter
-        assert not pdl.prefetching(pdl.launch(cpu), cpu, True, cpu)  # a LAUNCH's opt-in: CUDA only
+        assert not pdl.prefetching(pdl.launch(cpu), cpu, cpu, opted_in=True)  # a LAUNCH's opt-in: CUDA only
     if torch.cuda.is_available():
         x = torch.zeros(1, device="cuda")
         with envs.override(pdl=False):

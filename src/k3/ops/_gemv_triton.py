@@ -271,8 +271,8 @@ def pair_plan(M: int, N: int, KA: int, KB: int, dtype: torch.dtype, sms: int) ->
 def _prefetch(launch: dict, p: dict, *weights: torch.Tensor) -> dict:
     """The GEMV's prefetch of its weight slices under PDL (k3.ops._pdl_triton), where they are aligned for it:
     one chunk of a W row a thread."""
-    on = launch["PDL"] and pdl.prefetchable(*weights)
-    return dict(PREFETCH=on, PF_CHUNKS=max(1, 32 * p["warps"] // p["block_n"]))
+    return dict(PREFETCH=pdl.prefetching(launch, weights[0], *weights),
+                PF_CHUNKS=max(1, 32 * p["warps"] // p["block_n"]))
 
 
 @inference_op("decode_gemv")

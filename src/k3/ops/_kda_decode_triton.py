@@ -222,7 +222,7 @@ def kda_decode_step(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, fa: to
             W=W, HAS_SLOTS=slots is not None, TAIL_ROWS=triton.next_power_of_2(max(W - 1, 1)),
             BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_R=block_r, R_CHUNK=min(block_r, 32),
             TILE_V=min(block_v, LAUNCH["tile_v"]), SPLITS=splits, num_warps=LAUNCH["num_warps"],
-            PREFETCH=pdl.prefetching(launch, xq, LAUNCH["prefetch"], state), **launch)
+            PREFETCH=pdl.prefetching(launch, xq, state, opted_in=LAUNCH["prefetch"]), **launch)
     return out
 
 

@@ -227,7 +227,7 @@ def _static_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
             PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",  # (tf32: exact for bf16/fp16 values)
             NORM=norm_weight is not None, num_warps=LAUNCH["num_warps"],
             DOT16=LAUNCH["dot16"] and q_lat.is_cuda and cache_latent.dtype in (torch.bfloat16, torch.float16),
-            PREFETCH=pdl.prefetching(launch, q_lat, LAUNCH["prefetch"], cache_latent, cache_k_rope),
+            PREFETCH=pdl.prefetching(launch, q_lat, cache_latent, cache_k_rope, opted_in=LAUNCH["prefetch"]),
             PF_TILES=LAUNCH["prefetch_tiles"], PF_CHUNKS=32 * LAUNCH["num_warps"], **launch)
     return out
 

@@ -121,12 +121,12 @@ def selected_experts_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch
     _gate_up_kernel[(N * k, triton.cdiv(I, p["gate_up_block_i"]))](
         z, idx, w1, w3, h, k, float(beta_gate), float(beta_up), I=I, L=L, BLOCK_I=p["gate_up_block_i"],
         BLOCK_L=block_l, UNROLL=_unroll(triton.cdiv(L, block_l)), EXACT=z.dtype == torch.float32,
-        num_warps=p["num_warps"], **launch, PREFETCH=launch["PDL"] and pdl.prefetchable(w1, w3), E=E,
+        num_warps=p["num_warps"], **launch, PREFETCH=pdl.prefetching(launch, z, w1, w3), E=E,
         PF_CHUNKS=32 * p["num_warps"])
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
     _down_kernel[(N, triton.cdiv(L, p["down_block_l"]))](
         h, idx, weights, w2, out, I=I, L=L, TOP_K=k, BLOCK_L=p["down_block_l"], BLOCK_I=block_i,
         UNROLL=_unroll(triton.cdiv(I, block_i)), num_warps=p["num_warps"], **launch,
-        PREFETCH=launch["PDL"] and pdl.prefetchable(w2), E=E, K_PAD=triton.next_power_of_2(k),
+        PREFETCH=pdl.prefetching(launch, z, w2), E=E, K_PAD=triton.next_power_of_2(k),
         PF_CHUNKS=max(1, 32 * p["num_warps"] // triton.next_power_of_2(k)))
     return out

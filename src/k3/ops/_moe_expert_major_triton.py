@@ -193,7 +193,7 @@ def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     common = dict(BLOCK_M=block_m(N * k, E), SCAN=p["scan"], STAGES=p["stages"],
                   DOT_IN_FP32=not z.is_cuda or z.dtype == torch.float32, num_warps=p["warps"])
     launch = pdl.launch(z)
-    prefetch = pdl.prefetching(launch, z, p["prefetch"], w1, w3, w2)
+    prefetch = pdl.prefetching(launch, z, w1, w3, w2, opted_in=p["prefetch"])
     with on_device(z):
         _gate_up_kernel[(E, triton.cdiv(I, p["gate_up_block_i"]))](
             z, idx, w1, w3, h, N * k, z.stride(0), float(beta_gate), float(beta_up), TOP_K=k, I=I, L=L,

@@ -378,7 +378,7 @@ def _launch(x, w_a, w_b, out, sched, num_tiles, tiles, top_k, selected, betas, c
     grid = (triton.cdiv(N, block_n), tiles)
     launch = pdl.launch(x)
     # (one row of packed bytes a thread: a tile's rows are its threads at 4 warps; more rows just repeat)
-    prefetch = selected and launch["PDL"] and pdl.prefetchable(w_a[0], w_b[0])
+    prefetch = selected and pdl.prefetching(launch, x, w_a[0], w_b[0])
     _expert_gemm_kernel[grid](x, w_a[0], w_a[1], w_b[0], w_b[1], out, sched, num_tiles, top_k,
                               float(betas[0]), float(betas[1]), N=N, K=2 * kh, SELECTED=selected,
                               GLU=glu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EXACT=exact,

@@ -37,9 +37,10 @@ def _hopper_or_later(device_index: int | None) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def prefetching(launch: dict, t: torch.Tensor, opted_in: bool, *tensors: torch.Tensor) -> bool:
-    """Whether a kernel on t's device prefetches `tensors` into L2 at its start: under PDL (`launch`), or where its
-    module's LAUNCH opts in (a kernel whose own prologue the prefetch overlaps); CUDA sm_90+ only, aligned rows."""
+def prefetching(launch: dict, t: torch.Tensor, *tensors: torch.Tensor, opted_in: bool = False) -> bool:
+    """Whether a kernel on t's device prefetches `tensors` into L2: under PDL (`launch`), or where its module's
+    LAUNCH opts in (`opted_in`: a kernel whose own prologue the prefetch overlaps); CUDA sm_90+ only, rows aligned
+    for the bulk prefetch."""
     return ((launch["PDL"] or (opted_in and t.is_cuda and _hopper_or_later(t.device.index)))
             and prefetchable(*tensors))
 

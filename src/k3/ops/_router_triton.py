@@ -124,7 +124,7 @@ def _route_tokens_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     block_e = min(LAUNCH["block_e"], triton.next_power_of_2(E))
     block_d = min(LAUNCH["block_d"], triton.next_power_of_2(D))
     launch = pdl.launch(x)
-    prefetch = dict(PREFETCH=launch["PDL"] and pdl.prefetchable(weight),
+    prefetch = dict(PREFETCH=pdl.prefetching(launch, x, weight),
                     PF_CHUNKS=max(1, 32 * LAUNCH["num_warps"] // block_e))
     if N:
         with on_device(x):
