@@ -5,17 +5,19 @@ A decode step is ~190 kernels of a few µs each, one after another in one stream
 first loads' latency after the kernel before it has finished. Launched with PDL (`launch_pdl`), a kernel may start
 as soon as every program of the kernel before it has let it (`griddepcontrol.launch_dependents`) or exited. Each
 of k3's PDL kernels opens with `pdl_enter`:
-1. before the wait, it may only prefetch into L2 what it will read (`prefetch_rows_l2`: its weights), which
-   returns nothing to the program: L2 is where the GPU's writes meet, so a line prefetched before the kernel before
-   it writes that line is updated by the write, never stale. Nothing is stored; a value loaded there only ever
-   addresses a prefetch (the routed experts' ids: a stale one costs a useless prefetch, never a wrong result), and
-   the kernel loads it again after the wait (tests/test_pdl.py checks each kernel's PTX for this order);
+1. before the wait, it may only prefetch into L2 what it will read (`prefetch_rows_l2`: weights, KDA's state,
+   MLA's cache rows), which returns nothing to the program: L2 is where the GPU's writes meet, so a line
+   prefetched before the kernel before it writes that line is updated by the write, never stale. Nothing is
+   stored; a value loaded there only ever addresses a prefetch (a routed expert's id, KDA's slot: a stale one costs
+   a useless prefetch, never a wrong result), and the kernel loads it again after the wait (tests/test_pdl.py
+   checks each kernel's PTX for this order);
 2. `griddepcontrol.wait`: the kernel before it has completed and its writes are visible;
 3. `griddepcontrol.launch_dependents`: the next kernel may start its own step 1.
 A kernel lets the next one start only after its own wait, so when any kernel passes its wait, every kernel before
 it in the stream has completed. Kernels launched without PDL (cuBLAS, torch's own) wait for the one before them as
 always; a PDL kernel after one of them starts when it exits. A CUDA graph captured from such launches keeps the
-programmatic edges.
+programmatic edges. Prefetches may come after the wait too (loops keeping a few tiles ahead of their loads), and
+without PDL where a module's LAUNCH opts in (`prefetching`).
 """
 from __future__ import annotations
 
@@ -54,9 +56,9 @@ def launch(t: torch.Tensor) -> dict:
 
 
 def prefetchable(*tensors: torch.Tensor) -> bool:
-    """Whether rows of these tensors can be bulk-prefetched: each 16-byte aligned, its row stride a multiple of 16
-    bytes (a row's slice then starts aligned where its column offset is a multiple of 16 bytes)."""
-    return all(t.data_ptr() % ALIGN == 0 and (t.dim() < 2 or t.stride(-2) * t.element_size() % ALIGN == 0)
+    """Whether rows of these tensors can be bulk-prefetched: each 16-byte aligned, every stride but the last a
+    multiple of 16 bytes (a row's slice then starts aligned where its column offset is a multiple of 16 bytes)."""
+    return all(t.data_ptr() % ALIGN == 0 and all(s * t.element_size() % ALIGN == 0 for s in t.stride()[:-1])
                for t in tensors)
 
 
