@@ -3,8 +3,10 @@
 With the switch on, every launch decode's kernel modules make asks for PDL and hands its kernel PDL=True; each
 such kernel, compiled for sm_90 by ptxas (no GPU needed), waits (`griddepcontrol.wait`) before its first global
 load, store or atomic, lets the next kernel launch only after that wait, and prefetches into L2 only before it.
-Without CUDA the launches are recorded, not run (the interpreter cannot run the wait). On a GPU (CUDA tests), each
-kernel's outputs with PDL equal those without, bit for bit, and so do a graphed decode step's logits."""
+Without CUDA the launches are recorded, not run (the interpreter cannot run the wait), and, with the wait a no-op and
+each bulk prefetch recorded instead of issued, run under the interpreter: outputs as without PDL, every prefetch
+aligned and inside a tensor its kernel was given. On a GPU (CUDA tests), each kernel's outputs with PDL (or the
+LAUNCH prefetch opt-ins) equal those without, bit for bit, and so do a graphed decode step's logits."""
 import inspect
 import os
 import re
@@ -86,7 +88,7 @@ def _kda():
 
 def _mla():
     from test_mla_static_decode_triton import case
-    args = case(2, 12, 256, 64, 640, 300, bf16, 8)
+    args = case(2, 12, 256, 64, 640, 630, bf16, 8)  # near the capacity: a look-ahead past it would show
     tickets = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     out = triton_module("_mla_static_decode_triton").static_decode_attention(*args, 0.07, tickets)
     return [out, args[4], args[5], tickets]
@@ -279,3 +281,43 @@ def test_a_graphed_decode_step_with_pdl_equals_one_without(batch):
             step = GraphedDecodeStep(model, cache)
             logits.append(torch.stack([step.step(ids[:, t]).clone() for t in range(T, T + n)]))
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels under the CPU interpreter")
+@pytest.mark.parametrize("name", CASES)
+def test_prefetches_stay_inside_their_tensors_and_change_nothing(name, monkeypatch):
+    """Each case run under the interpreter with PDL on (the wait a no-op, each bulk prefetch recorded instead of
+    issued, `launch_pdl` dropped), against the case with it off: the same outputs bit for bit (the prefetch
+    branches and the reads before the wait change nothing), and every prefetch 16-byte aligned, a multiple of 16
+    bytes, and inside the storage of a tensor its kernel was given (never memory a launch does not own)."""
+    from k3.ops import _gemv_triton
+
+    plain = CASES[name]()
+    prefetches, owned = [], []
+
+    def record(ptrs, nbytes):  # in place of the PTX (called with the interpreter's tensors)
+        for p, n in zip(ptrs.handle.data.reshape(-1).tolist(), nbytes.handle.data.reshape(-1).tolist()):
+            if n:
+                prefetches.append((int(p), int(n)))
+
+    kernel_type = type(_gemv_triton._gemv_kernel)
+    run = kernel_type.run
+
+    def run_and_note(self, *args, **kwargs):  # the storage of every tensor a launch is given
+        for a in [*args, *kwargs.values()]:
+            for t in (a if isinstance(a, (tuple, list)) else [a]):
+                if isinstance(t, torch.Tensor):
+                    owned.append((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", run_and_note)
+    monkeypatch.setattr(pdl, "_prefetch_l2", record)
+    monkeypatch.setattr(pdl, "gdc_wait", lambda: None)
+    monkeypatch.setattr(pdl, "gdc_launch_dependents", lambda: None)
+    monkeypatch.setattr(pdl, "launch", lambda t: dict(PDL=True, launch_pdl=True))
+    for a, b in zip(plain, CASES[name]()):
+        assert torch.equal(a, b)
+    assert bool(prefetches) == (name != "mix_norm")  # the mix waits only
+    for p, n in prefetches:
+        assert p % 16 == 0 and n % 16 == 0, (p, n)
+        assert any(start <= p and p + n <= start + size for start, size in owned), (p, n)
