@@ -124,9 +124,8 @@ def _tile_sums(x_ptr, w_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols,
 @triton.jit
 def _prefetch_w(w_ptr, cols, N, K, k_start, stride_wn, K_SPLIT: tl.constexpr, CHUNKS: tl.constexpr):
     """Into L2 (PDL's step 1, k3.ops._pdl_triton): rows `cols` of W over the K_SPLIT columns from k_start."""
-    elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    row_bytes = tl.minimum(K_SPLIT, K - k_start) * elem
-    prefetch_rows_l2(w_ptr + cols.to(tl.int64) * stride_wn + k_start, cols < N, row_bytes, CHUNKS)
+    prefetch_rows_l2(w_ptr + cols.to(tl.int64) * stride_wn + k_start, cols < N, tl.minimum(K_SPLIT, K - k_start),
+                     CHUNKS)
 
 
 @triton.jit

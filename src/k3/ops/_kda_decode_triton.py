@@ -75,9 +75,8 @@ def kda_decode_kernel(
             pf_slot = tl.load(slots_ptr + row).to(tl.int64)
         pf_ok = (pf_slot >= 0) & (pf_slot < n_slots)
         col0 = sp * (BLOCK_V // SPLITS)
-        elem: tl.constexpr = state_ptr.dtype.element_ty.primitive_bitwidth // 8
         prefetch_rows_l2(state_ptr + tl.where(pf_ok, pf_slot, 0) * s_state + (h * K + offs_k) * V + col0,
-                         k_ok & pf_ok, tl.minimum(BLOCK_V // SPLITS, V - col0) * elem, 1)
+                         k_ok & pf_ok, tl.minimum(BLOCK_V // SPLITS, V - col0), 1)
     pdl_enter(PDL)
     slot = row
     if HAS_SLOTS:

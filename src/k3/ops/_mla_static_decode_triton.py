@@ -147,10 +147,8 @@ def _static_decode_kernel(q_lat_ptr, q_lat_row, q_lat_head, q_rope_ptr, q_rope_r
 def _prefetch_cache_rows(lat_ptr, rope_ptr, first, rows, R, E, MOST: tl.constexpr, CHUNKS: tl.constexpr):
     """Cache rows first .. first + min(rows, MOST) of the latent and k_rope into L2 (none where rows ≤ 0)."""
     n = tl.minimum(rows, MOST)
-    lat_elem: tl.constexpr = lat_ptr.dtype.element_ty.primitive_bitwidth // 8
-    rope_elem: tl.constexpr = rope_ptr.dtype.element_ty.primitive_bitwidth // 8
-    prefetch_range_l2(lat_ptr + first * R, n * R * lat_elem, CHUNKS)
-    prefetch_range_l2(rope_ptr + first * E, n * E * rope_elem, CHUNKS)
+    prefetch_range_l2(lat_ptr + first * R, n * R, CHUNKS)
+    prefetch_range_l2(rope_ptr + first * E, n * E, CHUNKS)
 
 
 @triton.jit

@@ -37,11 +37,10 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, bet
     if PREFETCH:  # this program's rows of its expert's W1 and W3 (each one contiguous block), as the down kernel's
         pf_e = tl.load(idx_ptr + s).to(tl.int64)
         row0 = tl.program_id(1) * BLOCK_I
-        elem: tl.constexpr = w1_ptr.dtype.element_ty.primitive_bitwidth // 8
-        nbytes = tl.where((pf_e >= 0) & (pf_e < E), tl.minimum(BLOCK_I, I - row0) * L * elem, 0)
+        count = tl.where((pf_e >= 0) & (pf_e < E), tl.minimum(BLOCK_I, I - row0) * L, 0)
         first = (tl.minimum(tl.maximum(pf_e, 0), E - 1) * I + row0) * L
-        prefetch_range_l2(w1_ptr + first, nbytes, PF_CHUNKS)
-        prefetch_range_l2(w3_ptr + first, nbytes, PF_CHUNKS)
+        prefetch_range_l2(w1_ptr + first, count, PF_CHUNKS)
+        prefetch_range_l2(w3_ptr + first, count, PF_CHUNKS)
     pdl_enter(PDL)
     e = tl.load(idx_ptr + s).to(tl.int64)
     if e < 0:  # a slot another rank computes: no weight read (the down kernel skips it too)
@@ -81,8 +80,7 @@ def _down_kernel(h_ptr, idx_ptr, wt_ptr, w2_ptr, out_ptr, I: tl.constexpr, L: tl
         e = tl.load(idx_ptr + n * TOP_K + j, mask=j < TOP_K, other=-1).to(tl.int64)
         ok = (e >= 0) & (e < E)
         row0 = tl.program_id(1) * BLOCK_L
-        elem: tl.constexpr = w2_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_rows_l2(w2_ptr + tl.where(ok, e, 0) * L * I + row0 * I, ok, tl.minimum(BLOCK_L, L - row0) * I * elem,
+        prefetch_rows_l2(w2_ptr + tl.where(ok, e, 0) * L * I + row0 * I, ok, tl.minimum(BLOCK_L, L - row0) * I,
                          PF_CHUNKS)
     pdl_enter(PDL)
     acc = tl.zeros((BLOCK_L, BLOCK_I), dtype=tl.float32)  # reduced across the warps once, after every expert

@@ -145,9 +145,8 @@ def _prefetch_expert_rows(w_ptr, e, rows, OUT: tl.constexpr, IN: tl.constexpr, c
                           CHUNKS: tl.constexpr):
     """Columns col0 .. col0 + COLS (cut at IN) of rows `rows` of expert e's [OUT, IN] matrix of the stack w into L2
     (k3.ops._pdl_triton)."""
-    elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    prefetch_rows_l2(w_ptr + (e.to(tl.int64) * OUT + rows) * IN + col0, rows < OUT,
-                     tl.minimum(COLS, IN - col0) * elem, CHUNKS)
+    prefetch_rows_l2(w_ptr + (e.to(tl.int64) * OUT + rows) * IN + col0, rows < OUT, tl.minimum(COLS, IN - col0),
+                     CHUNKS)
 
 
 @triton.jit

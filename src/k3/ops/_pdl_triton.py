@@ -79,17 +79,19 @@ def _prefetch_l2(ptrs, nbytes):
 
 
 @triton.jit
-def prefetch_range_l2(ptr, nbytes, CHUNKS: tl.constexpr):
-    """Prefetches `nbytes` bytes (rounded down to 16) from ptr (16-byte aligned), cut into CHUNKS pieces."""
-    prefetch_rows_l2(ptr + tl.zeros([1], dtype=tl.int32), tl.full([1], True, tl.int1), nbytes, CHUNKS)
+def prefetch_range_l2(ptr, count, CHUNKS: tl.constexpr):
+    """Prefetches `count` elements of ptr's type from ptr (16-byte aligned; the bytes rounded down to 16; none
+    where count ≤ 0), cut into CHUNKS pieces."""
+    prefetch_rows_l2(ptr + tl.zeros([1], dtype=tl.int32), tl.full([1], True, tl.int1), count, CHUNKS)
 
 
 @triton.jit
-def prefetch_rows_l2(row_ptrs, row_ok, row_bytes, CHUNKS: tl.constexpr):
-    """Prefetches `row_bytes` bytes (rounded down to 16; none where ≤ 0) from each row pointer (16-byte aligned)
-    where row_ok, each row cut into CHUNKS pieces, so that a program's threads issue one each (rows × CHUNKS = its
-    threads)."""
-    row_bytes = tl.maximum(row_bytes, 0)
+def prefetch_rows_l2(row_ptrs, row_ok, row_count, CHUNKS: tl.constexpr):
+    """Prefetches `row_count` elements of the pointers' type from each row pointer (16-byte aligned; the bytes
+    rounded down to 16; none where row_count ≤ 0) where row_ok, each row cut into CHUNKS pieces, so that a
+    program's threads issue one each (rows × CHUNKS = its threads)."""
+    elem: tl.constexpr = row_ptrs.dtype.element_ty.primitive_bitwidth // 8
+    row_bytes = tl.maximum(row_count, 0) * elem
     chunk = tl.cdiv(tl.cdiv(row_bytes, CHUNKS), 16) * 16
     starts = tl.arange(0, CHUNKS) * chunk
     size = tl.minimum(tl.maximum(row_bytes - starts, 0), chunk) // 16 * 16  # [CHUNKS]

@@ -27,8 +27,7 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, scores_ptr, tickets_ptr, idx_ptr, wt_
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < E
     if PREFETCH and n == 0:  # its experts' weight rows into L2, once (the first row's programs)
-        elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_rows_l2(w_ptr + experts.to(tl.int64) * D, e_ok, D * elem, PF_CHUNKS)
+        prefetch_rows_l2(w_ptr + experts.to(tl.int64) * D, e_ok, D, PF_CHUNKS)
     pdl_enter(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
     d0 = 0
