@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
-from sass_mxfp4_loop import SMS, ctas_per_sm, cuobjdump, resources  # noqa: E402
+from sass_mxfp4_loop import SMS, ctas_per_sm, cuobjdump, launch_attrs, resources  # noqa: E402
 
 from k3.ops import _kda_bwd_triton as k3_bwd  # noqa: E402
 
@@ -63,9 +63,8 @@ def fla_kernel(name: str = "chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused"):
 
 
 def compile_kernel(fn, signature: dict, num_warps: int, num_stages: int = 3, maxnreg=None, **consts):
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
     src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts if k not in signature}},
-                    constexprs=consts, attrs=attrs)
+                    constexprs=consts, attrs=launch_attrs(signature))
     options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

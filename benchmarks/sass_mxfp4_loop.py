@@ -35,10 +35,23 @@ FUSED_SIGNATURE = {"z_ptr": "*bf16", "w1_p": "*u8", "w1_s": "*u8", "w3_p": "*u8"
 SMS, SM_REGS, SM_SHARED, SM_WARPS = 132, 65536, 228 * 1024, 64  # the H200 (sm_90)
 
 
+def launch_attrs(signature: dict, divisible=(), unaligned=()) -> dict:
+    """The argument attributes a launch on torch's tensors gives a kernel (Triton's specialisation), for a static
+    compile: every pointer 16-byte aligned (those named `unaligned` not: a column slice off a boundary), tuple
+    members too, and the integers named in `divisible` multiples of 16."""
+    attrs = {}
+    for i, (name, kind) in enumerate(signature.items()):
+        members = enumerate(kind) if isinstance(kind, (tuple, list)) else [(None, kind)]
+        for j, t in members:
+            if (t.startswith("*") and name not in unaligned) or (j is None and name in divisible):
+                attrs[(i,) if j is None else (i, j)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def compile_kernel(fn=None, signature=None, options=None, **consts):
     fn, signature = fn or _mxfp4_triton._expert_gemm_kernel, signature or SIGNATURE
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
-    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts}}, constexprs=consts,
+                    attrs=launch_attrs(signature))
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "num_stages": 3, **(options or {})})
     return kernel

@@ -18,15 +18,9 @@ from triton.compiler import ASTSource
 module, name, signature, constexprs, num_warps, stage, divisible, unaligned = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 signature = {k: tuple(v) if isinstance(v, list) else v for k, v in signature.items()}
-# as a launch specialises its arguments: pointers 16-byte aligned (torch's allocations are; not those named
-# unaligned: column slices), and the integers named divisible by 16
-attrs = {}
-for i, (k, t) in enumerate(signature.items()):
-    for j, u in (enumerate(t) if isinstance(t, tuple) else [(None, t)]):
-        if (u.startswith("*") and k not in unaligned) or (k in divisible and j is None):
-            attrs[(i,) if j is None else (i, j)] = [["tt.divisibility", 16]]
+from sass_mxfp4_loop import launch_attrs  # the arguments specialised as a launch specialises them
 src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs,
-                attrs=attrs)
+                attrs=launch_attrs(signature, divisible, unaligned))
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 if stage == "resources":  # ptxas's allocation, read from the cubin as the SASS benchmarks read it
     from sass_mxfp4_loop import resources

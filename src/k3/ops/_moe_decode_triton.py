@@ -37,8 +37,9 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, bet
     if PREFETCH:  # this program's rows of its expert's W1 and W3 (each one contiguous block), as the down kernel's
         pf_e = tl.load(idx_ptr + s).to(tl.int64)
         row0 = tl.program_id(1) * BLOCK_I
-        count = tl.where((pf_e >= 0) & (pf_e < E), tl.minimum(BLOCK_I, I - row0) * L, 0)
-        first = (tl.minimum(tl.maximum(pf_e, 0), E - 1) * I + row0) * L
+        ok = (pf_e >= 0) & (pf_e < E)
+        count = tl.where(ok, tl.minimum(BLOCK_I, I - row0) * L, 0)
+        first = (tl.where(ok, pf_e, 0) * I + row0) * L
         prefetch_range_l2(w1_ptr + first, count, PF_CHUNKS)
         prefetch_range_l2(w3_ptr + first, count, PF_CHUNKS)
     pdl_enter(PDL)
