@@ -45,12 +45,14 @@ intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
      [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]] [--backwards] [--kda-core]
-     [--kda-bwd] [--residual-add] [--conv-varlen]
+     [--kda-bwd] [--residual-add] [--conv-varlen] [--doc-attention]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
 --kda-bwd [wy,intra]: only KDA's chunk-backward WY/state and intra-chunk stages (or those named), fla's kernels
 against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
 --conv-varlen: only serving's q/k/v short convs over a step's packed sequences, the torch path against the opt-in
 kernel (`conv_varlen_rows`).
+--doc-attention: only MLA's training attention over packed documents, k3's varlen path against SDPA with the
+document mask (`doc_attention_rows`).
 --residual-add: only a training mix with the residual add before it, the add in the mix kernel's launch against
 the add separate (K3_NO_RESIDUAL_ADD_FOLD; `residual_add_rows`).
 """
@@ -64,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import fwd_bwd, measure_ceilings, save, table, time_ms  # noqa: E402
+from gpu_bench_util import PEAK_BF16, fwd_bwd, measure_ceilings, save, table, time_ms  # noqa: E402
 
 from k3 import envs  # noqa: E402
 from k3.model.attn_res import attn_res_mix  # noqa: E402
@@ -544,6 +546,57 @@ def conv_varlen_rows(bw: float, device: str = "cuda", sizes=(2048, 8192), C: int
     return rows
 
 
+def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc_lens=(256, 2048, 0)) -> list[dict]:
+    """MLA's training attention over packed documents (`small`: 12 heads, qk 192, v 128, bf16), forward and
+    forward+backward: k3's varlen path (each document a segment of FlashAttention's varlen kernel,
+    k3.ops.varlen_attention.document_attention, the packing made once a forward and left out of the timing, as the
+    layers share it) against SDPA with the [B, T, T] document mask (k3's path before, and what a dense mask gives
+    any SDPA user), and plain causal SDPA over whole rows (a row one document: not the same attention, the cost
+    of ignoring the documents). Documents of a fixed length (0: one a row). floor_ms: the documents' causal
+    FLOPs (fwd 2·H·(D+V) a visible pair; fwd+bwd 3.5× that) at the dense bf16 peak (989 TFLOP/s); extra_GiB:
+    peak memory over the inputs during fwd+bwd."""
+    from k3.ops.attention import causal_attention
+    from k3.ops.varlen_attention import document_attention, packed_documents
+
+    H, D, V = 12, 192, 128
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for B, T in shapes:
+        q, k = (torch.randn(B, T, H, D, generator=gen, device=device).bfloat16().requires_grad_() for _ in range(2))
+        v = torch.randn(B, T, H, V, generator=gen, device=device).bfloat16().requires_grad_()
+        g = torch.randn(B, T, H, V, generator=gen, device=device).bfloat16()
+        for L in doc_lens:
+            L = L or T
+            doc_ids = (torch.arange(T, device=device) // L).expand(B, T).contiguous()
+            pairs = B * (T // L) * L * (L + 1) / 2 + B * (T % L) * (T % L + 1) / 2
+            flops = 2 * H * (D + V) * pairs
+            packing = packed_documents(doc_ids, device)
+            impls = {"k3 varlen (documents)": lambda: document_attention(
+                         q, packing.pack_keys(k), packing.pack_keys(v), D ** -0.5, packing),
+                     "SDPA + [B,T,T] mask": lambda: causal_attention(q, k, v, D ** -0.5, doc_ids),
+                     "causal SDPA, documents ignored": lambda: causal_attention(q, k, v, D ** -0.5)}
+            want = impls["SDPA + [B,T,T] mask"]().float()
+            for impl, fn in impls.items():
+                try:
+                    with torch.no_grad():
+                        f_ms = time_ms(fn, inner=2)
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    fb_ms = time_ms(lambda: torch.autograd.grad(fn(), (q, k, v), g), inner=2)
+                    extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+                    err = ((fn().float() - want).norm() / want.norm()).item()
+                except torch.OutOfMemoryError:
+                    f_ms = fb_ms = extra = err = float("nan")
+                    torch.cuda.empty_cache()
+                rows.append(dict(op=f"MLA attention {B}x{T}, documents of {L}", impl=impl, fwd_ms=f_ms,
+                                 fwd_bwd_ms=fb_ms, floor_fwd_ms=flops / PEAK_BF16 * 1e3,
+                                 floor_fwd_bwd_ms=3.5 * flops / PEAK_BF16 * 1e3,
+                                 fwd_bwd_TFLOPs=3.5 * flops / fb_ms * 1e-9, extra_GiB=extra, rel_err=err))
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="8,4096", help="B,T")
@@ -560,6 +613,8 @@ def main():
                     help="only serving's varlen q/k/v short convs, the torch path against the opt-in kernel")
     ap.add_argument("--residual-add", action="store_true",
                     help="only a training mix with its residual add folded in against the add separate")
+    ap.add_argument("--doc-attention", action="store_true",
+                    help="only MLA's training attention over packed documents, varlen against the masked SDPA")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
@@ -595,6 +650,11 @@ def main():
         rows = residual_add_rows(B, T, bw)
         print(table(rows, ["op", "impl", "fwd_us", "fwd_bwd_us", "floor_fwd_us", "saved_per_step_ms"]))
         return save("residual_add", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
+    if a.doc_attention:
+        rows = doc_attention_rows()
+        print(table(rows, ["op", "impl", "fwd_ms", "fwd_bwd_ms", "floor_fwd_ms", "floor_fwd_bwd_ms", "fwd_bwd_TFLOPs",
+                           "extra_GiB", "rel_err"]))
+        return save("doc_attention", {"rows": rows})
     if a.gemv or a.gemv_sweep:
         gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")

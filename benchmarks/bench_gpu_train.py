@@ -18,7 +18,10 @@ before and after are timed side by side.
 (k3.train.compiled_regions, `k3 train --compile`), in the same process after the eager rows (which run the compiled
 functions eagerly: torch.compiler.set_stance("force_eager")); first_step_s is a compiled row's first step, compile
 included, from an empty Dynamo cache (reset per shape, so each shape gets its own static-shape graphs).
+--docs L: the rows packed with documents of L tokens (doc_ids, as `k3 train` packs its corpus: KDA's varlen core,
+MLA's attention a varlen segment a document); the FLOP count stays the whole rows' causal one.
 Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing] [--compile] [--off ...]
+     [--docs L]
 """
 import argparse
 import dataclasses
@@ -45,6 +48,7 @@ def main():
                     help="a further row per shape with the KDA, MLA, MoE and dense MLP forwards compiled")
     ap.add_argument("--off", action="append", default=[], metavar="SWITCHES",
                     help="a further row per shape with these k3.envs switches set True (comma list of fields)")
+    ap.add_argument("--docs", type=int, default=0, metavar="L", help="pack each row with documents of L tokens")
     a = ap.parse_args()
     variants = [()] + [tuple(sorted(n.strip() for n in v.split(",") if n.strip())) for v in a.off]
     known = {f.name: f.type in (bool, "bool") for f in dataclasses.fields(envs.Switches)}
@@ -76,16 +80,17 @@ def main():
     modes = (False, True) if a.compile else (False,)
     for (B, T), compiled, off in ((shape, c, off) for shape in shapes for c in modes for off in variants):
         ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+        doc_ids = (torch.arange(T, device="cuda") // a.docs).expand(B, T).contiguous() if a.docs else None
 
-        def step():
-            loss = model(ids, labels=ids).loss
+        def step():  # (a fresh doc_ids a step, as a loader gives: the packing is read back once a forward)
+            loss = model(ids, doc_ids=None if doc_ids is None else doc_ids.clone(), labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         t0 = time.time()
         torch.cuda.reset_peak_memory_stats()
         row = dict(preset=preset, ckpt=a.activation_checkpointing, compiled=compiled, off=",".join(off) or "-", B=B,
-                   T=T, active_params_M=n_act / 1e6)
+                   T=T, docs=a.docs or "-", active_params_M=n_act / 1e6)
         if compiled and not off:  # this shape's first compiled row: its graphs compile from scratch
             torch._dynamo.reset()
         try:
@@ -110,8 +115,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
-    print(table(rows, ["preset", "ckpt", "compiled", "off", "B", "T", "step_ms", "tokens_per_s", "TFLOPs", "MFU",
-                       "peak_GiB", "first_step_s", "active_params_M"]))
+    print(table(rows, ["preset", "ckpt", "compiled", "off", "B", "T", "docs", "step_ms", "tokens_per_s", "TFLOPs",
+                       "MFU", "peak_GiB", "first_step_s", "active_params_M"]))
     save("train" + ("_quick" if a.quick else "") + ("_ckpt" if a.activation_checkpointing else "")
          + ("_compile" if a.compile else ""), {"rows": rows})
 

@@ -19,15 +19,14 @@ from k3.ops.kda_core import kda_core, select_backend
 from k3.ops.kda_decode import DecodeWeights, kda_decode_step, use_fused_decode
 from k3.ops.kda_fla import fla_output_gate
 from k3.ops.triton_dispatch import triton_module, use_triton
+from k3.ops.varlen_attention import packed_documents
 
 
 def doc_ids_to_cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Packed rows [B, T] → cu_seqlens over the flattened B·T tokens (a new segment at each row and doc start)."""
-    B, T = doc_ids.shape
-    start = torch.ones_like(doc_ids, dtype=torch.bool)
-    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    idx = start.flatten().nonzero().flatten()
-    return torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int64)
+    """Packed rows [B, T] → cu_seqlens (int64) over the flattened B·T tokens (a new segment at each row and doc
+    start): the documents' segments of k3.ops.varlen_attention.packed_documents, read back once a forward and
+    shared with MLA's attention over them."""
+    return packed_documents(doc_ids, doc_ids.device).segments.cu_q.to(torch.int64)
 
 
 def short_conv_varlen_index(cu_seqlens: torch.Tensor, num_tokens: int,

@@ -16,7 +16,7 @@ from k3.ops.gemv import DecodeLinear, linear, use_gemv
 from k3.ops.mla_static_decode import static_decode_attention, use_static_decode_kernel
 from k3.ops.sigmoid_gate import sigmoid_gate
 from k3.ops.triton_dispatch import triton_module, use_triton
-from k3.ops.varlen_attention import varlen_causal_attention
+from k3.ops.varlen_attention import document_attention, packed_documents, packs_documents, varlen_causal_attention
 
 # SPEC §3.3 ⚠: the reference uses 1e-6 for q_a_layernorm / kv_a_layernorm (one port uses 1e-5).
 LORA_NORM_EPS = 1e-6
@@ -190,6 +190,9 @@ class MultiHeadLatentAttention(nn.Module):
         """Causal SDPA of the T newest queries q [B, T, H, nope+rope] over S >= T latents [B, S, R] with
         k_extra [B, S, rope]: query t sits at position S−T+t. Returns [B, T, H, v_dim]."""
         k, v = self.expand_kv(latent, k_extra)
+        if doc_ids is not None and packs_documents(q, k, v):  # each document a segment, no [B, T, T] mask
+            packing = packed_documents(doc_ids, q.device)
+            return document_attention(q, packing.pack_keys(k), packing.pack_keys(v), self.scale, packing)
         return causal_attention(q, k, v, self.scale, doc_ids)
 
     def expand_kv(self, latent: torch.Tensor, k_extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,13 +3,17 @@
 Segment s holds queries q[cu_q[s]:cu_q[s+1]] and keys k[cu_k[s]:cu_k[s+1]] with at least as many keys as queries:
 its queries are the last positions of its keys (bottom-right causal: a prefill chunk after its cached context),
 and no query sees another segment's keys. The serving engine's MLA prefill rows of a step run through here as one
-call instead of one SDPA per row. Backends, by what the call allows:
+call instead of one SDPA per row, and so do packed documents in training (`packed_documents`: each document of a
+row a segment, where a [B, T, T] mask would make SDPA leave FlashAttention, compute every block across documents
+and hold the mask, O(T²), through backward; context parallelism's shards likewise). Backends, by what the call
+allows:
 - CUDA, fp16/bf16, head dim <= 256: FlashAttention's varlen kernel (`torch.nn.attention.varlen.varlen_attn`);
 - small steps elsewhere (the CPU, fp32): one SDPA over the packed rows with a block-diagonal causal mask;
 - larger ones: one SDPA per segment (`k3.ops.attention.causal_attention`), the plain reference.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import inspect
@@ -120,3 +124,73 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     for qa, qb, ka, kb in zip(segments.cu_q_host, segments.cu_q_host[1:], segments.cu_k_host, segments.cu_k_host[1:]):
         out.append(causal_attention(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], scale)[0])
     return torch.cat(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentPacking:
+    """Rows [B, S] of packed documents as varlen segments, for the queries at positions [q_start, q_start + T) of
+    every row (all of it in training; a context-parallel shard's). A segment is one document's queries over its
+    keys up to its last query; a row's keys are those from the start of its first query's document to its last
+    query (`key_spans`), so every segment has a query and no key is read that no query sees."""
+    segments: VarlenSegments
+    key_spans: tuple[tuple[int, int], ...]
+    queries: int  # T
+
+    def pack_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S, ...] → [Nk, ...]: each row's key span, the rows one after another."""
+        if all(span == (0, x.shape[1]) for span in self.key_spans):
+            return x.reshape(-1, *x.shape[2:])
+        return torch.cat([x[b, a:e] for b, (a, e) in enumerate(self.key_spans)])
+
+
+def packed_documents(doc_ids: torch.Tensor, device, q_start: int = 0, queries: int | None = None) -> DocumentPacking:
+    """The `DocumentPacking` of doc_ids [B, S] (positions of one document equal and adjacent within a row:
+    k3.data.packing's), for the `queries` positions from q_start (default: the whole row). Reads doc_ids back to
+    the host once (a device sync) and keeps the result on the tensor, so the layers of one forward share it."""
+    S = doc_ids.shape[1]
+    T = S - q_start if queries is None else queries
+    if not (0 <= q_start and T >= 1 and q_start + T <= S):
+        raise ValueError(f"queries [{q_start}, {q_start + T}) must be a non-empty part of the {S} positions")
+    key = (q_start, T, str(device), doc_ids._version)
+    kept = getattr(doc_ids, "_k3_packings", None)
+    if kept is None:
+        kept = doc_ids._k3_packings = {}
+    if key not in kept:
+        kept.clear()  # (another shape or a changed tensor: the old entries are dead)
+        kept[key] = _pack(doc_ids.detach().cpu(), device, q_start, T)
+    return kept[key]
+
+
+def _pack(ids: torch.Tensor, device, q_start: int, T: int) -> DocumentPacking:
+    B, S = ids.shape
+    q_end = q_start + T
+    starts = torch.ones(B, S, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    cu_q, cu_k, spans = [0], [0], []
+    for b in range(B):
+        bounds = starts[b].nonzero().flatten().tolist() + [S]  # document i is [bounds[i], bounds[i+1])
+        first = bisect.bisect_right(bounds, q_start) - 1  # the document of the first query
+        spans.append((bounds[first], q_end))
+        for ds, de in zip(bounds[first:], bounds[first + 1:]):
+            if ds >= q_end:
+                break
+            cu_q.append(cu_q[-1] + min(de, q_end) - max(ds, q_start))
+            cu_k.append(cu_k[-1] + min(de, q_end) - ds)
+    return DocumentPacking(VarlenSegments.build(cu_q, cu_k, device), tuple(spans), T)
+
+
+def packs_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether packed documents take `document_attention` over the masked SDPA: where FlashAttention's varlen
+    kernel runs (elsewhere the masked SDPA is the plain path), outside torch.compile (the packing reads the host)."""
+    return not torch.compiler.is_compiling() and flash_usable(q, k, v)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, packing: DocumentPacking,
+                       backend: str | None = None) -> torch.Tensor:
+    """Causal attention within documents: q [B, T, H, D] (the packing's queries), k [Nk, H, D] and v [Nk, H, V]
+    packed by `packing.pack_keys`. Returns [B, T, H, V]; `backend` as `varlen_causal_attention`'s."""
+    B, T = q.shape[:2]
+    if T != packing.queries or B * T != packing.segments.cu_q_host[-1]:
+        raise ValueError(f"q holds {B} x {T} queries; the packing was made for {packing.segments.cu_q_host[-1]}")
+    o = varlen_causal_attention(q.reshape(B * T, *q.shape[2:]), k, v, packing.segments, scale, backend)
+    return o.view(B, T, *o.shape[1:])

@@ -8,9 +8,10 @@ KDA (SPEC §5): over its shard a rank's effect on the state is affine, S_out = M
 once: the final state is [S̃_r | M_r] and the extra output columns are p_t = scale · M_{≤t}ᵀ q_t, so the
 true output is o_t = o⁰_t + S_inᵀ p_t. The (M_r, S̃_r) pairs are all-gathered and prefix-scanned for S_in;
 no second pass is needed. The short convs read the previous shard's last W−1 projected inputs (a halo).
-MLA: the normalised latent and k_extra of the whole sequence are all-gathered; local queries attend with a
-causal mask offset by the shard start. Packed documents (doc_ids) are supported: the document of the
-shard's first token decides whether the incoming state and halo apply.
+MLA: the normalised latent and k_extra of the whole sequence are all-gathered; local queries attend causally to
+the keys up to the shard's end. Packed documents (doc_ids) are supported: the document of the shard's first token
+decides whether the incoming state and halo apply, and MLA attends with each document that meets the shard one
+varlen segment (k3.ops.varlen_attention.packed_documents), no [B, T, S] mask.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from k3.model.mla import MultiHeadLatentAttention
 from k3.ops.attention import causal_attention
 from k3.ops.conv import short_conv
 from k3.ops.kda_core import kda_core
+from k3.ops.varlen_attention import document_attention, packed_documents
 from k3.parallel.comm import all_gather
 
 
@@ -182,21 +184,17 @@ class ContextParallelMLA:
         self.cp = cp
 
     def attend(self, m: MultiHeadLatentAttention, q, latent, k_extra) -> torch.Tensor:
-        cp = self.cp
-        B, T, H, _ = q.shape
+        cp, T = self.cp, q.shape[1]
         kv = cp.gather_sequence(torch.cat([latent, k_extra], dim=-1))
-        latent, k_extra = kv.split([m.kv_rank, m.rope], dim=-1)
-        S = kv.shape[1]
-        k_nope, v = m.kv_b_proj(latent).view(B, S, H, m.nope + m.v_dim).split([m.nope, m.v_dim], -1)
-        k = torch.cat([k_nope, k_extra[:, :, None, :].expand(B, S, H, m.rope)], dim=-1)
         start = cp.bounds[cp.rank][0]
-        if cp.segments is None:  # the shard's T queries end the first start + T keys: bottom-right causal, no
-            # mask to build ([B, T, S] would take GBs at long context) and the fused kernels on CUDA
-            return causal_attention(q, k[:, :start + T], v[:, :start + T], m.scale)
-        mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
-        mask = mask[None] & (cp.local_segments[:, :, None] == cp.segments[:, None, :])
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              attn_mask=mask[:, None], scale=m.scale).transpose(1, 2)
+        # no [B, T, S] mask (GBs at long context): the keys up to the shard's last query, expanded, and
+        if cp.segments is None:  # ... the shard's T queries the last of them: bottom-right causal
+            k, v = m.expand_kv(*kv[:, :start + T].split([m.kv_rank, m.rope], dim=-1))
+            return causal_attention(q, k, v, m.scale)
+        # ... or with packed documents, each document that meets the shard a varlen segment (k3.ops.varlen_attention)
+        packing = packed_documents(cp.segments, q.device, start, T)
+        k, v = m.expand_kv(*packing.pack_keys(kv).split([m.kv_rank, m.rope], dim=-1))
+        return document_attention(q, k, v, m.scale, packing)
 
 
 def _over_layout(forward, layout):
