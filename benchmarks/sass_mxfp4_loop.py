@@ -48,10 +48,11 @@ def launch_attrs(signature: dict, divisible=(), unaligned=()) -> dict:
     return attrs
 
 
-def compile_kernel(fn=None, signature=None, options=None, **consts):
+def compile_kernel(fn=None, signature=None, options=None, divisible=(), **consts):
+    """fn (default: the MXFP4 expert GEMM) for sm_90, specialised as a launch would (`launch_attrs`)."""
     fn, signature = fn or _mxfp4_triton._expert_gemm_kernel, signature or SIGNATURE
     src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts}}, constexprs=consts,
-                    attrs=launch_attrs(signature))
+                    attrs=launch_attrs(signature, divisible))
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "num_stages": 3, **(options or {})})
     return kernel

@@ -13,11 +13,10 @@ import os
 import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+import sass_mxfp4_loop  # noqa: E402
 from sass_mxfp4_loop import ctas_per_sm, resources  # noqa: E402
 
 from k3.ops import _attn_res_triton, _conv_triton  # noqa: E402
@@ -29,15 +28,8 @@ SPECIALISED_INTS = ("R", "D", "T", "C")  # 32768 rows, 1536 wide, 4096 tokens a 
 def compile_kernel(fn, signature: dict, num_warps: int, **consts):
     """fn for sm_90 with pointers (tuple members too) and SPECIALISED_INTS marked divisible by 16, as a launch
     at these shapes specialises them."""
-    attrs = {}
-    for i, (name, kind) in enumerate(signature.items()):
-        if isinstance(kind, tuple):
-            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(kind))})
-        elif kind.startswith("*") or name in SPECIALISED_INTS:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts}}, constexprs=consts,
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
+    return sass_mxfp4_loop.compile_kernel(fn, signature, {"num_warps": num_warps}, divisible=SPECIALISED_INTS,
+                                          **consts)
 
 
 def mix_rows():

@@ -103,6 +103,14 @@ def test_a_forward_reads_the_ids_back_once_and_a_changed_tensor_is_packed_again(
     assert again is not first and again.segments.cu_q_host == [0, 5]
 
 
+def test_ids_made_under_inference_mode_are_packed_each_call():
+    with torch.inference_mode():  # an inference tensor keeps no version counter to key a kept packing by
+        ids = torch.tensor([[0, 0, 1]])
+        first = packed_documents(ids, "cpu")
+        ids[0, 2] = 0
+        assert packed_documents(ids, "cpu").segments.cu_q_host == [0, 3] and first.segments.cu_q_host == [0, 2, 3]
+
+
 @pytest.mark.parametrize("q_start, T", [(-1, 2), (4, 2), (0, 0), (5, 1)])
 def test_queries_outside_the_rows_are_refused(q_start, T):
     with pytest.raises(ValueError, match="queries"):

@@ -151,6 +151,8 @@ def packed_documents(doc_ids: torch.Tensor, device, q_start: int = 0, queries: i
     T = S - q_start if queries is None else queries
     if not (0 <= q_start and T >= 1 and q_start + T <= S):
         raise ValueError(f"queries [{q_start}, {q_start + T}) must be a non-empty part of the {S} positions")
+    if doc_ids.is_inference():  # (no version counter to tell an in-place change by: made again each call)
+        return _pack(doc_ids.detach().cpu(), device, q_start, T)
     key = (q_start, T, str(device), doc_ids._version)
     kept = getattr(doc_ids, "_k3_packings", None)
     if kept is None:
