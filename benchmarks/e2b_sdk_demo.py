@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from k3.serve.local_server import free_port
 
 
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from k3.data.calculator_task import QUESTIONS, problem, run_agent, score
+from k3.serve.local_server import free_port
 
 EVAL_SEED = 20261201  # not the dataset's seed (0): the problems are fresh
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: str, port: int) -> subprocess.Popen:

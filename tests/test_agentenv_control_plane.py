@@ -1,7 +1,6 @@
 """The control plane over HTTP on loopback: bearer token required, E2B-shaped lifecycle, exec and files
 through the client; with an unavailable backend, create fails with the backend's reason."""
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ from k3.agentenv import get_backend
 from k3.agentenv.api import Backend, SandboxSpec
 from k3.agentenv.client import AgentEnvClient, ControlPlaneError
 from k3.agentenv.control_plane import create_control_plane
-from k3.serve.local_server import local_server
+from k3.serve.local_server import free_port, local_server
 
 
 class Unavailable(Backend):
@@ -199,12 +198,6 @@ def test_request_bodies_are_bounded():
 def serve_proc(args, env, port):
     return subprocess.Popen([sys.executable, "-m", "k3.cli", "agentenv", "serve", "--port", str(port), *args],
                             env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("source", ["env", "file"])

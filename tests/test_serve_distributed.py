@@ -24,6 +24,7 @@ from k3.data import Tokenizer
 from k3.model.moe import LatentMoE
 from k3.serve import LLMEngine
 from k3.serve.expert_shard import ExpertShardCombine
+from k3.serve.local_server import free_port
 from live_serve import k3_serve, wait_until_healthy
 from parallel_harness import launch
 from serve_distributed_job import assert_same_serving, engine_config, rank_job, save_models, workload
@@ -69,14 +70,8 @@ def test_four_ranks_equal_one_process(model_dir, single):
     assert {r[0][1]["vocab_rows"] for r in results} == {K3Config.preset("tiny").vocab_size // 2}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_nodes_equal_one_process(model_dir, single, tmp_path):
-    port, out = _free_port(), tmp_path / "res"
+    port, out = free_port(), tmp_path / "res"
     env = {**os.environ, "K3_CPU_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO / "tests"),
                                                                                  os.environ.get("PYTHONPATH", "")])}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
@@ -156,7 +151,7 @@ def test_http_nproc2_equals_nproc1(model_dir, tmp_path):
 @contextmanager
 def torchrun_serve(model: Path, log_dir: Path, timeout: float = 180.0):
     """`torchrun --nnodes 2 --node-rank r ... -m k3.cli serve` for r = 0, 1 on this machine; yields rank 0's URL."""
-    port, http = _free_port(), _free_port()
+    port, http = free_port(), free_port()
     env = {**os.environ, "K3_CPU_THREADS": "1"}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
@@ -263,7 +258,7 @@ def test_a_rank_failing_to_load_stops_the_launch(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "k3.cli", "serve", "--model", str(tmp_path), "--nproc", "2", "--port",
-                        str(_free_port())], capture_output=True, text=True, timeout=120,
+                        str(free_port())], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "K3_CPU_THREADS": "1"})
     assert r.returncode == 2 and time.monotonic() - start < 100
     assert "rank 1 exited with status 2" in r.stderr and only_rank_1 in r.stderr, r.stderr[-2000:]
@@ -278,7 +273,7 @@ def test_a_rank_failing_to_load_stops_the_launch(tmp_path):
     (["--nproc", "8", "--ep", "8", "--tp", "8"], "--tp 8: tensor parallel size 8 must divide the attention heads"),
 ])
 def test_bad_layouts_are_refused_by_flag(model_dir, capsys, flags, message):
-    rc = main(["serve", "--model", str(model_dir / "f32"), "--port", str(_free_port()), *flags])
+    rc = main(["serve", "--model", str(model_dir / "f32"), "--port", str(free_port()), *flags])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
 

@@ -4,7 +4,6 @@ gives every rank its planned share to within one slot per expert it holds, and t
 replicas (float and packed MXFP4) still add to the one-process routed output; two gloo ranks serving with
 --ep-replicas give the single-process engine's tokens and logprobs with the expert rows balanced; hostile flags
 and placements are refused."""
-import socket
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from k3.data import Tokenizer
 from k3.model.moe import LatentMoE
 from k3.serve import LLMEngine
 from k3.serve.expert_balance import SCALE, ReplicaPlacement, home_ranks, place_replicas, slot_holders
-from k3.serve.expert_shard import ExpertShardCombine, load_rank_model
+from k3.serve.expert_shard import load_rank_model
+from k3.serve.local_server import free_port
 from parallel_harness import launch
 from random_model import randomize_trivial_parts
 from serve_distributed_job import assert_same_serving, engine_config, serve_or_follow, workload
@@ -154,12 +154,6 @@ def test_a_placement_without_room_is_refused(hot_model_dir):
         c.install(p, None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def replica_job(rank: int, world: int, model_dir: str, fmts: list[str]) -> list:
     from k3.serve.distributed import ServeLayout, build_rank_engine
 
@@ -207,7 +201,7 @@ def test_two_ranks_with_replicas_equal_one_process(hot_model_dir):
     (["--nproc", "2", "--ep-replicas", "2", "--ep-rebalance-steps", "0"], "must be >= 1, got 0"),
 ])
 def test_hostile_replica_flags_are_refused(hot_model_dir, capsys, flags, message):
-    rc = main(["serve", "--model", str(hot_model_dir / "f32"), "--port", str(_free_port()), *flags])
+    rc = main(["serve", "--model", str(hot_model_dir / "f32"), "--port", str(free_port()), *flags])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
 

@@ -36,7 +36,6 @@ import copy
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -51,6 +50,7 @@ import torch.distributed as dist
 from k3.checkpoint.sharded import RankLayout
 from k3.serve import gc_freeze
 from k3.serve.engine import EngineConfig, EngineThread, LLMEngine, fit_engine_config
+from k3.serve.local_server import free_port
 
 HEARTBEAT_S = 1.0         # an idle rank 0 steps this often (the other ranks wait in its broadcast meanwhile)
 REBALANCE_STEPS = 256    # engine steps between replica placements (--ep-rebalance-steps)
@@ -290,17 +290,11 @@ def build_rank_engine(model_dir, layout: ServeLayout, engine_config: EngineConfi
 
 
 # ---- processes -----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_local_ranks(nproc: int, serve_args: list[str]) -> list[subprocess.Popen]:
     """Start ranks 1..nproc-1 as `k3 serve` processes on this machine and make this process rank 0 (the
     torchrun environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT)."""
     common = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": str(_free_port())}
+              "MASTER_PORT": str(free_port())}
     children = []
     for r in range(1, nproc):
         env = {**os.environ, **common, "RANK": str(r), "LOCAL_RANK": str(r)}
