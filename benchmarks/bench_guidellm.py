@@ -10,13 +10,12 @@ guidellm lives in its own venv (its pins clash with the dev extra's):
 Without --model a random `tiny` K3 is saved to a temporary directory (fp32) and served."""
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+from k3.serve.local_server import serve_process
 
 
 def save_random_tiny(directory: Path) -> None:
@@ -27,18 +26,6 @@ def save_random_tiny(directory: Path) -> None:
     model.reset_parameters(seed=0)
     model.save_pretrained(directory, dtype=None)
     Tokenizer.from_file().save_pretrained(directory)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit("k3 serve did not come up")
 
 
 def row(report: dict) -> dict:
@@ -60,22 +47,17 @@ def main() -> int:
     p.add_argument("--guidellm", default="guidellm", help="the guidellm executable (its own venv)")
     p.add_argument("--model", type=Path, default=None, help="model directory (default: a random tiny one)")
     p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--port", type=int, default=8799)
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     a = p.parse_args()
-    key, name, url = "bench-guidellm", "k3-tiny", f"http://127.0.0.1:{a.port}"
+    key, name = "bench-guidellm", "k3-tiny"
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
         if model is None:
             model = Path(tmp) / "model"
             save_random_tiny(model)
-        server = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", "--model", str(model), "--port",
-                                   str(a.port), "--served-model-name", name, "--memory-gib", "0.5",
-                                   "--block-size", "64", "--match-unit", "16"],
-                                  env={**os.environ, "K3_API_KEY": key})
         rows = []
-        try:
-            wait_healthy(url, server)
+        with serve_process(model, Path(tmp) / "serve.log", "--served-model-name", name, "--memory-gib", "0.5",
+                           "--block-size", "64", "--match-unit", "16", env={"K3_API_KEY": key}) as url:
             for c in (int(x) for x in a.concurrency.split(",")):
                 out = Path(tmp) / f"c{c}.json"
                 subprocess.run([a.guidellm, "run", "--backend", f"kind=openai_http,target={url},model={name},"
@@ -87,9 +69,6 @@ def main() -> int:
                                 "--output", f"kind=json,path={out}", "--disable-console"], check=True)
                 rows.append({"concurrency": c, **row(json.loads(out.read_text()))})
                 print(json.dumps(rows[-1]), flush=True)
-        finally:
-            server.terminate()
-            server.wait(30)
     print("| c | ok | errored | incomplete | req/s | out tok/s | TTFT ms (median) | ITL ms | TPOT ms | e2e s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -10,37 +10,19 @@ Run: python benchmarks/eval_calculator.py --model runs/calc/model [--n 100] [--s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
-import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from k3.data.calculator_task import QUESTIONS, problem, run_agent, score
-from k3.serve.local_server import free_port
+from k3.serve.local_server import serve_process
 
 EVAL_SEED = 20261201  # not the dataset's seed (0): the problems are fresh
-
-
-def start_server(model: str, port: int) -> subprocess.Popen:
-    """`k3 serve` as a user starts it; returns once /health answers 200."""
-    proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", "--model", model, "--port", str(port),
-                             "--served-model-name", "calc"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"k3 serve exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("k3 serve did not come up within 180 s")
 
 
 def token_loss(model_dir: str, n: int, seed: int) -> dict[str, float]:
@@ -102,16 +84,15 @@ def main(argv=None) -> int:
         return 0
     import openai
 
-    proc = None
-    if a.base_url:
-        base_url, name = a.base_url, None
-    else:
-        port = free_port()
-        t0 = time.monotonic()
-        proc = start_server(a.model, port)
-        print(f"k3 serve --model {a.model}: up in {time.monotonic() - t0:.1f} s", flush=True)
-        base_url, name = f"http://127.0.0.1:{port}/v1", "calc"
-    try:
+    with contextlib.ExitStack() as stack:
+        if a.base_url:
+            base_url, name = a.base_url, None
+        else:  # `k3 serve` as a user starts it
+            t0 = time.monotonic()
+            log = stack.enter_context(tempfile.NamedTemporaryFile(suffix=".log"))
+            url = stack.enter_context(serve_process(a.model, log.name, "--served-model-name", "calc"))
+            print(f"k3 serve --model {a.model}: up in {time.monotonic() - t0:.1f} s", flush=True)
+            base_url, name = f"{url}/v1", "calc"
         client = openai.OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"), timeout=600)
         name = name or client.models.list().data[0].id
         t0 = time.monotonic()
@@ -119,10 +100,6 @@ def main(argv=None) -> int:
             transcripts = list(pool.map(
                 lambda q: run_agent(client, name, q, max_rounds=2, temperature=0, max_tokens=200), questions))
         wall = time.monotonic() - t0
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
     results = [score(q, t) for q, t in zip(questions, transcripts)]
     totals = {k: 100.0 * sum(r[k] for r in results) / len(results) for k in results[0]}
     for q, t in list(zip(questions, transcripts))[:a.show]:
