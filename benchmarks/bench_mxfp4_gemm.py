@@ -16,8 +16,9 @@ dequantisation of the touched experts that a bf16 path needs each step.
 --sweep: also time other tile configurations of the kernels on the decode layout at decode T=1 (selected), T=64
 (grouped) and prefill T=8192 (not with --sweep-decode-only), to choose `tile_config`'s defaults: (BLOCK_M, BLOCK_N,
 BLOCK_K, warps, stages, W_LEFT[, maxnreg]) (W_LEFT: the weight tile as the dot's left operand, else the right one;
-maxnreg: a register cap), or a pair of them (the gate-and-up launch, the down launch); at T=1 also the one-launch
-fused kernel's configs (FUSED_CONFIGS), and every T=1 row replayed from a CUDA graph with the weighted sum.
+maxnreg: a register cap), or a pair of them (the gate-and-up launch, the down launch); every T=1 row also replayed
+from a CUDA graph with the weighted sum. (A one-launch fused kernel, the down GEMM split along I into the gate-and-up
+programs, lost to the three graphed launches in session 18, 0.147 against 0.137 ms, and was removed in session 28.)
 Run: PYTHONPATH=src python benchmarks/bench_mxfp4_gemm.py [--quick] [--sweep [--sweep-decode-only] [--sweep-only]]
 """
 import argparse
@@ -156,11 +157,6 @@ DECODE_CONFIGS = [(16, 128, 128, 4, 3, False), (16, 64, 128, 4, 3, False), (16, 
                   # spills), and the down launch at BLOCK_N=256 (one wave of 224 programs at T=1, not 448)
                   (16, 128, 128, 4, 3, False, 128), ((16, 128, 128, 4, 3, False), (16, 256, 128, 4, 3, False)),
                   ((16, 128, 256, 4, 3, False), (16, 256, 128, 4, 3, False))]
-# the one-launch fused decode (`fused_selected_situ_mlp`: gate+up, down split along I, the weighted sum by
-# atomics): (BLOCK_N, BLOCK_K, BLOCK_L, warps, stages[, maxnreg]); `python benchmarks/sass_mxfp4_loop.py
-# --candidates` gives their registers and waves
-FUSED_CONFIGS = [(128, 128, 128, 4, 3), (128, 128, 128, 4, 3, 128), (64, 128, 128, 4, 3), (128, 128, 256, 4, 3),
-                 (128, 256, 128, 4, 3), (64, 128, 128, 4, 4)]
 PREFILL_CONFIGS = [(64, 128, 64, 4, 4, True), (64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
                    (128, 128, 64, 4, 3, False), (64, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, False)]
 
@@ -180,7 +176,7 @@ def sweep(w, E, L, k, gen, per_expert, bw, decode_only):
     (the weighted sum included) replayed from a CUDA graph, as the model runs it: "graphed ms", "% of 4.8 TB/s"."""
     mod = triton_module("_mxfp4_triton")
     rows = []
-    cases = [(1, "selected", DECODE_CONFIGS), (1, "fused", FUSED_CONFIGS), (64, "grouped", DECODE_CONFIGS)]
+    cases = [(1, "selected", DECODE_CONFIGS), (64, "grouped", DECODE_CONFIGS)]
     if not decode_only:
         cases.append((8192, "grouped", PREFILL_CONFIGS))
     with torch.no_grad():
@@ -195,8 +191,6 @@ def sweep(w, E, L, k, gen, per_expert, bw, decode_only):
                 if kind == "selected":
                     fn = lambda: mod.selected_situ_mlp(z, idx, *w, 4.0, 25.0, config=cfg)  # noqa: E731
                     step = lambda: torch.bmm(wt.unsqueeze(1), fn().view(T, k, -1))  # noqa: E731
-                elif kind == "fused":
-                    fn = step = lambda: mod.fused_selected_situ_mlp(z, idx, wt, *w, 4.0, 25.0, config=cfg)  # noqa: E731
                 else:
                     fn = lambda: mod.grouped_situ_mlp(x, counts, *w, 4.0, 25.0, config=cfg)  # noqa: E731
                 try:

@@ -9,7 +9,8 @@ gate+up (GLU, two matrices, 256 weights a thread a K step) and down (128), relea
 --candidates: the T=1 candidates of the next sweep (decode layout; benchmarks/bench_mxfp4_gemm.py --sweep):
 registers a thread (cuobjdump -res-usage; STACK > 0: spills), CTAs an SM those registers and the shared
 memory allow, and the programs of one T=1 step (16 slots) against the 132 SMs' resident CTAs (waves):
-a 128-register cap (maxnreg), the down launch at BLOCK_N = 256, and the one-launch fused kernel.
+a 128-register cap (maxnreg) and the down launch at BLOCK_N = 256 (the one-launch fused kernel of session 11
+lost to the three launches on the H200 in session 18 and was removed).
 """
 import collections
 import os
@@ -29,9 +30,6 @@ SIGNATURE = {"x_ptr": "*bf16", "wa_p": "*u8", "wa_s": "*u8", "wb_p": "*u8", "wb_
              "sched_ptr": "*i32", "num_tiles_ptr": "*i32", "TOP_K": "i32", "beta_gate": "fp32", "beta_up": "fp32"}
 
 
-FUSED_SIGNATURE = {"z_ptr": "*bf16", "w1_p": "*u8", "w1_s": "*u8", "w3_p": "*u8", "w3_s": "*u8", "w2_p": "*u8",
-                   "w2_s": "*u8", "wt_ptr": "*fp32", "y_ptr": "*fp32", "idx_ptr": "*i32", "TOP_K": "i32",
-                   "beta_gate": "fp32", "beta_up": "fp32"}
 SMS, SM_REGS, SM_SHARED, SM_WARPS = 132, 65536, 228 * 1024, 64  # the H200 (sm_90)
 
 
@@ -113,18 +111,13 @@ def main():
                   f"{top} |", flush=True)
 
 
-# (name, kernel, launch width N or None for the fused kernel, config): T=1 candidates, decode layout, K3's shapes
+# (name, gate+up (else down), tile, compile options): T=1 candidates, decode layout, K3's shapes
 CANDIDATES = [
-    ("gate+up (16,128,128) default", "gemm", True, dict(BLOCK_N=128, BLOCK_K=128), {}),
-    ("gate+up maxnreg 128", "gemm", True, dict(BLOCK_N=128, BLOCK_K=128), {"maxnreg": 128}),
-    ("down (16,128,128) default", "gemm", False, dict(BLOCK_N=128, BLOCK_K=128), {}),
-    ("down BLOCK_N=256", "gemm", False, dict(BLOCK_N=256, BLOCK_K=128), {}),
-    ("down maxnreg 128", "gemm", False, dict(BLOCK_N=128, BLOCK_K=128), {"maxnreg": 128}),
-    ("fused (128,128,128)", "fused", None, dict(BLOCK_N=128, BLOCK_K=128, BLOCK_L=128), {}),
-    ("fused (128,128,128) maxnreg 128", "fused", None, dict(BLOCK_N=128, BLOCK_K=128, BLOCK_L=128),
-     {"maxnreg": 128}),
-    ("fused (64,128,128)", "fused", None, dict(BLOCK_N=64, BLOCK_K=128, BLOCK_L=128), {}),
-    ("fused (128,128,256)", "fused", None, dict(BLOCK_N=128, BLOCK_K=128, BLOCK_L=256), {}),
+    ("gate+up (16,128,128) default", True, dict(BLOCK_N=128, BLOCK_K=128), {}),
+    ("gate+up maxnreg 128", True, dict(BLOCK_N=128, BLOCK_K=128), {"maxnreg": 128}),
+    ("down (16,128,128) default", False, dict(BLOCK_N=128, BLOCK_K=128), {}),
+    ("down BLOCK_N=256", False, dict(BLOCK_N=256, BLOCK_K=128), {}),
+    ("down maxnreg 128", False, dict(BLOCK_N=128, BLOCK_K=128), {"maxnreg": 128}),
 ]
 
 
@@ -133,17 +126,11 @@ def candidates():
     print("| candidate | REG | STACK (spill) | shared bytes | CTAs an SM | programs at T=1 | waves | longest loop | "
           "top opcodes |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for name, kind, glu, tile, options in CANDIDATES:
-        if kind == "gemm":
-            n, k = (I, L) if glu else (L, I)
-            kernel = compile_kernel(options=options, N=n, K=k, GLU=glu, DECODE_LAYOUT=True, BLOCK_M=16, EXACT=False,
-                                  W_LEFT=False, USE_ASM=True, SELECTED=True, BIAS_A=0, BIAS_B=0, **tile)
-            programs = -(-n // tile["BLOCK_N"]) * slots
-        else:
-            kernel = compile_kernel(_mxfp4_triton._fused_selected_kernel, FUSED_SIGNATURE, options, L=L, I=I,
-                                    BLOCK_M=16, EXACT=False, DECODE_LAYOUT=True, USE_ASM=True, BIAS_1=0, BIAS_3=0,
-                                    BIAS_2=0, **tile)
-            programs = -(-I // tile["BLOCK_N"]) * slots
+    for name, glu, tile, options in CANDIDATES:
+        n, k = (I, L) if glu else (L, I)
+        kernel = compile_kernel(options=options, N=n, K=k, GLU=glu, DECODE_LAYOUT=True, BLOCK_M=16, EXACT=False,
+                                W_LEFT=False, USE_ASM=True, SELECTED=True, BIAS_A=0, BIAS_B=0, **tile)
+        programs = -(-n // tile["BLOCK_N"]) * slots
         res = resources(kernel)
         per_sm = ctas_per_sm(res["REG"], res["SHARED"], 4)
         mix = loop_mix(cuobjdump(kernel.asm["cubin"], "-sass"))
