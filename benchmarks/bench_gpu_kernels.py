@@ -794,8 +794,11 @@ def mla_decode_sweep(bw: float, context: int = 4096, calls: int = 20) -> list[di
     and a few others (programs an SM, shortest split, warps), µs a call from a CUDA graph of `calls` calls."""
     from k3.ops import _mla_static_decode_triton as kernel
 
+    # (sm_90 registers / spilled bytes a thread, as launched: default 255 / 8, one CTA an SM; dot16 232 / 0; dot16
+    # with 64-token tiles 255 / 0, twice the bytes in flight; dot16, 4 warps, 16-token tiles 245 / 0, two CTAs an SM)
     changes = [{}, dict(prefetch=True), dict(dot16=True), dict(dot16=True, prefetch=True), dict(dot16=True, block_n=16),
-               dict(block_n=16)]
+               dict(block_n=16), dict(dot16=True, block_n=64),
+               dict(dot16=True, block_n=16, num_warps=4, programs_per_sm=2)]
     out = []
     for n in (1, 8, 64):
         (_, (_, fn, nbytes)), = _mla_static_decode_case(n, context).items()
