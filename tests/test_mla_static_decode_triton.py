@@ -36,7 +36,7 @@ def case(B, H, R, E, S, length, dtype, seed):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="16-bit tile products: CUDA only (the interpreter's: wrong)")
-@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("block_n", [16, 32, 64])
 def test_16_bit_products_match_the_reference(monkeypatch, block_n):
     """The launch's `dot16` (the tensor cores' bf16 products, the probabilities rounded to bf16 for p·latent):
     the context within bf16 tolerance of the reference, small's widths at 1 and 3 rows, a split boundary crossed."""

@@ -173,7 +173,7 @@ def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E
 # 8 warps: 255 registers and 8 bytes a thread spilled -> 232 and none; untimed.
 # prefetch: each split's cache rows into L2 prefetch_tiles tiles ahead of its loads, from the program's start
 # (always under PDL: k3.ops._pdl_triton); untimed.
-LAUNCH = dict(block_h=16, block_n=32, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8, dot16=False,
+LAUNCH = dict(block_h=16, block_n=64, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8, dot16=True,
               prefetch=False, prefetch_tiles=8)
 
 
