@@ -279,9 +279,9 @@ def test_tiny_decode_with_the_kernel_equals_the_full_forward(monkeypatch, compil
         assert torch.equal(got.argmax(-1), base.argmax(-1))
 
 
-def _sm90_case(norm: bool, dot16: bool = False) -> tuple[dict, dict]:
+def _sm90_case(norm: bool, dot16: bool = True, block_n: int = 64) -> tuple[dict, dict]:
     """(signature, constexprs) of the kernel at small's widths in bf16, with or without the latent's norm, with
-    tf32 products of fp32 tiles or (dot16) bf16 products."""
+    bf16 products (dot16, the launch's default) or tf32 products of fp32 tiles, `block_n` tokens a tile."""
     sig = {"q_lat_ptr": "*bf16", "q_lat_row": "i32", "q_lat_head": "i32", "q_rope_ptr": "*bf16",
            "q_rope_row": "i32", "q_rope_head": "i32", "new_lat_ptr": "*bf16", "new_lat_row": "i32",
            "new_rope_ptr": "*bf16", "new_rope_row": "i32", "lat_ptr": "*bf16", "rope_ptr": "*bf16",
@@ -290,9 +290,10 @@ def _sm90_case(norm: bool, dot16: bool = False) -> tuple[dict, dict]:
            "max_len": "i32", "scale": "fp32", "split_len": "i32", "splits": "i32", "head_blocks": "i32"}
     # as a launch at small's widths specialises: the integers that are multiples of 16 (q's rows and heads, the
     # new latent's row in the fused projection, 704, the widths, the split; not the cache's length or the heads)
-    return sig, dict(BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=32, BLOCK_S=32, PRECISION="tf32", NORM=norm,
-                     DOT16=dot16, divisible=("q_lat_row", "q_lat_head", "q_rope_row", "q_rope_head", "new_lat_row",
-                                         "new_rope_row", "R", "E", "split_len"))
+    return sig, dict(BLOCK_H=16, BLOCK_R=256, BLOCK_E=64, BLOCK_N=block_n, BLOCK_S=32, PRECISION="tf32",
+                     NORM=norm, DOT16=dot16,
+                     divisible=("q_lat_row", "q_lat_head", "q_rope_row", "q_rope_head", "new_lat_row",
+                                "new_rope_row", "R", "E", "split_len"))
 
 
 @pytest.mark.parametrize("dot16", [False, True], ids=["tf32", "bf16"])
@@ -310,13 +311,11 @@ def test_kernel_compiles_for_the_h200(norm, dot16):
     assert mma and all((".bf16" in line) == dot16 and (".tf32" in line) != dot16 for line in mma), mma[:2]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ptxas spills 8 B a thread (255 registers at 8 warps: one CTA an SM), its arguments specialised as launched "
-    "(232-248 B without that, as session 26 read it); dot16 (232 registers) and 16-token tiles (255) do not spill, "
-    "untimed"))
-@pytest.mark.parametrize("norm", [False, True], ids=["plain", "latent_norm"])
+@pytest.mark.parametrize("norm", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
+    "with the latent's norm (the model's launch) ptxas spills 8 B a thread at the default launch (255 registers, "
+    "8 warps, one CTA an SM); the decode step was timed with it (session 29: batch 64 3.57 -> 3.32 ms)")))], ids=["plain", "latent_norm"])
 def test_kernel_does_not_spill_on_the_h200(norm):
-    """ptxas's allocation for sm_90 at the launch: no spills."""
+    """ptxas's allocation for sm_90 at the default launch (bf16 products, 64-token tiles): no spills."""
     from sm90_compile import registers_for_sm90
 
     sig, consts = _sm90_case(norm)

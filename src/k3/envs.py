@@ -30,7 +30,9 @@
   the mix kernel's forward launch (k3.model.attn_res._AttnResAddMixFused); for timing the fold against it.
 - K3_PDL: "1" launches decode's Triton kernels with programmatic dependent launch (Hopper and later: each may start
   while the kernel before it runs, prefetching its weights into L2, and waits for it before reading anything;
-  k3.ops._pdl_triton). Off by default until an H200 step times it.
+  k3.ops._pdl_triton). Off by default: slower on an H200 (session 29, `bench_gpu_decode.py --pdl`, small's graphed
+  step at 4K context, batch 1 / 8 / 64: 1.16 / 2.13 / 4.20 ms against 1.08 / 1.91 / 3.57 without; the L2 prefetches
+  it turns on slowed MLA's decode kernel 2x in its sweep).
 - K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
 - K3_API_KEY: the key `k3 serve` requires ('Authorization: Bearer KEY') when --api-key is not given (as vLLM's
   VLLM_API_KEY): a key on the command line shows in `ps`, one in the environment does not.

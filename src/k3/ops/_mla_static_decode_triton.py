@@ -169,10 +169,14 @@ def _cached_tile(lat_ptr, rope_ptr, cache_row, t0, below, r, e, r_ok, e_ok, R, E
 # programs an SM 27 / 27.1 / 147; 4 warps 40 / 44 / 312. The merge four splits a step (a [4, heads, R] tile, one
 # step ahead) was slower: 104 / 65 / 151 against 23 / 30 / 141 in the same call.
 # dot16: the 16-bit products on the tensor cores instead of tf32 products of fp32 tiles (CUDA, bf16/fp16 caches
-# only: the interpreter multiplies 16-bit tiles wrongly); sm_90 (ptxas, the arguments specialised as launched),
-# 8 warps: 255 registers and 8 bytes a thread spilled -> 232 and none; untimed.
+# only: the interpreter multiplies 16-bit tiles wrongly). Session 29 (same sweep, µs at 1 / 8 / 64 rows): the
+# launch before (tf32, 32-token tiles) 22.1 / 29.2 / 140; dot16 18.8 / 21.9 / 114; **dot16 with 64-token tiles
+# 18.1 / 19.1 / 76.5** (52% of the floor at 64 rows: twice the bytes in flight a CTA; taken); dot16, 16-token
+# tiles, 4 warps, two CTAs an SM 22.6 / 25.7 / 105; 16-token tiles 21.9-37.4 / 27-37 / 176-208. sm_90 (ptxas, the
+# arguments specialised as launched, 8 warps): 255 registers, no spill (8 B a thread with the latent's norm).
 # prefetch: each split's cache rows into L2 prefetch_tiles tiles ahead of its loads, from the program's start
-# (always under PDL: k3.ops._pdl_triton); untimed.
+# (always under PDL: k3.ops._pdl_triton); slower everywhere (session 29: 26.4 / 36.6 / 286 µs tf32, 23 / 29 / 241
+# dot16), so off.
 LAUNCH = dict(block_h=16, block_n=64, min_split=128, programs_per_sm=1, max_splits=128, num_warps=8, dot16=True,
               prefetch=False, prefetch_tiles=8)
 

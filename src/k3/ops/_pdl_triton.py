@@ -1,5 +1,5 @@
 """Programmatic dependent launch (PDL, Hopper and later) for decode's Triton kernels (imported only through the
-kernel modules; needs triton). Switch: K3_PDL (k3.envs), off until an H200 step times it.
+kernel modules; needs triton). Switch: K3_PDL (k3.envs), off: slower on an H200 (k3.envs says by how much).
 
 A decode step is ~190 kernels of a few µs each, one after another in one stream, and each pays its launch and its
 first loads' latency after the kernel before it has finished. Launched with PDL (`launch_pdl`), a kernel may start
