@@ -16,8 +16,8 @@ routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per
 each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer's cached latent+k_extra read
 once. Fraction =
 (bytes / copy bandwidth measured in the same run) / measured step time. Target (issue 6): batch-1 >= 60%.
-Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--pdl] [--gemv] [--pdl-gemv] [--contexts 4096]
-[--batches 1,8]
+Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--pdl] [--gemv] [--pdl-gemv]
+[--contexts 4096] [--batches 1,8]
 """
 import argparse
 import contextlib

@@ -313,7 +313,8 @@ def test_kernel_compiles_for_the_h200(norm, dot16):
 
 @pytest.mark.parametrize("norm", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
     "with the latent's norm (the model's launch) ptxas spills 8 B a thread at the default launch (255 registers, "
-    "8 warps, one CTA an SM); the decode step was timed with it (session 29: batch 64 3.57 -> 3.32 ms)")))], ids=["plain", "latent_norm"])
+    "8 warps, one CTA an SM); the decode step was timed with it (session 29: batch 64 3.57 -> 3.32 ms)")))],
+    ids=["plain", "latent_norm"])
 def test_kernel_does_not_spill_on_the_h200(norm):
     """ptxas's allocation for sm_90 at the default launch (bf16 products, 64-token tiles): no spills."""
     from sm90_compile import registers_for_sm90

@@ -169,7 +169,8 @@ def _store_tails(tq_ptr, tk_ptr, tail_q, tail_k, r, ck, r_tq, r_tk, tail_ok, k_o
 
 # Sized by ptxas for sm_90 at K = V = 128, bf16 (triton 3.6, compiled without a GPU, the arguments specialised as
 # launched; session 29): no spill at 32 columns and 4 warps (188 registers), 64 and 4 (252), 64 and 8 (194), 128 and
-# 8 (192), 128 and 16 (128); the spills read before session 27 were compile artifacts. Timed on the H200 (`bench_gpu_kernels.py --decode-sweep`, session 25, µs a call at
+# 8 (192), 128 and 16 (128); the spills read before session 27 were compile artifacts.
+# Timed on the H200 (`bench_gpu_kernels.py --decode-sweep`, session 25, µs a call at
 # 1 / 8 / 64 rows): one program a head at 8 warps 15.9 / 16.1 / 80.5; columns split at 8 warps 7.8 / 19.5 / 80.4;
 # split at 4 warps 7.4 / 11.7 / 67.6. A head's columns are split over programs while rows × heads leave the GPU
 # short of `programs_per_sm` programs an SM (batch 1: 12 heads on 132 SMs), each split at least `tile_v` columns.
