@@ -10,14 +10,15 @@ Rows: "eager" = the model's forward per step; "graph" = k3.model.cuda_graph.Grap
 programmatic dependent launch (--pdl, k3.ops._pdl_triton), "graph+pdl+gemv" = that with decode's GEMV also taken
 for weights up to 10M elements (--pdl-gemv: k3.ops.gemv.WIN_WEIGHT_ELEMS raised, so the mixers' and MoEs' input
 projections, cuBLAS's today, join the PDL chain; lm_head and the dense MLP's gate+up stay cuBLAS's), "graph+gemv"
-that GEMV without PDL (--gemv).
+that GEMV without PDL (--gemv), "graph+pdl-prefetch" PDL's launches without its L2 prefetches (--pdl-no-prefetch,
+K3_NO_PDL_PREFETCH).
 Memory roofline per step = bytes that must be read: every dense weight once (embedding row only), the
 routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per MoE layer), lm_head,
 each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer's cached latent+k_extra read
 once. Fraction =
 (bytes / copy bandwidth measured in the same run) / measured step time. Target (issue 6): batch-1 >= 60%.
-Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--pdl] [--gemv] [--pdl-gemv]
-[--contexts 4096] [--batches 1,8]
+Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--pdl] [--pdl-no-prefetch] [--gemv]
+[--pdl-gemv] [--contexts 4096] [--batches 1,8]
 """
 import argparse
 import contextlib
@@ -73,12 +74,16 @@ def main():
     ap.add_argument("--contexts", default="4096,32768", help="comma-separated context lengths")
     ap.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
     ap.add_argument("--pdl", action="store_true", help="also time the graph captured with K3_PDL")
+    ap.add_argument("--pdl-no-prefetch", action="store_true",
+                    help="also time the graph captured with K3_PDL and K3_NO_PDL_PREFETCH")
     ap.add_argument("--gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
     ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
     a = ap.parse_args()
     graphs = [("graph", contextlib.nullcontext)]
     if a.pdl:
         graphs.append(("graph+pdl", lambda: envs.override(pdl=True)))
+    if a.pdl_no_prefetch:
+        graphs.append(("graph+pdl-prefetch", lambda: envs.override(pdl=True, no_pdl_prefetch=True)))
     if a.gemv:
         graphs.append(("graph+gemv", lambda: _gemv_up_to(10_000_000)))
     if a.pdl_gemv:

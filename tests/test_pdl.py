@@ -248,6 +248,20 @@ def test_every_launch_waits_before_it_touches_memory_on_the_h200(name, monkeypat
     assert prefetching == wanted.get(name, set())
 
 
+@pytest.mark.parametrize("name", ["gemv_norm", "router", "slot_major", "expert_major", "kda", "mla"])
+def test_pdl_without_prefetch_keeps_the_launches_and_drops_every_prefetch(name, monkeypatch):
+    """K3_NO_PDL_PREFETCH: every launch still asks for PDL (its wait and early launch), none prefetches, and the
+    LAUNCH opt-ins of the kernels that have one still prefetch on their own (they are not PDL's)."""
+    with envs.override(no_pdl_prefetch=True):
+        launches = recorded_launches(CASES[name], monkeypatch)
+    assert launches and all(args.get("PDL") is True and options.get("launch_pdl") is True
+                            for _, args, options in launches)
+    assert not any(args.get("PREFETCH") for _, args, _ in launches), [fn.__name__ for fn, a, _ in launches
+                                                                     if a.get("PREFETCH")]
+    with envs.override(no_pdl_prefetch=False):  # the same cases prefetch with it off (what the switch removes)
+        assert any(args.get("PREFETCH") for _, args, _ in recorded_launches(CASES[name], monkeypatch))
+
+
 PREFETCH_OPT_IN = ("_kda_decode_triton", "_mla_static_decode_triton", "_moe_expert_major_triton")
 
 

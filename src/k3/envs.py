@@ -33,6 +33,8 @@
   k3.ops._pdl_triton). Off by default: slower on an H200 (session 29, `bench_gpu_decode.py --pdl`, small's graphed
   step at 4K context, batch 1 / 8 / 64: 1.16 / 2.13 / 4.20 ms against 1.08 / 1.91 / 3.57 without; the L2 prefetches
   it turns on slowed MLA's decode kernel 2x in its sweep).
+- K3_NO_PDL_PREFETCH: "1" keeps K3_PDL's overlapped launches but makes no L2 prefetch under them (each kernel only
+  waits for the one before and lets the next start): times the launch overlap apart from the prefetches.
 - K3_COMMIT: a commit id the benchmarks stamp on their results (default: `git rev-parse`).
 - K3_API_KEY: the key `k3 serve` requires ('Authorization: Bearer KEY') when --api-key is not given (as vLLM's
   VLLM_API_KEY): a key on the command line shows in `ps`, one in the environment does not.
@@ -73,6 +75,7 @@ class Switches:
     no_block_grad_buffer: bool = False
     no_residual_add_fold: bool = False
     pdl: bool = False
+    no_pdl_prefetch: bool = False
     commit: str | None = None
     autotune_table: str | None = None  # None: the shipped table; "off"; or a path
     precompile_workers: int | None = None  # None: automatic
@@ -128,7 +131,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
                     no_shared_input_grad=_flag(get("K3_NO_SHARED_INPUT_GRAD")),
                     no_block_grad_buffer=_flag(get("K3_NO_BLOCK_GRAD_BUFFER")),
                     no_residual_add_fold=_flag(get("K3_NO_RESIDUAL_ADD_FOLD")),
-                    pdl=_flag(get("K3_PDL")),
+                    pdl=_flag(get("K3_PDL")), no_pdl_prefetch=_flag(get("K3_NO_PDL_PREFETCH")),
                     commit=get("K3_COMMIT") or None,
                     autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None,
                     precompile_workers=_count("K3_PRECOMPILE_WORKERS", get("K3_PRECOMPILE_WORKERS")),

@@ -40,10 +40,11 @@ def _hopper_or_later(device_index: int | None) -> bool:
 
 
 def prefetching(launch: dict, t: torch.Tensor, *tensors: torch.Tensor, opted_in: bool = False) -> bool:
-    """Whether a kernel on t's device prefetches `tensors` into L2: under PDL (`launch`), or where its module's
-    LAUNCH opts in (`opted_in`: a kernel whose own prologue the prefetch overlaps); CUDA sm_90+ only, rows aligned
-    for the bulk prefetch."""
-    return ((launch["PDL"] or (opted_in and t.is_cuda and _hopper_or_later(t.device.index)))
+    """Whether a kernel on t's device prefetches `tensors` into L2: under PDL (`launch`) unless K3_NO_PDL_PREFETCH,
+    or where its module's LAUNCH opts in (`opted_in`: a kernel whose own prologue the prefetch overlaps); CUDA
+    sm_90+ only, rows aligned for the bulk prefetch."""
+    return (((launch["PDL"] and not envs.current().no_pdl_prefetch)
+             or (opted_in and t.is_cuda and _hopper_or_later(t.device.index)))
             and prefetchable(*tensors))
 
 
