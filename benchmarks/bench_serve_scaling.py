@@ -19,6 +19,7 @@ CPU check (gloo):  python benchmarks/bench_serve_scaling.py --init tiny --nproc 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -93,9 +94,22 @@ def model_dir(a) -> Path:
 def roofline(d: Path, concurrency: int, context: int, ep: int, tp: int) -> float | None:
     """Output tokens/s at the H200's bandwidth for one rank's decode-step bytes (see the docstring), or None where
     the experts are not MXFP4 (the byte model is bench_k3_shaped's, made for the packed K3-shaped preset)."""
+    from bench_k3_shaped import step_bytes
+
+    meta = _meta_model(d)
+    if meta is None:
+        return None
+    parts = step_bytes(*meta, concurrency, context)
+    per_rank = parts["dense"] / tp + parts["experts"] / ep + parts["state"] / tp + parts["kv"]
+    return concurrency * H200_BYTES_PER_S / per_rank
+
+
+@functools.lru_cache(maxsize=None)
+def _meta_model(d: Path):
+    """(the checkpoint's model on the meta device with its experts packed as MXFP4 and bf16 weights, its config),
+    made once a checkpoint for every row's roofline; None where its experts are not MXFP4."""
     import torch
 
-    from bench_k3_shaped import step_bytes
     from k3.checkpoint.convert import config_experts_format
     from k3.checkpoint.names import is_f32
     from k3.config import K3Config
@@ -114,9 +128,7 @@ def roofline(d: Path, concurrency: int, context: int, ep: int, tp: int) -> float
         for name, p in model.named_parameters():
             if not is_f32(name):
                 p.data = p.data.to(torch.bfloat16)
-    parts = step_bytes(model, config, concurrency, context)
-    per_rank = parts["dense"] / tp + parts["experts"] / ep + parts["state"] / tp + parts["kv"]
-    return concurrency * H200_BYTES_PER_S / per_rank
+    return model, config
 
 
 def run_layout(d: Path, a, nproc: int, log_dir: Path, done: list[dict]) -> list[dict]:
@@ -124,17 +136,17 @@ def run_layout(d: Path, a, nproc: int, log_dir: Path, done: list[dict]) -> list[
     from k3.serve.bench import run_load_in_own_process
     from k3.serve.local_server import serve_process
 
-    ep = a.ep or nproc
+    ep, tp = (a.ep or nproc, a.tp) if nproc > 1 else (1, 1)
     flags = ["--served-model-name", "m", "--device", a.device, "--memory-gib", str(a.memory_gib),
              "--max-num-seqs", str(a.max_num_seqs), "--max-batch-tokens", str(a.max_batch_tokens),
              "--block-size", str(a.block_size), "--match-unit", str(a.match_unit)]
     if nproc > 1:
-        flags += ["--nproc", str(nproc), "--ep", str(ep), "--tp", str(a.tp)]
+        flags += ["--nproc", str(nproc), "--ep", str(ep), "--tp", str(tp)]
     env = {"K3_CPU_THREADS": "1"} if a.device == "cpu" else {}
     rows = []
     t = time.perf_counter()
     with serve_process(d, log_dir / f"serve_nproc{nproc}.log", *flags, timeout=a.startup_timeout, env=env) as url:
-        print(f"nproc {nproc} (ep {ep if nproc > 1 else 1}, tp {a.tp if nproc > 1 else 1}): serving after "
+        print(f"nproc {nproc} (ep {ep}, tp {tp}): serving after "
               f"{time.perf_counter() - t:.0f} s", flush=True)
         print("\n".join(format_rows([]).splitlines()[:2]), flush=True)
         for c in a.concurrency:
@@ -145,10 +157,9 @@ def run_layout(d: Path, a, nproc: int, log_dir: Path, done: list[dict]) -> list[
             if s["failed"] or s["wrong_length"]:
                 raise SystemExit(f"nproc {nproc}, c={c}: {s['failed']} requests failed, {s['wrong_length']} "
                                  f"answered with other than {a.output_len} tokens (log: {log_dir})")
-            rows.append(dict(nproc=nproc, ep=ep if nproc > 1 else 1, tp=a.tp if nproc > 1 else 1, concurrency=c,
-                             **s, decode_tok_per_s_stream=1e3 / s["tpot_ms"]["mean"],
-                             roofline_tok_per_s=roofline(d, c, a.input_len + a.output_len // 2,
-                                                         ep if nproc > 1 else 1, a.tp if nproc > 1 else 1)))
+            rows.append(dict(nproc=nproc, ep=ep, tp=tp, concurrency=c, **s,
+                             decode_tok_per_s_stream=1e3 / s["tpot_ms"]["mean"],
+                             roofline_tok_per_s=roofline(d, c, a.input_len + a.output_len // 2, ep, tp)))
             print(format_rows(done + rows).splitlines()[-1], flush=True)
     return rows
 

@@ -47,6 +47,7 @@ def local_server(app, timeout: float = 20.0, as_k3_serve: bool = False, **settin
 
 
 def free_port() -> int:
+    """A loopback port free at the time of asking (another process may take it before it is bound)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
