@@ -175,7 +175,7 @@ def _store_tails(tq_ptr, tk_ptr, tail_q, tail_k, r, ck, r_tq, r_tk, tail_ok, k_o
 # split at 4 warps 7.4 / 11.7 / 67.6. A head's columns are split over programs while rows × heads leave the GPU
 # short of `programs_per_sm` programs an SM (batch 1: 12 heads on 132 SMs), each split at least `tile_v` columns.
 # prefetch: the program's state block into L2 at its start (always under PDL: k3.ops._pdl_triton); untimed.
-LAUNCH = dict(tile_v=32, num_warps=4, programs_per_sm=1, prefetch=False)
+LAUNCH = dict(tile_v=64, num_warps=4, programs_per_sm=1, prefetch=False)
 
 
 def column_splits(rows_x_heads: int, block_v: int, device: torch.device) -> int:
