@@ -113,9 +113,11 @@ def main():
 
 # (name, gate+up (else down), tile, compile options): T=1 candidates, decode layout, K3's shapes
 CANDIDATES = [
-    ("gate+up (16,128,128) default", True, dict(BLOCK_N=128, BLOCK_K=128), {}),
+    ("gate+up (16,128,256) default", True, dict(BLOCK_N=128, BLOCK_K=256), {}),
+    ("gate+up (16,128,128)", True, dict(BLOCK_N=128, BLOCK_K=128), {}),
     ("gate+up maxnreg 128", True, dict(BLOCK_N=128, BLOCK_K=128), {"maxnreg": 128}),
-    ("down (16,128,128) default", False, dict(BLOCK_N=128, BLOCK_K=128), {}),
+    ("down (16,128,256) default", False, dict(BLOCK_N=128, BLOCK_K=256), {}),
+    ("down (16,128,128)", False, dict(BLOCK_N=128, BLOCK_K=128), {}),
     ("down BLOCK_N=256", False, dict(BLOCK_N=256, BLOCK_K=128), {}),
     ("down maxnreg 128", False, dict(BLOCK_N=128, BLOCK_K=128), {"maxnreg": 128}),
 ]

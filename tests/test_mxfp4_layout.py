@@ -192,6 +192,28 @@ def test_selected_kernel_on_both_layouts(kernels, decode):
         assert out.shape == (4, 64) and rel_err(out, ref) < tol, (dt, decode)
 
 
+@pytest.mark.parametrize("L,I", [(512, 160), (384, 256)])
+def test_default_tiles_per_reduction_width(kernels, L, I):
+    """bf16 at decode takes 256-wide K blocks only in the launch whose reduction they divide (gate and up reduce
+    over L, down over I); the other launch keeps 128 and masks its last block: both equal the float64
+    reference, grouped and selected, in the decode layout."""
+    from k3.ops.mx_experts import packed_expert_situ_mlp_reference
+
+    x16 = torch.zeros(1, L, dtype=torch.bfloat16)
+    up, down = kernels.launch_configs(1, x16, L, I)
+    assert (up[:3], down[:3]) == ((16, 128, 256 if L % 256 == 0 else 128), (16, 128, 256 if I % 256 == 0 else 128))
+    experts = Experts(3, L, I, 118, 124, seed=21)
+    w = experts.weights(True)
+    counts = torch.tensor([2, 0, 3], device=DEVICE)
+    x = torch.randn(5, L, generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    ref = packed_expert_situ_mlp_reference(x.double(), counts, experts, beta_gate=4.0, beta_up=25.0)
+    assert rel_err(kernels.grouped_situ_mlp(x.bfloat16(), counts, *w, 4.0, 25.0), ref) < 2e-2
+    idx = torch.tensor([[2, 0]], device=DEVICE)
+    slots = torch.cat([packed_expert_situ_mlp_reference(x[:1].double(), torch.nn.functional.one_hot(idx[0, j], 3),
+                                                        experts) for j in range(2)])
+    assert rel_err(kernels.selected_situ_mlp(x[:1].bfloat16(), idx, *w, 4.0, 25.0), slots) < 2e-2
+
+
 def test_kernels_refuse_mixed_layouts(kernels):
     experts = Experts(2, 64, 64, 118, 124, seed=7)
     released, decode = experts.weights(False), experts.weights(True)

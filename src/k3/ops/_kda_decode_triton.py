@@ -174,7 +174,11 @@ def _store_tails(tq_ptr, tk_ptr, tail_q, tail_k, r, ck, r_tq, r_tk, tail_ok, k_o
 # 1 / 8 / 64 rows): one program a head at 8 warps 15.9 / 16.1 / 80.5; columns split at 8 warps 7.8 / 19.5 / 80.4;
 # split at 4 warps 7.4 / 11.7 / 67.6. A head's columns are split over programs while rows × heads leave the GPU
 # short of `programs_per_sm` programs an SM (batch 1: 12 heads on 132 SMs), each split at least `tile_v` columns.
-# prefetch: the program's state block into L2 at its start (always under PDL: k3.ops._pdl_triton); untimed.
+# Session 30 on an H100 (same sweep, µs at 1 / 8 / 64 rows): 32 columns and 4 warps 7.1 / 11.8 / 74.2; 64 and 4
+# 6.7 / 9.0 / 57.8 (now the default: twice the state bytes in flight a program); 64 and 8 7.3 / 10.1 / 80.1; 128
+# and 8 8.4 / 9.7 / 66.8; 128 and 16 11.1 / 12.5 / 79.1. The decode step at batch 64: 3.64 -> 3.45 ms.
+# prefetch: the program's state block into L2 at its start (always under PDL: k3.ops._pdl_triton); 66.5 µs at
+# 64 rows at 32 columns (H100), slower at 1 and 8.
 LAUNCH = dict(tile_v=64, num_warps=4, programs_per_sm=1, prefetch=False)
 
 
