@@ -54,6 +54,38 @@ def test_the_segments_of_rows_and_of_a_shard():
     assert shard.segments.cu_k_host == [0, 2, 3, 9, 10, 11]
 
 
+def test_whole_rows_are_rows_of_one_document():
+    one = torch.tensor([[5] * 8, [0] * 8])
+    assert packed_documents(one, "cpu").whole_rows
+    assert packed_documents(one, "cpu", q_start=4, queries=2).whole_rows  # a shard's keys still start at 0
+    two = torch.tensor([[0] * 8, [0] * 7 + [1]])
+    assert not packed_documents(two, "cpu").whole_rows
+    # the shard's queries lie in one document, which starts after key 0: not whole rows either
+    assert not packed_documents(torch.tensor([[0, 0, 1, 1, 1, 1]]), "cpu", q_start=3, queries=2).whole_rows
+
+
+def test_mla_takes_the_causal_kernel_for_rows_of_one_document(monkeypatch):
+    """Where MLA packs documents (forced here: the varlen kernel is CUDA's), rows that are each one document go
+    to the plain causal attention, not through the packing; rows of several documents keep the packing. Both
+    equal the masked SDPA over the doc ids (float64)."""
+    import k3.model.mla as mla
+    from k3 import K3Config
+    torch.manual_seed(3)
+    m = mla.MultiHeadLatentAttention(K3Config.preset("tiny"), 0).double()
+    calls = []
+    monkeypatch.setattr(mla, "packs_documents", lambda *a: True)
+    monkeypatch.setattr(mla, "document_attention", lambda *a, **kw: calls.append(1) or document_attention(*a, **kw))
+    x = torch.randn(2, 12, m.q_a_proj.in_features, dtype=torch.float64)
+    for ids, packed in ((torch.tensor([[4] * 12, [0] * 12]), False),
+                        (torch.tensor([[0] * 5 + [1] * 7, [0] * 12]), True)):
+        calls.clear()
+        out = m(x, doc_ids=ids)
+        assert bool(calls) == packed
+        with monkeypatch.context() as plain:
+            plain.setattr(mla, "packs_documents", lambda *a: False)  # the masked SDPA over the ids
+            torch.testing.assert_close(out, m(x, doc_ids=ids), rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("seed, B, S, mean_len", [(0, 2, 17, 4.0), (1, 3, 32, 1.5), (2, 1, 24, 40.0)])
 @pytest.mark.parametrize("backend", ["masked", "loop"])
 def test_whole_rows_equal_the_masked_sdpa_forward_and_backward(seed, B, S, mean_len, backend):

@@ -192,7 +192,9 @@ class MultiHeadLatentAttention(nn.Module):
         k, v = self.expand_kv(latent, k_extra)
         if doc_ids is not None and packs_documents(q, k, v):  # each document a segment, no [B, T, T] mask
             packing = packed_documents(doc_ids, q.device)
-            return document_attention(q, packing.pack_keys(k), packing.pack_keys(v), self.scale, packing)
+            if not packing.whole_rows:
+                return document_attention(q, packing.pack_keys(k), packing.pack_keys(v), self.scale, packing)
+            doc_ids = None  # one document a row: the causal kernel, no mask
         return causal_attention(q, k, v, self.scale, doc_ids)
 
     def expand_kv(self, latent: torch.Tensor, k_extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

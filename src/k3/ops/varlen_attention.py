@@ -136,6 +136,13 @@ class DocumentPacking:
     key_spans: tuple[tuple[int, int], ...]
     queries: int  # T
 
+    @property
+    def whole_rows(self) -> bool:
+        """Each row one document from its first key: plain causal attention over the rows is the same, and
+        faster than the varlen kernel (an H100, 8 x 4096, MLA's widths, forward and backward: 6.6 against 8.8 ms;
+        `bench_gpu_kernels.py --doc-attention`, session 30)."""
+        return len(self.segments.cu_q_host) - 1 == len(self.key_spans) and all(a == 0 for a, _ in self.key_spans)
+
     def pack_keys(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S, ...] → [Nk, ...]: each row's key span, the rows one after another."""
         if all(span == (0, x.shape[1]) for span in self.key_spans):
