@@ -822,11 +822,11 @@ def kda_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
                             dt_bias=torch.randn(H * K, **f32), norm_weight=torch.ones(K, **f32), lower_bound=-5.0,
                             eps=1e-5)
     # wider tiles put more of the state in flight a program (MLA's lesson, session 29); sm_90 registers a thread as
-    # launched, no spill in any: 32 columns, 4 warps 188 (the default); 64, 4 warps 252; 64, 8 warps 194; 128, 8
-    # warps 192; 128, 16 warps 128 (a head's columns split over at most V / tile_v programs: fewer splits at 1 row)
-    changes = [{}, dict(prefetch=True), dict(tile_v=16), dict(tile_v=16, prefetch=True), dict(programs_per_sm=2),
-               dict(tile_v=64), dict(tile_v=64, num_warps=8), dict(tile_v=128, num_warps=8),
-               dict(tile_v=128, num_warps=16)]
+    # launched, no spill in any: 32 columns, 4 warps 188; 64, 4 warps 252 (the default since session 30); 64, 8
+    # warps 194; 128, 8 warps 192; 128, 16 warps 128 (a head's columns split over at most V / tile_v programs:
+    # fewer splits at 1 row). The prefetch helped the 32-column tiles at 64 rows only (H100, session 30).
+    changes = [{}, dict(prefetch=True), dict(programs_per_sm=2), dict(tile_v=32), dict(tile_v=32, prefetch=True),
+               dict(tile_v=64, num_warps=8), dict(tile_v=128, num_warps=8)]
     out = []
     for n in (1, 8, 64):
         slots = 4 * n

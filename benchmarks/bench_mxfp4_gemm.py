@@ -13,7 +13,7 @@ the card (15.7 GB: packed bytes and E8M0 scales of w1, w3, w2), each token route
   rate measured in this run.
 The peer reads bf16 weights (4× the bytes) and is timed on the same routing; "peer+dequant" (decode) adds the
 dequantisation of the touched experts that a bf16 path needs each step.
---sweep: also time other tile configurations of the kernels on the decode layout at decode T=1 (selected), T=64
+--sweep: also time other tile configurations of the kernels on the decode layout at decode T=1 and 8 (selected), T=64
 (grouped) and prefill T=8192 (not with --sweep-decode-only), to choose `tile_config`'s defaults: (BLOCK_M, BLOCK_N,
 BLOCK_K, warps, stages, W_LEFT[, maxnreg]) (W_LEFT: the weight tile as the dot's left operand, else the right one;
 maxnreg: a register cap), or a pair of them (the gate-and-up launch, the down launch); every T=1 row also replayed
@@ -150,13 +150,12 @@ def main():
     save("bench_mxfp4_gemm", {"shape": {"E": E, "L": L, "I": I, "k": k}, "ceilings": ceil, "rows": rows})
 
 
-DECODE_CONFIGS = [(16, 128, 128, 4, 3, False), (16, 64, 128, 4, 3, False), (16, 128, 64, 4, 4, False),
-                  (16, 128, 256, 4, 3, False), (16, 256, 128, 4, 3, False), (16, 128, 128, 8, 3, False),
-                  (16, 128, 128, 4, 3, True),
-                  # not yet timed (RESULTS.md "Next"): 128 registers a thread (4 CTAs an SM instead of 3, a few
-                  # spills), and the down launch at BLOCK_N=256 (one wave of 224 programs at T=1, not 448)
-                  (16, 128, 128, 4, 3, False, 128), ((16, 128, 128, 4, 3, False), (16, 256, 128, 4, 3, False)),
-                  ((16, 128, 256, 4, 3, False), (16, 256, 128, 4, 3, False))]
+# the default first (`tile_config` at K3's widths, 256-wide K since session 30: its gate+up holds 255 registers and
+# spills 16 bytes on sm_90); the pairs tell which launch gains from 256 (a pair = gate+up, down); 8 warps halve the
+# registers a thread
+DECODE_CONFIGS = [(16, 128, 256, 4, 3, False), (16, 128, 128, 4, 3, False), (16, 128, 256, 8, 3, False),
+                  (16, 64, 256, 4, 3, False), ((16, 128, 256, 4, 3, False), (16, 128, 128, 4, 3, False)),
+                  ((16, 128, 128, 4, 3, False), (16, 128, 256, 4, 3, False)), (16, 128, 256, 4, 4, False)]
 PREFILL_CONFIGS = [(64, 128, 64, 4, 4, True), (64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
                    (128, 128, 64, 4, 3, False), (64, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, False)]
 
@@ -176,7 +175,7 @@ def sweep(w, E, L, k, gen, per_expert, bw, decode_only):
     (the weighted sum included) replayed from a CUDA graph, as the model runs it: "graphed ms", "% of 4.8 TB/s"."""
     mod = triton_module("_mxfp4_triton")
     rows = []
-    cases = [(1, "selected", DECODE_CONFIGS), (64, "grouped", DECODE_CONFIGS)]
+    cases = [(1, "selected", DECODE_CONFIGS), (8, "selected", DECODE_CONFIGS), (64, "grouped", DECODE_CONFIGS)]
     if not decode_only:
         cases.append((8192, "grouped", PREFILL_CONFIGS))
     with torch.no_grad():
