@@ -166,3 +166,32 @@ def test_cli_train_flags_reach_the_trainer(tmp_path, monkeypatch, flag, field):
         with pytest.raises(Stop):
             main(["train", "--out", str(tmp_path), *flags])
         assert getattr(seen["cfg"], field) is want
+
+
+def test_a_step_out_of_gpu_memory_says_how_to_fit_it(tmp_path, capsys, monkeypatch, short_corpus):
+    """A CUDA out-of-memory in the training step (raised here at the third step) is one line naming the batch and
+    the three ways to fit it, exit 2, no traceback; the checkpoints written before it stand and resume."""
+    from k3.model.decoder import K3ForCausalLM
+
+    real, calls = K3ForCausalLM.forward, []
+
+    def forward(self, *a, **kw):
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB.")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(K3ForCausalLM, "forward", forward)
+    out = tmp_path / "run"
+    code = main(["train", "--out", str(out), "--corpus", short_corpus, "--max-steps", "4", "--save-every", "1",
+                 "--eval-every", "100", "--batch-size", "2", "--seq-len", "32"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]  # (the rest: the progress bar)
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert all(s in lines[0] for s in ("2 x 32 tokens", "ran out of", "--batch-size", "--activation-checkpointing",
+                                     "K3_FLA_KEEP_FORWARD=0")), lines
+    monkeypatch.setattr(K3ForCausalLM, "forward", real)
+    assert main(["train", "--out", str(out), "--resume"]) == 0  # from step 2's checkpoint, to step 4
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]

@@ -21,6 +21,7 @@ from k3.config import ConfigError, K3Config
 from k3.cpu_threads import ThreadGovernor
 from k3.data import PackedLoader, Tokenizer, eval_batches, load_corpus, load_token_docs, split_documents
 from k3.data.stats import unigram_cross_entropy
+from k3.memory import NotEnoughMemoryError, format_bytes
 from k3.model.decoder import K3ForCausalLM
 from k3.checkpoint.hf import CheckpointError
 from k3.train.optim import build_optimizer
@@ -363,14 +364,17 @@ class Trainer:
         lr_mult = wsd_multiplier(self.step, cfg.max_steps, cfg.warmup_steps, cfg.decay_fraction)
         apply_lr(self.optimizer, lr_mult)
         loss_sum, tokens = 0.0, 0
-        for _ in range(cfg.grad_accum):
-            b = {k: v.to(self.device) for k, v in self.loader.next_batch().items()}
-            with self.autocast or _null():
-                loss = (self.dist or self.model)(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"]).loss
-            (loss / cfg.grad_accum).backward()  # the logits are not held here: backward frees them early
-            self.balancer.observe()
-            loss_sum += float(loss.detach())
-            tokens += b["input_ids"].numel()
+        try:
+            for _ in range(cfg.grad_accum):
+                b = {k: v.to(self.device) for k, v in self.loader.next_batch().items()}
+                with self.autocast or _null():
+                    loss = (self.dist or self.model)(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"]).loss
+                (loss / cfg.grad_accum).backward()  # the logits are not held here: backward frees them early
+                self.balancer.observe()
+                loss_sum += float(loss.detach())
+                tokens += b["input_ids"].numel()
+        except torch.OutOfMemoryError as e:
+            raise self._out_of_memory() from e
         if self.dist:
             self.dist.sync_gradients()
             grad_norm = self.dist.clip_grad_norm_(cfg.grad_clip)
@@ -386,6 +390,21 @@ class Trainer:
                "grad_norm": grad_norm, "tokens_per_s": tokens / dt, "maxvio": bal["maxvio_mean"],
                "maxvio_layers": bal["maxvio"], "load": bal["load"], "epoch": self.loader.epoch}
         return rec
+
+    def _out_of_memory(self) -> NotEnoughMemoryError:
+        """A training step that ran out of GPU memory, as one line saying how to fit it (the last checkpoint stands)."""
+        cfg, dev = self.cfg, self.device
+        used = ""
+        if dev.type == "cuda":
+            used = (f" ({format_bytes(torch.cuda.max_memory_allocated(dev))} allocated at the peak, of "
+                    f"{format_bytes(torch.cuda.get_device_properties(dev).total_memory)})")
+        fixes = ["a smaller --batch-size (--grad-accum keeps the tokens a step)"]
+        if not cfg.activation_checkpointing:
+            fixes.append("--activation-checkpointing")
+        fixes.append("K3_FLA_KEEP_FORWARD=0 (KDA's backward recomputes fla's forward intermediates rather than "
+                     "keeping them: 10 GiB less for `small` at 8 x 4096 on an H200)")
+        return NotEnoughMemoryError(f"the training step ({cfg.batch_size} x {cfg.seq_len} tokens a micro-batch) ran "
+                                    f"out of {dev}'s memory{used}; to fit it: {', or '.join(fixes)}")
 
     def run(self) -> dict:
         """Train to max_steps (or the time budget), evaluate, export the model; the summary."""
