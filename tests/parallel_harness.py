@@ -40,13 +40,15 @@ def make_model(seed: int = 0, config: K3Config | None = None, hot_experts: list[
     return model.double()
 
 
-def batch(seed: int, B: int, T: int, vocab: int = 97, docs: bool = False) -> dict:
+def batch(seed: int, B: int, T: int, vocab: int = 97, docs: bool | str = False) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (B, T), generator=g)
     labels = torch.randint(0, vocab, (B, T), generator=g)
     labels[:, -1] = -100
     out = {"input_ids": ids, "labels": labels}
-    if docs:  # a few documents per row, boundaries at random places
+    if docs == "one":  # every row one document (a long document's rows): the shards attend without packing
+        out["doc_ids"] = torch.zeros(B, T, dtype=torch.long)
+    elif docs:  # a few documents per row, boundaries at random places
         cuts = (torch.rand(B, T, generator=g) < 0.2).long()
         cuts[:, 0] = 0
         out["doc_ids"] = cuts.cumsum(1)

@@ -1,5 +1,6 @@
 """Context parallelism on 2 gloo processes against one process (float64): logits and gradients for sequence
-lengths that do not divide evenly (including shards shorter than the conv halo) and for packed documents;
+lengths that do not divide evenly (including shards shorter than the conv halo) and for packed documents
+(several a row, and one a row);
 a sequence shorter than the CP size fails with a clear message on every rank."""
 import pytest
 import torch
@@ -9,7 +10,7 @@ from k3.parallel.parallelize import ParallelK3
 from parallel_harness import batch, launch, make_model
 
 # (seq_len, packed documents): 11 → shards of 6 and 5; 3 → 2 and 1, so rank 1's halo spans a short shard
-CASES = {"T11": (11, False), "T11-docs": (11, True), "T3": (3, False)}
+CASES = {"T11": (11, False), "T11-docs": (11, True), "T11-one-doc": (11, "one"), "T3": (3, False)}
 
 
 def worker(rank, world):

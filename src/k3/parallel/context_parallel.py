@@ -188,11 +188,11 @@ class ContextParallelMLA:
         kv = cp.gather_sequence(torch.cat([latent, k_extra], dim=-1))
         start = cp.bounds[cp.rank][0]
         # no [B, T, S] mask (GBs at long context): the keys up to the shard's last query, expanded, and
-        if cp.segments is None:  # ... the shard's T queries the last of them: bottom-right causal
+        packing = None if cp.segments is None else packed_documents(cp.segments, q.device, start, T)
+        if packing is None or packing.whole_rows:  # ... the shard's T queries the last of them: bottom-right causal
             k, v = m.expand_kv(*kv[:, :start + T].split([m.kv_rank, m.rope], dim=-1))
             return causal_attention(q, k, v, m.scale)
         # ... or with packed documents, each document that meets the shard a varlen segment (k3.ops.varlen_attention)
-        packing = packed_documents(cp.segments, q.device, start, T)
         k, v = m.expand_kv(*packing.pack_keys(kv).split([m.kv_rank, m.rope], dim=-1))
         return document_attention(q, k, v, m.scale, packing)
 
