@@ -174,26 +174,23 @@ def test_a_replaced_expert_seam_keeps_its_overlap_and_no_pair(monkeypatch):
 
 def test_pair_kernel_compiles_for_the_h200():
     """small's shared down [1536, 1024] with its GLU and routed up [1536, 768] with its norm at 1 bf16 row,
-    compiled for sm_90 by ptxas (no GPU needed): the GLU's exps in the grid, the rstd (a sqrt) in the reduce
-    kernel that scales the second segment's splits."""
+    compiled for sm_90 by ptxas (no GPU needed): the GLU's exps and the rstd (a sqrt) in the one launch, split or
+    not (split: each block's last split, after its atomic ticket, scales the second segment's splits)."""
     from sm90_compile import ptx_for_sm90
 
     sig = {"a_ptr": "*bf16", "wa_ptr": "*bf16", "up_ptr": "*bf16", "beta_gate": "fp32", "beta_up": "fp32",
            "b_ptr": "*bf16", "wb_ptr": "*bf16", "norm_w_ptr": "*bf16", "eps": "fp32", "part_ptr": "*fp32",
-           "out_ptr": "*bf16", "M": "i32", "N": "i32", "KA": "i32", "KB": "i32", "splits_a": "i32",
+           "tickets_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "KA": "i32", "KB": "i32", "splits_a": "i32",
            "stride_am": "i32", "stride_wan": "i32", "stride_um": "i32", "stride_bm": "i32", "stride_wbn": "i32",
            "stride_om": "i32"}
-    for M in (1, 4):  # unsplit (the rstd in the grid), split (the rstd in the reduce kernel)
+    for M in (1, 4):  # unsplit, split
         p = _gemv_triton.pair_plan(M, 1536, 1024, 768, torch.bfloat16, 132)
         ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_pair_kernel", sig, num_warps=p["warps"], A_GLU=True,
                            B_NORM=True, GLU_EXACT=False, SPLIT=p["split"], USE_DOT=p["use_dot"], DOT_IN_FP32=False,
                            BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
                            K_SPLIT_A=p["k_per_split_a"], K_SPLIT_B=p["k_per_split_b"], NUM_STAGES=p["stages"],
                            NORM_K=1024, NORM_BLOCK=1024)
-        assert "ex2.approx" in ptx and "st.global" in ptx and ("sqrt" in ptx) == (not p["split"])
-    sig = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16", "x_ptr": "*bf16",
-           "eps": "fp32", "M": "i32", "N": "i32", "K": "i32", "n_splits": "i32", "stride_rm": "i32",
-           "stride_om": "i32", "stride_xm": "i32", "norm_from": "i32"}
-    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_reduce_splits_kernel", sig, HAS_BIAS=False, HAS_RES=False,
-                       HAS_NORM=True, BLOCK=256, NORM_K=1024, NORM_BLOCK=1024)
-    assert "sqrt" in ptx and "st.global" in ptx
+        assert "ex2.approx" in ptx and "st.global" in ptx and "sqrt" in ptx
+        assert ("atom.global.gpu.acq_rel" in ptx) == bool(p["split"])
+    assert {bool(_gemv_triton.pair_plan(M, 1536, 1024, 768, torch.bfloat16, 132)["split"]) for M in (1, 4)} == {
+        False, True}

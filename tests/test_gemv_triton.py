@@ -62,6 +62,34 @@ def test_the_shapes_cover_every_launch_form():
     assert forms == {(False, False), (False, True), (True, False), (True, True)}
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 37, 1100), (8, 40, 1031)])
+def test_split_k_is_summed_by_each_blocks_last_split_which_leaves_the_tickets_zero(M, N, K):
+    """Where K is split, the splits' sums are added by the last split of each block of N (an atomic ticket; no
+    second launch): the result equals the fp64 matmul and the same bits at every call, and every ticket is back at
+    zero after each call (a ticket left behind would make a later launch's wrong split sum its block). A ticket
+    left nonzero on purpose is what the check catches: that block's sum is then never written."""
+    from k3.ops.triton_dispatch import ticket_workspace
+
+    p = _gemv_triton.plan(M, N, K, torch.float32, _gemv_triton._INTERPRETER_SMS)
+    assert p["split"] > 1 and not hasattr(_gemv_triton, "_reduce_splits_kernel")
+    x, w, b, res = operands(M + N + K, M, N, K, torch.float32, bias=True, residual=True)
+    tickets = ticket_workspace(p["n_blocks"], x.device)
+    with force_gemv(True):
+        first = linear(x, w, b, res)
+        assert not tickets[:p["n_blocks"]].any()
+        again = linear(x, w, b, res)
+        assert not tickets[:p["n_blocks"]].any()
+        check(first, reference(x, w, b, res), torch.float32)
+        assert torch.equal(first, again)
+        tickets[p["n_blocks"] - 1] = 1  # a stale ticket: block n_blocks - 1's last split is never drawn
+        try:
+            stale = linear(x, w, b, res)
+        finally:
+            tickets.zero_()
+    cols = slice((p["n_blocks"] - 1) * p["block_n"], N)
+    assert torch.equal(stale[:, :cols.start], first[:, :cols.start]) and not torch.equal(stale[:, cols], first[:, cols])
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 37, 129), (5, 1, 700), (8, 300, 96), (16, 7, 2000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bias_and_residual_in_the_epilogue(M, N, K, dtype):
@@ -153,28 +181,23 @@ def test_the_kernel_compiles_as_one_op():
 @pytest.mark.parametrize("rows", [1, 8])
 def test_kernel_compiles_for_the_h200(rows):
     """The launch `plan` picks for o_proj's shape at 1 and 8 bf16 rows, K split, compiled for sm_90 by ptxas (no
-    GPU needed): one row on the FMA units, eight on the tensor cores (an mma in the PTX); the main kernel and the
-    split reduction both build."""
+    GPU needed): one row on the FMA units, eight on the tensor cores (an mma in the PTX); the block's last split
+    sums the splits in the same launch (an atomic ticket, then the epilogue's bias and residual)."""
     from sm90_compile import ptx_for_sm90
 
     p = _gemv_triton.plan(rows, 1536, 1536, torch.bfloat16, 132)
     assert p["split"] > 1 and p["use_dot"] == (rows == 8)
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
-           "part_ptr": "*fp32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16", "beta_gate": "fp32",
-           "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32",
+           "part_ptr": "*fp32", "tickets_ptr": "*i32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16",
+           "beta_gate": "fp32", "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_um": "i32"}
-    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", sig, num_warps=p["warps"], HAS_BIAS=False,
-                       HAS_RES=False, HAS_NORM=False, NORM_K=2048, NORM_BLOCK=1024, HAS_GLU=False,
+    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", sig, num_warps=p["warps"], HAS_BIAS=True,
+                       HAS_RES=True, HAS_NORM=False, NORM_K=2048, NORM_BLOCK=1024, HAS_GLU=False,
                        GLU_EXACT=False, SPLIT=True, USE_DOT=p["use_dot"], DOT_IN_FP32=False, BLOCK_M=p["block_m"],
                        BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"],
                        NUM_STAGES=p["stages"])
     assert ("mma" in ptx) == p["use_dot"] and (p["use_dot"] or "fma.rn.f32" in ptx)
-    sig = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16", "x_ptr": "*bf16",
-           "eps": "fp32", "M": "i32", "N": "i32", "K": "i32", "n_splits": "i32", "stride_rm": "i32", "stride_om": "i32",
-           "stride_xm": "i32", "norm_from": "i32"}
-    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_reduce_splits_kernel", sig, HAS_BIAS=True, HAS_RES=True,
-                       HAS_NORM=False, BLOCK=256, NORM_K=2048, NORM_BLOCK=1024)
-    assert "st.global" in ptx
+    assert "atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx and "st.global" in ptx
 
 
 @pytest.fixture

@@ -127,7 +127,7 @@ class LatentMoE(nn.Module):
 
     def _shared_down_and_routed_up(self, r: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
         """`down(SiTU-GLU(gate, up)) + routed_up(norm(r))` as one two-segment GEMV (k3.ops.gemv.linear_pair: one
-        launch for two, two for four where K is split) where decode's GEMV takes both linears; else None (the
+        launch for two, or for four where K is split) where decode's GEMV takes both linears; else None (the
         caller runs them apart)."""
         shared, routed_up, norm = self.shared_experts, self.routed_expert_up_proj, self.routed_expert_norm
         if not (isinstance(shared.down_proj, DecodeLinear) and isinstance(routed_up, DecodeLinear)

@@ -11,9 +11,10 @@ registers:
 - more rows with 16-bit weights: `tl.dot` on x padded to 16 rows (tensor cores, fp32 accumulation), as 8 or 16
   rows of FMA work would take longer than the weight's bytes.
 When N alone gives too few programs to fill the SMs (o_proj's 1536 rows in 16-row tiles: 96 programs for 132
-SMs), K is split as well: each split writes its fp32 partial sums to a workspace and a second, small kernel adds
-the splits and applies the epilogue. The splits are summed in a fixed order (no atomics), so a result is the
-same on every run. Epilogue: + bias, + residual (the call site's add after the GEMM), in fp32, one rounding to
+SMs), K is split as well: each split writes its fp32 partial sums to a workspace and draws an atomic ticket for
+its block of N; the block's last split to finish adds the splits and applies the epilogue, and sets the ticket back
+to zero (k3.ops.triton_dispatch.ticket_workspace; as k3.ops._router_triton). No second launch; the splits are
+summed in a fixed order (the ticket says only who sums), so a result is the same on every run. Epilogue: + bias, + residual (the call site's add after the GEMM), in fp32, one rounding to
 the output dtype.
 An RMSNorm before the linear can come along (`norm_weight`): W·(g ⊙ x·r) = r · W·(g ⊙ x) with
 r = rsqrt(mean(x²) + eps) one number a row, so the K loop multiplies x by g as it loads it and the program that
@@ -25,7 +26,7 @@ So can a sigmoid output gate (`out_gate`, MLA's o ⊙ σ(gate) before o_proj): t
 Two linears into one output (`decode_gemv_pair`: the MoE's shared-expert down projection with its GLU and the
 routed up projection with its norm) are one grid: each program walks the first segment, then the second, and
 scales the second's sums by their rows' rstd before it adds them (one launch for two); where K is split, its
-splits walk either segment and the reduce kernel scales only the second's.
+splits walk either segment and the last split of a block scales only the second's.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import triton.language as tl
 from k3.ops import _pdl_triton as pdl
 from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
 from k3.ops._situ_triton import _sigmoid, _tanh
-from k3.ops.triton_dispatch import inference_op, on_device, sm_count
+from k3.ops.triton_dispatch import inference_op, on_device, sm_count, ticket_workspace
 
 # Rows from which 16-bit weights go through tl.dot (x padded to 16 rows); below it the FMA units. A first guess.
 DOT_MIN_ROWS = 4
@@ -45,7 +46,7 @@ DOT_MIN_ROWS = 4
 # dot: the tile of W per step; stages: the loads in flight of the pipelined K loop. programs_per_sm: the grid
 # aimed at before K is split.
 LAUNCH = dict(fma_block_n=8, fma_tile_elems=8192, fma_warps=4, fma_stages=2, dot_block_n=16, dot_block_k=256,
-              dot_warps=4, dot_stages=3, programs_per_sm=2, min_split_k=256, reduce_block=256, norm_block=1024)
+              dot_warps=4, dot_stages=3, programs_per_sm=2, min_split_k=256, norm_block=1024)
 # SMs assumed off the GPU (the Triton interpreter on CPU tensors): the H200's, so the CPU tests plan the
 # same grids as the card.
 _INTERPRETER_SMS = 132
@@ -129,7 +130,7 @@ def _prefetch_w(w_ptr, cols, N, K, k_start, stride_wn, K_SPLIT: tl.constexpr, CH
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr, eps, up_ptr, beta_gate, beta_up,
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, tickets_ptr, norm_w_ptr, eps, up_ptr, beta_gate, beta_up,
                  M, N, K, stride_xm, stride_wn, stride_rm, stride_om, stride_um,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_GLU: tl.constexpr,
                  GLU_EXACT: tl.constexpr, SPLIT: tl.constexpr,
@@ -148,9 +149,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr,
     acc = _tile_sums(x_ptr, w_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, K, pid_k * K_SPLIT,
                      stride_xm, stride_wn, stride_um, HAS_NORM, HAS_GLU, GLU_EXACT, OUT_GATE, USE_DOT, DOT_IN_FP32,
                      BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, NUM_STAGES)
-    if SPLIT:  # this split's partial sums; the reduce kernel adds the splits and applies the epilogue
-        ok = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
+    if SPLIT:  # this split's partial sums; the block's last split adds them all and applies the epilogue
+        if _last_split(acc, part_ptr, tickets_ptr, pid_n, pid_k, rows, cols, M, N):
+            acc = _sum_splits(part_ptr, rows, cols, M, N, 0, x_ptr, K, stride_xm, eps, HAS_NORM, NORM_K, NORM_BLOCK)
+            _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stride_om, HAS_BIAS, HAS_RES)
+            tl.store(tickets_ptr + pid_n, 0)
     else:
         if HAS_NORM:
             acc = acc * _row_rstd(x_ptr, rows, M, K, stride_xm, eps, NORM_K, NORM_BLOCK)[:, None]
@@ -158,7 +161,40 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, norm_w_ptr,
 
 
 @triton.jit
-def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, norm_w_ptr, eps, part_ptr, out_ptr,
+def _last_split(acc, part_ptr, tickets_ptr, pid_n, pid_k, rows, cols, M, N):
+    """Stores split pid_k's partial sums of block pid_n and draws the block's ticket: whether this is its last
+    split to finish (which then sums them all and sets the ticket back to zero)."""
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
+    # every thread's stores precede the ticket (the barrier); the ticket releases them to the program that draws
+    # the last one (its acquire)
+    tl.debug_barrier()
+    return tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel") == tl.num_programs(1) - 1
+
+
+@triton.jit
+def _sum_splits(part_ptr, rows, cols, M, N, norm_from, x_ptr, K, stride_xm, eps, HAS_NORM: tl.constexpr,
+                NORM_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """Σ_s part[s, rows, cols] over the grid's splits in order, those from `norm_from` on (a pair's second
+    segment) times their rows' rstd of x where HAS_NORM."""
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    plain = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)  # the splits before norm_from
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    s = 0
+    while s < tl.num_programs(1):
+        # .cg: from L2, where the other programs' stores are; never a stale line of this SM's L1
+        v = tl.load(part_ptr + (s * M + rows[:, None]) * N + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        plain += tl.where(s < norm_from, v, 0.0)
+        acc += tl.where(s < norm_from, 0.0, v)
+        s += 1
+    if HAS_NORM:
+        acc = acc * _row_rstd(x_ptr, rows, M, K, stride_xm, eps, NORM_K, NORM_BLOCK)[:, None]
+    return acc + plain
+
+
+@triton.jit
+def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, norm_w_ptr, eps, part_ptr, tickets_ptr,
+                      out_ptr,
                       M, N, KA, KB, splits_a, stride_am, stride_wan, stride_um, stride_bm, stride_wbn, stride_om,
                       A_GLU: tl.constexpr, B_NORM: tl.constexpr, GLU_EXACT: tl.constexpr, SPLIT: tl.constexpr,
                       USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -167,8 +203,8 @@ def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, 
                       PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_CHUNKS: tl.constexpr = 1):
     """Two K segments into one output: a (through its GLU) by W_a plus b (g ⊙ b, times its rows' rstd) by W_b.
     Unsplit, each program walks both segments whole and stores the sum (one launch for the two linears); SPLIT,
-    splits 0..splits_a-1 walk a, the rest b, and each stores its partial sums for the reduce kernel (which
-    scales only b's by the rstd)."""
+    splits 0..splits_a-1 walk a, the rest b, each stores its partial sums, and the last split of a block to finish
+    adds them, b's scaled by the rstd (`_last_split`, `_sum_splits`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -190,8 +226,11 @@ def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, 
                              (pid_k - splits_a) * K_SPLIT_B, stride_bm, stride_wbn, stride_um, B_NORM, False,
                              GLU_EXACT, False, USE_DOT, DOT_IN_FP32, BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT_B,
                              NUM_STAGES)
-        ok = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + cols[None, :], acc, mask=ok)
+        if _last_split(acc, part_ptr, tickets_ptr, pid_n, pid_k, rows, cols, M, N):
+            acc = _sum_splits(part_ptr, rows, cols, M, N, splits_a, b_ptr, KB, stride_bm, eps, B_NORM, NORM_K,
+                              NORM_BLOCK)
+            _epilogue(acc, out_ptr, out_ptr, out_ptr, rows, cols, M, N, stride_om, stride_om, False, False)
+            tl.store(tickets_ptr + pid_n, 0)
     else:
         acc = _tile_sums(a_ptr, wa_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols, M, N, KA, 0,
                          stride_am, stride_wan, stride_um, False, A_GLU, GLU_EXACT, False, USE_DOT, DOT_IN_FP32,
@@ -202,32 +241,6 @@ def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, 
         if B_NORM:
             acc_b = acc_b * _row_rstd(b_ptr, rows, M, KB, stride_bm, eps, NORM_K, NORM_BLOCK)[:, None]
         _epilogue(acc + acc_b, out_ptr, out_ptr, out_ptr, rows, cols, M, N, stride_om, stride_om, False, False)
-
-
-@triton.jit
-def _reduce_splits_kernel(part_ptr, bias_ptr, res_ptr, out_ptr, x_ptr, eps, M, N, K, n_splits, stride_rm, stride_om,
-                          stride_xm, norm_from, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                          HAS_NORM: tl.constexpr, BLOCK: tl.constexpr, NORM_K: tl.constexpr,
-                          NORM_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """out[m, cols] = Σ_s part[s, m, cols] (s in order; those from `norm_from` on × the row's rstd of x, a pair's
-    second segment) with the epilogue; one program per (row, column block)."""
-    pdl_enter(PDL)
-    m = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    plain = tl.zeros([1, BLOCK], dtype=tl.float32)
-    acc = tl.zeros([1, BLOCK], dtype=tl.float32)  # the splits from norm_from on
-    s = 0
-    while s < n_splits:
-        v = tl.load(part_ptr + (s * M + m) * N + cols, mask=ok, other=0.0)[None, :]
-        plain += tl.where(s < norm_from, v, 0.0)
-        acc += tl.where(s < norm_from, 0.0, v)
-        s += 1
-    rows = m + tl.arange(0, 1)
-    if HAS_NORM:
-        acc = acc * _row_rstd(x_ptr, rows, M, K, stride_xm, eps, NORM_K, NORM_BLOCK)[:, None]
-    acc += plain
-    _epilogue(acc, bias_ptr, res_ptr, out_ptr, rows, cols, M, N, stride_rm, stride_om, HAS_BIAS, HAS_RES)
 
 
 def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
@@ -255,7 +268,7 @@ def pair_plan(M: int, N: int, KA: int, KB: int, dtype: torch.dtype, sms: int) ->
     """The launch of two K segments into one output: one tile for both (`plan`'s for the wider); unsplit (one
     launch, each program walking both segments) where `plan` would split neither linear, else each segment split
     on its own (at least once), the splits shared between them by width so that the grid fills the SMs as `plan`
-    aims to (and a reduce launch after)."""
+    aims to (still one launch: each block's last split sums them)."""
     p = plan(M, N, max(KA, KB), dtype, sms)
     split = plan(M, N, KA, dtype, sms)["split"] > 1 or plan(M, N, KB, dtype, sms)["split"] > 1
     total = max(2, triton.cdiv(LAUNCH["programs_per_sm"] * sms, p["n_blocks"]))
@@ -292,6 +305,7 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     p = plan(M, N, K, weight.dtype, sms)
     split = p["split"] > 1
     part = torch.empty(p["split"], M, N, dtype=torch.float32, device=x.device) if split else out
+    tickets = ticket_workspace(p["n_blocks"], x.device) if split else out  # (unsplit: an unread stand-in)
     res = residual if residual is not None else out  # (an unread stand-in pointer)
     b = bias if bias is not None else out
     norm_w = norm_weight if norm_weight is not None else out
@@ -304,16 +318,11 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     launch = pdl.launch(x)
     with on_device(x):
         _gemv_kernel[(p["n_blocks"], p["split"])](
-            x, weight, b, res, out, part, norm_w, norm_eps, up, beta_gate, beta_up, M, N, K, x.stride(0),
+            x, weight, b, res, out, part, tickets, norm_w, norm_eps, up, beta_gate, beta_up, M, N, K, x.stride(0),
             weight.stride(0), res.stride(0), out.stride(0), up.stride(0), SPLIT=split, USE_DOT=p["use_dot"],
             DOT_IN_FP32=not x.is_cuda, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
             K_SPLIT=p["k_per_split"], NUM_STAGES=p["stages"], num_warps=p["warps"], **flags, **norm, **glu,
             **_prefetch(launch, p, weight), **launch)
-        if split:
-            block = min(LAUNCH["reduce_block"], triton.next_power_of_2(N))
-            _reduce_splits_kernel[(M, triton.cdiv(N, block))](
-                part, b, res, out, x, norm_eps, M, N, K, p["split"], res.stride(0), out.stride(0), x.stride(0), 0,
-                BLOCK=block, num_warps=4, **flags, **norm, **launch)
     return out
 
 
@@ -329,7 +338,7 @@ def decode_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, glu_up: torch.Tens
                      norm_eps: float) -> torch.Tensor:
     """a' @ weight_a [N, KA]ᵀ + b' @ weight_b [N, KB]ᵀ → [M, N] in a's dtype, a' = SiTU-GLU(a, glu_up) when glu_up
     is given (else a), b' = RMSNorm(b; norm_weight, norm_eps) when norm_weight is (else b): two linears into one
-    output in one launch (two where K is split: the segments' splits, then their sum); inputs checked by the caller
+    output in one launch (where K is split, the segments' splits, summed by each block's last); inputs checked by the caller
     (k3.ops.gemv.linear_pair)."""
     M, KA = a.shape
     KB, N = b.shape[1], weight_a.shape[0]
@@ -340,6 +349,7 @@ def decode_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, glu_up: torch.Tens
     p = pair_plan(M, N, KA, KB, weight_a.dtype, sms)
     splits = p["split_a"] + p["split_b"] if p["split"] else 1
     part = torch.empty(splits, M, N, dtype=torch.float32, device=a.device) if p["split"] else out
+    tickets = ticket_workspace(p["n_blocks"], a.device) if p["split"] else out  # (unsplit: an unread stand-in)
     up = glu_up if glu_up is not None else a  # (an unread stand-in pointer)
     norm_w = norm_weight if norm_weight is not None else out
     norm_block = min(LAUNCH["norm_block"], triton.next_power_of_2(max(KB, 1)))
@@ -347,19 +357,13 @@ def decode_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, glu_up: torch.Tens
     launch = pdl.launch(a)
     with on_device(a):
         _gemv_pair_kernel[(p["n_blocks"], splits)](
-            a, weight_a, up, beta_gate, beta_up, b, weight_b, norm_w, norm_eps, part, out, M, N, KA, KB,
+            a, weight_a, up, beta_gate, beta_up, b, weight_b, norm_w, norm_eps, part, tickets, out, M, N, KA, KB,
             p["split_a"], a.stride(0), weight_a.stride(0), up.stride(0), b.stride(0), weight_b.stride(0),
             out.stride(0), A_GLU=glu_up is not None, B_NORM=norm_weight is not None,
             GLU_EXACT=a.dtype == torch.float32, SPLIT=p["split"], USE_DOT=p["use_dot"], DOT_IN_FP32=not a.is_cuda,
             BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT_A=p["k_per_split_a"],
             K_SPLIT_B=p["k_per_split_b"], NUM_STAGES=p["stages"], num_warps=p["warps"], **norm,
             **_prefetch(launch, p, weight_a, weight_b), **launch)
-        if p["split"]:
-            block = min(LAUNCH["reduce_block"], triton.next_power_of_2(N))
-            _reduce_splits_kernel[(M, triton.cdiv(N, block))](
-                part, out, out, out, b, norm_eps, M, N, KB, splits, out.stride(0), out.stride(0), b.stride(0),
-                p["split_a"], BLOCK=block, num_warps=4, HAS_BIAS=False, HAS_RES=False,
-                HAS_NORM=norm_weight is not None, **norm, **launch)
     return out
 
 

@@ -181,7 +181,7 @@ def linear_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight
                 glu_up: torch.Tensor | None = None, glu_betas: tuple[float, float] = (4.0, 25.0),
                 norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     """`linear_pair_reference`: where `use_gemv_pair` takes it, one custom op `k3::decode_gemv_pair` (one launch
-    for the two GEMVs' two, two for their four where K is split; one rounding of the sum); else the two
+    for the two GEMVs' two, or for their four where K is split; one rounding of the sum); else the two
     `linear`s, the second summing into the first's output (its own scratch)."""
     if not use_gemv_pair(a, weight_a, b, weight_b, glu_up, norm_weight):
         s = linear(a, weight_a, glu_up=glu_up, glu_betas=glu_betas)
