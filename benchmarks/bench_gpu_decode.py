@@ -78,6 +78,8 @@ def main():
                     help="also time the graph captured with K3_PDL and K3_NO_PDL_PREFETCH")
     ap.add_argument("--gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
     ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
+    ap.add_argument("--opt-in", default="", help="comma-separated opt-in kernel modules (k3.ops.triton_dispatch.OPT_IN, "
+                    "e.g. _attn_res_route_triton): also time the graph with them on")
     a = ap.parse_args()
     graphs = [("graph", contextlib.nullcontext)]
     if a.pdl:
@@ -88,6 +90,9 @@ def main():
         graphs.append(("graph+gemv", lambda: _gemv_up_to(10_000_000)))
     if a.pdl_gemv:
         graphs.append(("graph+pdl+gemv", lambda: _both(envs.override(pdl=True), _gemv_up_to(10_000_000))))
+    if a.opt_in:
+        names = tuple(a.opt_in.split(","))
+        graphs.append((f"graph+{a.opt_in}", lambda: envs.override(triton_opt_in=names)))
     ceil = measure_ceilings()
     copy_bw = ceil["copy_TBps"] * 1e12
     print(ceil, flush=True)

@@ -6,7 +6,7 @@ from k3 import envs
 from k3.model.norm import RMSNorm
 from k3.ops.fused_linear import DerivedWeight
 from k3.ops.norm import rms_norm
-from k3.ops.triton_dispatch import triton_module, use_triton, use_triton_op
+from k3.ops.triton_dispatch import call_op, triton_module, use_triton, use_triton_op
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Linear) -> torch.Tensor:
@@ -303,6 +303,40 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
     else:
         p = _attached_like(p, blocks)
     return p, out_norm(attn_res_mix([*blocks, p], norm, proj))
+
+
+def attn_res_mix_norm_route(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: RMSNorm,
+                            proj: torch.nn.Linear, out_norm: RMSNorm, add: torch.Tensor, moe) -> tuple:
+    """`attn_res_mix_norm(blocks, p, norm, proj, out_norm, add)` before a MoE layer's FFN, plus that MoE's routing
+    of its output: (p', y, (idx, weights, scores) or None). Where k3.ops._attn_res_route_triton takes it (the
+    fused mix + norm would run, the MoE's router is a plain `Router` the decode kernel reads, rows within the
+    router kernel's, a width and expert count the one launch fits; K3_TRITON=_attn_res_route_triton: untimed on a
+    GPU), the mix and the router are one launch; else the routing is None and the MoE routes its input itself."""
+    from k3.ops.router import KERNEL_MAX_ROWS
+
+    q = add if p is None else p
+    gate = getattr(moe, "gate", None)
+    rw = getattr(gate, "weight", None)
+    rows = q.numel() // q.shape[-1]
+    route = (isinstance(rw, torch.Tensor) and type(rw) in (torch.Tensor, torch.nn.Parameter) and rw.dim() == 2
+             and rw.device == q.device and rw.dtype in (torch.bfloat16, torch.float16, torch.float32)
+             and 0 < rows <= KERNEL_MAX_ROWS and rw.shape[1] == q.shape[-1]
+             and _kernel_takes([q], "_attn_res_route_triton", inside_compile=True)
+             and triton_module("_attn_res_route_triton").fits(rw.shape[1], rw.shape[0])
+             and _fused_mix_norm([*blocks, q], None if p is None else add, norm, proj, out_norm)
+             and not (torch.is_grad_enabled() and rw.requires_grad))
+    if not route:
+        return (*attn_res_mix_norm(blocks, p, norm, proj, out_norm, add=add), None)
+    if p is None:
+        p, add = add, None
+    sources = [*blocks, p]
+    kernels = triton_module("_attn_res_norm_triton")
+    outs = call_op("attn_res_mix_norm_route", _kept_score_weight(norm, proj, kernels.score_weight), float(norm.eps),
+                   [s.contiguous() for s in sources], out_norm.weight, float(out_norm.eps),
+                   None if add is None else add.contiguous(), rw.contiguous(), gate.e_score_correction_bias,
+                   gate.tickets(rows, q.device), moe.top_k, moe.renormalize, float(moe.scale))
+    y, idx, w, scores, total = outs
+    return (p if add is None else total.view_as(p)), y.view_as(p), (idx, w, scores)
 
 
 def _kept_score_weight(norm: RMSNorm, proj: torch.nn.Linear, make) -> torch.Tensor:

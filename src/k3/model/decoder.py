@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.memory import check_fits
-from k3.model.attn_res import BlockGrads, attn_res_mix_norm, residual_add
+from k3.model.attn_res import BlockGrads, attn_res_mix_norm, attn_res_mix_norm_route, residual_add
 from k3.model.cache import K3Cache, StaticCache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiHeadLatentAttention
@@ -46,8 +46,9 @@ class K3DecoderLayer(nn.Module):
         else:
             self.mlp = SiTUMLP(config, D, config.intermediate_size)
 
-    def ffn(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.block_sparse_moe(x, mask) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+    def ffn(self, x: torch.Tensor, mask: torch.Tensor | None, routing: tuple | None = None) -> torch.Tensor:
+        """The FFN of x; `routing`: the MoE's (idx, weights, scores) of x where the mix before it routed x too."""
+        return self.block_sparse_moe(x, mask, routing=routing) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
 
 class K3Model(nn.Module):
@@ -112,9 +113,11 @@ def _layer_forward(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, b
     if starts_block:
         blocks = blocks + [p]
     attn = layer.self_attn(x, doc_ids=doc_ids, cache=cache)
-    p_mid, m = attn_res_mix_norm(blocks, None if starts_block else p, layer.mlp_res_norm, layer.mlp_res_proj,
-                                 layer.post_attention_layernorm, add=attn)  # a new block's partial sum starts at 0
-    return p, p_mid, layer.ffn(m, mask)
+    # a new block's partial sum starts at 0; before a MoE the mix may route its output in the same launch
+    p_mid, m, routing = attn_res_mix_norm_route(blocks, None if starts_block else p, layer.mlp_res_norm,
+                                                layer.mlp_res_proj, layer.post_attention_layernorm, attn,
+                                                getattr(layer, "block_sparse_moe", None))
+    return p, p_mid, layer.ffn(m, mask, routing)
 
 
 def _checkpointed_layer(layer: K3DecoderLayer, starts_block: bool, p: torch.Tensor, blocks: list[torch.Tensor],

@@ -93,11 +93,13 @@ class LatentMoE(nn.Module):
         return route_tokens(x, g.weight, g.e_score_correction_bias, self.top_k, self.renormalize, self.scale,
                             tickets=g.tickets)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, T, D]; mask: [B, T] bool, False for padding (excluded from balancing statistics)."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, routing: tuple | None = None) -> torch.Tensor:
+        """x: [B, T, D]; mask: [B, T] bool, False for padding (excluded from balancing statistics); routing: x's
+        (idx, weights, scores) as `route` gives them, where the caller has them already (decode's AttnRes mix,
+        k3.model.attn_res.attn_res_mix_norm_route)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        idx, w, scores = self.route(x)
+        idx, w, scores = self.route(x) if routing is None else routing
         if self.training:
             self.last_scores = scores.detach()
             self.last_mask = None if mask is None else mask.reshape(-1)

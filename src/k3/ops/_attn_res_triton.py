@@ -33,18 +33,30 @@ def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr
     pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    out = _mix_rows(srcs, uw_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, rows, cols, R, D, eps, norm_eps,
+                    mask, N, STATS, ADD, NORM, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mix_rows(srcs, uw_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, rows, cols, R, D, eps, norm_eps,
+              sum_mask, N: tl.constexpr, STATS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, out_dtype):
+    """`_mix_fwd_kernel`'s work for a tile of `rows` × `cols` (all of D): the mix (with NORM its RMSNorm) in fp32,
+    returned for the caller to store; the sum p + add stored where `sum_mask` (ADD), the scores and log-sum-exp
+    where STATS. `out_dtype`: what the mix is rounded to before the norm reads it."""
     row_ok, col_ok = rows < R, cols < D
     mask = row_ok[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     uw = tl.load(uw_ptr + cols, mask=col_ok, other=0.0)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    m = tl.full([rows.shape[0]], float("-inf"), tl.float32)
+    l = tl.zeros([rows.shape[0]], tl.float32)
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
     for i in tl.static_range(N):
         v = tl.load(srcs[i] + offs, mask=mask, other=0.0)
         if ADD and i == N - 1:
             v = (v.to(tl.float32) + tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(v.dtype)
-            tl.store(sum_ptr + offs, v, mask=mask)
+            tl.store(sum_ptr + offs, v, mask=sum_mask)
         v = v.to(tl.float32)
         sq, dot = tl.reduce((v * v, v * uw[None, :]), 1, _add_pairs)  # one pass across the warps for both sums
         r = tl.rsqrt(sq / D + eps)
@@ -58,12 +70,12 @@ def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr
         m = m_new
     out = acc / l[:, None]
     if NORM:
-        out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = out.to(out_dtype).to(tl.float32)
         out = out * tl.rsqrt(tl.sum(out * out, axis=1) / D + norm_eps)[:, None]
         out = out * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     if STATS:
         tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
+    return out
 
 
 @triton.jit

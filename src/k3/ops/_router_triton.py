@@ -40,7 +40,18 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, scores_ptr, tickets_ptr, idx_ptr, wt_
         acc += w * x[None, :]
         d0 += BLOCK_D
     score = tl.sigmoid(tl.sum(acc, axis=1))
-    tl.store(scores_ptr + n * E + experts, score, mask=e_ok)
+    _select_when_last(score, experts, n, scores_ptr, bias_ptr, tickets_ptr, idx_ptr, wt_ptr, E, scale, TOP_K, K_PAD,
+                      E_PAD, RENORMALIZE, RANK_SELECT)
+
+
+@triton.jit
+def _select_when_last(score, experts, n, scores_ptr, bias_ptr, tickets_ptr, idx_ptr, wt_ptr, E, scale,
+                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                      RANK_SELECT: tl.constexpr):
+    """Stores this program's scores of row n's `experts` and draws the row's ticket; the row's last program (of
+    the grid's axis 1) selects its top k from all the row's scores (the module docstring), stores the ids and
+    weights, and sets the ticket back to zero."""
+    tl.store(scores_ptr + n * E + experts, score, mask=experts < E)
     # every thread's score stores precede the ticket (the barrier), and the ticket releases them to the program
     # that draws the last one (its acquire)
     tl.debug_barrier()

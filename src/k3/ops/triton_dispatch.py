@@ -45,7 +45,9 @@ from k3.ops.lazy_dynamo import assume_constant_result
 # ~1.3 ms a mixed step became one ~0.2 ms kernel; serve64 12,446 -> 12,822 and 11,083 -> 12,485 tok/s in two A/Bs).
 # Decode's GEMV (_gemv_triton, taken only where `gemv.kernel_wins`, ≤ 4 rows) left it in session 26 (H200: the
 # graphed batch-1 step of `small` 1.40 -> 1.27 ms at 4K context, bench_gpu_decode.py, same call).
-OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton"})
+# _attn_res_route_triton (a MoE layer's second mix and its router in one launch, session 31): built on the CPU,
+# untimed.
+OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_attn_res_route_triton"})
 
 
 _modules: dict[str, ModuleType | None] = {}
