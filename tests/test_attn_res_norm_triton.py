@@ -221,17 +221,25 @@ def test_tiny_model_compiled_decode_with_the_kernels_equals_the_full_forward(mon
     """GraphedDecodeStep's compiled core (torch.compile of the decoder stack over a StaticCache; here aot_eager,
     without the CUDA graph) with the two kernels opted in (forced on, the interpreter on a CPU): both are ops in
     the compiled graphs, and the decode's logits equal the full forward's."""
+    ops = compiled_tiny_decode(monkeypatch, 5, OURS, _force_on_cpu)
+    assert "k3.route_tokens_decode" in ops and "k3.attn_res_mix_norm" in ops, sorted(set(ops))
+
+
+def compiled_tiny_decode(monkeypatch, seed: int, opt_in: tuple, force_on_cpu) -> list[str]:
+    """`tiny`'s decoder stack compiled (aot_eager) and decoded over a StaticCache with the kernel modules `opt_in`
+    opted in (`force_on_cpu(monkeypatch)` routes them to the interpreter on a CPU): asserts the logits equal the full
+    forward's (and its greedy picks); returns the ops the compiled graphs hold."""
     from compile_recording import recording_backend
 
     from k3.ops import grouped_mm
     from k3.ops.fused_linear import fuse_projections
 
-    _, model, ids, (B, T, n) = _tiny_case(seed=5)
+    _, model, ids, (B, T, n) = _tiny_case(seed=seed)
     ops = []
-    with torch.no_grad(), envs.override(triton_opt_in=OURS):
+    with torch.no_grad(), envs.override(triton_opt_in=opt_in):
         full = model(ids).logits
         if DEVICE == "cpu":
-            _force_on_cpu(monkeypatch)
+            force_on_cpu(monkeypatch)
             # the experts through the loop: torch 2.13's fake _grouped_mm takes only bf16, so Dynamo cannot trace
             # the fp32 grouped GEMMs that eager runs on the CPU
             monkeypatch.setattr(grouped_mm, "grouped_mm_supported", lambda *args: False)
@@ -244,10 +252,10 @@ def test_tiny_model_compiled_decode_with_the_kernels_equals_the_full_forward(mon
             h = core(ids[:, t:t + 1], cache=cache)
             cache.advance(1)
             steps.append(model.lm_head(h[:, -1]))
-    assert "k3.route_tokens_decode" in ops and "k3.attn_res_mix_norm" in ops, sorted(set(ops))
     for i, got in enumerate(steps):
         torch.testing.assert_close(got, full[:, T + i], rtol=2e-4, atol=2e-4)
         assert torch.equal(got.argmax(-1), full[:, T + i].argmax(-1))
+    return ops
 
 
 @pytest.mark.gpu

@@ -149,20 +149,12 @@ def test_tiny_model_decode_with_the_one_launch_equals_the_full_forward(monkeypat
     """`tiny` (fp32, non-flat AttnRes softmaxes) decoding token by token with the three kernels forced on: the
     full forward's logits and greedy picks; every MoE layer's second mix and router were one launch (no router
     kernel call, one mix + norm call fewer a MoE layer)."""
-    from test_attn_res_norm_triton import _tiny_case
+    from test_attn_res_norm_triton import _counting, _tiny_case
 
-    from k3.ops import _attn_res_norm_triton, _attn_res_route_triton, _router_triton
-
+    triton_dispatch.triton_module("_attn_res_route_triton")  # (registers the op)
     cfg, model, ids, (_, T, n) = _tiny_case(seed=6)
-    calls = {"mix_norm": 0, "router": 0, "fused": 0}
-    for mod, fn, key in ((_attn_res_norm_triton, "mix_norm_forward", "mix_norm"),
-                         (_router_triton, "route_tokens", "router")):
-        real = getattr(mod, fn)
-
-        def counted(*a, _real=real, _key=key, **k):
-            calls[_key] += 1
-            return _real(*a, **k)
-        monkeypatch.setattr(mod, fn, counted)
+    calls = _counting(monkeypatch)
+    calls["fused"] = 0
     real_fused = triton_dispatch._op_functions["attn_res_mix_norm_route"]
 
     def fused(*a, **k):
@@ -189,33 +181,10 @@ def test_tiny_model_compiled_decode_with_the_one_launch_equals_the_full_forward(
     """GraphedDecodeStep's compiled core (torch.compile of the decoder stack over a StaticCache; aot_eager here)
     with the one launch opted in: it is the op k3::attn_res_mix_norm_route in the compiled graphs (the selection
     traces without a break), no router op is left, and the logits equal the full forward's."""
-    from compile_recording import recording_backend
-    from test_attn_res_norm_triton import _tiny_case
+    from test_attn_res_norm_triton import compiled_tiny_decode
 
-    from k3.ops import grouped_mm
-    from k3.ops.fused_linear import fuse_projections
-
-    _, model, ids, (B, T, n) = _tiny_case(seed=7)
-    ops = []
-    with torch.no_grad(), envs.override(triton_opt_in=OURS):
-        full = model(ids).logits
-        if DEVICE == "cpu":
-            _force_on_cpu(monkeypatch)
-            # the experts through the loop: torch 2.13's fake _grouped_mm takes only bf16
-            monkeypatch.setattr(grouped_mm, "grouped_mm_supported", lambda *args: False)
-        cache = model.new_cache(B, T + n)
-        model(ids[:, :T], cache=cache)
-        fuse_projections(model)
-        core = torch.compile(model.model, backend=recording_backend(ops))
-        steps = []
-        for t in range(T, T + n):
-            h = core(ids[:, t:t + 1], cache=cache)
-            cache.advance(1)
-            steps.append(model.lm_head(h[:, -1]))
+    ops = compiled_tiny_decode(monkeypatch, 7, OURS, _force_on_cpu)
     assert "k3.attn_res_mix_norm_route" in ops and "k3.route_tokens_decode" not in ops, sorted(set(ops))
-    for i, got in enumerate(steps):
-        torch.testing.assert_close(got, full[:, T + i], rtol=2e-4, atol=2e-4)
-        assert torch.equal(got.argmax(-1), full[:, T + i].argmax(-1))
 
 
 def test_one_launch_compiles_for_the_h200():
