@@ -169,8 +169,9 @@ def test_cli_train_flags_reach_the_trainer(tmp_path, monkeypatch, flag, field):
 
 
 def test_a_step_out_of_gpu_memory_says_how_to_fit_it(tmp_path, capsys, monkeypatch, short_corpus):
-    """A CUDA out-of-memory in the training step (raised here at the third step) is one line naming the batch and
-    the three ways to fit it, exit 2, no traceback; the checkpoints written before it stand and resume."""
+    """A CUDA out-of-memory in the training step (raised here from step 2 on) runs the step again once
+    with fla's intermediates recomputed; out of memory again, it is one line naming the batch and the ways left to
+    fit it, exit 2, no traceback; the checkpoints written before it stand and resume."""
     from k3.model.decoder import K3ForCausalLM
 
     real, calls = K3ForCausalLM.forward, []
@@ -178,7 +179,7 @@ def test_a_step_out_of_gpu_memory_says_how_to_fit_it(tmp_path, capsys, monkeypat
     def forward(self, *a, **kw):
         if torch.is_grad_enabled():
             calls.append(1)
-            if len(calls) == 3:
+            if len(calls) >= 3:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB.")
         return real(self, *a, **kw)
 
@@ -186,12 +187,57 @@ def test_a_step_out_of_gpu_memory_says_how_to_fit_it(tmp_path, capsys, monkeypat
     out = tmp_path / "run"
     code = main(["train", "--out", str(out), "--corpus", short_corpus, "--max-steps", "4", "--save-every", "1",
                  "--eval-every", "100", "--batch-size", "2", "--seq-len", "32"])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     lines = [line for line in err.splitlines() if "error:" in line]  # (the rest: the progress bar)
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert all(s in lines[0] for s in ("2 x 32 tokens", "ran out of", "--batch-size", "--activation-checkpointing",
-                                     "K3_FLA_KEEP_FORWARD=0")), lines
+    # (the first grad-enabled forward is k3 train's memory probe: the third is step 2's, run once more)
+    assert len(calls) == 4 and "step 2 ran out of" in captured.out + err
+    assert all(s in lines[0] for s in ("2 x 32 tokens", "ran out of", "--batch-size", "--activation-checkpointing")), lines
+    assert "K3_FLA_KEEP_FORWARD=0" not in lines[0]  # (the second run already recomputed them)
     monkeypatch.setattr(K3ForCausalLM, "forward", real)
     assert main(["train", "--out", str(out), "--resume"]) == 0  # from step 2's checkpoint, to step 4
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_step_out_of_memory_with_fla_intermediates_kept_runs_again_recomputing_them(tmp_path, capsys,
+                                                                                      monkeypatch, short_corpus):
+    """An out-of-memory while fla's forward intermediates are kept (K3_FLA_KEEP_FORWARD, the default; raised here in
+    step 2's second micro-batch) runs that step again on the same batches with them recomputed, and every step
+    after it: the run ends as one that never ran out (the same losses, gradient norms, balancing and weights:
+    nothing of the failed attempt was applied or counted twice)."""
+    from safetensors.torch import load_file
+
+    from k3 import envs
+    from k3.model.decoder import K3ForCausalLM
+
+    real = K3ForCausalLM.forward
+    calls, kept_after = [], []
+
+    def forward(self, *a, **kw):
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) > 5:
+                kept_after.append(envs.current().fla_keep_forward)
+            # (call 1 is k3 train's memory probe; 2-3 step 1; 4-5 step 2's two micro-batches)
+            if len(calls) == 5 and envs.current().fla_keep_forward:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB.")
+        return real(self, *a, **kw)
+
+    args = ["--corpus", short_corpus, "--max-steps", "4", "--eval-every", "100", "--batch-size", "2", "--seq-len",
+            "32", "--grad-accum", "2", "--save-every", "100"]
+    assert main(["train", "--out", str(tmp_path / "plain"), *args]) == 0
+    monkeypatch.setattr(K3ForCausalLM, "forward", forward)
+    assert main(["train", "--out", str(tmp_path / "oom"), *args]) == 0
+    assert "step 2 ran out of" in capsys.readouterr().out
+    assert len(calls) == 11 and kept_after == [False] * 6  # step 2 again from its first micro-batch, then 3 and 4
+
+    def record(run):
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"], r["grad_norm"], r["load"]) for r in rows]
+
+    assert record("oom") == record("plain")
+    plain = load_file(str(next((tmp_path / "plain" / "model").glob("*.safetensors"))))
+    oom = load_file(str(next((tmp_path / "oom" / "model").glob("*.safetensors"))))
+    assert plain.keys() == oom.keys() and all(torch.equal(plain[k], oom[k]) for k in plain)

@@ -274,6 +274,15 @@ class ExpertBalancer:
         self._seen = [False] * len(self.layers)
         self._scores: list[list[Tensor]] = [[] for _ in self.layers]  # exact mode: kept scores per micro-batch
 
+    def discard(self) -> None:
+        """Forget what was observed since the last `step` (a training step that is being run again), and any
+        scores a layer still holds."""
+        self._reset_loads()
+        for histogram in self.histograms:
+            histogram.reset()
+        for layer in self.layers:
+            layer.last_scores = layer.last_mask = None
+
     def observe(self) -> None:
         """Read and clear `last_scores` of every MoE layer; never changes a bias."""
         for i, layer in enumerate(self.layers):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
+from k3 import envs
 from k3.balance import ExpertBalancer
 from k3.config import ConfigError, K3Config
 from k3.cpu_threads import ThreadGovernor
@@ -196,6 +197,8 @@ class Trainer:
                                        all_reduce=self.dist.all_reduce_counts if self.dist else None)
         self.step = 0
         self.history: list[dict] = []
+        # set once a step ran out of memory with fla's intermediates kept: every step from it recomputes them
+        self.recompute_fla = False
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else None
 
     # ---- checkpoints --------------------------------------------------------------------------------
@@ -363,18 +366,20 @@ class Trainer:
         t0 = time.perf_counter()
         lr_mult = wsd_multiplier(self.step, cfg.max_steps, cfg.warmup_steps, cfg.decay_fraction)
         apply_lr(self.optimizer, lr_mult)
-        loss_sum, tokens = 0.0, 0
+        batches = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
         try:
-            for _ in range(cfg.grad_accum):
-                b = {k: v.to(self.device) for k, v in self.loader.next_batch().items()}
-                with self.autocast or _null():
-                    loss = (self.dist or self.model)(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"]).loss
-                (loss / cfg.grad_accum).backward()  # the logits are not held here: backward frees them early
-                self.balancer.observe()
-                loss_sum += float(loss.detach())
-                tokens += b["input_ids"].numel()
+            loss_sum, tokens = self._forward_backward(batches)
+            again = False
         except torch.OutOfMemoryError as e:
-            raise self._out_of_memory() from e
+            if not self._may_recompute_fla():
+                raise self._out_of_memory() from e
+            again = True  # (run again outside this block: the exception's frames hold the step's tensors)
+        if again:
+            self._recompute_fla_from_now()
+            try:
+                loss_sum, tokens = self._forward_backward(batches)
+            except torch.OutOfMemoryError as e:
+                raise self._out_of_memory() from e
         if self.dist:
             self.dist.sync_gradients()
             grad_norm = self.dist.clip_grad_norm_(cfg.grad_clip)
@@ -391,6 +396,37 @@ class Trainer:
                "maxvio_layers": bal["maxvio"], "load": bal["load"], "epoch": self.loader.epoch}
         return rec
 
+    def _forward_backward(self, batches: list[dict]) -> tuple[float, int]:
+        """The step's micro-batches forward and backward, gradients summed into .grad: (loss sum, tokens)."""
+        loss_sum, tokens = 0.0, 0
+        with envs.override(fla_keep_forward=False) if self.recompute_fla else _null():
+            for batch in batches:
+                b = {k: v.to(self.device) for k, v in batch.items()}
+                with self.autocast or _null():
+                    loss = (self.dist or self.model)(b["input_ids"], doc_ids=b["doc_ids"], labels=b["labels"]).loss
+                (loss / self.cfg.grad_accum).backward()  # the logits are not held here: backward frees them early
+                self.balancer.observe()
+                loss_sum += float(loss.detach())
+                tokens += b["input_ids"].numel()
+        return loss_sum, tokens
+
+    def _may_recompute_fla(self) -> bool:
+        """Whether a step out of memory may run again with KDA's backward recomputing fla's forward intermediates
+        (K3_FLA_KEEP_FORWARD's memory, 10 GiB for `small` at 8 x 4096): they were kept, and one process trains
+        (ranks that ran out and ranks that did not would part)."""
+        return envs.current().fla_keep_forward and not self.recompute_fla and not self.dist
+
+    def _recompute_fla_from_now(self) -> None:
+        """The step's partial gradients, balancer counts and cached blocks dropped; this and every later step
+        recompute fla's intermediates (nothing of the step was applied: it runs again on the same batches)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.balancer.discard()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.recompute_fla = True
+        self.log(f"step {self.step + 1} ran out of {self.device}'s memory with fla's forward intermediates kept for "
+                 f"KDA's backward; it runs again, and every later step, recomputing them (K3_FLA_KEEP_FORWARD=0)")
+
     def _out_of_memory(self) -> NotEnoughMemoryError:
         """A training step that ran out of GPU memory, as one line saying how to fit it (the last checkpoint stands)."""
         cfg, dev = self.cfg, self.device
@@ -401,8 +437,9 @@ class Trainer:
         fixes = ["a smaller --batch-size (--grad-accum keeps the tokens a step)"]
         if not cfg.activation_checkpointing:
             fixes.append("--activation-checkpointing")
-        fixes.append("K3_FLA_KEEP_FORWARD=0 (KDA's backward recomputes fla's forward intermediates rather than "
-                     "keeping them: 10 GiB less for `small` at 8 x 4096 on an H200)")
+        if envs.current().fla_keep_forward and not self.recompute_fla:
+            fixes.append("K3_FLA_KEEP_FORWARD=0 (KDA's backward recomputes fla's forward intermediates rather than "
+                         "keeping them: 10 GiB less for `small` at 8 x 4096 on an H200)")
         return NotEnoughMemoryError(f"the training step ({cfg.batch_size} x {cfg.seq_len} tokens a micro-batch) ran "
                                     f"out of {dev}'s memory{used}; to fit it: {', or '.join(fixes)}")
 
