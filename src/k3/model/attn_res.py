@@ -312,19 +312,18 @@ def attn_res_mix_norm_route(blocks: list[torch.Tensor], p: torch.Tensor | None, 
     fused mix + norm would run, the MoE's router is a plain `Router` the decode kernel reads, rows within the
     router kernel's, a width and expert count the one launch fits; K3_TRITON=_attn_res_route_triton: untimed on a
     GPU), the mix and the router are one launch; else the routing is None and the MoE routes its input itself."""
-    from k3.ops.router import KERNEL_MAX_ROWS
+    from k3.ops.router import use_router_kernel
 
     q = add if p is None else p
     gate = getattr(moe, "gate", None)
     rw = getattr(gate, "weight", None)
     rows = q.numel() // q.shape[-1]
     route = (isinstance(rw, torch.Tensor) and type(rw) in (torch.Tensor, torch.nn.Parameter) and rw.dim() == 2
-             and rw.device == q.device and rw.dtype in (torch.bfloat16, torch.float16, torch.float32)
-             and 0 < rows <= KERNEL_MAX_ROWS and rw.shape[1] == q.shape[-1]
+             and rw.device == q.device and rw.shape[1] == q.shape[-1]
+             and use_router_kernel(q.reshape(rows, -1), rw, torch.is_grad_enabled() and rw.requires_grad)
              and _kernel_takes([q], "_attn_res_route_triton", inside_compile=True)
              and triton_module("_attn_res_route_triton").fits(rw.shape[1], rw.shape[0])
-             and _fused_mix_norm([*blocks, q], None if p is None else add, norm, proj, out_norm)
-             and not (torch.is_grad_enabled() and rw.requires_grad))
+             and _fused_mix_norm([*blocks, q], None if p is None else add, norm, proj, out_norm))
     if not route:
         return (*attn_res_mix_norm(blocks, p, norm, proj, out_norm, add=add), None)
     if p is None:
