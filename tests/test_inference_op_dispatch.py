@@ -68,6 +68,40 @@ def test_compiled_call_keeps_the_op_in_the_graph():
     assert torch.equal(got, call_op("dispatch_test_axpy", x, acc_eager, 2.0) * 2) and torch.equal(acc, acc_eager)
 
 
+@pytest.mark.parametrize("lowered_first", [True, False])
+def test_inductor_calls_the_op_through_the_lowering_k3_registers(monkeypatch, lowered_first):
+    """Where k3 compiles a decode step it first registers each inference op's lowering (a call of the op as it is,
+    under its tags' layout constraint), so inductor never builds the fallback itself, which on torch 2.11 formats
+    every input's IR tree into a log line eagerly (minutes an op on a compiled decode step). Without the call,
+    inductor takes its own path: the log line shows it. Both compile to the eager result, the in-place write too."""
+    import torch._inductor.graph as inductor_graph
+    import torch._inductor.lowering as lowering
+
+    op = torch.ops.k3.dispatch_test_axpy.default
+    monkeypatch.delitem(lowering.lowerings, op, raising=False)  # (a lowering from an earlier test's compile)
+    logged = []
+    monkeypatch.setattr(inductor_graph.log, "info", lambda msg, *a, **k: logged.append(msg))
+    if lowered_first:
+        triton_dispatch.lower_inference_ops_as_calls()
+        assert op in lowering.lowerings
+
+    def step(x, acc):
+        for _ in range(6):  # a chain of pointwise ops: the op's input is an unrealised IR tree
+            x = torch.sin(x) * 1.5 + x
+        return call_op("dispatch_test_axpy", x, acc, 2.0) - 1
+
+    torch._dynamo.reset()
+    x = torch.randn(5, 3)
+    acc, acc_eager = torch.zeros(5, 3), torch.zeros(5, 3)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        got = torch.compile(step, backend="inductor", fullgraph=True)(x, acc)  # lowered again, not loaded
+    want = step(x, acc_eager)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(acc, acc_eager)
+    implicit = [m for m in logged if "implicit fallback" in str(m)]
+    assert (implicit == []) == lowered_first
+
+
 def test_an_input_needing_a_gradient_goes_through_the_op():
     """The op has no autograd formula: through the dispatcher, backward says so, where the bare function would hand
     back an output silently cut from the graph. Under no_grad the same inputs take the function."""

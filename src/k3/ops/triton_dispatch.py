@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 from types import ModuleType
 from typing import Callable
 
@@ -45,9 +46,10 @@ from k3.ops.lazy_dynamo import assume_constant_result
 # ~1.3 ms a mixed step became one ~0.2 ms kernel; serve64 12,446 -> 12,822 and 11,083 -> 12,485 tok/s in two A/Bs).
 # Decode's GEMV (_gemv_triton, taken only where `gemv.kernel_wins`, ≤ 4 rows) left it in session 26 (H200: the
 # graphed batch-1 step of `small` 1.40 -> 1.27 ms at 4K context, bench_gpu_decode.py, same call).
-# _attn_res_route_triton (a MoE layer's second mix and its router in one launch, session 31): built on the CPU,
-# untimed.
-OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton", "_attn_res_route_triton"})
+# _attn_res_route_triton (a MoE layer's second mix and its router in one launch, session 31) left it in session 32
+# (H100: CUDA tests passed; the graphed batch-1 step of `small` 1.23 -> 1.13 ms at 4K context, batch 8 2.09 -> 2.07,
+# batch 64 3.47 -> 3.49, bench_gpu_decode.py --opt-in, same call).
+OPT_IN = frozenset({"_mla_decode_triton", "_sigmoid_gate_triton"})
 
 
 _modules: dict[str, ModuleType | None] = {}
@@ -132,8 +134,32 @@ def inference_op(name: str, mutates_args: tuple[str, ...] = ()):
     formula), its Python function also kept for `call_op`. Returns the op (`.register_fake` as usual)."""
     def register(fn: Callable):
         _op_functions[name] = fn
-        return torch.library.custom_op(f"k3::{name}", mutates_args=mutates_args)(fn)
+        op = torch.library.custom_op(f"k3::{name}", mutates_args=mutates_args)(fn)
+        _lower_as_calls([name])  # (a module imported while a region is traced: inductor may be loaded already)
+        return op
     return register
+
+
+def lower_inference_ops_as_calls() -> None:
+    """Give inductor, before it compiles a graph holding k3's inference ops, the lowering it would make for each
+    itself: a call of the op as it is, under the layout constraint of the op's tags. Made by inductor, on torch 2.11
+    that fallback first formats every input's IR tree into a log line, eagerly (2.13 formats it lazily): on a compiled
+    decode step, whose inputs' trees run through the layers, that took minutes an op (session 32's H100 run of
+    test_attn_res_norm_triton's compiled graph stopped there). Called where k3 compiles a decode step; ops registered
+    later register theirs as they are declared."""
+    import torch._inductor.lowering  # noqa: F401  (what _lower_as_calls looks for)
+    _lower_as_calls(list(_op_functions))
+
+
+def _lower_as_calls(names) -> None:
+    lowering = sys.modules.get("torch._inductor.lowering")
+    if lowering is None or not all(hasattr(lowering, f) for f in ("get_layout_constraint_tag", "tag_to_layout_constraint")):
+        return  # not loaded: nothing compiles yet (or a torch without these helpers: inductor's own path)
+    for name in names:
+        op = getattr(torch.ops.k3, name).default
+        if op not in lowering.lowerings:
+            tag = lowering.get_layout_constraint_tag(op, with_default=True)
+            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag), warn=False)
 
 
 def call_op(name: str, *args, **kwargs):
