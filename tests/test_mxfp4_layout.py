@@ -195,13 +195,16 @@ def test_selected_kernel_on_both_layouts(kernels, decode):
 @pytest.mark.parametrize("L,I", [(512, 160), (384, 256)])
 def test_default_tiles_per_reduction_width(kernels, L, I):
     """bf16 at decode takes 256-wide K blocks only in the launch whose reduction they divide (gate and up reduce
-    over L, down over I); the other launch keeps 128 and masks its last block: both equal the float64
-    reference, grouped and selected, in the decode layout."""
+    over L, down over I); the other launch keeps 128 and masks its last block; the selected experts' launches
+    take 64-wide N tiles (masked where the width is not a multiple): all equal the float64 reference, grouped and
+    selected, in the decode layout."""
     from k3.ops.mx_experts import packed_expert_situ_mlp_reference
 
     x16 = torch.zeros(1, L, dtype=torch.bfloat16)
     up, down = kernels.launch_configs(1, x16, L, I)
     assert (up[:3], down[:3]) == ((16, 128, 256 if L % 256 == 0 else 128), (16, 128, 256 if I % 256 == 0 else 128))
+    up_s, down_s = kernels.launch_configs(1, x16, L, I, selected=True)
+    assert (up_s[:3], down_s[:3]) == ((16, 64, up[2]), (16, 64, down[2]))
     experts = Experts(3, L, I, 118, 124, seed=21)
     w = experts.weights(True)
     counts = torch.tensor([2, 0, 3], device=DEVICE)
