@@ -311,7 +311,8 @@ def attn_res_mix_norm_route(blocks: list[torch.Tensor], p: torch.Tensor | None, 
     of its output: (p', y, (idx, weights, scores) or None). Where k3.ops._attn_res_route_triton takes it (the
     fused mix + norm would run, the MoE's router is a plain `Router` the decode kernel reads, rows within the
     router kernel's, a width and expert count the one launch fits; on by default since session 32, 8% off the graphed
-    batch-1 step on an H100), the mix and the router are one launch; else the routing is None and the MoE routes its input itself."""
+    batch-1 step on an H100), the mix and the router are one launch; else the routing is None and the MoE routes
+    its input itself."""
     from k3.ops.router import use_router_kernel
 
     q = add if p is None else p

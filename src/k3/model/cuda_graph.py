@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from k3.model.cache import StaticCache
-from k3.ops.fused_linear import fuse_projections
 from k3.ops import triton_dispatch
+from k3.ops.fused_linear import fuse_projections
 from k3.ops.mx_experts import packed_kernels_enabled
 
 

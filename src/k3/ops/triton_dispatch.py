@@ -153,7 +153,8 @@ def lower_inference_ops_as_calls() -> None:
 
 def _lower_as_calls(names) -> None:
     lowering = sys.modules.get("torch._inductor.lowering")
-    if lowering is None or not all(hasattr(lowering, f) for f in ("get_layout_constraint_tag", "tag_to_layout_constraint")):
+    helpers = ("get_layout_constraint_tag", "tag_to_layout_constraint")
+    if lowering is None or not all(hasattr(lowering, f) for f in helpers):
         return  # not loaded: nothing compiles yet (or a torch without these helpers: inductor's own path)
     for name in names:
         op = getattr(torch.ops.k3, name).default
