@@ -68,12 +68,13 @@ def test_compiled_call_keeps_the_op_in_the_graph():
     assert torch.equal(got, call_op("dispatch_test_axpy", x, acc_eager, 2.0) * 2) and torch.equal(acc, acc_eager)
 
 
-@pytest.mark.parametrize("lowered_first", [True, False])
-def test_inductor_calls_the_op_through_the_lowering_k3_registers(monkeypatch, lowered_first):
-    """Where k3 compiles a decode step it first registers each inference op's lowering (a call of the op as it is,
-    under its tags' layout constraint), so inductor never builds the fallback itself, which on torch 2.11 formats
-    every input's IR tree into a log line eagerly (minutes an op on a compiled decode step). Without the call,
-    inductor takes its own path: the log line shows it. Both compile to the eager result, the in-place write too."""
+@pytest.mark.parametrize("through_call_op", [True, False])
+def test_inductor_lowers_the_op_with_the_lowering_call_op_registers(monkeypatch, through_call_op):
+    """Inside torch.compile, `call_op` hands inductor the op's lowering as Dynamo traces (a call of the op as it
+    is, under its tags' layout constraint), so inductor never builds that fallback itself, which on torch 2.11
+    formats every input's IR tree into a log line eagerly (minutes an op in a compiled decode step). The op called
+    past `call_op` takes inductor's own path: its log line shows. Both compile to the eager result, the in-place
+    write too."""
     import torch._inductor.graph as inductor_graph
     import torch._inductor.lowering as lowering
 
@@ -81,14 +82,12 @@ def test_inductor_calls_the_op_through_the_lowering_k3_registers(monkeypatch, lo
     monkeypatch.delitem(lowering.lowerings, op, raising=False)  # (a lowering from an earlier test's compile)
     logged = []
     monkeypatch.setattr(inductor_graph.log, "info", lambda msg, *a, **k: logged.append(msg))
-    if lowered_first:
-        triton_dispatch.lower_inference_ops_as_calls()
-        assert op in lowering.lowerings
+    call = (lambda *a: call_op("dispatch_test_axpy", *a)) if through_call_op else torch.ops.k3.dispatch_test_axpy
 
     def step(x, acc):
         for _ in range(6):  # a chain of pointwise ops: the op's input is an unrealised IR tree
             x = torch.sin(x) * 1.5 + x
-        return call_op("dispatch_test_axpy", x, acc, 2.0) - 1
+        return call(x, acc, 2.0) - 1
 
     torch._dynamo.reset()
     x = torch.randn(5, 3)
@@ -99,7 +98,7 @@ def test_inductor_calls_the_op_through_the_lowering_k3_registers(monkeypatch, lo
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(acc, acc_eager)
     implicit = [m for m in logged if "implicit fallback" in str(m)]
-    assert (implicit == []) == lowered_first
+    assert (implicit == []) == through_call_op and op in lowering.lowerings
 
 
 def test_an_input_needing_a_gradient_goes_through_the_op():

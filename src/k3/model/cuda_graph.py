@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from k3.model.cache import StaticCache
-from k3.ops import triton_dispatch
 from k3.ops.fused_linear import fuse_projections
 from k3.ops.mx_experts import packed_kernels_enabled
 
@@ -58,7 +57,6 @@ class GraphedDecodeStep:
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
         fuse_projections(model)  # the stacked projection weights exist before compiling and capture read them
         if compile:  # inductor fuses the elementwise chains (norms, AttnRes mixes, gates) before capture
-            triton_dispatch.lower_inference_ops_as_calls()
             core = torch.compile(model.model)
 
             def forward(tokens):  # K3ForCausalLM.forward for one trusted token per row, without input checks

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import sys
 from types import ModuleType
 from typing import Callable
 
@@ -134,46 +133,40 @@ def inference_op(name: str, mutates_args: tuple[str, ...] = ()):
     formula), its Python function also kept for `call_op`. Returns the op (`.register_fake` as usual)."""
     def register(fn: Callable):
         _op_functions[name] = fn
-        op = torch.library.custom_op(f"k3::{name}", mutates_args=mutates_args)(fn)
-        _lower_as_calls([name])  # (a module imported while a region is traced: inductor may be loaded already)
-        return op
+        return torch.library.custom_op(f"k3::{name}", mutates_args=mutates_args)(fn)
     return register
-
-
-def lower_inference_ops_as_calls() -> None:
-    """Give inductor, before it compiles a graph holding k3's inference ops, the lowering it would make for each
-    itself: a call of the op as it is, under the layout constraint of the op's tags. Made by inductor, on torch 2.11
-    that fallback first formats every input's IR tree into a log line, eagerly (2.13 formats it lazily): on a compiled
-    decode step, whose inputs' trees run through the layers, that took minutes an op (session 32's H100 run of
-    test_attn_res_norm_triton's compiled graph stopped there). Called where k3 compiles a decode step; ops registered
-    later register theirs as they are declared."""
-    import torch._inductor.lowering  # noqa: F401  (what _lower_as_calls looks for)
-    _lower_as_calls(list(_op_functions))
-
-
-def _lower_as_calls(names) -> None:
-    lowering = sys.modules.get("torch._inductor.lowering")
-    helpers = ("get_layout_constraint_tag", "tag_to_layout_constraint")
-    if lowering is None or not all(hasattr(lowering, f) for f in helpers):
-        return  # not loaded: nothing compiles yet (or a torch without these helpers: inductor's own path)
-    for name in names:
-        op = getattr(torch.ops.k3, name).default
-        if op not in lowering.lowerings:
-            tag = lowering.get_layout_constraint_tag(op, with_default=True)
-            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag), warn=False)
 
 
 def call_op(name: str, *args, **kwargs):
     """The `inference_op` k3::<name> on these arguments: through the dispatcher (`torch.ops.k3.<name>`) inside
-    torch.compile, where the graph keeps it as one call; otherwise its function called directly (the same launch,
-    in-place writes included, without the dispatcher's host cost). The dispatcher is kept, too, where it does
+    torch.compile, where the graph keeps it as one call (inductor given its lowering first, `_lowered_as_a_call`);
+    otherwise its function called directly (the same launch, in-place writes included, without the dispatcher's
+    host cost). The dispatcher is kept, too, where it does
     something: a torch dispatch mode is active (FakeTensorMode tracing, a FlopCounterMode), or an input needs a
     gradient (the op then answers as it would: it has no autograd formula, so backward raises, where the bare launch
     would hand back an output silently cut from the graph)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or (torch.is_grad_enabled() and _any_requires_grad(args, kwargs.values()))):
+    if torch.compiler.is_compiling():
+        _lowered_as_a_call(name)
+        return getattr(torch.ops.k3, name)(*args, **kwargs)
+    if torch._C._len_torch_dispatch_stack() or (torch.is_grad_enabled()
+                                                and _any_requires_grad(args, kwargs.values())):
         return getattr(torch.ops.k3, name)(*args, **kwargs)
     return _op_functions[name](*args, **kwargs)
+
+
+@assume_constant_result  # Dynamo runs it as it traces (an import cannot be traced); no graph node, no break
+def _lowered_as_a_call(name: str) -> bool:
+    """Give inductor the lowering of k3::<name> that it would make itself, before it lowers the graph: a call of
+    the op as it is, under the layout constraint of the op's tags. Made by inductor, on torch 2.11 that fallback
+    first formats every input's IR tree into a log line, eagerly (2.13 formats it lazily): in a compiled decode
+    step, whose inputs' trees run through the layers, minutes an op (session 32's H100 run of
+    test_attn_res_norm_triton's compiled graph stopped there)."""
+    lowering = importlib.import_module("torch._inductor.lowering")
+    op = getattr(torch.ops.k3, name).default
+    if op not in lowering.lowerings and hasattr(lowering, "tag_to_layout_constraint"):
+        tag = lowering.get_layout_constraint_tag(op, with_default=True)
+        lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag), warn=False)
+    return True
 
 
 def _any_requires_grad(*groups) -> bool:
