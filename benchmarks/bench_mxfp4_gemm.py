@@ -154,7 +154,8 @@ def main():
 # gate+up holding 255 registers and spilling 16 bytes on sm_90; the selected launch's 64-wide N since session 32);
 # the pairs tell which launch gains from 256 (a pair = gate+up, down); 8 warps halve the registers a thread
 DECODE_CONFIGS = [(16, 128, 256, 4, 3, False), (16, 128, 128, 4, 3, False), (16, 128, 256, 8, 3, False),
-                  (16, 64, 256, 4, 3, False), (16, 32, 256, 4, 3, False), (16, 64, 256, 2, 3, False), ((16, 128, 256, 4, 3, False), (16, 128, 128, 4, 3, False)),
+                  (16, 64, 256, 4, 3, False), (16, 32, 256, 4, 3, False), (16, 64, 256, 2, 3, False),
+                  ((16, 128, 256, 4, 3, False), (16, 128, 128, 4, 3, False)),
                   ((16, 128, 128, 4, 3, False), (16, 128, 256, 4, 3, False)), (16, 128, 256, 4, 4, False)]
 PREFILL_CONFIGS = [(64, 128, 64, 4, 4, True), (64, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
                    (128, 128, 64, 4, 3, False), (64, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, False)]

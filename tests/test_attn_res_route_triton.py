@@ -84,16 +84,14 @@ def _moe_and_mix(D=64, E=16, k=4, seed=3):
 
 
 def _force_on_cpu(monkeypatch):
-    """k3's dispatch of the three kernels on CPU tensors too (the interpreter runs them), unless switched off,
-    opt-in ones where opted in (k3.envs), as on CUDA."""
+    """k3's dispatch of the three kernels on CPU tensors too (the interpreter runs them), where the K3_* switches
+    let them run (`triton_dispatch.switched_on`), as on CUDA."""
     real = triton_dispatch.use_triton_op
 
     def use_triton_op(x, name):
         if x.device.type != "cpu":
             return real(x, name)
-        settings = envs.current()
-        return (name in OURS and not settings.triton_off(name)
-                and (name not in triton_dispatch.OPT_IN or settings.triton_opted_in(name)))
+        return name in OURS and triton_dispatch.switched_on(name)
 
     import k3.model.attn_res as attn_res
     import k3.ops.router as router
@@ -131,6 +129,8 @@ def test_the_entry_routes_only_where_the_one_launch_is_chosen(monkeypatch):
         assert attn_res_mix_norm_route([many], None, norm, proj, out_norm, many, moe)[2] is None
     with torch.no_grad(), envs.override(triton_opt_in=OURS, no_triton=[FUSED]):  # switched off (K3_NO_TRITON)
         assert attn_res_mix_norm_route(blocks, None, norm, proj, out_norm, attn, moe)[2] is None
+    with torch.no_grad(), envs.override(triton_opt_in=[]):  # on by default (no longer in triton_dispatch.OPT_IN)
+        assert attn_res_mix_norm_route(blocks, None, norm, proj, out_norm, attn, moe)[2] is not None
     with envs.override(triton_opt_in=OURS):  # the parameters want gradients: autograd's ops
         p1, y1, routing1 = attn_res_mix_norm_route(blocks, None, norm, proj, out_norm, attn, moe)
     assert routing1 is None and y1.requires_grad

@@ -145,11 +145,11 @@ def call_op(name: str, *args, **kwargs):
     something: a torch dispatch mode is active (FakeTensorMode tracing, a FlopCounterMode), or an input needs a
     gradient (the op then answers as it would: it has no autograd formula, so backward raises, where the bare launch
     would hand back an output silently cut from the graph)."""
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling:
         _lowered_as_a_call(name)
-        return getattr(torch.ops.k3, name)(*args, **kwargs)
-    if torch._C._len_torch_dispatch_stack() or (torch.is_grad_enabled()
-                                                and _any_requires_grad(args, kwargs.values())):
+    if (compiling or torch._C._len_torch_dispatch_stack()
+            or (torch.is_grad_enabled() and _any_requires_grad(args, kwargs.values()))):
         return getattr(torch.ops.k3, name)(*args, **kwargs)
     return _op_functions[name](*args, **kwargs)
 
@@ -194,7 +194,11 @@ def use_triton_op(x: torch.Tensor, name: str) -> bool:
         return False
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
         return False
+    return switched_on(name) and triton_module(name) is not None
+
+
+def switched_on(name: str) -> bool:
+    """Whether the K3_* switches let `k3.ops.<name>` run: not turned off (K3_NO_TRITON), and named in K3_TRITON
+    where it is in OPT_IN."""
     switches = envs.current()
-    if switches.triton_off(name) or (name in OPT_IN and not switches.triton_opted_in(name)):
-        return False
-    return triton_module(name) is not None
+    return not switches.triton_off(name) and (name not in OPT_IN or switches.triton_opted_in(name))
