@@ -5,7 +5,7 @@ prints the step's wall time, the summed kernel time, the number of kernels launc
 CUDA time. Decode is profiled without a CUDA graph (a graph hides its kernels from the profiler; the kernels
 are the same, only the launch gaps between them differ), eager and, with --compile, compiled.
 Each decode batch also times the same step replayed from a CUDA graph: graph time minus kernel time = gaps.
-Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--decode-batches 1,64] [--rows 25] [--stack 4]
+Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--decode-batches 1,64] [--rows 25] [--stack 4] [--shapes]
 """
 import argparse
 import os
@@ -25,13 +25,15 @@ from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.ops.fused_linear import fuse_projections  # noqa: E402
 
 
-def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0) -> dict:
+def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0, shapes: bool = False) -> dict:
     """Profile `reps` calls of fn after two warm-up calls; print and return the summary. stack > 0 also
-    prints the top ops grouped by that many frames of their Python call stack (which line launched them)."""
+    prints the top ops grouped by that many frames of their Python call stack (which line launched them);
+    shapes, the top ops grouped by their inputs' shapes (which matmul, which copy)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack > 0) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack > 0,
+                 record_shapes=shapes) as prof:
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -50,6 +52,11 @@ def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0) -> dict:
             sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40, max_src_column_width=110)
         print(by_line, flush=True)
         summary["by_stack"] = by_line
+    if shapes:
+        by_shape = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40, max_shapes_column_width=90)
+        print(by_shape, flush=True)
+        summary["by_shape"] = by_shape
     return summary
 
 
@@ -61,7 +68,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--decode-batches", default="1", help="comma-separated decode batch sizes")
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--stack", type=int, default=0, help="also group the training step's ops by N stack frames")
+    ap.add_argument("--stack", type=int, default=0, help="also group the ops by N stack frames")
+    ap.add_argument("--shapes", action="store_true", help="also group the ops by their inputs' shapes")
     a = ap.parse_args()
     cfg = K3Config.preset("small")
     torch.manual_seed(0)
@@ -77,7 +85,7 @@ def main():
             model(ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        out.append(profiled(f"train B{a.batch}xT{a.seq}", step, a.rows, reps=2, stack=a.stack))
+        out.append(profiled(f"train B{a.batch}xT{a.seq}", step, a.rows, reps=2, stack=a.stack, shapes=a.shapes))
         with torch.no_grad():
             out.append(profiled(f"forward only B{a.batch}xT{a.seq}", lambda: model(ids), a.rows, reps=2))
         del opt
@@ -90,7 +98,8 @@ def main():
             tok = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
             with torch.no_grad():
                 cache = filled_cache(model, cfg, B, 4096)
-                out.append(profiled(f"decode B{B} ctx4096 eager", lambda: model(tok, cache=cache), a.rows))
+                out.append(profiled(f"decode B{B} ctx4096 eager", lambda: model(tok, cache=cache), a.rows,
+                                    stack=a.stack, shapes=a.shapes))
                 if a.compile:
                     core = torch.compile(model.model)
                     cache = filled_cache(model, cfg, B, 4096)

@@ -92,3 +92,45 @@ def test_bf16_kernels_round_like_the_reference():
         assert x.dtype == torch.bfloat16, name
         err = (x.double().cpu() - y.detach()).abs()
         assert (err <= 2 ** -7 * y.detach().abs() + 1e-6 * y.detach().abs().max()).all(), name
+
+
+@pytest.mark.parametrize("shape, seed", [((3, 5), 0), ((2, 4, 7), 1), ((1, 1, 9), 2)])
+def test_the_forward_reads_slices_of_a_fused_projection_in_place(shape, seed, monkeypatch):
+    """Decode's shared experts hand gate and up as column slices of one fused projection's output ([..., z | gate |
+    up], rows far apart). Without grad the kernel reads them at their row strides: no copy is made (the launch
+    gets the slices' own storage) and h equals the fp32 reference on the same values, also for a view whose rows
+    do not collapse into one stride (a transposed one, copied first)."""
+    import k3.ops.fused_situ as fused_situ
+
+    g = torch.Generator().manual_seed(seed)
+    *lead, I = shape
+    wide = (torch.randn(*lead, 3 * I + 5, generator=g, dtype=torch.float64) * 3).float().to(DEVICE)
+    gate, up = wide[..., 5:5 + I], wide[..., 5 + 2 * I:]  # z's 5 columns, then gate, a gap of I, up
+    launched = []
+    real = fused_situ.triton_module
+
+    def watching(name):
+        module = real(name)
+
+        class Watch:
+            def __getattr__(self, attr):
+                kernel = getattr(module, attr)
+
+                class Launcher:
+                    def __getitem__(self, grid):
+                        def launch(*args, **kw):
+                            launched.append((args[0].data_ptr(), args[1].data_ptr(), kw["STRIDED"]))
+                            return kernel[grid](*args, **kw)
+                        return launch
+                return Launcher()
+        return Watch()
+    monkeypatch.setattr(fused_situ, "triton_module", watching)
+    with torch.no_grad():
+        h = fused_situ_glu(gate, up)
+        h_t = fused_situ_glu(gate.transpose(0, -1), up.transpose(0, -1)) if lead[0] > 1 else None
+    assert h.shape == gate.shape and h.is_contiguous()
+    torch.testing.assert_close(h, situ_glu(gate, up), rtol=1e-5, atol=1e-6)
+    assert launched[0] == (gate.data_ptr(), up.data_ptr(), lead != [1] * len(lead))
+    if h_t is not None:
+        torch.testing.assert_close(h_t, situ_glu(gate, up).transpose(0, -1), rtol=1e-5, atol=1e-6)
+        assert launched[1][0] != gate.data_ptr()  # (copied: no view of a transpose has one row stride)

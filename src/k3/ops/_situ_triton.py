@@ -74,11 +74,17 @@ def _tanh_sech2(x, EXACT: tl.constexpr):
 # backward takes the pairs (3 exps, not 8). Both are bound by the special-function unit (exp, reciprocal), so
 # x/β is x · (1/β): one reciprocal per program, not per element (≤ 1 ulp on the argument)
 @triton.jit
-def situ_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, beta_gate, beta_up, BLOCK: tl.constexpr, EXACT: tl.constexpr):
+def situ_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, cols, stride_g, stride_u, beta_gate, beta_up, BLOCK: tl.constexpr,
+                        EXACT: tl.constexpr, STRIDED: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g_offs, u_offs = offs, offs
+    if STRIDED:  # rows of `cols` at their own row strides (gate and up as views of one fused projection's output)
+        row = offs // cols
+        col = offs - row * cols
+        g_offs, u_offs = row * stride_g + col, row * stride_u + col
+    g = tl.load(g_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + u_offs, mask=mask, other=0.0).to(tl.float32)
     a = beta_gate * _tanh(g * (1.0 / beta_gate), EXACT) * _sigmoid(g, EXACT)
     b = beta_up * _tanh(u * (1.0 / beta_up), EXACT)
     tl.store(h_ptr + offs, (a * b).to(h_ptr.dtype.element_ty), mask=mask)
