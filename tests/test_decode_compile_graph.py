@@ -126,8 +126,10 @@ def test_engine_decode_step_compiles_as_one_graph_equal_to_eager_and_full_forwar
         assert torch.equal(got.argmax(-1), reference.argmax(-1))
 
 
-def test_decode_step_with_the_decode_kernels_compiles_as_one_graph(monkeypatch):
-    """K3_TRITON=all: the decode kernels (KDA's step, the router, the AttnRes mix + norm, MLA's StaticCache
+@pytest.mark.parametrize("rows, experts_op", [(1, "k3.moe_selected_experts"), (2, "k3.moe_expert_major")])
+def test_decode_step_with_the_decode_kernels_compiles_as_one_graph(monkeypatch, rows, experts_op):
+    """K3_TRITON=all: the decode kernels (KDA's step, the AttnRes mix + norm with the router, the routed experts
+    slot by slot at one row of `tiny`'s top-4 of 16, expert by expert at two, MLA's StaticCache
     attention with its kv norm, whose workspace must not grow a list the trace guards on, the decode GEMVs with the
     MoE's shared down + routed up pair) are custom ops in the
     one graph, KDA's kernel module first imported inside the trace (on a CPU the kernels are forced onto CPU tensors,
@@ -136,23 +138,23 @@ def test_decode_step_with_the_decode_kernels_compiles_as_one_graph(monkeypatch):
     import k3.model.attn_res as attn_res
     import k3.ops.gemv as gemv
     import k3.ops.mla_static_decode as mla_static_decode
+    import k3.ops.moe_decode as moe_decode
     import k3.ops.router as router
     from k3.ops import kda_decode, triton_dispatch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         real = triton_dispatch.use_triton_op
-        ops = ("_router_triton", "_attn_res_norm_triton", "_mla_static_decode_triton", "_gemv_triton")
+        ops = ("_router_triton", "_attn_res_norm_triton", "_attn_res_route_triton", "_mla_static_decode_triton",
+               "_gemv_triton", "_moe_decode_triton", "_moe_expert_major_triton")
         forced = lambda x, name: name in ops if x.device.type == "cpu" else real(x, name)  # noqa: E731
-        monkeypatch.setattr(attn_res, "use_triton_op", forced)
-        monkeypatch.setattr(router, "use_triton_op", forced)
-        monkeypatch.setattr(mla_static_decode, "use_triton_op", forced)
-        monkeypatch.setattr(gemv, "use_triton_op", forced)
+        for module in (attn_res, router, mla_static_decode, gemv, moe_decode):
+            monkeypatch.setattr(module, "use_triton_op", forced)
     model = K3ForCausalLM(K3Config.preset("tiny")).eval()
     reseed(model, 2)
     model.to(device)
     fuse_projections(model)
-    ids = torch.randint(0, model.config.vocab_size, (2, T + STEPS), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, model.config.vocab_size, (rows, T + STEPS), generator=torch.Generator().manual_seed(2))
     ids = ids.to(device)
     torch._dynamo.reset()
     graphs = []
@@ -161,7 +163,8 @@ def test_decode_step_with_the_decode_kernels_compiles_as_one_graph(monkeypatch):
         full = model(ids).logits[:, T:].transpose(0, 1)
         compiled = static_decode(model, core, ids)
     assert len(graphs) == 1
-    assert {"k3.kda_decode_step", "k3.route_tokens_decode", "k3.attn_res_mix_norm",
+    # (the MoE layers' mix and router as one launch)
+    assert {"k3.kda_decode_step", "k3.attn_res_mix_norm_route", "k3.attn_res_mix_norm", experts_op,
             "k3.mla_static_decode", "k3.decode_gemv", "k3.decode_gemv_pair"} <= ops_of(graphs), \
         sorted(ops_of(graphs))
     torch.testing.assert_close(compiled, full, rtol=2e-4, atol=2e-4)

@@ -16,8 +16,8 @@ from k3.ops import triton_dispatch  # noqa: E402
 from k3.ops.triton_dispatch import call_op, inference_op  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KERNEL_MODULES = ("_attn_res_norm_triton", "_gemv_triton", "_kda_decode_triton", "_router_triton",
-                  "_mla_static_decode_triton", "_moe_expert_major_triton")
+KERNEL_MODULES = ("_attn_res_norm_triton", "_attn_res_route_triton", "_gemv_triton", "_kda_decode_triton",
+                  "_router_triton", "_mla_static_decode_triton", "_moe_decode_triton", "_moe_expert_major_triton")
 
 _runs = []  # one entry per run of the test op's function: whether its input was a FakeTensor
 
@@ -134,8 +134,9 @@ def test_every_kernel_module_custom_op_is_an_inference_op():
     for name in KERNEL_MODULES:
         module = triton_dispatch.triton_module(name)
         ops.update({v._name: v for v in vars(module).values() if isinstance(v, CustomOpDef)})
-    assert set(ops) == {"attn_res_mix_norm", "decode_gemv", "decode_gemv_pair", "kda_decode_step",
-                        "route_tokens_decode", "mla_static_decode", "moe_expert_major"}
+    assert set(ops) == {"attn_res_mix_norm", "attn_res_mix_norm_route", "decode_gemv", "decode_gemv_pair",
+                        "kda_decode_step", "route_tokens_decode", "mla_static_decode", "moe_selected_experts",
+                        "moe_expert_major"}
     for name, op in ops.items():
         assert triton_dispatch._op_functions.get(name) is op._init_fn, name
 
@@ -206,7 +207,7 @@ def test_eager_decode_step_with_every_decode_kernel_dispatches_no_k3_op(monkeypa
 
     kernels = ("_router_triton", "_attn_res_norm_triton", "_attn_res_route_triton", "_mla_static_decode_triton",
                "_gemv_triton")
-    for name in kernels + ("_kda_decode_triton", "_moe_expert_major_triton"):
+    for name in KERNEL_MODULES:
         triton_dispatch.triton_module(name)  # imported now, so that their ops are registered before wrapped below
     if DEVICE == "cpu":
         real = triton_dispatch.use_triton_op

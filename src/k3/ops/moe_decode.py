@@ -4,8 +4,9 @@ take longer than reading the experts).
 
 `selected_experts_situ_mlp_reference` gathers each slot's expert weights and multiplies (plain PyTorch, any
 device: the definition). On CUDA, k3's Triton kernels do the same reading the weights in place, two ways:
-- slot by slot (`k3.ops._moe_decode_triton`, two launches: gate and up with SiTU-GLU in the epilogue, then down
-  with the routing weights' sum over the k choices), while N·k rows touch few experts (`use_selected_experts`);
+- slot by slot (`k3.ops._moe_decode_triton`, two launches through the custom op k3::moe_selected_experts: gate and
+  up with SiTU-GLU in the epilogue, then down with the routing weights' sum over the k choices), while N·k rows
+  touch few experts (`use_selected_experts`);
 - expert by expert past that, up to N·k = EXPERT_MAJOR_MAX_SLOTS (`k3.ops._moe_expert_major_triton`, three
   launches through the custom op k3::moe_expert_major; on an H200 a `small` layer's experts take 65.6 µs at 64
   tokens against the grouped path's 148): each expert's programs find the
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from k3.ops.situ import situ_glu
-from k3.ops.triton_dispatch import Forced, on_device, triton_module, use_triton, use_triton_op
+from k3.ops.triton_dispatch import Forced, triton_module, use_triton_op
 
 EXPERT_MAJOR = "_moe_expert_major_triton"
 # N·k past which the grouped GEMMs take over from the expert-major kernel (N = 128 at top-8): each of its
@@ -72,8 +73,7 @@ def selected_experts_situ_mlp(z, idx, weights, w1, w3, w2, beta_gate=4.0, beta_u
     if w1.dtype == w2.dtype == w3.dtype and use_expert_major(z, k, w1.shape[0], w1.dtype, needs_grad=False):
         return triton_module(EXPERT_MAJOR).expert_major_situ_mlp(z, idx, weights, w1, w3, w2, float(beta_gate),
                                                                    float(beta_up))
-    if use_triton(z, "_moe_decode_triton") and w1.dtype == w2.dtype == w3.dtype == z.dtype:
-        with on_device(z):
-            return triton_module("_moe_decode_triton").selected_experts_situ_mlp(
-                z, idx, weights, w1, w3, w2, beta_gate, beta_up)
+    if use_triton_op(z, "_moe_decode_triton") and w1.dtype == w2.dtype == w3.dtype == z.dtype:
+        return triton_module("_moe_decode_triton").selected_experts_situ_mlp(z, idx, weights, w1, w3, w2, beta_gate,
+                                                                             beta_up)
     return selected_experts_situ_mlp_reference(z, idx, weights, w1, w3, w2, beta_gate, beta_up)
