@@ -158,7 +158,7 @@ def test_bad_inputs_are_refused_by_name():
 def test_selector_defaults_overrides_and_refusals():
     x = torch.zeros(2, 64)
     state = torch.zeros(2, 2, 32, 32)
-    default = DEVICE == "cuda" and not kda_decode.switched_off()
+    default = DEVICE == "cuda" and triton_dispatch.switched_on("_kda_decode_triton")
     assert kda_decode.use_fused_decode(x.to(DEVICE), state.to(DEVICE), (32, 32), 4, needs_grad=False) == default
     assert not kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False)  # CPU: the unfused path
     with force_fused_decode(True):
@@ -177,15 +177,12 @@ def test_selector_defaults_overrides_and_refusals():
 def test_an_opt_in_listing_holds_the_kernel_back_until_named(monkeypatch):
     """Listed in triton_dispatch.OPT_IN (the untimed kernels), it runs only where K3_TRITON names it."""
     x, state = torch.zeros(2, 64, device=DEVICE), torch.zeros(2, 2, 32, 32, device=DEVICE)
+    monkeypatch.setattr(triton_dispatch, "OPT_IN", frozenset({"_kda_decode_triton"}))
+    assert not kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False)
     with envs.override(triton_opt_in="_kda_decode_triton"):
-        assert not kda_decode.switched_off()
-    with envs.override(no_triton="_kda_decode_triton"):
-        assert kda_decode.switched_off()
-    monkeypatch.setattr(kda_decode, "OPT_IN", frozenset({"_kda_decode_triton"}))
-    assert kda_decode.switched_off() and not kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False)
-    with envs.override(triton_opt_in="_kda_decode_triton"):
-        assert not kda_decode.switched_off()
         assert kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False) == (DEVICE == "cuda")
+    with envs.override(triton_opt_in="_kda_decode_triton", no_triton="_kda_decode_triton"):  # off wins
+        assert not kda_decode.use_fused_decode(x, state, (32, 32), 4, needs_grad=False)
 
 
 @pytest.fixture

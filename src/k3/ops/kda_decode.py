@@ -22,11 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from k3 import envs
 from k3.ops.kda import kda_gate
 from k3.ops.kda_core import forced_backend, log_once
 from k3.ops.norm import rms_norm_reference
-from k3.ops.triton_dispatch import OPT_IN, Forced, call_op, triton_module
+from k3.ops.triton_dispatch import Forced, call_op, switched_on, triton_module
 
 __all__ = ["DecodeWeights", "kda_decode_step_reference", "use_fused_decode", "force_fused_decode",
            "kda_decode_step"]
@@ -81,13 +80,6 @@ def kda_decode_step_reference(xq, xk, xv, fa, beta_logits, gate, weights: Decode
 force_fused_decode = Forced()  # `with force_fused_decode(True | False | None):` for a layer's decode step
 
 
-def switched_off() -> bool:
-    """K3_NO_TRITON names the kernel module, or it is listed in triton_dispatch.OPT_IN (kernels not yet timed
-    on a GPU) and K3_TRITON does not name it."""
-    switches = envs.current()
-    return switches.triton_off(KERNELS) or (KERNELS in OPT_IN and not switches.triton_opted_in(KERNELS))
-
-
 def use_fused_decode(xq: torch.Tensor, state: torch.Tensor, head_dims: tuple[int, int], width: int,
                      needs_grad: bool) -> bool:
     """Whether a decode step with these inputs takes the one-kernel path (see the module's docstring)."""
@@ -99,7 +91,7 @@ def use_fused_decode(xq: torch.Tensor, state: torch.Tensor, head_dims: tuple[int
     if forced_backend() is not None:  # a test pinned every KDA core to one backend: not this kernel
         return False
     chosen = (fits and xq.is_cuda and xq.dtype in (torch.bfloat16, torch.float16, torch.float32)
-              and not switched_off())
+              and switched_on(KERNELS))
     log_once(__name__, f"KDA decode step on {xq.device.type} {str(xq.dtype).removeprefix('torch.')}: "
                        f"{'one kernel' if chosen else 'unfused'}")
     return chosen
