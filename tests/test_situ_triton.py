@@ -100,31 +100,21 @@ def test_the_forward_reads_slices_of_a_fused_projection_in_place(shape, seed, mo
     up], rows far apart). Without grad the kernel reads them at their row strides: no copy is made (the launch
     gets the slices' own storage) and h equals the fp32 reference on the same values, also for a view whose rows
     do not collapse into one stride (a transposed one, copied first)."""
-    import k3.ops.fused_situ as fused_situ
+    from k3.ops import _situ_triton
 
     g = torch.Generator().manual_seed(seed)
     *lead, I = shape
     wide = (torch.randn(*lead, 3 * I + 5, generator=g, dtype=torch.float64) * 3).float().to(DEVICE)
     gate, up = wide[..., 5:5 + I], wide[..., 5 + 2 * I:]  # z's 5 columns, then gate, a gap of I, up
-    launched = []
-    real = fused_situ.triton_module
+    launched, real = [], _situ_triton.situ_glu_fwd_kernel
 
-    def watching(name):
-        module = real(name)
-
-        class Watch:
-            def __getattr__(self, attr):
-                kernel = getattr(module, attr)
-
-                class Launcher:
-                    def __getitem__(self, grid):
-                        def launch(*args, **kw):
-                            launched.append((args[0].data_ptr(), args[1].data_ptr(), kw["STRIDED"]))
-                            return kernel[grid](*args, **kw)
-                        return launch
-                return Launcher()
-        return Watch()
-    monkeypatch.setattr(fused_situ, "triton_module", watching)
+    class Recording:  # the kernel's `[grid](...)` launch, noting which storage it was handed
+        def __getitem__(self, grid):
+            def launch(g_rows, u_rows, *args, **kw):
+                launched.append((g_rows.data_ptr(), u_rows.data_ptr(), kw["STRIDED"]))
+                return real[grid](g_rows, u_rows, *args, **kw)
+            return launch
+    monkeypatch.setattr(_situ_triton, "situ_glu_fwd_kernel", Recording())
     with torch.no_grad():
         h = fused_situ_glu(gate, up)
         h_t = fused_situ_glu(gate.transpose(0, -1), up.transpose(0, -1)) if lead[0] > 1 else None
