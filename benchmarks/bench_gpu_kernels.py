@@ -23,8 +23,9 @@ Decode's linears ("gemv" rows: every linear a `small` decode step runs, its shap
 rows, bf16): k3.ops._gemv_triton's kernel ("triton") against cuBLAS (F.linear, plus the add where the call
 site has a residual: "cublas"), each timed as a CUDA graph of calls over enough copies of the weight to leave
 L2 cold (50 MB on an H200) as decode finds it; floor: the weight's bytes (and x, y, residual) over the copy
-bandwidth; per_step_us: µs × the count of such calls in one decode step. --gemv: only these rows;
---gemv-sweep: the kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at two of them.
+bandwidth; per_step_us: µs × the count of such calls in one decode step. --gemv: only these rows (--gemv-rows
+1,8,16,32,64: at those row counts); --gemv-sweep: the kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at two
+of them.
 Decode's routed experts ("moe" rows, `moe_expert_rows`: small's 64 experts, top-8, at 8 and 64 tokens, bf16): the
 expert-major kernel against the grouped path k3 takes there today and the slot-major kernel; --moe: only these;
 --moe-sweep: the expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) instead.
@@ -44,7 +45,7 @@ against the torch forms), and KDA's core through fla with its backward recomputi
 intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total at `small`'s call counts
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]] [--backwards] [--kda-core]
+     [--gemv [--gemv-rows 1,8]] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]] [--backwards] [--kda-core]
      [--kda-bwd] [--residual-add] [--conv-varlen] [--doc-attention]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
 --kda-bwd [wy,intra]: only KDA's chunk-backward WY/state and intra-chunk stages (or those named), fla's kernels
@@ -617,6 +618,7 @@ def main():
                     help="only MLA's training attention over packed documents, varlen against the masked SDPA")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
+    ap.add_argument("--gemv-rows", default="1,8", help="comma-separated row counts of --gemv (up to 64)")
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
     ap.add_argument("--moe-sweep", action="store_true", help="the expert-major kernel's launch shapes instead")
     ap.add_argument("--decode-sweep", nargs="?", const="router,moe,mla,kda", default="",
@@ -656,7 +658,7 @@ def main():
                            "extra_GiB", "rel_err"]))
         return save("doc_attention", {"rows": rows})
     if a.gemv or a.gemv_sweep:
-        gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw)
+        gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw, tuple(int(m) for m in a.gemv_rows.split(",")))
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
         cols = ["op", "N", "K", "rows", "impl", "us", "floor_us", "GBps"]
         print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))
@@ -925,7 +927,7 @@ def time_gemv(N: int, K: int, M: int, residual: bool, impl: str, bw: float) -> d
 
 
 def gemv_rows(bw: float, rows=(1, 8)) -> list[dict]:
-    """Every decode linear of `small` at 1 and 8 rows: the kernel against cuBLAS, and their sums per step."""
+    """Every decode linear of `small` at each row count: the kernel against cuBLAS, and their sums per step."""
     out = []
     for M in rows:
         total = {"triton": 0.0, "cublas": 0.0}

@@ -38,7 +38,7 @@ def fp64_norm_linear(x, g, eps, w, res=None):
 
 # (M, N, K): FMA tiles with and without split K (the reduce kernel then scales the rows), K not a multiple of the
 # norm's 1024-wide tiles (two passes), and tl.dot tiles at 8 and 13 rows (forced: past the shape rule's rows)
-SHAPES = [(1, 37, 129), (1, 40, 2500), (3, 300, 513), (8, 45, 96), (13, 30, 1100)]
+SHAPES = [(1, 37, 129), (1, 40, 2500), (3, 300, 513), (8, 45, 96), (13, 30, 1100), (48, 70, 1100)]
 
 
 @pytest.mark.parametrize("M,N,K", SHAPES)
@@ -63,6 +63,18 @@ def test_the_norm_shapes_reach_both_epilogues():
     """The shapes above put the rstd in the main kernel's epilogue (K whole) and in the split reduction's."""
     splits = {_gemv_triton.plan(M, N, K, torch.bfloat16, 132)["split"] > 1 for M, N, K in SHAPES}
     assert splits == {False, True}
+
+
+def test_the_norm_pass_keeps_its_tile_of_x_within_its_budget():
+    """The row norm's pass over x (`_row_rstd`) takes at most norm_tile_elems elements of the tile's rows (64 rows:
+    256 columns, not 1,024) and covers K in whole passes."""
+    budget = _gemv_triton.LAUNCH["norm_tile_elems"]
+    for block_m, K in ((1, 5000), (16, 1536), (32, 700), (64, 1100), (64, 8)):
+        n = _gemv_triton.norm_pass(K, block_m)
+        assert n["NORM_BLOCK"] * block_m <= max(budget, 16 * block_m) and n["NORM_K"] % n["NORM_BLOCK"] == 0
+        assert n["NORM_K"] - n["NORM_BLOCK"] < K <= n["NORM_K"]
+    assert _gemv_triton.norm_pass(1536, 64)["NORM_BLOCK"] == 256
+    assert _gemv_triton.norm_pass(1536, 16)["NORM_BLOCK"] == 1024
 
 
 def test_a_norm_weight_that_does_not_fit_is_refused():

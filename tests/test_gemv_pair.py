@@ -46,7 +46,8 @@ def inputs(M, N, KA, KB, dtype, seed, glu=True, norm=True):
 
 # (M, N, KA, KB): small's shared down + routed up at 1 row ([1536, 1024] and [1536, 768], cut to 96 outputs for
 # the interpreter's pace), odd widths, a segment narrower than one split, and tl.dot tiles at 8 and 13 rows
-SHAPES = [(1, 96, 1024, 768), (1, 37, 129, 300), (3, 50, 513, 1100), (8, 45, 96, 200), (13, 30, 700, 65)]
+SHAPES = [(1, 96, 1024, 768), (1, 37, 129, 300), (3, 50, 513, 1100), (8, 45, 96, 200), (13, 30, 700, 65),
+          (40, 70, 1024, 768)]
 
 
 @pytest.mark.parametrize("M,N,KA,KB", SHAPES)

@@ -22,9 +22,10 @@ from k3.ops.gemv import DecodeLinear, force_gemv, kernel_wins, linear, use_gemv 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # rtol: one ulp of the output dtype (bf16 8 bits, fp16 11); atol: fp32 summation of K products of ~N(0, 1) values
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2 ** -7, 1e-3), torch.float16: (2 ** -10, 1e-3)}
-# (M, N, K): K not a multiple of any tile, N = 1, M = 1..16; FMA and tl.dot tiles, with and without split K
+# (M, N, K): K not a multiple of any tile, N = 1, M = 1..64; FMA, 16-row and wide tl.dot tiles, with and without
+# split K
 SHAPES = [(1, 1, 1), (1, 1, 300), (1, 37, 129), (2, 300, 70), (3, 100, 513), (5, 1, 700), (8, 45, 96),
-          (8, 40, 1031), (13, 300, 257), (16, 7, 2000)]
+          (8, 40, 1031), (13, 300, 257), (16, 7, 2000), (24, 50, 300), (64, 70, 1100)]
 
 
 def operands(seed, M, N, K, dtype, bias=False, residual=False):
@@ -56,10 +57,12 @@ def test_kernel_equals_the_fp64_matmul(M, N, K, dtype):
 
 
 def test_the_shapes_cover_every_launch_form():
-    """The shapes above reach FMA and dot tiles, each with K whole and split (else a path would go untested)."""
-    forms = {(p["use_dot"], p["split"] > 1) for p in (_gemv_triton.plan(M, N, K, torch.bfloat16, 132)
-                                                       for M, N, K in SHAPES)}
-    assert forms == {(False, False), (False, True), (True, False), (True, True)}
+    """The shapes above reach FMA, 16-row dot and wide dot tiles, each with K whole and split (else a path would go
+    untested)."""
+    forms = {(p["use_dot"] and p["block_m"] > 16, p["use_dot"], p["split"] > 1)
+             for p in (_gemv_triton.plan(M, N, K, torch.bfloat16, 132) for M, N, K in SHAPES)}
+    assert forms == {(wide, dot, split) for wide, dot in ((False, False), (False, True), (True, True))
+                     for split in (False, True)}
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 37, 1100), (8, 40, 1031)])
@@ -135,8 +138,9 @@ def test_selector_defaults_overrides_and_refusals():
             assert not use_gemv(x, w)
     with force_gemv(True):
         assert use_gemv(x, w) and use_gemv(x.view(4, 1, 64), w)
-        assert not use_gemv(torch.zeros(17, 64, device=DEVICE), w)  # past a decode batch
-        assert not use_gemv(torch.zeros(4, 5, 64, device=DEVICE), w)  # 20 rows
+        assert use_gemv(torch.zeros(64, 64, device=DEVICE), w)
+        assert not use_gemv(torch.zeros(65, 64, device=DEVICE), w)  # past a decode batch
+        assert not use_gemv(torch.zeros(4, 17, 64, device=DEVICE), w)  # 68 rows
         assert not use_gemv(torch.zeros(0, 64, device=DEVICE), w)
         assert not use_gemv(x.double(), w.double())
         assert not use_gemv(x, w.bfloat16())  # mixed dtypes: F.linear's own error or promotion
@@ -183,15 +187,15 @@ def test_the_kernel_compiles_as_one_op():
     check(y, reference(x, w, b, res), torch.float32)
 
 
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 64])
 def test_kernel_compiles_for_the_h200(rows):
-    """The launch `plan` picks for o_proj's shape at 1 and 8 bf16 rows, K split, compiled for sm_90 by ptxas (no
-    GPU needed): one row on the FMA units, eight on the tensor cores (an mma in the PTX); the block's last split
-    sums the splits in the same launch (an atomic ticket, then the epilogue's bias and residual)."""
+    """The launch `plan` picks for o_proj's shape at 1, 8 and 64 bf16 rows, K split, compiled for sm_90 by ptxas
+    (no GPU needed): one row on the FMA units, eight and 64 on the tensor cores (an mma in the PTX); the block's
+    last split sums the splits in the same launch (an atomic ticket, then the epilogue's bias and residual)."""
     from sm90_compile import ptx_for_sm90
 
     p = _gemv_triton.plan(rows, 1536, 1536, torch.bfloat16, 132)
-    assert p["split"] > 1 and p["use_dot"] == (rows == 8)
+    assert p["split"] > 1 and p["use_dot"] == (rows > 1)
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
            "part_ptr": "*fp32", "tickets_ptr": "*i32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16",
            "beta_gate": "fp32", "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32",

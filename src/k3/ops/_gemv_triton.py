@@ -1,4 +1,4 @@
-"""Triton GEMV / skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]ᵀ (+ bias) (+ residual), M ≤ 16 rows.
+"""Triton GEMV / skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]ᵀ (+ bias) (+ residual), M ≤ 64 rows.
 Imported only through k3.ops.triton_dispatch (needs triton); the contract, the reference and the selector are
 `k3.ops.gemv`.
 
@@ -9,7 +9,9 @@ registers:
 - few rows (M ≤ DOT_MIN_ROWS, or fp32 weights): products on the FMA units, a [BLOCK_M, BLOCK_N, BLOCK_K] tile
   reduced along K (exact fp32 products of the stored values);
 - more rows with 16-bit weights: `tl.dot` on x padded to 16 rows (tensor cores, fp32 accumulation), as 8 or 16
-  rows of FMA work would take longer than the weight's bytes.
+  rows of FMA work would take longer than the weight's bytes; past 16 rows (a batch of 32 or 64), x padded to 32
+  or 64 rows against wider tiles of W (each program reloads x from L2 for its block of N: 64 rows of W a block
+  keep those loads at the weight's own bytes).
 When N alone gives too few programs to fill the SMs (o_proj's 1536 rows in 16-row tiles: 96 programs for 132
 SMs), K is split as well: each split writes its fp32 partial sums to a workspace and draws an atomic ticket for
 its block of N; the block's last split to finish adds the splits and applies the epilogue, and sets the ticket back
@@ -45,8 +47,11 @@ DOT_MIN_ROWS = 4
 # fma: rows of W per program and the element budget of one [M, N, K] product tile (its registers);
 # dot: the tile of W per step; stages: the loads in flight of the pipelined K loop. programs_per_sm: the grid
 # aimed at before K is split.
+# wide: the dot tile of W past 16 rows (untimed). norm: the row norm's columns a pass, at most norm_tile_elems
+# elements of x a pass (its registers).
 LAUNCH = dict(fma_block_n=8, fma_tile_elems=8192, fma_warps=4, fma_stages=2, dot_block_n=16, dot_block_k=256,
-              dot_warps=4, dot_stages=3, programs_per_sm=2, min_split_k=256, norm_block=1024)
+              dot_warps=4, dot_stages=3, wide_block_n=64, wide_block_k=128, wide_warps=4, programs_per_sm=2,
+              min_split_k=256, norm_block=1024, norm_tile_elems=16384)
 # SMs assumed off the GPU (the Triton interpreter on CPU tensors): the H200's, so the CPU tests plan the
 # same grids as the card.
 _INTERPRETER_SMS = 132
@@ -246,7 +251,11 @@ def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, 
 def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
     """The launch for these shapes: dot or FMA, the tile, the warps and stages, and how many splits of K (1: none)."""
     use_dot = M > DOT_MIN_ROWS and dtype in (torch.bfloat16, torch.float16)
-    if use_dot:
+    if use_dot and M > 16:
+        block_m, block_n, warps, stages = (triton.next_power_of_2(M), LAUNCH["wide_block_n"], LAUNCH["wide_warps"],
+                                           LAUNCH["dot_stages"])
+        block_k = min(LAUNCH["wide_block_k"], max(16, triton.next_power_of_2(K)))
+    elif use_dot:
         block_m, block_n, warps, stages = 16, LAUNCH["dot_block_n"], LAUNCH["dot_warps"], LAUNCH["dot_stages"]
         block_k = min(LAUNCH["dot_block_k"], max(16, triton.next_power_of_2(K)))
     else:
@@ -262,6 +271,14 @@ def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
     split = triton.cdiv(max(K, 1), k_per_split)
     return dict(use_dot=use_dot, block_m=block_m, block_n=block_n, block_k=block_k, warps=warps, stages=stages,
                 split=split, k_per_split=k_per_split, n_blocks=n_blocks)
+
+
+def norm_pass(K: int, block_m: int) -> dict:
+    """The row norm's passes over K (`_row_rstd`): NORM_BLOCK columns a pass (at most norm_tile_elems elements of
+    x's block_m rows), NORM_K = K rounded up to them."""
+    block = min(LAUNCH["norm_block"], triton.next_power_of_2(max(K, 1)),
+                max(16, LAUNCH["norm_tile_elems"] // block_m))
+    return dict(NORM_K=triton.cdiv(max(K, 1), block) * block, NORM_BLOCK=block)
 
 
 def pair_plan(M: int, N: int, KA: int, KB: int, dtype: torch.dtype, sms: int) -> dict:
@@ -313,8 +330,7 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_NORM=norm_weight is not None)
     # (fp32 outputs take the exact exps, as k3.ops._situ_triton's kernels do)
     glu = dict(HAS_GLU=glu_up is not None, GLU_EXACT=x.dtype == torch.float32, OUT_GATE=out_gate is not None)
-    norm_block = min(LAUNCH["norm_block"], triton.next_power_of_2(max(K, 1)))
-    norm = dict(NORM_K=triton.cdiv(max(K, 1), norm_block) * norm_block, NORM_BLOCK=norm_block)
+    norm = norm_pass(K, p["block_m"])
     launch = pdl.launch(x)
     with on_device(x):
         _gemv_kernel[(p["n_blocks"], p["split"])](
@@ -352,8 +368,7 @@ def decode_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, glu_up: torch.Tens
     tickets = ticket_workspace(p["n_blocks"], a.device) if p["split"] else out  # (unsplit: an unread stand-in)
     up = glu_up if glu_up is not None else a  # (an unread stand-in pointer)
     norm_w = norm_weight if norm_weight is not None else out
-    norm_block = min(LAUNCH["norm_block"], triton.next_power_of_2(max(KB, 1)))
-    norm = dict(NORM_K=triton.cdiv(max(KB, 1), norm_block) * norm_block, NORM_BLOCK=norm_block)
+    norm = norm_pass(KB, p["block_m"])
     launch = pdl.launch(a)
     with on_device(a):
         _gemv_pair_kernel[(p["n_blocks"], splits)](

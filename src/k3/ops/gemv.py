@@ -1,6 +1,6 @@
 """Decode's linears: `F.linear(x, W, b) (+ residual)`, with a Triton GEMV for the few rows of a decode step.
 
-At batch 1..16 a decode step's linears are matrix-vector products that only have to read W once; cuBLAS reaches
+At a decode batch a step's linears are matrix-vector products, or skinny GEMMs, that only have to read W once; cuBLAS reaches
 about a quarter of an H200's bandwidth on them (benchmarks/RESULTS.md, "Decode, issue 21"). `linear` is the one
 entry: with no gradient, plain CUDA tensors of one float dtype, a shape where the kernel beat cuBLAS on an H200
 (`kernel_wins`: at most WIN_ROWS rows and a weight of at most WIN_WEIGHT_ELEMS elements) and the kernel switched
@@ -27,7 +27,7 @@ __all__ = ["MAX_ROWS", "WIN_ROWS", "WIN_WEIGHT_ELEMS", "kernel_wins", "linear_re
            "linear", "linear_pair_reference", "use_gemv_pair", "linear_pair", "DecodeLinear"]
 
 KERNELS = "_gemv_triton"
-MAX_ROWS = 16  # a decode batch; past it the weight is shared by enough rows for cuBLAS's GEMM tiles
+MAX_ROWS = 64  # what the kernel runs (a decode batch); where it is chosen is `kernel_wins`
 # Where the kernel beat cuBLAS on an H200 (session 13, `bench_gpu_kernels.py --gemv`, small's linears, L2 cold, µs
 # ours / cuBLAS at 1 row): q_b_proj [2304, 384] 2.9 / 3.5, the routed up + residual [1536, 768] 3.2 / 6.0, the shared
 # experts' down [1536, 1024] 3.2 / 5.1, o_proj [1536, 1536] 5.5 / 6.5; it lost from MLA's fused input projection
