@@ -10,7 +10,8 @@ Rows: "eager" = the model's forward per step; "graph" = k3.model.cuda_graph.Grap
 programmatic dependent launch (--pdl, k3.ops._pdl_triton), "graph+pdl+gemv" = that with decode's GEMV also taken
 for weights up to 10M elements (--pdl-gemv: k3.ops.gemv.WIN_WEIGHT_ELEMS raised, so the mixers' and MoEs' input
 projections, cuBLAS's today, join the PDL chain; lm_head and the dense MLP's gate+up stay cuBLAS's), "graph+gemv"
-that GEMV without PDL (--gemv), "graph+pdl-prefetch" PDL's launches without its L2 prefetches (--pdl-no-prefetch,
+that GEMV without PDL (--gemv), "graph+gemv≤N rows" that GEMV at batches up to N rows too (--gemv-rows N: its
+32/64-row tiles, and the MoE's shared down + routed up as one launch), "graph+pdl-prefetch" PDL's launches without its L2 prefetches (--pdl-no-prefetch,
 K3_NO_PDL_PREFETCH).
 Memory roofline per step = bytes that must be read: every dense weight once (embedding row only), the
 routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per MoE layer), lm_head,
@@ -18,7 +19,7 @@ each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer'
 once. Fraction =
 (bytes / copy bandwidth measured in the same run) / measured step time. Target (issue 6): batch-1 >= 60%.
 Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--pdl] [--pdl-no-prefetch] [--gemv]
-[--pdl-gemv] [--contexts 4096] [--batches 1,8]
+[--gemv-rows 64] [--pdl-gemv] [--contexts 4096] [--batches 1,8]
 """
 import argparse
 import contextlib
@@ -77,6 +78,8 @@ def main():
     ap.add_argument("--pdl-no-prefetch", action="store_true",
                     help="also time the graph captured with K3_PDL and K3_NO_PDL_PREFETCH")
     ap.add_argument("--gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
+    ap.add_argument("--gemv-rows", type=int, default=0, metavar="N",
+                    help="also time it with decode's GEMV for the input projections at batches up to N rows (≤ 64)")
     ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
     ap.add_argument("--opt-in", default="", help="comma-separated opt-in kernel modules (k3.ops.triton_dispatch.OPT_IN, "
                     "e.g. _attn_res_route_triton): also time the graph with them on")
@@ -88,6 +91,8 @@ def main():
         graphs.append(("graph+pdl-prefetch", lambda: envs.override(pdl=True, no_pdl_prefetch=True)))
     if a.gemv:
         graphs.append(("graph+gemv", lambda: _gemv_up_to(10_000_000)))
+    if a.gemv_rows:
+        graphs.append((f"graph+gemv≤{a.gemv_rows} rows", lambda: _gemv_up_to(10_000_000, a.gemv_rows)))
     if a.pdl_gemv:
         graphs.append(("graph+pdl+gemv", lambda: _both(envs.override(pdl=True), _gemv_up_to(10_000_000))))
     if a.opt_in:
@@ -148,13 +153,15 @@ def _both(first, second):
 
 
 @contextlib.contextmanager
-def _gemv_up_to(elements: int):
-    """Decode's GEMV taken for weights of up to `elements` elements (k3.ops.gemv.kernel_wins) inside the block."""
-    saved, gemv.WIN_WEIGHT_ELEMS = gemv.WIN_WEIGHT_ELEMS, elements
+def _gemv_up_to(elements: int, rows: int | None = None):
+    """Decode's GEMV taken for weights of up to `elements` elements (and batches of up to `rows` rows, where given;
+    k3.ops.gemv.kernel_wins) inside the block."""
+    saved = gemv.WIN_WEIGHT_ELEMS, gemv.WIN_ROWS
+    gemv.WIN_WEIGHT_ELEMS, gemv.WIN_ROWS = elements, gemv.WIN_ROWS if rows is None else rows
     try:
         yield
     finally:
-        gemv.WIN_WEIGHT_ELEMS = saved
+        gemv.WIN_WEIGHT_ELEMS, gemv.WIN_ROWS = saved
 
 
 if __name__ == "__main__":
