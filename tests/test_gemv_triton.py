@@ -223,10 +223,12 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def test_model_decode_through_the_kernel_equals_the_full_forward(kernel_calls, monkeypatch):
+@pytest.mark.parametrize("B", [2, 24])
+def test_model_decode_through_the_kernel_equals_the_full_forward(kernel_calls, monkeypatch, B):
     """fp32 tiny model: StaticCache decode with every decode linear on the kernel == the same decode on F.linear
     == the full forward; the kernel ran for the fused input projections, o_proj, the MLPs, the MoE's up
-    projection with the shared experts' down (one two-segment launch), and the lm_head."""
+    projection with the shared experts' down (one two-segment launch), and the lm_head. At 2 rows and at a
+    batch of 24 (32-row tiles)."""
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_block_n", 64)  # fewer, larger programs: the interpreter's pace
     monkeypatch.setitem(_gemv_triton.LAUNCH, "fma_tile_elems", 1 << 16)
     cfg = K3Config.preset("tiny")
@@ -236,7 +238,7 @@ def test_model_decode_through_the_kernel_equals_the_full_forward(kernel_calls, m
     pair_weights = []
     launch_pair = gemv._launch_pair
     monkeypatch.setattr(gemv, "_launch_pair", lambda *a: pair_weights.append(id(a[6])) or launch_pair(*a))
-    B, T, n = 2, 7, 2
+    T, n = 7, 2
     ids = torch.randint(0, cfg.vocab_size, (B, T + n), device=DEVICE)
     steps = {}
     with torch.no_grad():
