@@ -11,8 +11,8 @@ programmatic dependent launch (--pdl, k3.ops._pdl_triton), "graph+pdl+gemv" = th
 for weights up to 10M elements (--pdl-gemv: k3.ops.gemv.WIN_WEIGHT_ELEMS raised, so the mixers' and MoEs' input
 projections, cuBLAS's today, join the PDL chain; lm_head and the dense MLP's gate+up stay cuBLAS's), "graph+gemv"
 that GEMV without PDL (--gemv), "graph+gemv≤N rows" that GEMV at batches up to N rows too (--gemv-rows N: its
-32/64-row tiles, and the MoE's shared down + routed up as one launch), "graph+pdl-prefetch" PDL's launches without its L2 prefetches (--pdl-no-prefetch,
-K3_NO_PDL_PREFETCH).
+32/64-row tiles, and the MoE's shared down + routed up as one launch), "graph+pdl-prefetch" PDL's launches
+without its L2 prefetches (--pdl-no-prefetch, K3_NO_PDL_PREFETCH).
 Memory roofline per step = bytes that must be read: every dense weight once (embedding row only), the
 routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per MoE layer), lm_head,
 each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer's cached latent+k_extra read

@@ -5,7 +5,8 @@ prints the step's wall time, the summed kernel time, the number of kernels launc
 CUDA time. Decode is profiled without a CUDA graph (a graph hides its kernels from the profiler; the kernels
 are the same, only the launch gaps between them differ), eager and, with --compile, compiled.
 Each decode batch also times the same step replayed from a CUDA graph: graph time minus kernel time = gaps.
-Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--decode-batches 1,64] [--rows 25] [--stack 4] [--shapes]
+Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--decode-batches 1,64] [--rows 25]
+     [--stack 4] [--shapes]
 """
 import argparse
 import os
