@@ -1,15 +1,15 @@
 """Decode's linears: `F.linear(x, W, b) (+ residual)`, with a Triton GEMV for the few rows of a decode step.
 
 At a decode batch a step's linears are matrix-vector products, or skinny GEMMs, that only have to read W once;
-cuBLAS reaches about a quarter of an H200's bandwidth on them (benchmarks/RESULTS.md, "Decode, issue 21").
-`linear` is the one entry: with no gradient, plain CUDA tensors of one float dtype, a shape where the kernel beat cuBLAS on an H200
-(`kernel_wins`: at most WIN_ROWS rows and a weight of at most WIN_WEIGHT_ELEMS elements) and the kernel switched
-on (k3.ops.triton_dispatch: `_gemv_triton`, on by default on CUDA since session 26; K3_NO_TRITON), it runs
-k3.ops._gemv_triton's kernel (the custom op `k3::decode_gemv`, so a torch.compile'd decode step keeps it);
-otherwise the plain `linear_reference` (cuBLAS). `DecodeLinear` is an nn.Linear whose forward is `linear` (and
-may take the residual add that follows it at its call site, and the RMSNorm before it: the kernel's prologue and
-epilogue then do both, or the SiTU-GLU or sigmoid output gate before it: the prologue); FusedLinears' stacked
-projections call `linear` themselves.
+cuBLAS reaches about a quarter of an H200's bandwidth on them (benchmarks/RESULTS.md, "Decode, issue 21"). `linear`
+is the one entry: with no gradient, plain CUDA tensors of one float dtype, a shape where the kernel beat cuBLAS on
+an H200 (`kernel_wins`: at most WIN_ROWS rows and a weight of at most WIN_WEIGHT_ELEMS elements) and the kernel
+switched on (k3.ops.triton_dispatch: `_gemv_triton`, on by default on CUDA since session 26; K3_NO_TRITON), it runs
+k3.ops._gemv_triton's kernel (the custom op `k3::decode_gemv`, so a torch.compile'd decode step keeps it); otherwise
+the plain `linear_reference` (cuBLAS). `DecodeLinear` is an nn.Linear whose forward is `linear` (and may take the
+residual add that follows it at its call site, and the RMSNorm before it: the kernel's prologue and epilogue then do
+both, or the SiTU-GLU or sigmoid output gate before it: the prologue); FusedLinears' stacked projections call
+`linear` themselves.
 `force_gemv(True)` takes the kernel on CPU tensors too and at any shape it can run (≤ MAX_ROWS rows; tests,
 under TRITON_INTERPRET=1).
 """
