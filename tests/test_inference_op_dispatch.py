@@ -205,12 +205,12 @@ def test_eager_decode_step_with_every_decode_kernel_dispatches_no_k3_op(monkeypa
     from k3.model.decoder import K3ForCausalLM
     from k3.ops import kda_decode, moe_decode
 
-    kernels = ("_router_triton", "_attn_res_norm_triton", "_attn_res_route_triton", "_mla_static_decode_triton",
-               "_gemv_triton")
     for name in KERNEL_MODULES:
         triton_dispatch.triton_module(name)  # imported now, so that their ops are registered before wrapped below
     if DEVICE == "cpu":
         real = triton_dispatch.use_triton_op
+        kernels = ("_router_triton", "_attn_res_norm_triton", "_attn_res_route_triton", "_mla_static_decode_triton",
+                   "_gemv_triton")
         forced = lambda x, name: name in kernels if x.device.type == "cpu" else real(x, name)  # noqa: E731
         for module in (attn_res, router, mla_static_decode, gemv):
             monkeypatch.setattr(module, "use_triton_op", forced)
