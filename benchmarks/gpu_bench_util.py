@@ -36,6 +36,12 @@ def time_ms(fn, warmup: int = 3, reps: int = 10, inner: int = 1) -> float:
     return statistics.median(times)
 
 
+def with_stacks() -> dict:
+    """torch.profiler.profile's arguments that record each op's Python stack (for `group_by_stack_n`):
+    `with_stack=True` alone records none (pytorch/pytorch#100253), its experimental verbose config is needed too."""
+    return dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+
+
 def active_params(model, cfg, skip: tuple[str, ...] = ()) -> int:
     """Matmul weights one token uses: every 2-D weight but the embedding (and names containing `skip`), the
     routed experts' at top_k / num_experts."""

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu_decode import filled_cache  # noqa: E402
-from gpu_bench_util import save, time_ms  # noqa: E402
+from gpu_bench_util import save, time_ms, with_stacks  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.cuda_graph import GraphedDecodeStep  # noqa: E402
@@ -33,8 +33,8 @@ def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0, shapes: bo
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack > 0,
-                 record_shapes=shapes) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes,
+                 **(with_stacks() if stack else {})) as prof:
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()

@@ -40,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import save, table  # noqa: E402
+from gpu_bench_util import save, table, with_stacks  # noqa: E402
 from op_census import launches_kernel  # noqa: E402
 
 import k3.serve.engine as engine_mod  # noqa: E402
@@ -261,7 +261,7 @@ def device_profile(rec, prompts, params, streams) -> list[dict]:
         return outs
     rec.step = marked_step
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts, with_stack=True, record_shapes=True) as prof:
+    with profile(activities=acts, record_shapes=True, **with_stacks()) as prof:
         drive(rec, prompts, params, streams)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
