@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--opt-in", default="", help="comma-separated opt-in kernel modules (k3.ops.triton_dispatch.OPT_IN, "
                     "e.g. _attn_res_route_triton): also time the graph with them on")
     a = ap.parse_args()
+    if a.gemv_rows > gemv.MAX_ROWS:
+        ap.error(f"--gemv-rows {a.gemv_rows}: the GEMV kernel runs at most {gemv.MAX_ROWS} rows")
     graphs = [("graph", contextlib.nullcontext)]
     if a.pdl:
         graphs.append(("graph+pdl", lambda: envs.override(pdl=True)))

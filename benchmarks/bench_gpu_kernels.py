@@ -45,8 +45,8 @@ against the torch forms), and KDA's core through fla with its backward recomputi
 intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total at `small`'s call counts
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
-     [--gemv [--gemv-rows 1,8]] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]] [--backwards] [--kda-core]
-     [--kda-bwd] [--residual-add] [--conv-varlen] [--doc-attention]
+     [--gemv [--gemv-rows 1,8]] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]]
+     [--backwards] [--kda-core] [--kda-bwd] [--residual-add] [--conv-varlen] [--doc-attention]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
 --kda-bwd [wy,intra]: only KDA's chunk-backward WY/state and intra-chunk stages (or those named), fla's kernels
 against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
@@ -82,7 +82,7 @@ from k3.ops.fused_linear import FusedLinears  # noqa: E402
 from k3.ops.sigmoid_gate import sigmoid_gate  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
-from k3.ops.gemv import DecodeLinear, force_gemv, linear, use_gemv  # noqa: E402
+from k3.ops.gemv import MAX_ROWS, DecodeLinear, force_gemv, linear, use_gemv  # noqa: E402
 from k3.ops.mla_static_decode import (static_decode_attention, static_decode_attention_reference,  # noqa: E402
                                       use_static_decode_kernel)
 
@@ -627,6 +627,9 @@ def main():
     ap.add_argument("--only", default="", help="comma list: only the training-shape rows whose op name contains "
                                                "one of these (the decode rows always run)")
     a = ap.parse_args()
+    gemv_row_counts = tuple(int(m) for m in a.gemv_rows.split(","))
+    if max(gemv_row_counts) > MAX_ROWS:
+        ap.error(f"--gemv-rows {a.gemv_rows}: the GEMV kernel runs at most {MAX_ROWS} rows")
     B, T = (2, 512) if a.quick else map(int, a.tokens.split(","))
     if a.sweep:
         return sweep_kernels(B, T)
@@ -658,7 +661,7 @@ def main():
                            "extra_GiB", "rel_err"]))
         return save("doc_attention", {"rows": rows})
     if a.gemv or a.gemv_sweep:
-        gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw, tuple(int(m) for m in a.gemv_rows.split(",")))
+        gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw, gemv_row_counts)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
         cols = ["op", "N", "K", "rows", "impl", "us", "floor_us", "GBps"]
         print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))

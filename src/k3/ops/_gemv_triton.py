@@ -251,13 +251,10 @@ def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, 
 def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
     """The launch for these shapes: dot or FMA, the tile, the warps and stages, and how many splits of K (1: none)."""
     use_dot = M > DOT_MIN_ROWS and dtype in (torch.bfloat16, torch.float16)
-    if use_dot and M > 16:
-        block_m, block_n, warps, stages = (triton.next_power_of_2(M), LAUNCH["wide_block_n"], LAUNCH["wide_warps"],
-                                           LAUNCH["dot_stages"])
-        block_k = min(LAUNCH["wide_block_k"], max(16, triton.next_power_of_2(K)))
-    elif use_dot:
-        block_m, block_n, warps, stages = 16, LAUNCH["dot_block_n"], LAUNCH["dot_warps"], LAUNCH["dot_stages"]
-        block_k = min(LAUNCH["dot_block_k"], max(16, triton.next_power_of_2(K)))
+    if use_dot:  # x padded to 16 rows (tl.dot's least), or to 32 / 64 against the wide tiles of W
+        block_m, tile = max(16, triton.next_power_of_2(M)), "wide" if M > 16 else "dot"
+        block_n, warps, stages = LAUNCH[f"{tile}_block_n"], LAUNCH[f"{tile}_warps"], LAUNCH["dot_stages"]
+        block_k = min(LAUNCH[f"{tile}_block_k"], max(16, triton.next_power_of_2(K)))
     else:
         block_m, block_n = triton.next_power_of_2(M), LAUNCH["fma_block_n"]
         warps, stages = LAUNCH["fma_warps"], LAUNCH["fma_stages"]
