@@ -87,6 +87,22 @@ def test_step_log_summary_splits_the_wall_time_and_the_step_kinds():
     assert out["slowest"][1]["prompt_rows"] == 2
 
 
+def test_step_log_cuts_the_iterations_to_the_timed_window():
+    """Given the run's start, an iteration under way before it (a warm-up's last, still emitting) or after its end
+    (the last one still handing over after the client had its final token) counts only within the window, so the
+    phases cannot add up past the wall and idle stays ≥ 0."""
+    log = StepLog()
+    log.iteration(0.90, 1.05, 1.06, intake=0.05)  # began 100 ms before the window, its intake before that
+    log.iteration(1.10, 1.20, 1.30, intake=0.02)
+    log.iteration(1.33, 1.36, 1.45, intake=0.04)  # its intake began before 1.30, its emission ends past 1.40
+    out = log.summary(wall=0.40, start=1.0)
+    assert out["step_s"] == pytest.approx(0.05 + 0.10 + 0.03) and out["emit_s"] == pytest.approx(0.01 + 0.10 + 0.04)
+    assert out["intake_s"] == pytest.approx(0.02 + 0.04)
+    assert out["idle_s"] == pytest.approx(0.40 - 0.18 - 0.15 - 0.06) and out["idle_s"] >= 0
+    uncut = log.summary(wall=0.40)  # (without the start: as logged)
+    assert uncut["step_s"] == pytest.approx(0.15 + 0.10 + 0.03) and uncut["emit_s"] == pytest.approx(0.20)
+
+
 def test_step_log_gives_the_engine_side_phases_of_the_requests_over_its_trace():
     """With the engine's Metrics, the summary's `engine_ms` are the means of the requests' TTFT, queue and prefill
     times observed during the trace only (those before it do not count); none observed: nan."""

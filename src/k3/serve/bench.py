@@ -155,6 +155,7 @@ async def run_load(url: str, model: str, dataset: str, num_prompts: int, concurr
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
     out = summarize(results, wall)
+    out["start_s"] = t0  # (perf_counter: the host's monotonic clock, which the engine's process reads too)
     out["wrong_length"] = sum(r.output_tokens != output_len for r in results if r.ok)
     return out
 
@@ -276,7 +277,7 @@ def run_engine(model, tokenizer, engine_config, dataset: str, num_prompts: int, 
             with gc_freeze.frozen():  # this process serves the HTTP side (k3.serve.gc_freeze)
                 s = run_load_in_own_process(url, "k3", dataset, num_prompts, concurrency, request_rate, input_len,
                                             output_len, turns, None, seed)
-            s["engine"] = ask("trace_summary", s["wall_s"])
+            s["engine"] = ask("trace_summary", s["wall_s"], s.pop("start_s"))
             if profile_top:
                 s["profile"] = ask("profile_summary", profile_top)
             s["graph_keys"] = ask("graph_keys")

@@ -44,9 +44,9 @@ def _trace(engine: LLMEngine) -> None:
     engine.step_log = StepLog(engine.metrics)
 
 
-def _trace_summary(engine: LLMEngine, wall_s: float) -> dict:
+def _trace_summary(engine: LLMEngine, wall_s: float, start_s: float | None = None) -> dict:
     log, engine.step_log = engine.step_log, None
-    return log.summary(wall_s)
+    return log.summary(wall_s, start_s)
 
 
 def _profile(engine: LLMEngine) -> None:
@@ -80,7 +80,7 @@ def _pool_usage(engine: LLMEngine) -> tuple[int, int, bool]:
 CALLS: dict[str, Callable] = {
     "metrics": lambda engine, accept: engine.metrics.render(engine, accept),  # the /metrics body
     "trace": _trace,  # benchmarks: trace every step from now (StepLog) ...
-    "trace_summary": _trace_summary,  # ... and stop, → its summary over a run of wall_s seconds
+    "trace_summary": _trace_summary,  # ... and stop, → its summary over a run of wall_s seconds (from start_s)
     "profile": _profile,  # benchmarks: every step the engine thread runs from now under cProfile ...
     "profile_summary": _profile_summary,  # ... and stop, → pstats' tables of the top functions
     "graph_keys": graph_keys_used,

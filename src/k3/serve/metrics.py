@@ -266,15 +266,25 @@ class StepLog:
     def iteration(self, start: float, stepped: float, emitted: float, intake: float = 0.0) -> None:
         self.iterations.append((start, stepped, emitted, intake))
 
-    def summary(self, wall: float) -> dict:
-        """Seconds taking requests in / stepping / emitting / idle over `wall`, and per kind of launched step (decode-only, or with
+    def _within(self, lo: float, hi: float) -> list[tuple[float, float, float, float]]:
+        """The iterations cut to the window [lo, hi] (the timed run, by the client's clock): a warm-up's last
+        iteration still emitting as the trace began, or the run's last one still handing over after the client had
+        its final token, count only their parts within it, so the phases cannot add up past the run's wall."""
+        def clip(t):
+            return min(max(t, lo), hi)
+        return [(clip(a), clip(b), clip(c), clip(a) - clip(a - intake)) for a, b, c, intake in self.iterations]
+
+    def summary(self, wall: float, start: float | None = None) -> dict:
+        """Seconds taking requests in / stepping / emitting / idle over `wall` (the window from `start` on, where
+        given: the iterations cut to it), and per kind of launched step (decode-only, or with
         prompt rows): count, mean rows and tokens, the mean time to the next launch (the step's period, which
         includes whatever the host did in between) and how many launched while the previous step was still on the
         device (`overlapped`; the others waited for its read-back). `slowest`: the five longest periods (a capture
         shows here)."""
-        step = sum(it[1] - it[0] for it in self.iterations)
-        emit = sum(it[2] - it[1] for it in self.iterations)
-        intake = sum(it[3] for it in self.iterations)
+        its = self.iterations if start is None else self._within(start, start + wall)
+        step = sum(it[1] - it[0] for it in its)
+        emit = sum(it[2] - it[1] for it in its)
+        intake = sum(it[3] for it in its)
         out = {"iterations": len(self.iterations), "intake_s": intake, "step_s": step, "emit_s": emit,
                "idle_s": wall - intake - step - emit}
         periods = [(b[0] - a[0], a) for a, b in zip(self.launches, self.launches[1:])]
