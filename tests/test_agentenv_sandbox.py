@@ -4,6 +4,7 @@ inside while a host heartbeat keeps ticking and nothing is left behind), lifecyc
 import hashlib
 import io
 import os
+import signal
 import socket
 import subprocess
 import tarfile
@@ -277,6 +278,48 @@ def test_close_is_idempotent_and_sweep_reclaims_dead_owner(backend, tmp_path):
     assert not hostfs.mounts_under(s2.dir)
     assert not os.path.exists(template_layer)  # its hold went with it, and so did the layer
     s2.state = "closed"
+
+
+def run_as(uid: int) -> subprocess.Popen:
+    """`sleep 60` started from the host as `uid`, once it runs as that uid."""
+    from k3.agentenv import idmap
+    p = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "60"])
+    deadline = time.monotonic() + 10
+    while p.pid not in idmap.processes_of([uid]):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.01)
+    return p
+
+
+def test_a_process_of_the_sandbox_uid_outside_its_cgroup_ends_with_it(backend):
+    """The sandbox's uids are its own: a process running as one that its cgroup does not hold (started from
+    the host, as an escape would look) is killed by close(); and a uid some process still runs as is never
+    leased to a new sandbox."""
+    need(backend, "bwrap")
+    from k3.agentenv import idmap
+    s = backend.create(SandboxSpec())
+    stray = run_as(s.cmd_uid)
+    try:
+        assert not any(f"-{s.id}" in line for line in open(f"/proc/{stray.pid}/cgroup"))
+        s.close()
+        assert stray.wait(timeout=5) == -signal.SIGKILL
+        assert not (backend.root / "uids" / str(s.cmd_uid)).exists() and idmap.processes_of([s.cmd_uid]) == []
+    finally:
+        stray.kill()
+        stray.wait()
+        s.close()
+    free = [u for u in range(idmap.UID_BASE, idmap.UID_BASE + 64) if not (backend.root / "uids" / str(u)).exists()]
+    lingering = run_as(free[0])  # e.g. a released sandbox's process still exiting
+    try:
+        picks = iter([free[0] - idmap.UID_BASE, free[1] - idmap.UID_BASE])
+        with pytest.MonkeyPatch.context() as mp:  # the lease draws the busy uid first
+            mp.setattr(idmap.random, "randrange", lambda n: next(picks))
+            got = idmap.lease_uid(backend.root, "probe")
+        assert got == free[1]
+        idmap.release_uids(backend.root, [got])
+    finally:
+        lingering.kill()
+        lingering.wait()
 
 
 # ---- lifecycle ------------------------------------------------------------------------------------------

@@ -326,6 +326,9 @@ def leftovers(root: Path | None = None, pid: int | None = None) -> list[str]:
         if "\nState:\tZ" in status:  # a zombie holds nothing; its parent (init, for bwrap's) reaps it
             continue
         if (uid == SANDBOX_UID or idmap.in_range(uid)) and not any(f"-{n}" in groups for n in live):
-            out.append(f"process {p.name} of sandbox uid {uid} outside every live sandbox")
+            field = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+            where = next((g.split(":", 2)[2] for g in groups.splitlines() if ":pids:" in g or g.startswith("0::")), "?")
+            out.append(f"process {p.name} of sandbox uid {uid} outside every live sandbox ({field.get('Name')}, "
+                       f"state {field.get('State')}, parent {field.get('PPid')}, cgroup {where})")
     out += [f"uid {u} still leased" for u in idmap.leases_of(root, pid)]
     return out

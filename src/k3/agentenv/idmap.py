@@ -9,6 +9,7 @@ import ctypes
 import json
 import os
 import random
+import signal
 import struct
 import subprocess
 import time
@@ -30,41 +31,65 @@ def in_range(uid: int) -> bool:
     return UID_BASE <= uid < UID_BASE + UID_COUNT
 
 
-def _uid_in_use(uid: int) -> bool:
-    """Any process (a zombie aside) still running as `uid`?"""
+def processes_of(uids: set[int] | list[int]) -> list[int]:
+    """Pids of the live processes (zombies aside) whose real uid is one of `uids`."""
+    uids, out = set(uids), []
     for p in Path("/proc").glob("[0-9]*"):
         try:
             status = (p / "status").read_text()
         except OSError:
             continue
-        if int(status.split("\nUid:")[1].split()[0]) == uid and "\nState:\tZ" not in status:
-            return True
-    return False
+        if int(status.split("\nUid:")[1].split()[0]) in uids and "\nState:\tZ" not in status:
+            out.append(int(p.name))
+    return out
+
+
+def end_processes_of(uids: list[int], timeout: float = 10.0) -> list[int]:
+    """SIGKILL every process of the leased `uids` until none is left (or `timeout`); the pids still there.
+    A sandbox's cgroup holds all it starts, but its uids are its own: whatever runs as them, inside the cgroup
+    or not (the cgroup already gone, a process still exiting), is the sandbox's and ends with it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = processes_of(uids)
+        if not pids or time.monotonic() > deadline:
+            return pids
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
 
 
 def lease_uid(root: Path, holder: str) -> int:
-    """A host uid no live sandbox holds, leased to `holder` until `release_uid`."""
+    """A host uid no live sandbox holds and no process runs as, leased to `holder` until `release_uids`."""
     leases = root / "uids"
     leases.mkdir(mode=0o700, exist_ok=True)
     record = json.dumps({"pid": os.getpid(), "start": hostfs.proc_start_time(os.getpid()), "holder": holder})
     for _ in range(200):
         uid = UID_BASE + random.randrange(UID_COUNT)
         path = leases / str(uid)
+        if processes_of([uid]):  # released, but a process of it has not ended yet
+            continue
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
-            if hostfs.owner_alive_record(path) or _uid_in_use(uid):
+            if hostfs.owner_alive_record(path):
                 continue
             path.unlink(missing_ok=True)  # its owner died: take it back (a racing taker loses the O_EXCL)
             continue
-        with os.fdopen(fd, "w") as f:  # a lease is only ever removed once the uid's processes are dead
+        with os.fdopen(fd, "w") as f:
             f.write(record)
         return uid
     raise OSError(f"no free sandbox uid in [{UID_BASE}, {UID_BASE + UID_COUNT})")
 
 
-def release_uid(root: Path, uid: int) -> None:
-    (root / "uids" / str(uid)).unlink(missing_ok=True)
+def release_uids(root: Path, uids: list[int]) -> None:
+    """End whatever still runs as a sandbox's `uids`, then give them back (a uid some process would not leave
+    is still never leased again while that process lives: `lease_uid` skips it)."""
+    end_processes_of(uids)
+    for uid in uids:
+        (root / "uids" / str(uid)).unlink(missing_ok=True)
 
 
 def leases_of(root: Path, pid: int) -> list[int]:

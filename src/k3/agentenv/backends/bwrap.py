@@ -145,8 +145,7 @@ class BwrapBackend(Backend):
                 pass
             hostfs.remove_tree(d)
             hostfs.release_layers(self.root, rec.get("layers", []), d.name)
-            for uid in rec.get("uids", []):
-                idmap.release_uid(self.root, uid)
+            idmap.release_uids(self.root, rec.get("uids", []))
             n += 1
         hostfs.collect_layers(self.root)  # e.g. snapshots held by a process that died
         return n
@@ -478,7 +477,5 @@ class BwrapSandbox(Sandbox):
         self.cg.remove()
         hostfs.remove_tree(self.dir)
         hostfs.release_layers(self.backend.root, self.layers, self.id)
-        for uid in (self.uid, self.cmd_uid):  # every process of them is gone with the cgroup
-            if uid is not None:
-                idmap.release_uid(self.backend.root, uid)
+        idmap.release_uids(self.backend.root, [u for u in (self.uid, self.cmd_uid) if u is not None])
         self.state = "closed"
