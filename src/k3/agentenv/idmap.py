@@ -31,17 +31,23 @@ def in_range(uid: int) -> bool:
     return UID_BASE <= uid < UID_BASE + UID_COUNT
 
 
-def processes_of(uids: set[int] | list[int]) -> list[int]:
-    """Pids of the live processes (zombies aside) whose real uid is one of `uids`."""
-    uids, out = set(uids), []
+def _live_processes() -> list[tuple[int, int]]:
+    """(pid, real uid) of every process but zombies."""
+    out = []
     for p in Path("/proc").glob("[0-9]*"):
         try:
             status = (p / "status").read_text()
         except OSError:
             continue
-        if int(status.split("\nUid:")[1].split()[0]) in uids and "\nState:\tZ" not in status:
-            out.append(int(p.name))
+        if "\nState:\tZ" not in status:
+            out.append((int(p.name), int(status.split("\nUid:")[1].split()[0])))
     return out
+
+
+def processes_of(uids: set[int] | list[int]) -> list[int]:
+    """Pids of the live processes (zombies aside) whose real uid is one of `uids`."""
+    uids = set(uids)
+    return [pid for pid, uid in _live_processes() if uid in uids]
 
 
 def end_processes_of(uids: list[int], timeout: float = 10.0) -> list[int]:
@@ -66,10 +72,11 @@ def lease_uid(root: Path, holder: str) -> int:
     leases = root / "uids"
     leases.mkdir(mode=0o700, exist_ok=True)
     record = json.dumps({"pid": os.getpid(), "start": hostfs.proc_start_time(os.getpid()), "holder": holder})
+    busy = {uid for _, uid in _live_processes()}  # e.g. a released uid whose process has not ended yet
     for _ in range(200):
         uid = UID_BASE + random.randrange(UID_COUNT)
         path = leases / str(uid)
-        if processes_of([uid]):  # released, but a process of it has not ended yet
+        if uid in busy:
             continue
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
