@@ -25,7 +25,7 @@ site has a residual: "cublas"), each timed as a CUDA graph of calls over enough 
 L2 cold (50 MB on an H200) as decode finds it; floor: the weight's bytes (and x, y, residual) over the copy
 bandwidth; per_step_us: µs × the count of such calls in one decode step. --gemv: only these rows (--gemv-rows
 1,8,16,32,64: at those row counts); --gemv-sweep: the kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at two
-of them.
+of them (at 1 and 8 rows, or at --gemv-rows).
 Decode's routed experts ("moe" rows, `moe_expert_rows`: small's 64 experts, top-8, at 8 and 64 tokens, bf16): the
 expert-major kernel against the grouped path k3 takes there today and the slot-major kernel; --moe: only these;
 --moe-sweep: the expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) instead.
@@ -618,7 +618,8 @@ def main():
                     help="only MLA's training attention over packed documents, varlen against the masked SDPA")
     ap.add_argument("--gemv", action="store_true", help="only the decode linears' rows")
     ap.add_argument("--gemv-sweep", action="store_true", help="the GEMV kernel's launch shapes instead")
-    ap.add_argument("--gemv-rows", default="1,8", help="comma-separated row counts of --gemv (up to 64)")
+    ap.add_argument("--gemv-rows", default="1,8",
+                    help="comma-separated row counts of --gemv and --gemv-sweep (up to 64)")
     ap.add_argument("--moe", action="store_true", help="only the decode MoE experts' rows")
     ap.add_argument("--moe-sweep", action="store_true", help="the expert-major kernel's launch shapes instead")
     ap.add_argument("--decode-sweep", nargs="?", const="router,moe,mla,kda", default="",
@@ -661,7 +662,7 @@ def main():
                            "extra_GiB", "rel_err"]))
         return save("doc_attention", {"rows": rows})
     if a.gemv or a.gemv_sweep:
-        gemv = gemv_sweep(bw) if a.gemv_sweep else gemv_rows(bw, gemv_row_counts)
+        gemv = gemv_sweep(bw, gemv_row_counts) if a.gemv_sweep else gemv_rows(bw, gemv_row_counts)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
         cols = ["op", "N", "K", "rows", "impl", "us", "floor_us", "GBps"]
         print(table(gemv, cols + (["launch"] if a.gemv_sweep else ["per_step_us"])))
@@ -947,20 +948,35 @@ def gemv_rows(bw: float, rows=(1, 8)) -> list[dict]:
     return out
 
 
-def gemv_sweep(bw: float) -> list[dict]:
+def _applies(key: str, form: str) -> bool:
+    """Whether the GEMV LAUNCH entry `key` shapes the launch of `form` (fma, dot or wide; dot_stages: both dot
+    tiles)."""
+    kind = key.split("_")[0]
+    if key == "dot_stages":
+        return form in ("dot", "wide")
+    return kind not in ("fma", "dot", "wide") or kind == form
+
+
+def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
     """The kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at o_proj's [1536, 1536] and KDA's stacked input
-    projections [6284, 1536], 1 and 8 rows."""
+    projections [6284, 1536], at `row_counts` rows (--gemv-rows; default 1 and 8). Each form's entries are swept
+    where it is taken: fma to DOT_MIN_ROWS rows, dot to 16 (its stages past them too), wide beyond."""
     from k3.ops import _gemv_triton  # (needs triton)
     out = []
     variants = [{}, dict(fma_block_n=4), dict(fma_block_n=16), dict(fma_tile_elems=4096),
                 dict(fma_tile_elems=16384), dict(fma_warps=8), dict(programs_per_sm=1), dict(programs_per_sm=4),
                 dict(dot_block_n=32), dict(dot_block_k=128), dict(dot_block_k=512), dict(dot_warps=8),
                 dict(min_split_k=128), dict(min_split_k=512), dict(fma_stages=1), dict(fma_stages=3),
-                dict(dot_stages=2), dict(dot_stages=4)]
+                dict(dot_stages=2), dict(dot_stages=4),
+                # past 16 rows (sass_gemv.py: at 64 rows x's tile is as large as W's, 96-123 KB of shared memory,
+                # 1-2 CTAs an SM, 72-297 programs)
+                dict(wide_block_n=32), dict(wide_block_n=128), dict(wide_block_k=64), dict(wide_block_k=256),
+                dict(wide_warps=8), dict(wide_block_k=64, wide_warps=8), dict(wide_block_n=32, min_split_k=128)]
     for N, K in ((1536, 1536), (6284, 1536)):
-        for M in (1, 8):
+        for M in row_counts:
+            form = "fma" if M <= _gemv_triton.DOT_MIN_ROWS else "dot" if M <= 16 else "wide"
             for change in variants:
-                if any(k.startswith("fma" if M > 1 else "dot") for k in change):  # a form not taken
+                if not all(_applies(key, form) for key in change):  # a form not taken at M rows
                     continue
                 with _changed(_gemv_triton.LAUNCH, change):
                     out.append(dict(op="gemv", launch=_label(change), **time_gemv(N, K, M, False, "triton", bw)))

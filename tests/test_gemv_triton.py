@@ -209,6 +209,32 @@ def test_kernel_compiles_for_the_h200(rows):
     assert "atom.global.gpu.acq_rel" in ptx and "ld.global.cg" in ptx and "st.global" in ptx
 
 
+@pytest.mark.parametrize("rows", [16, 32, 64])
+@pytest.mark.parametrize("linear", ["o_proj", "routed_up", "shared_down"])
+def test_heaviest_forms_keep_their_registers(rows, linear):
+    """Decode's linears with the most work around the tile (o_proj's output gate, the routed up's norm and
+    residual, the shared experts' GLU), K split, at the 16-row and the wide (32, 64) tiles, specialised as a
+    launch specialises its integers (multiples of 16: vectorised loads): ptxas spills nothing for sm_90."""
+    from sm90_compile import registers_for_sm90
+
+    N, K = {"o_proj": (1536, 1536), "routed_up": (1536, 768), "shared_down": (1536, 1024)}[linear]
+    p = _gemv_triton.plan(rows, N, K, torch.bfloat16, 132)
+    assert p["split"] > 1 and p["use_dot"]
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
+           "part_ptr": "*fp32", "tickets_ptr": "*i32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16",
+           "beta_gate": "fp32", "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_um": "i32"}
+    got = registers_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", sig, num_warps=p["warps"], HAS_BIAS=False,
+                             HAS_RES=linear == "routed_up", HAS_NORM=linear == "routed_up",
+                             **_gemv_triton.norm_pass(K, p["block_m"]), HAS_GLU=linear == "shared_down",
+                             GLU_EXACT=False, OUT_GATE=linear == "o_proj", SPLIT=True, USE_DOT=True,
+                             DOT_IN_FP32=False, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
+                             K_SPLIT=p["k_per_split"], NUM_STAGES=p["stages"],
+                             divisible=("M", "N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om",
+                                        "stride_um"))
+    assert got["STACK"] == 0, got
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """(rows, N, K, with residual) of each launch."""
