@@ -3,7 +3,8 @@ sm_90 without a GPU (Triton's own ptxas, as benchmarks/sass_gemv.py does): at `s
 expert width 512, 64 experts, top-8), bf16, at batch 64 and 128 (16 and 32 slots a pass), the launch shapes of
 `LAUNCH`: registers a thread, spill bytes (STACK), the shared memory of the pipelined loop, the CTAs an SM those
 allow, the programs of the launch and the waves they make on 132 SMs (every expert's programs; an expert no slot
-chose ends after its scan), and the weight bytes each program reads a loop step.
+chose ends after its scan), and the weight bytes each program reads a loop step. The integer arguments are
+specialised as a batch-64 launch specialises them (S = N·k, z's row stride and L multiples of 16).
 
 Run: python benchmarks/sass_moe_expert_major.py   (needs triton; no CUDA device)
 """
@@ -48,7 +49,8 @@ def launches(batch: int):
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, fn, signature, consts, programs, step_bytes in launches:
         warps = 4 if name.startswith("combine") else p["warps"]
-        res = resources(compile_kernel(fn, signature, {"num_warps": warps}, **consts))
+        res = resources(compile_kernel(fn, signature, {"num_warps": warps}, divisible=("S", "stride_z", "L"),
+                                       **consts))
         per_sm = ctas_per_sm(res["REG"], res["SHARED"], warps)
         print(f"| {name} | {res['REG']} | {res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | {programs} | "
               f"{programs / (SMS * per_sm):.2f} | {step_bytes} |", flush=True)
