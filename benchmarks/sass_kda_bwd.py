@@ -3,7 +3,8 @@ ptxas, as benchmarks/sass_train_backwards.py): fla 0.6's `chunk_kda_bwd_kernel_w
 autotune table pins on the H200 (BK 64, BV 64, 4 warps, 3 stages) against k3.ops._kda_bwd_triton's two kernels, and
 fla's `chunk_kda_bwd_kernel_intra` (its pinned choice: 1 warp, 2 stages; BK 32, sub-chunks of 16, the safe gate)
 against k3's `_intra_kernel`, at `small`'s training shapes (bf16, H 12, K = V = 128, chunk 64, 8 x 4096 tokens: 64
-chunks a row).
+chunks a row), T specialised as the launch specialises it (4096: a multiple of 16; unspecialised, k3's
+_dv_dA_kernel seemed to take 234 registers and 2 programs an SM instead of 168 and 3).
 Columns: REG and STACK (spill bytes) a thread, shared memory a program, programs an SM those allow, the launch's
 programs and waves over the 132 SMs, and the SASS's local-memory loads/stores (LDL/STL: the spills' traffic),
 warpgroup MMAs (HGMMA) and warp MMAs (HMMA), exponentials and other special functions (MUFU), fp32 FMAs (FFMA),
@@ -64,7 +65,7 @@ def fla_kernel(name: str = "chunk_bwd.chunk_kda_bwd_kernel_wy_dqkg_fused"):
 
 def compile_kernel(fn, signature: dict, num_warps: int, num_stages: int = 3, maxnreg=None, **consts):
     src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in consts if k not in signature}},
-                    constexprs=consts, attrs=launch_attrs(signature))
+                    constexprs=consts, attrs=launch_attrs(signature, divisible=("T",)))
     options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
