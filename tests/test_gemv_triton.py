@@ -187,6 +187,13 @@ def test_the_kernel_compiles_as_one_op():
     check(y, reference(x, w, b, res), torch.float32)
 
 
+# _gemv_kernel's arguments as a bf16 launch passes them (for the sm_90 builds below)
+SM90_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
+                  "part_ptr": "*fp32", "tickets_ptr": "*i32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16",
+                  "beta_gate": "fp32", "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+                  "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_um": "i32"}
+
+
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_kernel_compiles_for_the_h200(rows):
     """The launch `plan` picks for o_proj's shape at 1, 8 and 64 bf16 rows, K split, compiled for sm_90 by ptxas
@@ -196,11 +203,7 @@ def test_kernel_compiles_for_the_h200(rows):
 
     p = _gemv_triton.plan(rows, 1536, 1536, torch.bfloat16, 132)
     assert p["split"] > 1 and p["use_dot"] == (rows > 1)
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
-           "part_ptr": "*fp32", "tickets_ptr": "*i32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16",
-           "beta_gate": "fp32", "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32",
-           "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_um": "i32"}
-    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", sig, num_warps=p["warps"], HAS_BIAS=True,
+    ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", SM90_SIGNATURE, num_warps=p["warps"], HAS_BIAS=True,
                        HAS_RES=True, HAS_NORM=False, NORM_K=2048, NORM_BLOCK=1024, HAS_GLU=False,
                        GLU_EXACT=False, SPLIT=True, USE_DOT=p["use_dot"], DOT_IN_FP32=False, BLOCK_M=p["block_m"],
                        BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], K_SPLIT=p["k_per_split"],
@@ -220,12 +223,8 @@ def test_heaviest_forms_keep_their_registers(rows, linear):
     N, K = {"o_proj": (1536, 1536), "routed_up": (1536, 768), "shared_down": (1536, 1024)}[linear]
     p = _gemv_triton.plan(rows, N, K, torch.bfloat16, 132)
     assert p["split"] > 1 and p["use_dot"]
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
-           "part_ptr": "*fp32", "tickets_ptr": "*i32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16",
-           "beta_gate": "fp32", "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32",
-           "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_um": "i32"}
-    got = registers_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", sig, num_warps=p["warps"], HAS_BIAS=False,
-                             HAS_RES=linear == "routed_up", HAS_NORM=linear == "routed_up",
+    got = registers_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", SM90_SIGNATURE, num_warps=p["warps"],
+                             HAS_BIAS=False, HAS_RES=linear == "routed_up", HAS_NORM=linear == "routed_up",
                              **_gemv_triton.norm_pass(K, p["block_m"]), HAS_GLU=linear == "shared_down",
                              GLU_EXACT=False, OUT_GATE=linear == "o_proj", SPLIT=True, USE_DOT=True,
                              DOT_IN_FP32=False, BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
