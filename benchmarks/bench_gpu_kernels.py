@@ -1041,7 +1041,7 @@ def moe_expert_sweep(bw: float) -> list[dict]:
     from k3.ops import _moe_expert_major_triton as kernels  # (needs triton)
     variants = [{}, dict(prefetch=True), dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
                 dict(down_block_l=32), dict(down_block_l=128), dict(down_block_i=128), dict(stages=2),
-                dict(stages=4), dict(warps=8), dict(scan=64)]
+                dict(stages=4), dict(warps=8), dict(scan=64), dict(wide_m_from=0)]
     out = []
     for change in variants:
         with _changed(kernels.LAUNCH, change):

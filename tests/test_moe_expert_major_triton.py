@@ -127,6 +127,17 @@ def test_every_token_on_one_expert(k):
     assert rel_err(out, want) < 1e-5
 
 
+def test_passes_of_32_slots_from_the_launch_threshold(monkeypatch):
+    """LAUNCH["wide_m_from"] (what the MoE sweep varies) sets where a pass takes 32 slots: at 0 even a few slots an
+    expert go in passes of 32, and the result is the reference's."""
+    monkeypatch.setitem(kernels.LAUNCH, "wide_m_from", 0)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 0]])
+    assert kernels.block_m(idx.numel(), 8) == 32
+    z, _, wt, w1, w3, w2 = case(3, 2, 8, 40, 72, seed=4, idx=idx)
+    out, want = run(z, idx, wt, w1, w3, w2)
+    assert rel_err(out, want) < 1e-5
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the interpreter's calls of a jitted helper (no seam in a "
                     "compiled kernel)")
 def test_each_chosen_expert_tile_is_read_once_per_16_slots_and_no_other(monkeypatch):

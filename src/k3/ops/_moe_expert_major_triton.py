@@ -31,15 +31,18 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 # prefetch: each program puts its first prefetch_steps steps of weight rows in flight into L2 first, so that its
 # scan of the routing ids does not hold them back, and keeps that many steps ahead (always under PDL:
 # k3.ops._pdl_triton); untimed.
+# wide_m_from: the average slots an expert from which a pass takes 32 slots (`block_m`).
 LAUNCH = dict(gate_up_block_i=64, gate_up_block_l=64, down_block_l=64, down_block_i=64, stages=3, warps=4,
-              scan=128, combine_block=256, prefetch=False, prefetch_steps=4)
+              scan=128, combine_block=256, prefetch=False, prefetch_steps=4, wide_m_from=12)
 
 
 def block_m(slots: int, experts: int) -> int:
     """Slots an expert's programs take a pass over its weight tile: 16 (tl.dot's least), 32 once the experts
-    average more than 12 slots (N > 96 at top-8 of 64), where a second pass, whose tiles come from HBM again,
-    would be common. (32 at small's widths: 168 registers, no spills, 3 CTAs an SM.)"""
-    return 32 if slots > 12 * experts else 16
+    average more than LAUNCH["wide_m_from"] (12: N > 96 at top-8 of 64), where a second pass, whose tiles come from
+    HBM again, would be common. (32 at small's widths: 168 registers, no spills, 3 CTAs an SM. At batch 64 an
+    expert averages 8 slots; the busiest of a skewed routing take a second pass of 16, the whole launch waiting on
+    them: `bench_gpu_kernels.py --moe-sweep` times wide_m_from=0 there.)"""
+    return 32 if slots > LAUNCH["wide_m_from"] * experts else 16
 
 
 @triton.jit
