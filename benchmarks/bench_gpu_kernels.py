@@ -960,7 +960,7 @@ def _applies(key: str, form: str) -> bool:
 def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
     """The kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at o_proj's [1536, 1536] and KDA's stacked input
     projections [6284, 1536], at `row_counts` rows (--gemv-rows; default 1 and 8). Each form's entries are swept
-    where it is taken: fma to DOT_MIN_ROWS rows, dot to 16 (its stages past them too), wide beyond."""
+    where `plan` takes it (fma, dot, wide; dot_stages for both dot tiles)."""
     from k3.ops import _gemv_triton  # (needs triton)
     out = []
     variants = [{}, dict(fma_block_n=4), dict(fma_block_n=16), dict(fma_tile_elems=4096),
@@ -974,7 +974,7 @@ def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
                 dict(wide_warps=8), dict(wide_block_k=64, wide_warps=8), dict(wide_block_n=32, min_split_k=128)]
     for N, K in ((1536, 1536), (6284, 1536)):
         for M in row_counts:
-            form = "fma" if M <= _gemv_triton.DOT_MIN_ROWS else "dot" if M <= 16 else "wide"
+            form = _gemv_triton.plan(M, N, K, torch.bfloat16, 132)["form"]
             for change in variants:
                 if not all(_applies(key, form) for key in change):  # a form not taken at M rows
                     continue

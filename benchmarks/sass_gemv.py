@@ -76,7 +76,7 @@ def main():
             res = resources(kernel)
             per_sm = ctas_per_sm(res["REG"], res["SHARED"], p["warps"])
             programs = p["n_blocks"] * p["split"]
-            print(f"| {name} [{N}, {K}] | {M} | {'dot' if p['use_dot'] else 'fma'} | "
+            print(f"| {name} [{N}, {K}] | {M} | {p['form']} | "
                   f"({p['block_m']}, {p['block_n']}, {p['block_k']}) | {p['stages']} | {p['split']} | {res['REG']} | "
                   f"{res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | {programs} | {programs / (SMS * per_sm):.2f} | "
                   f"{p['block_n'] * p['block_k'] * 2} | {in_flight(p, programs, per_sm, N * K * 2):.1f} |",
@@ -101,7 +101,7 @@ def main():
         per_sm = ctas_per_sm(res["REG"], res["SHARED"], p["warps"])
         programs = p["n_blocks"] * (p["split_a"] + p["split_b"] if p["split"] else 1)
         splits = f"{p['split_a']} + {p['split_b']} (+ reduce)" if p["split"] else "1 (both K whole)"
-        print(f"| shared down + routed up [1536, 1024 + 768] | {M} | {'dot' if p['use_dot'] else 'fma'} pair | "
+        print(f"| shared down + routed up [1536, 1024 + 768] | {M} | {p['form']} pair | "
               f"({p['block_m']}, {p['block_n']}, {p['block_k']}) | {p['stages']} | {splits} | "
               f"{res['REG']} | {res.get('STACK', 0)} | {res['SHARED']} | {per_sm} | {programs} | "
               f"{programs / (SMS * per_sm):.2f} | {p['block_n'] * p['block_k'] * 2} | "

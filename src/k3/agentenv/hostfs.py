@@ -316,19 +316,17 @@ def leftovers(root: Path | None = None, pid: int | None = None) -> list[str]:
         for g in sorted(base.glob("k3*-*")):
             if g.is_dir() and g.name.split("-", 1)[1] not in live:
                 out.append(f"cgroup {g}")
-    for p in Path("/proc").glob("[0-9]*"):
+    for proc, uid, status in idmap.live_processes():
+        if not (uid == SANDBOX_UID or idmap.in_range(uid)):
+            continue
         try:
-            status = (p / "status").read_text()
-            uid = int(status.split("\nUid:")[1].split()[0])
-            groups = (p / "cgroup").read_text()
-        except (OSError, IndexError, ValueError):
+            groups = Path(f"/proc/{proc}/cgroup").read_text()
+        except OSError:
             continue
-        if "\nState:\tZ" in status:  # a zombie holds nothing; its parent (init, for bwrap's) reaps it
-            continue
-        if (uid == SANDBOX_UID or idmap.in_range(uid)) and not any(f"-{n}" in groups for n in live):
+        if not any(f"-{n}" in groups for n in live):
             field = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
             where = next((g.split(":", 2)[2] for g in groups.splitlines() if ":pids:" in g or g.startswith("0::")), "?")
-            out.append(f"process {p.name} of sandbox uid {uid} outside every live sandbox ({field.get('Name')}, "
+            out.append(f"process {proc} of sandbox uid {uid} outside every live sandbox ({field.get('Name')}, "
                        f"state {field.get('State')}, parent {field.get('PPid')}, cgroup {where})")
     out += [f"uid {u} still leased" for u in idmap.leases_of(root, pid)]
     return out

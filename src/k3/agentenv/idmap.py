@@ -31,23 +31,25 @@ def in_range(uid: int) -> bool:
     return UID_BASE <= uid < UID_BASE + UID_COUNT
 
 
-def _live_processes() -> list[tuple[int, int]]:
-    """(pid, real uid) of every process but zombies."""
+def live_processes() -> list[tuple[int, int, str]]:
+    """(pid, real uid, /proc status text) of every process but zombies (a zombie holds nothing; its parent,
+    init for bwrap's, reaps it)."""
     out = []
     for p in Path("/proc").glob("[0-9]*"):
         try:
             status = (p / "status").read_text()
-        except OSError:
+            uid = int(status.split("\nUid:")[1].split()[0])
+        except (OSError, IndexError, ValueError):
             continue
         if "\nState:\tZ" not in status:
-            out.append((int(p.name), int(status.split("\nUid:")[1].split()[0])))
+            out.append((int(p.name), uid, status))
     return out
 
 
 def processes_of(uids: set[int] | list[int]) -> list[int]:
     """Pids of the live processes (zombies aside) whose real uid is one of `uids`."""
     uids = set(uids)
-    return [pid for pid, uid in _live_processes() if uid in uids]
+    return [pid for pid, uid, _ in live_processes() if uid in uids]
 
 
 def end_processes_of(uids: list[int], timeout: float = 10.0) -> list[int]:
@@ -72,7 +74,7 @@ def lease_uid(root: Path, holder: str) -> int:
     leases = root / "uids"
     leases.mkdir(mode=0o700, exist_ok=True)
     record = json.dumps({"pid": os.getpid(), "start": hostfs.proc_start_time(os.getpid()), "holder": holder})
-    busy = {uid for _, uid in _live_processes()}  # e.g. a released uid whose process has not ended yet
+    busy = {uid for _, uid, _ in live_processes()}  # e.g. a released uid whose process has not ended yet
     for _ in range(200):
         uid = UID_BASE + random.randrange(UID_COUNT)
         path = leases / str(uid)

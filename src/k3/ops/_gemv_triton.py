@@ -249,7 +249,8 @@ def _gemv_pair_kernel(a_ptr, wa_ptr, up_ptr, beta_gate, beta_up, b_ptr, wb_ptr, 
 
 
 def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
-    """The launch for these shapes: dot or FMA, the tile, the warps and stages, and how many splits of K (1: none)."""
+    """The launch for these shapes: its form (fma, dot: 16 rows, wide: 32 or 64; the LAUNCH entries it reads are
+    named by it), the tile, the warps and stages, and how many splits of K (1: none)."""
     use_dot = M > DOT_MIN_ROWS and dtype in (torch.bfloat16, torch.float16)
     if use_dot:  # x padded to 16 rows (tl.dot's least), or to 32 / 64 against the wide tiles of W
         block_m, tile = max(16, triton.next_power_of_2(M)), "wide" if M > 16 else "dot"
@@ -266,8 +267,8 @@ def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
         split = max(1, min(triton.cdiv(want, n_blocks), K // LAUNCH["min_split_k"]))
     k_per_split = triton.cdiv(triton.cdiv(max(K, 1), split), block_k) * block_k  # whole tiles per split
     split = triton.cdiv(max(K, 1), k_per_split)
-    return dict(use_dot=use_dot, block_m=block_m, block_n=block_n, block_k=block_k, warps=warps, stages=stages,
-                split=split, k_per_split=k_per_split, n_blocks=n_blocks)
+    return dict(use_dot=use_dot, form=tile if use_dot else "fma", block_m=block_m, block_n=block_n, block_k=block_k,
+                warps=warps, stages=stages, split=split, k_per_split=k_per_split, n_blocks=n_blocks)
 
 
 def norm_pass(K: int, block_m: int) -> dict:

@@ -276,11 +276,10 @@ class StepLog:
 
     def summary(self, wall: float, start: float | None = None) -> dict:
         """Seconds taking requests in / stepping / emitting / idle over `wall` (the window from `start` on, where
-        given: the iterations cut to it), and per kind of launched step (decode-only, or with
-        prompt rows): count, mean rows and tokens, the mean time to the next launch (the step's period, which
-        includes whatever the host did in between) and how many launched while the previous step was still on the
-        device (`overlapped`; the others waited for its read-back). `slowest`: the five longest periods (a capture
-        shows here)."""
+        given: the iterations cut to it), and per kind of launched step (decode-only, or with prompt rows): count,
+        mean rows and tokens, the mean time to the next launch (the step's period, which includes whatever the host
+        did in between) and how many launched while the previous step was still on the device (`overlapped`; the
+        others waited for its read-back). `slowest`: the five longest periods (a capture shows here)."""
         its = self.iterations if start is None else self._within(start, start + wall)
         step = sum(it[1] - it[0] for it in its)
         emit = sum(it[2] - it[1] for it in its)
