@@ -8,13 +8,12 @@ import pytest
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from k3 import K3Config, K3ForCausalLM
 from k3.data import load_tokenizer
-from k3.serve import EngineConfig, LLMEngine
 from k3.serve.grammar import (Grammar, GrammarError, bitmask_to_bool, chat_grammar, fill_bitmasks,
                               unpack_with_shifts)
 from k3.serve.output_parser import OutputParser
 from k3.serve.sampling import SamplingParams, mask_grammar_rows, sample_tokens
+from two_layer_model import two_layer_engine
 
 
 class Item(BaseModel):
@@ -38,17 +37,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def engine(tok):
-    # two layers (one KDA, one MLA): the grammar, not the model, decides what must hold, and a 6-layer model made
-    # each of these tests several times slower
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny").replace(
-        num_hidden_layers=2, attn_res_block_size=1, linear_attn_config={"full_attn_layers": [2], "kda_layers": [1]}))
-    model.reset_parameters(seed=5)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLMEngine(model.eval(), tok, EngineConfig(memory_bytes=32 << 20, block_size=16, match_unit=4,
-                                                    max_batch_tokens=512, max_num_seqs=16, max_model_len=1024))
-    torch.set_num_threads(n)
+    with two_layer_engine(tok, seed=5) as eng:
+        yield eng
 
 
 def schema_format(model):

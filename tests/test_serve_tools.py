@@ -7,14 +7,12 @@ from typing import Literal
 
 import openai
 import pytest
-import torch
 from pydantic import BaseModel, Field
 
-from k3 import K3Config, K3ForCausalLM
 from k3.data import load_tokenizer
-from k3.serve import EngineConfig, LLMEngine
 from k3.serve.api import create_app
 from k3.serve.local_server import local_server
+from two_layer_model import two_layer_engine
 
 KEY, NAME = "test-key", "k3-tiny"
 OFF = {"chat_template_kwargs": {"thinking": False}}
@@ -49,19 +47,9 @@ def tok():
 
 @pytest.fixture(scope="module")
 def server(tok):
-    # two layers (one KDA, one MLA): what these tests check is the API's and the grammar's, and a 6-layer model
-    # made the constrained generations several times slower
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("tiny").replace(
-        num_hidden_layers=2, attn_res_block_size=1, linear_attn_config={"full_attn_layers": [2], "kda_layers": [1]}))
-    model.reset_parameters(seed=3)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    eng = LLMEngine(model.eval(), tok, EngineConfig(memory_bytes=32 << 20, block_size=16, match_unit=4,
-                                                    max_batch_tokens=512, max_num_seqs=16, max_model_len=1024))
-    with local_server(create_app(eng, tok, NAME, api_key=KEY), as_k3_serve=True) as url:
+    with two_layer_engine(tok, seed=3) as eng, local_server(create_app(eng, tok, NAME, api_key=KEY),
+                                                               as_k3_serve=True) as url:
         yield url
-    torch.set_num_threads(n)
 
 
 @pytest.fixture
@@ -115,7 +103,7 @@ def test_tool_call_round_trip(client, server, tok):
                                         seed=2, extra_body={"return_token_ids": True, **OFF})
     assert r2.choices[0].finish_reason in ("stop", "length")
     prompt = tok.decode(r2.choices[0].model_extra["prompt_token_ids"])
-    assert (f'<|open|>call tool="add" index="1"<|sep|>' in prompt
+    assert ('<|open|>call tool="add" index="1"<|sep|>' in prompt
             and f'<|open|>message role="tool" tool="add" index="1"<|sep|>{args.a + args.b}<|close|>message' in prompt)
     assert prompt.endswith('<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
 

@@ -16,7 +16,8 @@ from k3.data import Tokenizer
 from k3.vision.config import VisionConfig
 from k3.vision.multimodal import K3ForConditionalGeneration, image_token_ids
 from k3.vision.preprocess import batch_images, preprocess_image
-from tiny_vlm import PAD, tiny_text
+from tiny_vlm import PAD
+from two_layer_model import two_layer_config
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,6 @@ def test_save_load_round_trip(vlm, tok, tmp_path):
 
 def test_config_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="text_hidden_size"):
-        K3ForConditionalGeneration(tiny_text(), VisionConfig.preset("tiny", text_hidden_size=64), PAD)
+        K3ForConditionalGeneration(two_layer_config(), VisionConfig.preset("tiny", text_hidden_size=64), PAD)
     with pytest.raises(ValueError, match="media_placeholder_token_id"):
-        K3ForConditionalGeneration(tiny_text(), VisionConfig.preset("tiny"), 10**6)
+        K3ForConditionalGeneration(two_layer_config(), VisionConfig.preset("tiny"), 10**6)

@@ -19,7 +19,8 @@ from k3.serve.sampling import SamplingParams
 from k3.vision.config import VisionConfig
 from k3.vision.multimodal import image_token_ids
 from k3.vision.preprocess import preprocess_image
-from tiny_vlm import PAD, tiny_text
+from tiny_vlm import PAD
+from two_layer_model import two_layer_config
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def _png_of_size(W, H) -> bytes:
 
 def test_text_only_server_refuses_images(tok):
     torch.manual_seed(0)
-    text = K3ForCausalLM(tiny_text()).eval()
+    text = K3ForCausalLM(two_layer_config()).eval()
     app = create_app(engine(text, tok, max_model_len=200), tok, "k3")
     with TestClient(app) as client:
         r = client.post("/v1/chat/completions", json=chat_body(data_url(png(6))))
