@@ -882,7 +882,7 @@ def decode_linears(preset: str = "small") -> dict[tuple[str, int, int, bool], in
     and MoE's stacked input projections (FusedLinears, one GEMM at decode) and every DecodeLinear called on its
     own (not one of those stacked: the shared experts' gate and up; not KDA's f_b, which the one-kernel decode
     step reads itself)."""
-    from k3.ops.fused_linear import FusedLinears
+    from k3.ops.fused_linear import ROW_ALIGN, FusedLinears
     cfg = K3Config.preset(preset)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
@@ -891,7 +891,8 @@ def decode_linears(preset: str = "small") -> dict[tuple[str, int, int, bool], in
         for value in vars(module).values():
             if isinstance(value, FusedLinears):
                 stacked.update(id(lin) for lin in value.linears)
-                key = (f"{type(module).__name__} input projections", sum(lin.out_features for lin in value.linears),
+                rows = sum(lin.out_features for lin in value.linears)  # (its stacked weight pads them, as here)
+                key = (f"{type(module).__name__} input projections", rows + -rows % ROW_ALIGN,
                        value.linears[0].in_features, False)
                 shapes[key] = shapes.get(key, 0) + 1
     for name, module in model.named_modules():
@@ -959,7 +960,7 @@ def _applies(key: str, form: str) -> bool:
 
 def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
     """The kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at o_proj's [1536, 1536] and KDA's stacked input
-    projections [6284, 1536], at `row_counts` rows (--gemv-rows; default 1 and 8). Each form's entries are swept
+    projections [6288, 1536] (6,284 rows padded to ROW_ALIGN), at `row_counts` rows (--gemv-rows; default 1 and 8). Each form's entries are swept
     where `plan` takes it (fma, dot, wide; dot_stages for both dot tiles)."""
     from k3.ops import _gemv_triton  # (needs triton)
     out = []
@@ -972,7 +973,7 @@ def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
                 # 1-2 CTAs an SM, 72-297 programs)
                 dict(wide_block_n=32), dict(wide_block_n=128), dict(wide_block_k=64), dict(wide_block_k=256),
                 dict(wide_warps=8), dict(wide_block_k=64, wide_warps=8), dict(wide_block_n=32, min_split_k=128)]
-    for N, K in ((1536, 1536), (6284, 1536)):
+    for N, K in ((1536, 1536), (6288, 1536)):
         for M in row_counts:
             form = _gemv_triton.plan(M, N, K, torch.bfloat16, 132)["form"]
             for change in variants:
@@ -1037,8 +1038,10 @@ def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "exper
 
 
 def moe_expert_sweep(bw: float) -> list[dict]:
-    """The expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) at 8 and 64 tokens."""
+    """The expert-major kernel's launch shapes (k3.ops._moe_expert_major_triton.LAUNCH) at 8 and 64 tokens, after
+    one untimed pass of the default (session 35, H100: the first rows timed read ~10% slow, warming the card)."""
     from k3.ops import _moe_expert_major_triton as kernels  # (needs triton)
+    moe_expert_rows(bw, impls=("expert-major",))
     variants = [{}, dict(prefetch=True), dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
                 dict(down_block_l=32), dict(down_block_l=128), dict(down_block_i=128), dict(stages=2),
                 dict(stages=4), dict(warps=8), dict(scan=64), dict(wide_m_from=0)]

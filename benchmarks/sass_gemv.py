@@ -27,7 +27,7 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr":
              "part_ptr": "*fp32", "tickets_ptr": "*i32", "norm_w_ptr": "*bf16", "eps": "fp32", "up_ptr": "*bf16",
              "beta_gate": "fp32", "beta_up": "fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
              "stride_wn": "i32", "stride_rm": "i32", "stride_om": "i32", "stride_um": "i32"}
-SHAPES = [("KDA input projections", 6284, 1536), ("o_proj", 1536, 1536), ("routed_expert_up_proj", 1536, 768),
+SHAPES = [("KDA input projections", 6288, 1536), ("o_proj", 1536, 1536), ("routed_expert_up_proj", 1536, 768),
           ("shared experts' down_proj", 1536, 1024),
           ("lm_head", 32768, 1536)]
 
