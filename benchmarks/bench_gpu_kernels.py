@@ -882,7 +882,7 @@ def decode_linears(preset: str = "small") -> dict[tuple[str, int, int, bool], in
     and MoE's stacked input projections (FusedLinears, one GEMM at decode) and every DecodeLinear called on its
     own (not one of those stacked: the shared experts' gate and up; not KDA's f_b, which the one-kernel decode
     step reads itself)."""
-    from k3.ops.fused_linear import ROW_ALIGN, FusedLinears
+    from k3.ops.fused_linear import FusedLinears, aligned_rows
     cfg = K3Config.preset(preset)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
@@ -891,9 +891,8 @@ def decode_linears(preset: str = "small") -> dict[tuple[str, int, int, bool], in
         for value in vars(module).values():
             if isinstance(value, FusedLinears):
                 stacked.update(id(lin) for lin in value.linears)
-                rows = sum(lin.out_features for lin in value.linears)  # (its stacked weight pads them, as here)
-                key = (f"{type(module).__name__} input projections", rows + -rows % ROW_ALIGN,
-                       value.linears[0].in_features, False)
+                rows = aligned_rows(sum(lin.out_features for lin in value.linears))  # (the stacked weight's)
+                key = (f"{type(module).__name__} input projections", rows, value.linears[0].in_features, False)
                 shapes[key] = shapes.get(key, 0) + 1
     for name, module in model.named_modules():
         short = name.rpartition(".")[2]
@@ -960,8 +959,9 @@ def _applies(key: str, form: str) -> bool:
 
 def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
     """The kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at o_proj's [1536, 1536] and KDA's stacked input
-    projections [6288, 1536] (6,284 rows padded to ROW_ALIGN), at `row_counts` rows (--gemv-rows; default 1 and 8). Each form's entries are swept
-    where `plan` takes it (fma, dot, wide; dot_stages for both dot tiles)."""
+    projections [6288, 1536] (6,284 rows padded: fused_linear.aligned_rows), at `row_counts` rows (--gemv-rows;
+    default 1 and 8). Each form's entries are swept where `plan` takes it (fma, dot, wide; dot_stages for both dot
+    tiles)."""
     from k3.ops import _gemv_triton  # (needs triton)
     out = []
     variants = [{}, dict(fma_block_n=4), dict(fma_block_n=16), dict(fma_tile_elems=4096),

@@ -85,10 +85,15 @@ def _stacked(*weights: torch.Tensor) -> torch.Tensor:
 ROW_ALIGN = 8
 
 
+def aligned_rows(rows: int) -> int:
+    """`rows` rounded up to a multiple of ROW_ALIGN: the stacked weight's rows."""
+    return rows + -rows % ROW_ALIGN
+
+
 def _stacked_aligned(*weights: torch.Tensor) -> torch.Tensor:
-    """The weights side by side along dim 0, then zero rows up to a multiple of ROW_ALIGN (outputs never read)."""
+    """The weights side by side along dim 0, then zero rows up to `aligned_rows` (outputs never read)."""
     w = _stacked(*weights)
-    pad = -w.shape[0] % ROW_ALIGN
+    pad = aligned_rows(w.shape[0]) - w.shape[0]
     return torch.cat([w, w.new_zeros(pad, *w.shape[1:])]) if pad else w
 
 
