@@ -12,14 +12,15 @@ for weights up to 10M elements (--pdl-gemv: k3.ops.gemv.WIN_WEIGHT_ELEMS raised,
 projections, cuBLAS's today, join the PDL chain; lm_head and the dense MLP's gate+up stay cuBLAS's), "graph+gemv"
 that GEMV without PDL (--gemv), "graph+gemv≤N rows" that GEMV at batches up to N rows too (--gemv-rows N: its
 32/64-row tiles, and the MoE's shared down + routed up as one launch), "graph+pdl-prefetch" PDL's launches
-without its L2 prefetches (--pdl-no-prefetch, K3_NO_PDL_PREFETCH).
+without its L2 prefetches (--pdl-no-prefetch, K3_NO_PDL_PREFETCH), "graph+MODULE:k=v" the graph captured with
+that kernel module's LAUNCH entries changed (--launch, repeatable: launch candidates judged by the whole step).
 Memory roofline per step = bytes that must be read: every dense weight once (embedding row only), the
 routed experts the batch touches (expected distinct experts E·(1-(1-k/E)^B) per MoE layer), lm_head,
 each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer's cached latent+k_extra read
 once. Fraction =
 (bytes / copy bandwidth measured in the same run) / measured step time. Target (issue 6): batch-1 >= 60%.
 Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--pdl] [--pdl-no-prefetch] [--gemv]
-[--gemv-rows 64] [--pdl-gemv] [--contexts 4096] [--batches 1,8]
+[--gemv-rows 64] [--pdl-gemv] [--launch MODULE:k=v] [--contexts 4096] [--batches 1,8]
 """
 import argparse
 import contextlib
@@ -29,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import measure_ceilings, save, table, time_ms  # noqa: E402
+from gpu_bench_util import changed_launch, measure_ceilings, parse_launch, save, table, time_ms  # noqa: E402
 
 from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
@@ -81,11 +82,18 @@ def main():
     ap.add_argument("--gemv-rows", type=int, default=0, metavar="N",
                     help="also time it with decode's GEMV for the input projections at batches up to N rows (≤ 64)")
     ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
+    ap.add_argument("--launch", action="append", default=[], metavar="MODULE:k=v[,k=v]",
+                    help="also time the graph captured with a kernel's LAUNCH changed (repeatable), e.g. "
+                         "_moe_expert_major_triton:down_block_l=128: candidates judged by the step, in one run")
     ap.add_argument("--opt-in", default="", help="comma-separated opt-in kernel modules (k3.ops.triton_dispatch.OPT_IN, "
                     "e.g. _attn_res_route_triton): also time the graph with them on")
     a = ap.parse_args()
     if a.gemv_rows > gemv.MAX_ROWS:
         ap.error(f"--gemv-rows {a.gemv_rows}: the GEMV kernel runs at most {gemv.MAX_ROWS} rows")
+    try:
+        launches = [(spec, *parse_launch(spec)) for spec in a.launch]
+    except (ImportError, ValueError) as e:
+        ap.error(str(e))
     graphs = [("graph", contextlib.nullcontext)]
     if a.pdl:
         graphs.append(("graph+pdl", lambda: envs.override(pdl=True)))
@@ -100,6 +108,8 @@ def main():
     if a.opt_in:
         names = tuple(a.opt_in.split(","))
         graphs.append((f"graph+{a.opt_in}", lambda: envs.override(triton_opt_in=names)))
+    for spec, launch, change in launches:  # (bound now: a lambda in the loop would see the last one)
+        graphs.append((f"graph+{spec}", lambda launch=launch, change=change: changed_launch(launch, change)))
     ceil = measure_ceilings()
     copy_bw = ceil["copy_TBps"] * 1e12
     print(ceil, flush=True)

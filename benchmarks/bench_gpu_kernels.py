@@ -58,7 +58,6 @@ document mask (`doc_attention_rows`).
 the add separate (K3_NO_RESIDUAL_ADD_FOLD; `residual_add_rows`).
 """
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -67,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import PEAK_BF16, fwd_bwd, measure_ceilings, save, table, time_ms  # noqa: E402
+from gpu_bench_util import PEAK_BF16, changed_launch, fwd_bwd, measure_ceilings, save, table, time_ms  # noqa: E402
 
 from k3 import envs  # noqa: E402
 from k3.model.attn_res import attn_res_mix  # noqa: E402
@@ -788,7 +787,7 @@ def moe_slot_sweep(bw: float) -> list[dict]:
                dict(gate_up_block_l=128), dict(gate_up_block_l=1024), dict(num_warps=2), dict(num_warps=8)]
     out = []
     for change in changes:
-        with _changed(kernel.LAUNCH, change):
+        with changed_launch(kernel.LAUNCH, change):
             out += [dict(row, op="MoE slot-major", launch=_label(change), splits=None,
                          of_floor=row["floor_us"] / row["us"])
                     for row in moe_expert_rows(bw, batches=(1, 2), impls=("slot-major",))]
@@ -848,17 +847,6 @@ def kda_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
     return out
 
 
-@contextlib.contextmanager
-def _changed(launch: dict, change: dict):
-    """`launch` (a kernel module's LAUNCH) with `change` applied inside the block, its values put back after."""
-    saved = dict(launch)
-    launch.update(change)
-    try:
-        yield
-    finally:
-        launch.update(saved)
-
-
 def _label(change: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in change.items()) or "default"
 
@@ -869,7 +857,7 @@ def _launch_rows(op: str, launch: dict, changes: list[dict], n: int, fn, floor_u
     fn(a) for a in args, splits() the programs the launch splits the work over."""
     out = []
     for change in changes:
-        with _changed(launch, change), torch.no_grad():
+        with changed_launch(launch, change), torch.no_grad():
             parts, us = splits(), _graphed_us(fn, args)
         out.append(dict(op=op, rows=n, launch=_label(change), splits=parts, us=us, floor_us=floor_us,
                         of_floor=floor_us / us))
@@ -979,7 +967,7 @@ def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
             for change in variants:
                 if not all(_applies(key, form) for key in change):  # a form not taken at M rows
                     continue
-                with _changed(_gemv_triton.LAUNCH, change):
+                with changed_launch(_gemv_triton.LAUNCH, change):
                     out.append(dict(op="gemv", launch=_label(change), **time_gemv(N, K, M, False, "triton", bw)))
                 print(out[-1], flush=True)
             out.append(dict(op="gemv", launch="cublas", **time_gemv(N, K, M, False, "cublas", bw)))
@@ -1047,7 +1035,7 @@ def moe_expert_sweep(bw: float) -> list[dict]:
                 dict(stages=4), dict(warps=8), dict(scan=64), dict(wide_m_from=0)]
     out = []
     for change in variants:
-        with _changed(kernels.LAUNCH, change):
+        with changed_launch(kernels.LAUNCH, change):
             out += [dict(row, launch=_label(change)) for row in moe_expert_rows(bw, impls=("expert-major",))]
     return out
 

@@ -1,7 +1,9 @@
 """Shared helpers for the bench_gpu_*.py scripts: event timing, environment stamp, result files."""
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib
 import json
 import os
 import statistics
@@ -128,3 +130,30 @@ def _fmt(v):
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
+
+
+@contextlib.contextmanager
+def changed_launch(launch: dict, change: dict):
+    """`launch` (a kernel module's LAUNCH) with `change` applied inside the block, its values put back after."""
+    saved = dict(launch)
+    launch.update(change)
+    try:
+        yield
+    finally:
+        launch.update(saved)
+
+
+def parse_launch(spec: str) -> tuple[dict, dict]:
+    """"MODULE:k=v[,k=v]" (a kernel module of k3.ops, e.g. _moe_expert_major_triton:down_block_l=128) → (its LAUNCH,
+    the change); values read as int, then true/false, else kept as text. An unknown module or key is an error."""
+    module, _, pairs = spec.partition(":")
+    launch = getattr(importlib.import_module(f"k3.ops.{module}"), "LAUNCH", None)
+    if launch is None or not pairs:
+        raise ValueError(f"--launch {spec!r}: expected MODULE:k=v[,k=v] with MODULE a k3.ops kernel module with LAUNCH")
+    change = {}
+    for pair in pairs.split(","):
+        key, _, value = pair.partition("=")
+        if key not in launch:
+            raise ValueError(f"--launch {spec!r}: {module}.LAUNCH has no {key!r} (it has {sorted(launch)})")
+        change[key] = int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value)
+    return launch, change
