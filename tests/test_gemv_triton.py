@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -15,6 +14,7 @@ pytest.importorskip("triton")
 from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from graphed_decode import bf16_tiny, graphed_decode_logits  # noqa: E402
 from k3.ops import _gemv_triton, gemv  # noqa: E402
 from k3.ops.fused_linear import fuse_projections  # noqa: E402
 from k3.ops.gemv import DecodeLinear, force_gemv, kernel_wins, linear, use_gemv  # noqa: E402
@@ -336,29 +336,21 @@ def test_cuda_kernel_at_small_decode_shapes(M):
 def test_bf16_graphed_decode_through_the_kernel(kernel_calls):
     """A bf16 tiny model's graphed decode (and the same compiled) with the kernel (on by default) stays within bf16
     tolerance of the graphed decode without it and of the full forward."""
-    from k3.model.cuda_graph import GraphedDecodeStep
-    from k3.model.generate import chunked_prefill
-
     def rel_err(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm())
 
-    torch.manual_seed(1)
-    cfg = K3Config.preset("tiny")
-    model = K3ForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
+    model = bf16_tiny(1)
     B, T, n = 3, 40, 5
-    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device="cuda")
-    logits = {}
+    ids = torch.randint(0, model.config.vocab_size, (B, T + n), device="cuda")
     with torch.no_grad():
         full = model(ids).logits.float()
-        for case in ("kernel", "plain", "compiled"):
-            launched = len(kernel_calls)
-            with envs.override(**({"no_triton": "_gemv_triton"} if case == "plain" else {})):  # on by default
-                cache = model.new_cache(B, T + n)
-                chunked_prefill(model, ids[:, :T], cache, 16)
-                step = GraphedDecodeStep(model, cache, compile=case == "compiled")
-                logits[case] = torch.stack([step.step(ids[:, t]).float() for t in range(T, T + n)], 1)
-            if case != "compiled":  # (compiled: the custom op inside the graph, not this Python seam)
-                assert (len(kernel_calls) > launched) == (case == "kernel"), case
+    logits = {}
+    for case in ("kernel", "plain", "compiled"):
+        launched = len(kernel_calls)
+        with envs.override(**({"no_triton": "_gemv_triton"} if case == "plain" else {})):  # on by default
+            logits[case] = graphed_decode_logits(model, ids, T, compile=case == "compiled").float()
+        if case != "compiled":  # (compiled: the custom op inside the graph, not this Python seam)
+            assert (len(kernel_calls) > launched) == (case == "kernel"), case
     assert rel_err(logits["kernel"], logits["plain"]) < 2e-2
     assert rel_err(logits["kernel"], full[:, T:]) < 3e-2
     assert rel_err(logits["compiled"], logits["kernel"]) < 2e-2

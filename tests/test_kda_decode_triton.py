@@ -15,6 +15,7 @@ import k3.model.kda as kda_model  # noqa: E402
 from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
+from graphed_decode import bf16_tiny, graphed_decode_logits  # noqa: E402
 from k3.ops import kda_decode, triton_dispatch  # noqa: E402
 from k3.ops.kda_core import force_backend  # noqa: E402
 from k3.ops.triton_dispatch import triton_module  # noqa: E402
@@ -260,29 +261,21 @@ def test_bf16_graphed_decode_takes_the_kernel_and_matches_the_unfused_step(kerne
     """On CUDA the default selection takes the kernel; a bf16 model's graphed decode (and the same compiled)
     stays within bf16 tolerance of the unfused graphed decode (K3_NO_TRITON=_kda_decode_triton) and of the
     full forward."""
-    from k3.model.cuda_graph import GraphedDecodeStep
-    from k3.model.generate import chunked_prefill
-
     def rel_err(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm())
 
-    torch.manual_seed(1)
-    cfg = K3Config.preset("tiny")
-    model = K3ForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
+    model = bf16_tiny(1)
     B, T, n = 3, 40, 5
-    ids = torch.randint(0, cfg.vocab_size, (B, T + n), device="cuda")
-    logits = {}
+    ids = torch.randint(0, model.config.vocab_size, (B, T + n), device="cuda")
     with torch.no_grad():
         full = model(ids).logits.float()
-        for case in ("fused", "unfused", "compiled"):
-            with envs.override(no_triton="_kda_decode_triton" if case == "unfused" else frozenset(),
-                               triton_opt_in="_kda_decode_triton"):  # (taken even if listed as opt-in)
-                cache = model.new_cache(B, T + n)
-                chunked_prefill(model, ids[:, :T], cache, 16)
-                step = GraphedDecodeStep(model, cache, compile=case == "compiled")
-                logits[case] = torch.stack([step.step(ids[:, t]).float() for t in range(T, T + n)], 1)
-            if case == "fused":
-                assert kernel_calls, "the default selection did not take the kernel on CUDA"
+    logits = {}
+    for case in ("fused", "unfused", "compiled"):
+        with envs.override(no_triton="_kda_decode_triton" if case == "unfused" else frozenset(),
+                           triton_opt_in="_kda_decode_triton"):  # (taken even if listed as opt-in)
+            logits[case] = graphed_decode_logits(model, ids, T, compile=case == "compiled").float()
+        if case == "fused":
+            assert kernel_calls, "the default selection did not take the kernel on CUDA"
     assert rel_err(logits["fused"], logits["unfused"]) < 2e-2
     assert rel_err(logits["fused"], full[:, T:]) < 3e-2
     assert rel_err(logits["compiled"], logits["fused"]) < 2e-2

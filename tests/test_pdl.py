@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
 
+from graphed_decode import bf16_tiny, graphed_decode_logits  # noqa: E402
 from k3 import envs  # noqa: E402
 from k3.ops import _pdl_triton as pdl  # noqa: E402
 from k3.ops.kda_decode import force_fused_decode, kda_decode_step  # noqa: E402
@@ -290,23 +291,13 @@ def test_a_graphed_decode_step_with_pdl_equals_one_without(batch):
     its predecessor's output before the wait would read it stale)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs compute capability 9.0")
-    from k3.config import K3Config
-    from k3.model.cuda_graph import GraphedDecodeStep
-    from k3.model.decoder import K3ForCausalLM
-    from k3.model.generate import chunked_prefill
-
-    torch.manual_seed(2)
-    cfg = K3Config.preset("tiny")
-    model = K3ForCausalLM(cfg).cuda().to(bf16).eval()
+    model = bf16_tiny(2)
     T, n = 24, 6
-    ids = torch.randint(0, cfg.vocab_size, (batch, T + n), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch, T + n), device="cuda")
     logits = []
     for on in (False, False, True):  # two captures without PDL first: the step must be deterministic for the check
-        with torch.no_grad(), envs.override(pdl=on):
-            cache = model.new_cache(batch, T + n)
-            chunked_prefill(model, ids[:, :T], cache, 16)
-            step = GraphedDecodeStep(model, cache)
-            logits.append(torch.stack([step.step(ids[:, t]).clone() for t in range(T, T + n)]))
+        with envs.override(pdl=on):
+            logits.append(graphed_decode_logits(model, ids, T))
     assert torch.equal(logits[0], logits[1]), "two captures without PDL differ: the comparison below means nothing"
     assert torch.equal(logits[0], logits[2])
 
