@@ -1031,8 +1031,9 @@ def moe_expert_sweep(bw: float) -> list[dict]:
     from k3.ops import _moe_expert_major_triton as kernels  # (needs triton)
     moe_expert_rows(bw, impls=("expert-major",))
     variants = [{}, dict(prefetch=True), dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
-                dict(down_block_l=32), dict(down_block_l=128), dict(down_block_i=128), dict(stages=2),
-                dict(stages=4), dict(warps=8), dict(scan=64), dict(wide_m_from=0)]
+                dict(down_block_l=32), dict(down_block_l=128), dict(wide_l_from=0), dict(wide_l_from=1 << 20),
+                dict(down_block_i=128), dict(stages=2), dict(stages=4), dict(warps=8), dict(scan=64),
+                dict(wide_m_from=0)]
     out = []
     for change in variants:
         with changed_launch(kernels.LAUNCH, change):

@@ -1,7 +1,7 @@
 """Registers and spills of the expert-major decode MoE kernels (k3.ops._moe_expert_major_triton) compiled for
 sm_90 without a GPU (Triton's own ptxas, as benchmarks/sass_gemv.py does): at `small`'s widths (latent 768,
-expert width 512, 64 experts, top-8), bf16, at batch 64 and 128 (16 and 32 slots a pass), the launch shapes of
-`LAUNCH`: registers a thread, spill bytes (STACK), the shared memory of the pipelined loop, the CTAs an SM those
+expert width 512, 64 experts, top-8), bf16, at batch 8, 64 and 128 (16, 16 and 32 slots a pass; down's 64, 128 and
+128 rows of W2 a program), the launch shapes of `LAUNCH`: registers a thread, spill bytes (STACK), the shared memory of the pipelined loop, the CTAs an SM those
 allow, the programs of the launch and the waves they make on 132 SMs (every expert's programs; an expert no slot
 chose ends after its scan), and the weight bytes each program reads a loop step. The integer arguments are
 specialised as a batch-64 launch specialises them (S = N·k, z's row stride and L multiples of 16).
@@ -25,25 +25,25 @@ COMBINE = {"y_ptr": "*fp32", "idx_ptr": "*i64", "wt_ptr": "*fp32", "out_ptr": "*
 
 
 def main():
-    for batch in (64, 128):  # 16 slots a pass, then 32 (kernels.block_m)
+    for batch in (8, 64, 128):  # 16 slots a pass, then 32 (kernels.block_m); 64 or 128 W2 rows (kernels.down_block_l)
         launches(batch)
 
 
 def launches(batch: int):
     p = kernels.LAUNCH
-    bm = kernels.block_m(batch * TOP_K, E)
+    bm, rows_l = kernels.block_m(batch * TOP_K, E), kernels.down_block_l(batch * TOP_K, E)
     common = dict(BLOCK_M=bm, SCAN=p["scan"], STAGES=p["stages"], DOT_IN_FP32=False)
     launches = [
         ("gate+up", kernels._gate_up_kernel, GATE_UP,
          dict(TOP_K=TOP_K, I=I, L=L, BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=False, **common),
          E * -(-I // p["gate_up_block_i"]), 2 * p["gate_up_block_i"] * p["gate_up_block_l"] * 2),
         ("down", kernels._down_kernel, DOWN,
-         dict(I=I, L=L, BLOCK_L=p["down_block_l"], BLOCK_I=p["down_block_i"], **common),
-         E * -(-L // p["down_block_l"]), p["down_block_l"] * p["down_block_i"] * 2),
+         dict(I=I, L=L, BLOCK_L=rows_l, BLOCK_I=p["down_block_i"], **common),
+         E * -(-L // rows_l), rows_l * p["down_block_i"] * 2),
         ("combine", kernels._combine_kernel, COMBINE, dict(TOP_K=TOP_K, BLOCK=p["combine_block"]),
          batch * -(-L // p["combine_block"]), 0),
     ]
-    print(f"small: E={E}, L={L}, I={I}, top-{TOP_K}, bf16, batch {batch}: block_m={bm}, stages={p['stages']}, "
+    print(f"small: E={E}, L={L}, I={I}, top-{TOP_K}, bf16, batch {batch}: block_m={bm}, down rows {rows_l}, stages={p['stages']}, "
           f"warps={p['warps']}")
     print("| launch | REG | STACK | shared bytes | CTAs an SM | programs | waves | W bytes a step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

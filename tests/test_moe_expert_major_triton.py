@@ -138,6 +138,31 @@ def test_passes_of_32_slots_from_the_launch_threshold(monkeypatch):
     assert rel_err(out, want) < 1e-5
 
 
+@pytest.mark.parametrize("N", [7, 8])
+def test_down_takes_wide_w2_tiles_from_the_launch_threshold(N, monkeypatch):
+    """From LAUNCH["wide_l_from"] (4) slots an expert on average, down's programs take 128 rows of W2 each (across
+    L = 200: two programs an expert, the second cut at the edge) instead of 64 (four); either way the result is the
+    reference's. N = 7 tokens × top-4 over 8 experts is 3.5 slots an expert, N = 8 is 4."""
+    launched = []
+    down = kernels._down_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launched.append((grid, meta["BLOCK_L"]))
+                return down[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(kernels, "_down_kernel", Recording())
+    E, L, I = 8, 200, 48
+    rows_l = 128 if N * 4 >= 4 * E else 64
+    assert kernels.down_block_l(N * 4, E) == rows_l
+    z, idx, wt, w1, w3, w2 = case(N, 4, E, L, I, seed=N)
+    out, want = run(z, idx, wt, w1, w3, w2)
+    assert rel_err(out, want) < 1e-5
+    assert launched == [((E, -(-L // rows_l)), rows_l)]
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the interpreter's calls of a jitted helper (no seam in a "
                     "compiled kernel)")
 def test_each_chosen_expert_tile_is_read_once_per_16_slots_and_no_other(monkeypatch):

@@ -31,9 +31,11 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 # prefetch: each program puts its first prefetch_steps steps of weight rows in flight into L2 first, so that its
 # scan of the routing ids does not hold them back, and keeps that many steps ahead (always under PDL:
 # k3.ops._pdl_triton); untimed.
-# wide_m_from: the average slots an expert from which a pass takes 32 slots (`block_m`).
+# wide_m_from: the average slots an expert from which a pass takes 32 slots (`block_m`); wide_l_from: the same
+# from which down takes down_wide_block_l rows of W2 a program (`down_block_l`).
 LAUNCH = dict(gate_up_block_i=64, gate_up_block_l=64, down_block_l=64, down_block_i=64, stages=3, warps=4,
-              scan=128, combine_block=256, prefetch=False, prefetch_steps=4, wide_m_from=12)
+              scan=128, combine_block=256, prefetch=False, prefetch_steps=4, wide_m_from=12,
+              down_wide_block_l=128, wide_l_from=4)
 
 
 def block_m(slots: int, experts: int) -> int:
@@ -44,6 +46,17 @@ def block_m(slots: int, experts: int) -> int:
     them; yet wide_m_from=0, passes of 32 from the first slot, was slower there: H100, session 35, `--moe-sweep`,
     110 µs against 91.5.)"""
     return 32 if slots > LAUNCH["wide_m_from"] * experts else 16
+
+
+def down_block_l(slots: int, experts: int) -> int:
+    """Rows of W2 a down program reads: LAUNCH["down_wide_block_l"] (128) once the experts average at least
+    LAUNCH["wide_l_from"] (4) slots, where every expert is busy (small at batch 32: 64·(1−(7/8)³²) ≈ 63.9 of 64) and
+    half the programs, each twice the rows, still fill the card; down_block_l (64) below, where few experts run and
+    the launch wants more programs. Measured with the warmed `--moe-sweep` at small's widths: at 64 tokens 128 rows
+    took 77.1 µs against 81.8 (H100) and 63.2 against 66.4 (H200); at 8 tokens 51.7 against 47.3 and 41.7 against
+    39.5 (session 36)."""
+    wide = slots >= LAUNCH["wide_l_from"] * experts
+    return LAUNCH["down_wide_block_l"] if wide else LAUNCH["down_block_l"]
 
 
 @triton.jit
@@ -203,10 +216,10 @@ def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
             BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=z.dtype == torch.float32, **common,
             PREFETCH=prefetch, PF_STEPS=p["prefetch_steps"], PF_CHUNKS=max(1, 32 * p["warps"] // p["gate_up_block_i"]),
             **launch)
-        _down_kernel[(E, triton.cdiv(L, p["down_block_l"]))](
-            h, idx, w2, y, N * k, I=I, L=L, BLOCK_L=p["down_block_l"], BLOCK_I=p["down_block_i"], **common,
-            PREFETCH=prefetch, PF_STEPS=p["prefetch_steps"], PF_CHUNKS=max(1, 32 * p["warps"] // p["down_block_l"]),
-            **launch)
+        rows_l = down_block_l(N * k, E)
+        _down_kernel[(E, triton.cdiv(L, rows_l))](
+            h, idx, w2, y, N * k, I=I, L=L, BLOCK_L=rows_l, BLOCK_I=p["down_block_i"], **common,
+            PREFETCH=prefetch, PF_STEPS=p["prefetch_steps"], PF_CHUNKS=max(1, 32 * p["warps"] // rows_l), **launch)
         block = min(p["combine_block"], triton.next_power_of_2(L))
         _combine_kernel[(N, triton.cdiv(L, block))](y, idx, weights, out, E, L, TOP_K=k, BLOCK=block, num_warps=4,
                                                     **launch)
