@@ -82,7 +82,7 @@ def assert_k3_follows_one_process(states: list[dict]) -> None:
                 assert not torch.equal(p, start[n]), n
                 # Muon's momentum and Newton-Schulz run in float32: a last-bit difference in a summed gradient
                 # rounds one way or the other there, and Newton-Schulz's five steps carry it into the update (seen:
-                # up to 1.3e-5 of the largest move, 2.4e-7 of 0.018, on an AVX2 CPU, session 36). The bound is 1e-4
+                # up to 1.3e-5 of the largest move, 2.4e-7 of 0.018, on an AVX-512 CPU, session 36). The bound is 1e-4
                 # of that move; a wrong update (a shard missed, a wrong scale) is off by the order of the move itself.
                 atol = max(atol, 1e-4 * float((p.detach() - start[n]).abs().max()))
             torch.testing.assert_close(state[n], p.detach(), rtol=1e-6, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
