@@ -1,9 +1,10 @@
 """Registers and spills of the expert-major decode MoE kernels (k3.ops._moe_expert_major_triton) compiled for
 sm_90 without a GPU (Triton's own ptxas, as benchmarks/sass_gemv.py does): at `small`'s widths (latent 768,
 expert width 512, 64 experts, top-8), bf16, at batch 8, 64 and 128 (16, 16 and 32 slots a pass; down's 64, 128 and
-128 rows of W2 a program), the launch shapes of `LAUNCH`: registers a thread, spill bytes (STACK), the shared memory of the pipelined loop, the CTAs an SM those
-allow, the programs of the launch and the waves they make on 132 SMs (every expert's programs; an expert no slot
-chose ends after its scan), and the weight bytes each program reads a loop step. The integer arguments are
+128 rows of W2 a program), the launch shapes of `LAUNCH`: registers a thread, spill bytes (STACK), the shared
+memory of the pipelined loop, the CTAs an SM those allow, the programs of the launch and the waves they make on 132
+SMs (every expert's programs; an expert no slot chose ends after its scan), and the weight bytes each program reads
+a loop step. The integer arguments are
 specialised as a batch-64 launch specialises them (S = N·k, z's row stride and L multiples of 16).
 
 Run: python benchmarks/sass_moe_expert_major.py   (needs triton; no CUDA device)
@@ -43,8 +44,8 @@ def launches(batch: int):
         ("combine", kernels._combine_kernel, COMBINE, dict(TOP_K=TOP_K, BLOCK=p["combine_block"]),
          batch * -(-L // p["combine_block"]), 0),
     ]
-    print(f"small: E={E}, L={L}, I={I}, top-{TOP_K}, bf16, batch {batch}: block_m={bm}, down rows {rows_l}, stages={p['stages']}, "
-          f"warps={p['warps']}")
+    print(f"small: E={E}, L={L}, I={I}, top-{TOP_K}, bf16, batch {batch}: block_m={bm}, down rows {rows_l}, "
+          f"stages={p['stages']}, warps={p['warps']}")
     print("| launch | REG | STACK | shared bytes | CTAs an SM | programs | waves | W bytes a step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, fn, signature, consts, programs, step_bytes in launches:

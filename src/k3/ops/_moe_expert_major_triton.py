@@ -50,11 +50,11 @@ def block_m(slots: int, experts: int) -> int:
 
 def down_block_l(slots: int, experts: int) -> int:
     """Rows of W2 a down program reads: LAUNCH["down_wide_block_l"] (128) once the experts average at least
-    LAUNCH["wide_l_from"] (4) slots, where every expert is busy (small at batch 32: 64·(1−(7/8)³²) ≈ 63.9 of 64) and
-    half the programs, each twice the rows, still fill the card; down_block_l (64) below, where few experts run and
-    the launch wants more programs. Measured with the warmed `--moe-sweep` at small's widths: at 64 tokens 128 rows
-    took 77.1 µs against 81.8 (H100) and 63.2 against 66.4 (H200); at 8 tokens 51.7 against 47.3 and 41.7 against
-    39.5 (session 36)."""
+    LAUNCH["wide_l_from"] (4) slots, where every expert is busy (small at batch 32: 64·(1−(7/8)³²) ≈ 63.9 of
+    64) and half the programs, each twice the rows, still fill the card; down_block_l (64) below, where few
+    experts run and the launch wants more programs. Measured with the warmed `--moe-sweep` at small's widths: at
+    64 tokens 128 rows took 77.1 µs against 81.8 (H100) and 63.2 against 66.4 (H200); at 8 tokens 51.7 against
+    47.3 and 41.7 against 39.5 (session 36)."""
     wide = slots >= LAUNCH["wide_l_from"] * experts
     return LAUNCH["down_wide_block_l"] if wide else LAUNCH["down_block_l"]
 
