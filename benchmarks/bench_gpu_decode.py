@@ -82,6 +82,9 @@ def main():
     ap.add_argument("--gemv-rows", type=int, default=0, metavar="N",
                     help="also time it with decode's GEMV for the input projections at batches up to N rows (≤ 64)")
     ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
+    ap.add_argument("--fused-rows", type=int, action="append", default=[], metavar="N",
+                    help="also time it with decode's GEMV taking the linears with a prologue (norm, GLU, output gate; "
+                         "the MoE's shared down + routed up pair) up to N rows (k3.ops.gemv.FUSED_WIN_ROWS; repeatable)")
     ap.add_argument("--launch", action="append", default=[], metavar="MODULE:k=v[,k=v]",
                     help="also time the graph captured with a kernel's LAUNCH changed (repeatable), e.g. "
                          "_moe_expert_major_triton:down_block_l=128: candidates judged by the step, in one run")
@@ -105,6 +108,8 @@ def main():
         graphs.append((f"graph+gemv≤{a.gemv_rows} rows", lambda: _gemv_up_to(10_000_000, a.gemv_rows)))
     if a.pdl_gemv:
         graphs.append(("graph+pdl+gemv", lambda: _both(envs.override(pdl=True), _gemv_up_to(10_000_000))))
+    for n in a.fused_rows:
+        graphs.append((f"graph+fused≤{n} rows", lambda n=n: _fused_up_to(n)))
     if a.opt_in:
         names = tuple(a.opt_in.split(","))
         graphs.append((f"graph+{a.opt_in}", lambda: envs.override(triton_opt_in=names)))
@@ -174,6 +179,17 @@ def _gemv_up_to(elements: int, rows: int | None = None):
         yield
     finally:
         gemv.WIN_WEIGHT_ELEMS, gemv.WIN_ROWS = saved
+
+
+@contextlib.contextmanager
+def _fused_up_to(rows: int):
+    """Decode's GEMV taken for the linears with a prologue up to `rows` rows inside the block
+    (k3.ops.gemv.FUSED_WIN_ROWS)."""
+    saved, gemv.FUSED_WIN_ROWS = gemv.FUSED_WIN_ROWS, rows
+    try:
+        yield
+    finally:
+        gemv.FUSED_WIN_ROWS = saved
 
 
 if __name__ == "__main__":

@@ -108,6 +108,29 @@ def test_shape_rule_takes_the_kernel_only_where_it_won_on_the_h200(monkeypatch):
     assert not use_gemv(torch.zeros(1, 384), torch.zeros(2304, 384))
 
 
+def test_a_prologue_takes_the_kernel_up_to_the_fused_rows(monkeypatch):
+    """With a norm, a SiTU-GLU or an output gate before it (kernels of their own on cuBLAS's path) the kernel is
+    taken up to FUSED_WIN_ROWS rows, a plain linear still up to WIN_ROWS; the pair (two GEMMs and their add in one
+    launch) counts as fused; the weight bound holds either way."""
+    monkeypatch.setattr(gemv, "use_triton_op", lambda x, name: True)
+    monkeypatch.setattr(gemv, "FUSED_WIN_ROWS", 64)
+    x, w, big = torch.zeros(64, 1536), torch.zeros(1536, 1536), torch.zeros(6144, 1536)
+    with torch.no_grad():
+        assert not use_gemv(x, w)  # no prologue: cuBLAS past WIN_ROWS
+        assert not use_gemv(x, w, residual=torch.zeros(64, 1536))  # (cuBLAS sums a residual in its GEMM)
+        assert use_gemv(x, w, out_gate=torch.zeros(64, 1536))
+        assert use_gemv(x, w, glu_up=torch.zeros(64, 1536))
+        assert use_gemv(x, w, norm_weight=torch.ones(1536))
+        assert not use_gemv(torch.zeros(65, 1536), w, norm_weight=torch.ones(1536))  # past the fused rows
+        assert not use_gemv(x, big, norm_weight=torch.ones(1536))  # past the weight bound
+        r, up = torch.zeros(64, 768), torch.zeros(64, 1024)
+        assert gemv.use_gemv_pair(up, torch.zeros(1536, 1024), r, torch.zeros(1536, 768))  # no prologue: still fused
+    monkeypatch.setattr(gemv, "FUSED_WIN_ROWS", 4)  # the default: nothing past WIN_ROWS
+    with torch.no_grad():
+        assert not use_gemv(x, w, out_gate=torch.zeros(64, 1536))
+        assert use_gemv(x[:4], w, out_gate=torch.zeros(4, 1536))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_decode_takes_norm_up_and_shared_add_in_one_kernel(dtype, monkeypatch):
     """A tiny LatentMoE at 2 decode rows with the GEMV forced on: the routed norm is not run as its own op, the up

@@ -23,7 +23,7 @@ from k3.ops.fused_situ import situ_glu_fast
 from k3.ops.norm import rms_norm
 from k3.ops.triton_dispatch import Forced, call_op, triton_module, use_triton_op
 
-__all__ = ["MAX_ROWS", "WIN_ROWS", "WIN_WEIGHT_ELEMS", "kernel_wins", "linear_reference", "use_gemv", "force_gemv",
+__all__ = ["MAX_ROWS", "WIN_ROWS", "WIN_WEIGHT_ELEMS", "FUSED_WIN_ROWS", "kernel_wins", "linear_reference", "use_gemv", "force_gemv",
            "linear", "linear_pair_reference", "use_gemv_pair", "linear_pair", "DecodeLinear"]
 
 KERNELS = "_gemv_triton"
@@ -35,6 +35,11 @@ MAX_ROWS = 64  # what the kernel runs (a decode batch); where it is chosen is `k
 # lost on all but KDA's input projection. So: weights of at most 2.5M elements, at most 4 rows (the FMA tiles).
 WIN_ROWS = 4
 WIN_WEIGHT_ELEMS = 2_500_000
+# Where the linear comes with a prologue (a norm, a SiTU-GLU or an output gate before it), cuBLAS's path launches
+# that prologue as kernels of its own (RMSNorm 1, the GLU 1, σ(gate) ⊙ o 3), each a few µs of latency for a few KB
+# at a decode batch; the kernel reads it as it loads x. Up to FUSED_WIN_ROWS rows it is taken there: measured on
+# the whole step (`bench_gpu_decode.py --fused-rows N`, session 37; the tiles past 16 rows are the wide ones).
+FUSED_WIN_ROWS = 4
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -78,27 +83,30 @@ def _plain(t: torch.Tensor | None) -> bool:
     return t is None or type(t) in (torch.Tensor, nn.Parameter)  # not a DTensor or other subclass
 
 
-def kernel_wins(rows: int, n: int, k: int) -> bool:
+def kernel_wins(rows: int, n: int, k: int, prologue: bool = False) -> bool:
     """Whether the kernel is the faster choice for `rows` rows through an [n, k] weight (the H200's shape classes
-    above); cuBLAS elsewhere."""
-    return rows <= WIN_ROWS and n * k <= WIN_WEIGHT_ELEMS
+    above), `prologue`: with a norm, GLU or output gate before it that cuBLAS's path launches apart; cuBLAS
+    elsewhere."""
+    return rows <= (max(WIN_ROWS, FUSED_WIN_ROWS) if prologue else WIN_ROWS) and n * k <= WIN_WEIGHT_ELEMS
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-             glu_up: torch.Tensor | None = None, out_gate: torch.Tensor | None = None) -> bool:
+             glu_up: torch.Tensor | None = None, out_gate: torch.Tensor | None = None, fuses: bool = False) -> bool:
     """Whether `linear` takes the kernel: 1..MAX_ROWS rows, no gradient wanted, one float dtype throughout, a 2-D
     weight with contiguous rows, a residual of the output's shape, at most one prologue (a norm weight of x's
     width, or a GLU up or an output gate of x's shape with contiguous columns), no autocast, and either forced on
     or the kernel chosen for x
-    (k3.ops.triton_dispatch.use_triton_op, so inside torch.compile too) at a shape where it wins (`kernel_wins`)."""
+    (k3.ops.triton_dispatch.use_triton_op, so inside torch.compile too) at a shape where it wins (`kernel_wins`,
+    with its prologue counted; `fuses`: the caller's launch stands for more than this GEMM, as `linear_pair`'s)."""
     forced = force_gemv.value
     if forced is False or x.dim() == 0 or x.shape[-1] == 0:
         return False
     if not forced and not use_triton_op(x, KERNELS):
         return False  # (the CPU's training and tests leave here)
     rows = x.numel() // x.shape[-1]
-    if not forced and not (weight.dim() == 2 and kernel_wins(rows, weight.shape[0], weight.shape[1])):
+    prologue = fuses or any(t is not None for t in (norm_weight, glu_up, out_gate))
+    if not forced and not (weight.dim() == 2 and kernel_wins(rows, weight.shape[0], weight.shape[1], prologue)):
         return False
     fits = (0 < rows <= MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
             and weight.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -171,10 +179,12 @@ def linear_pair_reference(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tens
 def use_gemv_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
                   glu_up: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None) -> bool:
     """Whether `linear_pair` takes the one two-segment kernel: each linear would take the GEMV on its own
-    (`use_gemv`), their rows and outputs match, one dtype."""
+    (`use_gemv`, as a fused launch: the pair stands for two GEMMs, their add and their prologues), their rows and
+    outputs match, one dtype."""
     return (a.shape[:-1] == b.shape[:-1] and weight_a.dim() == weight_b.dim() == 2
             and weight_a.shape[0] == weight_b.shape[0] and a.dtype == b.dtype
-            and use_gemv(a, weight_a, glu_up=glu_up) and use_gemv(b, weight_b, norm_weight=norm_weight))
+            and use_gemv(a, weight_a, glu_up=glu_up, fuses=True)
+            and use_gemv(b, weight_b, norm_weight=norm_weight, fuses=True))
 
 
 def linear_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
