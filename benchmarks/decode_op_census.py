@@ -14,8 +14,8 @@ TRITON_INTERPRET=1 (the lead's /work/tvenv): the kernels are then chosen as on C
 references run and are counted. fla never runs off CUDA: at the default switches KDA's core is counted as k3's
 reference (fla's recurrent step is ~4 kernels there), with K3_TRITON=all it is k3's one-kernel step anyway.
 The decode GEMV (k3.ops.gemv; on by default since session 26) is chosen by its shape rule as on CUDA
-(`kernel_wins`: the narrow linears at <= 4 rows, where it beat cuBLAS; lm_head, the interpreter's slowest, is left
-to cuBLAS) and takes the MoE's routed norm, the shared experts' SiTU-GLU and their `+ s` with it (3 ops fewer a
+(`kernel_wins`: the narrow linears at <= 4 rows, <= 16 with a norm, GLU or gate before them, where it beat cuBLAS;
+lm_head, the interpreter's slowest, is left to cuBLAS) and takes the MoE's routed norm, the shared experts' SiTU-GLU and their `+ s` with it (3 ops fewer a
 MoE layer); its op counts as one, and is one kernel where K is split too (session 31: the block's last split sums
 the splits). The float
 decode experts' two kernels are counted as launched, their values from the reference (the interpreter's pace).

@@ -4,10 +4,19 @@ ran it (the references here: no triton needed)."""
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from decode_op_census import Census, census_of_step, layer_counts, model_for  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _references(monkeypatch):
+    """The census of the references, whatever an earlier test module of this process set: the kernel tests set
+    TRITON_INTERPRET=1 at import, with which (triton installed) the census runs k3's kernels, as it is meant to on
+    the CPU, and counts MLA's cache writes inside the StaticCache kernel, not as index_copy_."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 @torch.library.custom_op("k3_census_test::two_adds", mutates_args=())

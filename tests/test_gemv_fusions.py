@@ -125,10 +125,12 @@ def test_a_prologue_takes_the_kernel_up_to_the_fused_rows(monkeypatch):
         assert not use_gemv(x, big, norm_weight=torch.ones(1536))  # past the weight bound
         r, up = torch.zeros(64, 768), torch.zeros(64, 1024)
         assert gemv.use_gemv_pair(up, torch.zeros(1536, 1024), r, torch.zeros(1536, 768))  # no prologue: still fused
-    monkeypatch.setattr(gemv, "FUSED_WIN_ROWS", 4)  # the default: nothing past WIN_ROWS
+    monkeypatch.undo()  # the default (16 rows, where it won on the step): a prologue's linear at 16 rows, not 17
+    monkeypatch.setattr(gemv, "use_triton_op", lambda x, name: True)
     with torch.no_grad():
-        assert not use_gemv(x, w, out_gate=torch.zeros(64, 1536))
-        assert use_gemv(x[:4], w, out_gate=torch.zeros(4, 1536))
+        assert use_gemv(x[:16], w, out_gate=torch.zeros(16, 1536))
+        assert not use_gemv(x[:17], w, out_gate=torch.zeros(17, 1536))
+        assert not use_gemv(x[:16], w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

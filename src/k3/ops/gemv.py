@@ -3,7 +3,8 @@
 At a decode batch a step's linears are matrix-vector products, or skinny GEMMs, that only have to read W once;
 cuBLAS reaches about a quarter of an H200's bandwidth on them (benchmarks/RESULTS.md, "Decode, issue 21"). `linear`
 is the one entry: with no gradient, plain CUDA tensors of one float dtype, a shape where the kernel beat cuBLAS on
-an H200 (`kernel_wins`: at most WIN_ROWS rows and a weight of at most WIN_WEIGHT_ELEMS elements) and the kernel
+an H200 (`kernel_wins`: at most WIN_ROWS rows, FUSED_WIN_ROWS where a prologue comes along, and a weight of at
+most WIN_WEIGHT_ELEMS elements) and the kernel
 switched on (k3.ops.triton_dispatch: `_gemv_triton`, on by default on CUDA since session 26; K3_NO_TRITON), it runs
 k3.ops._gemv_triton's kernel (the custom op `k3::decode_gemv`, so a torch.compile'd decode step keeps it); otherwise
 the plain `linear_reference` (cuBLAS). `DecodeLinear` is an nn.Linear whose forward is `linear` (and may take the
@@ -37,9 +38,12 @@ WIN_ROWS = 4
 WIN_WEIGHT_ELEMS = 2_500_000
 # Where the linear comes with a prologue (a norm, a SiTU-GLU or an output gate before it), cuBLAS's path launches
 # that prologue as kernels of its own (RMSNorm 1, the GLU 1, σ(gate) ⊙ o 3), each a few µs of latency for a few KB
-# at a decode batch; the kernel reads it as it loads x. Up to FUSED_WIN_ROWS rows it is taken there: measured on
-# the whole step (`bench_gpu_decode.py --fused-rows N`, session 37; the tiles past 16 rows are the wide ones).
-FUSED_WIN_ROWS = 4
+# at a decode batch; the kernel reads it as it loads x. Up to FUSED_WIN_ROWS rows it is taken there. Measured on
+# the whole step (`bench_gpu_decode.py --contexts 4096 --batches 4,8,16 --fused-rows 16`, H100, session 37, three
+# runs, ms): batch 8 1.94 / 1.94 / 1.93 -> 1.90 / 1.89 / 1.89, batch 16 2.25 / 2.24 / 2.24 -> 2.21 / 2.19 / 2.19
+# (MLA's q_b with its norm and o_proj with its gate, the MoE's shared down + routed up pair: 2-3 launches fewer a
+# layer); past 16 rows (the wide tiles) it lost: batch 32 2.66 -> 2.68, batch 64 3.30 -> 3.71 (`--fused-rows 64`).
+FUSED_WIN_ROWS = 16
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
