@@ -19,7 +19,8 @@ from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.ops import _moe_expert_major_triton as kernels  # noqa: E402
 from k3.ops.moe_decode import (EXPERT_MAJOR_MAX_SLOTS, force_expert_major, selected_experts_situ_mlp,  # noqa: E402
-                               selected_experts_situ_mlp_reference, use_expert_major)
+                               selected_experts_situ_mlp_reference, selected_experts_tail,
+                               selected_experts_tail_reference, use_expert_major)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -193,6 +194,62 @@ def test_each_chosen_expert_tile_is_read_once_per_16_slots_and_no_other(monkeypa
     assert len(calls) == blocks * (gate_up + down)
 
 
+@pytest.mark.parametrize("N,k,E,L,I,I_shared", [
+    (6, 4, 16, 40, 24, 48),  # widths no multiple of the tiles
+    (24, 8, 32, 96, 64, 1100),  # past 16 rows (where the step takes it), the GLU past one 1024-wide chunk
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_tail_equals_the_reference(N, k, E, L, I, I_shared, dtype, with_norm):
+    """The combine's launch with the routed norm and the shared experts' SiTU-GLU (their gate and up column slices of
+    one wider projection output, as LatentMoE's fused input projection gives them) against the three apart, in
+    float64 from the same rounded inputs: fp32 to 1e-5; bf16 within the output's rounding (the kernel rounds the
+    sum before its norm, as the module's rms_norm does, so the norm's input agrees to a bf16 ulp)."""
+    z, idx, wt, w1, w3, w2 = case(N, k, E, L, I, seed=N + k + L)
+    g = torch.Generator().manual_seed(N)
+    fused_in = torch.randn(N, 3 + 2 * I_shared, generator=g) * 3  # [.., gate, up] slices, rows strided
+    gate, up = fused_in[:, 3:3 + I_shared], fused_in[:, 3 + I_shared:]
+    norm_w = torch.rand(L, generator=g) + 0.5 if with_norm else None
+    z_, wt_, w1_, w3_, w2_, gate_, up_ = (t.to(DEVICE, dtype) for t in (z, wt, w1, w3, w2, gate, up))
+    nw_ = None if norm_w is None else norm_w.to(DEVICE, dtype)
+    with force_expert_major(True):
+        got_r, got_h = selected_experts_tail(z_, idx.to(DEVICE), wt_, w1_, w3_, w2_, (4.0, 25.0), nw_, 1e-5, gate_,
+                                             up_, (3.0, 20.0))
+    f64 = [None if t is None else t.cpu().double() for t in (z_, wt_, w1_, w3_, w2_, nw_, gate_, up_)]
+    want_r, want_h = selected_experts_tail_reference(f64[0], idx, *f64[1:5], (4.0, 25.0), f64[5], 1e-5, f64[6],
+                                                     f64[7], (3.0, 20.0))
+    assert got_r.shape == (N, L) and got_h.shape == (N, I_shared) and got_r.dtype == got_h.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert rel_err(got_h, want_h) < tol
+    assert rel_err(got_r, want_r) < (1e-5 if dtype == torch.float32 else 2 ** -6)
+    if with_norm:  # each row's rms is the norm weight's: the norm ran (not a plain sum)
+        rms = (got_r.double() / nw_.double()).pow(2).mean(-1).sqrt()
+        torch.testing.assert_close(rms.cpu(), torch.ones(N, dtype=torch.float64), rtol=2e-2, atol=0)
+
+
+def test_tail_is_declined_where_its_inputs_do_not_fit(monkeypatch):
+    """None (the caller runs the three apart) for GLU inputs that are not [N, I] rows with contiguous columns in
+    z's dtype, a norm weight of another width, wherever the expert-major kernels would not take the call, and
+    with the launch's `tail` off."""
+    z, idx, wt, w1, w3, w2 = (t.to(DEVICE) for t in case(6, 4, 16, 40, 24, seed=2))
+    gate = up = torch.zeros(6, 32, device=DEVICE)
+    args = (z, idx, wt, w1, w3, w2, (4.0, 25.0))
+    with force_expert_major(True):
+        assert selected_experts_tail(*args, None, 1e-5, gate, up, (4.0, 25.0)) is not None
+        assert selected_experts_tail(*args, None, 1e-5, gate.t().contiguous().t(), up, (4.0, 25.0)) is None
+        assert selected_experts_tail(*args, None, 1e-5, gate, up[:, :16], (4.0, 25.0)) is None
+        assert selected_experts_tail(*args, None, 1e-5, gate[:5], up[:5], (4.0, 25.0)) is None
+        assert selected_experts_tail(*args, None, 1e-5, gate.double(), up.double(), (4.0, 25.0)) is None
+        assert selected_experts_tail(*args, torch.ones(39, device=DEVICE), 1e-5, gate, up, (4.0, 25.0)) is None
+        assert selected_experts_tail(z[:1], idx[:1], wt[:1], w1, w3, w2, (4.0, 25.0), None, 1e-5, gate[:1], up[:1],
+                                     (4.0, 25.0)) is None  # 4 slots: the slot-major kernel's
+    with force_expert_major(False):
+        assert selected_experts_tail(*args, None, 1e-5, gate, up, (4.0, 25.0)) is None
+    monkeypatch.setitem(kernels.LAUNCH, "tail", False)
+    with force_expert_major(True):
+        assert selected_experts_tail(*args, None, 1e-5, gate, up, (4.0, 25.0)) is None
+
+
 def test_no_slots_gives_an_empty_sum():
     z, idx, wt, w1, w3, w2 = case(0, 4, 8, 40, 24, seed=1, idx=torch.zeros(0, 4, dtype=torch.long))
     out = kernels.expert_major_situ_mlp(z.to(DEVICE), idx.to(DEVICE), wt.to(DEVICE), w1.to(DEVICE),
@@ -243,14 +300,17 @@ def test_dispatch_takes_the_op_and_compiles_as_one_call():
 def test_tiny_model_batched_decode_through_the_kernel_equals_the_full_forward(monkeypatch):
     """fp32 tiny model (16 experts, top-4), 3 sequences: a prefill of 5 tokens (60 slots) and 2 decode steps
     (12 slots, past the slot kernel's 4) with the kernel forced on, against one full forward on the grouped
-    path; the kernel ran at every MoE layer of every step."""
+    path; the kernel, with the routed norm and the shared GLU in its last launch, ran at every MoE layer of every
+    step."""
     cfg = K3Config.preset("tiny")
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(DEVICE).eval()
     ids = torch.randint(0, cfg.vocab_size, (3, 7), device=DEVICE)
     calls = []
-    inner = kernels.expert_major_situ_mlp
+    inner, inner_tail = kernels.expert_major_situ_mlp, kernels.expert_major_situ_mlp_tail
     monkeypatch.setattr(kernels, "expert_major_situ_mlp", lambda z, *a: calls.append(z.shape[0]) or inner(z, *a))
+    monkeypatch.setattr(kernels, "expert_major_situ_mlp_tail",
+                        lambda z, *a: calls.append(("tail", z.shape[0])) or inner_tail(z, *a))
     with torch.no_grad():
         with force_expert_major(False):
             full = model(ids).logits
@@ -259,5 +319,6 @@ def test_tiny_model_batched_decode_through_the_kernel_equals_the_full_forward(mo
             steps = [model(ids[:, :5], cache=cache).logits]
             steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(5, 7)]
     moe_layers = sum(1 for m in model.modules() if type(m).__name__ == "LatentMoE")
-    assert moe_layers > 0 and calls == [15] * moe_layers + [3] * (2 * moe_layers)
+    # (each layer's routed norm and shared GLU in the kernels' last launch: tiny has both)
+    assert moe_layers > 0 and calls == [("tail", 15)] * moe_layers + [("tail", 3)] * (2 * moe_layers)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)

@@ -9,7 +9,8 @@ from k3.ops.fused_linear import FusedLinears
 from k3.ops.fused_situ import situ_glu_fast
 from k3.ops.gemv import DecodeLinear, linear_pair, use_gemv_pair
 from k3.ops.grouped_mm import expert_situ_mlp
-from k3.ops.moe_decode import selected_experts_situ_mlp, use_expert_major, use_selected_experts
+from k3.ops.moe_decode import (selected_experts_situ_mlp, selected_experts_tail, use_expert_major,
+                               use_selected_experts)
 from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores  # noqa: F401  (route: imported here)
 from k3.ops.mx_experts import (packed_expert_situ_mlp, packed_selected_experts_situ_mlp,
                                packed_selected_experts_take, qat_expert_situ_mlp)
@@ -118,6 +119,11 @@ class LatentMoE(nn.Module):
             # while the experts' rows travel
             r, s = self.combine_experts(z, idx, w, meanwhile=lambda: _shared_experts(shared, *shared_in))
         else:  # one device: nothing to overlap, and decode's GEMV may take the shared down and routed up at once
+            tail = self._experts_with_tail(z, idx, w, *shared_in)
+            if tail is not None:  # the routed norm and the shared GLU came with the experts' last launch
+                r, h = tail
+                s = shared.down_proj(h)
+                return self.routed_expert_up_proj(r, residual=s, into_residual=True).view(shape)
             r = self.combine_experts(z, idx, w)
             y = self._shared_down_and_routed_up(r, *shared_in)
             if y is not None:
@@ -126,6 +132,22 @@ class LatentMoE(nn.Module):
         # the routed norm before and + the shared experts' output after: in the GEMV kernel's prologue and epilogue
         # where decode takes it (k3.ops.gemv), else the sum in the GEMM (s is this call's own scratch)
         return self.routed_expert_up_proj(r, residual=s, norm=self.routed_expert_norm, into_residual=True).view(shape)
+
+    def _experts_with_tail(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate: torch.Tensor,
+                           up: torch.Tensor):
+        """(routed_norm(r), SiTU-GLU(gate, up)) from the expert-major kernels, the norm and the GLU in their last
+        launch (k3.ops.moe_decode.selected_experts_tail), where they take this call and decode's GEMV does not take
+        the shared down and routed up as a pair (which reads r and the GLU's inputs itself); else None."""
+        e, shared, norm = self.experts, self.shared_experts, self.routed_expert_norm
+        norm_weight, norm_eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        if e.packed or self.qat or (torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (z, gate, up, e.w1, e.w2, e.w3, norm_weight))):
+            return None
+        if isinstance(shared.down_proj, DecodeLinear) and use_gemv_pair(
+                gate, shared.down_proj.weight, z, self.routed_expert_up_proj.weight, up, norm_weight):
+            return None  # (z stands in for r: the same rows, width and dtype)
+        return selected_experts_tail(z, idx, w, e.w1, e.w3, e.w2, self.betas, norm_weight, norm_eps, gate, up,
+                                     shared.betas)
 
     def _shared_down_and_routed_up(self, r: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
         """`down(SiTU-GLU(gate, up)) + routed_up(norm(r))` as one two-segment GEMV (k3.ops.gemv.linear_pair: one

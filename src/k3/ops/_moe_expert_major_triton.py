@@ -8,7 +8,10 @@ it scans the [N, k] routing ids itself (N·k ≤ ~1024 ints, a few loads), gathe
 copies (the grouped path's ~25 kernels a layer at batch 64). Three launches a layer:
 1. gate+up: program (expert, block of I rows) → h[slot] = SiTU-GLU(W1_e z, W3_e z) for every slot routed to e;
 2. down: program (expert, block of L rows) → y[slot] = W2_e h[slot], fp32;
-3. combine: program (token, block of L) → Σ_j weight_j · y[token·k + j] in the order j = 0..k-1.
+3. combine: program (token, block of L) → Σ_j weight_j · y[token·k + j] in the order j = 0..k-1; given the
+   LatentMoE's routed norm, one program a token (all of L) also normalises its row as the norm would read it
+   (rounded first), and given the shared experts' gate and up, takes their SiTU-GLU of the token in the same launch
+   (`expert_major_situ_mlp_tail`: the two small kernels that followed the combine at a decode batch).
 Every output element is written by one program and summed in a fixed order (no atomics): the same bits on every
 run. An expert no slot chose stops after its scan; a slot with a negative id (held by another expert-parallel
 rank), or any id outside [0, E), matches no expert and adds nothing (the ids are compared, never used as an
@@ -23,6 +26,7 @@ import triton.language as tl
 from k3.ops import _pdl_triton as pdl
 from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
 from k3.ops._situ_triton import _sigmoid, _tanh
+from k3.ops.situ import situ_glu
 from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
 # Launch shapes (names so a sweep can time others). Untimed first guesses: 64-row weight tiles (≥ 8 programs an
@@ -33,9 +37,12 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 # k3.ops._pdl_triton); untimed.
 # wide_m_from: the average slots an expert from which a pass takes 32 slots (`block_m`); wide_l_from: the same
 # from which down takes down_wide_block_l rows of W2 a program (`down_block_l`).
+# tail: the combine's launch takes the LatentMoE's routed norm and shared GLU where offered
+# (k3.ops.moe_decode.selected_experts_tail; false: the caller runs them apart, the A/B of `bench_gpu_decode.py
+# --launch _moe_expert_major_triton:tail=false`).
 LAUNCH = dict(gate_up_block_i=64, gate_up_block_l=64, down_block_l=64, down_block_i=64, stages=3, warps=4,
               scan=128, combine_block=256, prefetch=False, prefetch_steps=4, wide_m_from=12,
-              down_wide_block_l=128, wide_l_from=4)
+              down_wide_block_l=128, wide_l_from=4, tail=True)
 
 
 def block_m(slots: int, experts: int) -> int:
@@ -167,8 +174,10 @@ def _prefetch_expert_rows(w_ptr, e, rows, OUT: tl.constexpr, IN: tl.constexpr, c
 
 
 @triton.jit
-def _combine_kernel(y_ptr, idx_ptr, wt_ptr, out_ptr, E, L, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
+def _combine_kernel(y_ptr, idx_ptr, wt_ptr, out_ptr, E, L, nw_ptr, eps, g_ptr, u_ptr, h_ptr, stride_g, stride_u,
+                    beta_gate, beta_up, TOP_K: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr = False,
+                    GLU: tl.constexpr = False, I_SHARED: tl.constexpr = 0, BLOCK_G: tl.constexpr = 16,
+                    EXACT: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     n = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -179,7 +188,21 @@ def _combine_kernel(y_ptr, idx_ptr, wt_ptr, out_ptr, E, L, TOP_K: tl.constexpr, 
         held = (e >= 0) & (e < E)  # no expert program matched the others: their y rows were never written
         wt = tl.where(held, tl.load(wt_ptr + s).to(tl.float32), 0.0)
         acc += wt * tl.load(y_ptr + s.to(tl.int64) * L + cols, mask=(cols < L) & held, other=0.0)
+    if NORM:  # (one program a token: BLOCK covers L) the row as stored, normalised in fp32 as k3.ops.norm does
+        x = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / L + eps)
+        acc = x * rstd * tl.load(nw_ptr + cols, mask=cols < L, other=0.0).to(tl.float32)
     tl.store(out_ptr + n.to(tl.int64) * L + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < L)
+    if GLU:  # the shared experts' SiTU-GLU of this token, by its first program
+        if tl.program_id(1) == 0:
+            for c0 in tl.static_range(0, I_SHARED, BLOCK_G):
+                c = c0 + tl.arange(0, BLOCK_G)
+                ok = c < I_SHARED
+                gate = tl.load(g_ptr + n.to(tl.int64) * stride_g + c, mask=ok, other=0.0).to(tl.float32)
+                up = tl.load(u_ptr + n.to(tl.int64) * stride_u + c, mask=ok, other=0.0).to(tl.float32)
+                a = beta_gate * _tanh(gate * (1.0 / beta_gate), EXACT) * _sigmoid(gate, EXACT)
+                b = beta_up * _tanh(up * (1.0 / beta_up), EXACT)
+                tl.store(h_ptr + n.to(tl.int64) * I_SHARED + c, (a * b).to(h_ptr.dtype.element_ty), mask=ok)
 
 
 def expert_major_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
@@ -187,18 +210,37 @@ def expert_major_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Ten
     """Same contract as k3.ops.moe_decode.selected_experts_situ_mlp_reference (z: [N, L], idx/weights: [N, k];
     w1, w2, w3 in z's dtype; inputs checked by the caller). The custom op `k3::moe_expert_major` inside
     torch.compile, its function directly elsewhere (k3.ops.triton_dispatch.call_op)."""
-    return call_op("moe_expert_major", z, idx, weights, w1, w3, w2, float(beta_gate), float(beta_up))
+    return call_op("moe_expert_major", z, idx, weights, w1, w3, w2, float(beta_gate), float(beta_up), None, 0.0,
+                   None, None, 0.0, 0.0)[0]
 
 
-# A custom op so that torch.compile keeps the three launches as one call (inference only).
+def expert_major_situ_mlp_tail(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                               w3: torch.Tensor, w2: torch.Tensor, beta_gate: float, beta_up: float,
+                               norm_weight: torch.Tensor | None, norm_eps: float, gate: torch.Tensor,
+                               up: torch.Tensor, shared_beta_gate: float,
+                               shared_beta_up: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as k3.ops.moe_decode.selected_experts_tail_reference: (the experts' sum normalised by
+    norm_weight where given, SiTU-GLU(gate, up)), the norm and the GLU in the combine's launch; inputs checked by
+    the caller."""
+    return call_op("moe_expert_major", z, idx, weights, w1, w3, w2, float(beta_gate), float(beta_up), norm_weight,
+                   float(norm_eps), gate, up, float(shared_beta_gate), float(shared_beta_up))
+
+
+# A custom op so that torch.compile keeps the three launches as one call (inference only). Outputs: (the experts'
+# sum, normalised where norm_weight is given; the shared GLU's output, empty where gate is not given: an op's
+# outputs cannot be None).
 @inference_op("moe_expert_major")
 def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
-                     w3: torch.Tensor, w2: torch.Tensor, beta_gate: float, beta_up: float) -> torch.Tensor:
+                     w3: torch.Tensor, w2: torch.Tensor, beta_gate: float, beta_up: float,
+                     norm_weight: torch.Tensor | None, norm_eps: float, gate: torch.Tensor | None,
+                     up: torch.Tensor | None, shared_beta_gate: float,
+                     shared_beta_up: float) -> tuple[torch.Tensor, torch.Tensor]:
     N, k = idx.shape
     E, I, L = w1.shape
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
+    h_shared = z.new_empty(0) if gate is None else torch.empty(N, gate.shape[1], dtype=gate.dtype, device=z.device)
     if N * k == 0:
-        return out.zero_()
+        return _empty_tail(out.zero_(), h_shared, norm_weight, norm_eps, gate, up, shared_beta_gate, shared_beta_up)
     if z.stride(1) != 1:  # (rows may be strided: z is a slice of the MoE's fused input projection)
         z = z.contiguous()
     idx, weights = idx.contiguous(), weights.contiguous()
@@ -220,12 +262,29 @@ def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
         _down_kernel[(E, triton.cdiv(L, rows_l))](
             h, idx, w2, y, N * k, I=I, L=L, BLOCK_L=rows_l, BLOCK_I=p["down_block_i"], **common,
             PREFETCH=prefetch, PF_STEPS=p["prefetch_steps"], PF_CHUNKS=max(1, 32 * p["warps"] // rows_l), **launch)
-        block = min(p["combine_block"], triton.next_power_of_2(L))
-        _combine_kernel[(N, triton.cdiv(L, block))](y, idx, weights, out, E, L, TOP_K=k, BLOCK=block, num_warps=4,
-                                                    **launch)
-    return out
+        # (the norm wants a token's whole row in one program)
+        block = triton.next_power_of_2(L) if norm_weight is not None else min(p["combine_block"],
+                                                                              triton.next_power_of_2(L))
+        g, u = (out, out) if gate is None else (gate, up)  # (unread stand-ins without the GLU)
+        _combine_kernel[(N, triton.cdiv(L, block))](
+            y, idx, weights, out, E, L, out if norm_weight is None else norm_weight, float(norm_eps), g, u,
+            h_shared if gate is not None else out, g.stride(0), u.stride(0), float(shared_beta_gate),
+            float(shared_beta_up), TOP_K=k, BLOCK=block, NORM=norm_weight is not None, GLU=gate is not None,
+            I_SHARED=h_shared.shape[-1] if gate is not None else 0,
+            BLOCK_G=min(1024, triton.next_power_of_2(max(h_shared.shape[-1], 1))),
+            EXACT=z.dtype == torch.float32, num_warps=4, **launch)
+    return out, h_shared
+
+
+def _empty_tail(out, h_shared, norm_weight, norm_eps, gate, up, beta_gate, beta_up):
+    """No slot: the experts' sum is zero (and so its norm); the GLU still has its rows to take."""
+    if gate is not None and h_shared.numel():
+        h_shared.copy_(situ_glu(gate, up, beta_gate, beta_up))
+    return out, h_shared
 
 
 @_expert_major_op.register_fake
-def _(z, idx, weights, w1, w3, w2, beta_gate, beta_up):
-    return z.new_empty(idx.shape[0], w1.shape[2])
+def _(z, idx, weights, w1, w3, w2, beta_gate, beta_up, norm_weight, norm_eps, gate, up, shared_beta_gate,
+      shared_beta_up):
+    h = z.new_empty(0) if gate is None else gate.new_empty(idx.shape[0], gate.shape[1])
+    return z.new_empty(idx.shape[0], w1.shape[2]), h

@@ -11,12 +11,15 @@ device: the definition). On CUDA, k3's Triton kernels do the same reading the we
   launches through the custom op k3::moe_expert_major; on an H200 a `small` layer's experts take 65.6 µs at 64
   tokens against the grouped path's 148): each expert's programs find the
   slots routed to it and read its weights once for all of them (`use_expert_major`).
+`selected_experts_tail` adds what a LatentMoE does next at a decode batch, the routed norm of the sum and the shared
+experts' SiTU-GLU, to the expert-major kernel's last launch (`selected_experts_tail_reference`: the three apart).
 `force_expert_major(True)` takes the expert-major kernel on CPU tensors too (tests, under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
 import torch
 
+from k3.ops.norm import rms_norm
 from k3.ops.situ import situ_glu
 from k3.ops.triton_dispatch import Forced, triton_module, use_triton_op
 
@@ -65,6 +68,34 @@ def selected_experts_situ_mlp_reference(z: torch.Tensor, idx: torch.Tensor, weig
                  beta_gate, beta_up)  # [N·k, I]
     y = torch.bmm(w2[flat].to(z.dtype), h[:, :, None])[..., 0].view(N, k, -1)
     return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
+
+
+def selected_experts_tail_reference(z, idx, weights, w1, w3, w2, betas, norm_weight, norm_eps, gate, up,
+                                    shared_betas) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(r, norm_weight, norm_eps), or r itself without norm_weight; situ_glu(gate, up, *shared_betas)),
+    r = `selected_experts_situ_mlp_reference(z, idx, weights, w1, w3, w2, *betas)`; gate, up: [N, I_shared]."""
+    r = selected_experts_situ_mlp_reference(z, idx, weights, w1, w3, w2, *betas)
+    return (r if norm_weight is None else rms_norm(r, norm_weight, norm_eps)), situ_glu(gate, up, *shared_betas)
+
+
+def selected_experts_tail(z, idx, weights, w1, w3, w2, betas, norm_weight, norm_eps, gate, up,
+                          shared_betas) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`selected_experts_tail_reference` by the expert-major kernels (the norm and the GLU in the combine's launch)
+    where they take the call (`use_expert_major`: a decode batch past the slot-major kernel's few slots) and the
+    GLU's inputs are [N, I] rows with contiguous columns in z's dtype; None elsewhere (the caller runs the three
+    apart)."""
+    N, k = idx.shape
+    if not (w1.dtype == w2.dtype == w3.dtype and not use_selected_experts(N, k, w1.shape[0], False)
+            and use_expert_major(z, k, w1.shape[0], w1.dtype, needs_grad=False)):
+        return None
+    if not triton_module(EXPERT_MAJOR).LAUNCH["tail"]:
+        return None
+    if (gate.shape != up.shape or gate.dim() != 2 or gate.shape[0] != N or gate.dtype != z.dtype
+            or up.dtype != z.dtype or gate.stride(1) != 1 or up.stride(1) != 1
+            or (norm_weight is not None and norm_weight.shape != (w1.shape[2],))):
+        return None
+    return triton_module(EXPERT_MAJOR).expert_major_situ_mlp_tail(
+        z, idx, weights, w1, w3, w2, *betas, norm_weight, norm_eps, gate, up, *shared_betas)
 
 
 def selected_experts_situ_mlp(z, idx, weights, w1, w3, w2, beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
