@@ -18,6 +18,8 @@ from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.ops import _moe_expert_major_triton as kernels  # noqa: E402
+from k3.ops import gemv  # noqa: E402
+from k3.ops.gemv import force_gemv  # noqa: E402
 from k3.ops.moe_decode import (EXPERT_MAJOR_MAX_SLOTS, force_expert_major, selected_experts_situ_mlp,  # noqa: E402
                                selected_experts_situ_mlp_reference, selected_experts_tail,
                                selected_experts_tail_reference, use_expert_major)
@@ -297,11 +299,13 @@ def test_dispatch_takes_the_op_and_compiles_as_one_call():
     assert rel_err(eager, want) < 1e-5 and torch.equal(got, eager)
 
 
-def test_tiny_model_batched_decode_through_the_kernel_equals_the_full_forward(monkeypatch):
+@pytest.mark.parametrize("gemv_on", [False, None])
+def test_tiny_model_batched_decode_through_the_kernel_equals_the_full_forward(monkeypatch, gemv_on):
     """fp32 tiny model (16 experts, top-4), 3 sequences: a prefill of 5 tokens (60 slots) and 2 decode steps
     (12 slots, past the slot kernel's 4) with the kernel forced on, against one full forward on the grouped
-    path; the kernel, with the routed norm and the shared GLU in its last launch, ran at every MoE layer of every
-    step."""
+    path; the kernel ran at every MoE layer of every step, with the routed norm and the shared GLU in its last
+    launch where decode's GEMV does not take them as the shared down + routed up pair (`gemv_on`: off, or as
+    chosen: on CUDA up to gemv.FUSED_WIN_ROWS rows; never on the CPU)."""
     cfg = K3Config.preset("tiny")
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(DEVICE).eval()
@@ -315,10 +319,13 @@ def test_tiny_model_batched_decode_through_the_kernel_equals_the_full_forward(mo
         with force_expert_major(False):
             full = model(ids).logits
         cache = model.new_cache()
-        with force_expert_major(True):
+        with force_expert_major(True), force_gemv(gemv_on):
             steps = [model(ids[:, :5], cache=cache).logits]
             steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(5, 7)]
     moe_layers = sum(1 for m in model.modules() if type(m).__name__ == "LatentMoE")
-    # (each layer's routed norm and shared GLU in the kernels' last launch: tiny has both)
-    assert moe_layers > 0 and calls == [("tail", 15)] * moe_layers + [("tail", 3)] * (2 * moe_layers)
+
+    def expected(rows):  # (tiny has a routed norm and shared experts: the tail, unless the pair takes them)
+        pair = gemv_on is None and DEVICE == "cuda" and rows <= gemv.FUSED_WIN_ROWS
+        return rows if pair else ("tail", rows)
+    assert moe_layers > 0 and calls == [expected(15)] * moe_layers + [expected(3)] * (2 * moe_layers)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
