@@ -2,7 +2,8 @@
 sm_90 without a GPU (Triton's own ptxas, as benchmarks/sass_gemv.py does): at `small`'s widths (latent 768,
 expert width 512, 64 experts, top-8), bf16, at batch 8, 64 and 128 (16, 16 and 32 slots a pass; down's 64, 128 and
 128 rows of W2 a program), the launch shapes of `LAUNCH`: registers a thread, spill bytes (STACK), the shared
-memory of the pipelined loop, the CTAs an SM those allow, the programs of the launch and the waves they make on 132
+memory of the pipelined loop, the CTAs an SM those allow (the combine also as it takes the LatentMoE's routed norm and
+shared SiTU-GLU: one program a token), the programs of the launch and the waves they make on 132
 SMs (every expert's programs; an expert no slot chose ends after its scan), and the weight bytes each program reads
 a loop step. The integer arguments are
 specialised as a batch-64 launch specialises them (S = N·k, z's row stride and L multiples of 16).
@@ -22,7 +23,10 @@ E, L, I, TOP_K = 64, 768, 512, 8  # small
 GATE_UP = {"z_ptr": "*bf16", "idx_ptr": "*i64", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "h_ptr": "*bf16", "S": "i32",
            "stride_z": "i32", "beta_gate": "fp32", "beta_up": "fp32"}
 DOWN = {"h_ptr": "*bf16", "idx_ptr": "*i64", "w2_ptr": "*bf16", "y_ptr": "*fp32", "S": "i32"}
-COMBINE = {"y_ptr": "*fp32", "idx_ptr": "*i64", "wt_ptr": "*fp32", "out_ptr": "*bf16", "E": "i32", "L": "i32"}
+COMBINE = {"y_ptr": "*fp32", "idx_ptr": "*i64", "wt_ptr": "*fp32", "out_ptr": "*bf16", "E": "i32", "L": "i32",
+           "nw_ptr": "*bf16", "eps": "fp32", "g_ptr": "*bf16", "u_ptr": "*bf16", "h_ptr": "*bf16", "stride_g": "i32",
+           "stride_u": "i32", "beta_gate": "fp32", "beta_up": "fp32"}
+I_SHARED = 1024  # small's shared experts' width (the combine's tail takes their SiTU-GLU)
 
 
 def main():
@@ -43,6 +47,8 @@ def launches(batch: int):
          E * -(-L // rows_l), rows_l * p["down_block_i"] * 2),
         ("combine", kernels._combine_kernel, COMBINE, dict(TOP_K=TOP_K, BLOCK=p["combine_block"]),
          batch * -(-L // p["combine_block"]), 0),
+        ("combine + norm + GLU", kernels._combine_kernel, COMBINE,
+         dict(TOP_K=TOP_K, BLOCK=1024, NORM=True, GLU=True, I_SHARED=I_SHARED, BLOCK_G=1024), batch, 0),
     ]
     print(f"small: E={E}, L={L}, I={I}, top-{TOP_K}, bf16, batch {batch}: block_m={bm}, down rows {rows_l}, "
           f"stages={p['stages']}, warps={p['warps']}")

@@ -2,8 +2,9 @@
 against `selected_experts_situ_mlp_reference` in float64: batch sizes 1..64, top-k 1..8, widths that are no
 multiple of the tiles, slots held by another rank (ids < 0) and ids past the stack, a token picking one expert
 more than once, every token on one expert; the weight tiles each expert reads (once per 16 of its slots, none
-for an expert nobody chose); the selector; the op under torch.compile; a tiny model's batched decode through it
-against the full forward. On CUDA where there is one, else on the CPU under the Triton interpreter; skipped
+for an expert nobody chose); the selector; the op under torch.compile; the combine's tail (the routed norm and the
+shared SiTU-GLU in its launch) against the three ops apart; a tiny model's batched decode through it against the
+full forward. On CUDA where there is one, else on the CPU under the Triton interpreter; skipped
 where triton is not installed."""
 import os
 
