@@ -3,8 +3,9 @@
 # the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests serve-tests kernels kbench decode prefill train
-#   train-ckpt moe mxfp4 vision serve serve64 sampler profile pack k3-shaped
-#   (default: all but kernels, kbench, train-ckpt, profile, pack and k3-shaped). tests = every GPU test (k3's Triton kernel
+#   train-ckpt moe mxfp4 vision serve serve64 sampler profile ncu pack k3-shaped
+#   (default: all but kernels, kbench, train-ckpt, profile, ncu, pack and k3-shaped). ncu = Nsight Compute's
+#   counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every GPU test (k3's Triton kernel
 #   tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
 #   the static KDA layout, async output, fla's graph mode); serve64 = the serving bench at 64 streams only (set K3_TRITON to time
@@ -75,6 +76,7 @@ for step in $steps; do
                     run kbench 120 python3 benchmarks/bench_gpu_kernels.py)
             done ;;
         profile) run profile 240 python3 benchmarks/profile_gpu.py --compile ;;
+        ncu) run ncu 420 python3 benchmarks/ncu_decode.py --batches 64,1 --out "$OUT" ;;
         train) run train 240 python3 benchmarks/bench_gpu_train.py ;;
         train-ckpt) run train-ckpt 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
         kernels) run kernels 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_attn_res_triton.py tests/test_situ_triton.py \
