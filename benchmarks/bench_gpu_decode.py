@@ -84,7 +84,7 @@ def main():
     ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
     ap.add_argument("--fused-rows", type=int, action="append", default=[], metavar="N",
                     help="also time it with decode's GEMV taking the linears with a prologue (norm, GLU, output gate; "
-                         "the MoE's shared down + routed up pair) up to N rows (k3.ops.gemv.FUSED_WIN_ROWS; repeatable)")
+                         "the MoE's shared down + routed up pair) up to N rows (gemv.FUSED_WIN_ROWS; repeatable)")
     ap.add_argument("--launch", action="append", default=[], metavar="MODULE:k=v[,k=v]",
                     help="also time the graph captured with a kernel's LAUNCH changed (repeatable), e.g. "
                          "_moe_expert_major_triton:down_block_l=128: candidates judged by the step, in one run")

@@ -15,9 +15,9 @@ references run and are counted. fla never runs off CUDA: at the default switches
 reference (fla's recurrent step is ~4 kernels there), with K3_TRITON=all it is k3's one-kernel step anyway.
 The decode GEMV (k3.ops.gemv; on by default since session 26) is chosen by its shape rule as on CUDA
 (`kernel_wins`: the narrow linears at <= 4 rows, <= 16 with a norm, GLU or gate before them, where it beat cuBLAS;
-lm_head, the interpreter's slowest, is left to cuBLAS) and takes the MoE's routed norm, the shared experts' SiTU-GLU and their `+ s` with it (3 ops fewer a
-MoE layer); its op counts as one, and is one kernel where K is split too (session 31: the block's last split sums
-the splits). The float
+lm_head, the interpreter's slowest, is left to cuBLAS) and takes the MoE's routed norm, the shared experts'
+SiTU-GLU and their `+ s` with it (3 ops fewer a MoE layer); its op counts as one, and is one kernel where K is split
+too (session 31: the block's last split sums the splits). The float
 decode experts' two kernels are counted as launched, their values from the reference (the interpreter's pace).
 `--inside` also lists the tensor ops that k3's custom ops run in their bodies around the kernel: counted here
 as part of one op, each is a kernel of its own on the GPU (in fp32, the default, a cast that bf16 weights would

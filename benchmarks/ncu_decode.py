@@ -125,8 +125,8 @@ def table(kernels: list[dict]) -> str:
 
     total = sum(mean(ks, TIME) * len(ks) for ks in groups.values())
     lines = [f"{len(kernels)} kernels, {total:.1f} µs of kernel time",
-             "| kernel | calls | µs each | share | MB each | GB/s | DRAM % | occupancy ach/theo % | regs | grid x block "
-             "| top stalls (cycles/instr) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| kernel | calls | µs each | share | MB each | GB/s | DRAM % | occupancy ach/theo % | regs "
+             "| grid x block | top stalls (cycles/instr) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     order = sorted(groups.items(), key=lambda kv: -mean(kv[1], TIME) * len(kv[1]))
     for name, ks in order:
         us = mean(ks, TIME)

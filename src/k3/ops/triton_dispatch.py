@@ -43,8 +43,9 @@ from k3.ops.lazy_dynamo import assume_constant_result
 # The serving pool's KDA state rows under the static layout (_slot_rows_triton: only the step's real rows move, not
 # the scratch slot's empty documents) left it in session 24 (H200: CUDA tests passed; the gathers and index_puts'
 # ~1.3 ms a mixed step became one ~0.2 ms kernel; serve64 12,446 -> 12,822 and 11,083 -> 12,485 tok/s in two A/Bs).
-# Decode's GEMV (_gemv_triton, taken only where `gemv.kernel_wins`: ≤ 4 rows, ≤ 16 with a prologue) left it in session 26 (H200: the
-# graphed batch-1 step of `small` 1.40 -> 1.27 ms at 4K context, bench_gpu_decode.py, same call).
+# Decode's GEMV (_gemv_triton, taken only where `gemv.kernel_wins`: ≤ 4 rows, ≤ 16 with a prologue) left it in
+# session 26 (H200: the graphed batch-1 step of `small` 1.40 -> 1.27 ms at 4K context, bench_gpu_decode.py, same
+# call).
 # _attn_res_route_triton (a MoE layer's second mix and its router in one launch, session 31) left it in session 32
 # (H100: CUDA tests passed; the graphed batch-1 step of `small` 1.23 -> 1.13 ms at 4K context, batch 8 2.09 -> 2.07,
 # batch 64 3.47 -> 3.49, bench_gpu_decode.py --opt-in, same call).
