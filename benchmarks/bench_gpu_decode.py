@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -169,27 +170,16 @@ def _both(first, second):
         yield
 
 
-@contextlib.contextmanager
 def _gemv_up_to(elements: int, rows: int | None = None):
     """Decode's GEMV taken for weights of up to `elements` elements (and batches of up to `rows` rows, where given;
     k3.ops.gemv.kernel_wins) inside the block."""
-    saved = gemv.WIN_WEIGHT_ELEMS, gemv.WIN_ROWS
-    gemv.WIN_WEIGHT_ELEMS, gemv.WIN_ROWS = elements, gemv.WIN_ROWS if rows is None else rows
-    try:
-        yield
-    finally:
-        gemv.WIN_WEIGHT_ELEMS, gemv.WIN_ROWS = saved
+    return mock.patch.multiple(gemv, WIN_WEIGHT_ELEMS=elements, **({} if rows is None else {"WIN_ROWS": rows}))
 
 
-@contextlib.contextmanager
 def _fused_up_to(rows: int):
     """Decode's GEMV taken for the linears with a prologue up to `rows` rows inside the block
     (k3.ops.gemv.FUSED_WIN_ROWS)."""
-    saved, gemv.FUSED_WIN_ROWS = gemv.FUSED_WIN_ROWS, rows
-    try:
-        yield
-    finally:
-        gemv.FUSED_WIN_ROWS = saved
+    return mock.patch.object(gemv, "FUSED_WIN_ROWS", rows)
 
 
 if __name__ == "__main__":

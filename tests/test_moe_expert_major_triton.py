@@ -258,6 +258,10 @@ def test_no_slots_gives_an_empty_sum():
     out = kernels.expert_major_situ_mlp(z.to(DEVICE), idx.to(DEVICE), wt.to(DEVICE), w1.to(DEVICE),
                                         w3.to(DEVICE), w2.to(DEVICE), 4.0, 25.0)
     assert out.shape == (0, 40)
+    gate = torch.zeros(0, 24, device=DEVICE)
+    r, h = kernels.expert_major_situ_mlp_tail(*(t.to(DEVICE) for t in (z, idx, wt, w1, w3, w2)), 4.0, 25.0,
+                                              torch.ones(40, device=DEVICE), 1e-5, gate, gate, 4.0, 25.0)
+    assert r.shape == (0, 40) and h.shape == (0, 24)
 
 
 def test_selector_bounds_and_switches():

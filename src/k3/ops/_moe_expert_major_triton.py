@@ -238,9 +238,10 @@ def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     N, k = idx.shape
     E, I, L = w1.shape
     out = torch.empty(N, L, dtype=z.dtype, device=z.device)
-    h_shared = z.new_empty(0) if gate is None else torch.empty(N, gate.shape[1], dtype=gate.dtype, device=z.device)
-    if N * k == 0:
-        return _empty_tail(out.zero_(), h_shared, norm_weight, norm_eps, gate, up, shared_beta_gate, shared_beta_up)
+    i_shared = 0 if gate is None else gate.shape[1]
+    h_shared = z.new_empty(0) if gate is None else torch.empty(N, i_shared, dtype=gate.dtype, device=z.device)
+    if N * k == 0:  # no slot: the sum (and so its norm) is zero; the GLU still has its rows to take
+        return out.zero_(), h_shared if gate is None else situ_glu(gate, up, shared_beta_gate, shared_beta_up)
     if z.stride(1) != 1:  # (rows may be strided: z is a slice of the MoE's fused input projection)
         z = z.contiguous()
     idx, weights = idx.contiguous(), weights.contiguous()
@@ -265,21 +266,13 @@ def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
         # (the norm wants a token's whole row in one program)
         block = triton.next_power_of_2(L) if norm_weight is not None else min(p["combine_block"],
                                                                               triton.next_power_of_2(L))
-        g, u = (out, out) if gate is None else (gate, up)  # (unread stand-ins without the GLU)
+        g, u, h_out = (out, out, out) if gate is None else (gate, up, h_shared)  # (unread stand-ins without the GLU)
         _combine_kernel[(N, triton.cdiv(L, block))](
-            y, idx, weights, out, E, L, out if norm_weight is None else norm_weight, float(norm_eps), g, u,
-            h_shared if gate is not None else out, g.stride(0), u.stride(0), float(shared_beta_gate),
-            float(shared_beta_up), TOP_K=k, BLOCK=block, NORM=norm_weight is not None, GLU=gate is not None,
-            I_SHARED=h_shared.shape[-1] if gate is not None else 0,
-            BLOCK_G=min(1024, triton.next_power_of_2(max(h_shared.shape[-1], 1))),
-            EXACT=z.dtype == torch.float32, num_warps=4, **launch)
-    return out, h_shared
-
-
-def _empty_tail(out, h_shared, norm_weight, norm_eps, gate, up, beta_gate, beta_up):
-    """No slot: the experts' sum is zero (and so its norm); the GLU still has its rows to take."""
-    if gate is not None and h_shared.numel():
-        h_shared.copy_(situ_glu(gate, up, beta_gate, beta_up))
+            y, idx, weights, out, E, L, out if norm_weight is None else norm_weight, float(norm_eps), g, u, h_out,
+            g.stride(0), u.stride(0), float(shared_beta_gate), float(shared_beta_up), TOP_K=k, BLOCK=block,
+            NORM=norm_weight is not None, GLU=gate is not None, I_SHARED=i_shared,
+            BLOCK_G=min(1024, triton.next_power_of_2(max(i_shared, 1))), EXACT=z.dtype == torch.float32,
+            num_warps=4, **launch)
     return out, h_shared
 
 

@@ -88,13 +88,14 @@ def selected_experts_tail(z, idx, weights, w1, w3, w2, betas, norm_weight, norm_
     if not (w1.dtype == w2.dtype == w3.dtype and not use_selected_experts(N, k, w1.shape[0], False)
             and use_expert_major(z, k, w1.shape[0], w1.dtype, needs_grad=False)):
         return None
-    if not triton_module(EXPERT_MAJOR).LAUNCH["tail"]:
+    kernels = triton_module(EXPERT_MAJOR)
+    if not kernels.LAUNCH["tail"]:
         return None
     if (gate.shape != up.shape or gate.dim() != 2 or gate.shape[0] != N or gate.dtype != z.dtype
             or up.dtype != z.dtype or gate.stride(1) != 1 or up.stride(1) != 1
             or (norm_weight is not None and norm_weight.shape != (w1.shape[2],))):
         return None
-    return triton_module(EXPERT_MAJOR).expert_major_situ_mlp_tail(
+    return kernels.expert_major_situ_mlp_tail(
         z, idx, weights, w1, w3, w2, *betas, norm_weight, norm_eps, gate, up, *shared_betas)
 
 
