@@ -946,9 +946,9 @@ def _applies(key: str, form: str) -> bool:
 
 
 def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
-    """The kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at o_proj's [1536, 1536] and KDA's stacked input
-    projections [6288, 1536] (6,284 rows padded: fused_linear.aligned_rows), at `row_counts` rows (--gemv-rows;
-    default 1 and 8). Each form's entries are swept where `plan` takes it (fma, dot, wide; dot_stages for both dot
+    """The kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at o_proj's [1536, 1536], KDA's stacked input
+    projections [6288, 1536] (6,284 rows padded: fused_linear.aligned_rows) and the MoE's [2816, 1536], at
+    `row_counts` rows (--gemv-rows; default 1 and 8). Each form's entries are swept where `plan` takes it (fma, dot, wide; dot_stages for both dot
     tiles)."""
     from k3.ops import _gemv_triton  # (needs triton)
     out = []
@@ -957,11 +957,16 @@ def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
                 dict(dot_block_n=32), dict(dot_block_k=128), dict(dot_block_k=512), dict(dot_warps=8),
                 dict(min_split_k=128), dict(min_split_k=512), dict(fma_stages=1), dict(fma_stages=3),
                 dict(dot_stages=2), dict(dot_stages=4),
+                # one row through the large input projections (KDA's, the MoE's): one wave of programs, more of W in
+                # flight a program (8 rows of W: 786 programs of KDA's, 1.19 waves at 5 CTAs an SM)
+                dict(fma_block_n=16, fma_tile_elems=16384), dict(fma_block_n=16, fma_stages=3),
+                dict(fma_block_n=32, fma_tile_elems=16384), dict(fma_block_n=16, fma_tile_elems=16384, fma_warps=8),
+                dict(fma_block_n=32, fma_tile_elems=32768, fma_warps=8),
                 # past 16 rows (sass_gemv.py: at 64 rows x's tile is as large as W's, 96-123 KB of shared memory,
                 # 1-2 CTAs an SM, 72-297 programs)
                 dict(wide_block_n=32), dict(wide_block_n=128), dict(wide_block_k=64), dict(wide_block_k=256),
                 dict(wide_warps=8), dict(wide_block_k=64, wide_warps=8), dict(wide_block_n=32, min_split_k=128)]
-    for N, K in ((1536, 1536), (6288, 1536)):
+    for N, K in ((1536, 1536), (6288, 1536), (2816, 1536)):
         for M in row_counts:
             form = _gemv_triton.plan(M, N, K, torch.bfloat16, 132)["form"]
             for change in variants:

@@ -16,6 +16,10 @@ from k3.ops import _pdl_triton as pdl
 from k3.ops._attn_res_triton import NUM_WARPS, _blocks, _mix_fwd_kernel
 from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
+# max_block_r: rows a program at most (below the mix's own tile, `_attn_res_triton._blocks`: 2 rows of small's 1536
+# columns); at a decode batch fewer rows a program means more programs on the SMs and a shorter chain each.
+LAUNCH = dict(max_block_r=16)
+
 
 def score_weight(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """u ⊙ w in fp32 [D]: the mix's key-norm weight [D] times its pseudo-query [1, D], the one vector the kernel's
@@ -45,6 +49,7 @@ def _mix_norm_op(uw: torch.Tensor, eps: float, sources: list[torch.Tensor],
     out = torch.empty_like(sources[0])
     total = None if add is None else torch.empty_like(add)
     block_r, block_d = _blocks(D)
+    block_r = min(block_r, LAUNCH["max_block_r"])
     with on_device(out):
         _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, out, out,
                                                     out if add is None else add, out if total is None else total,

@@ -16,23 +16,30 @@ import triton
 import triton.language as tl
 
 from k3.ops import _pdl_triton as pdl
-from k3.ops._attn_res_triton import NUM_WARPS, _mix_rows
+from k3.ops._attn_res_triton import _mix_rows
 from k3.ops._pdl_triton import pdl_enter
 from k3.ops._router_triton import LAUNCH as ROUTER_LAUNCH
 from k3.ops._router_triton import _select_when_last
 from k3.ops.triton_dispatch import inference_op, on_device
 
-# Elements of a program's router weight tile [BLOCK_E, BLOCK_D], held in fp32 registers (the router kernel's 8 x
-# 2048 at 4 warps); D is one tile (the mix needs the whole row), so wider rows take fewer experts a program.
-TILE_ELEMS = 8 * 2048
+# Elements of a program's router weight tile [BLOCK_E, BLOCK_D] a warp, held in fp32 registers (the router kernel's
+# 8 x 2048 at 4 warps); D is one tile (the mix needs the whole row), so wider rows take fewer experts a program.
+TILE_ELEMS_PER_WARP = 8 * 2048 // 4
 # Programs a row at most: each forms the row's mix again, so many experts over few programs, or none fused.
 MAX_PROGRAMS_PER_ROW = 16
+# block_e: experts a program (at most; see TILE_ELEMS_PER_WARP); num_warps: the program's warps.
+# weights_first: a program loads its router weight tile before it forms the mix (in flight meanwhile, and before
+# PDL's wait), at the cost of holding the tile in registers across the mix (ptxas for sm_90 at small's shapes, 5
+# sources: 197 registers, 2 CTAs an SM; loaded after the mix, from L2 where every row's programs share it: 118);
+# at batch 64 the H100 ran 512 programs of 178 registers in 1.29 waves (benchmarks/ncu_decode.py, session 37).
+LAUNCH = dict(block_e=8, num_warps=4, weights_first=True)
 
 
 def blocks(D: int, E: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_E) of the launch for width D and E experts."""
     block_d = triton.next_power_of_2(D)
-    block_e = max(1, min(ROUTER_LAUNCH["block_e"], TILE_ELEMS // block_d, triton.next_power_of_2(E)))
+    budget = TILE_ELEMS_PER_WARP * LAUNCH["num_warps"] // block_d
+    block_e = max(1, min(LAUNCH["block_e"], budget, triton.next_power_of_2(E)))
     return block_d, block_e
 
 
@@ -47,21 +54,24 @@ def _mix_norm_route_kernel(srcs, uw_ptr, add_ptr, sum_ptr, nw_ptr, y_ptr, rw_ptr
                            tickets_ptr, idx_ptr, wt_ptr, R, D, E, eps, norm_eps, scale, N: tl.constexpr,
                            ADD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                            RENORMALIZE: tl.constexpr, RANK_SELECT: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK_D: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = True, PDL: tl.constexpr = False):
     n = tl.program_id(0)
     first = tl.program_id(1) == 0
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    # the router's weights first: no earlier kernel writes them (so before PDL's wait too)
-    w = tl.load(rw_ptr + experts.to(tl.int64)[:, None] * D + cols[None, :],
-                mask=(experts < E)[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    w_ptrs = rw_ptr + experts.to(tl.int64)[:, None] * D + cols[None, :]
+    w_mask = (experts < E)[:, None] & col_ok[None, :]
+    if WEIGHTS_FIRST:  # no earlier kernel writes them (so before PDL's wait too)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
     pdl_enter(PDL)
     rows = n + tl.arange(0, 1)
     mask = (rows < R)[:, None] & col_ok[None, :]
     y = _mix_rows(srcs, uw_ptr, uw_ptr, uw_ptr, add_ptr, sum_ptr, nw_ptr, rows, cols, R, D, eps, norm_eps,
                   mask & first, N, False, ADD, True, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], y, mask=mask & first)
+    if not WEIGHTS_FIRST:
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
     # the router reads the mix as stored, in the model's dtype (as the separate kernels would hand it over)
     score = tl.sigmoid(tl.sum(w * y.to(tl.float32), axis=1))
     _select_when_last(score, experts, n.to(tl.int64), scores_ptr, bias_ptr, tickets_ptr, idx_ptr, wt_ptr, E, scale,
@@ -95,7 +105,8 @@ def mix_norm_route(uw: torch.Tensor, eps: float, sources: list[torch.Tensor], no
                 router_weight, bias, scores, tickets, idx, w, R, D, E, eps, norm_eps, scale, N=len(sources),
                 ADD=add is not None, TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E),
                 RENORMALIZE=renormalize, RANK_SELECT=E <= ROUTER_LAUNCH["rank_select_max_experts"],
-                BLOCK_E=block_e, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"], **pdl.launch(y))
+                BLOCK_E=block_e, BLOCK_D=block_d, WEIGHTS_FIRST=LAUNCH["weights_first"], num_warps=LAUNCH["num_warps"],
+                **pdl.launch(y))
     return y, idx, w, scores, total
 
 
