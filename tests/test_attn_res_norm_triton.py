@@ -46,6 +46,19 @@ def reference(sources, add, u, w, eps, nw, norm_eps):
 def test_mix_norm_kernel_matches_the_separate_ops(n, B, T, D, dtype, with_add):
     """y = RMSNorm(mix) at fp32 tolerance (bf16: one rounding apart, as the kernel rounds the mix to bf16 where
     the separate ops store it); p + add bit-equal to the separate add."""
+    _check_mix_norm(n, B, T, D, dtype, with_add)
+
+
+@pytest.mark.parametrize("n,B,T,D,dtype", [(3, 2, 5, 96, torch.float32), (4, 4, 1, 1536, torch.bfloat16)])
+def test_one_row_a_program_matches_the_separate_ops(monkeypatch, n, B, T, D, dtype):
+    """LAUNCH["max_block_r"] = 1 (a program a row, the decode A/B's candidate): the same result as the ops."""
+    from k3.ops import _attn_res_norm_triton as kernels
+
+    monkeypatch.setitem(kernels.LAUNCH, "max_block_r", 1)
+    _check_mix_norm(n, B, T, D, dtype, True)
+
+
+def _check_mix_norm(n, B, T, D, dtype, with_add):
     from k3.ops import _attn_res_norm_triton as kernels
 
     gen = torch.Generator().manual_seed(100 * n + D)

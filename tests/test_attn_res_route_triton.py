@@ -9,7 +9,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's import
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from k3 import envs  # noqa: E402
 from k3.model.attn_res import attn_res_mix_norm_route  # noqa: E402
@@ -47,6 +47,25 @@ def test_one_launch_equals_the_mix_norm_kernel_then_the_router(n, R, D, E, k, dt
     """y and p + add equal the mix + norm kernel's (the same arithmetic: `_attn_res_triton._mix_rows`); the scores
     equal the fp32 router of that y; the ids and weights are the reference selection of those scores (ties to the
     lower id); the ticket workspace is left zero."""
+    _check_one_launch(n, R, D, E, k, dtype, with_add)
+
+
+@pytest.mark.parametrize("change", [dict(weights_first=False), dict(block_e=16, num_warps=8, weights_first=False),
+                                    dict(block_e=4), dict(block_e=2, num_warps=8)])
+@pytest.mark.parametrize("n,R,D,E,k,dtype", [(5, 3, 1536, 64, 8, torch.float32), (2, 2, 200, 24, 3, torch.bfloat16)])
+def test_every_launch_shape_gives_the_same_mix_and_routing(monkeypatch, change, n, R, D, E, k, dtype):
+    """The LAUNCH entries a card's A/B picks between (the router weights loaded after the mix, more or fewer experts
+    and warps a program) leave the result as the default's: the mix + norm kernel's y, the router of it."""
+    from k3.ops import _attn_res_route_triton
+
+    for key, value in change.items():
+        monkeypatch.setitem(_attn_res_route_triton.LAUNCH, key, value)
+    block_e = _attn_res_route_triton.blocks(D, E)[1]
+    assert block_e == min(change.get("block_e", 8), triton.next_power_of_2(E))  # the tile asked for, taken
+    _check_one_launch(n, R, D, E, k, dtype, True)
+
+
+def _check_one_launch(n, R, D, E, k, dtype, with_add):
     from k3.ops import _attn_res_norm_triton, _attn_res_route_triton
 
     sources, add, u, w, nw, rw, bias = operands(10 * n + R + D + E, n, R, D, E, dtype, with_add)
