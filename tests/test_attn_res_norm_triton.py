@@ -49,12 +49,14 @@ def test_mix_norm_kernel_matches_the_separate_ops(n, B, T, D, dtype, with_add):
     _check_mix_norm(n, B, T, D, dtype, with_add)
 
 
+@pytest.mark.parametrize("change", [dict(max_block_r=1), dict(preload=True), dict(max_block_r=1, preload=True)])
 @pytest.mark.parametrize("n,B,T,D,dtype", [(3, 2, 5, 96, torch.float32), (4, 4, 1, 1536, torch.bfloat16)])
-def test_one_row_a_program_matches_the_separate_ops(monkeypatch, n, B, T, D, dtype):
-    """LAUNCH["max_block_r"] = 1 (a program a row, the decode A/B's candidate): the same result as the ops."""
+def test_every_launch_shape_matches_the_separate_ops(monkeypatch, change, n, B, T, D, dtype):
+    """The decode A/B's candidates (a program a row; the sources loaded at once): the same result as the ops."""
     from k3.ops import _attn_res_norm_triton as kernels
 
-    monkeypatch.setitem(kernels.LAUNCH, "max_block_r", 1)
+    for key, value in change.items():
+        monkeypatch.setitem(kernels.LAUNCH, key, value)
     _check_mix_norm(n, B, T, D, dtype, True)
 
 

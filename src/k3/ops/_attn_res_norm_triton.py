@@ -18,7 +18,8 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
 # max_block_r: rows a program at most (below the mix's own tile, `_attn_res_triton._blocks`: 2 rows of small's 1536
 # columns); at a decode batch fewer rows a program means more programs on the SMs and a shorter chain each.
-LAUNCH = dict(max_block_r=16)
+# preload: every source's load issued before the first reduction (`_attn_res_triton._mix_rows`' PRELOAD).
+LAUNCH = dict(max_block_r=16, preload=False)
 
 
 def score_weight(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -56,7 +57,7 @@ def _mix_norm_op(uw: torch.Tensor, eps: float, sources: list[torch.Tensor],
                                                     norm_weight, R, D, eps, norm_eps, N=len(sources),
                                                     STATS=False, ADD=add is not None, NORM=True,
                                                     BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"],
-                                                    **pdl.launch(out))
+                                                    PRELOAD=LAUNCH["preload"], **pdl.launch(out))
     return [out] if total is None else [out, total]
 
 

@@ -32,7 +32,8 @@ MAX_PROGRAMS_PER_ROW = 16
 # PDL's wait), at the cost of holding the tile in registers across the mix (ptxas for sm_90 at small's shapes, 5
 # sources: 197 registers, 2 CTAs an SM; loaded after the mix, from L2 where every row's programs share it: 118);
 # at batch 64 the H100 ran 512 programs of 178 registers in 1.29 waves (benchmarks/ncu_decode.py, session 37).
-LAUNCH = dict(block_e=8, num_warps=4, weights_first=True)
+# preload: the mix's sources loaded at once (`_attn_res_triton._mix_rows`' PRELOAD).
+LAUNCH = dict(block_e=8, num_warps=4, weights_first=True, preload=False)
 
 
 def blocks(D: int, E: int) -> tuple[int, int]:
@@ -54,7 +55,8 @@ def _mix_norm_route_kernel(srcs, uw_ptr, add_ptr, sum_ptr, nw_ptr, y_ptr, rw_ptr
                            tickets_ptr, idx_ptr, wt_ptr, R, D, E, eps, norm_eps, scale, N: tl.constexpr,
                            ADD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                            RENORMALIZE: tl.constexpr, RANK_SELECT: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_D: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = True, PDL: tl.constexpr = False):
+                           BLOCK_D: tl.constexpr, WEIGHTS_FIRST: tl.constexpr = True, PRELOAD: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
     n = tl.program_id(0)
     first = tl.program_id(1) == 0
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -68,7 +70,7 @@ def _mix_norm_route_kernel(srcs, uw_ptr, add_ptr, sum_ptr, nw_ptr, y_ptr, rw_ptr
     rows = n + tl.arange(0, 1)
     mask = (rows < R)[:, None] & col_ok[None, :]
     y = _mix_rows(srcs, uw_ptr, uw_ptr, uw_ptr, add_ptr, sum_ptr, nw_ptr, rows, cols, R, D, eps, norm_eps,
-                  mask & first, N, False, ADD, True, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+                  mask & first, N, False, ADD, True, y_ptr.dtype.element_ty, PRELOAD).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], y, mask=mask & first)
     if not WEIGHTS_FIRST:
         w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
@@ -105,7 +107,8 @@ def mix_norm_route(uw: torch.Tensor, eps: float, sources: list[torch.Tensor], no
                 router_weight, bias, scores, tickets, idx, w, R, D, E, eps, norm_eps, scale, N=len(sources),
                 ADD=add is not None, TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E),
                 RENORMALIZE=renormalize, RANK_SELECT=E <= ROUTER_LAUNCH["rank_select_max_experts"],
-                BLOCK_E=block_e, BLOCK_D=block_d, WEIGHTS_FIRST=LAUNCH["weights_first"], num_warps=LAUNCH["num_warps"],
+                BLOCK_E=block_e, BLOCK_D=block_d, WEIGHTS_FIRST=LAUNCH["weights_first"], PRELOAD=LAUNCH["preload"],
+                num_warps=LAUNCH["num_warps"],
                 **pdl.launch(y))
     return y, idx, w, scores, total
 

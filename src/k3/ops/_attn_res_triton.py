@@ -25,7 +25,8 @@ from k3.ops.triton_dispatch import on_device
 @triton.jit
 def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, R, D, eps, norm_eps,
                     N: tl.constexpr, STATS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+                    PRELOAD: tl.constexpr = False):
     """STATS: store the scores and log-sum-exp (for backward). ADD: the last source is srcs[N-1] + add, rounded
     to the sources' dtype as a separate add would, and stored to sum_ptr. NORM: out is the RMSNorm (weight
     nw, norm_eps) of the mix, itself rounded to the output dtype first, as the norm would read it. PDL: launched
@@ -35,16 +36,19 @@ def _mix_fwd_kernel(srcs, uw_ptr, out_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < R)[:, None] & (cols < D)[None, :]
     out = _mix_rows(srcs, uw_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, rows, cols, R, D, eps, norm_eps,
-                    mask, N, STATS, ADD, NORM, out_ptr.dtype.element_ty)
+                    mask, N, STATS, ADD, NORM, out_ptr.dtype.element_ty, PRELOAD)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _mix_rows(srcs, uw_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, rows, cols, R, D, eps, norm_eps,
-              sum_mask, N: tl.constexpr, STATS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, out_dtype):
+              sum_mask, N: tl.constexpr, STATS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, out_dtype,
+              PRELOAD: tl.constexpr = False):
     """`_mix_fwd_kernel`'s work for a tile of `rows` × `cols` (all of D): the mix (with NORM its RMSNorm) in fp32,
     returned for the caller to store; the sum p + add stored where `sum_mask` (ADD), the scores and log-sum-exp
-    where STATS. `out_dtype`: what the mix is rounded to before the norm reads it."""
+    where STATS. `out_dtype`: what the mix is rounded to before the norm reads it. PRELOAD: every source loaded
+    up front (N tiles in registers; otherwise each load waits behind the previous source's reductions: the
+    latency of a decode batch's few rows)."""
     row_ok, col_ok = rows < R, cols < D
     mask = row_ok[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
@@ -52,12 +56,15 @@ def _mix_rows(srcs, uw_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, rows,
     m = tl.full([rows.shape[0]], float("-inf"), tl.float32)
     l = tl.zeros([rows.shape[0]], tl.float32)
     acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
+    vs = ()
+    if PRELOAD:  # every source's load issued before the first reduction: one memory latency, not N in a chain
+        for i in tl.static_range(N):
+            vs = vs + (_load_source(srcs[i], add_ptr, sum_ptr, offs, mask, sum_mask, ADD and i == N - 1),)
     for i in tl.static_range(N):
-        v = tl.load(srcs[i] + offs, mask=mask, other=0.0)
-        if ADD and i == N - 1:
-            v = (v.to(tl.float32) + tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(v.dtype)
-            tl.store(sum_ptr + offs, v, mask=sum_mask)
-        v = v.to(tl.float32)
+        if PRELOAD:
+            v = vs[i].to(tl.float32)
+        else:
+            v = _load_source(srcs[i], add_ptr, sum_ptr, offs, mask, sum_mask, ADD and i == N - 1).to(tl.float32)
         sq, dot = tl.reduce((v * v, v * uw[None, :]), 1, _add_pairs)  # one pass across the warps for both sums
         r = tl.rsqrt(sq / D + eps)
         s = r * dot
@@ -76,6 +83,17 @@ def _mix_rows(srcs, uw_ptr, scores_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, rows,
     if STATS:
         tl.store(lse_ptr + rows, m + tl.log(l), mask=row_ok)
     return out
+
+
+@triton.jit
+def _load_source(src, add_ptr, sum_ptr, offs, mask, sum_mask, ADD: tl.constexpr):
+    """One source's tile in its dtype; ADD: plus the add's tile, rounded to the sources' dtype as a separate add
+    would leave it, and stored to sum_ptr where sum_mask."""
+    v = tl.load(src + offs, mask=mask, other=0.0)
+    if ADD:
+        v = (v.to(tl.float32) + tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(v.dtype)
+        tl.store(sum_ptr + offs, v, mask=sum_mask)
+    return v
 
 
 @triton.jit
