@@ -82,6 +82,9 @@ def main():
     ap.add_argument("--gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
     ap.add_argument("--gemv-rows", type=int, default=0, metavar="N",
                     help="also time it with decode's GEMV for the input projections at batches up to N rows (≤ 64)")
+    ap.add_argument("--gemv-weight", type=int, action="append", default=[], metavar="N",
+                    help="also time it with decode's GEMV taking weights of up to N elements (gemv.WIN_WEIGHT_ELEMS; "
+                         "repeatable)")
     ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
     ap.add_argument("--fused-rows", type=int, action="append", default=[], metavar="N",
                     help="also time it with decode's GEMV taking the linears with a prologue (norm, GLU, output gate; "
@@ -109,6 +112,8 @@ def main():
         graphs.append((f"graph+gemv≤{a.gemv_rows} rows", lambda: _gemv_up_to(10_000_000, a.gemv_rows)))
     if a.pdl_gemv:
         graphs.append(("graph+pdl+gemv", lambda: _both(envs.override(pdl=True), _gemv_up_to(10_000_000))))
+    for n in a.gemv_weight:
+        graphs.append((f"graph+gemv weight≤{n:,}", lambda n=n: _gemv_up_to(n)))
     for n in a.fused_rows:
         graphs.append((f"graph+fused≤{n} rows", lambda n=n: _fused_up_to(n)))
     if a.opt_in:

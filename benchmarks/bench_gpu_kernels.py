@@ -957,11 +957,10 @@ def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
                 dict(dot_block_n=32), dict(dot_block_k=128), dict(dot_block_k=512), dict(dot_warps=8),
                 dict(min_split_k=128), dict(min_split_k=512), dict(fma_stages=1), dict(fma_stages=3),
                 dict(dot_stages=2), dict(dot_stages=4),
-                # one row through the large input projections (KDA's, the MoE's): one wave of programs, more of W in
-                # flight a program (8 rows of W: 786 programs of KDA's, 1.19 waves at 5 CTAs an SM)
-                dict(fma_block_n=16, fma_tile_elems=16384), dict(fma_block_n=16, fma_stages=3),
-                dict(fma_block_n=32, fma_tile_elems=16384), dict(fma_block_n=16, fma_tile_elems=16384, fma_warps=8),
-                dict(fma_block_n=32, fma_tile_elems=32768, fma_warps=8),
+                # few rows through the large input projections (KDA's, the MoE's): fewer rows of W a program (H100,
+                # session 38, one row: 4 rows of W beat 8 and cuBLAS at o_proj's, KDA's and the MoE's shapes)
+                dict(fma_block_n=8), dict(fma_block_n=2), dict(fma_block_n=1), dict(fma_tile_elems=32768),
+                dict(fma_warps=2), dict(fma_block_n=2, fma_tile_elems=16384),
                 # past 16 rows (sass_gemv.py: at 64 rows x's tile is as large as W's, 96-123 KB of shared memory,
                 # 1-2 CTAs an SM, 72-297 programs)
                 dict(wide_block_n=32), dict(wide_block_n=128), dict(wide_block_k=64), dict(wide_block_k=256),

@@ -63,10 +63,11 @@ def test_every_launch_shape_gives_the_same_mix_and_routing(monkeypatch, change, 
         monkeypatch.setitem(_attn_res_route_triton.LAUNCH, key, value)
     block_e = _attn_res_route_triton.blocks(D, E)[1]
     assert block_e == min(change.get("block_e", 8), triton.next_power_of_2(E))  # the tile asked for, taken
-    _check_one_launch(n, R, D, E, k, dtype, True)
+    # (more warps than the mix + norm kernel's 4 sum each row in another order: fp32 a few ulps apart)
+    _check_one_launch(n, R, D, E, k, dtype, True, tol=1e-6 if "num_warps" not in change else 2e-5)
 
 
-def _check_one_launch(n, R, D, E, k, dtype, with_add):
+def _check_one_launch(n, R, D, E, k, dtype, with_add, tol=1e-6):
     from k3.ops import _attn_res_norm_triton, _attn_res_route_triton
 
     sources, add, u, w, nw, rw, bias = operands(10 * n + R + D + E, n, R, D, E, dtype, with_add)
@@ -77,7 +78,7 @@ def _check_one_launch(n, R, D, E, k, dtype, with_add):
     want_y, want_sum = _attn_res_norm_triton.mix_norm_forward(u, w, 1e-5, tuple(sources), nw, 1e-6, add, uw=uw)
     assert total.numel() == (y.numel() if with_add else 0) and not tickets.any()
     if dtype == torch.float32:
-        torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(y, want_y, rtol=tol, atol=tol)
     else:  # an fp32 sum in another order can move a bf16 rounding by one step, rarely
         assert (y != want_y).float().mean() < 0.05
     if with_add:

@@ -19,7 +19,7 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 # max_block_r: rows a program at most (below the mix's own tile, `_attn_res_triton._blocks`: 2 rows of small's 1536
 # columns); at a decode batch fewer rows a program means more programs on the SMs and a shorter chain each.
 # preload: every source's load issued before the first reduction (`_attn_res_triton._mix_rows`' PRELOAD).
-LAUNCH = dict(max_block_r=16, preload=False)
+LAUNCH = dict(max_block_r=1, preload=True)
 
 
 def score_weight(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

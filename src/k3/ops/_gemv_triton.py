@@ -51,7 +51,7 @@ DOT_MIN_ROWS = 4
 # stacked projections, [6284, 1536] as then timed, 12.1 µs where 64 rows of W took 16.0 and 128 took 35.2;
 # o_proj [1536, 1536] 8.8 where 9.6; it doubles the programs of a launch, the lack sass_gemv.py pointed at).
 # norm: the row norm's columns a pass, at most norm_tile_elems elements of x a pass (its registers).
-LAUNCH = dict(fma_block_n=8, fma_tile_elems=8192, fma_warps=4, fma_stages=2, dot_block_n=16, dot_block_k=256,
+LAUNCH = dict(fma_block_n=4, fma_tile_elems=8192, fma_warps=4, fma_stages=2, dot_block_n=16, dot_block_k=256,
               dot_warps=4, dot_stages=3, wide_block_n=32, wide_block_k=128, wide_warps=4, programs_per_sm=2,
               min_split_k=256, norm_block=1024, norm_tile_elems=16384)
 # SMs assumed off the GPU (the Triton interpreter on CPU tensors): the H200's, so the CPU tests plan the

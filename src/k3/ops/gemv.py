@@ -35,7 +35,7 @@ MAX_ROWS = 64  # what the kernel runs (a decode batch); where it is chosen is `k
 # [2240, 1536] (5.7 / 5.4) up: the dense MLP [6144, 1536] 9.2 / 7.8, lm_head [32768, 1536] 34.8 / 28.4. At 8 rows it
 # lost on all but KDA's input projection. So: weights of at most 2.5M elements, at most 4 rows (the FMA tiles).
 WIN_ROWS = 4
-WIN_WEIGHT_ELEMS = 2_500_000
+WIN_WEIGHT_ELEMS = 10_000_000
 # Where the linear comes with a prologue (a norm, a SiTU-GLU or an output gate before it), cuBLAS's path launches
 # that prologue as kernels of its own (RMSNorm 1, the GLU 1, σ(gate) ⊙ o 3), each a few µs of latency for a few KB
 # at a decode batch; the kernel reads it as it loads x. Up to FUSED_WIN_ROWS rows it is taken there. Measured on
