@@ -86,14 +86,16 @@ def test_a_norm_weight_that_does_not_fit_is_refused():
         assert not use_gemv(x, w, None, None, torch.ones(64, device=DEVICE, requires_grad=True))  # a gradient
 
 
-def test_shape_rule_takes_the_kernel_only_where_it_won_on_the_h200(monkeypatch):
-    """small's linears at 1 row (µs ours / cuBLAS, H200, session 13): the narrow ones won (q_b 2.9/3.5, the routed up
-    3.2/6.0, the shared down 3.2/5.1, o_proj 5.5/6.5) and take the kernel; MLA's fused input (5.7/5.4), the dense
-    MLP (9.2/7.8) and lm_head (34.8/28.4) lost and keep cuBLAS; at 8 rows every one of these lost or tied."""
+def test_shape_rule_takes_the_kernel_only_where_it_won(monkeypatch):
+    """small's linears (µs ours / cuBLAS): at 1 row the narrow ones won on the H200 (session 13: q_b 2.9/3.5, the
+    routed up 3.2/6.0, the shared down 3.2/5.1, o_proj 5.5/6.5) and, with 4 rows of W a program, the large input
+    projections on the H100 (session 38: KDA's 9.2/10.1, the MoE's 5.6/6.2): they take the kernel; lm_head keeps
+    cuBLAS. At 4 rows the large ones keep cuBLAS (the MoE's 10.2/6.2); at 8 rows every one of these lost or tied."""
     won = [(2304, 384), (1536, 768), (1536, 1024), (1536, 1536)]
-    lost = [(2240, 1536), (6144, 1536), (1536, 6144), (32768, 1536)]
-    assert all(kernel_wins(1, n, k) for n, k in won)
-    assert not any(kernel_wins(1, n, k) for n, k in lost)
+    large = [(6288, 1536), (2816, 1536), (2240, 1536), (1536, 6144)]
+    assert all(kernel_wins(1, n, k) for n, k in won + large)
+    assert not kernel_wins(1, 32768, 1536)  # lm_head
+    assert all(kernel_wins(4, n, k) for n, k in won) and not any(kernel_wins(4, n, k) for n, k in large)
     assert not any(kernel_wins(8, n, k) for n, k in won)
     # the selector applies it once the kernel is chosen for x (as on CUDA: use_triton_op's device test passed)
     monkeypatch.setattr(gemv, "use_triton_op", lambda x, name: True)
@@ -190,11 +192,11 @@ def test_plain_path_keeps_gradients_through_the_norm():
 def test_norm_kernels_compile_for_the_h200():
     """The routed up projection's launch at 1 bf16 row ([1536, 768]: K whole) with the norm and residual, compiled
     for sm_90 by ptxas (no GPU needed): its epilogue takes the row's rstd (a sqrt); the same tiles with K split
-    (as o_proj's [1536, 1536]) leave the rstd to the split reduction, which takes it."""
+    (as [1024, 4096]'s) leave the rstd to the split reduction, which takes it."""
     from sm90_compile import ptx_for_sm90
 
     p = _gemv_triton.plan(1, 1536, 768, torch.bfloat16, 132)
-    assert p["split"] == 1 and not p["use_dot"] and _gemv_triton.plan(1, 1536, 1536, torch.bfloat16, 132)["split"] > 1
+    assert p["split"] == 1 and not p["use_dot"] and _gemv_triton.plan(1, 1024, 4096, torch.bfloat16, 132)["split"] > 1
     norm = dict(HAS_NORM=True, NORM_K=1024, NORM_BLOCK=1024)
     no_glu = dict(HAS_GLU=False, GLU_EXACT=False)
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",

@@ -84,10 +84,10 @@ def test_pair_without_a_prologue(glu, norm):
 def test_pair_plan_splits_where_either_linear_would():
     """Split (a reduce launch after) exactly where `plan` splits either linear alone, else one launch whose
     programs walk each segment whole; each segment's splits cover its K in whole tiles; the shapes above reach
-    both forms. small's pair: one launch at 1 row (neither linear splits), two at 4 rows (both do: four before),
-    a grid there of at least `plan`'s aim (two programs an SM)."""
+    both forms. small's pair: unsplit at 1 and 4 rows (4 rows of W a program: 384 blocks, above the aim); a
+    narrower output at 4 rows splits, its grid at least `plan`'s aim (two programs an SM)."""
     forms = set()
-    for M, N, KA, KB in [*SHAPES, (1, 1536, 1024, 768), (4, 1536, 1024, 768)]:
+    for M, N, KA, KB in [*SHAPES, (1, 1536, 1024, 768), (4, 1536, 1024, 768), (4, 768, 1024, 768)]:
         p = _gemv_triton.pair_plan(M, N, KA, KB, torch.bfloat16, 132)
         alone = [_gemv_triton.plan(M, N, K, torch.bfloat16, 132)["split"] > 1 for K in (KA, KB)]
         assert p["split"] == any(alone)
@@ -97,8 +97,8 @@ def test_pair_plan_splits_where_either_linear_would():
             assert per % p["block_k"] == 0 and (split - 1) * per < K <= split * per
             assert split == 1 or p["split"]
     assert forms == {False, True}
-    assert not _gemv_triton.pair_plan(1, 1536, 1024, 768, torch.bfloat16, 132)["split"]
-    p = _gemv_triton.pair_plan(4, 1536, 1024, 768, torch.bfloat16, 132)
+    assert not any(_gemv_triton.pair_plan(M, 1536, 1024, 768, torch.bfloat16, 132)["split"] for M in (1, 4))
+    p = _gemv_triton.pair_plan(4, 768, 1024, 768, torch.bfloat16, 132)
     assert p["split"] and p["n_blocks"] * (p["split_a"] + p["split_b"]) >= 2 * 132
 
 
@@ -174,9 +174,10 @@ def test_a_replaced_expert_seam_keeps_its_overlap_and_no_pair(monkeypatch):
 
 
 def test_pair_kernel_compiles_for_the_h200():
-    """small's shared down [1536, 1024] with its GLU and routed up [1536, 768] with its norm at 1 bf16 row,
-    compiled for sm_90 by ptxas (no GPU needed): the GLU's exps and the rstd (a sqrt) in the one launch, split or
-    not (split: each block's last split, after its atomic ticket, scales the second segment's splits)."""
+    """small's shared down [1536, 1024] with its GLU and routed up [1536, 768] with its norm at 1 bf16 row, and a
+    narrower output (768) at 4 rows, compiled for sm_90 by ptxas (no GPU needed): the GLU's exps and the rstd (a
+    sqrt) in the one launch, split or not (split: each block's last split, after its atomic ticket, scales the
+    second segment's splits)."""
     from sm90_compile import ptx_for_sm90
 
     sig = {"a_ptr": "*bf16", "wa_ptr": "*bf16", "up_ptr": "*bf16", "beta_gate": "fp32", "beta_up": "fp32",
@@ -184,8 +185,8 @@ def test_pair_kernel_compiles_for_the_h200():
            "tickets_ptr": "*i32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "KA": "i32", "KB": "i32", "splits_a": "i32",
            "stride_am": "i32", "stride_wan": "i32", "stride_um": "i32", "stride_bm": "i32", "stride_wbn": "i32",
            "stride_om": "i32"}
-    for M in (1, 4):  # unsplit, split
-        p = _gemv_triton.pair_plan(M, 1536, 1024, 768, torch.bfloat16, 132)
+    for M, N in ((1, 1536), (4, 768)):  # unsplit, split
+        p = _gemv_triton.pair_plan(M, N, 1024, 768, torch.bfloat16, 132)
         ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_pair_kernel", sig, num_warps=p["warps"], A_GLU=True,
                            B_NORM=True, GLU_EXACT=False, SPLIT=p["split"], USE_DOT=p["use_dot"], DOT_IN_FP32=False,
                            BLOCK_M=p["block_m"], BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
@@ -193,5 +194,5 @@ def test_pair_kernel_compiles_for_the_h200():
                            NORM_K=1024, NORM_BLOCK=1024)
         assert "ex2.approx" in ptx and "st.global" in ptx and "sqrt" in ptx
         assert ("atom.global.gpu.acq_rel" in ptx) == bool(p["split"])
-    assert {bool(_gemv_triton.pair_plan(M, 1536, 1024, 768, torch.bfloat16, 132)["split"]) for M in (1, 4)} == {
-        False, True}
+    assert {bool(_gemv_triton.pair_plan(M, N, 1024, 768, torch.bfloat16, 132)["split"])
+            for M, N in ((1, 1536), (4, 768))} == {False, True}

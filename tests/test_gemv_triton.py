@@ -65,7 +65,7 @@ def test_the_shapes_cover_every_launch_form():
                      for split in (False, True)}
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 37, 1100), (8, 40, 1031)])
+@pytest.mark.parametrize("M,N,K", [(1, 37, 4500), (8, 40, 1031)])
 def test_split_k_is_summed_by_each_blocks_last_split_which_leaves_the_tickets_zero(M, N, K):
     """Where K is split, the splits' sums are added by the last split of each block of N (an atomic ticket; no
     second launch): the result equals the fp64 matmul and the same bits at every call, and every ticket is back at
@@ -196,12 +196,13 @@ SM90_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "res_
 
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_kernel_compiles_for_the_h200(rows):
-    """The launch `plan` picks for o_proj's shape at 1, 8 and 64 bf16 rows, K split, compiled for sm_90 by ptxas
-    (no GPU needed): one row on the FMA units, eight and 64 on the tensor cores (an mma in the PTX); the block's
-    last split sums the splits in the same launch (an atomic ticket, then the epilogue's bias and residual)."""
+    """The launch `plan` picks at 1, 8 and 64 bf16 rows, K split (o_proj's shape; at one row, whole 2048-wide K
+    tiles of 4 rows of W split only past 2048 columns: [1024, 4096]), compiled for sm_90 by ptxas (no GPU
+    needed): one row on the FMA units, eight and 64 on the tensor cores (an mma in the PTX); the block's last split
+    sums the splits in the same launch (an atomic ticket, then the epilogue's bias and residual)."""
     from sm90_compile import ptx_for_sm90
 
-    p = _gemv_triton.plan(rows, 1536, 1536, torch.bfloat16, 132)
+    p = _gemv_triton.plan(rows, *((1024, 4096) if rows == 1 else (1536, 1536)), torch.bfloat16, 132)
     assert p["split"] > 1 and p["use_dot"] == (rows > 1)
     ptx = ptx_for_sm90("k3.ops._gemv_triton", "_gemv_kernel", SM90_SIGNATURE, num_warps=p["warps"], HAS_BIAS=True,
                        HAS_RES=True, HAS_NORM=False, NORM_K=2048, NORM_BLOCK=1024, HAS_GLU=False,

@@ -4,7 +4,7 @@ At a decode batch a step's linears are matrix-vector products, or skinny GEMMs, 
 cuBLAS reaches about a quarter of an H200's bandwidth on them (benchmarks/RESULTS.md, "Decode, issue 21"). `linear`
 is the one entry: with no gradient, plain CUDA tensors of one float dtype, a shape where the kernel beat cuBLAS on
 an H200 (`kernel_wins`: at most WIN_ROWS rows, FUSED_WIN_ROWS where a prologue comes along, and a weight of at
-most WIN_WEIGHT_ELEMS elements) and the kernel
+most WIN_WEIGHT_ELEMS elements; ONE_ROW_WEIGHT_ELEMS at one row) and the kernel
 switched on (k3.ops.triton_dispatch: `_gemv_triton`, on by default on CUDA since session 26; K3_NO_TRITON), it runs
 k3.ops._gemv_triton's kernel (the custom op `k3::decode_gemv`, so a torch.compile'd decode step keeps it); otherwise
 the plain `linear_reference` (cuBLAS). `DecodeLinear` is an nn.Linear whose forward is `linear` (and may take the
@@ -24,8 +24,8 @@ from k3.ops.fused_situ import situ_glu_fast
 from k3.ops.norm import rms_norm
 from k3.ops.triton_dispatch import Forced, call_op, triton_module, use_triton_op
 
-__all__ = ["MAX_ROWS", "WIN_ROWS", "WIN_WEIGHT_ELEMS", "FUSED_WIN_ROWS", "kernel_wins", "linear_reference", "use_gemv",
-           "force_gemv", "linear", "linear_pair_reference", "use_gemv_pair", "linear_pair", "DecodeLinear"]
+__all__ = ["MAX_ROWS", "WIN_ROWS", "WIN_WEIGHT_ELEMS", "ONE_ROW_WEIGHT_ELEMS", "FUSED_WIN_ROWS", "kernel_wins",
+           "linear_reference", "use_gemv", "force_gemv", "linear", "linear_pair_reference", "use_gemv_pair", "linear_pair", "DecodeLinear"]
 
 KERNELS = "_gemv_triton"
 MAX_ROWS = 64  # what the kernel runs (a decode batch); where it is chosen is `kernel_wins`
@@ -35,7 +35,13 @@ MAX_ROWS = 64  # what the kernel runs (a decode batch); where it is chosen is `k
 # [2240, 1536] (5.7 / 5.4) up: the dense MLP [6144, 1536] 9.2 / 7.8, lm_head [32768, 1536] 34.8 / 28.4. At 8 rows it
 # lost on all but KDA's input projection. So: weights of at most 2.5M elements, at most 4 rows (the FMA tiles).
 WIN_ROWS = 4
-WIN_WEIGHT_ELEMS = 10_000_000
+WIN_WEIGHT_ELEMS = 2_500_000
+# One row through the large input projections, once the FMA tiles took 4 rows of W a program (H100, session 38,
+# `bench_gpu_kernels.py --gemv-sweep --gemv-rows 1,4`, µs ours / cuBLAS): KDA's [6288, 1536] 9.2 / 10.1, the MoE's
+# [2816, 1536] 5.6 / 6.2, o_proj 3.7 / 5.4; at 4 rows cuBLAS keeps them (the MoE's 10.2 / 6.2). The step
+# (`bench_gpu_decode.py --batches 1,4 --gemv-weight 2500000`): batch 1 1.05 -> 1.03 ms with them; batch 4 1.62 ->
+# 1.83 had they gone through it at 4 rows too. So: at one row, weights up to 10M elements (not lm_head's 50M).
+ONE_ROW_WEIGHT_ELEMS = 10_000_000
 # Where the linear comes with a prologue (a norm, a SiTU-GLU or an output gate before it), cuBLAS's path launches
 # that prologue as kernels of its own (RMSNorm 1, the GLU 1, σ(gate) ⊙ o 3), each a few µs of latency for a few KB
 # at a decode batch; the kernel reads it as it loads x. Up to FUSED_WIN_ROWS rows it is taken there. Measured on
@@ -88,9 +94,11 @@ def _plain(t: torch.Tensor | None) -> bool:
 
 
 def kernel_wins(rows: int, n: int, k: int, prologue: bool = False) -> bool:
-    """Whether the kernel is the faster choice for `rows` rows through an [n, k] weight (the H200's shape classes
+    """Whether the kernel is the faster choice for `rows` rows through an [n, k] weight (the shape classes timed
     above), `prologue`: with a norm, GLU or output gate before it that cuBLAS's path launches apart; cuBLAS
     elsewhere."""
+    if rows == 1 and n * k <= ONE_ROW_WEIGHT_ELEMS:
+        return True
     return rows <= (max(WIN_ROWS, FUSED_WIN_ROWS) if prologue else WIN_ROWS) and n * k <= WIN_WEIGHT_ELEMS
 
 
