@@ -948,8 +948,8 @@ def _applies(key: str, form: str) -> bool:
 def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
     """The kernel's launch shapes (k3.ops._gemv_triton.LAUNCH) at o_proj's [1536, 1536], KDA's stacked input
     projections [6288, 1536] (6,284 rows padded: fused_linear.aligned_rows) and the MoE's [2816, 1536], at
-    `row_counts` rows (--gemv-rows; default 1 and 8). Each form's entries are swept where `plan` takes it (fma, dot, wide; dot_stages for both dot
-    tiles)."""
+    `row_counts` rows (--gemv-rows; default 1 and 8). Each form's entries are swept where `plan` takes it (fma,
+    dot, wide; dot_stages for both dot tiles)."""
     from k3.ops import _gemv_triton  # (needs triton)
     out = []
     variants = [{}, dict(fma_block_n=4), dict(fma_block_n=16), dict(fma_tile_elems=4096),

@@ -56,7 +56,8 @@ def test_one_launch_equals_the_mix_norm_kernel_then_the_router(n, R, D, E, k, dt
 @pytest.mark.parametrize("n,R,D,E,k,dtype", [(5, 3, 1536, 64, 8, torch.float32), (2, 2, 200, 24, 3, torch.bfloat16)])
 def test_every_launch_shape_gives_the_same_mix_and_routing(monkeypatch, change, n, R, D, E, k, dtype):
     """The LAUNCH entries a card's A/B picks between (the router weights loaded after the mix, more or fewer experts
-    and warps a program, the sources loaded at once) leave the result as the default's: the mix + norm kernel's y, the router of it."""
+    and warps a program, the sources loaded at once) leave the result as the default's: the mix + norm kernel's y,
+    the router of it."""
     from k3.ops import _attn_res_route_triton
 
     for key, value in change.items():

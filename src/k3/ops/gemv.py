@@ -25,7 +25,8 @@ from k3.ops.norm import rms_norm
 from k3.ops.triton_dispatch import Forced, call_op, triton_module, use_triton_op
 
 __all__ = ["MAX_ROWS", "WIN_ROWS", "WIN_WEIGHT_ELEMS", "ONE_ROW_WEIGHT_ELEMS", "FUSED_WIN_ROWS", "kernel_wins",
-           "linear_reference", "use_gemv", "force_gemv", "linear", "linear_pair_reference", "use_gemv_pair", "linear_pair", "DecodeLinear"]
+           "linear_reference", "use_gemv", "force_gemv", "linear", "linear_pair_reference", "use_gemv_pair",
+           "linear_pair", "DecodeLinear"]
 
 KERNELS = "_gemv_triton"
 MAX_ROWS = 64  # what the kernel runs (a decode batch); where it is chosen is `kernel_wins`
