@@ -89,7 +89,7 @@ def test_a_norm_weight_that_does_not_fit_is_refused():
 def test_shape_rule_takes_the_kernel_only_where_it_won(monkeypatch):
     """small's linears (µs ours / cuBLAS): at 1 row the narrow ones won on the H200 (session 13: q_b 2.9/3.5, the
     routed up 3.2/6.0, the shared down 3.2/5.1, o_proj 5.5/6.5) and, with 4 rows of W a program, the large input
-    projections on the H100 (session 38: KDA's 9.2/10.1, the MoE's 5.6/6.2): they take the kernel; lm_head keeps
+    projections on the H100 (session 38: KDA's 9.2/10.0, the MoE's 5.6/6.2): they take the kernel; lm_head keeps
     cuBLAS. At 4 rows the large ones keep cuBLAS (the MoE's 10.2/6.2); at 8 rows every one of these lost or tied."""
     won = [(2304, 384), (1536, 768), (1536, 1024), (1536, 1536)]
     large = [(6288, 1536), (2816, 1536), (2240, 1536), (1536, 6144)]

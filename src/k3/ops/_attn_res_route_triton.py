@@ -108,8 +108,7 @@ def mix_norm_route(uw: torch.Tensor, eps: float, sources: list[torch.Tensor], no
                 ADD=add is not None, TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E),
                 RENORMALIZE=renormalize, RANK_SELECT=E <= ROUTER_LAUNCH["rank_select_max_experts"],
                 BLOCK_E=block_e, BLOCK_D=block_d, WEIGHTS_FIRST=LAUNCH["weights_first"], PRELOAD=LAUNCH["preload"],
-                num_warps=LAUNCH["num_warps"],
-                **pdl.launch(y))
+                num_warps=LAUNCH["num_warps"], **pdl.launch(y))
     return y, idx, w, scores, total
 
 

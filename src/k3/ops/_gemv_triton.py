@@ -46,7 +46,7 @@ DOT_MIN_ROWS = 4
 # Launch shapes, names so a sweep can time others (benchmarks/bench_gpu_kernels.py --gemv-sweep).
 # fma: rows of W per program and the element budget of one [M, N, K] product tile (its registers): 4 rows of W
 # (H100, session 38, `--gemv-sweep --gemv-rows 1,4`, µs at one row: o_proj 3.7 where 8 rows took 5.3 and cuBLAS
-# 5.4, KDA's stacked projections [6288, 1536] 9.2 where 10.5 and 10.1, the MoE's [2816, 1536] 5.6 where 6.7 and
+# 5.4, KDA's stacked projections [6288, 1536] 9.2 where 10.7 and 10.0, the MoE's [2816, 1536] 5.6 where 6.7 and
 # 6.2; at 4 rows o_proj 6.8 where 9.6; 2 rows of W within 5% of 4). The element budget stays 8192: at 4 rows
 # 32768 (a 2048-wide K tile) took o_proj to 5.5 and the MoE's to 8.3 (cuBLAS 5.4, 6.2), its registers unchecked.
 # dot: the tile of W per step; stages: the loads in flight of the pipelined K loop. programs_per_sm: the grid

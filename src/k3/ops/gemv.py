@@ -38,7 +38,7 @@ MAX_ROWS = 64  # what the kernel runs (a decode batch); where it is chosen is `k
 WIN_ROWS = 4
 WIN_WEIGHT_ELEMS = 2_500_000
 # One row through the large input projections, once the FMA tiles took 4 rows of W a program (H100, session 38,
-# `bench_gpu_kernels.py --gemv-sweep --gemv-rows 1,4`, µs ours / cuBLAS): KDA's [6288, 1536] 9.2 / 10.1, the MoE's
+# `bench_gpu_kernels.py --gemv-sweep --gemv-rows 1,4`, µs ours / cuBLAS): KDA's [6288, 1536] 9.2 / 10.0, the MoE's
 # [2816, 1536] 5.6 / 6.2, o_proj 3.7 / 5.4; at 4 rows cuBLAS keeps them (the MoE's 10.2 / 6.2). The step
 # (`bench_gpu_decode.py --batches 1,4 --gemv-weight 2500000`): batch 1 1.05 -> 1.03 ms with them; batch 4 1.62 ->
 # 1.83 had they gone through it at 4 rows too. So: at one row, weights up to 10M elements (not lm_head's 50M).
