@@ -20,7 +20,8 @@ each KDA state and its q/k/v conv tails read and written (fp32), each MLA layer'
 once. Fraction =
 (bytes / copy bandwidth measured in the same run) / measured step time. Target (issue 6): batch-1 >= 60%.
 Run: PYTHONPATH=src python benchmarks/bench_gpu_decode.py [--quick] [--compile] [--pdl] [--pdl-no-prefetch] [--gemv]
-[--gemv-rows 64] [--pdl-gemv] [--launch MODULE:k=v] [--contexts 4096] [--batches 1,8]
+[--gemv-rows 64] [--pdl-gemv] [--gemv-weight N] [--win-rows N] [--fused-rows N] [--launch MODULE:k=v]
+[--contexts 4096] [--batches 1,8]
 """
 import argparse
 import contextlib
@@ -85,6 +86,9 @@ def main():
     ap.add_argument("--gemv-weight", type=int, action="append", default=[], metavar="N",
                     help="also time it with decode's GEMV taking weights of up to N elements (gemv.WIN_WEIGHT_ELEMS; "
                          "repeatable)")
+    ap.add_argument("--win-rows", type=int, action="append", default=[], metavar="N",
+                    help="also time it with decode's GEMV taking the plain linears up to N rows (gemv.WIN_ROWS; "
+                         "repeatable)")
     ap.add_argument("--pdl-gemv", action="store_true", help="also time it with decode's GEMV for the input projections")
     ap.add_argument("--fused-rows", type=int, action="append", default=[], metavar="N",
                     help="also time it with decode's GEMV taking the linears with a prologue (norm, GLU, output gate; "
@@ -114,6 +118,8 @@ def main():
         graphs.append(("graph+pdl+gemv", lambda: _both(envs.override(pdl=True), _gemv_up_to(10_000_000))))
     for n in a.gemv_weight:
         graphs.append((f"graph+gemv weight≤{n:,}", lambda n=n: _gemv_up_to(n)))
+    for n in a.win_rows:
+        graphs.append((f"graph+plain gemv≤{n} rows", lambda n=n: mock.patch.object(gemv, "WIN_ROWS", n)))
     for n in a.fused_rows:
         graphs.append((f"graph+fused≤{n} rows", lambda n=n: _fused_up_to(n)))
     if a.opt_in:
