@@ -47,18 +47,15 @@ DOT_MIN_ROWS = 4
 # fma: rows of W per program and the element budget of one [M, N, K] product tile (its registers): 4 rows of W
 # (H100, session 38, `--gemv-sweep --gemv-rows 1,4`, µs at one row: o_proj 3.7 where 8 rows took 5.3 and cuBLAS
 # 5.4, KDA's stacked projections [6288, 1536] 9.2 where 10.7 and 10.0, the MoE's [2816, 1536] 5.6 where 6.7 and
-# 6.2; at 4 rows o_proj 6.8 where 9.6; 2 rows of W within 5% of 4). The element budget 32768 with K tiles of at
-# most fma_max_block_k (2048) columns: at one row the tiles of the 8192 budget (the same launches), at 3-4 rows one
-# 2048-wide tile where 512 were (4 rows: o_proj 6.8 -> 5.5, the MoE's 10.2 -> 8.3, KDA's 18.5 -> 14.1; ptxas for
-# sm_90: 128 registers, no spill; the step, `bench_gpu_decode.py --batches 2,3,4 --launch
-# _gemv_triton:fma_tile_elems=32768`: 1.29 -> 1.30, 1.54 -> 1.49, 1.61 -> 1.56 ms).
+# 6.2; at 4 rows o_proj 6.8 where 9.6; 2 rows of W within 5% of 4). The element budget stays 8192: at 4 rows
+# 32768 (a 2048-wide K tile) took o_proj to 5.5 and the MoE's to 8.3 (cuBLAS 5.4, 6.2), its registers unchecked.
 # dot: the tile of W per step; stages: the loads in flight of the pipelined K loop. programs_per_sm: the grid
 # aimed at before K is split.
 # wide: the dot tile of W past 16 rows: 32 rows of W (H100, session 35, `--gemv-sweep --gemv-rows 64`: KDA's
 # stacked projections, [6284, 1536] as then timed, 12.1 µs where 64 rows of W took 16.0 and 128 took 35.2;
 # o_proj [1536, 1536] 8.8 where 9.6; it doubles the programs of a launch, the lack sass_gemv.py pointed at).
 # norm: the row norm's columns a pass, at most norm_tile_elems elements of x a pass (its registers).
-LAUNCH = dict(fma_block_n=4, fma_tile_elems=32768, fma_max_block_k=2048, fma_warps=4, fma_stages=2, dot_block_n=16, dot_block_k=256,
+LAUNCH = dict(fma_block_n=4, fma_tile_elems=8192, fma_warps=4, fma_stages=2, dot_block_n=16, dot_block_k=256,
               dot_warps=4, dot_stages=3, wide_block_n=32, wide_block_k=128, wide_warps=4, programs_per_sm=2,
               min_split_k=256, norm_block=1024, norm_tile_elems=16384)
 # SMs assumed off the GPU (the Triton interpreter on CPU tensors): the H200's, so the CPU tests plan the
@@ -268,8 +265,7 @@ def plan(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> dict:
     else:
         block_m, block_n = triton.next_power_of_2(M), LAUNCH["fma_block_n"]
         warps, stages = LAUNCH["fma_warps"], LAUNCH["fma_stages"]
-        block_k = min(max(16, LAUNCH["fma_tile_elems"] // (block_m * block_n)), LAUNCH["fma_max_block_k"],
-                      max(16, triton.next_power_of_2(K)))
+        block_k = min(max(16, LAUNCH["fma_tile_elems"] // (block_m * block_n)), max(16, triton.next_power_of_2(K)))
     n_blocks = triton.cdiv(N, block_n)
     want = LAUNCH["programs_per_sm"] * sms
     split = 1
