@@ -111,17 +111,19 @@ def main():
     if a.pdl_no_prefetch:
         graphs.append(("graph+pdl-prefetch", lambda: envs.override(pdl=True, no_pdl_prefetch=True)))
     if a.gemv:
-        graphs.append(("graph+gemv", lambda: _gemv_up_to(10_000_000)))
+        graphs.append(("graph+gemv", lambda: _gemv_rule(WIN_WEIGHT_ELEMS=10_000_000)))
     if a.gemv_rows:
-        graphs.append((f"graph+gemv≤{a.gemv_rows} rows", lambda: _gemv_up_to(10_000_000, a.gemv_rows)))
+        graphs.append((f"graph+gemv≤{a.gemv_rows} rows",
+                       lambda: _gemv_rule(WIN_WEIGHT_ELEMS=10_000_000, WIN_ROWS=a.gemv_rows)))
     if a.pdl_gemv:
-        graphs.append(("graph+pdl+gemv", lambda: _both(envs.override(pdl=True), _gemv_up_to(10_000_000))))
+        graphs.append(("graph+pdl+gemv",
+                       lambda: _both(envs.override(pdl=True), _gemv_rule(WIN_WEIGHT_ELEMS=10_000_000))))
     for n in a.gemv_weight:
-        graphs.append((f"graph+gemv weight≤{n:,}", lambda n=n: _gemv_up_to(n)))
+        graphs.append((f"graph+gemv weight≤{n:,}", lambda n=n: _gemv_rule(WIN_WEIGHT_ELEMS=n)))
     for n in a.win_rows:
-        graphs.append((f"graph+plain gemv≤{n} rows", lambda n=n: mock.patch.object(gemv, "WIN_ROWS", n)))
+        graphs.append((f"graph+plain gemv≤{n} rows", lambda n=n: _gemv_rule(WIN_ROWS=n)))
     for n in a.fused_rows:
-        graphs.append((f"graph+fused≤{n} rows", lambda n=n: _fused_up_to(n)))
+        graphs.append((f"graph+fused≤{n} rows", lambda n=n: _gemv_rule(FUSED_WIN_ROWS=n)))
     if a.opt_in:
         names = tuple(a.opt_in.split(","))
         graphs.append((f"graph+{a.opt_in}", lambda: envs.override(triton_opt_in=names)))
@@ -181,16 +183,10 @@ def _both(first, second):
         yield
 
 
-def _gemv_up_to(elements: int, rows: int | None = None):
-    """Decode's GEMV taken for weights of up to `elements` elements (and batches of up to `rows` rows, where given;
-    k3.ops.gemv.kernel_wins) inside the block."""
-    return mock.patch.multiple(gemv, WIN_WEIGHT_ELEMS=elements, **({} if rows is None else {"WIN_ROWS": rows}))
-
-
-def _fused_up_to(rows: int):
-    """Decode's GEMV taken for the linears with a prologue up to `rows` rows inside the block
-    (k3.ops.gemv.FUSED_WIN_ROWS)."""
-    return mock.patch.object(gemv, "FUSED_WIN_ROWS", rows)
+def _gemv_rule(**values):
+    """Decode's GEMV taken by `gemv.kernel_wins` with its constants (WIN_ROWS, WIN_WEIGHT_ELEMS, FUSED_WIN_ROWS)
+    changed inside the block."""
+    return mock.patch.multiple(gemv, **values)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from k3.ops import _pdl_triton as pdl
 from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
-from k3.ops._situ_triton import _sigmoid, _tanh
+from k3.ops._situ_triton import _sigmoid, _situ_glu
 from k3.ops.triton_dispatch import inference_op, on_device, sm_count, ticket_workspace
 
 # Rows from which 16-bit weights go through tl.dot (x padded to 16 rows); below it the FMA units. A first guess.
@@ -110,9 +110,7 @@ def _tile_sums(x_ptr, w_ptr, norm_w_ptr, up_ptr, beta_gate, beta_up, rows, cols,
         if HAS_GLU:  # x is the gate: h = SiTU-GLU(gate, up), rounded to x's dtype as situ_glu's h
             gate = x.to(tl.float32)
             up = tl.load(up_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            h = (beta_gate * _tanh(gate * (1.0 / beta_gate), GLU_EXACT) * _sigmoid(gate, GLU_EXACT)
-                 * (beta_up * _tanh(up * (1.0 / beta_up), GLU_EXACT)))
-            x = h.to(x_ptr.dtype.element_ty)
+            x = _situ_glu(gate, up, beta_gate, beta_up, GLU_EXACT).to(x_ptr.dtype.element_ty)
         if OUT_GATE:  # x ⊙ σ(gate) (the gate read where glu_up would be), rounded to x's dtype as the reference's
             g = tl.load(up_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * _sigmoid(g, GLU_EXACT)).to(x_ptr.dtype.element_ty)

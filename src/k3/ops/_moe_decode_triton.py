@@ -12,7 +12,7 @@ import triton.language as tl
 
 from k3.ops import _pdl_triton as pdl
 from k3.ops._pdl_triton import pdl_enter, prefetch_range_l2, prefetch_rows_l2
-from k3.ops._situ_triton import _sigmoid, _tanh
+from k3.ops._situ_triton import _situ_glu
 from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
 
@@ -62,9 +62,8 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, TOP_K, beta_gate, bet
         acc_u += tl.load(w3_ptr + offs, mask=m, other=0.0).to(tl.float32) * x[None, :]
     acc_g = tl.sum(acc_g, 1)
     acc_u = tl.sum(acc_u, 1)
-    a = beta_gate * _tanh(acc_g * (1.0 / beta_gate), EXACT) * _sigmoid(acc_g, EXACT)
-    b = beta_up * _tanh(acc_u * (1.0 / beta_up), EXACT)
-    tl.store(h_ptr + s * I + rows, (a * b).to(h_ptr.dtype.element_ty), mask=rows < I)
+    tl.store(h_ptr + s * I + rows, _situ_glu(acc_g, acc_u, beta_gate, beta_up, EXACT).to(h_ptr.dtype.element_ty),
+             mask=rows < I)
 
 
 @triton.jit

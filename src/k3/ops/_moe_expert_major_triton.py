@@ -25,7 +25,7 @@ import triton.language as tl
 
 from k3.ops import _pdl_triton as pdl
 from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
-from k3.ops._situ_triton import _sigmoid, _tanh
+from k3.ops._situ_triton import _situ_glu
 from k3.ops.situ import situ_glu
 from k3.ops.triton_dispatch import call_op, inference_op, on_device
 
@@ -127,9 +127,8 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gat
             w3 = tl.load(w3_ptr + w_rows + cols[None, :], mask=m, other=0.0)
             acc_g += _dot(x, tl.trans(w1), DOT_IN_FP32)
             acc_u += _dot(x, tl.trans(w3), DOT_IN_FP32)
-        a = beta_gate * _tanh(acc_g * (1.0 / beta_gate), EXACT) * _sigmoid(acc_g, EXACT)
-        b = beta_up * _tanh(acc_u * (1.0 / beta_up), EXACT)
-        tl.store(h_ptr + slots.to(tl.int64)[:, None] * I + rows[None, :], (a * b).to(h_ptr.dtype.element_ty),
+        h = _situ_glu(acc_g, acc_u, beta_gate, beta_up, EXACT)
+        tl.store(h_ptr + slots.to(tl.int64)[:, None] * I + rows[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=ok[:, None] & (rows[None, :] < I))
         base += BLOCK_M
         slots, _ = _routed_slots(idx_ptr, S, e, base, BLOCK_M, SCAN)
@@ -200,9 +199,8 @@ def _combine_kernel(y_ptr, idx_ptr, wt_ptr, out_ptr, E, L, nw_ptr, eps, g_ptr, u
                 ok = c < I_SHARED
                 gate = tl.load(g_ptr + n.to(tl.int64) * stride_g + c, mask=ok, other=0.0).to(tl.float32)
                 up = tl.load(u_ptr + n.to(tl.int64) * stride_u + c, mask=ok, other=0.0).to(tl.float32)
-                a = beta_gate * _tanh(gate * (1.0 / beta_gate), EXACT) * _sigmoid(gate, EXACT)
-                b = beta_up * _tanh(up * (1.0 / beta_up), EXACT)
-                tl.store(h_ptr + n.to(tl.int64) * I_SHARED + c, (a * b).to(h_ptr.dtype.element_ty), mask=ok)
+                h = _situ_glu(gate, up, beta_gate, beta_up, EXACT)
+                tl.store(h_ptr + n.to(tl.int64) * I_SHARED + c, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
 def expert_major_situ_mlp(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,

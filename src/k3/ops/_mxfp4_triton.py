@@ -27,7 +27,7 @@ import triton.language as tl
 
 from k3.ops import _pdl_triton as pdl
 from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
-from k3.ops._situ_triton import _sigmoid, _tanh
+from k3.ops._situ_triton import _situ_glu
 from k3.ops.mxfp4_layout import DecodeLayoutWeight
 
 # Under PDL (K3_PDL, k3.ops._pdl_triton) a decode (selected) program prefetches its packed rows' first
@@ -333,8 +333,7 @@ def _expert_gemm_kernel(x_ptr, wa_p, wa_s, wb_p, wb_s, y_ptr, sched_ptr, num_til
         acc_b = acc_b * _pow2(BIAS_B)
     out = acc_a
     if GLU:
-        gate = beta_gate * _tanh(acc_a * (1.0 / beta_gate), EXACT) * _sigmoid(acc_a, EXACT)
-        out = gate * (beta_up * _tanh(acc_b * (1.0 / beta_up), EXACT))
+        out = _situ_glu(acc_a, acc_b, beta_gate, beta_up, EXACT)
     if W_LEFT:
         tl.store(y_ptr + (y_row + m[None, :]).to(tl.int64) * N + n[:, None], out.to(y_ptr.dtype.element_ty),
                  mask=m_ok[None, :] & n_ok[:, None])

@@ -52,6 +52,15 @@ def _tanh(x, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _situ_glu(g, u, beta_gate, beta_up, EXACT: tl.constexpr):
+    """SiTU-GLU(g, u) in fp32 from fp32 g and u: β_g·tanh(g/β_g)·σ(g) · β_u·tanh(u/β_u) (k3.ops.situ). The one
+    formula every kernel that forms a GLU calls (the elementwise forward, the GEMV's prologue, the experts' kernels,
+    the expert-major combine's shared tail)."""
+    a = beta_gate * _tanh(g * (1.0 / beta_gate), EXACT) * _sigmoid(g, EXACT)
+    return a * (beta_up * _tanh(u * (1.0 / beta_up), EXACT))
+
+
+@triton.jit
 def _sigmoid_pair(x, EXACT: tl.constexpr):
     # σ(x) and σ(−x) = 1 − σ(x) from one exp of −|x| and one division: each keeps its relative precision in the
     # tail where it is e^−|x|, and 1 − σ never cancels
@@ -85,9 +94,7 @@ def situ_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, cols, stride_g, stride_u, beta_g
         g_offs, u_offs = row * stride_g + col, row * stride_u + col
     g = tl.load(g_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + u_offs, mask=mask, other=0.0).to(tl.float32)
-    a = beta_gate * _tanh(g * (1.0 / beta_gate), EXACT) * _sigmoid(g, EXACT)
-    b = beta_up * _tanh(u * (1.0 / beta_up), EXACT)
-    tl.store(h_ptr + offs, (a * b).to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(h_ptr + offs, _situ_glu(g, u, beta_gate, beta_up, EXACT).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
