@@ -5,8 +5,8 @@
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests serve-tests kernels kbench decode prefill train
 #   train-ckpt moe mxfp4 vision serve serve64 sampler profile ncu pack k3-shaped
 #   (default: all but kernels, kbench, train-ckpt, profile, ncu, pack and k3-shaped). ncu = Nsight Compute's
-#   counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every GPU test (k3's Triton kernel
-#   tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
+#   counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every
+#   GPU test (k3's Triton kernel tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
 #   the static KDA layout, async output, fla's graph mode); serve64 = the serving bench at 64 streams only (set K3_TRITON to time
 #   opt-in kernels; SERVE_BATCH_TOKENS=8192: steps of up to 8,192 tokens, default 2,048; SERVE_FLAGS: more engine
