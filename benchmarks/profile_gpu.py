@@ -6,7 +6,7 @@ CUDA time. Decode is profiled without a CUDA graph (a graph hides its kernels fr
 are the same, only the launch gaps between them differ), eager and, with --compile, compiled.
 Each decode batch also times the same step replayed from a CUDA graph: graph time minus kernel time = gaps.
 Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--decode-batches 1,64] [--rows 25]
-     [--stack 4] [--shapes]
+     [--stack 4] [--shapes] [--docs 512]
 """
 import argparse
 import os
@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--stack", type=int, default=0, help="also group the ops by N stack frames")
     ap.add_argument("--shapes", action="store_true", help="also group the ops by their inputs' shapes")
+    ap.add_argument("--docs", type=int, default=0, metavar="L",
+                    help="train on rows packed with documents of L tokens (bench_gpu_train.py --docs)")
     a = ap.parse_args()
     cfg = K3Config.preset("small")
     torch.manual_seed(0)
@@ -81,12 +83,15 @@ def main():
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device="cuda")
+        doc_ids = ((torch.arange(a.seq, device="cuda") // a.docs).expand(a.batch, a.seq).contiguous()
+                   if a.docs else None)
 
-        def step():
-            model(ids, labels=ids).loss.backward()
+        def step():  # (a fresh doc_ids a step, as bench_gpu_train's: the packing is read back once a forward)
+            model(ids, doc_ids=None if doc_ids is None else doc_ids.clone(), labels=ids).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        out.append(profiled(f"train B{a.batch}xT{a.seq}", step, a.rows, reps=2, stack=a.stack, shapes=a.shapes))
+        name = f"train B{a.batch}xT{a.seq}" + (f" docs {a.docs}" if a.docs else "")
+        out.append(profiled(name, step, a.rows, reps=2, stack=a.stack, shapes=a.shapes))
         with torch.no_grad():
             out.append(profiled(f"forward only B{a.batch}xT{a.seq}", lambda: model(ids), a.rows, reps=2))
         del opt

@@ -238,6 +238,38 @@ def test_grouped_expert_mlp_matches_loop(seed, counts, D, I, monkeypatch):
             assert g_out[1][e].abs().max() == 0 and g_out[3][e].abs().max() == 0
 
 
+@pytest.mark.parametrize("seed, counts", [(50, [4, 0, 6, 2]), (51, [0, 9])])
+def test_training_joins_gate_and_up_into_one_gemm_and_inference_keeps_them_apart(seed, counts, monkeypatch):
+    """With a gradient recorded, the grouped path runs gate and up as one GEMM over `joined_gate_up` (2 grouped
+    GEMMs forward: ∂L/∂x then comes back from one); without, three GEMMs on the weights as they lie (no joined
+    copy made). Both equal the loop (bf16 activations over fp32 master weights, as autocast leaves them: the
+    weights cast in the join), and the fp32 weights' gradients come back fp32, equal to the loop's."""
+    g = gen(seed)
+    E, S, L, I = len(counts), sum(counts), 16, 8
+    x = torch.randn(S, L, generator=g).bfloat16().requires_grad_()
+    w1, w3 = ((torch.randn(E, I, L, generator=g) * 0.3).requires_grad_() for _ in range(2))
+    w2 = (torch.randn(E, L, I, generator=g) * 0.3).requires_grad_()
+    ref = expert_situ_mlp_loop(x.detach().double(), counts, *(w.detach().bfloat16().double() for w in (w1, w3, w2)))
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, **kw: calls.append(tuple(b.shape)) or real(a, b, **kw))
+    out = expert_situ_mlp(x, torch.tensor(counts), w1, w3, w2)
+    assert calls == [(E, L, 2 * I), (E, I, L)] and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    up = torch.randn(out.shape, generator=g).bfloat16()
+    grads = torch.autograd.grad(out, (x, w1, w3, w2), up)
+    xs, ws = x.detach().double().requires_grad_(), [w.detach().double().requires_grad_() for w in (w1, w3, w2)]
+    want = torch.autograd.grad(expert_situ_mlp_loop(xs, counts, *ws), (xs, *ws), up.double())
+    for got, w in zip(grads, want):
+        assert got.dtype == (torch.bfloat16 if got.shape == x.shape else torch.float32)
+        torch.testing.assert_close(got.double(), w, rtol=5e-2, atol=5e-2)
+    calls.clear()
+    with torch.no_grad():
+        out_inf = expert_situ_mlp(x, torch.tensor(counts), w1, w3, w2)
+    assert calls == [(E, L, I)] * 2 + [(E, I, L)]
+    torch.testing.assert_close(out_inf, out.detach(), rtol=1e-2, atol=1e-2)
+
+
 def test_graph_capture_paths_match_the_loop(monkeypatch):
     """While a CUDA graph captures outside aligned bf16 (host_offsets_forbidden), the experts and the QAT
     experts take the per-row gathered-weight path: same result as the loop. The capture is emulated on CPU by

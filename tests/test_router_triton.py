@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's import
 
-from k3.ops.router import (_LowPrecisionRouterLogits, route, route_tokens, router_scores_reference,
+from k3.ops.router import (_LowPrecisionRouterLogits, route, route_tokens, router_scores_reference, top_k_ids,
                            use_router_kernel)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -39,6 +39,24 @@ def test_reference_breaks_ties_to_the_lower_expert_id():
     scores = torch.tensor([[0.5, 0.625, 0.125, 0.0, 0.0, 0.5]])
     idx, w = route(scores, bias, 2, renormalize=False, scale=2.0)
     assert idx.tolist() == [[0, 5]] and w.tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize("seed, E, k", [(0, 64, 8), (1, 7, 7), (2, 160, 16), (3, 2, 1)])
+def test_top_k_ids_pick_what_a_stable_descending_sort_picks(seed, E, k):
+    """The fp32 selection (one topk over int64 keys) against the stable sort it stands for, on rows made of ties:
+    few distinct values, both zeros, negatives, ±inf and NaN of either sign (above every number, as torch.sort
+    puts it), and values one ulp apart. On CUDA where there is one (its topk differs from the CPU's), else the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([0.0, -0.0, 0.5, -0.5, 1e-38, -1e-38, 3.0, float("inf"), float("-inf"), float("nan"),
+                         -float("nan"), 1.0, torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item(), -7.0, 1e-45])
+    s = pool[torch.randint(len(pool), (300, E), generator=g)]
+    s[:100] = torch.randn(100, E, generator=g).round(decimals=1)  # plain scores, with ties
+    s = s.to(DEVICE)
+    want = torch.sort(s.cpu().double(), dim=-1, descending=True, stable=True).indices[:, :k]  # (−0.0 == 0.0 there)
+    got = top_k_ids(s, k)
+    assert got.dtype == torch.int64 and got.shape == (300, k)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(top_k_ids(s.double(), k).cpu(), want)  # other dtypes: the sort itself
 
 
 def exact_case(N, E, D, k, seed, ties=True):

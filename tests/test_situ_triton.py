@@ -124,3 +124,34 @@ def test_the_forward_reads_slices_of_a_fused_projection_in_place(shape, seed, mo
     if h_t is not None:
         torch.testing.assert_close(h_t, situ_glu(gate, up).transpose(0, -1), rtol=1e-5, atol=1e-6)
         assert launched[1][0] != gate.data_ptr()  # (copied: no view of a transpose has one row stride)
+
+
+@pytest.mark.parametrize("dtype, lead, I, seed", [(torch.float32, (3, 5), 24, 0), (torch.float32, (1037,), 8, 1),
+                                                  (torch.bfloat16, (2, 7), 40, 2)])
+def test_the_joined_form_reads_gate_and_up_from_one_tensor_and_writes_the_gradient_joined(dtype, lead, I, seed,
+                                                                                         monkeypatch):
+    """`situ_glu_joined(gu)` of the routed experts' joined gate+up GEMM output (rows [gate | up]): h and the
+    gradient equal the float64 reference of the two halves, and the gradient comes back as one [..., 2I] tensor in
+    gu's layout, gate's half first (what one GEMM takes back to the input)."""
+    from k3.ops import fused_situ
+    from k3.ops.fused_situ import _FusedSiTUGLUJoined, situ_glu_joined
+
+    monkeypatch.setattr(fused_situ, "fused_situ_available", lambda x: True)  # (the interpreter, on a CPU)
+    g = torch.Generator().manual_seed(seed)
+    gu64 = torch.randn(*lead, 2 * I, generator=g, dtype=torch.float64) * torch.tensor([4.0] * I + [30.0] * I)
+    gu64 = gu64.to(dtype).double().requires_grad_()  # the values the kernels see, exactly
+    dh = torch.randn(*lead, I, generator=g, dtype=torch.float64).to(dtype).double()
+    ref = situ_glu(gu64[..., :I], gu64[..., I:])
+    (dref,) = torch.autograd.grad(ref, gu64, dh)
+    gu = gu64.detach().to(dtype).to(DEVICE).requires_grad_()
+    h = situ_glu_joined(gu)
+    assert isinstance(h.grad_fn, _FusedSiTUGLUJoined._backward_cls) and h.shape == (*lead, I)
+    (dgu,) = torch.autograd.grad(h, gu, dh.to(dtype).to(DEVICE))
+    assert dgu.shape == gu.shape and dgu.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(h.double().cpu(), ref.detach(), **tol)
+    torch.testing.assert_close(dgu.double().cpu(), dref, **tol)
+    with torch.no_grad():  # inference: the same forward kernel, no autograd node
+        torch.testing.assert_close(situ_glu_joined(gu), h.detach(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="even"):
+        situ_glu_joined(gu[..., 1:])

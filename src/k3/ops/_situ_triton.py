@@ -83,27 +83,35 @@ def _tanh_sech2(x, EXACT: tl.constexpr):
 # backward takes the pairs (3 exps, not 8). Both are bound by the special-function unit (exp, reciprocal), so
 # x/β is x · (1/β): one reciprocal per program, not per element (≤ 1 ulp on the argument)
 @triton.jit
+def _row_offsets(offs, cols, row_stride, STRIDED: tl.constexpr):
+    # element offs of a [rows, cols] tensor at its place in rows `row_stride` apart (a column slice of a wider one:
+    # gate and up of a fused projection's output); the identity where the rows are packed
+    if STRIDED:
+        row = offs // cols
+        return row * row_stride + (offs - row * cols)
+    return offs
+
+
+@triton.jit
 def situ_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, cols, stride_g, stride_u, beta_gate, beta_up, BLOCK: tl.constexpr,
                         EXACT: tl.constexpr, STRIDED: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g_offs, u_offs = offs, offs
-    if STRIDED:  # rows of `cols` at their own row strides (gate and up as views of one fused projection's output)
-        row = offs // cols
-        col = offs - row * cols
-        g_offs, u_offs = row * stride_g + col, row * stride_u + col
-    g = tl.load(g_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + u_offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + _row_offsets(offs, cols, stride_g, STRIDED), mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + _row_offsets(offs, cols, stride_u, STRIDED), mask=mask, other=0.0).to(tl.float32)
     tl.store(h_ptr + offs, _situ_glu(g, u, beta_gate, beta_up, EXACT).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def situ_glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, n, beta_gate, beta_up, BLOCK: tl.constexpr,
-                        EXACT: tl.constexpr):
+def situ_glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, n, cols, row_stride, beta_gate, beta_up,
+                        BLOCK: tl.constexpr, EXACT: tl.constexpr, STRIDED: tl.constexpr):
+    # STRIDED: gate and up (and dgate and dup, laid out alike) as the two halves of rows `row_stride` apart: the
+    # routed experts' joined gate+up GEMM output and its gradient, which one GEMM then takes back (k3.ops.grouped_mm)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    at = _row_offsets(offs, cols, row_stride, STRIDED)
+    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     t1, sech2_g = _tanh_sech2(g * (1.0 / beta_gate), EXACT)
     s, s_neg = _sigmoid_pair(g, EXACT)
@@ -113,5 +121,5 @@ def situ_glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, n, beta_gate, beta
     # sech² and σ(−g) rather than 1 − t² and 1 − s: the derivatives keep their relative precision out in the
     # tails, where those differences round to 0
     da = sech2_g * s + beta_gate * t1 * s * s_neg
-    tl.store(dg_ptr + offs, (dh * b * da).to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + offs, (dh * a * db).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + at, (dh * b * da).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + at, (dh * a * db).to(du_ptr.dtype.element_ty), mask=mask)

@@ -12,7 +12,7 @@ from torch.autograd.function import once_differentiable
 from k3.ops.situ import situ_glu
 from k3.ops.triton_dispatch import on_device, triton_module, use_triton
 
-__all__ = ["fused_situ_available", "fused_situ_glu", "situ_glu_fast"]
+__all__ = ["fused_situ_available", "fused_situ_glu", "situ_glu_fast", "situ_glu_joined"]
 
 _BLOCK = 2048
 
@@ -50,6 +50,18 @@ def _situ_forward(gate, up, beta_gate, beta_up):
     return h
 
 
+def _situ_backward(gate, up, dh, dg, du, betas, row_stride=None):
+    """dgate, dup into dg, du (gate's layout) in one launch; `row_stride`: gate and up are the halves of rows that
+    far apart, and dg, du the halves of the gradient laid out alike (else all four are packed)."""
+    n, cols = gate.numel(), gate.shape[-1]
+    if n:
+        kern = triton_module("_situ_triton")
+        with on_device(gate):
+            kern.situ_glu_bwd_kernel[(triton_cdiv(n, _BLOCK),)](gate, up, dh, dg, du, n, cols, row_stride or cols,
+                                                                *betas, BLOCK=_BLOCK, EXACT=dg.dtype == torch.float32,
+                                                                STRIDED=row_stride is not None)
+
+
 class _FusedSiTUGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, beta_gate, beta_up):
@@ -65,15 +77,33 @@ class _FusedSiTUGLU(torch.autograd.Function):
     @once_differentiable  # the kernel's gradients are not themselves differentiable
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        dh = dh.contiguous()
         dg, du = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        if n:
-            kern = triton_module("_situ_triton")
-            with on_device(gate):
-                kern.situ_glu_bwd_kernel[(triton_cdiv(n, _BLOCK),)](gate, up, dh, dg, du, n, *ctx.betas,
-                                                                    BLOCK=_BLOCK, EXACT=dg.dtype == torch.float32)
+        _situ_backward(gate, up, dh.contiguous(), dg, du, ctx.betas)
         return dg, du, None, None
+
+
+class _FusedSiTUGLUJoined(torch.autograd.Function):
+    """SiTU-GLU of gu = [gate | up] (one GEMM's output, rows of 2I): the gradient comes back joined the same way,
+    written by the kernel in place, so that one GEMM takes it back to the input (no sum of two input gradients)."""
+
+    @staticmethod
+    def forward(ctx, gu, beta_gate, beta_up):
+        gu = gu.contiguous()
+        I = gu.shape[-1] // 2
+        h = _situ_forward(gu[..., :I], gu[..., I:], beta_gate, beta_up)
+        ctx.save_for_backward(gu)
+        ctx.betas = (float(beta_gate), float(beta_up))
+        return h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dh):
+        gu, = ctx.saved_tensors
+        I = gu.shape[-1] // 2
+        dgu = torch.empty_like(gu)
+        _situ_backward(gu[..., :I], gu[..., I:], dh.contiguous(), dgu[..., :I], dgu[..., I:], ctx.betas,
+                       row_stride=2 * I)
+        return dgu, None, None
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -96,3 +126,16 @@ def situ_glu_fast(gate, up, beta_gate: float = 4.0, beta_up: float = 25.0):
     if fused_situ_available(gate) and gate.shape == up.shape and gate.dtype == up.dtype:
         return fused_situ_glu(gate, up, beta_gate, beta_up)
     return situ_glu(gate, up, beta_gate, beta_up)
+
+
+def situ_glu_joined(gu: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU(gate, up) of gu = [gate | up] along the last dim ([..., 2I] → [..., I]): the fused kernels on CUDA
+    (the gradient joined like gu), else the reference on the two halves."""
+    if gu.shape[-1] % 2:
+        raise ValueError(f"situ_glu_joined: gu's last dim must be even (gate then up), got {tuple(gu.shape)}")
+    I = gu.shape[-1] // 2
+    if not fused_situ_available(gu):
+        return situ_glu(gu[..., :I], gu[..., I:], beta_gate, beta_up)
+    if not (torch.is_grad_enabled() and gu.requires_grad):
+        return _situ_forward(gu[..., :I], gu[..., I:], beta_gate, beta_up)
+    return _FusedSiTUGLUJoined.apply(gu, beta_gate, beta_up)

@@ -1,7 +1,7 @@
 """Routed-expert GEMMs: a per-expert loop reference and a `torch._grouped_mm` fast path."""
 import torch
 
-from k3.ops.fused_situ import situ_glu_fast
+from k3.ops.fused_situ import situ_glu_fast, situ_glu_joined
 from k3.ops.host_sync import host_reads_forbidden
 from k3.ops.situ import situ_glu
 
@@ -58,23 +58,44 @@ def grouped_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> to
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
 
 
+def joined_gate_up(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[W1_e; W3_e] stacked along the output dim ([E, 2I, L]) in `dtype`, each cast straight into its half (one
+    pass, not a cast and then a copy); differentiable in w1 and w3."""
+    E, I, L = w1.shape
+    w13 = w1.new_empty(E, 2 * I, L, dtype=dtype)
+    w13[:, :I] = w1
+    w13[:, I:] = w3
+    return w13
+
+
 def expert_situ_mlp_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                             w2: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
-    """Same contract as the loop, with one `torch._grouped_mm` per projection. counts: [E] int tensor."""
+    """Same contract as the loop, with `torch._grouped_mm` for the projections. counts: [E] int tensor.
+
+    Where a gradient is recorded, gate and up are one GEMM over the joined weight (`joined_gate_up`) and the GLU
+    writes its gradient joined the same way (`situ_glu_joined`): backward then takes ∂L/∂x in one GEMM, where
+    two would each write a [slots, L] gradient for autograd to sum (session 39's H100 profile of `small`: 0.39 ms
+    a layer for that sum alone). Without a gradient the weights stay apart: joining them is a copy of the
+    weights each call, which inference need not pay."""
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    g = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-    u = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    h = situ_glu_fast(g, u, beta_gate, beta_up)  # one fused Triton pass on CUDA, the reference elsewhere
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w3.requires_grad):
+        w13 = joined_gate_up(w1, w3, x.dtype)
+        h = situ_glu_joined(torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs), beta_gate, beta_up)
+    else:
+        g = torch._grouped_mm(x, w1.to(x.dtype).transpose(-2, -1), offs=offs)
+        u = torch._grouped_mm(x, w3.to(x.dtype).transpose(-2, -1), offs=offs)
+        h = situ_glu_fast(g, u, beta_gate, beta_up)  # one fused Triton pass on CUDA, the reference elsewhere
+    return torch._grouped_mm(h, w2.to(x.dtype).transpose(-2, -1), offs=offs)
 
 
 def expert_situ_mlp(x, counts: torch.Tensor, w1, w3, w2, beta_gate=4.0, beta_up=25.0) -> torch.Tensor:
     """Dispatch: the three grouped GEMMs on one set of offsets where `_grouped_mm` takes them, else the same
     products through `grouped_linear` (per-row weights in a CUDA-graph capture or torch.compile, a loop over
     experts elsewhere)."""
-    if w1.dtype != x.dtype:  # autocast does not cover _grouped_mm: bf16 activations meet fp32 master weights
-        w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
     if x.shape[0] and grouped_mm_supported(x, w1, w2) and not host_offsets_forbidden(x, w1, w2):
+        # (autocast does not cover _grouped_mm: bf16 activations meet fp32 master weights, cast in there)
         return expert_situ_mlp_grouped(x, counts, w1, w3, w2, beta_gate, beta_up)
+    if w1.dtype != x.dtype:
+        w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
     h = situ_glu_fast(grouped_linear(x, counts, w1), grouped_linear(x, counts, w3), beta_gate, beta_up)
     return grouped_linear(h, counts, w2)
