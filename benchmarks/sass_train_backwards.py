@@ -49,7 +49,7 @@ def mix_rows():
 
 def conv_rows():
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_ptr": "*bf16", "gy_ptr": "*bf16",
-           "ypre_ptr": "*bf16", "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32", "gw_batch_ptr": "*fp32",
+           "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32", "gw_batch_ptr": "*fp32",
            "gw_ptr": "*bf16", "count_ptr": "*i32", "gtail_ptr": "*bf16", "T": "i32", "C": "i32"}
     flags = dict(W=4, HAS_TAIL=False, HAS_DOC=False, SILU=True, HAS_GY=True, HAS_GNT=False, NEED_GX=True,
                  NEED_GW=True, NEED_GTAIL=False)
@@ -62,11 +62,11 @@ def conv_rows():
         kernel = compile_kernel(ct.short_conv_bwd_kernel, sig, ct.BWD_NUM_WARPS, **flags, CHUNK_T=ct.BWD_CHUNK_T,
                                 BLOCK_C=ct.BWD_BLOCK_C, UNROLL=unroll, STAGES=stages, FINISH_GW=finish,
                                 CHANNELS_FIRST=channels_first, FINISH_ROWS=ct.GW_FINISH_ROWS)
-        # UNROLL rows of x, dy and y (with 2 stages: the next step's, while this step's math runs)
+        # UNROLL rows of x and dy (with 2 stages: the next step's, while this step's math runs)
         form = (f"UNROLL {unroll}, {stages} stage(s), weight grad finished by {'the kernel' if finish else 'torch'}"
                 + (", channels first" if channels_first else "") + (" (default)" if (unroll, stages, finish,
                                                                                     channels_first) == default else ""))
-        yield "short conv + SiLU bwd", form, ct.BWD_NUM_WARPS, kernel, unroll * 3 * ct.BWD_BLOCK_C * 2
+        yield "short conv + SiLU bwd", form, ct.BWD_NUM_WARPS, kernel, unroll * 2 * ct.BWD_BLOCK_C * 2
 
 
 def main():

@@ -112,7 +112,7 @@ def test_backward_at_short_chunks_and_any_unroll_matches_float64(monkeypatch, ch
 
 # the backward kernel's argument types and every option on, for the sm_90 compiles
 BWD_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_ptr": "*i64", "gy_ptr": "*bf16",
-                 "ypre_ptr": "*bf16", "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32",
+                 "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32",
                  "gw_batch_ptr": "*fp32", "gw_ptr": "*bf16", "count_ptr": "*i32", "gtail_ptr": "*bf16", "C": "i32"}
 BWD_FLAGS = dict(W=4, HAS_TAIL=True, HAS_DOC=True, SILU=True, HAS_GY=True, HAS_GNT=True, NEED_GX=True, NEED_GW=True,
                  NEED_GTAIL=True, CHUNK_T=64, BLOCK_C=128, FINISH_ROWS=_conv_triton.GW_FINISH_ROWS)

@@ -4,13 +4,15 @@ Same contract and math as `k3.ops.conv.short_conv_reference`: xp = [tail; x] in 
 a tap j of token t used only where the (−1 left-padded) document id of row t − (W−1) + j equals token t's.
 Forward: one pass over x in [BLOCK_T, BLOCK_C] tiles; the W − 1 halo rows are re-read per tap (shifted loads
 that hit cache) instead of building the fp32 padded copy the torch path needs. Backward (short_conv_bwd_kernel):
-one walk down each chunk of rows, every element of x, dy and the kept pre-activation loaded once, each thread
-holding its channels' last W rows in registers, so its bytes floor is those three reads and dx's write (4 · B·T·C
-· 2 bytes in bf16: 403 MB, ~90 µs at 4.5 TB/s for `small`'s [8, 4096, 1536]; 258 µs on an H200, session 14,
-where the tiles kernel it replaced took 458: benchmarks/bench_gpu_kernels.py --backwards).
-With `silu=True` the SiLU that KDA applies after the conv runs in the same kernels: forward stores SiLU(y) and
-keeps the pre-activation y (what a separate SiLU would keep); backward turns dy into dy · SiLU'(y) as it loads
-it, so neither pass makes an extra trip over the activations. The weight gradient's per-chunk partials are summed
+one walk down each chunk of rows, every element of x and dy loaded once, each thread holding its channels' last W
+rows in registers, so its bytes floor is those two reads and dx's write (3 · B·T·C · 2 bytes in bf16: 302 MB for
+`small`'s [8, 4096, 1536]; with the pre-activation read too, 258 µs on an H200 in session 14, where the tiles
+kernel it replaced took 458: benchmarks/bench_gpu_kernels.py --backwards).
+With `silu=True` the SiLU that KDA applies after the conv runs in the same kernels: forward stores SiLU(y) only;
+backward recomputes the pre-activation y from the x rows it holds anyway (W multiply-adds, in the forward's order,
+rounded to x's dtype as a stored y would be) and turns dy into dy · SiLU'(y) as it loads it. Keeping y instead
+was a write in forward, a read in backward and B·T·C activations held between (session 39: 36 of them a `small`
+step, 3.6 GB). The weight gradient's per-chunk partials are summed
 by the backward kernel's last programs (`_finish_weight_grad`, deterministic) where torch summed them after it.
 """
 import torch
@@ -93,7 +95,7 @@ def _weight(w_ptr, offs_c, C, W: tl.constexpr, j: tl.constexpr):
 
 
 @triton.jit
-def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, ypre_ptr, new_tail_ptr, T, C,
+def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, T, C,
                           W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, WIDE: tl.constexpr,
                           SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                           TAIL_ROWS: tl.constexpr):
@@ -114,8 +116,7 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, ypre_ptr, new_
         acc += v * _weight(w_ptr, offs_c, C, W, j)
     out_offs = b * T * C + _offsets(offs_t, offs_c, C, WIDE)
     out_mask = (offs_t < T)[:, None] & (offs_c < C)[None, :]
-    if SILU:  # y = SiLU(conv); the conv itself, rounded as an unfused conv would round it, is kept for backward
-        tl.store(ypre_ptr + out_offs, acc.to(ypre_ptr.dtype.element_ty), mask=out_mask)
+    if SILU:  # y = SiLU(conv) (backward recomputes the conv)
         acc = acc * tl.sigmoid(acc)
     tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     if pid_t == 0:  # new tail: the last W−1 rows of xp, tail rows included when T < W−1; no document mask
@@ -153,7 +154,7 @@ def _tap_vector(w_ptr, offs_c, C, W: tl.constexpr, j: tl.constexpr):
 
 
 @triton.jit
-def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt_ptr, gx_ptr, gw_part_ptr,
+def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_ptr, gw_part_ptr,
                           gw_batch_ptr, gw_ptr, count_ptr, gtail_ptr, T, C,
                           W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, SILU: tl.constexpr,
                           HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr, NEED_GX: tl.constexpr,
@@ -162,8 +163,8 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
                           FINISH_GW: tl.constexpr, CHANNELS_FIRST: tl.constexpr, FINISH_ROWS: tl.constexpr):
     """One pass down rows t0 − (W−1) .. t0 + CHUNK_T + W − 2 of one batch row for BLOCK_C channels, a row at a
     time, each thread keeping its channels' last MAX_TAPS rows of xp and of dz (the gradient at the conv's
-    output: dy, times SiLU'(y) when SILU) in registers: each element of x, dy and y is loaded and SiLU' taken
-    once. At row t: the weight gradient's products dz[t] · xp[t − (W−1) + j] (t in the chunk) and the input
+    output: dy, times SiLU'(y) when SILU, y the conv recomputed from the xp rows held) in registers: each element
+    of x and dy is loaded and SiLU' taken once. At row t: the weight gradient's products dz[t] · xp[t − (W−1) + j] (t in the chunk) and the input
     gradient of row u = t − (W−1), Σ_j w[j] · dz[t − j] (stored for u in the chunk; for u < 0, the tail rows,
     by program 0). UNROLL rows' loads are issued together, STAGES − 1 steps ahead of the math. Partial weight
     gradients per (batch, chunk) into gw_part; with FINISH_GW their sum too (`_finish_weight_grad`: into gw, in
@@ -174,7 +175,7 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
     c_ok = offs_c < C
     b = tl.program_id(2).to(tl.int64)
     bTC = b * T * C  # int64 through b (T is a plain int when Triton specialises T == 1)
-    x_b, gy_b, ypre_b, gx_b = x_ptr + bTC, gy_ptr + bTC, ypre_ptr + bTC, gx_ptr + bTC
+    x_b, gy_b, gx_b = x_ptr + bTC, gy_ptr + bTC, gx_ptr + bTC
     tail_b, gnt_b, gtail_b = tail_ptr + b * (W - 1) * C, gnt_ptr + b * (W - 1) * C, gtail_ptr + b * (W - 1) * C
     doc_b = doc_ptr + b * T
     t0 = pid_t * CHUNK_T
@@ -201,12 +202,13 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
     for step in tl.range(0, CHUNK_T + 2 * (W - 1), UNROLL, num_stages=STAGES):
         xs = ()
         gys = ()
-        ys = ()
         ids = ()
         for k in tl.static_range(UNROLL):  # every load of the UNROLL rows first
             t = first + step + k
             row = t.to(tl.int64) * C + offs_c
-            x_ok = c_ok & (t >= 0) & (t < T) & (t < t0 + CHUNK_T)  # xp rows past the chunk: no tap needs them
+            # xp rows past the chunk: no tap of the chunk's rows needs them; SILU's recomputed y of the W − 1 dz
+            # rows past it does
+            x_ok = c_ok & (t >= 0) & (t < T) & (t < t0 + CHUNK_T + (W - 1 if SILU else 0))
             xv = tl.load(x_b + row, mask=x_ok, other=0.0)
             if HAS_TAIL:
                 xv = xv.to(tl.float32) + tl.load(tail_b + (t + W - 1) * C + offs_c, mask=c_ok & (t < 0) & (t >= 1 - W),
@@ -216,23 +218,27 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, ypre_ptr, gnt
             dz_ok = c_ok & (t >= t0) & (t < T) & (t < t0 + CHUNK_T + W - 1)
             if HAS_GY:
                 gys = gys + (tl.load(gy_b + row, mask=dz_ok, other=0.0),)
-                if SILU:
-                    ys = ys + (tl.load(ypre_b + row, mask=dz_ok, other=0.0),)
             if HAS_DOC:
                 ids = ids + (tl.load(doc_b + t, mask=(t >= 0) & (t < T), other=-1),)
         for k in tl.static_range(UNROLL):
             t = first + step + k
+            x0, x1, x2, x3 = x1, x2, x3, xs[k].to(tl.float32)
+            if HAS_DOC:
+                id0, id1, id2, id3 = id1, id2, id3, ids[k]
             dz = zero
             if HAS_GY:
                 dz = gys[k].to(tl.float32)
-                if SILU:
-                    z = ys[k].to(tl.float32)
+                if SILU:  # row t's conv, as the forward summed it (tap order, document mask), in x's dtype
+                    z = zero
+                    for j in tl.static_range(W):
+                        xj = _slot(x0, x1, x2, x3, 4 - W + j)
+                        if HAS_DOC:
+                            xj = tl.where(_slot(id0, id1, id2, id3, 4 - W + j) == id3, xj, 0.0)
+                        z += xj * _slot(w0, w1, w2, w3, j)
+                    z = z.to(x_ptr.dtype.element_ty).to(tl.float32)
                     sig = tl.sigmoid(z)
                     dz = dz * (sig * (1.0 + z * (1.0 - sig)))
-            x0, x1, x2, x3 = x1, x2, x3, xs[k].to(tl.float32)
             d0, d1, d2, d3 = d1, d2, d3, dz
-            if HAS_DOC:
-                id0, id1, id2, id3 = id1, id2, id3, ids[k]
             if NEED_GW:  # row t's products, for t in the chunk (dz is zero before it)
                 gz = tl.where(t < t0 + CHUNK_T, d3, 0.0)
                 for j in tl.static_range(W):
@@ -336,8 +342,8 @@ def _tail_rows(W: int) -> int:
 
 
 class ShortConvTriton(torch.autograd.Function):
-    """`short_conv` with both passes in Triton; keeps x (its own dtype), weight, tail and doc_ids for backward,
-    and with `silu` the conv's output before the SiLU."""
+    """`short_conv` with both passes in Triton; keeps x (its own dtype), weight, tail and doc_ids for backward
+    (with `silu`, backward recomputes the conv's output before the SiLU from them)."""
 
     @staticmethod
     def forward(ctx, x, weight, tail, doc_ids, silu):
@@ -350,24 +356,22 @@ class ShortConvTriton(torch.autograd.Function):
         tail = None if tail is None else tail.contiguous()
         doc_ids = None if doc_ids is None else doc_ids.contiguous()
         y = torch.empty_like(x)
-        ypre = torch.empty_like(x) if silu else None
         new_tail = torch.empty(B, W - 1, C, device=x.device, dtype=torch.float32)
         BLOCK_C = _block_c(C)
         grid = (triton.cdiv(T, _FWD_BLOCK_T), triton.cdiv(C, BLOCK_C), B)
         with on_device(x):
             short_conv_fwd_kernel[grid](
-                x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids, y,
-                y if ypre is None else ypre, new_tail, T, C,
+                x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids, y, new_tail, T, C,
                 W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C), SILU=silu,
                 BLOCK_T=_FWD_BLOCK_T, BLOCK_C=BLOCK_C, TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
-        ctx.save_for_backward(x, weight, tail, doc_ids, ypre)
+        ctx.save_for_backward(x, weight, tail, doc_ids)
         ctx.silu = silu
         return y, new_tail
 
     @staticmethod
     @once_differentiable  # the kernels' gradients are not themselves differentiable
     def backward(ctx, grad_y, grad_new_tail):
-        x, weight, tail, doc_ids, ypre = ctx.saved_tensors
+        x, weight, tail, doc_ids = ctx.saved_tensors
         need_x, need_w, need_tail = ctx.needs_input_grad[:3]
         need_w = need_w and grad_y is not None  # the new tail does not depend on the weight
         need_tail = need_tail and tail is not None
@@ -391,7 +395,7 @@ class ShortConvTriton(torch.autograd.Function):
         with on_device(x):
             short_conv_bwd_kernel[(n_c, n_t, B) if BWD_CHANNELS_FIRST else (n_t, n_c, B)](
                 x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids,
-                x if gy is None else gy, x if ypre is None else ypre, x if gnt is None else gnt,
+                x if gy is None else gy, x if gnt is None else gnt,
                 x if gx is None else gx, x if gw_part is None else gw_part, x if gw_batch is None else gw_batch,
                 x if gw is None else gw, x if count is None else count, x if gtail is None else gtail, T, C,
                 W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, SILU=ctx.silu,
