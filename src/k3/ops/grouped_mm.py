@@ -60,7 +60,7 @@ def grouped_linear(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> to
 
 def joined_gate_up(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[W1_e; W3_e] stacked along the output dim ([E, 2I, L]) in `dtype`, each cast straight into its half (one
-    pass, not a cast and then a copy); differentiable in w1 and w3."""
+    pass, not a cast and then a copy)."""
     E, I, L = w1.shape
     w13 = w1.new_empty(E, 2 * I, L, dtype=dtype)
     w13[:, :I] = w1
@@ -68,19 +68,42 @@ def joined_gate_up(w1: torch.Tensor, w3: torch.Tensor, dtype: torch.dtype) -> to
     return w13
 
 
+class _JoinedGateUp(torch.autograd.Function):
+    """gu = [x W1_eᵀ | x W3_eᵀ] per expert: one `_grouped_mm` over `joined_gate_up`. Keeps x and the weights as
+    given (parameters, or autocast's casts), not the joined copy, and joins them again in backward: no
+    weight-sized copy is held from forward to backward. Backward: ∂L/∂x in one GEMM, ∂L/∂[W1; W3] in one."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w3, offs):
+        ctx.save_for_backward(x, w1, w3, offs)
+        return torch._grouped_mm(x, joined_gate_up(w1, w3, x.dtype).transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dgu):
+        x, w1, w3, offs = ctx.saved_tensors
+        dgu = dgu.contiguous()  # (_grouped_mm's backward wants a dense gradient)
+        dx = dw1 = dw3 = None
+        if ctx.needs_input_grad[0]:
+            dx = torch._grouped_mm(dgu, joined_gate_up(w1, w3, x.dtype), offs=offs)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            dw13 = torch._grouped_mm(x.t(), dgu, offs=offs).transpose(-2, -1)  # [E, 2I, L]: gate rows, then up
+            I = w1.shape[1]
+            dw1, dw3 = dw13[:, :I].to(w1.dtype), dw13[:, I:].to(w3.dtype)
+        return dx, dw1, dw3, None
+
+
 def expert_situ_mlp_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                             w2: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0) -> torch.Tensor:
     """Same contract as the loop, with `torch._grouped_mm` for the projections. counts: [E] int tensor.
 
-    Where a gradient is recorded, gate and up are one GEMM over the joined weight (`joined_gate_up`) and the GLU
+    Where a gradient is recorded, gate and up are one GEMM over the joined weight (`_JoinedGateUp`) and the GLU
     writes its gradient joined the same way (`situ_glu_joined`): backward then takes ∂L/∂x in one GEMM, where
     two would each write a [slots, L] gradient for autograd to sum (session 39's H100 profile of `small`: 0.39 ms
     a layer for that sum alone). Without a gradient the weights stay apart: joining them is a copy of the
     weights each call, which inference need not pay."""
     offs = torch.cumsum(counts, 0).to(torch.int32)
     if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w3.requires_grad):
-        w13 = joined_gate_up(w1, w3, x.dtype)
-        h = situ_glu_joined(torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs), beta_gate, beta_up)
+        h = situ_glu_joined(_JoinedGateUp.apply(x, w1, w3, offs), beta_gate, beta_up)
     else:
         g = torch._grouped_mm(x, w1.to(x.dtype).transpose(-2, -1), offs=offs)
         u = torch._grouped_mm(x, w3.to(x.dtype).transpose(-2, -1), offs=offs)
