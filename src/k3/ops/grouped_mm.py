@@ -86,7 +86,8 @@ class _JoinedGateUp(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = torch._grouped_mm(dgu, joined_gate_up(w1, w3, x.dtype), offs=offs)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            dw13 = torch._grouped_mm(x.t(), dgu, offs=offs).transpose(-2, -1)  # [E, 2I, L]: gate rows, then up
+            # [E, 2I, L], the weights' own layout (as autograd's own backward of a transposed weight computes it)
+            dw13 = torch._grouped_mm(dgu.t(), x, offs=offs)
             I = w1.shape[1]
             dw1, dw3 = dw13[:, :I].to(w1.dtype), dw13[:, I:].to(w3.dtype)
         return dx, dw1, dw3, None
