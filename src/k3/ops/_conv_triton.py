@@ -12,8 +12,8 @@ With `silu=True` the SiLU that KDA applies after the conv runs in the same kerne
 backward recomputes the pre-activation y from the x rows it holds anyway (W multiply-adds, in the forward's order,
 rounded to x's dtype as a stored y would be) and turns dy into dy · SiLU'(y) as it loads it. Keeping y instead
 was a write in forward, a read in backward and B·T·C activations held between (session 39: 36 of them a `small`
-step, 3.6 GB). The weight gradient's per-chunk partials are summed
-by the backward kernel's last programs (`_finish_weight_grad`, deterministic) where torch summed them after it.
+step, 3.6 GB). The weight gradient's per-chunk partials are summed by the backward kernel's last programs
+(`_finish_weight_grad`, deterministic) where torch summed them after it.
 """
 import torch
 import triton
@@ -164,11 +164,12 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
     """One pass down rows t0 − (W−1) .. t0 + CHUNK_T + W − 2 of one batch row for BLOCK_C channels, a row at a
     time, each thread keeping its channels' last MAX_TAPS rows of xp and of dz (the gradient at the conv's
     output: dy, times SiLU'(y) when SILU, y the conv recomputed from the xp rows held) in registers: each element
-    of x and dy is loaded and SiLU' taken once. At row t: the weight gradient's products dz[t] · xp[t − (W−1) + j] (t in the chunk) and the input
-    gradient of row u = t − (W−1), Σ_j w[j] · dz[t − j] (stored for u in the chunk; for u < 0, the tail rows,
-    by program 0). UNROLL rows' loads are issued together, STAGES − 1 steps ahead of the math. Partial weight
-    gradients per (batch, chunk) into gw_part; with FINISH_GW their sum too (`_finish_weight_grad`: into gw, in
-    its [C, 1, W] layout and dtype). CHANNELS_FIRST: channel blocks on grid axis 0, chunks on 1. W <= MAX_TAPS."""
+    of x and dy is loaded and SiLU' taken once. At row t: the weight gradient's products dz[t] · xp[t − (W−1) + j]
+    (t in the chunk) and the input gradient of row u = t − (W−1), Σ_j w[j] · dz[t − j] (stored for u in the
+    chunk; for u < 0, the tail rows, by program 0). UNROLL rows' loads are issued together, STAGES − 1 steps
+    ahead of the math. Partial weight gradients per (batch, chunk) into gw_part; with FINISH_GW their sum too
+    (`_finish_weight_grad`: into gw, in its [C, 1, W] layout and dtype). CHANNELS_FIRST: channel blocks on grid
+    axis 0, chunks on 1. W <= MAX_TAPS."""
     pid_t = tl.program_id(1 if CHANNELS_FIRST else 0)
     pid_c = tl.program_id(0 if CHANNELS_FIRST else 1)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
