@@ -83,22 +83,27 @@ def _tanh_sech2(x, EXACT: tl.constexpr):
 # backward takes the pairs (3 exps, not 8). Both are bound by the special-function unit (exp, reciprocal), so
 # x/β is x · (1/β): one reciprocal per program, not per element (≤ 1 ulp on the argument)
 @triton.jit
-def _row_offsets(offs, cols, row_stride, STRIDED: tl.constexpr):
-    # element offs of a [rows, cols] tensor at its place in rows `row_stride` apart (a column slice of a wider one:
-    # gate and up of a fused projection's output); the identity where the rows are packed
+def _row_offsets(start, cols, row_stride, BLOCK: tl.constexpr, STRIDED: tl.constexpr):
+    # elements start .. start + BLOCK of a [rows, cols] tensor at their place in rows `row_stride` apart (a column
+    # slice of a wider one: gate and up of a fused projection's output); packed rows: start + i. The row split is
+    # one int64 division a program and int32 ones per element (int64 division is a long emulated sequence, and
+    # the routed experts' training GLU runs this on every element)
     if STRIDED:
-        row = offs // cols
-        return row * row_stride + (offs - row * cols)
-    return offs
+        row0 = start // cols
+        local = (start - row0 * cols).to(tl.int32) + tl.arange(0, BLOCK)
+        r = local // cols
+        return (row0 + r) * row_stride + (local - r * cols)
+    return start + tl.arange(0, BLOCK)
 
 
 @triton.jit
 def situ_glu_fwd_kernel(g_ptr, u_ptr, h_ptr, n, cols, stride_g, stride_u, beta_gate, beta_up, BLOCK: tl.constexpr,
                         EXACT: tl.constexpr, STRIDED: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + _row_offsets(offs, cols, stride_g, STRIDED), mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + _row_offsets(offs, cols, stride_u, STRIDED), mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + _row_offsets(start, cols, stride_g, BLOCK, STRIDED), mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + _row_offsets(start, cols, stride_u, BLOCK, STRIDED), mask=mask, other=0.0).to(tl.float32)
     tl.store(h_ptr + offs, _situ_glu(g, u, beta_gate, beta_up, EXACT).to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -107,9 +112,10 @@ def situ_glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, n, cols, row_strid
                         BLOCK: tl.constexpr, EXACT: tl.constexpr, STRIDED: tl.constexpr):
     # STRIDED: gate and up (and dgate and dup, laid out alike) as the two halves of rows `row_stride` apart: the
     # routed experts' joined gate+up GEMM output and its gradient, which one GEMM then takes back (k3.ops.grouped_mm)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    at = _row_offsets(offs, cols, row_stride, STRIDED)
+    at = _row_offsets(start, cols, row_stride, BLOCK, STRIDED)
     g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + at, mask=mask, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
