@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from k3 import envs
-from k3.ops.kda_bwd_ref import chunk_kda_bwd_intra_ref, chunk_kda_bwd_wy_dqkg_ref, intra_inputs, stage_inputs
+from k3.ops.kda_bwd_ref import (chunk_kda_bwd_intra_ref, chunk_kda_bwd_wy_dqkg_ref, intra_inputs, stage_inputs,
+                                varlen_stage_inputs)
 from k3.ops.kda_fla_backend import intra_accepts, wy_dqkg_accepts
 
 if not torch.cuda.is_available():
@@ -120,6 +121,46 @@ def test_kernel_equals_reference(shape, dtype):
         assert err < tol, (name, err.item())
 
 
+# (sequence lengths, H, K, V): chunks that end mid-sequence, sequences shorter than a chunk, exact multiples
+VARLEN_SHAPES = [((64,), 1, 64, 64), ((50, 64, 130), 2, 32, 64), ((1, 127, 65, 3), 1, 16, 32)]
+
+
+@pytest.mark.parametrize("lengths, H, K, V", VARLEN_SHAPES)
+@pytest.mark.parametrize("dtype, index_dtype", [(torch.float64, torch.int64), (torch.float32, torch.int32)])
+def test_varlen_kernel_equals_reference(lengths, H, K, V, dtype, index_dtype):
+    """Sequences packed in one row (fla's varlen layout: cu_seqlens, chunk_indices, a state row a chunk) against the
+    reference, which runs each sequence on its own."""
+    pytest.importorskip("triton")
+    from k3.ops._kda_bwd_triton import chunk_kda_bwd_wy_dqkg
+
+    if dtype == torch.float64 and DEVICE == "cuda":
+        pytest.skip("float64 dots: the interpreter's case")
+    inputs, cu, chunks = varlen_stage_inputs(lengths, H, K, V, dtype=dtype, device=DEVICE, seed=len(lengths) + K,
+                                             index_dtype=index_dtype)
+    got = chunk_kda_bwd_wy_dqkg(*inputs, 0.29, cu_seqlens=cu, chunk_indices=chunks)
+    want = chunk_kda_bwd_wy_dqkg_ref(*inputs, 0.29, cu_seqlens=cu)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5 if DEVICE == "cpu" else 5e-3
+    for name, ours, ref in zip(("dq", "dk", "dv2", "db", "dg", "dA"), got, want):
+        assert ours.shape == ref.shape == inputs[{"dv2": 2, "db": 5, "dA": 6}.get(name, 0)].shape, name
+        err = (ours.double() - ref.double()).abs().max() / ref.abs().max()
+        assert err < tol, (name, err.item())
+
+
+def test_varlen_reference_runs_each_sequence_alone():
+    """The reference's varlen form is the stage on each sequence by itself: one sequence of the pack, run alone,
+    gives its slice of the packed result (and the packed result is not the one-row stage's, whose chunks would
+    cross the sequences' bounds)."""
+    inputs, cu, _ = varlen_stage_inputs((70, 40), 1, 16, 16, seed=3)
+    packed = chunk_kda_bwd_wy_dqkg_ref(*inputs, 0.5, cu_seqlens=cu)
+    q, k, v, v_new, g, beta, A, h, do, dh, dv = inputs
+    second = [x[:, 70:] for x in (q, k, v, v_new, g, beta, A)] + [h[:, 2:], do[:, 70:], dh[:, 2:], dv[:, 70:]]
+    alone = chunk_kda_bwd_wy_dqkg_ref(*second, 0.5)
+    for ours, ref in zip(packed, alone):
+        torch.testing.assert_close(ours[:, 70:], ref, rtol=0, atol=0)
+    one_row = chunk_kda_bwd_wy_dqkg_ref(*inputs[:7], h[:, :2], do, dh[:, :2], dv, 0.5)
+    assert not torch.allclose(packed[0], one_row[0])
+
+
 INTRA_SHAPES = [(1, 64, 1, 32, False), (2, 100, 3, 64, False), (1, 130, 1, 128, True), (1, 40, 1, 16, True)]
 
 
@@ -205,8 +246,57 @@ def test_verifiers_take_the_training_calls_of_the_stages_switched_on(choice, wy,
             assert on or "K3_KDA_BWD" in reason
 
 
+def _meta_varlen_call(docs: int = 64, doc_len: int = 512, **overrides):
+    """fla's keyword arguments for small's call on packed documents (one row of 8 x 4096 tokens, documents of
+    `doc_len`: bench_gpu_train.py --docs), as meta tensors."""
+    T, H, K, V, NT = docs * doc_len, 12, 128, 128, docs * -(-doc_len // 64)
+    bf = dict(device="meta", dtype=torch.bfloat16)
+    call = _meta_call(q=torch.empty(1, T, H, K, **bf), k=torch.empty(1, T, H, K, **bf),
+                      v=torch.empty(1, T, H, V, **bf), v_new=torch.empty(1, T, H, V, **bf),
+                      g=torch.empty(1, T, H, K, device="meta"), beta=torch.empty(1, T, H, device="meta"),
+                      A=torch.empty(1, T, H, 64, **bf), h=torch.empty(1, NT, H, K, V, **bf),
+                      do=torch.empty(1, T, H, V, **bf), dh=torch.empty(1, NT, H, K, V, **bf),
+                      dv=torch.empty(1, T, H, V, **bf),
+                      cu_seqlens=torch.empty(docs + 1, dtype=torch.long, device="meta"),
+                      chunk_indices=torch.empty(NT, 2, dtype=torch.long, device="meta"))
+    call.update(overrides)
+    return call
+
+
+def test_verifier_takes_packed_documents():
+    with envs.override(kda_bwd="k3"):
+        assert wy_dqkg_accepts(**_meta_varlen_call()) == (True, None)
+        assert wy_dqkg_accepts(**_meta_varlen_call(docs=3, doc_len=100)) == (True, None)  # chunks end mid-document
+        accepted, reason = intra_accepts(**_meta_intra_call(cu_seqlens=torch.empty(65, device="meta"),
+                                                             chunk_indices=torch.empty(512, 2, device="meta")))
+    assert not accepted and "varlen" in reason
+
+
 @pytest.mark.parametrize("overrides", [
-    dict(cu_seqlens=torch.tensor([0, 4096])),
+    dict(chunk_indices=None),                                                    # fla builds it: its kernel runs
+    dict(cu_seqlens=None),
+    dict(chunk_indices=torch.empty(511, 2, dtype=torch.long, device="meta")),    # h has a row per chunk: 512
+    dict(chunk_indices=torch.empty(512, 3, dtype=torch.long, device="meta")),
+    dict(cu_seqlens=torch.empty(65, device="meta")),                             # float offsets
+    dict(cu_seqlens=torch.empty(65, dtype=torch.long)),                          # on another device than k
+    dict(use_graph=True),
+], ids=["no_chunk_indices", "no_cu_seqlens", "chunk_count", "chunk_indices_shape", "float_offsets", "device",
+        "graph"])
+def test_verifier_declines_varlen_calls_the_kernels_do_not_cover(overrides):
+    with envs.override(kda_bwd="k3"):
+        accepted, reason = wy_dqkg_accepts(**_meta_varlen_call(**overrides))
+    assert not accepted and reason
+
+
+def test_verifier_declines_varlen_over_several_rows():
+    with envs.override(kda_bwd="k3"):
+        accepted, reason = wy_dqkg_accepts(**_meta_call(cu_seqlens=torch.empty(9, dtype=torch.long, device="meta"),
+                                                        chunk_indices=torch.empty(512, 2, dtype=torch.long,
+                                                                                  device="meta")))
+    assert not accepted and "rows" in reason
+
+
+@pytest.mark.parametrize("overrides", [
     dict(use_graph=True),
     dict(state_v_first=True),
     dict(chunk_size=32),
@@ -215,7 +305,7 @@ def test_verifiers_take_the_training_calls_of_the_stages_switched_on(choice, wy,
     dict(h=torch.empty(8, 64, 12, 128, 128, device="meta", dtype=torch.bfloat16).transpose(-1, -2)[:, :63]),
     dict(A=torch.empty(8, 4096, 12, 64, device="meta", dtype=torch.float64)),
     dict(k=torch.empty(1, 2 ** 21, 12, 128, device="meta", dtype=torch.bfloat16)),  # past int32 tile offsets
-], ids=["varlen", "graph", "v_first", "chunk32", "gva", "K96", "h_shape", "fp64", "int32"])
+], ids=["graph", "v_first", "chunk32", "gva", "K96", "h_shape", "fp64", "int32"])
 def test_verifier_declines_what_the_kernels_do_not_cover(overrides):
     with envs.override(kda_bwd="k3"):
         accepted, reason = wy_dqkg_accepts(**_meta_call(**overrides))
@@ -259,21 +349,28 @@ e = torch.empty
 kb.chunk_kda_bwd_wy_dqkg(e(B, T, H, K, **bf), e(B, T, H, K, **bf), e(B, T, H, V, **bf), e(B, T, H, V, **bf),
                          e(B, T, H, K, **f32), e(B, T, H, **f32), e(B, T, H, 64, **bf), e(B, T // 64, H, K, V, **bf),
                          e(B, T, H, V, **bf), e(B, T // 64, H, K, V, **bf), e(B, T, H, V, **bf), K ** -0.5)
+# the same tokens as packed documents (bench_gpu_train.py --docs: one row, fla's int64 cu_seqlens and chunk_indices)
+T, NT, i64 = B * T, B * T // 64, dict(device="meta", dtype=torch.int64)
+kb.chunk_kda_bwd_wy_dqkg(e(1, T, H, K, **bf), e(1, T, H, K, **bf), e(1, T, H, V, **bf), e(1, T, H, V, **bf),
+                         e(1, T, H, K, **f32), e(1, T, H, **f32), e(1, T, H, 64, **bf), e(1, NT, H, K, V, **bf),
+                         e(1, T, H, V, **bf), e(1, NT, H, K, V, **bf), e(1, T, H, V, **bf), K ** -0.5,
+                         cu_seqlens=e(65, **i64), chunk_indices=e(NT, 2, **i64))
 """
 
 
 def test_the_precompile_table_holds_the_wy_stages_launches_at_smalls_shape():
     """The shipped table's H200 specs of _dqkg_kernel and _dv_dA_kernel are what the stage launches at small's
-    training shape (same constants, warps, stages, register cap, argument types): a launch constant changed
-    without them makes a fresh machine's precompile workers compile a kernel the step never runs. Re-record:
-    tests/launch_spec_sm90.py's launch_specs(SMALL_WY_LAUNCH) in place of the table's entries."""
+    training shape, in rows and as packed documents (same constants, warps, stages, register cap, argument types):
+    a launch constant changed without them makes a fresh machine's precompile workers compile a kernel the step
+    never runs. Re-record: tests/launch_spec_sm90.py's launch_specs(SMALL_WY_LAUNCH) in place of the table's
+    entries."""
     from launch_spec_sm90 import launch_specs
 
     from k3.ops import tuning
 
     launched = launch_specs(SMALL_WY_LAUNCH)
     assert [s["name"] for s in launched] == ["k3.ops._kda_bwd_triton._dqkg_kernel",
-                                             "k3.ops._kda_bwd_triton._dv_dA_kernel"]
+                                             "k3.ops._kda_bwd_triton._dv_dA_kernel"] * 2
     compiles = tuning.load_table(tuning.TABLE_PATH)["NVIDIA H200"]["compiles"]
     shipped = [s for s in compiles if s["name"].startswith("k3.ops._kda_bwd_triton.")]
     assert shipped == launched
@@ -326,6 +423,24 @@ def test_kernels_equal_flas_at_the_training_shape(B):
         want = chunk_kda_bwd_wy_dqkg_fused(*x, scale=128 ** -0.5)
     got = chunk_kda_bwd_wy_dqkg(*x, 128 ** -0.5)
     exact = chunk_kda_bwd_wy_dqkg_ref(*[t.double() for t in x], 128 ** -0.5) if B == 1 else None
+    _against_fla(("dq", "dk", "dv2", "db", "dg", "dA"), got, want, exact)
+
+
+def test_varlen_kernels_equal_flas_on_packed_documents():
+    """bf16, H 12, K = V = 128, documents packed in one row as bench_gpu_train.py --docs packs them (512 tokens) and
+    of lengths that end mid-chunk: every output against fla's own varlen kernel and both against float64."""
+    _fla_or_skip()
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+
+    from k3.ops._kda_bwd_triton import chunk_kda_bwd_wy_dqkg
+
+    x, cu, chunks = varlen_stage_inputs([512] * 4 + [100, 700, 37, 1], 12, 128, 128, dtype=torch.bfloat16,
+                                        device="cuda", seed=9)
+    x[4], x[5] = x[4].float(), x[5].float()  # g and beta in fp32, as fla's backward passes them
+    with envs.override(kda_bwd="fla"):
+        want = chunk_kda_bwd_wy_dqkg_fused(*x, scale=128 ** -0.5, cu_seqlens=cu, chunk_indices=chunks)
+    got = chunk_kda_bwd_wy_dqkg(*x, 128 ** -0.5, cu_seqlens=cu, chunk_indices=chunks)
+    exact = chunk_kda_bwd_wy_dqkg_ref(*[t.double() for t in x], 128 ** -0.5, cu_seqlens=cu)
     _against_fla(("dq", "dk", "dv2", "db", "dg", "dA"), got, want, exact)
 
 

@@ -263,6 +263,12 @@ def test_training_joins_gate_and_up_into_one_gemm_and_inference_keeps_them_apart
     for got, w in zip(grads, want):
         assert got.dtype == (torch.bfloat16 if got.shape == x.shape else torch.float32)
         torch.testing.assert_close(got.double(), w, rtol=5e-2, atol=5e-2)
+    # bf16 weights (no cast): each weight's gradient is a GEMM's own contiguous output, which AccumulateGrad takes
+    # as it is (halves of one joined product would each be copied)
+    wb = [w.detach().bfloat16().requires_grad_() for w in (w1, w3)]
+    for got, w in zip(torch.autograd.grad(expert_situ_mlp(x, torch.tensor(counts), *wb, w2), wb, up), want[1:]):
+        assert got.is_contiguous() and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), w, rtol=5e-2, atol=5e-2)
     calls.clear()
     with torch.no_grad():
         out_inf = expert_situ_mlp(x, torch.tensor(counts), w1, w3, w2)
@@ -273,7 +279,8 @@ def test_training_joins_gate_and_up_into_one_gemm_and_inference_keeps_them_apart
 def test_graph_capture_paths_match_the_loop(monkeypatch):
     """While a CUDA graph captures outside aligned bf16 (host_offsets_forbidden), the experts and the QAT
     experts take the per-row gathered-weight path: same result as the loop. The capture is emulated on CPU by
-    forcing the predicate; a plain model can be captured, one with packed MXFP4 experts cannot."""
+    forcing the predicate; a plain model can be captured, one with packed MXFP4 experts only through k3's MXFP4
+    kernels."""
     from k3 import K3Config, K3ForCausalLM
     from k3.model.cuda_graph import graph_blocker, wants_graphs
     from k3.ops import mx_experts
@@ -301,10 +308,17 @@ def test_graph_capture_paths_match_the_loop(monkeypatch):
     for m in model.modules():
         if hasattr(m, "packed") and hasattr(m, "w1"):
             mx_experts.pack_experts_(m)
+    # packed experts are capturable through k3's Triton MXFP4 kernels only (on the CPU CI: no triton; on a card:
+    # both ways, by switching them off)
+    from k3.model import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "packed_kernels_enabled", lambda: False)
     assert "packed MXFP4" in graph_blocker(model)
     assert not wants_graphs(model, cuda, None)  # the engine's and generate's default: eager decode
     with pytest.raises(ValueError, match="packed MXFP4"):
         wants_graphs(model, cuda, True)
+    monkeypatch.setattr(cuda_graph, "packed_kernels_enabled", lambda: True)
+    assert graph_blocker(model) is None and wants_graphs(model, cuda, None)
 
 
 def test_qat_experts_take_bf16_activations_with_fp32_weights():

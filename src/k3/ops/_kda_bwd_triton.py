@@ -43,13 +43,29 @@ DVA_BV, DVA_WARPS, DVA_STAGES, DVA_MAXNREG = 32, 4, 2, None
 
 
 @triton.jit
+def _chunk_of_program(i_t, i_b, T, cu_seqlens, chunk_indices, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(the chunk's index among its sequence's, the sequence's first token, its length, the chunk's row in h) for
+    program i_t of row i_b: rows of T tokens, or (IS_VARLEN, one row) the sequences of cu_seqlens, program i_t
+    taking the chunk chunk_indices[i_t] = (sequence, chunk within it), as fla lays out varlen calls."""
+    if IS_VARLEN:
+        i_tg = i_t.to(tl.int64)
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        i_tg = (i_b * tl.cdiv(T, BT) + i_t).to(tl.int64)
+        bos = (i_b * T).to(tl.int64)
+    return i_t, bos, T, i_tg
+
+
+@triton.jit
 def _dqkg_kernel(q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, ACC: tl.constexpr):
+                 BV: tl.constexpr, ACC: tl.constexpr, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
-    bos = (i_b * T).to(tl.int64)
+    i_t, bos, T, i_tg = _chunk_of_program(i_t, i_b, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     # every pointer moved to this row, head (and chunk state) once, as a 64-bit scalar: the tile offsets below are
     # int32 (a row's T x H x max(K, V, BT) < 2^31, the verifier's check). 64-bit offset tiles cost ~90 registers.
     rows_k, rows_v = bos * (H * K) + i_h * K, bos * (H * V) + i_h * V
@@ -57,7 +73,7 @@ def _dqkg_kernel(q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T,
     v_new, do, dv = v_new + rows_v, do + rows_v, dv + rows_v
     A += bos * (H * BT) + i_h * BT
     beta += bos * H + i_h
-    state = ((i_b * NT + i_t).to(tl.int64) * H + i_h) * K * V
+    state = (i_tg * H + i_h) * K * V
     h, dh = h + state, dh + state
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -111,18 +127,17 @@ def _dqkg_kernel(q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T,
 @triton.jit
 def _dv_dA_kernel(k, v, g, beta, A, h, dv, dv2, db, dA, T,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                  ACC: tl.constexpr):
+                  ACC: tl.constexpr, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
-    bos = (i_b * T).to(tl.int64)
+    i_t, bos, T, i_tg = _chunk_of_program(i_t, i_b, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     # pointers moved to this row and head once; int32 tile offsets (as _dqkg_kernel)
     rows_k, rows_v, rows_a = bos * (H * K) + i_h * K, bos * (H * V) + i_h * V, bos * (H * BT) + i_h * BT
     k, g = k + rows_k, g + rows_k
     v, dv, dv2 = v + rows_v, dv + rows_v, dv2 + rows_v
     A, dA = A + rows_a, dA + rows_a
     beta, db = beta + bos * H + i_h, db + bos * H + i_h
-    h += ((i_b * NT + i_t).to(tl.int64) * H + i_h) * K * V
+    h += (i_tg * H + i_h) * K * V
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     m_tk = m_t[:, None]
@@ -161,15 +176,22 @@ def _dv_dA_kernel(k, v, g, beta, A, h, dv, dv2, db, dA, T,
     tl.store(db + o_t * H, b_db.to(db.dtype.element_ty), mask=m_t)
 
 
-def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
+def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, cu_seqlens=None, chunk_indices=None):
     """(dq, dk, dv2, db, dg, dA) as fla's chunk_kda_bwd_wy_dqkg_fused returns them (fp32 but dv2, in v's dtype;
     float64 inputs give float64). Layouts: q, k, g [B, T, H, K]; v, v_new, do, dv [B, T, H, V]; beta [B, T, H];
     A [B, T, H, 64]; h, dh [B, NT, H, K, V] (copied where not contiguous); K and V powers of two >= 16 (the
-    caller's verifier checks: k3.ops.kda_fla_backend)."""
+    caller's verifier checks: k3.ops.kda_fla_backend). Varlen (fla's layout): B = 1, cu_seqlens [N + 1] the
+    sequences' token offsets, chunk_indices [NT, 2] each chunk's (sequence, chunk within it), h and dh a row per
+    chunk in that order; chunks do not cross sequences."""
     q, k, v, v_new, g, beta, A, h, do, dh, dv = (x.contiguous() for x in (q, k, v, v_new, g, beta, A, h, do, dh, dv))
     B, T, H, K = k.shape
     V = v.shape[-1]
-    NT = triton.cdiv(T, CHUNK)
+    varlen = cu_seqlens is not None
+    if varlen:
+        if B != 1 or chunk_indices is None:
+            raise ValueError(f"varlen needs B = 1 (got {B}) and chunk_indices (got {chunk_indices is not None})")
+        cu_seqlens, chunk_indices = cu_seqlens.contiguous(), chunk_indices.contiguous()
+    NT = chunk_indices.shape[0] if varlen else triton.cdiv(T, CHUNK)
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
     acc = tl.float64 if wide == torch.float64 else tl.float32
     dq = torch.empty(B, T, H, K, dtype=wide, device=q.device)
@@ -179,12 +201,13 @@ def chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale):
     db = torch.empty(B, T, H, dtype=wide, device=q.device)
     dA = torch.empty(B, T, H, CHUNK, dtype=wide, device=q.device)
     bk, bv = min(DQKG_BK, K), min(DQKG_BV, V)
+    layout = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, IS_VARLEN=varlen)
     with on_device(q):
         _dqkg_kernel[(K // bk, NT, B * H)](q, k, v_new, g, beta, A, h, do, dh, dv, dq, dk, dg, scale, T, H=H, K=K,
-                                            V=V, BT=CHUNK, BK=bk, BV=bv, ACC=acc, num_warps=DQKG_WARPS,
+                                            V=V, BT=CHUNK, BK=bk, BV=bv, ACC=acc, **layout, num_warps=DQKG_WARPS,
                                             num_stages=DQKG_STAGES, maxnreg=DQKG_MAXNREG if K <= 128 else None)
         _dv_dA_kernel[(NT, B * H)](k, v, g, beta, A, h, dv, dv2, db, dA, T, H=H, K=K, V=V, BT=CHUNK,
-                                   BV=min(DVA_BV, V), ACC=acc, num_warps=DVA_WARPS, num_stages=DVA_STAGES,
+                                   BV=min(DVA_BV, V), ACC=acc, **layout, num_warps=DVA_WARPS, num_stages=DVA_STAGES,
                                    maxnreg=DVA_MAXNREG if K <= 128 else None)  # kg [BT, 256] needs more
     return dq, dk, dv2, db, dg, dA
 

@@ -1,8 +1,8 @@
 """Plain PyTorch reference of KDA's chunk-backward stage through the chunk states and the WY form (what fla 0.6's
 `chunk_kda_bwd_wy_dqkg_fused` and k3.ops._kda_bwd_triton compute; layouts as there). Never dispatches; float64
 in, float64 out. Written as the chunk formulas read (dw formed, dA's parts summed), not as the kernel regroups them.
-`stage_inputs`, `intra_inputs`: random inputs of each stage in those layouts, for the tests and
-benchmarks/bench_gpu_kernels.py.
+`stage_inputs`, `varlen_stage_inputs`, `intra_inputs`: random inputs of each stage in those layouts, for the tests
+and benchmarks/bench_gpu_kernels.py.
 
 `chunk_kda_bwd_intra_ref`: the stage after it (fla's `chunk_kda_bwd_intra`), the gradients through the chunk's
 intra-chunk score matrices Aqk and Akk, added to what the WY/state stage gave.
@@ -29,10 +29,24 @@ def _unchunk(x: torch.Tensor, T: int) -> torch.Tensor:
     return x.transpose(2, 3).reshape(B, NT * BT, H, *x.shape[4:])[:, :T]
 
 
-def chunk_kda_bwd_wy_dqkg_ref(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, chunk_size: int = CHUNK):
+def chunk_kda_bwd_wy_dqkg_ref(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, chunk_size: int = CHUNK,
+                              cu_seqlens=None):
     """(dq, dk, dv2, db, dg, dA), all in the promoted float dtype of the inputs (at least float32). g: base-2 log
     decay, cumulated within each chunk; A [B, T, H, BT]: the chunk's lower-triangular WY matrix, row t of the chunk
-    at token t; h, dh [B, NT, H, K, V]: the state entering each chunk and its gradient; dv: the gradient of v_new."""
+    at token t; h, dh [B, NT, H, K, V]: the state entering each chunk and its gradient; dv: the gradient of v_new.
+    cu_seqlens [N + 1] (B = 1): the row holds N sequences, each chunked from its own first token, h and dh a row
+    per chunk, the sequences' in order (fla's varlen layout): each sequence is the stage on its own."""
+    if cu_seqlens is not None:
+        bounds = [int(x) for x in cu_seqlens]
+        outs, first = [], 0
+        for bos, eos in zip(bounds, bounds[1:]):
+            n = -(-(eos - bos) // chunk_size)
+            seq = [x[:, bos:eos] for x in (q, k, v, v_new, g, beta, A)]
+            h_seq, dh_seq = h[:, first:first + n], dh[:, first:first + n]
+            outs.append(chunk_kda_bwd_wy_dqkg_ref(*seq, h_seq, do[:, bos:eos], dh_seq, dv[:, bos:eos], scale,
+                                                  chunk_size))
+            first += n
+        return tuple(torch.cat(parts, 1) for parts in zip(*outs))
     BT = chunk_size
     T = q.shape[1]
     dt = torch.promote_types(torch.float32, q.dtype)
@@ -118,6 +132,22 @@ def stage_inputs(B, T, H, K, V, dtype=torch.float64, device="cpu", seed=0, chunk
     A = A.transpose(2, 3).reshape(B, NT * BT, H, BT)[:, :T]
     h, dh = r(B, NT, H, K, V), r(B, NT, H, K, V)
     return [x.to(dtype).contiguous() for x in (q, k, v, v_new, g, beta, A, h, do, dh, dv)]
+
+
+def varlen_stage_inputs(lengths, H, K, V, dtype=torch.float64, device="cpu", seed=0, chunk_size: int = CHUNK,
+                        index_dtype=torch.int64):
+    """(inputs, cu_seqlens, chunk_indices) of a varlen call over sequences of `lengths` packed in one row: each
+    sequence's `stage_inputs` (its own chunks, from its first token), joined along T (h, dh: along their chunks);
+    cu_seqlens [N + 1] and chunk_indices [NT, 2] (sequence, chunk within it) as fla builds them."""
+    parts = [stage_inputs(1, n, H, K, V, dtype=dtype, device=device, seed=seed + i, chunk_size=chunk_size)
+             for i, n in enumerate(lengths)]
+    inputs = [torch.cat(xs, 1).contiguous() for xs in zip(*parts)]
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    chunks = [(i, c) for i, n in enumerate(lengths) for c in range(-(-n // chunk_size))]
+    cu_seqlens = torch.tensor(bounds, dtype=index_dtype, device=device)
+    return inputs, cu_seqlens, torch.tensor(chunks, dtype=index_dtype, device=device).view(-1, 2)
 
 
 def intra_inputs(B, T, H, K, dtype=torch.float64, device="cpu", seed=0, strongest=False, chunk_size: int = CHUNK):

@@ -6,10 +6,10 @@ kernel runs the rest. `register_with_fla()` registers k3's backend once (k3.ops.
 chunked call unless K3_KDA_BWD=fla, see k3.envs); fla is imported only there, i.e. where it imports (a GPU machine).
 
 The stages it takes (k3.ops._kda_bwd_triton), for what k3's training calls: `chunk_kda_bwd_wy_dqkg_fused`
-(`wy_dqkg_accepts`: no varlen, no CUDA-graph buffers, K-first states, chunk 64, as many value heads as key heads,
-K and V powers of two from 16 to 256) and `chunk_kda_bwd_intra` (`intra_accepts`: the same, and fla's safe gate
-(gates in [-5, 0)), which the kernel's fp32 anchoring relies on); each only while K3_KDA_BWD names it
-(k3: both; wy; intra) at the call.
+(`wy_dqkg_accepts`: rows of one sequence or fla's varlen layout, no CUDA-graph buffers, K-first states, chunk 64,
+as many value heads as key heads, K and V powers of two from 16 to 256) and `chunk_kda_bwd_intra` (`intra_accepts`:
+the same but not varlen, and fla's safe gate (gates in [-5, 0)), which the kernel's fp32 anchoring relies on); each
+only while K3_KDA_BWD names it (k3: both; wy; intra) at the call.
 """
 from __future__ import annotations
 
@@ -35,9 +35,7 @@ def _switched_on(stage: str) -> bool:
     return envs.current().kda_bwd in ("k3", stage)
 
 
-def _general_refusal(cu_seqlens, chunk_indices, use_graph, chunk_size) -> str | None:
-    if cu_seqlens is not None or chunk_indices is not None:
-        return "varlen calls stay with fla's kernel"
+def _general_refusal(use_graph, chunk_size) -> str | None:
     if use_graph:
         return "use_graph (fla's static CUDA-graph buffers) stays with fla's kernel"
     if chunk_size != 64:
@@ -49,6 +47,22 @@ def _offsets_refusal(T: int, H: int, width: int) -> str | None:
     """The kernels index a row's tiles with int32 offsets (k3.ops._kda_bwd_triton)."""
     if T * H * width >= 2 ** 31:
         return f"T {T} x H {H} x {width} elements a row: past int32 offsets"
+    return None
+
+
+def _varlen_refusal(B: int, cu_seqlens, chunk_indices, device) -> str | None:
+    """The kernels read fla's varlen layout as its forward hands it over: one row, the sequences' offsets and each
+    chunk's (sequence, chunk within it); chunk_indices is fla's to build (its own kernel builds it when absent)."""
+    if cu_seqlens is None or chunk_indices is None:
+        return "varlen without both cu_seqlens and chunk_indices stays with fla's kernel"
+    if B != 1:
+        return f"varlen with {B} rows (fla packs sequences into one)"
+    if cu_seqlens.dim() != 1 or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
+        return f"cu_seqlens {tuple(cu_seqlens.shape)}, chunk_indices {tuple(chunk_indices.shape)}: not [N+1], [NT, 2]"
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or chunk_indices.dtype not in (torch.int32, torch.int64):
+        return f"cu_seqlens {cu_seqlens.dtype}, chunk_indices {chunk_indices.dtype}: not int32 or int64"
+    if cu_seqlens.device != device or chunk_indices.device != device:
+        return f"cu_seqlens on {cu_seqlens.device}, chunk_indices on {chunk_indices.device}, k on {device}"
     return None
 
 
@@ -69,7 +83,7 @@ def wy_dqkg_accepts(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, state
     alone (any device: the GPU check is the backend's). Its arguments are fla's, by the same names."""
     if not _switched_on("wy"):
         return False, "K3_KDA_BWD does not name this stage (k3 or wy)"
-    refusal = _general_refusal(cu_seqlens, chunk_indices, use_graph, chunk_size)
+    refusal = _general_refusal(use_graph, chunk_size)
     if refusal:
         return False, refusal
     if state_v_first:
@@ -85,7 +99,13 @@ def wy_dqkg_accepts(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, state
     refusal = _offsets_refusal(T, H, max(K, V, chunk_size))
     if refusal:
         return False, refusal
-    NT = -(-T // chunk_size)
+    if cu_seqlens is not None or chunk_indices is not None:
+        refusal = _varlen_refusal(B, cu_seqlens, chunk_indices, k.device)
+        if refusal:
+            return False, refusal
+        NT = chunk_indices.shape[0]
+    else:
+        NT = -(-T // chunk_size)
     expected = {"q": (q, k.shape), "g": (g, k.shape), "v_new": (v_new, v.shape), "do": (do, v.shape),
                 "dv": (dv, v.shape), "beta": (beta, (B, T, H)), "A": (A, (B, T, H, chunk_size)),
                 "h": (h, (B, NT, H, K, V)), "dh": (dh, (B, NT, H, K, V))}
@@ -99,7 +119,9 @@ def intra_accepts(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens=None, ch
     16-token sub-chunk's decays in fp32, which stays finite only under fla's safe gate (decays >= e^-5 a token)."""
     if not _switched_on("intra"):
         return False, "K3_KDA_BWD does not name this stage (k3 or intra)"
-    refusal = _general_refusal(cu_seqlens, chunk_indices, use_graph, chunk_size)
+    if cu_seqlens is not None or chunk_indices is not None:
+        return False, "varlen calls stay with fla's kernel"
+    refusal = _general_refusal(use_graph, chunk_size)
     if refusal:
         return False, refusal
     # fla's backward passes safe_gate alone (no lower_bound): its safe-gate contract is gates >= -5
@@ -144,11 +166,12 @@ def register_with_fla() -> None:
                 return False, "not a CUDA tensor"
             return wy_dqkg_accepts(q, *args, **kwargs)
 
-        def chunk_kda_bwd_wy_dqkg_fused(self, q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, **_):
+        def chunk_kda_bwd_wy_dqkg_fused(self, q, k, v, v_new, g, beta, A, h, do, dh, dv, scale=None, cu_seqlens=None,
+                                        chunk_indices=None, **_):
             from k3.ops._kda_bwd_triton import chunk_kda_bwd_wy_dqkg
 
             return chunk_kda_bwd_wy_dqkg(q, k, v, v_new, g, beta, A, h, do, dh, dv,
-                                         k.shape[-1] ** -0.5 if scale is None else scale)
+                                         k.shape[-1] ** -0.5 if scale is None else scale, cu_seqlens, chunk_indices)
 
         def chunk_kda_bwd_intra_verifier(self, q, *args, **kwargs):
             if not q.is_cuda:
