@@ -11,10 +11,13 @@
   instead of recomputing them there; "0" recomputes them (the gate cumsum, the w/u kernel and the chunk-state pass
   run again). Keeping costs 0.84 GiB a KDA layer at small's 8 x 4096 (10 GiB for its 12); on by default since an
   H200 step timed it (with K3_KDA_BWD=wy: 345 ms against 359-388 at 8 x 4096, 417 against 434-437 at 2 x 16384).
+  On an H100's 80 GB it fits at 8 x 4096 since the short conv recomputes its pre-activation (76.4 GiB peak; 349 and
+  358 ms against 355-356 recomputing, session 40), not at 2 x 16384.
 - K3_KDA_BWD: which stages of fla's KDA chunk backward run k3's Triton kernels (k3.ops.kda_fla_backend, registered
   with fla's backend dispatcher): "wy" (default, or unset) chunk_kda_bwd_wy_dqkg_fused alone, "k3" it and
   chunk_kda_bwd_intra, "intra" that one alone, "fla" none. On an H200 at small's 8 x 4096 the WY stage takes
-  1.0 ms a call against fla's 2.45; k3's intra stage 2.2 against fla's 1.56, so it stays opt-in.
+  1.0 ms a call against fla's 2.45 (on an H100 with packed documents, fla's varlen layout, 1.2 against 2.7);
+  k3's intra stage 2.2 against fla's 1.56, so it stays opt-in.
 - K3_REQUIRE_FLA: "1" makes the GPU tests fail, not skip, when fla does not import.
 - K3_ROUTER_FP32: "1" computes the MoE router's GEMM on fp32 copies of a bf16/fp16 x and weight (the reference,
   k3.ops.router.router_scores_reference) instead of one GEMM of them as stored with fp32 output.
