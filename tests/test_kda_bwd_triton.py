@@ -146,6 +146,18 @@ def test_varlen_kernel_equals_reference(lengths, H, K, V, dtype, index_dtype):
         assert err < tol, (name, err.item())
 
 
+def test_varlen_call_without_its_chunk_table_or_over_several_rows_is_refused():
+    pytest.importorskip("triton")
+    from k3.ops._kda_bwd_triton import chunk_kda_bwd_wy_dqkg
+
+    inputs, cu, chunks = varlen_stage_inputs((70, 40), 1, 16, 16, seed=4)
+    with pytest.raises(ValueError, match="chunk_indices"):
+        chunk_kda_bwd_wy_dqkg(*inputs, 0.5, cu_seqlens=cu)
+    two_rows = [x.expand(2, *x.shape[1:]) for x in inputs]
+    with pytest.raises(ValueError, match="B = 1"):
+        chunk_kda_bwd_wy_dqkg(*two_rows, 0.5, cu_seqlens=cu, chunk_indices=chunks)
+
+
 def test_varlen_reference_runs_each_sequence_alone():
     """The reference's varlen form is the stage on each sequence by itself: one sequence of the pack, run alone,
     gives its slice of the packed result (and the packed result is not the one-row stage's, whose chunks would
