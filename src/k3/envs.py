@@ -11,8 +11,9 @@
   instead of recomputing them there; "0" recomputes them (the gate cumsum, the w/u kernel and the chunk-state pass
   run again). Keeping costs 0.84 GiB a KDA layer at small's 8 x 4096 (10 GiB for its 12); on by default since an
   H200 step timed it (with K3_KDA_BWD=wy: 345 ms against 359-388 at 8 x 4096, 417 against 434-437 at 2 x 16384).
-  On an H100's 80 GB it fits at 8 x 4096 since the short conv recomputes its pre-activation (76.4 GiB peak; 349 and
-  358 ms against 355-356 recomputing, session 40), not at 2 x 16384.
+  On an H100's 80 GB it fits at 8 x 4096 since the short conv recomputes its pre-activation (76.4 GiB peak), not at
+  2 x 16384; so near the card's memory its step time varies (343-388 ms over four runs against 355-356 recomputing,
+  session 40): keep "0" there for timings.
 - K3_KDA_BWD: which stages of fla's KDA chunk backward run k3's Triton kernels (k3.ops.kda_fla_backend, registered
   with fla's backend dispatcher): "wy" (default, or unset) chunk_kda_bwd_wy_dqkg_fused alone, "k3" it and
   chunk_kda_bwd_intra, "intra" that one alone, "fla" none. On an H200 at small's 8 x 4096 the WY stage takes
