@@ -48,8 +48,8 @@ Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--qui
      [--gemv [--gemv-rows 1,8]] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]]
      [--backwards] [--kda-core] [--kda-bwd] [--residual-add] [--conv-varlen] [--doc-attention]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
---kda-bwd [wy,intra]: only KDA's chunk-backward WY/state and intra-chunk stages (or those named), fla's kernels
-against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
+--kda-bwd [wy,wy_docs,intra]: only KDA's chunk-backward WY/state stage (on rows, and on documents packed in one row)
+and intra-chunk stage (or those named), fla's kernels against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
 --conv-varlen: only serving's q/k/v short convs over a step's packed sequences, the torch path against the opt-in
 kernel (`conv_varlen_rows`).
 --doc-attention: only MLA's training attention over packed documents, k3's varlen path against SDPA with the
@@ -343,6 +343,7 @@ def slot_sum_rows(N: int, bw: float, device: str = "cuda") -> list[dict]:
 
 
 KDA_CALLS = 12  # KDA layers in a `small` step
+DOC_TOKENS = 512  # the documents of bench_gpu_train.py --docs 512, packed into one row
 
 
 def kda_core_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
@@ -417,21 +418,30 @@ def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda", stages=("wy", 
 
     from k3.ops import _kda_bwd_triton as k3_bwd
     from k3.ops import kda_fla_backend, tuning
-    from k3.ops.kda_bwd_ref import intra_inputs, stage_inputs
+    from k3.ops.kda_bwd_ref import intra_inputs, stage_inputs, varlen_stage_inputs
 
     H, K = 12, 128
     tuning.pin_for_device(torch.device(device))
     kda_fla_backend.register_with_fla()
     wy = stage_inputs(B, T, H, K, K, dtype=torch.bfloat16, device=device)
     wy[4], wy[5] = wy[4].float(), wy[5].float()
+    # the same tokens as documents of DOC_TOKENS packed in one row (bench_gpu_train.py --docs): fla's varlen layout
+    docs, cu, chunks = varlen_stage_inputs([DOC_TOKENS] * (B * T // DOC_TOKENS), H, K, K, dtype=torch.bfloat16,
+                                           device=device)
+    docs[4], docs[5] = docs[4].float(), docs[5].float()
+    layout = dict(cu_seqlens=cu, chunk_indices=chunks)
     intra = intra_inputs(B, T, H, K, dtype=torch.float32, device=device, strongest=True)
     intra[0], intra[1] = intra[0].bfloat16(), intra[1].bfloat16()
+    # stage: (row label, inputs, fla's call, k3's call, the K3_KDA_BWD choice that hands fla's call to k3)
     calls = {"wy": ("KDA bwd wy_dqkg stage", wy, lambda: chunk_kda_bwd_wy_dqkg_fused(*wy, scale=K ** -0.5),
-                    lambda: k3_bwd.chunk_kda_bwd_wy_dqkg(*wy, K ** -0.5)),
+                    lambda: k3_bwd.chunk_kda_bwd_wy_dqkg(*wy, K ** -0.5), "wy"),
+             "wy_docs": (f"KDA bwd wy_dqkg stage, documents of {DOC_TOKENS}", docs,
+                         lambda: chunk_kda_bwd_wy_dqkg_fused(*docs, scale=K ** -0.5, **layout),
+                         lambda: k3_bwd.chunk_kda_bwd_wy_dqkg(*docs, K ** -0.5, **layout), "wy"),
              "intra": ("KDA bwd intra stage", intra, lambda: chunk_kda_bwd_intra(*intra, safe_gate=True),
-                       lambda: k3_bwd.chunk_kda_bwd_intra(*intra))}
+                       lambda: k3_bwd.chunk_kda_bwd_intra(*intra), "intra")}
     rows = []
-    for stage, (op, x, fla_call, k3_call) in [(s, calls[s]) for s in stages]:
+    for stage, (op, x, fla_call, k3_call, choice) in [(s, calls[s]) for s in stages]:
         with envs.override(kda_bwd="fla"):
             ref = fla_call()
         floor_us = sum(t.numel() * t.element_size() for t in [*x, *ref]) / bw * 1e6
@@ -446,8 +456,8 @@ def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda", stages=("wy", 
             print(rows[-1], flush=True)
 
         row("fla (its kernel)", fla_call, "fla")
-        row(f"k3 through fla's dispatcher (K3_KDA_BWD={stage})", fla_call, stage)
-        names, others = KDA_BWD_LAUNCH[stage]
+        row(f"k3 through fla's dispatcher (K3_KDA_BWD={choice})", fla_call, choice)
+        names, others = KDA_BWD_LAUNCH[choice]
         saved = tuple(getattr(k3_bwd, n) for n in names)
         try:
             for values in [saved] + [v for v in others if v != saved]:
@@ -606,7 +616,7 @@ def main():
                     help="only the AttnRes mix and short conv backwards, new against the kernels they replaced")
     ap.add_argument("--kda-core", action="store_true",
                     help="only KDA's core forward + backward, fla recomputing against keeping its intermediates")
-    ap.add_argument("--kda-bwd", nargs="?", const="wy,intra", default="",
+    ap.add_argument("--kda-bwd", nargs="?", const="wy,wy_docs,intra", default="",
                     help="only KDA's chunk-backward WY/state and intra stages (or a comma list of wy, intra), "
                          "fla's kernels against k3's")
     ap.add_argument("--conv-varlen", action="store_true",
