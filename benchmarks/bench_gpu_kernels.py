@@ -425,11 +425,12 @@ def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda", stages=("wy", 
     kda_fla_backend.register_with_fla()
     wy = stage_inputs(B, T, H, K, K, dtype=torch.bfloat16, device=device)
     wy[4], wy[5] = wy[4].float(), wy[5].float()
-    # the same tokens as documents of DOC_TOKENS packed in one row (bench_gpu_train.py --docs): fla's varlen layout
-    docs, cu, chunks = varlen_stage_inputs([DOC_TOKENS] * (B * T // DOC_TOKENS), H, K, K, dtype=torch.bfloat16,
-                                           device=device)
-    docs[4], docs[5] = docs[4].float(), docs[5].float()
-    layout = dict(cu_seqlens=cu, chunk_indices=chunks)
+    docs, layout = [], {}
+    if "wy_docs" in stages:  # the same tokens as documents packed in one row (bench_gpu_train.py --docs)
+        docs, cu, chunks = varlen_stage_inputs([DOC_TOKENS] * (B * T // DOC_TOKENS), H, K, K, dtype=torch.bfloat16,
+                                               device=device)
+        docs[4], docs[5] = docs[4].float(), docs[5].float()
+        layout = dict(cu_seqlens=cu, chunk_indices=chunks)
     intra = intra_inputs(B, T, H, K, dtype=torch.float32, device=device, strongest=True)
     intra[0], intra[1] = intra[0].bfloat16(), intra[1].bfloat16()
     # stage: (row label, inputs, fla's call, k3's call, the K3_KDA_BWD choice that hands fla's call to k3)
