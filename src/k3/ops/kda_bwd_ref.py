@@ -7,6 +7,7 @@ and benchmarks/bench_gpu_kernels.py.
 `chunk_kda_bwd_intra_ref`: the stage after it (fla's `chunk_kda_bwd_intra`), the gradients through the chunk's
 intra-chunk score matrices Aqk and Akk, added to what the WY/state stage gave.
 """
+import itertools
 import math
 
 import torch
@@ -141,12 +142,9 @@ def varlen_stage_inputs(lengths, H, K, V, dtype=torch.float64, device="cpu", see
     cu_seqlens [N + 1] and chunk_indices [NT, 2] (sequence, chunk within it) as fla builds them."""
     parts = [stage_inputs(1, n, H, K, V, dtype=dtype, device=device, seed=seed + i, chunk_size=chunk_size)
              for i, n in enumerate(lengths)]
-    inputs = [torch.cat(xs, 1).contiguous() for xs in zip(*parts)]
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
+    inputs = [torch.cat(xs, 1) for xs in zip(*parts)]
     chunks = [(i, c) for i, n in enumerate(lengths) for c in range(-(-n // chunk_size))]
-    cu_seqlens = torch.tensor(bounds, dtype=index_dtype, device=device)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=index_dtype, device=device)
     return inputs, cu_seqlens, torch.tensor(chunks, dtype=index_dtype, device=device).view(-1, 2)
 
 
