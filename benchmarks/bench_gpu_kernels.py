@@ -12,7 +12,9 @@ loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`: "torch" is its fp3
 KDA's 6 input projections of x [B, T, 1536] with a probe loss on each output ("triton" here: one autograd
 node accumulating ∂L/∂x in the GEMMs, k3.ops.fused_linear; "torch": one nn.Linear each, summed by autograd,
 K3_NO_SHARED_INPUT_GRAD=1). MLA's output gate o ⊙ σ(gate) over [B, T, 12, 128] with o a slice of 192-wide heads
-as attention hands it (k3.ops._sigmoid_gate_triton against the reshape, sigmoid and multiply).
+as attention hands it (k3.ops._sigmoid_gate_triton against the reshape, sigmoid and multiply). MLA's keys from
+kv_b_proj's [B, T, 12, 256] and the shared 64-wide k_extra sliced from kv_a_proj's output (k3.ops._mla_keys_triton
+against the cat of a strided view and a broadcast, and back the heads' sum and a second cat).
 The MoE router's GEMM over [B·T, 1536] → 64 experts ("triton" here: one bf16 GEMM with fp32 output and its own
 backward; "torch": fp32 copies of x and the weight, K3_ROUTER_FP32=1).
 Decode rows after them (forward only, no gradient, 1/8/64 rows, opt-in kernels on): the router whole ("triton":
@@ -78,6 +80,7 @@ from k3.ops.norm import l2_norm, rms_norm  # noqa: E402
 from k3.ops.router import route_tokens, router_scores  # noqa: E402
 from k3.model.attn_res import attn_res_mix_norm  # noqa: E402
 from k3.ops.fused_linear import FusedLinears  # noqa: E402
+from k3.ops.mla_keys import mla_keys  # noqa: E402
 from k3.ops.sigmoid_gate import sigmoid_gate  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
@@ -105,12 +108,15 @@ def cases(B: int, T: int, device: str = "cuda"):
     probes = [r(o) for o in (D, D, D, K, H, D)]
     in_proj = FusedLinears(*kda_in)
     o_wide, o_gate = r(B, T, H, 192), r(B, T, H * K)
+    kv_b, kv_a = r(B, T, H * 2 * K).unflatten(-1, (H, 2 * K)), r(B, T, 256 + 64)
     return {
         "KDA input projections (6)": ({"no_shared_input_grad": True},
                                       lambda a: sum((y * c).sum() for y, c in zip(in_proj(a[0]), probes)), [x],
                                       [lin.weight for lin in kda_in], n * (1 + 4) + B * T * (K + H) * 2),
         "MLA output gate": ("_sigmoid_gate_triton", lambda a: sigmoid_gate(a[0][..., :K], a[1]), [o_wide, o_gate],
                             [], 3 * n),
+        "MLA keys [k_nope, k_extra]": ("_mla_keys_triton", lambda a: mla_keys(a[0], a[1][..., 256:], K),
+                                       [kv_b, kv_a], [], n * 5 // 2 + B * T * 64 * 2),
         "rms_norm": ("_norm_triton", lambda a: rms_norm(a[0], w, 1e-5), [x], [w], 2 * n),
         "l2_norm": ("_norm_triton", lambda a: l2_norm(a[0]), [heads], [], 2 * n),
         "attn_res_mix (5 sources)": ("_attn_res_triton", lambda a: attn_res_mix(list(a), norm, proj), sources,

@@ -57,18 +57,19 @@ def active_params(model, cfg, skip: tuple[str, ...] = ()) -> int:
 
 
 def fwd_bwd(fn, inputs: list, params=()):
-    """A step for time_ms: fn(leaves) and its backward into fresh leaves of `inputs` and `params`, against one
-    fixed random upstream gradient (drawn at the first call)."""
+    """A step for time_ms: fn(leaves) (a tensor or a tuple of them) and its backward into fresh leaves of `inputs`
+    and `params`, against fixed random upstream gradients (drawn at the first call)."""
     leaves = [a.detach().requires_grad_() for a in inputs]
     wrt = leaves + list(params)
-    grad = None
+    grads = None
 
     def step():
-        nonlocal grad
+        nonlocal grads
         out = fn(leaves)
-        if grad is None:
-            grad = torch.randn_like(out)
-        torch.autograd.grad(out, wrt, grad, allow_unused=True)
+        outs = out if isinstance(out, tuple) else (out,)
+        if grads is None:
+            grads = [torch.randn_like(o) for o in outs]
+        torch.autograd.grad(outs, wrt, grads, allow_unused=True)
     return step
 
 

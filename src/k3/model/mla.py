@@ -13,6 +13,7 @@ from k3.model.norm import RMSNorm
 from k3.ops.attention import causal_attention
 from k3.ops.fused_linear import DerivedWeight, FusedLinears
 from k3.ops.gemv import DecodeLinear, linear, use_gemv
+from k3.ops.mla_keys import mla_keys
 from k3.ops.mla_static_decode import static_decode_attention, use_static_decode_kernel
 from k3.ops.sigmoid_gate import sigmoid_gate
 from k3.ops.triton_dispatch import triton_module, use_triton
@@ -200,11 +201,8 @@ class MultiHeadLatentAttention(nn.Module):
     def expand_kv(self, latent: torch.Tensor, k_extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [..., S, H, nope+rope] and values [..., S, H, v_dim] of latents [..., S, R] with k_extra
         [..., S, rope] (shared by the heads)."""
-        H = self.num_heads
-        kv = self.kv_b_proj(latent).unflatten(-1, (H, self.nope + self.v_dim))
-        k_nope, v = kv.split([self.nope, self.v_dim], -1)
-        k = torch.cat([k_nope, k_extra[..., None, :].expand(*k_nope.shape[:-1], self.rope)], dim=-1)
-        return k, v
+        return mla_keys(self.kv_b_proj(latent).unflatten(-1, (self.num_heads, self.nope + self.v_dim)), k_extra,
+                        self.nope)
 
     def paged_absorbed_attention(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, kv_len: torch.Tensor,
                                  max_len: int) -> torch.Tensor:
