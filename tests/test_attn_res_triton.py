@@ -70,40 +70,49 @@ def test_fused_mix_backward_with_several_rows_per_program(monkeypatch, dtype):
     (3, 3, 11, 128, torch.bfloat16, True),
     (2, 1, 1, 1536, torch.bfloat16, False),
 ])
-def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dtype, sum_read_on):
+@pytest.mark.parametrize("normed", [False, True])
+def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dtype, sum_read_on, normed):
     """_AttnResAddMixFused (p + x added in the mix's forward launch) against the float64 reference: the add, then
-    the SPEC mix over [*blocks, p + x] by plain autograd. The mix, the sum, and ∂L/∂u, ∂L/∂w, ∂L/∂p, ∂L/∂x and
-    every block's gradient; sum_read_on: the sum also has a reader of its own (a gradient for it arrives, which
-    the backward's kernel adds to the mix's part)."""
+    the SPEC mix over [*blocks, p + x] by plain autograd (normed: then an RMSNorm, its weight in the sources'
+    dtype, as the fold takes it into both launches). The output, the sum, and ∂L/∂u, ∂L/∂w, ∂L/∂p, ∂L/∂x, every
+    block's gradient (and the norm weight's); sum_read_on: the sum also has a reader of its own (a gradient for
+    it arrives, which the backward's kernel adds to the mix's part)."""
     from k3.model.attn_res import _AttnResAddMixFused
+    from k3.ops.norm import rms_norm_reference
 
     gen = torch.Generator().manual_seed(300 + 10 * n + D)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     blocks = [r(B, T, D) * (i + 2) for i in range(n - 1)]
     p, x = r(B, T, D), r(B, T, D) * 0.5
     u, w = torch.rand(D, generator=gen, dtype=torch.float64) + 0.5, r(1, D) * 0.5
+    nw = torch.rand(D, generator=gen, dtype=torch.float64) + 0.5
     g_out, g_sum = r(B, T, D), r(B, T, D) if sum_read_on else None
 
     def leaves(tensors, dt, device):
         return [t.detach().to(device, dt, copy=True).requires_grad_() for t in tensors]
 
-    ref = leaves([u, w, p, x, *blocks], torch.float64, "cpu")
+    ref = leaves([u, w, p, x, *blocks, nw], torch.float64, "cpu")
     total = ref[2] + ref[3]
-    want_out = _AttnResMix.apply(ref[0], ref[1], 1e-5, *ref[4:], total)
+    want_out = _AttnResMix.apply(ref[0], ref[1], 1e-5, *ref[4:-1], total)
+    if normed:
+        want_out = rms_norm_reference(want_out, ref[-1], 1e-6)
     torch.autograd.backward([want_out] + ([total] if sum_read_on else []),
                             [g_out] + ([g_sum] if sum_read_on else []))
-    want = [want_out, total] + [t.grad for t in ref]
+    want = [want_out, total] + [t.grad for t in ref[:-1]] + ([ref[-1].grad] if normed else [])
 
-    got_in = leaves([u, w], torch.float32, DEVICE) + leaves([p, x, *blocks], dtype, DEVICE)
-    out, got_total = _AttnResAddMixFused.apply(*got_in[:2], 1e-5, *got_in[2:])
+    got_in = leaves([u, w], torch.float32, DEVICE) + leaves([p, x, *blocks, nw], dtype, DEVICE)
+    out, got_total = _AttnResAddMixFused.apply(*got_in[:2], 1e-5, got_in[-1] if normed else None, 1e-6,
+                                               *got_in[2:-1])
     assert out.dtype == got_total.dtype == dtype
     torch.autograd.backward([out] + ([got_total] if sum_read_on else []),
                             [g_out.to(DEVICE, dtype)] + ([g_sum.to(DEVICE, dtype)] if sum_read_on else []))
-    got = [out, got_total] + [t.grad for t in got_in]
+    got = [out, got_total] + [t.grad for t in got_in[:-1]] + ([got_in[-1].grad] if normed else [])
+    assert (got_in[-1].grad is not None) == normed
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    names = ["out", "p + x", "du", "dw", "dp", "dx"] + [f"d_block{i}" for i in range(n - 1)]
+    names = ["out", "p + x", "du", "dw", "dp", "dx"] + [f"d_block{i}" for i in range(n - 1)] + ["d_nw"] * normed
     for name, a, b in zip(names, got, want, strict=True):
-        assert a.shape == b.shape, name
+        assert a.shape == b.shape and a.dtype == (dtype if name in ("out", "p + x", "dp", "dx", "d_nw")
+                                                  or name.startswith("d_block") else torch.float32), name
         err = (a.double().cpu() - b).norm() / b.norm().clamp_min(1e-6)
         assert err < tol, f"{name}: relative error {err:.2e}"
     torch.testing.assert_close(got[4], got[5], rtol=0, atol=0)  # p's and x's: the sum's gradient, both

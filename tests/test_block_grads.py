@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from k3 import K3Config, K3ForCausalLM, envs  # noqa: E402
 from k3.model import attn_res  # noqa: E402
+from k3.model import norm as norm_module  # noqa: E402
 from random_model import randomize_trivial_parts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,6 +173,11 @@ def block_uses(config: K3Config) -> list[int]:
     return uses
 
 
+def test_the_mix_norm_fold_switch():
+    assert [envs.parse(env).no_mix_norm_fold for env in ({}, {"K3_NO_MIX_NORM_FOLD": "0"},
+                                                         {"K3_NO_MIX_NORM_FOLD": "1"})] == [False, False, True]
+
+
 def test_the_residual_add_fold_switch():
     """K3_NO_RESIDUAL_ADD_FOLD: off unset, empty or "0"; on for "1"."""
     assert [envs.parse(env).no_residual_add_fold for env in ({}, {"K3_NO_RESIDUAL_ADD_FOLD": ""},
@@ -195,7 +201,7 @@ def test_model_through_the_fused_mixes(monkeypatch):
     def run(fold_adds: bool):
         model.zero_grad(set_to_none=True)
         forward, backward = _AddCounter(), _AddCounter()
-        with envs.override(no_residual_add_fold=not fold_adds), forward:
+        with envs.override(no_residual_add_fold=not fold_adds, no_mix_norm_fold=True), forward:
             loss = model(ids, labels=ids).loss
         with backward:
             loss.backward()
@@ -210,6 +216,33 @@ def test_model_through_the_fused_mixes(monkeypatch):
     residual_adds = 2 * L - len(uses)
     assert fwd_adds_ref - fwd_adds == residual_adds == 10
     assert adds_ref - adds == sum(n - 1 for n in uses) + residual_adds == 27  # tiny: 12 and 7 readers, 10
+
+
+def test_the_norm_fold_takes_each_folded_mixs_norm(monkeypatch):
+    """The tiny model (float32) on the fused mixes, each one that takes its residual add also taking the RMSNorm
+    after it (K3_NO_MIX_NORM_FOLD unset): the loss and every gradient (the norms' weights included) as with the
+    norms separate, and as many RMSNorm calls fewer as mixes take their add."""
+    kernels()
+    real_use = attn_res.use_triton
+    monkeypatch.setattr(attn_res, "use_triton", lambda x, name: name == "_attn_res_triton" or real_use(x, name))
+    norms = []
+    real_norm = norm_module.rms_norm
+    monkeypatch.setattr(norm_module, "rms_norm", lambda *a: norms.append(1) or real_norm(*a))
+    model = tiny_model(6, torch.float32, DEVICE)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+
+    def run(fold: bool):
+        model.zero_grad(set_to_none=True)
+        norms.clear()
+        with envs.override(no_mix_norm_fold=not fold):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()], len(norms)
+
+    (got, calls), (want, calls_ref) = run(True), run(False)
+    assert_all_close(got, want, 2e-5)
+    L, starts = model.config.num_hidden_layers, len(block_uses(model.config))
+    assert calls_ref - calls == 2 * L - starts == 10
 
 
 def test_model_through_the_fused_mixes_with_checkpointing(monkeypatch):

@@ -32,6 +32,9 @@
   instead of each mix's backward adding into one buffer per block (k3.model.attn_res).
 - K3_NO_RESIDUAL_ADD_FOLD: "1" keeps each residual add before a training AttnRes mix as its own op, instead of in
   the mix kernel's forward launch (k3.model.attn_res._AttnResAddMixFused); for timing the fold against it.
+- K3_NO_MIX_NORM_FOLD: "1" keeps the RMSNorm after a training AttnRes mix as its own op (a pass each way over
+  the mix's output), instead of in the mix kernels (k3.model.attn_res._AttnResAddMixFused: the forward writes the
+  norm's output only, the backward recomputes the mix); for timing the fold against it.
 - K3_PDL: "1" launches decode's Triton kernels with programmatic dependent launch (Hopper and later: each may start
   while the kernel before it runs, prefetching its weights into L2, and waits for it before reading anything;
   k3.ops._pdl_triton). Off by default: slower on an H200 (session 29, `bench_gpu_decode.py --pdl`, small's graphed
@@ -78,6 +81,7 @@ class Switches:
     no_shared_input_grad: bool = False
     no_block_grad_buffer: bool = False
     no_residual_add_fold: bool = False
+    no_mix_norm_fold: bool = False
     pdl: bool = False
     no_pdl_prefetch: bool = False
     commit: str | None = None
@@ -135,6 +139,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
                     no_shared_input_grad=_flag(get("K3_NO_SHARED_INPUT_GRAD")),
                     no_block_grad_buffer=_flag(get("K3_NO_BLOCK_GRAD_BUFFER")),
                     no_residual_add_fold=_flag(get("K3_NO_RESIDUAL_ADD_FOLD")),
+                    no_mix_norm_fold=_flag(get("K3_NO_MIX_NORM_FOLD")),
                     pdl=_flag(get("K3_PDL")), no_pdl_prefetch=_flag(get("K3_NO_PDL_PREFETCH")),
                     commit=get("K3_COMMIT") or None,
                     autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None,

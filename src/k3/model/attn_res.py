@@ -245,35 +245,41 @@ class _AttnResAddMixFused(torch.autograd.Function):
     it and the mix reading it again). Returns (mix, p + x). Backward: the sum's gradient is the mix's part plus
     the one autograd brings for the sum (its other readers, through its BlockGrads slot), made by the mix's
     kernel in one pass; it is x's gradient and p's, which goes to p's slot where p is attached, as
-    `_ResidualAdd` leaves it."""
+    `_ResidualAdd` leaves it.
+    With a norm weight nw (not None) the first output is RMSNorm_nw(mix) (eps neps), in the same launches: the mix
+    is never stored (the backward recomputes it from the sources it reads anyway), so the norm's own pass each
+    way, the mix's write and read and its gradient's, are saved."""
 
     @staticmethod
-    def forward(ctx, u, w, eps, p, x, *blocks):
+    def forward(ctx, u, w, eps, nw, neps, p, x, *blocks):
         ctx.set_materialize_grads(False)  # the sum may have no other reader: no zeros made for it
         ctx.eps, ctx.sinks, ctx.p_sink = eps, _sinks(blocks), getattr(p, "_k3_block_grad", None)
+        ctx.norm = None if nw is None else neps
         sources = tuple(s.contiguous() for s in (*blocks, p))
-        out, total, scores, lse = triton_module("_attn_res_triton").mix_add_forward(u, w, eps, sources,
-                                                                                      x.contiguous())
-        ctx.save_for_backward(u, w, scores, lse, *sources[:-1], total)
+        out, total, scores, lse = triton_module("_attn_res_triton").mix_add_forward(
+            u, w, eps, sources, x.contiguous(), norm=None if nw is None else (nw, neps))
+        ctx.save_for_backward(u, w, nw, scores, lse, *sources[:-1], total)
         return out, total
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_total):
-        u, w, scores, lse, *sources = ctx.saved_tensors
+        u, w, nw, scores, lse, *sources = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(sources[-1])
         sinks = ctx.sinks or (None,) * (len(sources) - 1)
         into = [None if sink is None else sink[0].buffer(sink[1], v) for sink, v in zip(sinks, sources)]
         into.append(None if grad_total is None else (torch.empty_like(sources[-1]), grad_total.contiguous()))
-        du, dw, grads = triton_module("_attn_res_triton").mix_backward(grad_out, u, w, ctx.eps, tuple(sources),
-                                                                      scores, lse, into=into)
+        du, dw, grads, *d_nw = triton_module("_attn_res_triton").mix_backward(
+            grad_out, u, w, ctx.eps, tuple(sources), scores, lse, into=into,
+            norm=None if nw is None else (nw, ctx.norm))
         d_total = grads[-1]
         d_p = d_total
         if ctx.p_sink is not None:
             ctx.p_sink[0].deposit(ctx.p_sink[1], d_total)
             d_p = None
-        return du, dw, None, d_p, d_total, *(g if dest is None else None for g, dest in zip(grads, into[:-1]))
+        return (du, dw, None, (d_nw or [None])[0], None, d_p, d_total,
+                *(g if dest is None else None for g, dest in zip(grads, into[:-1])))
 
 
 def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: RMSNorm, proj: torch.nn.Linear,
@@ -296,8 +302,10 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
                                             uw=_kept_score_weight(norm, proj, kernels.score_weight))
         return (p if total is None else total.view_as(p)), y.view_as(p)
     if add is not None and _fused_add_mix(sources, add):
-        out, total = _AttnResAddMixFused.apply(norm.weight, proj.weight, norm.eps, p, add, *blocks)
-        return _attached_like(total, [p, *blocks]), out_norm(out)
+        fold = _folds_norm(out_norm, add)
+        out, total = _AttnResAddMixFused.apply(norm.weight, proj.weight, norm.eps, out_norm.weight if fold else None,
+                                               out_norm.eps, p, add, *blocks)
+        return _attached_like(total, [p, *blocks]), out if fold else out_norm(out)
     if add is not None:
         p = residual_add(p, add)
     else:
@@ -364,6 +372,16 @@ def _fused_add_mix(sources, add) -> bool:
     itself takes k3.ops._attn_res_triton, with the add of the sources' dtype and shape (K3_NO_RESIDUAL_ADD_FOLD:
     never)."""
     return not envs.current().no_residual_add_fold and _kernel_takes([*sources, add], "_attn_res_triton")
+
+
+def _folds_norm(out_norm: RMSNorm, x: torch.Tensor) -> bool:
+    """Whether a training mix that takes its residual add (`_fused_add_mix`) also takes the RMSNorm after it: a
+    plain RMSNorm with a weight over x's width (not a replaced module, not a DTensor's weight), K3_NO_MIX_NORM_FOLD
+    unset."""
+    nw = getattr(out_norm, "weight", None)
+    return (not envs.current().no_mix_norm_fold and type(out_norm) is RMSNorm and isinstance(nw, torch.Tensor)
+            and type(nw) in (torch.Tensor, torch.nn.Parameter) and nw.shape == x.shape[-1:]
+            and nw.device == x.device)
 
 
 def _fused_mix_norm(sources, add, norm, proj, out_norm) -> bool:

@@ -102,9 +102,12 @@ def _add_pairs(a0, a1, b0, b1):
 
 
 @triton.jit
-def _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q, row, R, D, eps, accumulate,
-                 N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One row of _mix_bwd_kernel: its sources' gradients stored, q plus the row's part returned."""
+def _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, nw_ptr, q, dnw, row, R, D, eps,
+                 norm_eps, accumulate, N: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row of _mix_bwd_kernel: its sources' gradients stored, q (and with NORM the norm weight's partial dnw)
+    plus the row's part returned. NORM: g_ptr holds ∂L/∂y of y = RMSNorm_nw(out); out is recomputed from the
+    sources and the softmax weights, rounded to the sources' dtype as the forward rounded it before its norm,
+    and ∂L/∂out = r_n (nw⊙∂L/∂y − x̂ mean(nw⊙∂L/∂y⊙x̂)) with x̂ = r_n out, kept in fp32."""
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     row_ok = row < R
@@ -118,6 +121,15 @@ def _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q, ro
         vs = vs + (tl.load(srcs[i] + offs, mask=mask, other=0.0),)
     for i in tl.static_range(N):
         adds = adds + (tl.load(addends[i] + offs, mask=mask & ((accumulate >> i) & 1 != 0), other=0.0),)
+    if NORM:
+        out = tl.zeros([BLOCK_D], tl.float32)
+        for i in tl.static_range(N):
+            out += tl.exp(tl.load(scores_ptr + i * R + row, mask=row_ok, other=0.0) - lse) * vs[i].to(tl.float32)
+        out = out.to(vs[0].dtype).to(tl.float32)
+        x_hat = out * tl.rsqrt(tl.sum(out * out, axis=0) / D + norm_eps)
+        dnw += g * x_hat
+        g = g * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        g = (g - x_hat * (tl.sum(g * x_hat, axis=0) / D)) * tl.rsqrt(tl.sum(out * out, axis=0) / D + norm_eps)
     das = ()
     coefs = ()
     for i in tl.static_range(N):
@@ -139,12 +151,13 @@ def _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q, ro
         dv = a * g + coef * uw - (coef * s * r / D) * v + adds[i].to(tl.float32)
         tl.store(grads[i] + offs, dv.to(grads[i].dtype.element_ty), mask=mask)
         q += coef * v
-    return q
+    return q, dnw
 
 
 @triton.jit(do_not_specialize=["accumulate"])
-def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q_ptr, R, D, eps, iters, accumulate,
-                    N: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, nw_ptr, q_ptr, R, D, eps, norm_eps,
+                    iters, accumulate, N: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    STAGES: tl.constexpr):
     """Every source's gradient and the q partials, one row a step: program p takes rows p, p + P, p + 2P, ...
     (P programs, each holding one fp32 q partial in registers: P partials, summed by the caller in a fixed
     order). A step issues every load of its row at once (∂L/∂out, each source, each addend: nothing is
@@ -154,23 +167,27 @@ def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q_
     addends[i] is stored (addends[i] is grads[i] itself for an AttnRes block's sum over the mixes that read it,
     or the gradient a residual add left for a partial sum), else the gradient alone; a run-time value, so the
     masks a model uses share one compiled kernel per source count. STAGES: rows in flight a program (1: a row's
-    loads, math and stores in turn)."""
+    loads, math and stores in turn). NORM: g_ptr is the gradient of the mix's RMSNorm (nw_ptr, norm_eps), and
+    each program's partial of the norm weight's gradient goes to row P + p of q_ptr."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     q = tl.zeros([BLOCK_D], tl.float32)
+    dnw = tl.zeros([BLOCK_D], tl.float32)
     if STAGES > 1:  # Triton's pipeliner copies the next row (into shared memory) while this row's math runs
         for it in tl.range(0, iters, num_stages=STAGES):
-            q = _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q, pid + it * nprog, R, D,
-                             eps, accumulate, N, BLOCK_D)
+            q, dnw = _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, nw_ptr, q, dnw,
+                                  pid + it * nprog, R, D, eps, norm_eps, accumulate, N, NORM, BLOCK_D)
     else:  # (a while: the interpreter, which runs the CPU tensors' launches, cannot range over a run-time count)
         it = 0
         while it < iters:
-            q = _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, q, pid + it * nprog, R, D,
-                             eps, accumulate, N, BLOCK_D)
+            q, dnw = _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, nw_ptr, q, dnw,
+                                  pid + it * nprog, R, D, eps, norm_eps, accumulate, N, NORM, BLOCK_D)
             it += 1
     tl.store(q_ptr + pid * D + cols, q, mask=col_ok)
+    if NORM:
+        tl.store(q_ptr + (nprog + pid) * D + cols, dnw, mask=col_ok)
 
 
 # warps per program of the forward and the backward (4: Triton's default; the rows kernel at 4 warps holds a
@@ -211,15 +228,17 @@ def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[tor
 
 
 def mix_add_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[torch.Tensor, ...],
-                    add: torch.Tensor):
+                    add: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None):
     """`mix_forward` of the sources with the last one replaced by `sources[-1] + add` (the residual add before
     a training mix, in the same launch): (out, that sum, scores, lse). The sum is rounded to the sources' dtype
-    before the mix reads it, as the separate add would leave it; `mix_backward` takes it as the last source."""
-    out, scores, lse, total = _forward(u, w, eps, sources, add)
+    before the mix reads it, as the separate add would leave it; `mix_backward` takes it as the last source.
+    norm: (weight [D], eps) of an RMSNorm after the mix: out is then the norm's output (the mix itself is never
+    stored; `mix_backward(norm=...)` recomputes it)."""
+    out, scores, lse, total = _forward(u, w, eps, sources, add, norm)
     return out, total, scores, lse
 
 
-def _forward(u, w, eps, sources, add):
+def _forward(u, w, eps, sources, add, norm=None):
     D = sources[0].shape[-1]
     R = sources[0].numel() // D
     uw = u.float() * w.reshape(-1).float()
@@ -231,17 +250,19 @@ def _forward(u, w, eps, sources, add):
     with on_device(out):
         _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse,
                                                     out if add is None else add, out if total is None else total,
-                                                    uw, R, D, eps, 0.0, N=len(sources), STATS=True,
-                                                    ADD=add is not None, NORM=False,
+                                                    uw if norm is None else norm[0].contiguous(), R, D, eps,
+                                                    0.0 if norm is None else norm[1], N=len(sources), STATS=True,
+                                                    ADD=add is not None, NORM=norm is not None,
                                                     BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS["fwd"])
     return out, scores, lse, total
 
 
-def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
+def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None, norm=None):
     """(∂L/∂u, ∂L/∂w [1, D], ∂L/∂sources) of `mix_forward` given ∂L/∂out. into: per source None (a fresh
     gradient), or (buffer like the source, addend or None): the gradient, plus the addend where there is one
     (the buffer itself: added in place), is written into the buffer, which is that source's entry of the
-    result."""
+    result. norm: the forward's (weight, eps): grad_out is then the norm output's gradient, and the result has
+    a fourth entry, ∂L/∂weight."""
     D = sources[0].shape[-1]
     R = sources[0].numel() // D
     g = grad_out.contiguous()
@@ -251,12 +272,14 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None):
     addends = tuple(dest[1] if dest is not None and dest[1] is not None else grad for dest, grad in zip(into, grads))
     accumulate = sum(1 << i for i, dest in enumerate(into) if dest is not None and dest[1] is not None)
     progs = min(R, _programs(g.device, len(sources)))
-    q = torch.empty(progs, D, dtype=torch.float32, device=g.device)
+    q = torch.empty(2 if norm else 1, progs, D, dtype=torch.float32, device=g.device)
     with on_device(g):
-        _mix_bwd_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse, q, R, D, eps,
-                                  triton.cdiv(R, progs), accumulate, N=len(sources),
-                                  BLOCK_D=triton.next_power_of_2(D), STAGES=BWD_STAGES if g.is_cuda else 1,
-                                  num_warps=NUM_WARPS["bwd"])
-    q = q.sum(0)  # the second stage of q's sum: the programs' partials in a fixed order (no atomics)
-    return (q * w.reshape(-1).float()).to(u.dtype), (q * u.float()).to(w.dtype).reshape(w.shape), grads
+        _mix_bwd_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse,
+                                  uw if norm is None else norm[0].contiguous(), q, R, D, eps,
+                                  0.0 if norm is None else norm[1], triton.cdiv(R, progs), accumulate,
+                                  N=len(sources), NORM=norm is not None, BLOCK_D=triton.next_power_of_2(D),
+                                  STAGES=BWD_STAGES if g.is_cuda else 1, num_warps=NUM_WARPS["bwd"])
+    q = q.sum(1)  # the second stage of the sums: the programs' partials in a fixed order (no atomics)
+    du, dw = (q[0] * w.reshape(-1).float()).to(u.dtype), (q[0] * u.float()).to(w.dtype).reshape(w.shape)
+    return (du, dw, grads) if norm is None else (du, dw, grads, q[1].to(norm[0].dtype))
 
