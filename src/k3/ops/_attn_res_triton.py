@@ -278,7 +278,7 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None, norm=None
                                   uw if norm is None else norm[0].contiguous(), q, R, D, eps,
                                   0.0 if norm is None else norm[1], triton.cdiv(R, progs), accumulate,
                                   N=len(sources), NORM=norm is not None, BLOCK_D=triton.next_power_of_2(D),
-                                  STAGES=BWD_STAGES if g.is_cuda else 1, num_warps=NUM_WARPS["bwd"])
+                                  STAGES=BWD_STAGES if g.device.type != "cpu" else 1, num_warps=NUM_WARPS["bwd"])
     q = q.sum(1)  # the second stage of the sums: the programs' partials in a fixed order (no atomics)
     du, dw = (q[0] * w.reshape(-1).float()).to(u.dtype), (q[0] * u.float()).to(w.dtype).reshape(w.shape)
     return (du, dw, grads) if norm is None else (du, dw, grads, q[1].to(norm[0].dtype))
