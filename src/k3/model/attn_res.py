@@ -288,9 +288,10 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
     p' = p + add (p without add, add where p is None: a fresh block's zeros).
 
     At inference on CUDA one launch does the add, the mix and the norm (k3.ops._attn_res_norm_triton;
-    K3_NO_TRITON=_attn_res_norm_triton turns it off); in training one does the add and the mix
-    (`_AttnResAddMixFused`, where the mix takes k3.ops._attn_res_triton); otherwise the separate ops, each
-    autograd's. The add is always the next mix's (k3.model.decoder leaves each `p + ffn` to it)."""
+    K3_NO_TRITON=_attn_res_norm_triton turns it off); in training one does the add, the mix and the norm, and one
+    their backward (`_AttnResAddMixFused`, where the mix takes k3.ops._attn_res_triton; the norm unless
+    K3_NO_MIX_NORM_FOLD); otherwise the separate ops, each autograd's. The add is always the next mix's
+    (k3.model.decoder leaves each `p + ffn` to it)."""
     if p is None:
         p, add = add, None
     sources = [*blocks, p]
