@@ -73,8 +73,8 @@ def keys_forward(kv3: torch.Tensor, ke2: torch.Tensor, nope: int) -> torch.Tenso
 
 
 def keys_backward(dk3: torch.Tensor, dv3: torch.Tensor, nope: int, ke_dtype: torch.dtype):
-    """(∂L/∂kv [N, H, nope+v] in dk's dtype, ∂L/∂k_extra [N, rope] in ke_dtype), both contiguous, given ∂L/∂k
-    [N, H, nope+rope] and ∂L/∂v [N, H, v] with unit last strides."""
+    """(∂L/∂kv [N, H, nope+v] in dk's dtype, ∂L/∂k_extra [N, rope] in ke_dtype), both contiguous, given
+    ∂L/∂k [N, H, nope+rope] and ∂L/∂v [N, H, v] with unit last strides."""
     N, H, width = dk3.shape
     rope, vd = width - nope, dv3.shape[2]
     d_kv = torch.empty(N, H, nope + vd, dtype=dk3.dtype, device=dk3.device)
