@@ -38,12 +38,14 @@ def mix_rows():
                   "uw_ptr": "*fp32", "scores_ptr": "*fp32", "lse_ptr": "*fp32"}
         warps = _attn_res_triton.NUM_WARPS["bwd"]
         per_sm = _attn_res_triton.BWD_PROGRAMS_PER_SM[n]
-        for stages in (1, 2):
-            new = compile_kernel(_attn_res_triton._mix_bwd_kernel, {**tuples, "q_ptr": "*fp32", "R": "i32", "D": "i32",
-                                                                    "eps": "fp32", "iters": "i32", "accumulate": "i32"},
-                                 warps, N=n, BLOCK_D=triton.next_power_of_2(D), STAGES=stages)
+        for stages, norm in ((1, False), (2, False), (2, True)):
+            sig = {**tuples, "nw_ptr": "*bf16" if norm else "*fp32", "q_ptr": "*fp32", "R": "i32", "D": "i32",
+                   "eps": "fp32", "norm_eps": "fp32", "iters": "i32", "accumulate": "i32"}
+            new = compile_kernel(_attn_res_triton._mix_bwd_kernel, sig, warps, N=n, NORM=norm,
+                                 BLOCK_D=triton.next_power_of_2(D), STAGES=stages)
             # a row of g, the sources and the addends (with 2 stages: the next row's, while this row's math runs)
-            yield f"AttnRes mix bwd, {n} sources", f"{stages} stage(s), asks {per_sm} an SM", warps, new, \
+            yield f"AttnRes mix bwd, {n} sources", (f"{stages} stage(s), asks {per_sm} an SM"
+                                                    + (", the norm folded" if norm else "")), warps, new, \
                 (1 + 2 * n) * D * 2
 
 
