@@ -12,10 +12,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's import
 pytest.importorskip("triton")
 
-from k3 import K3Config, envs  # noqa: E402
-from k3.model.mla import MultiHeadLatentAttention  # noqa: E402
 from k3.ops import mla_keys as keys_mod  # noqa: E402
 from k3.ops.mla_keys import _MlaKeys, mla_keys_reference  # noqa: E402
+
+from mla_kernel_paths import assert_layer_through_kernel_equals_torch_path  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -86,31 +86,4 @@ def test_selector_takes_the_torch_path_off_the_kernel():
 def test_mla_layer_through_the_kernel_equals_its_torch_path(monkeypatch):
     """A tiny MLA layer (float32) with its keys on the kernel (forced on for CPU tensors under the interpreter)
     against the same layer with it off: output, input and every parameter gradient."""
-    real = keys_mod.use_triton
-    monkeypatch.setattr(keys_mod, "use_triton", lambda x, name: real(x, name) or (
-        name == "_mla_keys_triton" and not envs.current().triton_off(name)))
-    cfg = K3Config.preset("tiny")
-    torch.manual_seed(0)
-    layer = MultiHeadLatentAttention(cfg, min(cfg.mla_layer_ids)).to(DEVICE).train()
-    gen = torch.Generator().manual_seed(1)
-    x0 = torch.randn(2, 9, cfg.hidden_size, generator=gen).to(DEVICE)
-    probe = torch.randn(2, 9, cfg.hidden_size, generator=gen).to(DEVICE)
-    calls = []
-    real_apply = _MlaKeys.apply
-    monkeypatch.setattr(_MlaKeys, "apply", lambda *a: calls.append(1) or real_apply(*a))
-
-    def run():
-        layer.zero_grad(set_to_none=True)
-        x = x0.clone().requires_grad_()
-        out = layer(x)
-        (out * probe).sum().backward()
-        return [out, x.grad] + [p.grad for p in layer.parameters()]
-
-    got = run()
-    assert calls  # the kernel ran
-    with envs.override(no_triton=["_mla_keys_triton"]):
-        calls.clear()
-        want = run()
-        assert not calls
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"tensor {i}: {m}")
+    assert_layer_through_kernel_equals_torch_path(monkeypatch, keys_mod, "_mla_keys_triton", _MlaKeys, DEVICE)

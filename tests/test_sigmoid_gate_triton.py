@@ -11,10 +11,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's import
 pytest.importorskip("triton")
 
-from k3 import K3Config, envs  # noqa: E402
-from k3.model.mla import MultiHeadLatentAttention  # noqa: E402
 from k3.ops import sigmoid_gate as gate_mod  # noqa: E402
 from k3.ops.sigmoid_gate import _SigmoidGate, sigmoid_gate_reference  # noqa: E402
+
+from mla_kernel_paths import assert_layer_through_kernel_equals_torch_path  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,31 +57,4 @@ def test_gate_matches_float64_reference(lead, H, V, pad, dtype):
 def test_mla_layer_through_the_kernel_equals_its_torch_path(monkeypatch):
     """A tiny MLA layer (float32) with the gate on the kernel (forced on for CPU tensors under the interpreter)
     against the same layer with it off: output, input and every parameter gradient."""
-    real = gate_mod.use_triton
-    monkeypatch.setattr(gate_mod, "use_triton", lambda x, name: real(x, name) or (
-        name == "_sigmoid_gate_triton" and not envs.current().triton_off(name)))
-    cfg = K3Config.preset("tiny")
-    torch.manual_seed(0)
-    layer = MultiHeadLatentAttention(cfg, min(cfg.mla_layer_ids)).to(DEVICE).train()
-    gen = torch.Generator().manual_seed(1)
-    x0 = torch.randn(2, 9, cfg.hidden_size, generator=gen).to(DEVICE)
-    probe = torch.randn(2, 9, cfg.hidden_size, generator=gen).to(DEVICE)
-    calls = []
-    real_apply = _SigmoidGate.apply
-    monkeypatch.setattr(_SigmoidGate, "apply", lambda *a: calls.append(1) or real_apply(*a))
-
-    def run():
-        layer.zero_grad(set_to_none=True)
-        x = x0.clone().requires_grad_()
-        out = layer(x)
-        (out * probe).sum().backward()
-        return [out, x.grad] + [p.grad for p in layer.parameters()]
-
-    got = run()
-    assert calls  # the kernel ran
-    with envs.override(no_triton=["_sigmoid_gate_triton"]):
-        calls.clear()
-        want = run()
-        assert not calls
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"tensor {i}: {m}")
+    assert_layer_through_kernel_equals_torch_path(monkeypatch, gate_mod, "_sigmoid_gate_triton", _SigmoidGate, DEVICE)
