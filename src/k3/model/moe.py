@@ -11,7 +11,7 @@ from k3.ops.gemv import DecodeLinear, linear_pair, use_gemv_pair
 from k3.ops.grouped_mm import expert_situ_mlp
 from k3.ops.moe_decode import (selected_experts_situ_mlp, selected_experts_tail, use_expert_major,
                                use_selected_experts)
-from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores  # noqa: F401  (route: imported here)
+from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores
 from k3.ops.mx_experts import (packed_expert_situ_mlp, packed_selected_experts_situ_mlp,
                                packed_selected_experts_take, qat_expert_situ_mlp)
 from k3.ops.slot_sum import combine_rows
@@ -88,12 +88,17 @@ class LatentMoE(nn.Module):
         """Sigmoid router in fp32 (fp64 stays fp64). x: [N, D] → [N, E]."""
         return router_scores(x, self.gate.weight)
 
-    def route(self, x: torch.Tensor, logits: torch.Tensor | None = None):
-        """(expert ids [N, k], their weights [N, k], scores [N, E]) of x [N, D] (k3.ops.router.route_tokens; logits:
-        the router's GEMM where the caller made it, `FusedLinears.with_logits`)."""
+    def route(self, x: torch.Tensor):
+        """(expert ids [N, k], their weights [N, k], scores [N, E]) of x [N, D] (k3.ops.router.route_tokens)."""
         g = self.gate
         return route_tokens(x, g.weight, g.e_score_correction_bias, self.top_k, self.renormalize, self.scale,
-                            tickets=g.tickets, logits=logits)
+                            tickets=g.tickets)
+
+    def route_logits(self, logits: torch.Tensor):
+        """`route` from the router's logits x Wᵀ (fp32), where the caller computed them (`FusedLinears.with_logits`)."""
+        scores = torch.sigmoid(logits)
+        g = self.gate
+        return *route(scores, g.e_score_correction_bias, self.top_k, self.renormalize, self.scale), scores
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, routing: tuple | None = None) -> torch.Tensor:
         """x: [B, T, D]; mask: [B, T] bool, False for padding (excluded from balancing statistics); routing: x's
@@ -103,7 +108,7 @@ class LatentMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         if routing is None:  # in training the router's GEMM joins the projections' node (one input gradient)
             logits, (z, *shared_in) = self.in_proj.with_logits(x, self.gate.weight)
-            routing = self.route(x, logits)
+            routing = self.route(x) if logits is None else self.route_logits(logits)
         else:
             z, *shared_in = self.in_proj(x)
         idx, w, scores = routing

@@ -135,16 +135,14 @@ def use_router_kernel(x: torch.Tensor, weight: torch.Tensor, needs_grad: bool) -
 
 
 def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool = True,
-                 scale: float = 1.0, tickets: Callable[[int, torch.device], torch.Tensor] | None = None,
-                 logits: torch.Tensor | None = None):
+                 scale: float = 1.0, tickets: Callable[[int, torch.device], torch.Tensor] | None = None):
     """(idx [N, k] int64, weights [N, k] fp32 (fp64 for fp64 x), scores [N, E]) of x [N, D]: the router whole.
     tickets(N, device): the kernel's int32 workspace of at least N zeros, which it leaves zero (see
-    `k3.ops._router_triton`), asked for only when the kernel runs; a fresh one when None. logits: x Wᵀ where the
-    caller computed it as `router_scores` would (the MoE's training node, `folds_into_projections`)."""
+    `k3.ops._router_triton`), asked for only when the kernel runs; a fresh one when None."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if logits is None and use_router_kernel(x, weight, needs_grad):
+    if use_router_kernel(x, weight, needs_grad):
         return triton_module("_router_triton").route_tokens(
             x, weight, bias, k, renormalize, scale, None if tickets is None else tickets(x.shape[0], x.device))
-    scores = router_scores(x, weight) if logits is None else torch.sigmoid(logits)
+    scores = router_scores(x, weight)
     idx, w = route(scores, bias, k, renormalize, scale)
     return idx, w, scores
