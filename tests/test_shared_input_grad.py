@@ -82,13 +82,9 @@ class _OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: list[str] = []
 
-        self.shapes: list[tuple[str, tuple]] = []  # (op, its output's shape)
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func.overloadpacket.__name__)
-        out = func(*args, **(kwargs or {}))
-        self.shapes.append((self.ops[-1], tuple(out.shape) if isinstance(out, torch.Tensor) else ()))
-        return out
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -140,7 +136,7 @@ def test_autocast_casts_once_and_matches_linear_under_autocast():
 def test_node_returns_contiguous_outputs():
     """Each output is its own contiguous [.., o_i] tensor (the short conv and the split of kv_a rely on it)."""
     x = torch.randn(3, 5, 8, requires_grad=True)
-    ys = _SharedInputProjections.apply(x, None, torch.randn(4, 8), torch.randn(7, 8))[1:]
+    ys = _SharedInputProjections.apply(x, torch.randn(4, 8), torch.randn(7, 8))
     assert [tuple(y.shape) for y in ys] == [(3, 5, 4), (3, 5, 7)] and all(y.is_contiguous() for y in ys)
 
 
@@ -186,61 +182,3 @@ def test_tiny_model_parameter_gradients_equal_the_unshared_path():
 
     got, want = both_paths(run)
     assert_close_lists(got, want, tol=1e-10)
-
-
-def test_moe_router_gradient_joins_the_node():
-    """In a MoE's backward the router's ∂L/∂x adds into the projections' buffer too: its four readers of x (router,
-    latent down projection, shared gate and up) give one mm and three in-place addmm; autograd's path (the
-    control) adds their four gradients pairwise, three adds of [N, D] more."""
-    model = tiny_model(2)
-    moe = model.model.layers[2].block_sparse_moe
-    x = torch.randn(2, 7, model.config.hidden_size, dtype=torch.float64, requires_grad=True)
-    counts = {}
-    for shared in (True, False):
-        with envs.override(no_shared_input_grad=not shared):
-            out = moe(x)
-            counter = _OpCounter()
-            with counter:
-                torch.autograd.grad(out.square().sum(), [x, moe.gate.weight])
-        wide = [op for op, shape in counter.shapes if shape == (14, x.shape[-1])]
-        counts[shared] = (wide.count("addmm_"), wide.count("add") + wide.count("add_"))
-    assert counts[True][0] == 3 and counts[False][0] == 0, counts
-    assert counts[False][1] == counts[True][1] + 3, counts
-
-
-def test_moe_in_bf16_takes_the_router_node_formulas():
-    """bf16 weights and input: the folded router (its gradient rounded to bf16, ∂L/∂W accumulated in fp32) against
-    the router's own path, output and every gradient at bf16 tolerance; the scores the balancer reads, bitwise."""
-    model = tiny_model(3).to(torch.bfloat16)
-    moe = model.model.layers[2].block_sparse_moe
-    gen = torch.Generator().manual_seed(8)
-    x0 = torch.randn(2, 9, model.config.hidden_size, generator=gen).bfloat16()
-    probe = torch.randn(2, 9, model.config.hidden_size, generator=gen).bfloat16()
-
-    def run():
-        moe.zero_grad(set_to_none=True)
-        x = x0.clone().requires_grad_()
-        out = moe(x)
-        (out.float() * probe.float()).sum().backward()
-        return [moe.last_scores, out, x.grad] + [p.grad for p in moe.parameters()]
-
-    got, want = both_paths(run)
-    assert got[-len(list(moe.parameters())):][0] is not None
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
-    assert_close_lists(got[1:], want[1:], tol=3e-2)
-
-
-def test_cpu_autocast_keeps_the_router_on_fp32_input():
-    """Under CPU autocast the router reads fp32 x (k3.ops.router: CPU autocast's bf16 is not its GEMM), so it stays
-    out of the node, whose x is cast once to bf16: the scores equal the unshared path's bitwise."""
-    model = tiny_model(4).float()
-    moe = model.model.layers[2].block_sparse_moe
-    x0 = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(9))
-
-    def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            moe(x0.clone().requires_grad_())
-        return moe.last_scores
-
-    got, want = both_paths(run)
-    assert got.dtype == torch.float32 and torch.equal(got, want)

@@ -11,7 +11,7 @@ from k3.ops.gemv import DecodeLinear, linear_pair, use_gemv_pair
 from k3.ops.grouped_mm import expert_situ_mlp
 from k3.ops.moe_decode import (selected_experts_situ_mlp, selected_experts_tail, use_expert_major,
                                use_selected_experts)
-from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores
+from k3.ops.router import KERNEL_MAX_ROWS, route, route_tokens, router_scores  # noqa: F401  (route: imported here)
 from k3.ops.mx_experts import (packed_expert_situ_mlp, packed_selected_experts_situ_mlp,
                                packed_selected_experts_take, qat_expert_situ_mlp)
 from k3.ops.slot_sum import combine_rows
@@ -94,27 +94,17 @@ class LatentMoE(nn.Module):
         return route_tokens(x, g.weight, g.e_score_correction_bias, self.top_k, self.renormalize, self.scale,
                             tickets=g.tickets)
 
-    def route_logits(self, logits: torch.Tensor):
-        """`route` from the router's logits x Wᵀ (fp32), where the caller computed them (`FusedLinears.with_logits`)."""
-        scores = torch.sigmoid(logits)
-        g = self.gate
-        return *route(scores, g.e_score_correction_bias, self.top_k, self.renormalize, self.scale), scores
-
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, routing: tuple | None = None) -> torch.Tensor:
         """x: [B, T, D]; mask: [B, T] bool, False for padding (excluded from balancing statistics); routing: x's
         (idx, weights, scores) as `route` gives them, where the caller has them already (decode's AttnRes mix,
         k3.model.attn_res.attn_res_mix_norm_route)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if routing is None:  # in training the router's GEMM joins the projections' node (one input gradient)
-            logits, (z, *shared_in) = self.in_proj.with_logits(x, self.gate.weight)
-            routing = self.route(x) if logits is None else self.route_logits(logits)
-        else:
-            z, *shared_in = self.in_proj(x)
-        idx, w, scores = routing
+        idx, w, scores = self.route(x) if routing is None else routing
         if self.training:
             self.last_scores = scores.detach()
             self.last_mask = None if mask is None else mask.reshape(-1)
+        z, *shared_in = self.in_proj(x)
         shared = self.shared_experts
         # (expert parallelism replaces the seam on the instance; a bound method's __func__ is not what
         # torch.compile traces it to be)

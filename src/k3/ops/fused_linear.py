@@ -24,7 +24,6 @@ from torch import nn
 
 from k3 import envs
 from k3.ops.gemv import linear
-from k3.ops.router import folds_into_projections, mm_fp32
 
 
 class DerivedWeight:
@@ -111,30 +110,12 @@ class FusedLinears(DerivedWeight):
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         weights = [lin.weight for lin in self.linears]
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
-        if needs_grad and self._shares_input(x, weights):
+        if needs_grad and not envs.current().no_shared_input_grad and _plain_tensors(x, *weights):
             return shared_input_projections(x, weights)
         if self.weight is None or needs_grad:
             return [lin(x) for lin in self.linears]
         sizes = [w.shape[0] for w in weights]
         return list(linear(x, self.current())[..., :sum(sizes)].split(sizes, dim=-1))
-
-    def with_logits(self, x: torch.Tensor, router_weight: torch.Tensor
-                    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-        """(x Wᵀ of a router's weight [E, D], accumulated in fp32, and the projections) where training's shared node
-        runs and can take the router's GEMM as `router_scores` computes it (k3.ops.router.folds_into_projections):
-        its ∂L/∂x then adds into the same buffer, where a router node of its own would leave autograd one more add
-        of [N, D] a MoE layer. Elsewhere (None, the projections)."""
-        weights = [lin.weight for lin in self.linears]
-        if (torch.is_grad_enabled() and (x.requires_grad or router_weight.requires_grad
-                                         or any(w.requires_grad for w in weights))
-                and self._shares_input(x, [router_weight, *weights]) and folds_into_projections(x)):
-            logits, *outs = shared_input_projections(x, weights, router_weight)
-            return logits, outs
-        return None, self(x)
-
-    @staticmethod
-    def _shares_input(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
-        return not envs.current().no_shared_input_grad and _plain_tensors(x, *weights)
 
 
 def joined_columns(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -162,62 +143,41 @@ def _plain_tensors(*tensors: torch.Tensor) -> bool:
     return all(type(t) is torch.Tensor or type(t) is nn.Parameter for t in tensors)
 
 
-def shared_input_projections(x: torch.Tensor, weights: list[torch.Tensor],
-                             router_weight: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """`[F.linear(x, w) for w in weights]` with one accumulated ∂L/∂x (`_SharedInputProjections`), preceded by a
-    router's logits where `router_weight` is given (see `FusedLinears.with_logits`). Autocast is applied here, as
-    F.linear would: x and the weights are cast to its dtype once, outside the node (the router's weight inside it,
-    its gradient computed in fp32 for its own dtype, as k3.ops.router's node does)."""
+def shared_input_projections(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`[F.linear(x, w) for w in weights]` with one accumulated ∂L/∂x (`_SharedInputProjections`). Autocast is
+    applied here, as F.linear would: x and the weights are cast to its dtype once, outside the node."""
     device = x.device.type
     if torch.is_autocast_enabled(device) and x.is_floating_point():
         dtype = torch.get_autocast_dtype(device)
         x, weights = x.to(dtype), [w.to(dtype) for w in weights]
     with torch.autocast(device, enabled=False):
-        outs = _SharedInputProjections.apply(x, router_weight, *weights)
-    return list(outs) if router_weight is not None else list(outs[1:])
+        return list(_SharedInputProjections.apply(x, *weights))
 
 
 class _SharedInputProjections(torch.autograd.Function):
     """Forward: one GEMM per weight (outputs contiguous, as nn.Linear's). Backward: ∂L/∂W_i = g_iᵀ x each;
-    ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing it and the others adding into it.
-    An optional router weight W_r comes first (None: its output is None): logits x W_rᵀ accumulated and kept in
-    fp32 (k3.ops.router.mm_fp32), backward as k3.ops.router's own node: g rounded to x's dtype,
-    ∂L/∂x += g W_r, ∂L/∂W_r = gᵀ x accumulated in fp32 and cast to W_r's dtype."""
+    ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing it and the others adding into it."""
 
     @staticmethod
-    def forward(ctx, x, router_weight, *weights):
+    def forward(ctx, x, *weights):
         ctx.set_materialize_grads(False)  # an unused output brings no gradient, not a zero tensor
-        wr = None if router_weight is None else router_weight.to(x.dtype)
-        ctx.save_for_backward(x, wr, *weights)
-        ctx.router_dtype = None if router_weight is None else router_weight.dtype
-        logits = None if wr is None else mm_fp32(x.reshape(-1, x.shape[-1]), wr.t()).view(*x.shape[:-1], -1)
-        return (logits, *(F.linear(x, w) for w in weights))
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w) for w in weights)
 
     @staticmethod
-    def backward(ctx, g_logits, *grads):
-        x, wr, *weights = ctx.saved_tensors
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
-        dx = None
-
-        def add_to_dx(g2, w):
-            nonlocal dx
-            if ctx.needs_input_grad[0]:
-                dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)
-
-        d_wr = None
-        if g_logits is not None:  # the router's first, its gradient rounded to x's dtype (an [N, E] cast)
-            g2 = g_logits.reshape(-1, g_logits.shape[-1]).to(x.dtype)
-            add_to_dx(g2, wr)
-            d_wr = mm_fp32(g2.t(), x2).to(ctx.router_dtype) if ctx.needs_input_grad[1] else None
-        dws = []
-        for g, w, needs_dw in zip(grads, weights, ctx.needs_input_grad[2:]):
+        dx, dws = None, []
+        for g, w, needs_dw in zip(grads, weights, ctx.needs_input_grad[1:]):
             if g is None:
                 dws.append(None)
                 continue
             g2 = g.reshape(-1, g.shape[-1])
-            add_to_dx(g2, w)
+            if ctx.needs_input_grad[0]:
+                dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)
             dws.append(g2.t().mm(x2) if needs_dw else None)
-        return (None if dx is None else dx.view(x.shape)), d_wr, *dws
+        return (None if dx is None else dx.view(x.shape)), *dws
 
 
 def fuse_projections(model: nn.Module) -> None:

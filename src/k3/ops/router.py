@@ -73,33 +73,23 @@ class _LowPrecisionRouterLogits(torch.autograd.Function):
         w = weight.to(x.dtype)  # under autocast: fp32 master weights meet bf16 activations ([E, D], small)
         ctx.save_for_backward(x, w)
         ctx.weight_dtype = weight.dtype
-        return mm_fp32(x, w.t())
+        return _mm_fp32(x, w.t())
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         g = grad.to(x.dtype)
         grad_x = torch.mm(g, w) if ctx.needs_input_grad[0] else None
-        grad_w = mm_fp32(g.t(), x).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        grad_w = _mm_fp32(g.t(), x).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
 
 
-def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b accumulated and returned in fp32 (fp64 stays fp64). For bf16/fp16 a, b CUDA has `mm(out_dtype=)`;
-    elsewhere (the CPU tests of the backward's formulas) the same values through fp32 copies."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and returned in fp32 for bf16/fp16 a, b. CUDA has `mm(out_dtype=)`; elsewhere (the
+    CPU tests of the backward's formulas) the same values through fp32 copies."""
+    if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
-    dt = torch.float64 if a.dtype == torch.float64 else torch.float32
-    return a.to(dt) @ b.to(dt)
-
-
-def folds_into_projections(x: torch.Tensor) -> bool:
-    """Whether the router's GEMM of x may run in the MoE's shared-input training node (k3.ops.fused_linear
-    `FusedLinears.with_logits`): where that node reads x as `router_scores` would, its own dtype or CUDA autocast's
-    (not CPU autocast's bf16, which the router does not take), and K3_ROUTER_FP32 does not ask for fp32 copies."""
-    if envs.current().router_fp32:
-        return False
-    return low_precision_gemm_dtype(x) is not None or not torch.is_autocast_enabled(x.device.type)
+    return a.float() @ b.float()
 
 
 def low_precision_gemm_dtype(x: torch.Tensor) -> torch.dtype | None:
