@@ -1,6 +1,6 @@
 """MLA's per-head keys and values from kv_b_proj's output (SPEC §3.3: no positional encoding, so the rope-width
 part k_extra is one row shared by every head): k = [k_nope, k_extra] per head, v a view. The torch reference and
-the one-pass Triton kernels (k3.ops._mla_keys_triton; opt-in until a GPU run times it: K3_TRITON=_mla_keys_triton).
+the one-pass Triton kernels (k3.ops._mla_keys_triton; K3_NO_TRITON=_mla_keys_triton turns them off).
 
 Backward: ∂L/∂kv = [∂L/∂k_nope, ∂L/∂v] per head; ∂L/∂k_extra = Σ_heads ∂L/∂k[..., nope:].
 """

@@ -1,5 +1,5 @@
 """MLA's gated output `o ⊙ σ(gate)` (SPEC §3.3) flattened over the heads: the torch reference and the one-pass
-Triton kernels (k3.ops._sigmoid_gate_triton; opt-in until a GPU run times it: K3_TRITON=_sigmoid_gate_triton).
+Triton kernels (k3.ops._sigmoid_gate_triton; K3_NO_TRITON=_sigmoid_gate_triton turns them off).
 
 With s = σ(gate): out = o·s; ∂L/∂o = ∂L/∂out·s; ∂L/∂gate = ∂L/∂out·o·s(1 − s).
 """

@@ -49,7 +49,10 @@ from k3.ops.lazy_dynamo import assume_constant_result
 # _attn_res_route_triton (a MoE layer's second mix and its router in one launch, session 31) left it in session 32
 # (H100: CUDA tests passed; the graphed batch-1 step of `small` 1.23 -> 1.13 ms at 4K context, batch 8 2.09 -> 2.07,
 # batch 64 3.47 -> 3.49, bench_gpu_decode.py --opt-in, same call).
-OPT_IN = frozenset({"_mla_decode_triton", "_mla_keys_triton", "_sigmoid_gate_triton"})
+# MLA's output gate (_sigmoid_gate_triton) and keys (_mla_keys_triton) left it in session 41 (H100: CUDA tests
+# passed; the `small` step at 8 x 4096, documents of 512, 348, 350 -> 345, 347 ms with both, bench_gpu_train.py,
+# same call; each 0.11 against ~0.30 ms forward at 8 x 4096, bench_gpu_kernels.py --only MLA).
+OPT_IN = frozenset({"_mla_decode_triton"})
 
 
 _modules: dict[str, ModuleType | None] = {}
