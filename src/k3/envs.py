@@ -11,9 +11,9 @@
   instead of recomputing them there; "0" recomputes them (the gate cumsum, the w/u kernel and the chunk-state pass
   run again). Keeping costs 0.84 GiB a KDA layer at small's 8 x 4096 (10 GiB for its 12); on by default since an
   H200 step timed it (with K3_KDA_BWD=wy: 345 ms against 359-388 at 8 x 4096, 417 against 434-437 at 2 x 16384).
-  On an H100's 80 GB it fits at 8 x 4096 since the short conv recomputes its pre-activation (76.4 GiB peak), not at
-  2 x 16384; so near the card's memory its step time varies (343-388 ms over four runs against 355-356 recomputing,
-  session 40): keep "0" there for timings.
+  On an H100's 80 GB it fits at 8 x 4096 and 2 x 16384 since the AttnRes mixes take their norm (73.7-73.8 GiB peak;
+  session 41 with documents of 512: 338, 339 and 340, 341 ms, steady, against 347-350 recomputing); at session 40's
+  76.4 GiB its step time varied (343-388 ms over four runs).
 - K3_KDA_BWD: which stages of fla's KDA chunk backward run k3's Triton kernels (k3.ops.kda_fla_backend, registered
   with fla's backend dispatcher): "wy" (default, or unset) chunk_kda_bwd_wy_dqkg_fused alone, "k3" it and
   chunk_kda_bwd_intra, "intra" that one alone, "fla" none. On an H200 at small's 8 x 4096 the WY stage takes
