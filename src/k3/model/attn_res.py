@@ -270,15 +270,16 @@ class _AttnResAddMixFused(torch.autograd.Function):
         sinks = ctx.sinks or (None,) * (len(sources) - 1)
         into = [None if sink is None else sink[0].buffer(sink[1], v) for sink, v in zip(sinks, sources)]
         into.append(None if grad_total is None else (torch.empty_like(sources[-1]), grad_total.contiguous()))
-        du, dw, grads, *d_nw = triton_module("_attn_res_triton").mix_backward(
+        du, dw, grads, *normed = triton_module("_attn_res_triton").mix_backward(
             grad_out, u, w, ctx.eps, tuple(sources), scores, lse, into=into,
             norm=None if nw is None else (nw, ctx.norm))
+        d_nw = normed[0] if normed else None
         d_total = grads[-1]
         d_p = d_total
         if ctx.p_sink is not None:
             ctx.p_sink[0].deposit(ctx.p_sink[1], d_total)
             d_p = None
-        return (du, dw, None, (d_nw or [None])[0], None, d_p, d_total,
+        return (du, dw, None, d_nw, None, d_p, d_total,
                 *(g if dest is None else None for g, dest in zip(grads, into[:-1])))
 
 
@@ -380,9 +381,8 @@ def _folds_norm(out_norm: RMSNorm, x: torch.Tensor) -> bool:
     plain RMSNorm with a weight over x's width (not a replaced module, not a DTensor's weight), K3_NO_MIX_NORM_FOLD
     unset."""
     nw = getattr(out_norm, "weight", None)
-    return (not envs.current().no_mix_norm_fold and type(out_norm) is RMSNorm and isinstance(nw, torch.Tensor)
-            and type(nw) in (torch.Tensor, torch.nn.Parameter) and nw.shape == x.shape[-1:]
-            and nw.device == x.device)
+    return (not envs.current().no_mix_norm_fold and type(out_norm) is RMSNorm
+            and type(nw) in (torch.Tensor, torch.nn.Parameter) and nw.shape == x.shape[-1:] and nw.device == x.device)
 
 
 def _fused_mix_norm(sources, add, norm, proj, out_norm) -> bool:

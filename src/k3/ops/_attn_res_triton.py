@@ -12,7 +12,9 @@ and the addend read: (1 + 3n) · rows · D · 2 bytes in bf16 (1.16 GB, ~260 µs
 of 3.5 sources at 8 × 4096 tokens; on an H200, session 14: 268 µs at 2 sources against a 171 µs floor, 694 at 5
 against 390, where the tiles kernel it replaced took 339 and 915: benchmarks/bench_gpu_kernels.py --backwards).
 Formulas: k3.model.attn_res. The forward kernel also takes the residual add before the mix (ADD: training's
-`mix_add_forward`, and inference's mix with the norm after it, k3.ops._attn_res_norm_triton).
+`mix_add_forward`, and inference's mix with the norm after it, k3.ops._attn_res_norm_triton), and the RMSNorm after
+it (NORM: inference's, and training's `mix_add_forward(norm=)`, whose backward, `mix_backward(norm=)`, recomputes the
+mix from the sources it reads anyway and takes the norm's backward in the same pass).
 """
 import torch
 import triton
@@ -126,10 +128,11 @@ def _mix_bwd_row(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, nw_pt
         for i in tl.static_range(N):
             out += tl.exp(tl.load(scores_ptr + i * R + row, mask=row_ok, other=0.0) - lse) * vs[i].to(tl.float32)
         out = out.to(vs[0].dtype).to(tl.float32)
-        x_hat = out * tl.rsqrt(tl.sum(out * out, axis=0) / D + norm_eps)
+        r_n = tl.rsqrt(tl.sum(out * out, axis=0) / D + norm_eps)
+        x_hat = out * r_n
         dnw += g * x_hat
         g = g * tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        g = (g - x_hat * (tl.sum(g * x_hat, axis=0) / D)) * tl.rsqrt(tl.sum(out * out, axis=0) / D + norm_eps)
+        g = (g - x_hat * (tl.sum(g * x_hat, axis=0) / D)) * r_n
     das = ()
     coefs = ()
     for i in tl.static_range(N):
@@ -272,7 +275,7 @@ def mix_backward(grad_out, u, w, eps, sources, scores, lse, into=None, norm=None
     addends = tuple(dest[1] if dest is not None and dest[1] is not None else grad for dest, grad in zip(into, grads))
     accumulate = sum(1 << i for i, dest in enumerate(into) if dest is not None and dest[1] is not None)
     progs = min(R, _programs(g.device, len(sources)))
-    q = torch.empty(2 if norm else 1, progs, D, dtype=torch.float32, device=g.device)
+    q = torch.empty(1 if norm is None else 2, progs, D, dtype=torch.float32, device=g.device)
     with on_device(g):
         _mix_bwd_kernel[(progs,)](tuple(sources), grads, addends, g, uw, scores, lse,
                                   uw if norm is None else norm[0].contiguous(), q, R, D, eps,
