@@ -63,20 +63,20 @@ def test_fused_mix_backward_with_several_rows_per_program(monkeypatch, dtype):
         assert err < tol, f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("n,B,T,D,dtype,sum_read_on", [
-    (1, 2, 3, 64, torch.float32, False),  # the partial sum alone
-    (3, 2, 5, 96, torch.float32, True),  # D not a power of two
-    (4, 1, 19, 200, torch.float32, True),  # rows not a multiple of the tile
-    (3, 3, 11, 128, torch.bfloat16, True),
-    (2, 1, 1, 1536, torch.bfloat16, False),
+@pytest.mark.parametrize("n,B,T,D,dtype,sum_read_on,nw_dtype", [
+    (1, 2, 3, 64, torch.float32, False, torch.float32),  # the partial sum alone
+    (3, 2, 5, 96, torch.float32, True, torch.float32),  # D not a power of two
+    (4, 1, 19, 200, torch.float32, True, torch.float32),  # rows not a multiple of the tile
+    (3, 3, 11, 128, torch.bfloat16, True, torch.float32),  # fp32 norm weight (autocast's master weights)
+    (2, 1, 1, 1536, torch.bfloat16, False, torch.bfloat16),  # bf16 norm weight (bf16 parameters)
 ])
 @pytest.mark.parametrize("normed", [False, True])
-def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dtype, sum_read_on, normed):
+def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dtype, sum_read_on, nw_dtype, normed):
     """_AttnResAddMixFused (p + x added in the mix's forward launch) against the float64 reference: the add, then
-    the SPEC mix over [*blocks, p + x] by plain autograd (normed: then an RMSNorm, its weight in the sources'
-    dtype, as the fold takes it into both launches). The output, the sum, and ∂L/∂u, ∂L/∂w, ∂L/∂p, ∂L/∂x, every
-    block's gradient (and the norm weight's); sum_read_on: the sum also has a reader of its own (a gradient for
-    it arrives, which the backward's kernel adds to the mix's part)."""
+    the SPEC mix over [*blocks, p + x] by plain autograd (normed: then an RMSNorm with a weight of nw_dtype, as the
+    fold takes it into both launches). The output, the sum, and ∂L/∂u, ∂L/∂w, ∂L/∂p, ∂L/∂x, every block's
+    gradient (and the norm weight's, in its dtype); sum_read_on: the sum also has a reader of its own (a gradient
+    for it arrives, which the backward's kernel adds to the mix's part)."""
     from k3.model.attn_res import _AttnResAddMixFused
     from k3.ops.norm import rms_norm_reference
 
@@ -100,7 +100,8 @@ def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dt
                             [g_out] + ([g_sum] if sum_read_on else []))
     want = [want_out, total] + [t.grad for t in ref[:-1]] + ([ref[-1].grad] if normed else [])
 
-    got_in = leaves([u, w], torch.float32, DEVICE) + leaves([p, x, *blocks, nw], dtype, DEVICE)
+    got_in = leaves([u, w], torch.float32, DEVICE) + leaves([p, x, *blocks], dtype, DEVICE) + leaves([nw], nw_dtype,
+                                                                                                     DEVICE)
     out, got_total = _AttnResAddMixFused.apply(*got_in[:2], 1e-5, got_in[-1] if normed else None, 1e-6,
                                                *got_in[2:-1])
     assert out.dtype == got_total.dtype == dtype
@@ -111,8 +112,8 @@ def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dt
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     names = ["out", "p + x", "du", "dw", "dp", "dx"] + [f"d_block{i}" for i in range(n - 1)] + ["d_nw"] * normed
     for name, a, b in zip(names, got, want, strict=True):
-        assert a.shape == b.shape and a.dtype == (dtype if name in ("out", "p + x", "dp", "dx", "d_nw")
-                                                  or name.startswith("d_block") else torch.float32), name
+        want_dtype = {"du": torch.float32, "dw": torch.float32, "d_nw": nw_dtype}.get(name, dtype)
+        assert a.shape == b.shape and a.dtype == want_dtype, name
         err = (a.double().cpu() - b).norm() / b.norm().clamp_min(1e-6)
         assert err < tol, f"{name}: relative error {err:.2e}"
     torch.testing.assert_close(got[4], got[5], rtol=0, atol=0)  # p's and x's: the sum's gradient, both
