@@ -17,7 +17,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def run(fn, u, w, sources, grad):
     leaves = [t.detach().clone().requires_grad_() for t in [u, w, *sources]]
-    out = fn.apply(leaves[0], leaves[1], 1e-5, *leaves[2:])
+    extra = (None, 0.0) if fn is _AttnResMixFused else ()  # (the fused Function's norm weight and eps: no norm)
+    out = fn.apply(leaves[0], leaves[1], 1e-5, *extra, *leaves[2:])
     out.backward(grad)
     return [out] + [t.grad for t in leaves]
 
@@ -40,6 +41,37 @@ def test_fused_mix_matches_reference(n, B, T, D, dtype):
     for name, a, b in zip(["out", "du", "dw"] + [f"d_source{i}" for i in range(n)], got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         err = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-6)
+        assert err < tol, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("n,R,D,dtype,nw_dtype", [
+    (2, 13, 96, torch.float32, torch.float32),
+    (4, 7, 200, torch.bfloat16, torch.float32),  # fp32 norm weight over bf16 sources (autocast's master weights)
+    (3, 1, 1536, torch.bfloat16, torch.bfloat16),
+])
+def test_fused_mix_with_its_norm_matches_the_float64_reference(n, R, D, dtype, nw_dtype):
+    """_AttnResMixFused with a norm weight (a block-start mix without an add, as `attn_res_mix(out_norm=)` takes
+    it) against the float64 mix then RMSNorm by autograd: output, ∂L/∂u, ∂L/∂w, each source's and the norm
+    weight's gradient."""
+    from k3.ops.norm import rms_norm_reference
+
+    gen = torch.Generator().manual_seed(40 * n + D)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    sources = [r(1, R, D) * (i + 1) for i in range(n)]
+    u, w = torch.rand(D, generator=gen, dtype=torch.float64) + 0.5, r(1, D) * 0.5
+    nw, g = torch.rand(D, generator=gen, dtype=torch.float64) + 0.5, r(1, R, D)
+    ref = [t.detach().clone().requires_grad_() for t in [u, w, nw, *sources]]
+    want_out = rms_norm_reference(_AttnResMix.apply(ref[0], ref[1], 1e-5, *ref[3:]), ref[2], 1e-6)
+    want_out.backward(g)
+    got_in = [t.detach().to(DEVICE, dt, copy=True).requires_grad_()
+              for t, dt in zip([u, w, nw, *sources], [torch.float32, torch.float32, nw_dtype] + [dtype] * n)]
+    out = _AttnResMixFused.apply(got_in[0], got_in[1], 1e-5, got_in[2], 1e-6, *got_in[3:])
+    out.backward(g.to(DEVICE, dtype))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # (bf16: the sources' gradients pass the norm's difference term)
+    names = ["out", "du", "dw", "d_nw"] + [f"d_source{i}" for i in range(n)]
+    for name, a, b in zip(names, [out] + [t.grad for t in got_in], [want_out] + [t.grad for t in ref], strict=True):
+        assert a.dtype == {"du": torch.float32, "dw": torch.float32, "d_nw": nw_dtype}.get(name, dtype), name
+        err = (a.double().cpu() - b).norm() / b.norm().clamp_min(1e-6)
         assert err < tol, f"{name}: relative error {err:.2e}"
 
 

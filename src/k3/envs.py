@@ -33,8 +33,8 @@
 - K3_NO_RESIDUAL_ADD_FOLD: "1" keeps each residual add before a training AttnRes mix as its own op, instead of in
   the mix kernel's forward launch (k3.model.attn_res._AttnResAddMixFused); for timing the fold against it.
 - K3_NO_MIX_NORM_FOLD: "1" keeps the RMSNorm after a training AttnRes mix as its own op (a pass each way over
-  the mix's output), instead of in the mix kernels (k3.model.attn_res._AttnResAddMixFused: the forward writes the
-  norm's output only, the backward recomputes the mix); for timing the fold against it.
+  the mix's output), instead of in the mix kernels (k3.model.attn_res: the forward writes the norm's output only,
+  the backward recomputes the mix); for timing the fold against it.
 - K3_PDL: "1" launches decode's Triton kernels with programmatic dependent launch (Hopper and later: each may start
   while the kernel before it runs, prefetching its weights into L2, and waits for it before reading anything;
   k3.ops._pdl_triton). Off by default: slower on an H200 (session 29, `bench_gpu_decode.py --pdl`, small's graphed

@@ -9,18 +9,25 @@ from k3.ops.norm import rms_norm
 from k3.ops.triton_dispatch import call_op, triton_module, use_triton, use_triton_op
 
 
-def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Linear) -> torch.Tensor:
+def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: torch.nn.Linear,
+                 out_norm: RMSNorm | None = None) -> torch.Tensor:
     """`out = Σ_i softmax_i(⟨RMSNorm_u(v_i), w⟩) · v_i` in fp32 over sources v_i: [B, T, D] each.
 
     `norm` holds the key norm weight u, `proj` the pseudo-query w as a [1, D] weight. For backward only the
     sources themselves and two [n, B, T] statistics are kept (not fp32 copies of the [n, B, T, D] stack).
+    out_norm: an RMSNorm after the mix, out_norm(out) returned; in the kernels' launches where they run and take
+    it (`_folds_norm`: the mix itself is then never stored).
     """
     if _kernel_takes(sources, "_attn_res_triton"):
-        return _AttnResMixFused.apply(norm.weight, proj.weight, norm.eps, *sources)
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in [*sources, norm.weight, proj.weight])):
+        if out_norm is not None and _folds_norm(out_norm, sources[-1]):
+            return _AttnResMixFused.apply(norm.weight, proj.weight, norm.eps, out_norm.weight, out_norm.eps, *sources)
+        out = _AttnResMixFused.apply(norm.weight, proj.weight, norm.eps, None, 0.0, *sources)
+    elif not (torch.is_grad_enabled() and any(t.requires_grad for t in [*sources, norm.weight, proj.weight])):
         # inference: the forward alone (Dynamo mis-binds a Function's *sources when no gradient is recorded)
-        return _mix_forward(norm.weight, proj.weight, norm.eps, sources)[0]
-    return _AttnResMix.apply(norm.weight, proj.weight, norm.eps, *sources)
+        out = _mix_forward(norm.weight, proj.weight, norm.eps, sources)[0]
+    else:
+        out = _AttnResMix.apply(norm.weight, proj.weight, norm.eps, *sources)
+    return out if out_norm is None else out_norm(out)
 
 
 class BlockGrads:
@@ -216,27 +223,30 @@ class _AttnResMix(torch.autograd.Function):
 
 class _AttnResMixFused(torch.autograd.Function):
     """`_AttnResMix` through k3.ops._attn_res_triton: one read of each source forward, two backward. Keeps the
-    sources, the scores and one log-sum-exp per row."""
+    sources, the scores and one log-sum-exp per row. With a norm weight nw (not None) it returns RMSNorm_nw(mix)
+    (eps neps) instead, the norm in the same launches (as `_AttnResAddMixFused`'s)."""
 
     @staticmethod
-    def forward(ctx, u, w, eps, *sources):
+    def forward(ctx, u, w, eps, nw, neps, *sources):
         kernels = triton_module("_attn_res_triton")
-        ctx.eps, ctx.sinks = eps, _sinks(sources)
+        ctx.eps, ctx.sinks, ctx.norm = eps, _sinks(sources), None if nw is None else neps
         sources = tuple(s.contiguous() for s in sources)
-        out, scores, lse = kernels.mix_forward(u, w, eps, sources)
-        ctx.save_for_backward(u, w, scores, lse, *sources)
+        out, scores, lse = kernels.mix_forward(u, w, eps, sources, norm=None if nw is None else (nw, neps))
+        ctx.save_for_backward(u, w, nw, scores, lse, *sources)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        u, w, scores, lse, *sources = ctx.saved_tensors
+        u, w, nw, scores, lse, *sources = ctx.saved_tensors
         # a block's gradient is added by the kernel into its BlockGrads buffer (written by the first mix)
         sinks = ctx.sinks or (None,) * len(sources)
         into = [None if sink is None else sink[0].buffer(sink[1], v) for sink, v in zip(sinks, sources)]
-        du, dw, grads = triton_module("_attn_res_triton").mix_backward(grad_out, u, w, ctx.eps, tuple(sources),
-                                                                      scores, lse, into=into)
-        return du, dw, None, *(g if dest is None else None for g, dest in zip(grads, into))
+        du, dw, grads, *normed = triton_module("_attn_res_triton").mix_backward(
+            grad_out, u, w, ctx.eps, tuple(sources), scores, lse, into=into,
+            norm=None if nw is None else (nw, ctx.norm))
+        d_nw = normed[0] if normed else None
+        return du, dw, None, d_nw, None, *(g if dest is None else None for g, dest in zip(grads, into))
 
 
 class _AttnResAddMixFused(torch.autograd.Function):
@@ -289,10 +299,10 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
     p' = p + add (p without add, add where p is None: a fresh block's zeros).
 
     At inference on CUDA one launch does the add, the mix and the norm (k3.ops._attn_res_norm_triton;
-    K3_NO_TRITON=_attn_res_norm_triton turns it off); in training one does the add, the mix and the norm, and one
-    their backward (`_AttnResAddMixFused`, where the mix takes k3.ops._attn_res_triton; the norm unless
-    K3_NO_MIX_NORM_FOLD); otherwise the separate ops, each autograd's. The add is always the next mix's
-    (k3.model.decoder leaves each `p + ffn` to it)."""
+    K3_NO_TRITON=_attn_res_norm_triton turns it off); in training, where the mix takes k3.ops._attn_res_triton, one
+    launch does the add (`_AttnResAddMixFused`; without an add `attn_res_mix`'s), the mix and the norm (unless
+    K3_NO_MIX_NORM_FOLD), and one their backward; otherwise the separate ops, each autograd's. The add is always the
+    next mix's (k3.model.decoder leaves each `p + ffn` to it)."""
     if p is None:
         p, add = add, None
     sources = [*blocks, p]
@@ -312,7 +322,7 @@ def attn_res_mix_norm(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: 
         p = residual_add(p, add)
     else:
         p = _attached_like(p, blocks)
-    return p, out_norm(attn_res_mix([*blocks, p], norm, proj))
+    return p, attn_res_mix([*blocks, p], norm, proj, out_norm)
 
 
 def attn_res_mix_norm_route(blocks: list[torch.Tensor], p: torch.Tensor | None, norm: RMSNorm,
@@ -377,9 +387,9 @@ def _fused_add_mix(sources, add) -> bool:
 
 
 def _folds_norm(out_norm: RMSNorm, x: torch.Tensor) -> bool:
-    """Whether a training mix that takes its residual add (`_fused_add_mix`) also takes the RMSNorm after it: a
-    plain RMSNorm with a weight over x's width (not a replaced module, not a DTensor's weight), K3_NO_MIX_NORM_FOLD
-    unset."""
+    """Whether a training mix on the kernels (`_fused_add_mix`, or `attn_res_mix`'s) also takes the RMSNorm after
+    it: a plain RMSNorm with a weight over x's width (not a replaced module, not a DTensor's weight),
+    K3_NO_MIX_NORM_FOLD unset."""
     nw = getattr(out_norm, "weight", None)
     return (not envs.current().no_mix_norm_fold and type(out_norm) is RMSNorm
             and type(nw) in (torch.Tensor, torch.nn.Parameter) and nw.shape == x.shape[-1:] and nw.device == x.device)

@@ -13,8 +13,9 @@ of 3.5 sources at 8 × 4096 tokens; on an H200, session 14: 268 µs at 2 sources
 against 390, where the tiles kernel it replaced took 339 and 915: benchmarks/bench_gpu_kernels.py --backwards).
 Formulas: k3.model.attn_res. The forward kernel also takes the residual add before the mix (ADD: training's
 `mix_add_forward`, and inference's mix with the norm after it, k3.ops._attn_res_norm_triton), and the RMSNorm after
-it (NORM: inference's, and training's `mix_add_forward(norm=)`, whose backward, `mix_backward(norm=)`, recomputes the
-mix from the sources it reads anyway and takes the norm's backward in the same pass).
+it (NORM: inference's, and training's `mix_forward(norm=)` / `mix_add_forward(norm=)`, whose backward,
+`mix_backward(norm=)`, recomputes the mix from the sources it reads anyway and takes the norm's backward in the same
+pass).
 """
 import torch
 import triton
@@ -224,9 +225,11 @@ def _blocks(D: int) -> tuple[int, int]:
     return max(1, min(16, 4096 // block_d)), block_d
 
 
-def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[torch.Tensor, ...]):
-    """(out like sources[0], scores [n, R] fp32, lse [R] fp32) for contiguous sources [..., D] of one dtype."""
-    out, scores, lse, _ = _forward(u, w, eps, sources, None)
+def mix_forward(u: torch.Tensor, w: torch.Tensor, eps: float, sources: tuple[torch.Tensor, ...],
+                norm: tuple[torch.Tensor, float] | None = None):
+    """(out like sources[0], scores [n, R] fp32, lse [R] fp32) for contiguous sources [..., D] of one dtype.
+    norm: as `mix_add_forward`'s."""
+    out, scores, lse, _ = _forward(u, w, eps, sources, None, norm)
     return out, scores, lse
 
 
