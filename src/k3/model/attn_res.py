@@ -221,6 +221,19 @@ class _AttnResMix(torch.autograd.Function):
         return du, dw, None, *_hand_over(ctx.sinks, grads)
 
 
+def _norm_arg(nw: torch.Tensor | None, eps: float):
+    """The mix kernels' `norm` argument: (weight, eps) of the RMSNorm they take, or None."""
+    return None if nw is None else (nw, eps)
+
+
+def _fused_mix_backward(ctx, grad_out, u, w, nw, sources, scores, lse, into):
+    """(∂L/∂u, ∂L/∂w, ∂L/∂sources, ∂L/∂nw or None) by k3.ops._attn_res_triton's backward, for both fused Functions
+    (ctx.eps: the key norm's eps, ctx.norm: the folded norm's, read only with a weight nw)."""
+    du, dw, grads, *normed = triton_module("_attn_res_triton").mix_backward(
+        grad_out, u, w, ctx.eps, tuple(sources), scores, lse, into=into, norm=_norm_arg(nw, ctx.norm))
+    return du, dw, grads, (normed[0] if normed else None)
+
+
 class _AttnResMixFused(torch.autograd.Function):
     """`_AttnResMix` through k3.ops._attn_res_triton: one read of each source forward, two backward. Keeps the
     sources, the scores and one log-sum-exp per row. With a norm weight nw (not None) it returns RMSNorm_nw(mix)
@@ -229,9 +242,9 @@ class _AttnResMixFused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, w, eps, nw, neps, *sources):
         kernels = triton_module("_attn_res_triton")
-        ctx.eps, ctx.sinks, ctx.norm = eps, _sinks(sources), None if nw is None else neps
+        ctx.eps, ctx.sinks, ctx.norm = eps, _sinks(sources), neps
         sources = tuple(s.contiguous() for s in sources)
-        out, scores, lse = kernels.mix_forward(u, w, eps, sources, norm=None if nw is None else (nw, neps))
+        out, scores, lse = kernels.mix_forward(u, w, eps, sources, norm=_norm_arg(nw, neps))
         ctx.save_for_backward(u, w, nw, scores, lse, *sources)
         return out
 
@@ -242,10 +255,7 @@ class _AttnResMixFused(torch.autograd.Function):
         # a block's gradient is added by the kernel into its BlockGrads buffer (written by the first mix)
         sinks = ctx.sinks or (None,) * len(sources)
         into = [None if sink is None else sink[0].buffer(sink[1], v) for sink, v in zip(sinks, sources)]
-        du, dw, grads, *normed = triton_module("_attn_res_triton").mix_backward(
-            grad_out, u, w, ctx.eps, tuple(sources), scores, lse, into=into,
-            norm=None if nw is None else (nw, ctx.norm))
-        d_nw = normed[0] if normed else None
+        du, dw, grads, d_nw = _fused_mix_backward(ctx, grad_out, u, w, nw, sources, scores, lse, into)
         return du, dw, None, d_nw, None, *(g if dest is None else None for g, dest in zip(grads, into))
 
 
@@ -264,10 +274,10 @@ class _AttnResAddMixFused(torch.autograd.Function):
     def forward(ctx, u, w, eps, nw, neps, p, x, *blocks):
         ctx.set_materialize_grads(False)  # the sum may have no other reader: no zeros made for it
         ctx.eps, ctx.sinks, ctx.p_sink = eps, _sinks(blocks), getattr(p, "_k3_block_grad", None)
-        ctx.norm = None if nw is None else neps
+        ctx.norm = neps
         sources = tuple(s.contiguous() for s in (*blocks, p))
         out, total, scores, lse = triton_module("_attn_res_triton").mix_add_forward(
-            u, w, eps, sources, x.contiguous(), norm=None if nw is None else (nw, neps))
+            u, w, eps, sources, x.contiguous(), norm=_norm_arg(nw, neps))
         ctx.save_for_backward(u, w, nw, scores, lse, *sources[:-1], total)
         return out, total
 
@@ -280,10 +290,7 @@ class _AttnResAddMixFused(torch.autograd.Function):
         sinks = ctx.sinks or (None,) * (len(sources) - 1)
         into = [None if sink is None else sink[0].buffer(sink[1], v) for sink, v in zip(sinks, sources)]
         into.append(None if grad_total is None else (torch.empty_like(sources[-1]), grad_total.contiguous()))
-        du, dw, grads, *normed = triton_module("_attn_res_triton").mix_backward(
-            grad_out, u, w, ctx.eps, tuple(sources), scores, lse, into=into,
-            norm=None if nw is None else (nw, ctx.norm))
-        d_nw = normed[0] if normed else None
+        du, dw, grads, d_nw = _fused_mix_backward(ctx, grad_out, u, w, nw, sources, scores, lse, into)
         d_total = grads[-1]
         d_p = d_total
         if ctx.p_sink is not None:
