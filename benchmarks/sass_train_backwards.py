@@ -5,7 +5,7 @@ divisible by 16): registers a thread, spill bytes (STACK), shared memory, the pr
 mix: and the count its launch asks for, BWD_PROGRAMS_PER_SM), and the bytes of loads each program issues together
 (what keeps HBM busy: ~30 KB an SM in flight reach an H200's bandwidth), each kernel in 1 stage (a step's loads,
 then its math) and in its default (BWD_STAGES: the next step's loads in flight through this step's math); the
-conv also at the UNROLL values bench_gpu_kernels.py --backwards times.
+conv also at the UNROLL values bench_gpu_kernels.py --backwards times, and at its default with the heads' L2 norm.
 
 Run: python benchmarks/sass_train_backwards.py   (needs triton; no CUDA device)
 """
@@ -52,7 +52,7 @@ def mix_rows():
 def conv_rows():
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_ptr": "*bf16", "gy_ptr": "*bf16",
            "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32", "gw_batch_ptr": "*fp32",
-           "gw_ptr": "*bf16", "count_ptr": "*i32", "gtail_ptr": "*bf16", "T": "i32", "C": "i32"}
+           "gw_ptr": "*bf16", "count_ptr": "*i32", "gtail_ptr": "*bf16", "T": "i32", "C": "i32", "eps": "fp32"}
     flags = dict(W=4, HAS_TAIL=False, HAS_DOC=False, SILU=True, HAS_GY=True, HAS_GNT=False, NEED_GX=True,
                  NEED_GW=True, NEED_GTAIL=False)
     ct = _conv_triton
@@ -60,15 +60,17 @@ def conv_rows():
     forms = sorted({default, (ct.BWD_UNROLL, 3 - ct.BWD_STAGES, *default[2:]), (2, *default[1:]), (8, *default[1:]),
                     (*default[:2], not ct.BWD_FINISH_GW, ct.BWD_CHANNELS_FIRST),
                     (*default[:3], not ct.BWD_CHANNELS_FIRST)})
-    for unroll, stages, finish, channels_first in forms:
-        kernel = compile_kernel(ct.short_conv_bwd_kernel, sig, ct.BWD_NUM_WARPS, **flags, CHUNK_T=ct.BWD_CHUNK_T,
-                                BLOCK_C=ct.BWD_BLOCK_C, UNROLL=unroll, STAGES=stages, FINISH_GW=finish,
-                                CHANNELS_FIRST=channels_first, FINISH_ROWS=ct.GW_FINISH_ROWS)
+    # the default form also with the heads' L2 norm (KDA's q and k in training: heads of 128)
+    for (unroll, stages, finish, channels_first), l2 in [(f, 0) for f in forms] + [(default, 128)]:
+        kernel = compile_kernel(ct.short_conv_bwd_kernel, sig, ct.BWD_NUM_WARPS, **flags, L2_HEAD=l2,
+                                CHUNK_T=ct.BWD_CHUNK_T, BLOCK_C=ct.BWD_BLOCK_C, UNROLL=unroll, STAGES=stages,
+                                FINISH_GW=finish, CHANNELS_FIRST=channels_first, FINISH_ROWS=ct.GW_FINISH_ROWS)
         # UNROLL rows of x and dy (with 2 stages: the next step's, while this step's math runs)
         form = (f"UNROLL {unroll}, {stages} stage(s), weight grad finished by {'the kernel' if finish else 'torch'}"
                 + (", channels first" if channels_first else "") + (" (default)" if (unroll, stages, finish,
                                                                                     channels_first) == default else ""))
-        yield "short conv + SiLU bwd", form, ct.BWD_NUM_WARPS, kernel, unroll * 2 * ct.BWD_BLOCK_C * 2
+        name = "short conv + SiLU" + (f" + L2 (heads of {l2})" if l2 else "") + " bwd"
+        yield name, form, ct.BWD_NUM_WARPS, kernel, unroll * 2 * ct.BWD_BLOCK_C * 2
 
 
 def main():

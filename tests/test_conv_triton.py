@@ -316,3 +316,65 @@ def test_backward_is_bitwise_reproducible():
     first, second = (run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail, silu=True) for _ in range(2))
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+# ---- l2_head: each head's L2 norm after the SiLU (KDA's q and k in training) ------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_tail,with_doc", [(False, False), (True, True)])
+@pytest.mark.parametrize("seed,B,T,C,W,K,block_c", [(61, 2, 37, 96, 4, 32, None), (62, 1, 70, 64, 4, 16, None),
+                                                    (63, 3, 9, 128, 3, 64, 64), (64, 1, 5, 48, 4, 16, 32)])
+def test_l2_heads_match_the_reference_against_float64(monkeypatch, seed, B, T, C, W, K, block_c, dtype, with_tail,
+                                                      with_doc):
+    """silu=True, l2_head=K: y = l2(SiLU(conv)) per head of K channels, and the gradients through the norm, the
+    SiLU and the conv into x, the weight and the tail (the new tail's own gradient beside), against the
+    reference's float64 autograd: fp32 to 1e-5; bf16 no further from float64 than the unfused reference path in
+    bf16 (which rounds between its ops) plus the final rounding. Heads of 16 to 64 channels; channel tiles
+    past C (96 channels in a 128-wide forward tile, 48 in 32-wide backward tiles: a head cut by the mask would
+    be normalised wrongly), several backward tiles (block_c 32, 64: two and one heads a tile), chunks of 8 rows."""
+    if block_c is not None:
+        monkeypatch.setattr(_conv_triton, "BWD_BLOCK_C", block_c)
+    monkeypatch.setattr(_conv_triton, "BWD_CHUNK_T", 8)
+    x, w, tail, doc, dy, dtail = conv_case(seed, B, T, C, W, dtype, with_tail, with_doc)
+    x = x * 3
+    got = run(_conv_triton.short_conv, x, w, tail, doc, dy, dtail, silu=True, l2_head=K)
+    want = run(short_conv_reference, x, w, tail, doc, dy, dtail, silu=True, l2_head=K)
+    as64 = lambda t: None if t is None else t.double()  # noqa: E731
+    truth = run(short_conv_reference, *map(as64, (x, w, tail)), doc, *map(as64, (dy, dtail)), silu=True,
+                l2_head=K)
+    norms = truth[0].unflatten(-1, (-1, K)).norm(dim=-1)
+    torch.testing.assert_close(norms, torch.ones_like(norms), rtol=0, atol=1e-5)  # the reference does normalise
+    for name, a, b, t in zip(("y", "new_tail", "grad_x", "grad_weight", "grad_tail"), got, want, truth):
+        assert a.shape == t.shape and a.dtype == b.dtype, name
+        if dtype == torch.bfloat16 and t.numel():
+            err, err_unfused = ((v.double() - t).abs().max().item() for v in (a, b))
+            ulp = 2.0 ** -7 if a.dtype == torch.bfloat16 else 1e-6
+            assert err <= 1.25 * err_unfused + ulp * t.abs().max().item(), (name, err, err_unfused)
+            continue
+        atol = 1e-5 * ((B * T) ** 0.5 if name == "grad_weight" else 1)
+        torch.testing.assert_close(a.double(), t, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def test_l2_heads_dispatch_and_refusals(monkeypatch):
+    """k3.ops.conv.short_conv with l2_head: the kernels take heads that tile their passes (one launch, the norm
+    inside), other widths the kernels' conv then the separate norm (same values); l2_head without the SiLU, or
+    a width that does not divide the channels, is refused on every path."""
+    import k3.ops.conv as conv_mod
+
+    calls = []
+    real = _conv_triton.short_conv
+    monkeypatch.setattr(_conv_triton, "short_conv", lambda *a: calls.append(a[4:]) or real(*a))
+    monkeypatch.setattr(conv_mod, "use_triton", lambda t, name: name == "_conv_triton")
+    for K, fused in ((16, True), (24, False)):
+        x, w, tail, doc, dy, dtail = conv_case(70 + K, 2, 11, 48, 4, torch.float32, True, True)
+        calls.clear()
+        got = run(short_conv, x, w, tail, doc, dy, dtail, silu=True, l2_head=K)
+        want = run(short_conv_reference, x, w, tail, doc, dy, dtail, silu=True, l2_head=K)
+        assert calls == [(True, K) if fused else (True,)]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    x, w, *_ = conv_case(80, 1, 4, 48, 4, torch.float32, False, False)
+    for kwargs in (dict(silu=False, l2_head=16), dict(silu=True, l2_head=32), dict(silu=True, l2_head=0)):
+        with pytest.raises(ValueError, match="l2_head"):
+            short_conv(x, w, **kwargs)
+    with pytest.raises(ValueError, match="l2_head"):
+        real(x, w, None, None, True, 24)  # the kernels' own check: a width that does not tile them

@@ -35,6 +35,10 @@
 - K3_NO_MIX_NORM_FOLD: "1" keeps the RMSNorm after a training AttnRes mix as its own op (a pass each way over
   the mix's output), instead of in the mix kernels (k3.model.attn_res: the forward writes the norm's output only,
   the backward recomputes the mix); for timing the fold against it.
+- K3_NO_QK_NORM_FOLD: "1" keeps a training KDA layer's q/k L2 norms in its core (fla's l2norm kernels, a pass each
+  way over q and over k), instead of in the q/k short convs' kernels (k3.model.kda.DenseLayout, k3.ops.conv
+  `l2_head`: the forward normalises each head as it stores SiLU(conv), the backward takes the norm's gradient from
+  the rows it recomputes); for timing the fold against it.
 - K3_PDL: "1" launches decode's Triton kernels with programmatic dependent launch (Hopper and later: each may start
   while the kernel before it runs, prefetching its weights into L2, and waits for it before reading anything;
   k3.ops._pdl_triton). Off by default: slower on an H200 (session 29, `bench_gpu_decode.py --pdl`, small's graphed
@@ -82,6 +86,7 @@ class Switches:
     no_block_grad_buffer: bool = False
     no_residual_add_fold: bool = False
     no_mix_norm_fold: bool = False
+    no_qk_norm_fold: bool = False
     pdl: bool = False
     no_pdl_prefetch: bool = False
     commit: str | None = None
@@ -140,6 +145,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
                     no_block_grad_buffer=_flag(get("K3_NO_BLOCK_GRAD_BUFFER")),
                     no_residual_add_fold=_flag(get("K3_NO_RESIDUAL_ADD_FOLD")),
                     no_mix_norm_fold=_flag(get("K3_NO_MIX_NORM_FOLD")),
+                    no_qk_norm_fold=_flag(get("K3_NO_QK_NORM_FOLD")),
                     pdl=_flag(get("K3_PDL")), no_pdl_prefetch=_flag(get("K3_NO_PDL_PREFETCH")),
                     commit=get("K3_COMMIT") or None,
                     autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None,

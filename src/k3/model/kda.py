@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3 import envs
 from k3.config import K3Config
 from k3.model.cache import BatchCacheView, KDASlots, KDAState, StaticCache
 from k3.model.norm import RMSNorm
@@ -73,8 +74,8 @@ class ShortConv(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, width, dtype=torch.float32))
 
-    def forward(self, x, tail=None, doc_ids=None, silu: bool = False):
-        return short_conv(x, self.weight, tail, doc_ids, silu)
+    def forward(self, x, tail=None, doc_ids=None, silu: bool = False, l2_head: int | None = None):
+        return short_conv(x, self.weight, tail, doc_ids, silu, l2_head)
 
 
 class DenseLayout:
@@ -82,12 +83,17 @@ class DenseLayout:
 
     def __init__(self, cache=None, doc_ids: torch.Tensor | None = None):
         self.cache, self.doc_ids = cache, doc_ids
+        self.qk_normalized = False  # whether short_convs gave q and k L2-normalised (the core then does not)
 
     def short_convs(self, m: "KimiDeltaAttention", xs: list[torch.Tensor]):
-        """(SiLU(conv(x)) for q, k, v; their new tails): the SiLU in the conv's kernels where they run."""
+        """(SiLU(conv(x)) for q, k, v; their new tails): the SiLU in the conv's kernels where they run. Where a
+        gradient is recorded (training) q's and k's per-head L2 norms too, unless K3_NO_QK_NORM_FOLD=1: in the
+        kernels' passes each way, where the core's norms are a pass of their own each way (k3.envs)."""
         st = self.cache.kda_state(m.layer_idx) if self.cache is not None else None
         tails = (st.conv_q, st.conv_k, st.conv_v) if st is not None else (None,) * 3
-        outs = [conv(x, tail, self.doc_ids, silu=True) for x, conv, tail in zip(xs, m.convs, tails)]
+        self.qk_normalized = torch.is_grad_enabled() and not envs.current().no_qk_norm_fold
+        heads = (m.head_dim, m.head_dim, None) if self.qk_normalized else (None,) * 3
+        outs = [conv(x, tail, self.doc_ids, silu=True, l2_head=h) for x, conv, tail, h in zip(xs, m.convs, tails, heads)]
         return [y for y, _ in outs], [t for _, t in outs]
 
     def decode_slots(self, m: "KimiDeltaAttention", T: int) -> KDASlots | None:
@@ -102,7 +108,7 @@ class DenseLayout:
         if self.doc_ids is not None:  # packed rows: one flat row of documents
             flat = lambda t: t.reshape(1, B * T, *t.shape[2:])  # noqa: E731
             o, _ = kda_core(*map(flat, (q, k, v, f, beta_logits)), *params,
-                            cu_seqlens=doc_ids_to_cu_seqlens(self.doc_ids))
+                            cu_seqlens=doc_ids_to_cu_seqlens(self.doc_ids), qk_normalized=self.qk_normalized)
             return o.view(B, T, *o.shape[2:])
         cache = self.cache
         st = cache.kda_state(m.layer_idx) if cache is not None else None
@@ -110,7 +116,7 @@ class DenseLayout:
         # a StaticCache's buffers are written in place anyway: the decode step may write the state straight there
         o, state = kda_core(q, k, v, f, beta_logits, *params, initial_state=st.state if st is not None else None,
                             output_final_state=cache is not None, recurrent=decode,
-                            state_in_place=decode and isinstance(cache, StaticCache))
+                            state_in_place=decode and isinstance(cache, StaticCache), qk_normalized=self.qk_normalized)
         if cache is not None:
             cache.set_kda_state(m.layer_idx, KDAState(state, *tails))
         return o

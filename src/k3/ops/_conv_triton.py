@@ -95,9 +95,28 @@ def _weight(w_ptr, offs_c, C, W: tl.constexpr, j: tl.constexpr):
 
 
 @triton.jit
-def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, T, C,
+def _l2_heads(v, eps, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, K: tl.constexpr):
+    """v [ROWS, BLOCK_C] with each run of K channels scaled to unit L2 norm: v / sqrt(Σ v² + eps)."""
+    h = tl.reshape(v, [ROWS, BLOCK_C // K, K])
+    r = tl.rsqrt(tl.sum(h * h, axis=2) + eps)
+    return tl.reshape(h * r[:, :, None], [ROWS, BLOCK_C])
+
+
+@triton.jit
+def _l2_heads_bwd(s, ds, eps, BLOCK_C: tl.constexpr, K: tl.constexpr):
+    """The gradient at s [BLOCK_C] (one row) of `_l2_heads(s)` given ds, the gradient at its output, per head:
+    (ds − o (o · ds)) / ‖s‖ with o = s / ‖s‖ (‖s‖ with the eps, as the forward)."""
+    h = tl.reshape(s, [BLOCK_C // K, K])
+    g = tl.reshape(ds, [BLOCK_C // K, K])
+    r = tl.rsqrt(tl.sum(h * h, axis=1) + eps)[:, None]
+    o = h * r
+    return tl.reshape((g - o * tl.sum(o * g, axis=1)[:, None]) * r, [BLOCK_C])
+
+
+@triton.jit
+def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, T, C, eps,
                           W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, WIDE: tl.constexpr,
-                          SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                          SILU: tl.constexpr, L2_HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                           TAIL_ROWS: tl.constexpr):
     pid_t = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -118,6 +137,8 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, 
     out_mask = (offs_t < T)[:, None] & (offs_c < C)[None, :]
     if SILU:  # y = SiLU(conv) (backward recomputes the conv)
         acc = acc * tl.sigmoid(acc)
+    if L2_HEAD:  # each head of L2_HEAD channels (whole heads a tile) L2-normalised
+        acc = _l2_heads(acc, eps, BLOCK_T, BLOCK_C, L2_HEAD)
     tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     if pid_t == 0:  # new tail: the last W−1 rows of xp, tail rows included when T < W−1; no document mask
         # (names differ from the tile's: a runtime branch may not rebind a variable with another shape)
@@ -155,8 +176,9 @@ def _tap_vector(w_ptr, offs_c, C, W: tl.constexpr, j: tl.constexpr):
 
 @triton.jit
 def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_ptr, gw_part_ptr,
-                          gw_batch_ptr, gw_ptr, count_ptr, gtail_ptr, T, C,
+                          gw_batch_ptr, gw_ptr, count_ptr, gtail_ptr, T, C, eps,
                           W: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_DOC: tl.constexpr, SILU: tl.constexpr,
+                          L2_HEAD: tl.constexpr,
                           HAS_GY: tl.constexpr, HAS_GNT: tl.constexpr, NEED_GX: tl.constexpr,
                           NEED_GW: tl.constexpr, NEED_GTAIL: tl.constexpr, CHUNK_T: tl.constexpr,
                           BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
@@ -236,8 +258,13 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
                         if HAS_DOC:
                             xj = tl.where(_slot(id0, id1, id2, id3, 4 - W + j) == id3, xj, 0.0)
                         z += xj * _slot(w0, w1, w2, w3, j)
-                    z = z.to(x_ptr.dtype.element_ty).to(tl.float32)
-                    sig = tl.sigmoid(z)
+                    if L2_HEAD:  # dy is the gradient at the heads' norm: through it first, at s = SiLU(z) as
+                        # the forward normalised it (z unrounded: the forward stores neither z nor s)
+                        sig = tl.sigmoid(z)
+                        dz = _l2_heads_bwd(z * sig, dz, eps, BLOCK_C, L2_HEAD)
+                    else:
+                        z = z.to(x_ptr.dtype.element_ty).to(tl.float32)
+                        sig = tl.sigmoid(z)
                     dz = dz * (sig * (1.0 + z * (1.0 - sig)))
             d0, d1, d2, d3 = d1, d2, d3, dz
             if NEED_GW:  # row t's products, for t in the chunk (dz is zero before it)
@@ -342,12 +369,22 @@ def _tail_rows(W: int) -> int:
     return triton.next_power_of_2(max(W - 1, 1))
 
 
+L2_EPS = 1e-6  # KDA's q/k L2 norm (k3.ops.norm.l2_norm)
+
+
+def l2_fusable(K: int) -> bool:
+    """Whether the kernels take the heads' L2 norm for heads of K channels: K a power of two that divides both
+    passes' channel tiles (whole heads a tile)."""
+    return 16 <= K <= BWD_BLOCK_C and K & (K - 1) == 0
+
+
 class ShortConvTriton(torch.autograd.Function):
     """`short_conv` with both passes in Triton; keeps x (its own dtype), weight, tail and doc_ids for backward
-    (with `silu`, backward recomputes the conv's output before the SiLU from them)."""
+    (with `silu`, backward recomputes the conv's output before the SiLU from them, and with `l2_head` the heads'
+    norms from that)."""
 
     @staticmethod
-    def forward(ctx, x, weight, tail, doc_ids, silu):
+    def forward(ctx, x, weight, tail, doc_ids, silu, l2_head=None):
         ctx.set_materialize_grads(False)
         B, T, C = x.shape
         W = weight.shape[-1]
@@ -358,15 +395,19 @@ class ShortConvTriton(torch.autograd.Function):
         doc_ids = None if doc_ids is None else doc_ids.contiguous()
         y = torch.empty_like(x)
         new_tail = torch.empty(B, W - 1, C, device=x.device, dtype=torch.float32)
-        BLOCK_C = _block_c(C)
+        if l2_head is not None and not (silu and l2_fusable(l2_head) and C % l2_head == 0):
+            raise ValueError(f"short_conv kernels: l2_head {l2_head} needs silu, a power of two in [16, "
+                             f"{BWD_BLOCK_C}] and {C} channels a whole number of heads")
+        BLOCK_C = max(_block_c(C), l2_head or 0)  # (whole heads a tile)
         grid = (triton.cdiv(T, _FWD_BLOCK_T), triton.cdiv(C, BLOCK_C), B)
         with on_device(x):
             short_conv_fwd_kernel[grid](
                 x, weight, x if tail is None else tail, x if doc_ids is None else doc_ids, y, new_tail, T, C,
-                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C), SILU=silu,
-                BLOCK_T=_FWD_BLOCK_T, BLOCK_C=BLOCK_C, TAIL_ROWS=_tail_rows(W), num_warps=_NUM_WARPS)
+                L2_EPS, W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, WIDE=_wide(T, C), SILU=silu,
+                L2_HEAD=l2_head or 0, BLOCK_T=_FWD_BLOCK_T, BLOCK_C=BLOCK_C, TAIL_ROWS=_tail_rows(W),
+                num_warps=_NUM_WARPS)
         ctx.save_for_backward(x, weight, tail, doc_ids)
-        ctx.silu = silu
+        ctx.silu, ctx.l2_head = silu, l2_head or 0
         return y, new_tail
 
     @staticmethod
@@ -377,7 +418,7 @@ class ShortConvTriton(torch.autograd.Function):
         need_w = need_w and grad_y is not None  # the new tail does not depend on the weight
         need_tail = need_tail and tail is not None
         if grad_y is None and grad_new_tail is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         B, T, C = x.shape
         W = weight.shape[-1]
         gy = None if grad_y is None else grad_y.contiguous()
@@ -399,18 +440,21 @@ class ShortConvTriton(torch.autograd.Function):
                 x if gy is None else gy, x if gnt is None else gnt,
                 x if gx is None else gx, x if gw_part is None else gw_part, x if gw_batch is None else gw_batch,
                 x if gw is None else gw, x if count is None else count, x if gtail is None else gtail, T, C,
-                W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, SILU=ctx.silu,
+                L2_EPS, W=W, HAS_TAIL=tail is not None, HAS_DOC=doc_ids is not None, SILU=ctx.silu,
+                L2_HEAD=ctx.l2_head,
                 HAS_GY=gy is not None, HAS_GNT=gnt is not None, NEED_GX=need_x, NEED_GW=need_w,
                 NEED_GTAIL=need_tail, CHUNK_T=BWD_CHUNK_T, BLOCK_C=BWD_BLOCK_C, UNROLL=BWD_UNROLL, STAGES=BWD_STAGES,
                 FINISH_GW=finish, CHANNELS_FIRST=BWD_CHANNELS_FIRST, FINISH_ROWS=GW_FINISH_ROWS,
                 num_warps=BWD_NUM_WARPS)
         if need_w and not finish:  # the sum by torch: every chunk's partial, in a fixed order, then the cast
             gw = gw_part.sum((0, 1)).t().unsqueeze(1).to(weight.dtype)  # [W, C] -> [C, 1, W]
-        return gx, gw, gtail, None, None
+        return gx, gw, gtail, None, None, None
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
-               doc_ids: torch.Tensor | None = None, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               doc_ids: torch.Tensor | None = None, silu: bool = False,
+               l2_head: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`k3.ops.conv.short_conv` in Triton: x [B, T, C] (T, C > 0) bf16/fp16/fp32, weight [C, 1, W] with
-    W <= MAX_TAPS; `silu`: return SiLU of the conv (the new tail is unchanged)."""
-    return ShortConvTriton.apply(x, weight, tail, doc_ids, silu)
+    W <= MAX_TAPS; `silu`: return SiLU of the conv (the new tail is unchanged); `l2_head` = K (`l2_fusable`,
+    with silu): each head of K channels of it L2-normalised."""
+    return ShortConvTriton.apply(x, weight, tail, doc_ids, silu, l2_head)

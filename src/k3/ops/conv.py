@@ -3,13 +3,17 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from k3.ops.norm import l2_norm
 from k3.ops.triton_dispatch import triton_module, use_triton
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
-               doc_ids: torch.Tensor | None = None, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               doc_ids: torch.Tensor | None = None, silu: bool = False,
+               l2_head: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise conv: `y[t, c] = Σ_j weight[c, 0, j] · x[t − (W−1) + j, c]`, then SiLU(y) if `silu`
-    (KDA's q/k/v; on the kernels' path in the same passes, each way).
+    (KDA's q/k/v; on the kernels' path in the same passes, each way), then with `l2_head` = K (needs `silu`)
+    each head of K channels L2-normalised, `l2_norm(SiLU(y))` (KDA's q/k; in the kernels where K divides their
+    channel tiles, `l2_fusable`).
 
     x: [B, T, C]; weight: [C, 1, W]; tail: [B, W−1, C], the previous W−1 inputs (zeros when None).
     doc_ids: [B, T] for packed rows; taps that reach into another document read zero.
@@ -18,20 +22,38 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None 
     CUDA tensors take the Triton kernels of `k3.ops._conv_triton` (same math, fp32 accumulate; 8x faster than
     this path at `small`'s training shape on an H200) unless K3_NO_TRITON names them; widths up to MAX_TAPS.
     """
+    if l2_head is not None and not (silu and l2_head > 0 and x.shape[-1] % l2_head == 0):
+        raise ValueError(f"short_conv: l2_head needs silu and a head width dividing the {x.shape[-1]} channels, "
+                         f"got l2_head={l2_head}, silu={silu}")
     kernels = triton_module("_conv_triton") if x.numel() and use_triton(x, "_conv_triton") else None
     if kernels is not None and weight.shape[-1] <= kernels.MAX_TAPS:
-        return kernels.short_conv(x, weight, tail, doc_ids, silu)
+        if l2_head is None or kernels.l2_fusable(l2_head):
+            return kernels.short_conv(x, weight, tail, doc_ids, silu, l2_head)
+        y, new_tail = kernels.short_conv(x, weight, tail, doc_ids, silu)
+        return _l2_heads(y, l2_head), new_tail
     y, new_tail = _ShortConv.apply(x, weight, tail, doc_ids)
-    return (F.silu(y) if silu else y), new_tail
+    y = F.silu(y) if silu else y
+    return (y if l2_head is None else _l2_heads(y, l2_head)), new_tail
+
+
+def _l2_heads(y: torch.Tensor, K: int) -> torch.Tensor:
+    """Each head of K channels of y [..., C] L2-normalised (k3.ops.norm.l2_norm: KDA's q/k norm, eps 1e-6)."""
+    return l2_norm(y.unflatten(-1, (-1, K))).flatten(-2)
 
 
 def short_conv_reference(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
-                         doc_ids: torch.Tensor | None = None, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         doc_ids: torch.Tensor | None = None, silu: bool = False,
+                         l2_head: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`short_conv` differentiated by autograd directly (keeps the fp32 padded input): the tests' reference.
-    The SiLU is applied to the conv's output in x's dtype, as a separate op would."""
+    The SiLU is applied to the conv's output in x's dtype, as a separate op would, and the heads' L2 norm (in
+    the compute dtype, at least fp32) to that."""
     with torch.autocast(x.device.type, enabled=False):  # SPEC: the conv runs in fp32, also under bf16 autocast
         y, new_tail = _short_conv_fp32(x, weight, tail, doc_ids)
-    return (F.silu(y) if silu else y), new_tail
+    y = F.silu(y) if silu else y
+    if l2_head is not None:
+        yf = y.unflatten(-1, (-1, l2_head)).to(torch.promote_types(y.dtype, torch.float32))
+        y = (yf * torch.rsqrt(yf.pow(2).sum(-1, keepdim=True) + 1e-6)).flatten(-2).to(y.dtype)
+    return y, new_tail
 
 
 def _short_conv_fp32(x, weight, tail, doc_ids):

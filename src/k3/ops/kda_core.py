@@ -73,10 +73,11 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
              initial_state: torch.Tensor | None = None, output_final_state: bool = False,
              cu_seqlens: torch.Tensor | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
              recurrent: bool = False, state_in_place: bool = False, plan=None,
-             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             backend: str | None = None, qk_normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kda(l2(q), l2(k), v, kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(beta_logits)).
 
-    q, k: [B, T, H, K] after the conv and SiLU (not yet L2-normalised); v: [B, T, H, V];
+    q, k: [B, T, H, K] after the conv and SiLU (not yet L2-normalised; with `qk_normalized`, already: the norms are
+    then skipped); v: [B, T, H, V];
     f: [B, T, H, K] the gate's low-rank projection; beta_logits: [B, T, H]; initial_state: [N, H, K, V] fp32
     (N = B, or the documents of cu_seqlens). recurrent: the step-by-step form (decode), else the chunked one:
     the same function. Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).
@@ -98,13 +99,15 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     in_kernel = (state_in_place and recurrent and initial_state.dtype == torch.float32
                  and initial_state.is_contiguous() and not (torch.is_grad_enabled() and q.requires_grad))
     if backend == "fla" and safe_gate_ok(lower_bound):  # gate, L2 norms and beta inside fla's kernels
+        fla_args["qk_normalized"] = qk_normalized  # (q and k normalised by the caller: fla skips its norms)
         if in_kernel:
             return fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, recurrent=True,
                                  state_in_place=True, **fla_args)
         o, state = fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound,
                                  recurrent=None if recurrent else False, plan=plan, **fla_args)
         return _written_over(o, state, initial_state if state_in_place else None)
-    q, k = l2_norm(q), l2_norm(k)
+    if not qk_normalized:
+        q, k = l2_norm(q), l2_norm(k)
     beta = torch.sigmoid(beta_logits.float() if beta_logits.dtype != torch.float64 else beta_logits)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     if backend == "fla":  # gates below fla's safe bound: its general kernels on the gates computed here

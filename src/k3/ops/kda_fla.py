@@ -202,10 +202,11 @@ def fla_kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_f
 
 def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, scale=None, initial_state=None,
                   output_final_state=False, cu_seqlens=None, recurrent=None, state_in_place=False,
-                  cu_seqlens_cpu=None, plan=None):
+                  cu_seqlens_cpu=None, plan=None, qk_normalized=False):
     """The K3 mixer's inner op with gate, q/k L2 norm and beta sigmoid fused into fla's kernels.
 
-    q, k: [B, T, H, K] raw (after conv and SiLU, before the L2 norm); v: [B, T, H, V];
+    q, k: [B, T, H, K] raw (after conv and SiLU, before the L2 norm; with `qk_normalized` after it, and fla's
+    kernels skip it); v: [B, T, H, V];
     f: [B, T, H, K] the low-rank gate projection W_fb W_fa x; beta_logits: [B, T, H] (before the sigmoid);
     A_log: [H'] (H' >= H, first H used); dt_bias: [H*K] or [H, K]; lower_bound in [-5, 0).
     recurrent: use the fused recurrent kernel (forward only); default: when T == 1 and no gradient is needed.
@@ -224,7 +225,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
     A = dense_as(A_log if A_log.shape[0] == H else A_log[:H], torch.float32)
     bias = dense_as(dt_bias if dt_bias.shape == (H * K,) else dt_bias.reshape(H * K), torch.float32)
     cu, cu_cpu = _cu(cu_seqlens, q.device, cu_seqlens_cpu)
-    dt = q.dtype
+    dt, l2 = q.dtype, not qk_normalized
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, f, beta_logits, A_log, dt_bias, initial_state))
     if recurrent is None:
@@ -243,7 +244,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
         o, state = fused_recurrent_kda_fwd(q, k, v, f, beta_logits, A_log=A,
                                            dt_bias=bias, scale=scale, initial_state=initial_state,
                                            output_final_state=True, inplace_final_state=True,
-                                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                           use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=True,
                                            use_beta_sigmoid_in_kernel=True, lower_bound=float(lower_bound),
                                            state_v_first=False, cu_seqlens=cu)
     elif recurrent:
@@ -251,7 +252,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
 
         o, state = fused_recurrent_kda(q, k.to(dt), v.to(dt), f.to(dt), beta_logits.to(dt), A_log=A,
                                        dt_bias=bias, scale=scale, initial_state=_state(initial_state),
-                                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
+                                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2,
                                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                        lower_bound=float(lower_bound), state_v_first=False, cu_seqlens=cu)
     elif not needs_grad and lean_enabled():  # inference: the lean entry (unless K3_FLA_LEAN=0), same kernels
@@ -262,7 +263,8 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
         with on_device(q):
             o, state = kda_fla_lean.chunk_kda_prefill(
                 *(dense_as(t, dt) for t in (q, k, v, f, beta_logits)), A, bias, lower_bound, scale=scale,
-                initial_state=_state(initial_state), output_final_state=output_final_state, plan=plan)
+                initial_state=_state(initial_state), output_final_state=output_final_state, plan=plan,
+                qk_normalized=qk_normalized)
     elif plan is not None and plan.graph:
         raise ValueError("a CUDA-graph chunk plan runs through the lean entry only (inference, K3_FLA_LEAN on, fla "
                          "0.6, not recurrent)")
@@ -272,7 +274,7 @@ def fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, sca
         _offer_k3_backward(needs_grad)
         o, state = chunk_kda(q, k.to(dt), v.to(dt), f.to(dt), beta_logits.to(dt), scale=scale,
                              initial_state=_state(initial_state), output_final_state=output_final_state,
-                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=True,
                              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=float(lower_bound),
                              state_v_first=False, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, A_log=A, dt_bias=bias,
                              disable_recompute=_keep_forward(needs_grad))

@@ -144,20 +144,23 @@ def chunk_plan(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = N
 
 def chunk_kda_prefill(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound: float, scale: float | None = None,
                       initial_state: torch.Tensor | None = None, output_final_state: bool = True,
-                      plan: ChunkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      plan: ChunkPlan | None = None,
+                      qk_normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's chunked KDA forward with the gate, the q/k L2 norms and the beta sigmoid fused, for inference only.
 
     Arguments as `k3.ops.kda_fla.fla_kda_gated` (q, k raw; f the gate projection; beta_logits before the sigmoid;
     A_log [H] and dt_bias [H*K] fp32; initial_state [N, H, K, V] fp32 contiguous), all of one dtype and
-    contiguous; `plan` the documents of a packed row (B == 1), None for dense rows. Returns (o [B, T, H, V] in
+    contiguous; `plan` the documents of a packed row (B == 1), None for dense rows; `qk_normalized`: q and k come
+    L2-normalised (the norms skipped). Returns (o [B, T, H, V] in
     q's dtype, final state [N, H, K, V] fp32 or None)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, f, beta_logits, A_log, dt_bias)):
         raise ValueError("chunk_kda_prefill is inference only: call it under torch.inference_mode or no_grad")
     st = _stages()
     BT, scale = CHUNK_SIZE, q.shape[-1] ** -0.5 if scale is None else scale
     cu, indices = (None, None) if plan is None else (plan.cu_seqlens, plan.chunk_indices)
-    q, _ = st["l2norm"](q)
-    k, _ = st["l2norm"](k)
+    if not qk_normalized:
+        q, _ = st["l2norm"](q)
+        k, _ = st["l2norm"](k)
     beta = st["beta_sigmoid"](beta_logits)
     # the stages of fla 0.6's chunk_kda_fwd (use_gate_in_kernel, safe_gate, keys-first states), in its order:
     # the bounded gate with its chunk-local cumsum (in log2 units), the intra-chunk factors with the triangular
