@@ -111,19 +111,21 @@ def component_modules(model: K3ForCausalLM):
 
 # ---- stand-ins for the CUDA kernels: the reference forward, the kernels' saved tensors ----------------------
 class _FlaKDASaves(torch.autograd.Function):
-    """fla chunk_kda(use_gate_in_kernel, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel), recompute mode."""
+    """fla chunk_kda(use_gate_in_kernel, use_qk_l2norm_in_kernel unless qk_normalized, use_beta_sigmoid_in_kernel),
+    recompute mode."""
 
     @staticmethod
-    def forward(ctx, q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens):
+    def forward(ctx, q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens, qk_normalized):
         B, T, H, K = q.shape
-        qn, kn = l2_norm(q), l2_norm(k)
+        # the norms' outputs and rstds; none where q and k come normalised (the conv kernels took the norms)
+        qn, kn = (q, k) if qk_normalized else (l2_norm(q), l2_norm(k))
         beta = torch.sigmoid(beta_logits.float())
         g = kda_gate(f, A_log, dt_bias, lower_bound)
         o, _ = kda_chunk(qn, kn, v, g, beta, cu_seqlens=cu_seqlens)
-        rstd = q.new_empty(B, T, H, dtype=torch.float32)
+        rstd = None if qk_normalized else q.new_empty(B, T, H, dtype=torch.float32)
         A = q.new_empty(B, T, H, 64)
-        ctx.save_for_backward(qn, rstd, kn, rstd.clone(), v, f, beta_logits, beta.to(q.dtype), A_log[:H].float(),
-                              dt_bias.float(), A, A.clone())
+        ctx.save_for_backward(qn, rstd, kn, None if rstd is None else rstd.clone(), v, f, beta_logits,
+                              beta.to(q.dtype), A_log[:H].float(), dt_bias.float(), A, A.clone())
         return o.to(v.dtype)
 
     @staticmethod
@@ -133,8 +135,8 @@ class _FlaKDASaves(torch.autograd.Function):
 
 def _fla_kda_gated_saves(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound=-5.0, scale=None,
                          initial_state=None, output_final_state=False, cu_seqlens=None, recurrent=None,
-                         state_in_place=False, cu_seqlens_cpu=None, plan=None):
-    return _FlaKDASaves.apply(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens), None
+                         state_in_place=False, cu_seqlens_cpu=None, plan=None, qk_normalized=False):
+    return _FlaKDASaves.apply(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, cu_seqlens, qk_normalized), None
 
 
 class _FlaOutputGateSaves(torch.autograd.Function):

@@ -99,9 +99,11 @@ def test_through_the_conv_kernels(monkeypatch, packed):
     pytest.importorskip("triton")
     real_use = conv_module.use_triton
     monkeypatch.setattr(conv_module, "use_triton", lambda x, name: name == "_conv_triton" or real_use(x, name))
-    model = tiny_model(8, torch.float32)
-    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(9))
-    got, want = folded_and_not(model, ids, docs(2, 20, 10) if packed else None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (on CUDA the kernels run natively)
+    model = tiny_model(8, torch.float32, device)
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(9)).to(device)
+    doc_ids = docs(2, 20, 10).to(device) if packed else None
+    got, want = folded_and_not(model, ids, doc_ids)
     for i, (a, b) in enumerate(zip(got, want)):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m: f"tensor {i}: {m}")
