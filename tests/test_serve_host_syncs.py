@@ -57,11 +57,12 @@ class FlaRecorder:
 
     def gated(self, q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, *, initial_state=None,
               output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, recurrent=None, state_in_place=False,
-              plan=None):
+              plan=None, qk_normalized=False):
         self.calls.append((self.step, cu_seqlens, cu_seqlens_cpu))
         return core_mod.kda_core(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                 recurrent=bool(recurrent), state_in_place=state_in_place, backend="reference")
+                                 recurrent=bool(recurrent), state_in_place=state_in_place, backend="reference",
+                                 qk_normalized=qk_normalized)
 
 
 def run_steps(eng: LLMEngine, requests, recorder: FlaRecorder | None = None) -> list[list[int]]:
