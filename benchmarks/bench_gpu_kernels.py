@@ -48,7 +48,7 @@ intermediates (K3_FLA_KEEP_FORWARD), with the bytes floor and the per-step total
 (`backward_rows`).
 Run: PYTHONPATH=src python benchmarks/bench_gpu_kernels.py [--tokens B,T] [--quick] [--sweep] [--only router,...]
      [--gemv [--gemv-rows 1,8]] [--gemv-sweep] [--moe] [--moe-sweep] [--decode-sweep [router,moe,mla,kda]]
-     [--backwards] [--kda-core] [--kda-bwd] [--residual-add] [--conv-varlen] [--doc-attention]
+     [--backwards] [--kda-core] [--kda-bwd] [--residual-add] [--conv-varlen] [--doc-attention] [--conv-l2]
 --kda-core: only the KDA core rows of --backwards (`kda_core_rows`).
 --kda-bwd [wy,wy_docs,intra]: only KDA's chunk-backward WY/state stage (on rows, and on documents packed in one row)
 and intra-chunk stage (or those named), fla's kernels against k3.ops._kda_bwd_triton (`kda_bwd_rows`).
@@ -56,6 +56,8 @@ and intra-chunk stage (or those named), fla's kernels against k3.ops._kda_bwd_tr
 kernel (`conv_varlen_rows`).
 --doc-attention: only MLA's training attention over packed documents, k3's varlen path against SDPA with the
 document mask (`doc_attention_rows`).
+--conv-l2: only KDA's q/k short conv with its heads' L2 norm, in the conv's kernels (training's default) against the
+conv's kernels then fla's l2norm (`conv_l2_rows`).
 --residual-add: only a training mix with the residual add before it, the add in the mix kernel's launch against
 the add separate (K3_NO_RESIDUAL_ADD_FOLD; `residual_add_rows`).
 """
@@ -306,6 +308,38 @@ def backward_rows(B: int, T: int, device: str = "cuda") -> list[dict]:
     print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "extra_GiB", "rel_err"]))
     save("backwards", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     return rows
+
+def conv_l2_rows(B: int, T: int, bw: float, device: str = "cuda", K: int = 128) -> list[dict]:
+    """A training KDA layer's q (or k) short conv: SiLU(conv(x)) then the heads' L2 norm, forward and forward +
+    backward (x and weight gradients), the norm in the conv's kernels (`l2_head`, k3's training default) against
+    the conv's kernels then fla's own l2norm (what fla's chunk_kda runs with use_qk_l2norm_in_kernel). floor: the
+    bytes that must move (forward x in, y out; backward x and dy in, dx out) over the copy bandwidth; rel_err:
+    the outputs and gradients against the fused row's."""
+    from fla.modules.norm.l2norm import l2norm
+
+    C = 1536
+    r = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+    x = r(B, T, C).requires_grad_()
+    w = (torch.randn(C, 1, 4, device=device) * 0.5).bfloat16().requires_grad_()
+    dy = r(B, T, C)
+    forms = {"conv + SiLU + L2 in the conv's kernels": lambda: short_conv(x, w, silu=True, l2_head=K)[0],
+             "conv + SiLU kernels, then fla's l2norm": lambda: l2norm(
+                 short_conv(x, w, silu=True)[0].unflatten(-1, (-1, K))).flatten(-2)}
+    rows, ref = [], None
+    for impl, fwd in forms.items():
+        def both():
+            return [fwd().detach()] + list(torch.autograd.grad(fwd(), (x, w), dy))
+        out = torch.cat([t.float().flatten() for t in both()])
+        ref = out if ref is None else ref
+        ms_f, ms_fb = time_ms(lambda: fwd().detach(), inner=10), time_ms(
+            lambda: torch.autograd.grad(fwd(), (x, w), dy), inner=10)
+        rows.append(dict(op=f"q/k short conv + L2, heads of {K}", impl=impl, fwd_us=ms_f * 1e3,
+                         fwd_bwd_us=ms_fb * 1e3, floor_fwd_us=2 * x.numel() * 2 / bw * 1e6,
+                         floor_fwd_bwd_us=5 * x.numel() * 2 / bw * 1e6, per_step_ms=ms_fb * 24,
+                         rel_err=((out - ref).norm() / ref.norm()).item()))
+        print(rows[-1], flush=True)
+    return rows
+
 
 def slot_sum_rows(N: int, bw: float, device: str = "cuda") -> list[dict]:
     """The MoE's sum over each token's k expert rows at `small`'s shapes (k 8, latent 768, bf16; 15 MoE layers a
@@ -628,6 +662,8 @@ def main():
                          "fla's kernels against k3's")
     ap.add_argument("--conv-varlen", action="store_true",
                     help="only serving's varlen q/k/v short convs, the torch path against the opt-in kernel")
+    ap.add_argument("--conv-l2", action="store_true",
+                    help="only KDA's q/k short conv with the heads' L2 norm, in the conv's kernels against fla's")
     ap.add_argument("--residual-add", action="store_true",
                     help="only a training mix with its residual add folded in against the add separate")
     ap.add_argument("--doc-attention", action="store_true",
@@ -668,6 +704,11 @@ def main():
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
         print(table(rows, ["op", "impl", "us", "floor_us", "of_floor", "per_step_ms", "rel_err"]))
         return save("conv_varlen", {"rows": rows, "copy_TBps": bw / 1e12})
+    if a.conv_l2:
+        rows = conv_l2_rows(B, T, bw)
+        print(table(rows, ["op", "impl", "fwd_us", "fwd_bwd_us", "floor_fwd_us", "floor_fwd_bwd_us", "per_step_ms",
+                           "rel_err"]))
+        return save("conv_l2", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     if a.residual_add:
         rows = residual_add_rows(B, T, bw)
         print(table(rows, ["op", "impl", "fwd_us", "fwd_bwd_us", "floor_fwd_us", "saved_per_step_ms"]))
