@@ -378,3 +378,40 @@ def test_l2_heads_dispatch_and_refusals(monkeypatch):
             short_conv(x, w, **kwargs)
     with pytest.raises(ValueError, match="l2_head"):
         real(x, w, None, None, True, 24)  # the kernels' own check: a width that does not tile them
+
+
+# a training KDA layer's three short convs at small's shape (8 x 4096, 1536 channels, bf16 weights as the bench's;
+# no documents, as the shipped table was recorded): q and k with their heads' norm, then v; backward in reverse
+SMALL_CONV_LAUNCH = """
+import torch
+from k3.ops import _conv_triton as c
+B, T, C = 8, 4096, 1536
+m = dict(device="meta", dtype=torch.bfloat16)
+w = torch.empty(C, 1, 4, **m).requires_grad_()
+ys = []
+for l2 in (128, 128, None):
+    x = torch.empty(B, T, C, **m).requires_grad_()
+    ys.append(c.short_conv(x, w, None, None, True, l2)[0])
+for y in reversed(ys):
+    y.backward(torch.empty(B, T, C, **m))
+"""
+
+
+def test_the_precompile_table_holds_the_convs_launches_at_smalls_shape():
+    """The shipped table's H200 specs of the conv kernels are what a training KDA layer launches (constants,
+    warps, argument types), each form once, forward then backward: a launch constant changed without them makes a
+    fresh machine's precompile workers compile a kernel the step never runs, and the step compile its own in the
+    main process (the backward's FINISH_ROWS had drifted so, found in session 42). Re-record:
+    tests/launch_spec_sm90.py's launch_specs(SMALL_CONV_LAUNCH), duplicates dropped, in place of the table's."""
+    from launch_spec_sm90 import launch_specs
+
+    from k3.ops import tuning
+
+    launched = []
+    for spec in launch_specs(SMALL_CONV_LAUNCH):
+        if spec not in launched:
+            launched.append(spec)
+    assert [s["name"].rsplit(".", 1)[1] for s in launched] == ["short_conv_fwd_kernel"] * 2 + [
+        "short_conv_bwd_kernel"] * 2
+    compiles = tuning.load_table(tuning.TABLE_PATH)["NVIDIA H200"]["compiles"]
+    assert [s for s in compiles if s["name"].startswith("k3.ops._conv_triton.")] == launched
