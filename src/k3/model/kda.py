@@ -93,7 +93,8 @@ class DenseLayout:
         tails = (st.conv_q, st.conv_k, st.conv_v) if st is not None else (None,) * 3
         self.qk_normalized = torch.is_grad_enabled() and not envs.current().no_qk_norm_fold
         heads = (m.head_dim, m.head_dim, None) if self.qk_normalized else (None,) * 3
-        outs = [conv(x, tail, self.doc_ids, silu=True, l2_head=h) for x, conv, tail, h in zip(xs, m.convs, tails, heads)]
+        outs = [conv(x, tail, self.doc_ids, silu=True, l2_head=h)
+                for x, conv, tail, h in zip(xs, m.convs, tails, heads)]
         return [y for y, _ in outs], [t for _, t in outs]
 
     def decode_slots(self, m: "KimiDeltaAttention", T: int) -> KDASlots | None:

@@ -394,14 +394,14 @@ class ShortConvTriton(torch.autograd.Function):
         W = weight.shape[-1]
         if W > MAX_TAPS:
             raise ValueError(f"short_conv kernels: weight width {W} > MAX_TAPS {MAX_TAPS}")
+        if l2_head is not None and not (silu and l2_fusable(l2_head) and C % l2_head == 0):
+            raise ValueError(f"short_conv kernels: l2_head {l2_head} needs silu, a power of two in [16, "
+                             f"{BWD_BLOCK_C}] and {C} channels a whole number of heads")
         x, weight = x.contiguous(), weight.contiguous()
         tail = None if tail is None else tail.contiguous()
         doc_ids = None if doc_ids is None else doc_ids.contiguous()
         y = torch.empty_like(x)
         new_tail = torch.empty(B, W - 1, C, device=x.device, dtype=torch.float32)
-        if l2_head is not None and not (silu and l2_fusable(l2_head) and C % l2_head == 0):
-            raise ValueError(f"short_conv kernels: l2_head {l2_head} needs silu, a power of two in [16, "
-                             f"{BWD_BLOCK_C}] and {C} channels a whole number of heads")
         BLOCK_C = max(_block_c(C), l2_head or 0)  # (whole heads a tile)
         grid = (triton.cdiv(T, _FWD_BLOCK_T), triton.cdiv(C, BLOCK_C), B)
         with on_device(x):

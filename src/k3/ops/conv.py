@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from k3.ops.norm import l2_norm
+from k3.ops.norm import l2_norm, l2_norm_reference
 from k3.ops.triton_dispatch import triton_module, use_triton
 
 
@@ -51,8 +51,7 @@ def short_conv_reference(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tens
         y, new_tail = _short_conv_fp32(x, weight, tail, doc_ids)
     y = F.silu(y) if silu else y
     if l2_head is not None:
-        yf = y.unflatten(-1, (-1, l2_head)).to(torch.promote_types(y.dtype, torch.float32))
-        y = (yf * torch.rsqrt(yf.pow(2).sum(-1, keepdim=True) + 1e-6)).flatten(-2).to(y.dtype)
+        y = l2_norm_reference(y.unflatten(-1, (-1, l2_head))).flatten(-2)
     return y, new_tail
 
 

@@ -151,8 +151,8 @@ def chunk_kda_prefill(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound: floa
     Arguments as `k3.ops.kda_fla.fla_kda_gated` (q, k raw; f the gate projection; beta_logits before the sigmoid;
     A_log [H] and dt_bias [H*K] fp32; initial_state [N, H, K, V] fp32 contiguous), all of one dtype and
     contiguous; `plan` the documents of a packed row (B == 1), None for dense rows; `qk_normalized`: q and k come
-    L2-normalised (the norms skipped). Returns (o [B, T, H, V] in
-    q's dtype, final state [N, H, K, V] fp32 or None)."""
+    L2-normalised (the norms skipped). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or
+    None)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, f, beta_logits, A_log, dt_bias)):
         raise ValueError("chunk_kda_prefill is inference only: call it under torch.inference_mode or no_grad")
     st = _stages()

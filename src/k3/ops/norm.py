@@ -67,9 +67,14 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`x / sqrt(sum(x²) + eps)` over the last dim (KDA's q/k normalisation); fused on CUDA like `rms_norm`."""
-    if _fused(x):
-        return triton_module("_norm_triton").l2_norm(x, eps)
+def l2_norm_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(sum(x²) + eps)` over the last dim in plain PyTorch (at least fp32 inside, x's dtype out)."""
     xf = x.to(_compute_dtype(x))
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`l2_norm_reference` (KDA's q/k normalisation); fused on CUDA like `rms_norm`."""
+    if _fused(x):
+        return triton_module("_norm_triton").l2_norm(x, eps)
+    return l2_norm_reference(x, eps)
