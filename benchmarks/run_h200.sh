@@ -57,7 +57,7 @@ for step in $steps; do
                 tests/test_serve_split_steps.py tests/test_serve_host_syncs.py tests/test_serve_expert_balance.py \
                 tests/test_kda_decode_triton.py tests/test_router_triton.py tests/test_attn_res_norm_triton.py \
                 tests/test_block_grads.py tests/test_shared_input_grad.py tests/test_sigmoid_gate_triton.py \
-                tests/test_mla_keys_triton.py \
+                tests/test_mla_keys_triton.py tests/test_qk_norm_fold.py \
                 tests/test_kda_fla_lean.py tests/test_inference_launchers.py tests/test_expert_skip_triton.py \
                 tests/test_serve_decode_layout.py tests/test_serve_async_output.py \
                 tests/test_gemv_triton.py tests/test_mla_static_decode_triton.py tests/test_moe_expert_major_triton.py \
