@@ -6,14 +6,16 @@ CUDA time. Decode is profiled without a CUDA graph (a graph hides its kernels fr
 are the same, only the launch gaps between them differ), eager and, with --compile, compiled.
 Each decode batch also times the same step replayed from a CUDA graph: graph time minus kernel time = gaps.
 Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--decode-batches 1,64] [--rows 25]
-     [--stack 4] [--shapes] [--docs 512]
+     [--stack 4] [--shapes] [--ops REGEX] [--docs 512]
 """
 import argparse
 import os
+import re
 import sys
 import time
 
 import torch
+from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -26,10 +28,12 @@ from k3.model.decoder import K3ForCausalLM  # noqa: E402
 from k3.ops.fused_linear import fuse_projections  # noqa: E402
 
 
-def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0, shapes: bool = False) -> dict:
+def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0, shapes: bool = False,
+             ops: str = "") -> dict:
     """Profile `reps` calls of fn after two warm-up calls; print and return the summary. stack > 0 also
     prints the top ops grouped by that many frames of their Python call stack (which line launched them);
-    shapes, the top ops grouped by their inputs' shapes (which matmul, which copy)."""
+    shapes, the top ops grouped by their inputs' shapes (which matmul, which copy); ops (a regular expression),
+    those tables once more with only the ops whose names match (the small passes the top rows leave out)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -48,16 +52,20 @@ def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0, shapes: bo
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
     print(table, flush=True)
     summary["table"] = table
-    if stack:
-        by_line = prof.key_averages(group_by_stack_n=stack).table(
-            sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40, max_src_column_width=110)
-        print(by_line, flush=True)
-        summary["by_stack"] = by_line
-    if shapes:
-        by_shape = prof.key_averages(group_by_input_shape=True).table(
-            sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40, max_shapes_column_width=90)
-        print(by_shape, flush=True)
-        summary["by_shape"] = by_shape
+    groupings = {"by_stack": (stack, dict(group_by_stack_n=stack), dict(max_src_column_width=110)),
+                 "by_shape": (shapes, dict(group_by_input_shape=True), dict(max_shapes_column_width=90))}
+    for key, (wanted, group, width) in groupings.items():
+        if not wanted:
+            continue
+        averages = prof.key_averages(**group)
+        selections = [(key, averages)]
+        if ops:
+            matching = EventList([e for e in averages if re.search(ops, e.key)])
+            selections.append((f"{key} of ops matching {ops!r}", matching))
+        for title, events in selections:
+            text = events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40, **width)
+            print(f"-- {title}\n{text}", flush=True)
+            summary[title] = text
     return summary
 
 
@@ -71,6 +79,9 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--stack", type=int, default=0, help="also group the ops by N stack frames")
     ap.add_argument("--shapes", action="store_true", help="also group the ops by their inputs' shapes")
+    ap.add_argument("--ops", default="", metavar="REGEX",
+                    help="with --stack/--shapes: those tables again for the ops whose names match, e.g. "
+                         "'^aten::(copy_|add|to|cat)$' or 'elementwise'")
     ap.add_argument("--docs", type=int, default=0, metavar="L",
                     help="train on rows packed with documents of L tokens (bench_gpu_train.py --docs)")
     a = ap.parse_args()
@@ -91,7 +102,7 @@ def main():
             opt.step()
             opt.zero_grad(set_to_none=True)
         name = f"train B{a.batch}xT{a.seq}" + (f" docs {a.docs}" if a.docs else "")
-        out.append(profiled(name, step, a.rows, reps=2, stack=a.stack, shapes=a.shapes))
+        out.append(profiled(name, step, a.rows, reps=2, stack=a.stack, shapes=a.shapes, ops=a.ops))
         with torch.no_grad():
             out.append(profiled(f"forward only B{a.batch}xT{a.seq}", lambda: model(ids), a.rows, reps=2))
         del opt
@@ -105,7 +116,7 @@ def main():
             with torch.no_grad():
                 cache = filled_cache(model, cfg, B, 4096)
                 out.append(profiled(f"decode B{B} ctx4096 eager", lambda: model(tok, cache=cache), a.rows,
-                                    stack=a.stack, shapes=a.shapes))
+                                    stack=a.stack, shapes=a.shapes, ops=a.ops))
                 if a.compile:
                     core = torch.compile(model.model)
                     cache = filled_cache(model, cfg, B, 4096)
