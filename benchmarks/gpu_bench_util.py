@@ -6,6 +6,7 @@ import datetime
 import importlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,14 @@ def with_stacks() -> dict:
     """torch.profiler.profile's arguments that record each op's Python stack (for `group_by_stack_n`):
     `with_stack=True` alone records none (pytorch/pytorch#100253), its experimental verbose config is needed too."""
     return dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+
+
+def ops_matching(averages, pattern: str):
+    """The rows of a profiler's `key_averages()` whose op names match the regular expression `pattern`, as an
+    EventList (its `table` prints them as the full table would)."""
+    from torch.autograd.profiler_util import EventList
+
+    return EventList([e for e in averages if re.search(pattern, e.key)])
 
 
 def active_params(model, cfg, skip: tuple[str, ...] = ()) -> int:

@@ -10,17 +10,15 @@ Run: PYTHONPATH=src python benchmarks/profile_gpu.py [--case train,decode] [--de
 """
 import argparse
 import os
-import re
 import sys
 import time
 
 import torch
-from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu_decode import filled_cache  # noqa: E402
-from gpu_bench_util import save, time_ms, with_stacks  # noqa: E402
+from gpu_bench_util import ops_matching, save, time_ms, with_stacks  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.cuda_graph import GraphedDecodeStep  # noqa: E402
@@ -60,8 +58,7 @@ def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0, shapes: bo
         averages = prof.key_averages(**group)
         selections = [(key, averages)]
         if ops:
-            matching = EventList([e for e in averages if re.search(ops, e.key)])
-            selections.append((f"{key} of ops matching {ops!r}", matching))
+            selections.append((f"{key} of ops matching {ops!r}", ops_matching(averages, ops)))
         for title, events in selections:
             text = events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40, **width)
             print(f"-- {title}\n{text}", flush=True)

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from gpu_bench_util import with_stacks  # noqa: E402
+from gpu_bench_util import ops_matching, with_stacks  # noqa: E402
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -28,3 +28,16 @@ def _stack_table(**kwargs) -> str:
 
 def test_the_stack_settings_name_the_launching_lines():
     assert "test_profile_stacks.py" in _stack_table(**with_stacks())
+
+
+def test_ops_matching_keeps_only_the_named_ops():
+    """profile_gpu.py --ops: the grouped tables again with only the ops whose names match."""
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        x = torch.randn(8, 8)
+        torch.cat([x + x, x * 2])
+    averages = prof.key_averages(group_by_input_shape=True)
+    assert {"aten::randn", "aten::add", "aten::mul", "aten::cat"} <= {e.key for e in averages}
+    kept = ops_matching(averages, r"^aten::(add|cat)$")
+    assert sorted(e.key for e in kept) == ["aten::add", "aten::cat"]
+    table = kept.table(sort_by="self_cpu_time_total", row_limit=10)
+    assert "aten::add" in table and "aten::randn" not in table
