@@ -1,6 +1,6 @@
 """One home for making a test model's trivially-initialised parts random, so that every path matters: the AttnRes
 queries (`res_proj`, zero at init), KDA's `A_log` (zero), optionally the norm weights (one), and the router's
-score-correction bias (zero)."""
+score-correction bias (zero); and the tiny training model the gradient tests share (`random_tiny_model`)."""
 from __future__ import annotations
 
 import torch
@@ -23,3 +23,15 @@ def randomize_trivial_parts(model: torch.nn.Module, g: torch.Generator, bias_sca
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * bias_scale)
     return model
+
+
+def random_tiny_model(seed: int, dtype: torch.dtype = torch.float64, device: str = "cpu"):
+    """The tiny preset, its weights from `seed` and every trivial part random (router bias 0.01·N(0, 1), norm
+    weights × (1 + 0.1·N(0, 1))), in `dtype` on `device`, in training mode."""
+    from k3 import K3Config, K3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(K3Config.preset("tiny"))
+    model.reset_parameters(seed=seed)
+    randomize_trivial_parts(model, torch.Generator().manual_seed(seed + 1), bias_scale=0.01, norm_scale=0.1)
+    return model.to(device, dtype).train()

@@ -13,20 +13,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's import
 
-from k3 import K3Config, K3ForCausalLM, envs  # noqa: E402
+from k3 import K3Config, envs  # noqa: E402
 from k3.model import attn_res  # noqa: E402
 from k3.model import norm as norm_module  # noqa: E402
-from random_model import randomize_trivial_parts  # noqa: E402
+from random_model import random_tiny_model as tiny_model  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def tiny_model(seed: int, dtype=torch.float64, device="cpu") -> K3ForCausalLM:
-    torch.manual_seed(seed)
-    model = K3ForCausalLM(K3Config.preset("tiny"))
-    model.reset_parameters(seed=seed)
-    randomize_trivial_parts(model, torch.Generator().manual_seed(seed + 1), bias_scale=0.01, norm_scale=0.1)
-    return model.to(device, dtype).train()
 
 
 def gradients(model, ids, embeds=None):

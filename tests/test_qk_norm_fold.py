@@ -10,19 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede triton's import
 
-from k3 import K3Config, K3ForCausalLM, envs  # noqa: E402
+from k3 import K3ForCausalLM, envs  # noqa: E402
 from k3.model import kda as kda_module  # noqa: E402
 from k3.ops import conv as conv_module  # noqa: E402
 from k3.ops import kda_core as core_module  # noqa: E402
-from random_model import randomize_trivial_parts  # noqa: E402
-
-
-def tiny_model(seed: int, dtype, device="cpu") -> K3ForCausalLM:
-    torch.manual_seed(seed)
-    model = K3ForCausalLM(K3Config.preset("tiny"))
-    model.reset_parameters(seed=seed)
-    randomize_trivial_parts(model, torch.Generator().manual_seed(seed + 1), norm_scale=0.1)
-    return model.to(device, dtype).train()
+from random_model import random_tiny_model as tiny_model  # noqa: E402
 
 
 def loss_and_grads(model, ids, doc_ids=None):

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k3 import K3Config, K3ForCausalLM, envs
+from k3 import envs
 from k3.ops.fused_linear import FusedLinears, _SharedInputProjections
-from random_model import randomize_trivial_parts
+from random_model import random_tiny_model as tiny_model
 
 
 def both_paths(fn):
@@ -138,14 +138,6 @@ def test_node_returns_contiguous_outputs():
     x = torch.randn(3, 5, 8, requires_grad=True)
     ys = _SharedInputProjections.apply(x, torch.randn(4, 8), torch.randn(7, 8))
     assert [tuple(y.shape) for y in ys] == [(3, 5, 4), (3, 5, 7)] and all(y.is_contiguous() for y in ys)
-
-
-def tiny_model(seed: int) -> K3ForCausalLM:
-    torch.manual_seed(seed)
-    model = K3ForCausalLM(K3Config.preset("tiny"))
-    model.reset_parameters(seed=seed)
-    randomize_trivial_parts(model, torch.Generator().manual_seed(seed + 1), bias_scale=0.01, norm_scale=0.1)
-    return model.double().train()
 
 
 @pytest.mark.parametrize("layer_idx,part", [(1, "self_attn"), (5, "self_attn"), (2, "block_sparse_moe")])

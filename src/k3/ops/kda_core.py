@@ -99,12 +99,12 @@ def kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
     in_kernel = (state_in_place and recurrent and initial_state.dtype == torch.float32
                  and initial_state.is_contiguous() and not (torch.is_grad_enabled() and q.requires_grad))
     if backend == "fla" and safe_gate_ok(lower_bound):  # gate, L2 norms and beta inside fla's kernels
-        fla_args["qk_normalized"] = qk_normalized  # (q and k normalised by the caller: fla skips its norms)
         if in_kernel:
             return fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound, recurrent=True,
-                                 state_in_place=True, **fla_args)
+                                 state_in_place=True, qk_normalized=qk_normalized, **fla_args)
         o, state = fla_kda_gated(q, k, v, f, beta_logits, A_log, dt_bias, lower_bound,
-                                 recurrent=None if recurrent else False, plan=plan, **fla_args)
+                                 recurrent=None if recurrent else False, plan=plan, qk_normalized=qk_normalized,
+                                 **fla_args)
         return _written_over(o, state, initial_state if state_in_place else None)
     if not qk_normalized:
         q, k = l2_norm(q), l2_norm(k)
