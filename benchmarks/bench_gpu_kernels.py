@@ -730,7 +730,7 @@ def main():
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
         print(table(swept, ["op", "rows", "launch", "splits", "us", "floor_us", "of_floor"]))
         return save("decode_sweep", {"rows": swept, "copy_TBps": bw / 1e12})
-    moe_cols = ["op", "rows", "impl", "us", "floor_us", "GBps", "rel_err"]
+    moe_cols = ["op", "rows", "max_slots", "impl", "us", "floor_us", "GBps", "rel_err"]
     if a.moe or a.moe_sweep:
         moe = moe_expert_sweep(bw) if a.moe_sweep else moe_expert_rows(bw)
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -1036,9 +1036,11 @@ def gemv_sweep(bw: float, row_counts=(1, 8)) -> list[dict]:
     return out
 
 
-def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "expert-major", "slot-major")) -> list[dict]:
+def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "expert-major", "slot-major"),
+                    hot: int = 0) -> list[dict]:
     """`small`'s routed experts at decode (64 experts, top-8, latent 768, width 512, bf16; each token's 8
-    experts drawn at random, distinct): the expert-major kernel (k3::moe_expert_major, opt-in), the grouped path
+    experts drawn at random, distinct; with `hot`, expert 0 among the first `hot` tokens' choices: an expert past
+    one pass of 16 slots, as near-uniform routing gives some layers at 64 tokens): the expert-major kernel (k3::moe_expert_major, opt-in), the grouped path
     LatentMoE.combine_experts takes past N·k = E/4 without it (sort, counts, permute, torch._grouped_mm ×3,
     SiTU, unpermute, weighted sum) and the slot-major kernel (k3.ops._moe_decode_triton, one program a slot).
     µs per call from a CUDA graph of calls over 2 copies of the expert stacks (2 × 151 MB: L2 cold); floor: the
@@ -1062,6 +1064,11 @@ def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "exper
     for n in batches:
         z = torch.randn(n, L, device="cuda", dtype=torch.bfloat16)
         idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(n)])
+        if hot:  # expert 0 into the first `hot` tokens' choices (in place of its own slot, or of their first)
+            for t in range(min(hot, n)):
+                if not (idx[t] == 0).any():
+                    idx[t, 0] = 0
+        max_slots = torch.bincount(idx.flatten(), minlength=E).max().item()
         w = torch.rand(n, k, device="cuda", dtype=torch.bfloat16)
         nbytes = idx.unique().numel() * 3 * I * L * 2 + 2 * n * L * 2
 
@@ -1081,7 +1088,8 @@ def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "exper
                 assert taken == (impl == "expert-major") or force is None, (impl, taken)
                 out = fn(stacks[0]).float()
                 us = _graphed_us(fn, stacks)
-            rows.append(dict(op="decode MoE experts (small)", rows=n, impl=impl, us=us, floor_us=nbytes / bw * 1e6,
+            rows.append(dict(op="decode MoE experts (small)", rows=n, max_slots=max_slots, impl=impl, us=us,
+                             floor_us=nbytes / bw * 1e6,
                              GBps=nbytes / us * 1e-3, rel_err=((out - want).norm() / want.norm()).item()))
             print(rows[-1], flush=True)
     return rows
@@ -1092,14 +1100,15 @@ def moe_expert_sweep(bw: float) -> list[dict]:
     one untimed pass of the default (session 35, H100: the first rows timed read ~10% slow, warming the card)."""
     from k3.ops import _moe_expert_major_triton as kernels  # (needs triton)
     moe_expert_rows(bw, impls=("expert-major",))
-    variants = [{}, dict(prefetch=True), dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
+    variants = [{}, dict(split_passes_from=0), dict(split_passes_from=4), dict(prefetch=True), dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
                 dict(down_block_l=32), dict(down_block_l=128), dict(wide_l_from=0), dict(wide_l_from=1 << 20),
                 dict(down_block_i=128), dict(stages=2), dict(stages=4), dict(warps=8), dict(scan=64),
                 dict(wide_m_from=0)]
     out = []
     for change in variants:
         with changed_launch(kernels.LAUNCH, change):
-            out += [dict(row, launch=_label(change)) for row in moe_expert_rows(bw, impls=("expert-major",))]
+            out += [dict(row, launch=_label(change)) for hot in (0, 24)
+                    for row in moe_expert_rows(bw, (8, 64) if not hot else (64,), ("expert-major",), hot)]
     return out
 
 

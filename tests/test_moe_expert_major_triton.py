@@ -164,14 +164,42 @@ def test_down_takes_wide_w2_tiles_from_the_launch_threshold(N, monkeypatch):
     z, idx, wt, w1, w3, w2 = case(N, 4, E, L, I, seed=N)
     out, want = run(z, idx, wt, w1, w3, w2)
     assert rel_err(out, want) < 1e-5
-    assert launched == [((E, -(-L // rows_l)), rows_l)]
+    assert launched == [((E, -(-L // rows_l), 1), rows_l)]
+
+
+@pytest.mark.parametrize("k,split_from", [(1, 0), (3, 0), (3, 1 << 20)])
+def test_two_programs_take_turns_at_an_experts_passes(k, split_from, monkeypatch):
+    """From LAUNCH["split_passes_from"] slots an expert on average, each (expert, block) gets two programs taking
+    turns at its passes (0, 2, 4, … and 1, 3, 5, …): 33 tokens × k on expert 1 of 8 is 3 passes of 16 (k = 1) or 4
+    of 32 (k = 3: passes past the two programs' first turn); either way the reference's result, and the launches
+    carry that many programs a block."""
+    monkeypatch.setitem(kernels.LAUNCH, "split_passes_from", split_from)
+    grids = []
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        inner = getattr(kernels, name)
+
+        class Recording:
+            def __getitem__(self, grid, inner=inner):
+                grids.append(grid)
+                return inner[grid]
+        monkeypatch.setattr(kernels, name, Recording())
+    idx = torch.ones(33, k, dtype=torch.long)
+    idx[::5, 0] = 6  # a second, lighter expert, and experts nobody chose
+    z, _, wt, w1, w3, w2 = case(33, k, 8, 40, 72, seed=k + 7, idx=idx)
+    out, want = run(z, idx, wt, w1, w3, w2)
+    assert rel_err(out, want) < 1e-5
+    split = 2 if split_from == 0 else 1
+    assert kernels.passes(idx.numel(), 8) == split and [g[2] for g in grids] == [split, split]
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the interpreter's calls of a jitted helper (no seam in a "
                     "compiled kernel)")
-def test_each_chosen_expert_tile_is_read_once_per_16_slots_and_no_other(monkeypatch):
+@pytest.mark.parametrize("split_from", [1 << 20, 0])
+def test_each_chosen_expert_tile_is_read_once_per_16_slots_and_no_other(split_from, monkeypatch):
     """A spy on `_dot` (one call per weight tile multiplied): gate+up read each chosen expert's W1 and W3 tiles,
-    down its W2 tiles, once per 16 of its slots; an expert nobody chose is never read."""
+    down its W2 tiles, once per 16 of its slots; an expert nobody chose is never read. The same with two programs
+    taking turns at the passes (the second of a one-pass expert reads nothing)."""
+    monkeypatch.setitem(kernels.LAUNCH, "split_passes_from", split_from)
     calls = []
     inner = kernels._dot
 

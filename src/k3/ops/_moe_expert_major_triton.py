@@ -37,12 +37,17 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 # k3.ops._pdl_triton); untimed.
 # wide_m_from: the average slots an expert from which a pass takes 32 slots (`block_m`); wide_l_from: the same
 # from which down takes down_wide_block_l rows of W2 a program (`down_block_l`).
+# split_passes_from: the average slots an expert from which each (expert, block) gets two programs, the first taking
+# passes 0, 2, 4, … of BLOCK_M slots and the second 1, 3, 5, … (`passes`): an expert routed past one pass (at batch 64
+# near-uniform routing puts 17–18 slots on some expert in ~6 of small's 15 MoE layers) then reads its tiles in two
+# programs side by side, not twice in one that the whole launch waits on; a second program with nothing to take
+# ends after its scan. Off (2**20) until timed: `--moe-sweep`'s `split_passes_from` rows.
 # tail: the combine's launch takes the LatentMoE's routed norm and shared GLU where offered
 # (k3.ops.moe_decode.selected_experts_tail; false: the caller runs them apart, the A/B of `bench_gpu_decode.py
 # --launch _moe_expert_major_triton:tail=false`).
 LAUNCH = dict(gate_up_block_i=64, gate_up_block_l=64, down_block_l=64, down_block_i=64, stages=3, warps=4,
               scan=128, combine_block=256, prefetch=False, prefetch_steps=4, wide_m_from=12,
-              down_wide_block_l=128, wide_l_from=4, tail=True)
+              down_wide_block_l=128, wide_l_from=4, split_passes_from=1 << 20, tail=True)
 
 
 def block_m(slots: int, experts: int) -> int:
@@ -53,6 +58,12 @@ def block_m(slots: int, experts: int) -> int:
     them; yet wide_m_from=0, passes of 32 from the first slot, was slower there: H100, session 35, `--moe-sweep`,
     110 µs against 91.5.)"""
     return 32 if slots > LAUNCH["wide_m_from"] * experts else 16
+
+
+def passes(slots: int, experts: int) -> int:
+    """Programs each (expert, block of weight rows) gets: 2 once the experts average at least
+    LAUNCH["split_passes_from"] slots (program p takes the passes p, p + 2, …), else 1."""
+    return 2 if slots >= LAUNCH["split_passes_from"] * experts else 1
 
 
 def down_block_l(slots: int, experts: int) -> int:
@@ -100,7 +111,7 @@ def _dot(a, b, DOT_IN_FP32: tl.constexpr):
 def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gate, beta_up, TOP_K: tl.constexpr,
                     I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                     BLOCK_L: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
-                    DOT_IN_FP32: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                    DOT_IN_FP32: tl.constexpr, PASSES: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                     PF_STEPS: tl.constexpr = 1, PF_CHUNKS: tl.constexpr = 1):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # rows of W1_e, W3_e = columns of h
@@ -109,8 +120,8 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gat
         _prefetch_expert_rows(w3_ptr, e, rows, I, L, 0, PF_STEPS * BLOCK_L, PF_CHUNKS)
     pdl_enter(PDL)
     w_rows = e.to(tl.int64) * I * L + rows[:, None] * L
-    slots, count = _routed_slots(idx_ptr, S, e, 0, BLOCK_M, SCAN)
-    base = 0
+    base = tl.program_id(2) * BLOCK_M  # this program's first pass (of PASSES taking turns)
+    slots, count = _routed_slots(idx_ptr, S, e, base, BLOCK_M, SCAN)
     while base < count:  # no slot: nothing read (an empty expert's programs end here)
         ok = slots >= 0
         x_rows = z_ptr + (tl.where(ok, slots, 0) // TOP_K).to(tl.int64)[:, None] * stride_z
@@ -130,14 +141,14 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gat
         h = _situ_glu(acc_g, acc_u, beta_gate, beta_up, EXACT)
         tl.store(h_ptr + slots.to(tl.int64)[:, None] * I + rows[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=ok[:, None] & (rows[None, :] < I))
-        base += BLOCK_M
+        base += PASSES * BLOCK_M
         slots, _ = _routed_slots(idx_ptr, S, e, base, BLOCK_M, SCAN)
 
 
 @triton.jit
 def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr,
-                 DOT_IN_FP32: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+                 DOT_IN_FP32: tl.constexpr, PASSES: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
                  PF_STEPS: tl.constexpr = 1, PF_CHUNKS: tl.constexpr = 1):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)  # rows of W2_e = columns of y
@@ -145,8 +156,8 @@ def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.conste
         _prefetch_expert_rows(w2_ptr, e, rows, L, I, 0, PF_STEPS * BLOCK_I, PF_CHUNKS)
     pdl_enter(PDL)
     w_rows = e.to(tl.int64) * L * I + rows[:, None] * I
-    slots, count = _routed_slots(idx_ptr, S, e, 0, BLOCK_M, SCAN)
-    base = 0
+    base = tl.program_id(2) * BLOCK_M  # this program's first pass (of PASSES taking turns)
+    slots, count = _routed_slots(idx_ptr, S, e, base, BLOCK_M, SCAN)
     while base < count:
         ok = slots >= 0
         h_rows = h_ptr + tl.where(ok, slots, 0).to(tl.int64)[:, None] * I
@@ -159,7 +170,7 @@ def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.conste
             w = tl.load(w2_ptr + w_rows + cols[None, :], mask=(rows[:, None] < L) & (cols[None, :] < I), other=0.0)
             acc += _dot(h, tl.trans(w), DOT_IN_FP32)
         tl.store(y_ptr + slots.to(tl.int64)[:, None] * L + rows[None, :], acc, mask=ok[:, None] & (rows[None, :] < L))
-        base += BLOCK_M
+        base += PASSES * BLOCK_M
         slots, _ = _routed_slots(idx_ptr, S, e, base, BLOCK_M, SCAN)
 
 
@@ -247,18 +258,19 @@ def _expert_major_op(z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     h = torch.empty(N * k, I, dtype=z.dtype, device=z.device)  # rounded as the reference rounds SiTU's output
     y = torch.empty(N * k, L, dtype=torch.float32, device=z.device)
     p = LAUNCH
-    common = dict(BLOCK_M=block_m(N * k, E), SCAN=p["scan"], STAGES=p["stages"],
+    split = passes(N * k, E)
+    common = dict(BLOCK_M=block_m(N * k, E), SCAN=p["scan"], STAGES=p["stages"], PASSES=split,
                   DOT_IN_FP32=not z.is_cuda or z.dtype == torch.float32, num_warps=p["warps"])
     launch = pdl.launch(z)
     prefetch = pdl.prefetching(launch, z, w1, w3, w2, opted_in=p["prefetch"])
     with on_device(z):
-        _gate_up_kernel[(E, triton.cdiv(I, p["gate_up_block_i"]))](
+        _gate_up_kernel[(E, triton.cdiv(I, p["gate_up_block_i"]), split)](
             z, idx, w1, w3, h, N * k, z.stride(0), float(beta_gate), float(beta_up), TOP_K=k, I=I, L=L,
             BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=z.dtype == torch.float32, **common,
             PREFETCH=prefetch, PF_STEPS=p["prefetch_steps"], PF_CHUNKS=max(1, 32 * p["warps"] // p["gate_up_block_i"]),
             **launch)
         rows_l = down_block_l(N * k, E)
-        _down_kernel[(E, triton.cdiv(L, rows_l))](
+        _down_kernel[(E, triton.cdiv(L, rows_l), split)](
             h, idx, w2, y, N * k, I=I, L=L, BLOCK_L=rows_l, BLOCK_I=p["down_block_i"], **common,
             PREFETCH=prefetch, PF_STEPS=p["prefetch_steps"], PF_CHUNKS=max(1, 32 * p["warps"] // rows_l), **launch)
         # (the norm wants a token's whole row in one program)
