@@ -888,8 +888,11 @@ def kda_decode_sweep(bw: float, calls: int = 20) -> list[dict]:
     # launched, no spill in any: 32 columns, 4 warps 188; 64, 4 warps 252 (the default since session 30); 64, 8
     # warps 194; 128, 8 warps 192; 128, 16 warps 128 (a head's columns split over at most V / tile_v programs:
     # fewer splits at 1 row). The prefetch helped the 32-column tiles at 64 rows only (H100, session 30).
+    # programs_per_sm=16 splits a head's columns at 64 rows too (2 programs of one 64-column tile, 4 of 32): more
+    # programs to overlap one's state loads with another's arithmetic, each repeating the head's q/k/gate prologue
     changes = [{}, dict(prefetch=True), dict(programs_per_sm=2), dict(tile_v=32), dict(tile_v=32, prefetch=True),
-               dict(tile_v=64, num_warps=8), dict(tile_v=128, num_warps=8)]
+               dict(tile_v=64, num_warps=8), dict(tile_v=128, num_warps=8), dict(programs_per_sm=16),
+               dict(programs_per_sm=16, tile_v=32)]
     out = []
     for n in (1, 8, 64):
         slots = 4 * n
