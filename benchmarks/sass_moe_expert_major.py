@@ -37,14 +37,15 @@ def main():
 def launches(batch: int):
     p = kernels.LAUNCH
     bm, rows_l = kernels.block_m(batch * TOP_K, E), kernels.down_block_l(batch * TOP_K, E)
-    common = dict(BLOCK_M=bm, SCAN=p["scan"], STAGES=p["stages"], DOT_IN_FP32=False)
+    split = kernels.passes(batch * TOP_K, E)
+    common = dict(BLOCK_M=bm, SCAN=p["scan"], STAGES=p["stages"], DOT_IN_FP32=False, PASSES=split)
     launches = [
         ("gate+up", kernels._gate_up_kernel, GATE_UP,
          dict(TOP_K=TOP_K, I=I, L=L, BLOCK_I=p["gate_up_block_i"], BLOCK_L=p["gate_up_block_l"], EXACT=False, **common),
-         E * -(-I // p["gate_up_block_i"]), 2 * p["gate_up_block_i"] * p["gate_up_block_l"] * 2),
+         E * -(-I // p["gate_up_block_i"]) * split, 2 * p["gate_up_block_i"] * p["gate_up_block_l"] * 2),
         ("down", kernels._down_kernel, DOWN,
          dict(I=I, L=L, BLOCK_L=rows_l, BLOCK_I=p["down_block_i"], **common),
-         E * -(-L // rows_l), rows_l * p["down_block_i"] * 2),
+         E * -(-L // rows_l) * split, rows_l * p["down_block_i"] * 2),
         ("combine", kernels._combine_kernel, COMBINE, dict(TOP_K=TOP_K, BLOCK=p["combine_block"]),
          batch * -(-L // p["combine_block"]), 0),
         ("combine + norm + GLU", kernels._combine_kernel, COMBINE,
