@@ -1,6 +1,7 @@
 """The fused SiTU-GLU kernels (k3.ops._situ_triton) against the float64 reference, forward and backward, over
 inputs from 1e-7 to 1e3 in magnitude: small arguments are where tanh written through a sigmoid cancels. On
 CUDA where there is one, else on CPU under the Triton interpreter; skipped where triton is not installed."""
+import json
 import os
 
 import pytest
@@ -94,6 +95,39 @@ def test_bf16_kernels_round_like_the_reference():
         assert (err <= 2 ** -7 * y.detach().abs() + 1e-6 * y.detach().abs().max()).all(), name
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bf16_kernels_hold_each_element_across_magnitudes(seed):
+    """16-bit results take the lean forms (e^−|x| through exp2, 1/(1 + e) through rsqrt², tanh's series below
+    |x| = 1/8): across inputs from 1e-7 to 1e3 in magnitude, both signs (the tails, where σ and sech² are e^−|x|,
+    and around tanh's series switch), h, dgate and dup each within bf16's rounding of float64's value of the same
+    bf16 inputs (one unit in the last place: the GPU rounds to nearest, triton's interpreter truncates), plus
+    fp32-level error of what each result sums (dgate's two terms cancel near a zero of ∂a/∂g), and an absolute
+    1e-35 (values below fp32's normal range, flushed by the GPU's exp2)."""
+    g = torch.Generator().manual_seed(10 + seed)
+    n = 5000
+    magnitude = 10.0 ** torch.empty(n, dtype=torch.float64).uniform_(-7, 3, generator=g)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    switch = torch.tensor([0.125 * 4, 0.125 * 25]).repeat(50).double() * (1 + torch.linspace(-1e-2, 1e-2, 100))
+    x = torch.cat([sign * magnitude, switch, -switch]).bfloat16().double()  # (exactly the kernels' inputs)
+    gate, up = x[torch.randperm(len(x), generator=g)], x[torch.randperm(len(x), generator=g)]
+    dh = torch.randn(len(x), generator=g, dtype=torch.float64).bfloat16().double()
+    ref = situ_glu(gate, up)
+    a, b = 4 * torch.tanh(gate / 4) * torch.sigmoid(gate), 25 * torch.tanh(up / 25)
+    terms = (torch.cosh(gate / 4) ** -2 * torch.sigmoid(gate), 4 * torch.tanh(gate / 4) * torch.sigmoid(gate) *
+             torch.sigmoid(-gate))
+    want = {"h": ref, "dgate": dh * b * (terms[0] + terms[1]), "dup": dh * a * torch.cosh(up / 25) ** -2}
+    scale = {"h": ref.abs(), "dgate": (dh * b).abs() * (terms[0].abs() + terms[1].abs()), "dup": want["dup"].abs()}
+    g16, u16 = (t.bfloat16().to(DEVICE).requires_grad_() for t in (gate, up))
+    h = fused_situ_glu(g16, u16)
+    got = dict(zip(("h", "dgate", "dup"), (h, *torch.autograd.grad(h, (g16, u16), dh.bfloat16().to(DEVICE)))))
+    for name in want:
+        err = (got[name].double().cpu() - want[name]).abs()
+        allowed = 2 ** -7 * want[name].abs() + 1e-5 * scale[name] + 1e-35
+        worst = (err / allowed).max()
+        i = (err / allowed).argmax()
+        assert worst <= 1, f"{name}: {worst:.2f}x the allowed error at gate {gate[i]}, up {up[i]}: {got[name][i]} for {want[name][i]}"
+
+
 @pytest.mark.parametrize("shape, seed", [((3, 5), 0), ((2, 4, 7), 1), ((1, 1, 9), 2)])
 def test_the_forward_reads_slices_of_a_fused_projection_in_place(shape, seed, monkeypatch):
     """Decode's shared experts hand gate and up as column slices of one fused projection's output ([..., z | gate |
@@ -110,9 +144,9 @@ def test_the_forward_reads_slices_of_a_fused_projection_in_place(shape, seed, mo
 
     class Recording:  # the kernel's `[grid](...)` launch, noting which storage it was handed
         def __getitem__(self, grid):
-            def launch(g_rows, u_rows, *args, **kw):
-                launched.append((g_rows.data_ptr(), u_rows.data_ptr(), kw["STRIDED"]))
-                return real[grid](g_rows, u_rows, *args, **kw)
+            def launch(g_rows, u_rows, h, rows, cols, stride_g, stride_u, *args, **kw):
+                launched.append((g_rows.data_ptr(), u_rows.data_ptr(), rows, stride_g, stride_u))
+                return real[grid](g_rows, u_rows, h, rows, cols, stride_g, stride_u, *args, **kw)
             return launch
     monkeypatch.setattr(_situ_triton, "situ_glu_fwd_kernel", Recording())
     with torch.no_grad():
@@ -120,7 +154,10 @@ def test_the_forward_reads_slices_of_a_fused_projection_in_place(shape, seed, mo
         h_t = fused_situ_glu(gate.transpose(0, -1), up.transpose(0, -1)) if lead[0] > 1 else None
     assert h.shape == gate.shape and h.is_contiguous()
     torch.testing.assert_close(h, situ_glu(gate, up), rtol=1e-5, atol=1e-6)
-    assert launched[0] == (gate.data_ptr(), up.data_ptr(), lead != [1] * len(lead))
+    rows = gate.numel() // I
+    assert launched[0][:3] == (gate.data_ptr(), up.data_ptr(), rows)
+    if rows > 1:  # (one row's stride is never used)
+        assert launched[0][3:] == (wide.shape[-1], wide.shape[-1])
     if h_t is not None:
         torch.testing.assert_close(h_t, situ_glu(gate, up).transpose(0, -1), rtol=1e-5, atol=1e-6)
         assert launched[1][0] != gate.data_ptr()  # (copied: no view of a transpose has one row stride)
@@ -155,3 +192,40 @@ def test_the_joined_form_reads_gate_and_up_from_one_tensor_and_writes_the_gradie
         torch.testing.assert_close(situ_glu_joined(gu), h.detach(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="even"):
         situ_glu_joined(gu[..., 1:])
+
+
+# The training GLUs of `small` at 8 × 4096 tokens: the routed experts' joined form (top-8 of 512-wide experts), the
+# shared experts' (1024 wide) and layer 0's dense MLP (6144), forward then backward, on meta tensors
+SMALL_SITU_LAUNCH = """
+import torch
+from k3.ops import fused_situ as f
+m = dict(device="meta", dtype=torch.bfloat16)
+N = 8 * 4096
+outs = [f._FusedSiTUGLUJoined.apply(torch.empty(8 * N, 2 * 512, **m).requires_grad_(), 4.0, 25.0)]
+for I in (1024, 6144):
+    outs.append(f.fused_situ_glu(*(torch.empty(N, I, **m).requires_grad_() for _ in range(2))))
+for h in reversed(outs):
+    h.backward(torch.empty(h.shape, **m))
+"""
+
+
+def test_the_precompile_table_holds_the_glus_launches_at_smalls_shape():
+    """The shipped table's H200 specs of the SiTU-GLU kernels are what a training step of `small` launches (tiles,
+    warps, argument types), each form once: a spec the step never launches costs a fresh machine's precompile
+    workers a compile, and the step compiles its own in the main process. Re-record:
+    tests/launch_spec_sm90.py's launch_specs(SMALL_SITU_LAUNCH), duplicates dropped, forwards in place of the
+    table's forwards and backwards of its backwards."""
+    from launch_spec_sm90 import launch_specs
+
+    from k3.ops import tuning
+
+    launched = []
+    for spec in launch_specs(SMALL_SITU_LAUNCH):
+        if spec not in launched:
+            launched.append(spec)
+    tiles = [(s["name"].rsplit(".", 1)[1], s["constant_vals"][:2]) for s in launched]
+    assert tiles == [("situ_glu_fwd_kernel", [4, 512]), ("situ_glu_fwd_kernel", [2, 1024]),
+                     ("situ_glu_bwd_kernel", [2, 1024]), ("situ_glu_bwd_kernel", [4, 512])]
+    compiles = tuning.load_table(tuning.TABLE_PATH)["NVIDIA H200"]["compiles"]
+    table = [s for s in compiles if s["name"].startswith("k3.ops._situ_triton.")]
+    assert sorted(table, key=json.dumps) == sorted(launched, key=json.dumps)

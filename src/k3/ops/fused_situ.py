@@ -14,7 +14,19 @@ from k3.ops.triton_dispatch import on_device, triton_module, use_triton
 
 __all__ = ["fused_situ_available", "fused_situ_glu", "situ_glu_fast", "situ_glu_joined"]
 
-_BLOCK = 2048
+_TILE = 2048  # elements a program: 16 a thread at 4 warps
+
+
+def _tile_shape(cols: int) -> tuple[int, int]:
+    """(rows, columns) of a kernel program's tile: a row's columns in blocks of up to 1024 (a power of two), as
+    many rows as fill _TILE elements."""
+    block_c = min(1024, 1 << max(cols - 1, 0).bit_length())
+    return max(1, _TILE // block_c), block_c
+
+
+def _launch_grid(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
+    block_r, block_c = _tile_shape(cols)
+    return (triton_cdiv(rows, block_r), triton_cdiv(cols, block_c)), dict(BLOCK_R=block_r, BLOCK_C=block_c)
 
 
 def fused_situ_available(x: torch.Tensor) -> bool:
@@ -39,14 +51,13 @@ def _situ_forward(gate, up, beta_gate, beta_up):
     out first was two launches a MoE layer (session 33's H100 profile at batch 64: ~100 µs of a 3.5 ms step)."""
     g, u = _rows(gate), _rows(up)
     h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    n, cols = g.numel(), g.shape[1]
-    strided = g.stride(0) != cols or u.stride(0) != cols
-    if n:
+    rows, cols = g.shape
+    if g.numel():
+        grid, tile = _launch_grid(rows, cols)
         kern = triton_module("_situ_triton")
         with on_device(gate):
-            kern.situ_glu_fwd_kernel[(triton_cdiv(n, _BLOCK),)](g, u, h, n, cols, g.stride(0), u.stride(0),
-                                                                float(beta_gate), float(beta_up), BLOCK=_BLOCK,
-                                                                EXACT=h.dtype == torch.float32, STRIDED=strided)
+            kern.situ_glu_fwd_kernel[grid](g, u, h, rows, cols, g.stride(0), u.stride(0), float(beta_gate),
+                                           float(beta_up), EXACT=h.dtype == torch.float32, **tile)
     return h
 
 
@@ -55,11 +66,11 @@ def _situ_backward(gate, up, dh, dg, du, betas, row_stride=None):
     far apart, and dg, du the halves of the gradient laid out alike (else all four are packed)."""
     n, cols = gate.numel(), gate.shape[-1]
     if n:
+        grid, tile = _launch_grid(n // cols, cols)
         kern = triton_module("_situ_triton")
         with on_device(gate):
-            kern.situ_glu_bwd_kernel[(triton_cdiv(n, _BLOCK),)](gate, up, dh, dg, du, n, cols, row_stride or cols,
-                                                                *betas, BLOCK=_BLOCK, EXACT=dg.dtype == torch.float32,
-                                                                STRIDED=row_stride is not None)
+            kern.situ_glu_bwd_kernel[grid](gate, up, dh, dg, du, n // cols, cols, row_stride or cols, *betas,
+                                           EXACT=dg.dtype == torch.float32, **tile)
 
 
 class _FusedSiTUGLU(torch.autograd.Function):
