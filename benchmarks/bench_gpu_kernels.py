@@ -7,8 +7,8 @@ read once, output written once) over the copy bandwidth measured in the same run
 Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the AttnRes mix of 5 sources
 [B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps, alone and with KDA's SiLU
 after it ("triton" folds it into the conv's kernels, "torch" is the torch conv then F.silu; the row "unfused" is
-the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32); the training
-loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`: "torch" is its fp32 row chunks).
+the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32) and the routed
+experts' joined form [8·B·T, 2·512]; the training loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`: "torch" is its fp32 row chunks).
 KDA's 6 input projections of x [B, T, 1536] with a probe loss on each output ("triton" here: one autograd
 node accumulating ∂L/∂x in the GEMMs, k3.ops.fused_linear; "torch": one nn.Linear each, summed by autograd,
 K3_NO_SHARED_INPUT_GRAD=1). MLA's output gate o ⊙ σ(gate) over [B, T, 12, 128] with o a slice of 192-wide heads
@@ -77,7 +77,7 @@ from k3.model.attn_res import attn_res_mix  # noqa: E402
 from k3.model.norm import RMSNorm  # noqa: E402
 from k3.ops.conv import short_conv  # noqa: E402
 from k3.ops.cross_entropy import chunked_cross_entropy  # noqa: E402
-from k3.ops.fused_situ import situ_glu_fast  # noqa: E402
+from k3.ops.fused_situ import situ_glu_fast, situ_glu_joined  # noqa: E402
 from k3.ops.norm import l2_norm, rms_norm  # noqa: E402
 from k3.ops.router import route_tokens, router_scores  # noqa: E402
 from k3.model.attn_res import attn_res_mix_norm  # noqa: E402
@@ -104,6 +104,7 @@ def cases(B: int, T: int, device: str = "cuda"):
     conv_w = (torch.randn(D, 1, 4, device=device) * 0.5).requires_grad_()
     router_w = (torch.randn(64, D, device=device) * 0.05).bfloat16().requires_grad_()
     gate, up = r(B * T, I), r(B * T, I)
+    gu = r(8 * B * T, 2 * 512)  # the routed experts' joined gate+up GEMM output (top-8 of 512-wide experts)
     logits, labels = r(B * T, 32768), torch.randint(0, 32768, (B * T,), device=device)
     n = B * T * D * 2
     kda_in = [torch.nn.Linear(D, o, bias=False, device=device, dtype=torch.bfloat16) for o in (D, D, D, K, H, D)]
@@ -137,6 +138,8 @@ def cases(B: int, T: int, device: str = "cuda"):
         # fp32 results take the kernels' exact exp (k3.ops._situ_triton._exp_exact): what that precision costs
         "situ_glu fp32": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate.float(), up.float()], [],
                           3 * B * T * I * 4),
+        "situ_glu joined [8·B·T, 2·512]": ("_situ_triton", lambda a: situ_glu_joined(a[0]), [gu], [],
+                                           3 * 8 * B * T * 512 * 2),
     }
 
 
