@@ -8,7 +8,8 @@ Ops: RMSNorm over [B, T, 1536]; L2 norm over KDA's heads [B, T, 12, 128]; the At
 [B, T, 1536] (a layer late in a 4-block model); KDA's short conv [B, T, 1536], 4 taps, alone and with KDA's SiLU
 after it ("triton" folds it into the conv's kernels, "torch" is the torch conv then F.silu; the row "unfused" is
 the kernel conv then a separate F.silu, as before the fold); SiTU-GLU [B·T, 6144] (also in fp32) and the routed
-experts' joined form [8·B·T, 2·512]; the training loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`: "torch" is its fp32 row chunks).
+experts' joined form [8·B·T, 2·512]; the training loss over [B·T, 32768] bf16 logits (`chunked_cross_entropy`:
+"torch" is its fp32 row chunks).
 KDA's 6 input projections of x [B, T, 1536] with a probe loss on each output ("triton" here: one autograd
 node accumulating ∂L/∂x in the GEMMs, k3.ops.fused_linear; "torch": one nn.Linear each, summed by autograd,
 K3_NO_SHARED_INPUT_GRAD=1). MLA's output gate o ⊙ σ(gate) over [B, T, 12, 128] with o a slice of 192-wide heads
