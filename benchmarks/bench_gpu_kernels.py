@@ -1047,8 +1047,8 @@ def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "exper
                     hot: int = 0) -> list[dict]:
     """`small`'s routed experts at decode (64 experts, top-8, latent 768, width 512, bf16; each token's 8
     experts drawn at random, distinct; with `hot`, expert 0 among the first `hot` tokens' choices: an expert past
-    one pass of 16 slots, as near-uniform routing gives some layers at 64 tokens): the expert-major kernel (k3::moe_expert_major, opt-in), the grouped path
-    LatentMoE.combine_experts takes past N·k = E/4 without it (sort, counts, permute, torch._grouped_mm ×3,
+    one pass of 16 slots, as near-uniform routing gives some layers at 64 tokens): the expert-major kernel
+    (k3::moe_expert_major, opt-in), the grouped path LatentMoE.combine_experts takes past N·k = E/4 without it (sort, counts, permute, torch._grouped_mm ×3,
     SiTU, unpermute, weighted sum) and the slot-major kernel (k3.ops._moe_decode_triton, one program a slot).
     µs per call from a CUDA graph of calls over 2 copies of the expert stacks (2 × 151 MB: L2 cold); floor: the
     chosen experts' weights, z and r over the copy bandwidth; rel_err: against the grouped path's answer."""
@@ -1107,7 +1107,8 @@ def moe_expert_sweep(bw: float) -> list[dict]:
     one untimed pass of the default (session 35, H100: the first rows timed read ~10% slow, warming the card)."""
     from k3.ops import _moe_expert_major_triton as kernels  # (needs triton)
     moe_expert_rows(bw, impls=("expert-major",))
-    variants = [{}, dict(split_passes_from=0), dict(split_passes_from=4), dict(prefetch=True), dict(gate_up_block_i=32), dict(gate_up_block_i=128), dict(gate_up_block_l=128),
+    variants = [{}, dict(split_passes_from=0), dict(split_passes_from=4), dict(prefetch=True), dict(gate_up_block_i=32),
+                dict(gate_up_block_i=128), dict(gate_up_block_l=128),
                 dict(down_block_l=32), dict(down_block_l=128), dict(wide_l_from=0), dict(wide_l_from=1 << 20),
                 dict(down_block_i=128), dict(stages=2), dict(stages=4), dict(warps=8), dict(scan=64),
                 dict(wide_m_from=0)]

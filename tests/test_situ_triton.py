@@ -125,7 +125,8 @@ def test_bf16_kernels_hold_each_element_across_magnitudes(seed):
         allowed = 2 ** -7 * want[name].abs() + 1e-5 * scale[name] + 1e-35
         worst = (err / allowed).max()
         i = (err / allowed).argmax()
-        assert worst <= 1, f"{name}: {worst:.2f}x the allowed error at gate {gate[i]}, up {up[i]}: {got[name][i]} for {want[name][i]}"
+        assert worst <= 1, (f"{name}: {worst:.2f}x the allowed error at gate {gate[i]}, up {up[i]}: "
+                            f"{got[name][i]} for {want[name][i]}")
 
 
 @pytest.mark.parametrize("shape, seed", [((3, 5), 0), ((2, 4, 7), 1), ((1, 1, 9), 2)])

@@ -111,8 +111,8 @@ def _dot(a, b, DOT_IN_FP32: tl.constexpr):
 def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gate, beta_up, TOP_K: tl.constexpr,
                     I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                     BLOCK_L: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
-                    DOT_IN_FP32: tl.constexpr, PASSES: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                    PF_STEPS: tl.constexpr = 1, PF_CHUNKS: tl.constexpr = 1):
+                    DOT_IN_FP32: tl.constexpr, PASSES: tl.constexpr = 1, PDL: tl.constexpr = False,
+                    PREFETCH: tl.constexpr = False, PF_STEPS: tl.constexpr = 1, PF_CHUNKS: tl.constexpr = 1):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # rows of W1_e, W3_e = columns of h
     if PREFETCH:  # the first PF_STEPS steps of this program's rows of W1_e and W3_e, whether a slot is routed or not
@@ -148,8 +148,8 @@ def _gate_up_kernel(z_ptr, idx_ptr, w1_ptr, w3_ptr, h_ptr, S, stride_z, beta_gat
 @triton.jit
 def _down_kernel(h_ptr, idx_ptr, w2_ptr, y_ptr, S, I: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr, SCAN: tl.constexpr, STAGES: tl.constexpr,
-                 DOT_IN_FP32: tl.constexpr, PASSES: tl.constexpr = 1, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
-                 PF_STEPS: tl.constexpr = 1, PF_CHUNKS: tl.constexpr = 1):
+                 DOT_IN_FP32: tl.constexpr, PASSES: tl.constexpr = 1, PDL: tl.constexpr = False,
+                 PREFETCH: tl.constexpr = False, PF_STEPS: tl.constexpr = 1, PF_CHUNKS: tl.constexpr = 1):
     e = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)  # rows of W2_e = columns of y
     if PREFETCH:
