@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from k3.ops._situ_triton import _sigmoid_pair
 from k3.ops.triton_dispatch import on_device
 
 _FWD_BLOCK_T = 32
@@ -140,7 +141,7 @@ def short_conv_fwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, y_ptr, new_tail_ptr, 
     out_offs = b * T * C + _offsets(offs_t, offs_c, C, WIDE)
     out_mask = (offs_t < T)[:, None] & (offs_c < C)[None, :]
     if SILU:  # y = SiLU(conv) (backward recomputes the conv)
-        acc = acc * tl.sigmoid(acc)
+        acc = acc * _sigmoid_pair(acc, False)[0]
     if L2_HEAD:  # each head of L2_HEAD channels (whole heads a tile) L2-normalised
         acc = _l2_heads(acc, eps, BLOCK_T, BLOCK_C, L2_HEAD)
     tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
@@ -264,12 +265,12 @@ def short_conv_bwd_kernel(x_ptr, w_ptr, tail_ptr, doc_ptr, gy_ptr, gnt_ptr, gx_p
                         z += xj * _slot(w0, w1, w2, w3, j)
                     if L2_HEAD:  # dy is the gradient at the heads' norm: through it first, at s = SiLU(z) as
                         # the forward normalised it (z unrounded: the forward stores neither z nor s)
-                        sig = tl.sigmoid(z)
+                        sig, sig_neg = _sigmoid_pair(z, False)
                         dz = _l2_heads_bwd(z * sig, dz, eps, BLOCK_C, L2_HEAD)
                     else:
                         z = z.to(x_ptr.dtype.element_ty).to(tl.float32)
-                        sig = tl.sigmoid(z)
-                    dz = dz * (sig * (1.0 + z * (1.0 - sig)))
+                        sig, sig_neg = _sigmoid_pair(z, False)
+                    dz = dz * (sig * (1.0 + z * sig_neg))
             d0, d1, d2, d3 = d1, d2, d3, dz
             if NEED_GW:  # row t's products, for t in the chunk (dz is zero before it)
                 gz = tl.where(t < t0 + CHUNK_T, d3, 0.0)
