@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu_decode import filled_cache  # noqa: E402
-from gpu_bench_util import ops_matching, save, time_ms, with_stacks  # noqa: E402
+from gpu_bench_util import ops_matching, ops_table, save, time_ms, with_stacks  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.cuda_graph import GraphedDecodeStep  # noqa: E402
@@ -56,11 +56,11 @@ def profiled(name: str, fn, rows: int, reps: int = 3, stack: int = 0, shapes: bo
         if not wanted:
             continue
         averages = prof.key_averages(**group)
-        selections = [(key, averages)]
+        tables = [(key, averages.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40,
+                                       **width))]
         if ops:
-            selections.append((f"{key} of ops matching {ops!r}", ops_matching(averages, ops)))
-        for title, events in selections:
-            text = events.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=40, **width)
+            tables.append((f"{key} of ops matching {ops!r}", ops_table(ops_matching(averages, ops), reps, rows)))
+        for title, text in tables:
             print(f"-- {title}\n{text}", flush=True)
             summary[title] = text
     return summary

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from gpu_bench_util import ops_matching, with_stacks  # noqa: E402
+from gpu_bench_util import ops_matching, ops_table, with_stacks  # noqa: E402
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -39,5 +39,21 @@ def test_ops_matching_keeps_only_the_named_ops():
     assert {"aten::randn", "aten::add", "aten::mul", "aten::cat"} <= {e.key for e in averages}
     kept = ops_matching(averages, r"^aten::(add|cat)$")
     assert sorted(e.key for e in kept) == ["aten::add", "aten::cat"]
-    table = kept.table(sort_by="self_cpu_time_total", row_limit=10)
-    assert "aten::add" in table and "aten::randn" not in table
+    table = ops_table(kept, reps=1, rows=10)
+    assert "aten::add" in table and "aten::cat" in table and "aten::randn" not in table
+
+
+def test_the_ops_table_orders_by_gpu_time_a_step_without_kernel_events():
+    """On a GPU the matched rows are CPU ops that carry their kernels' time (torch's own table asserts on such a list:
+    its GPU total counts kernel events only, and there are none in it): ops_table prints them most GPU time first,
+    in ms and calls a step over the profiled steps, with their shapes or stack, and the rows' total."""
+    from types import SimpleNamespace
+
+    row = lambda key, us, n, shapes=None, stack=None: SimpleNamespace(  # noqa: E731
+        key=key, self_device_time_total=us, count=n, input_shapes=shapes, stack=stack)
+    rows = ops_matching([row("aten::copy_", 3000.0, 40, [[8, 4096]]), row("aten::mm", 9e5, 2),
+                         row("aten::add_", 9000.0, 6, stack=["moe.py(10): f", "x.py(2): g"])], r"^aten::(copy_|add_)$")
+    lines = ops_table(rows, reps=2, rows=10).splitlines()
+    assert lines[1] == "4.500 | 3 | aten::add_ | moe.py(10): f <- x.py(2): g"
+    assert lines[2] == "1.500 | 20 | aten::copy_ | [[8, 4096]]"
+    assert lines[3] == "total 6.000 ms a step over 2 rows"
