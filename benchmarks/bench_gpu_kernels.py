@@ -865,7 +865,10 @@ def mla_decode_sweep(bw: float, context: int = 4096, calls: int = 20) -> list[di
     # with 64-token tiles 255 / 0, twice the bytes in flight; dot16, 4 warps, 16-token tiles 245 / 0, two CTAs an SM)
     changes = [{}, dict(prefetch=True), dict(dot16=True), dict(dot16=True, prefetch=True), dict(dot16=True, block_n=16),
                dict(block_n=16), dict(dot16=True, block_n=64),
-               dict(dot16=True, block_n=16, num_warps=4, programs_per_sm=2)]
+               dict(dot16=True, block_n=16, num_warps=4, programs_per_sm=2),
+               # fewer, longer splits at one row (33 of 128 tokens by default): a shorter serial merge by the last
+               # program, a longer walk for each; more, shorter ones the other way
+               dict(min_split=64), dict(min_split=256), dict(min_split=512)]
     out = []
     for n in (1, 8, 64):
         (_, (_, fn, nbytes)), = _mla_static_decode_case(n, context).items()
