@@ -165,7 +165,8 @@ def test_the_forward_reads_slices_of_a_fused_projection_in_place(shape, seed, mo
 
 
 @pytest.mark.parametrize("dtype, lead, I, seed", [(torch.float32, (3, 5), 24, 0), (torch.float32, (1037,), 8, 1),
-                                                  (torch.bfloat16, (2, 7), 40, 2), (torch.float32, (3, 700), 24, 3)])
+                                                  (torch.bfloat16, (2, 7), 40, 2), (torch.float32, (3, 700), 24, 3),
+                                                  (torch.bfloat16, (5,), 1100, 4)])  # (two column tiles, one cut)
 def test_the_joined_form_reads_gate_and_up_from_one_tensor_and_writes_the_gradient_joined(dtype, lead, I, seed,
                                                                                          monkeypatch):
     """`situ_glu_joined(gu)` of the routed experts' joined gate+up GEMM output (rows [gate | up]): h and the
