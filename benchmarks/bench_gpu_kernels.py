@@ -136,7 +136,7 @@ def cases(B: int, T: int, device: str = "cuda"):
         "router GEMM [B·T, 1536] → 64": ({"router_fp32": True}, lambda a: router_scores(a[0], router_w), [x],
                                          [router_w], n + 64 * D * 2),
         "situ_glu": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate, up], [], 3 * B * T * I * 2),
-        # fp32 results take the kernels' exact exp (k3.ops._situ_triton._exp_exact): what that precision costs
+        # fp32 results take the kernels' exact exp (k3.ops._math_triton._exp_exact): what that precision costs
         "situ_glu fp32": ("_situ_triton", lambda a: situ_glu_fast(a[0], a[1]), [gate.float(), up.float()], [],
                           3 * B * T * I * 4),
         "situ_glu joined [8·B·T, 2·512]": ("_situ_triton", lambda a: situ_glu_joined(a[0]), [gu], [],

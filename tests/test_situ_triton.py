@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from k3.ops._situ_triton import _exp_exact  # noqa: E402
+from k3.ops._math_triton import _exp_exact  # noqa: E402
 from k3.ops.fused_situ import fused_situ_glu  # noqa: E402
 from k3.ops.situ import situ_glu  # noqa: E402
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from k3.ops._situ_triton import _sigmoid_pair
+from k3.ops._math_triton import _sigmoid_pair
 from k3.ops.triton_dispatch import on_device
 
 _FWD_BLOCK_T = 32

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._math_triton import _exp
 from k3.ops.triton_dispatch import on_device
 
 BLOCK_V = 4096  # columns per step of a row's loop (16 fp32 per thread at 8 warps)
@@ -28,11 +29,11 @@ def _lse_kernel(logits_ptr, lse_ptr, V, stride, BLOCK: tl.constexpr):
         x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
         # lanes that have seen only -inf keep sum 0 (exp(-inf - -inf) would be nan)
-        s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
+        s = tl.where(m_new == float("-inf"), 0.0, s * _exp(m - m_new, False) + _exp(x - m_new, False))
         m = m_new
         start += BLOCK
     m_row = tl.max(m, axis=0)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_row)), axis=0)
+    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * _exp(m - m_row, False)), axis=0)
     tl.store(lse_ptr + row, m_row + tl.log(total))
 
 
@@ -50,7 +51,7 @@ def _grad_kernel(logits_ptr, grad_ptr, lse_ptr, target_ptr, scale_ptr, V, stride
         c = start + cols
         ok = c < V
         x = tl.load(base + c, mask=ok, other=0.0).to(tl.float32)
-        p = tl.exp(x - lse) - tl.where(c == target, 1.0, 0.0)
+        p = _exp(x - lse, False) - tl.where(c == target, 1.0, 0.0)
         tl.store(out + c, (p * scale).to(grad_ptr.dtype.element_ty), mask=ok)
         start += BLOCK
 

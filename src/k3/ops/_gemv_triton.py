@@ -37,8 +37,9 @@ import triton
 import triton.language as tl
 
 from k3.ops import _pdl_triton as pdl
+from k3.ops._math_triton import _sigmoid
 from k3.ops._pdl_triton import pdl_enter, prefetch_rows_l2
-from k3.ops._situ_triton import _sigmoid, _situ_glu
+from k3.ops._situ_triton import _situ_glu
 from k3.ops.triton_dispatch import inference_op, on_device, sm_count, ticket_workspace
 
 # Rows from which 16-bit weights go through tl.dot (x padded to 16 rows); below it the FMA units. A first guess.

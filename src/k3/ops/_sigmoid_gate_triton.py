@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._math_triton import _sigmoid_pair
 from k3.ops.triton_dispatch import on_device
 
 
@@ -28,19 +29,21 @@ def _load_tile(o_ptr, g_ptr, N, stride_on, stride_oh, H: tl.constexpr, V: tl.con
 
 @triton.jit
 def _gate_fwd_kernel(o_ptr, g_ptr, out_ptr, N, stride_on, stride_oh,
-                     H: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                     H: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                     EXACT: tl.constexpr):
     o, g, offs, mask = _load_tile(o_ptr, g_ptr, N, stride_on, stride_oh, H, V, BLOCK_N, BLOCK_C)
-    tl.store(out_ptr + offs, (o * tl.sigmoid(g)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, (o * _sigmoid_pair(g, EXACT)[0]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _gate_bwd_kernel(o_ptr, g_ptr, dy_ptr, do_ptr, dg_ptr, N, stride_on, stride_oh,
-                     H: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                     H: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                     EXACT: tl.constexpr):
     o, g, offs, mask = _load_tile(o_ptr, g_ptr, N, stride_on, stride_oh, H, V, BLOCK_N, BLOCK_C)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
+    s, s_neg = _sigmoid_pair(g, EXACT)  # (σ(−g), not 1 − σ(g): no cancellation where σ(g) nears 1)
     tl.store(do_ptr + offs, (dy * s).to(do_ptr.dtype.element_ty), mask=mask)
-    tl.store(dg_ptr + offs, (dy * o * s * (1.0 - s)).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + offs, (dy * o * s * s_neg).to(dg_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(N: int, HV: int):
@@ -56,7 +59,7 @@ def gate_forward(o3: torch.Tensor, gate2: torch.Tensor) -> torch.Tensor:
     grid, block_n, block_c = _launch(N, H * V)
     with on_device(out):
         _gate_fwd_kernel[grid](o3, gate2, out, N, o3.stride(0), o3.stride(1), H=H, V=V,
-                               BLOCK_N=block_n, BLOCK_C=block_c)
+                               BLOCK_N=block_n, BLOCK_C=block_c, EXACT=out.dtype == torch.float32)
     return out
 
 
@@ -68,5 +71,5 @@ def gate_backward(dy2: torch.Tensor, o3: torch.Tensor, gate2: torch.Tensor):
     grid, block_n, block_c = _launch(N, H * V)
     with on_device(dy2):
         _gate_bwd_kernel[grid](o3, gate2, dy2, d_o, d_g, N, o3.stride(0), o3.stride(1), H=H, V=V,
-                               BLOCK_N=block_n, BLOCK_C=block_c)
+                               BLOCK_N=block_n, BLOCK_C=block_c, EXACT=d_g.dtype == torch.float32)
     return d_o, d_g
