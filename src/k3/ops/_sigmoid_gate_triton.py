@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from k3.ops._math_triton import _sigmoid_pair
-from k3.ops.triton_dispatch import on_device
+from k3.ops.triton_dispatch import on_device, row_tiles
 
 
 @triton.jit
@@ -47,9 +47,7 @@ def _gate_bwd_kernel(o_ptr, g_ptr, dy_ptr, do_ptr, dg_ptr, N, stride_on, stride_
 
 
 def _launch(N: int, HV: int):
-    block_c = min(1024, triton.next_power_of_2(HV))
-    block_n = max(1, 4096 // block_c)
-    return (triton.cdiv(N, block_n), triton.cdiv(HV, block_c)), block_n, block_c
+    return row_tiles(N, HV, 4096)
 
 
 def gate_forward(o3: torch.Tensor, gate2: torch.Tensor) -> torch.Tensor:

@@ -10,23 +10,16 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from k3.ops.situ import situ_glu
-from k3.ops.triton_dispatch import on_device, triton_module, use_triton
+from k3.ops.triton_dispatch import on_device, row_tiles, triton_module, use_triton
 
 __all__ = ["fused_situ_available", "fused_situ_glu", "situ_glu_fast", "situ_glu_joined"]
 
 _TILE = 2048  # elements a program: 16 a thread at 4 warps
 
 
-def _tile_shape(cols: int) -> tuple[int, int]:
-    """(rows, columns) of a kernel program's tile: a row's columns in blocks of up to 1024 (a power of two), as
-    many rows as fill _TILE elements."""
-    block_c = min(1024, 1 << max(cols - 1, 0).bit_length())
-    return max(1, _TILE // block_c), block_c
-
-
 def _launch_grid(rows: int, cols: int) -> tuple[tuple[int, int], dict]:
-    block_r, block_c = _tile_shape(cols)
-    return (triton_cdiv(rows, block_r), triton_cdiv(cols, block_c)), dict(BLOCK_R=block_r, BLOCK_C=block_c)
+    grid, block_r, block_c = row_tiles(rows, cols, _TILE)
+    return grid, dict(BLOCK_R=block_r, BLOCK_C=block_c)
 
 
 def fused_situ_available(x: torch.Tensor) -> bool:
@@ -115,10 +108,6 @@ class _FusedSiTUGLUJoined(torch.autograd.Function):
         _situ_backward(gu[..., :I], gu[..., I:], dh.contiguous(), dgu[..., :I], dgu[..., I:], ctx.betas,
                        row_stride=2 * I)
         return dgu, None, None
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def fused_situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0):

@@ -111,6 +111,15 @@ def sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def row_tiles(rows: int, cols: int, elements: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, rows a tile, columns a tile) of an elementwise kernel over a [rows, cols] tensor whose programs each
+    take a tile of about `elements`: a row's columns in blocks of up to 1024 (a power of two), as many rows as fill
+    the rest, so that a program finds each element's row and column without an integer division."""
+    block_c = min(1024, 1 << max(cols - 1, 0).bit_length())
+    block_r = max(1, elements // block_c)
+    return (-(-rows // block_r), -(-cols // block_c)), block_r, block_c
+
+
 # Ticket workspaces (the kernels whose last program merges the others' partials draw atomic tickets), per device,
 # every one ever handed out: a captured CUDA graph keeps writing the one it was captured with, so none may be freed
 # and its memory reused. A kernel leaves its workspace zero, and the launches of one stream never overlap, so every
