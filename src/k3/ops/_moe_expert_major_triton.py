@@ -41,7 +41,9 @@ from k3.ops.triton_dispatch import call_op, inference_op, on_device
 # passes 0, 2, 4, … of BLOCK_M slots and the second 1, 3, 5, … (`passes`): an expert routed past one pass (at batch 64
 # near-uniform routing puts 17–18 slots on some expert in ~6 of small's 15 MoE layers) then reads its tiles in two
 # programs side by side, not twice in one that the whole launch waits on; a second program with nothing to take
-# ends after its scan. Off (2**20) until timed: `--moe-sweep`'s `split_passes_from` rows.
+# ends after its scan. Off (2**20): on an H100 (session 43, `--moe-sweep`) it took a hot expert's 26–32 slots in
+# 89.5 against 93.3 µs, but the graphed batch-64 step read 3.37 against 3.20 ms; kept for skewed (trained) routing,
+# where hot experts are the rule, to be timed there.
 # tail: the combine's launch takes the LatentMoE's routed norm and shared GLU where offered
 # (k3.ops.moe_decode.selected_experts_tail; false: the caller runs them apart, the A/B of `bench_gpu_decode.py
 # --launch _moe_expert_major_triton:tail=false`).
