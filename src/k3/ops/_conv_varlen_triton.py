@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._math_triton import _sigmoid_pair
 from k3.ops.triton_dispatch import on_device
 
 BLOCK_T = 32
@@ -47,7 +48,7 @@ def conv_varlen_fwd_kernel(x_ptr, w_ptr, tail_ptr, seg_ptr, cu_ptr, y_ptr, N, C3
         w = tl.load(w_ptr + cols * W + j, mask=cmask, other=0.0).to(tl.float32)
         acc += _inputs(x_ptr, tail_ptr, rows - (W - 1) + j, seq, start, cols, mask, stride_x, stride_ts,
                        stride_tw, W) * w[None, :]
-    y = acc / (1.0 + tl.exp(-acc))  # SiLU
+    y = acc * _sigmoid_pair(acc, False)[0]  # SiLU (the training conv's form)
     part, col = cols // C, cols % C  # [3, N, C]: q, k, v each a dense block
     out = part.to(tl.int64)[None, :] * N * C + rows.to(tl.int64)[:, None] * C + col[None, :]
     tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=mask)
