@@ -1052,7 +1052,8 @@ def moe_expert_rows(bw: float, batches=(8, 64), impls=("grouped (today)", "exper
     experts drawn at random, distinct; with `hot`, expert 0 among the first `hot` tokens' choices: an expert past
     one pass of 16 slots, as near-uniform routing gives some layers at 64 tokens): the expert-major kernel
     (k3::moe_expert_major, opt-in), the grouped path LatentMoE.combine_experts takes past N·k = E/4 without it
-    (sort, counts, permute, torch._grouped_mm ×3, SiTU, unpermute, weighted sum) and the slot-major kernel (k3.ops._moe_decode_triton, one program a slot).
+    (sort, counts, permute, torch._grouped_mm ×3, SiTU, unpermute, weighted sum) and the slot-major kernel
+    (k3.ops._moe_decode_triton, one program a slot).
     µs per call from a CUDA graph of calls over 2 copies of the expert stacks (2 × 151 MB: L2 cold); floor: the
     chosen experts' weights, z and r over the copy bandwidth; rel_err: against the grouped path's answer."""
     from types import SimpleNamespace

@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated: before the import below
 pytest.importorskip("triton")
 
+from kernel_launches import record_launches  # noqa: E402
+
 from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
@@ -147,24 +149,14 @@ def test_down_takes_wide_w2_tiles_from_the_launch_threshold(N, monkeypatch):
     """From LAUNCH["wide_l_from"] (4) slots an expert on average, down's programs take 128 rows of W2 each (across
     L = 200: two programs an expert, the second cut at the edge) instead of 64 (four); either way the result is the
     reference's. N = 7 tokens × top-4 over 8 experts is 3.5 slots an expert, N = 8 is 4."""
-    launched = []
-    down = kernels._down_kernel
-
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*args, **meta):
-                launched.append((grid, meta["BLOCK_L"]))
-                return down[grid](*args, **meta)
-            return launch
-
-    monkeypatch.setattr(kernels, "_down_kernel", Recording())
+    launched = record_launches(monkeypatch, kernels, "_down_kernel")
     E, L, I = 8, 200, 48
     rows_l = 128 if N * 4 >= 4 * E else 64
     assert kernels.down_block_l(N * 4, E) == rows_l
     z, idx, wt, w1, w3, w2 = case(N, 4, E, L, I, seed=N)
     out, want = run(z, idx, wt, w1, w3, w2)
     assert rel_err(out, want) < 1e-5
-    assert launched == [((E, -(-L // rows_l), 1), rows_l)]
+    assert [(grid, meta["BLOCK_L"]) for _, grid, _, meta in launched] == [((E, -(-L // rows_l), 1), rows_l)]
 
 
 @pytest.mark.parametrize("k,split_from", [(1, 0), (3, 0), (3, 1 << 20)])
@@ -174,22 +166,14 @@ def test_two_programs_take_turns_at_an_experts_passes(k, split_from, monkeypatch
     of 32 (k = 3: passes past the two programs' first turn); either way the reference's result, and the launches
     carry that many programs a block."""
     monkeypatch.setitem(kernels.LAUNCH, "split_passes_from", split_from)
-    grids = []
-    for name in ("_gate_up_kernel", "_down_kernel"):
-        inner = getattr(kernels, name)
-
-        class Recording:
-            def __getitem__(self, grid, inner=inner):
-                grids.append(grid)
-                return inner[grid]
-        monkeypatch.setattr(kernels, name, Recording())
+    launched = record_launches(monkeypatch, kernels, "_gate_up_kernel", "_down_kernel")
     idx = torch.ones(33, k, dtype=torch.long)
     idx[::5, 0] = 6  # a second, lighter expert, and experts nobody chose
     z, _, wt, w1, w3, w2 = case(33, k, 8, 40, 72, seed=k + 7, idx=idx)
     out, want = run(z, idx, wt, w1, w3, w2)
     assert rel_err(out, want) < 1e-5
     split = 2 if split_from == 0 else 1
-    assert kernels.passes(idx.numel(), 8) == split and [g[2] for g in grids] == [split, split]
+    assert kernels.passes(idx.numel(), 8) == split and [grid[2] for _, grid, _, _ in launched] == [split, split]
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the interpreter's calls of a jitted helper (no seam in a "

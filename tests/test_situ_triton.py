@@ -14,6 +14,8 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kernel_launches import record_launches  # noqa: E402
+
 from k3.ops._math_triton import _exp_exact  # noqa: E402
 from k3.ops.fused_situ import fused_situ_glu  # noqa: E402
 from k3.ops.situ import situ_glu  # noqa: E402
@@ -21,24 +23,34 @@ from k3.ops.situ import situ_glu  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def signed_magnitudes(n: int, g: torch.Generator) -> torch.Tensor:
+    """n float64 values from 1e-7 to 1e3 in magnitude (log-uniform), either sign."""
+    magnitude = 10.0 ** torch.empty(n, dtype=torch.float64).uniform_(-7, 3, generator=g)
+    return torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double() * magnitude
+
+
+def float64_glu(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor) -> tuple[dict, dict]:
+    """({h, dgate, dup} in float64, {the size of what each sums}) of float64 gate, up and upstream dh. The
+    derivatives are written without cancellation (1 − tanh² = sech², 1 − σ(g) = σ(−g)): autograd through the
+    formula rounds 1 − tanh² to 0 in float64 too once tanh is within 1e-16 of 1. Near a zero of ∂a/∂g its two terms
+    cancel, in any precision: dgate's scale is the sum of their sizes."""
+    ref = situ_glu(gate, up)
+    a, b = 4 * torch.tanh(gate / 4) * torch.sigmoid(gate), 25 * torch.tanh(up / 25)
+    terms = (torch.cosh(gate / 4) ** -2 * torch.sigmoid(gate), 4 * torch.tanh(gate / 4) * torch.sigmoid(gate) *
+             torch.sigmoid(-gate))
+    want = {"h": ref, "dgate": dh * b * (terms[0] + terms[1]), "dup": dh * a * torch.cosh(up / 25) ** -2}
+    scale = {"h": ref.abs(), "dgate": (dh * b).abs() * (terms[0].abs() + terms[1].abs()), "dup": want["dup"].abs()}
+    return want, scale
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_fp32_kernels_match_float64_across_magnitudes(seed):
     g = torch.Generator().manual_seed(seed)
     n = 3000  # not a multiple of the block: a masked tail
-    magnitude = 10.0 ** torch.empty(n, dtype=torch.float64).uniform_(-7, 3, generator=g)
-    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
-    gate = (sign * magnitude)[torch.randperm(n, generator=g)]
-    up = (sign * magnitude)[torch.randperm(n, generator=g)]
+    x = signed_magnitudes(n, g)
+    gate, up = x[torch.randperm(n, generator=g)], x[torch.randperm(n, generator=g)]
     dh = torch.randn(n, generator=g, dtype=torch.float64)
-    ref = situ_glu(gate, up)
-    # the derivatives in float64 written without cancellation (1 − tanh² = sech², 1 − σ(g) = σ(−g)): autograd
-    # through the formula rounds 1 − tanh² to 0 in float64 too once tanh is within 1e-16 of 1
-    a, b = 4 * torch.tanh(gate / 4) * torch.sigmoid(gate), 25 * torch.tanh(up / 25)
-    terms = (torch.cosh(gate / 4) ** -2 * torch.sigmoid(gate), 4 * torch.tanh(gate / 4) * torch.sigmoid(gate) *
-             torch.sigmoid(-gate))
-    ga, ua = dh * b * (terms[0] + terms[1]), dh * a * torch.cosh(up / 25) ** -2
-    # the size of what each result sums: near a zero of ∂a/∂g its two terms cancel, in any precision
-    scale = {"h": ref.abs(), "dgate": (dh * b).abs() * (terms[0].abs() + terms[1].abs()), "dup": ua.abs()}
+    want, scale = float64_glu(gate, up, dh)
     g32, u32 = (t.detach().float().to(DEVICE).requires_grad_() for t in (gate, up))
     h = fused_situ_glu(g32, u32)
     gb, ub = torch.autograd.grad(h, (g32, u32), dh.float().to(DEVICE))
@@ -47,9 +59,9 @@ def test_fp32_kernels_match_float64_across_magnitudes(seed):
     # also where it is tiny (the bar is lower in the tails, where autograd through the formula loses everything)
     h_32 = situ_glu(g32.cpu(), u32.cpu())
     gr, ur = torch.autograd.grad(h_32, (g32, u32), dh.float())
-    for name, got, want, bar in (("h", h, ref, h_32), ("dgate", gb, ga, gr), ("dup", ub, ua, ur)):
-        err = (got.double().cpu() - want).abs()
-        allowed = 2 * (bar.double().cpu() - want).abs() + 2e-6 * scale[name] + 1e-36
+    for name, got, bar in (("h", h, h_32), ("dgate", gb, gr), ("dup", ub, ur)):
+        err = (got.double().cpu() - want[name]).abs()
+        allowed = 2 * (bar.double().cpu() - want[name]).abs() + 2e-6 * scale[name] + 1e-36
         worst = (err / allowed).max()
         assert worst <= 1, f"{name}: {worst:.1f}x the allowed error"
 
@@ -104,19 +116,11 @@ def test_bf16_kernels_hold_each_element_across_magnitudes(seed):
     fp32-level error of what each result sums (dgate's two terms cancel near a zero of ∂a/∂g), and an absolute
     1e-35 (values below fp32's normal range, flushed by the GPU's exp2)."""
     g = torch.Generator().manual_seed(10 + seed)
-    n = 5000
-    magnitude = 10.0 ** torch.empty(n, dtype=torch.float64).uniform_(-7, 3, generator=g)
-    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
     switch = torch.tensor([0.125 * 4, 0.125 * 25]).repeat(50).double() * (1 + torch.linspace(-1e-2, 1e-2, 100))
-    x = torch.cat([sign * magnitude, switch, -switch]).bfloat16().double()  # (exactly the kernels' inputs)
+    x = torch.cat([signed_magnitudes(5000, g), switch, -switch]).bfloat16().double()  # (exactly the kernels' inputs)
     gate, up = x[torch.randperm(len(x), generator=g)], x[torch.randperm(len(x), generator=g)]
     dh = torch.randn(len(x), generator=g, dtype=torch.float64).bfloat16().double()
-    ref = situ_glu(gate, up)
-    a, b = 4 * torch.tanh(gate / 4) * torch.sigmoid(gate), 25 * torch.tanh(up / 25)
-    terms = (torch.cosh(gate / 4) ** -2 * torch.sigmoid(gate), 4 * torch.tanh(gate / 4) * torch.sigmoid(gate) *
-             torch.sigmoid(-gate))
-    want = {"h": ref, "dgate": dh * b * (terms[0] + terms[1]), "dup": dh * a * torch.cosh(up / 25) ** -2}
-    scale = {"h": ref.abs(), "dgate": (dh * b).abs() * (terms[0].abs() + terms[1].abs()), "dup": want["dup"].abs()}
+    want, scale = float64_glu(gate, up, dh)
     g16, u16 = (t.bfloat16().to(DEVICE).requires_grad_() for t in (gate, up))
     h = fused_situ_glu(g16, u16)
     got = dict(zip(("h", "dgate", "dup"), (h, *torch.autograd.grad(h, (g16, u16), dh.bfloat16().to(DEVICE)))))
@@ -141,18 +145,12 @@ def test_the_forward_reads_slices_of_a_fused_projection_in_place(shape, seed, mo
     *lead, I = shape
     wide = (torch.randn(*lead, 3 * I + 5, generator=g, dtype=torch.float64) * 3).float().to(DEVICE)
     gate, up = wide[..., 5:5 + I], wide[..., 5 + 2 * I:]  # z's 5 columns, then gate, a gap of I, up
-    launched, real = [], _situ_triton.situ_glu_fwd_kernel
-
-    class Recording:  # the kernel's `[grid](...)` launch, noting which storage it was handed
-        def __getitem__(self, grid):
-            def launch(g_rows, u_rows, h, rows, cols, stride_g, stride_u, *args, **kw):
-                launched.append((g_rows.data_ptr(), u_rows.data_ptr(), rows, stride_g, stride_u))
-                return real[grid](g_rows, u_rows, h, rows, cols, stride_g, stride_u, *args, **kw)
-            return launch
-    monkeypatch.setattr(_situ_triton, "situ_glu_fwd_kernel", Recording())
+    launches = record_launches(monkeypatch, _situ_triton, "situ_glu_fwd_kernel")
     with torch.no_grad():
         h = fused_situ_glu(gate, up)
         h_t = fused_situ_glu(gate.transpose(0, -1), up.transpose(0, -1)) if lead[0] > 1 else None
+    # which storage and strides each launch was handed: (g rows, u rows, h, rows, cols, stride_g, stride_u, ...)
+    launched = [(a[0].data_ptr(), a[1].data_ptr(), a[3], a[5], a[6]) for _, _, a, _ in launches]
     assert h.shape == gate.shape and h.is_contiguous()
     torch.testing.assert_close(h, situ_glu(gate, up), rtol=1e-5, atol=1e-6)
     rows = gate.numel() // I

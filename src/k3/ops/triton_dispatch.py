@@ -115,7 +115,7 @@ def row_tiles(rows: int, cols: int, elements: int) -> tuple[tuple[int, int], int
     """(grid, rows a tile, columns a tile) of an elementwise kernel over a [rows, cols] tensor whose programs each
     take a tile of about `elements`: a row's columns in blocks of up to 1024 (a power of two), as many rows as fill
     the rest, so that a program finds each element's row and column without an integer division."""
-    block_c = min(1024, 1 << max(cols - 1, 0).bit_length())
+    block_c = min(1024, 1 << max(cols - 1, 0).bit_length())  # (triton.next_power_of_2: this module needs no triton)
     block_r = max(1, elements // block_c)
     return (-(-rows // block_r), -(-cols // block_c)), block_r, block_c
 
