@@ -516,6 +516,11 @@ def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda", stages=("wy", 
     return rows
 
 
+# the training mix forward's launch choices timed beside the default (k3.ops._attn_res_triton.FWD_LAUNCH)
+FWD_LAUNCH_CHANGES = (dict(preload=True), dict(preload=True, block_r=1), dict(preload=True, block_r=4),
+                      dict(block_r=1))
+
+
 def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[dict]:
     """A training mix with the residual add before it (k3.model.attn_res.attn_res_mix_norm with `add`: p' = p + x,
     then the mix over [blocks, p'] and its norm), 1 and 4 blocks [B, T, 1536] bf16: the add in the mix kernel's
@@ -524,8 +529,10 @@ def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[d
     norm kernel runs instead); fwd_bwd: against fixed upstream gradients for the normed mix and for p' (its other
     readers; without BlockGrads here, the separate add's side also sums those two in one more add, which the
     model's buffers do in the mix kernel either way). floor_fwd_us: the fold's forward bytes (blocks, p, x read;
-    p', the mix written) over the copy bandwidth; saved_per_step_ms: the fwd difference × small's 28 such mixes a
-    step (2 a layer, less its 4 block starts)."""
+    p', the mix written) over the copy bandwidth; over_default_per_step_ms: the fwd difference from the default ×
+    small's 28 such mixes a step (2 a layer, less its 4 block starts; positive: slower). Further rows: the fold
+    under the forward's launch choices (FWD_LAUNCH_CHANGES)."""
+    from k3.ops import _attn_res_triton as ar
     D = 1536
     gen = torch.Generator(device=device).manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen, device=device).bfloat16()  # noqa: E731
@@ -546,15 +553,17 @@ def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[d
             p, y = fwd()
             torch.autograd.grad([y, p], leaves + params, [g_y, g_p])
 
-        per = {}
-        for impl, off in (("add in the mix's launch (default)", False), ("separate add", True)):
-            with envs.override(no_residual_add_fold=off):
+        default_us = None
+        variants = [("add in the mix's launch (default)", False, {}), ("separate add", True, {})]
+        variants += [(f"fold, {_label(change)}", False, change) for change in FWD_LAUNCH_CHANGES]
+        for impl, off, change in variants:
+            with envs.override(no_residual_add_fold=off), changed_launch(ar.FWD_LAUNCH, change):
                 f_us, fb_us = time_ms(fwd, inner=20) * 1e3, time_ms(step, inner=10) * 1e3
-            per[off] = f_us
+            default_us = default_us or f_us
             nbytes = (n_blocks + 4) * B * T * D * 2
             rows.append(dict(op=f"residual add + mix ({n_blocks} blocks + p)", impl=impl, fwd_us=f_us,
                              fwd_bwd_us=fb_us, floor_fwd_us=nbytes / bw * 1e6,
-                             saved_per_step_ms=(per[True] - per[False]) * 28e-3 if off else 0.0))
+                             over_default_per_step_ms=(f_us - default_us) * 28e-3))
             print(rows[-1], flush=True)
     return rows
 
@@ -715,7 +724,7 @@ def main():
         return save("conv_l2", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     if a.residual_add:
         rows = residual_add_rows(B, T, bw)
-        print(table(rows, ["op", "impl", "fwd_us", "fwd_bwd_us", "floor_fwd_us", "saved_per_step_ms"]))
+        print(table(rows, ["op", "impl", "fwd_us", "fwd_bwd_us", "floor_fwd_us", "over_default_per_step_ms"]))
         return save("residual_add", {"rows": rows, "B": B, "T": T, "copy_TBps": bw / 1e12})
     if a.doc_attention:
         rows = doc_attention_rows()

@@ -151,6 +151,27 @@ def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dt
     torch.testing.assert_close(got[4], got[5], rtol=0, atol=0)  # p's and x's: the sum's gradient, both
 
 
+@pytest.mark.parametrize("change", [dict(preload=True), dict(preload=True, block_r=1), dict(preload=True, block_r=4),
+                                    dict(block_r=1), dict(block_r=4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_training_forwards_launch_choices_give_the_defaults_results(monkeypatch, change, dtype):
+    """FWD_LAUNCH (the sources loaded at once; rows a program) changes when loads issue and how rows tile, not the
+    arithmetic: with the add and the norm, over 4 sources at 2·7 rows (not a multiple of any tile) and D 200, the
+    output, the sum, the scores and the log-sum-exp equal the default launch's bit for bit."""
+    from k3.ops import _attn_res_triton
+
+    gen = torch.Generator().manual_seed(77)
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEVICE, dtype)  # noqa: E731
+    sources, add = [r(2, 7, 200) * (i + 1) for i in range(4)], r(2, 7, 200)
+    u, w = (torch.rand(200, generator=gen) + 0.5).to(DEVICE), (torch.randn(1, 200, generator=gen) * 0.5).to(DEVICE)
+    norm = ((torch.rand(200, generator=gen) + 0.5).to(DEVICE, dtype), 1e-6)
+    want = _attn_res_triton.mix_add_forward(u, w, 1e-5, tuple(sources), add, norm)
+    monkeypatch.setattr(_attn_res_triton, "FWD_LAUNCH", {**_attn_res_triton.FWD_LAUNCH, **change})
+    got = _attn_res_triton.mix_add_forward(u, w, 1e-5, tuple(sources), add, norm)
+    for name, a, b in zip(["out", "sum", "scores", "lse"], got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("mask", [0b00, 0b01, 0b10, 0b11])
 def test_backward_adds_into_the_buffers_it_is_given(mask):
     """mix_backward's `into`: where bit i of mask is set, source i's gradient is added to an addend (source 0:
