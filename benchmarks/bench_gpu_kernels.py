@@ -516,7 +516,7 @@ def kda_bwd_rows(B: int, T: int, bw: float, device: str = "cuda", stages=("wy", 
     return rows
 
 
-# the training mix forward's launch choices timed beside the default (k3.ops._attn_res_triton.FWD_LAUNCH)
+# the training mix forward's launch choices timed beside the default (k3.ops._attn_res_triton.LAUNCH)
 FWD_LAUNCH_CHANGES = (dict(preload=True), dict(preload=True, block_r=1), dict(preload=True, block_r=4),
                       dict(block_r=1))
 
@@ -531,7 +531,7 @@ def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[d
     model's buffers do in the mix kernel either way). floor_fwd_us: the fold's forward bytes (blocks, p, x read;
     p', the mix written) over the copy bandwidth; over_default_per_step_ms: the fwd difference from the default ×
     small's 28 such mixes a step (2 a layer, less its 4 block starts; positive: slower). Further rows: the fold
-    under the forward's launch choices (FWD_LAUNCH_CHANGES)."""
+    under the forward's launch choices (FWD_LAUNCH_CHANGES of its LAUNCH)."""
     from k3.ops import _attn_res_triton as ar
     D = 1536
     gen = torch.Generator(device=device).manual_seed(0)
@@ -557,7 +557,7 @@ def residual_add_rows(B: int, T: int, bw: float, device: str = "cuda") -> list[d
         variants = [("add in the mix's launch (default)", False, {}), ("separate add", True, {})]
         variants += [(f"fold, {_label(change)}", False, change) for change in FWD_LAUNCH_CHANGES]
         for impl, off, change in variants:
-            with envs.override(no_residual_add_fold=off), changed_launch(ar.FWD_LAUNCH, change):
+            with envs.override(no_residual_add_fold=off), changed_launch(ar.LAUNCH, change):
                 f_us, fb_us = time_ms(fwd, inner=20) * 1e3, time_ms(step, inner=10) * 1e3
             default_us = default_us or f_us
             nbytes = (n_blocks + 4) * B * T * D * 2

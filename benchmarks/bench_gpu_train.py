@@ -14,6 +14,8 @@ memory reached and the run goes on to the next shape.
 no_triton:_sigmoid_gate_triton; a choice as field=value, e.g. kda_bwd=fla; a switch that is on by default as
 fla_keep_forward=0), in the same process, so a fast path's
 before and after are timed side by side.
+--launch MODULE:k=v[,k=v] (repeatable): one more row per shape with that k3.ops kernel module's LAUNCH entries
+changed (e.g. _attn_res_triton:preload=true), launch candidates judged by the whole step.
 --compile: each shape's rows once more with the KDA, MLA, MoE and dense MLP forwards compiled
 (k3.train.compiled_regions, `k3 train --compile`), in the same process after the eager rows (which run the compiled
 functions eagerly: torch.compiler.set_stance("force_eager")); first_step_s is a compiled row's first step, compile
@@ -21,8 +23,9 @@ included, from an empty Dynamo cache (reset per shape, so each shape gets its ow
 --docs L: the rows packed with documents of L tokens (doc_ids, as `k3 train` packs its corpus: KDA's varlen core,
 MLA's attention a varlen segment a document); the FLOP count stays the whole rows' causal one.
 Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing] [--compile] [--off ...]
-     [--docs L]
+     [--docs L] [--launch MODULE:k=v]
 """
+import contextlib
 import argparse
 import dataclasses
 import gc
@@ -33,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import PEAK_BF16, active_params, save, table, time_ms  # noqa: E402
+from gpu_bench_util import PEAK_BF16, active_params, changed_launch, parse_launch, save, table, time_ms  # noqa: E402
 
 from k3 import envs  # noqa: E402
 from k3.config import K3Config  # noqa: E402
@@ -49,7 +52,13 @@ def main():
     ap.add_argument("--off", action="append", default=[], metavar="SWITCHES",
                     help="a further row per shape with these k3.envs switches set True (comma list of fields)")
     ap.add_argument("--docs", type=int, default=0, metavar="L", help="pack each row with documents of L tokens")
+    ap.add_argument("--launch", action="append", default=[], metavar="MODULE:k=v[,k=v]",
+                    help="a further row per shape with that kernel module's LAUNCH entries changed")
     a = ap.parse_args()
+    try:
+        launches = {spec: parse_launch(spec) for spec in a.launch}
+    except ValueError as e:
+        ap.error(str(e))
     variants = [()] + [tuple(sorted(n.strip() for n in v.split(",") if n.strip())) for v in a.off]
     known = {f.name: f.type in (bool, "bool") for f in dataclasses.fields(envs.Switches)}
     lists = ("no_triton", "triton_opt_in")
@@ -61,6 +70,7 @@ def main():
     if bad:  # refused before any timing
         ap.error(f"--off: unknown switch(es) {bad}; on/off switches: {sorted(n for n, b in known.items() if b)}, "
                  f"or {'/'.join(lists)}:MODULE[:MODULE...], or FIELD=VALUE of {choices}, or SWITCH=0 / SWITCH=1")
+    variants += [(f"launch {spec}",) for spec in launches]  # (after the check: not k3.envs switches)
     preset = "small" if not a.quick else "tiny"
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
@@ -93,8 +103,11 @@ def main():
                    T=T, docs=a.docs or "-", active_params_M=n_act / 1e6)
         if compiled and not off:  # this shape's first compiled row: its graphs compile from scratch
             torch._dynamo.reset()
+        spec = off[0].removeprefix("launch ") if off and off[0].startswith("launch ") else None
         try:
-            with envs.override(**switches(off)), torch.compiler.set_stance("default" if compiled else "force_eager"):
+            with envs.override(**switches(() if spec else off)), \
+                    changed_launch(*launches[spec]) if spec else contextlib.nullcontext(), \
+                    torch.compiler.set_stance("default" if compiled else "force_eager"):
                 if compiled:
                     t1 = time.time()
                     step()

@@ -155,8 +155,8 @@ def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dt
                                     dict(block_r=1), dict(block_r=4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_training_forwards_launch_choices_give_the_defaults_results(monkeypatch, change, dtype):
-    """FWD_LAUNCH (the sources loaded at once; rows a program) changes when loads issue and how rows tile, not the
-    arithmetic: with the add and the norm, over 4 sources at 2·7 rows (not a multiple of any tile) and D 200, the
+    """LAUNCH (the training forward's sources loaded at once; rows a program) changes when loads issue and how rows
+    tile, not the arithmetic: with the add and the norm, over 4 sources at 2·7 rows (not a multiple of any tile) and D 200, the
     output, the sum, the scores and the log-sum-exp equal the default launch's bit for bit."""
     from k3.ops import _attn_res_triton
 
@@ -166,7 +166,7 @@ def test_the_training_forwards_launch_choices_give_the_defaults_results(monkeypa
     u, w = (torch.rand(200, generator=gen) + 0.5).to(DEVICE), (torch.randn(1, 200, generator=gen) * 0.5).to(DEVICE)
     norm = ((torch.rand(200, generator=gen) + 0.5).to(DEVICE, dtype), 1e-6)
     want = _attn_res_triton.mix_add_forward(u, w, 1e-5, tuple(sources), add, norm)
-    monkeypatch.setattr(_attn_res_triton, "FWD_LAUNCH", {**_attn_res_triton.FWD_LAUNCH, **change})
+    monkeypatch.setattr(_attn_res_triton, "LAUNCH", {**_attn_res_triton.LAUNCH, **change})
     got = _attn_res_triton.mix_add_forward(u, w, 1e-5, tuple(sources), add, norm)
     for name, a, b in zip(["out", "sum", "scores", "lse"], got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

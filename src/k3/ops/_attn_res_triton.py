@@ -197,7 +197,7 @@ def _mix_bwd_kernel(srcs, grads, addends, g_ptr, uw_ptr, scores_ptr, lse_ptr, nw
 # The training forward's launch (`mix_forward`, `mix_add_forward`). preload: every source's tile loaded before the
 # first reduction (`_mix_rows`' PRELOAD: N loads in flight a program, not one behind each source's reductions; N
 # more bf16 tiles of registers). block_r: rows a program (None: `_blocks`' 4096 elements a program).
-FWD_LAUNCH = dict(preload=False, block_r=None)
+LAUNCH = dict(preload=False, block_r=None)
 
 # warps per program of the forward and the backward (4: Triton's default; the rows kernel at 4 warps holds a
 # row of five sources and their addends in 249 registers a thread, no spills, on sm_90)
@@ -258,14 +258,14 @@ def _forward(u, w, eps, sources, add, norm=None):
     scores = torch.empty(len(sources), R, dtype=torch.float32, device=out.device)
     lse = torch.empty(R, dtype=torch.float32, device=out.device)
     block_r, block_d = _blocks(D)
-    block_r = FWD_LAUNCH["block_r"] or block_r
+    block_r = LAUNCH["block_r"] or block_r
     with on_device(out):
         _mix_fwd_kernel[(triton.cdiv(R, block_r),)](tuple(sources), uw, out, scores, lse,
                                                     out if add is None else add, out if total is None else total,
                                                     uw if norm is None else norm[0].contiguous(), R, D, eps,
                                                     0.0 if norm is None else norm[1], N=len(sources), STATS=True,
                                                     ADD=add is not None, NORM=norm is not None,
-                                                    BLOCK_R=block_r, BLOCK_D=block_d, PRELOAD=FWD_LAUNCH["preload"],
+                                                    BLOCK_R=block_r, BLOCK_D=block_d, PRELOAD=LAUNCH["preload"],
                                                     num_warps=NUM_WARPS["fwd"])
     return out, scores, lse, total
 
