@@ -1,4 +1,4 @@
-"""Registers and spills of the AttnRes mix backward and the short conv backward (k3.ops._attn_res_triton,
+"""Registers and spills of the AttnRes mix backward (and its training forward's launch choices) and the short conv backward (k3.ops._attn_res_triton,
 k3.ops._conv_triton) compiled for sm_90 without a GPU (Triton's own ptxas, as benchmarks/sass_gemv.py): at
 `small`'s training shapes (bf16, D = C = 1536, the specialisations a training step compiles: integer arguments
 divisible by 16): registers a thread, spill bytes (STACK), shared memory, the programs an SM those allow (for the
@@ -49,6 +49,24 @@ def mix_rows():
                 (1 + 2 * n) * D * 2
 
 
+def mix_fwd_rows():
+    """The training forward (the residual add and the norm folded, as 28 of small's 32 mixes run) under its launch
+    choices (_attn_res_triton.LAUNCH): the default, the sources preloaded, and 1 or 4 rows a program."""
+    for n in (2, 5):
+        sig = {"srcs": ("*bf16",) * n, "uw_ptr": "*fp32", "out_ptr": "*bf16", "scores_ptr": "*fp32",
+               "lse_ptr": "*fp32", "add_ptr": "*bf16", "sum_ptr": "*bf16", "nw_ptr": "*bf16", "R": "i32", "D": "i32",
+               "eps": "fp32", "norm_eps": "fp32"}
+        default_r = _attn_res_triton._blocks(D)[0]
+        for preload, block_r in ((False, default_r), (True, default_r), (True, 1), (True, 4), (False, 1)):
+            kernel = compile_kernel(_attn_res_triton._mix_fwd_kernel, sig, _attn_res_triton.NUM_WARPS["fwd"], N=n,
+                                    STATS=True, ADD=True, NORM=True, BLOCK_R=block_r,
+                                    BLOCK_D=triton.next_power_of_2(D), PDL=False, PRELOAD=preload)
+            form = f"{block_r} row(s) a program, " + ("sources preloaded" if preload else "a source at a time")
+            # a source's tile (the chain: the next source's load waits on this one's reductions), or all of them
+            yield (f"AttnRes mix + add + norm fwd, {n} sources", form, _attn_res_triton.NUM_WARPS["fwd"], kernel,
+                   (n if preload else 1) * block_r * D * 2)
+
+
 def conv_rows():
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tail_ptr": "*bf16", "doc_ptr": "*bf16", "gy_ptr": "*bf16",
            "gnt_ptr": "*bf16", "gx_ptr": "*bf16", "gw_part_ptr": "*fp32", "gw_batch_ptr": "*fp32",
@@ -77,7 +95,7 @@ def main():
     print("| kernel | form | warps | REG | STACK | shared bytes | programs an SM | warps an SM | load bytes a "
           "program issues together | ... an SM |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for rows in (mix_rows(), conv_rows()):
+    for rows in (mix_rows(), mix_fwd_rows(), conv_rows()):
         for name, form, warps, kernel, load_bytes in rows:
             res = resources(kernel)
             per_sm = min(ctas_per_sm(res["REG"], res["SHARED"], warps), 32)  # (32 resident programs an SM at most)
