@@ -25,8 +25,8 @@ MLA's attention a varlen segment a document); the FLOP count stays the whole row
 Run: PYTHONPATH=src python benchmarks/bench_gpu_train.py [--quick] [--activation-checkpointing] [--compile] [--off ...]
      [--docs L] [--launch MODULE:k=v]
 """
-import contextlib
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os

@@ -1,11 +1,12 @@
-"""Registers and spills of the AttnRes mix backward (and its training forward's launch choices) and the short conv backward (k3.ops._attn_res_triton,
-k3.ops._conv_triton) compiled for sm_90 without a GPU (Triton's own ptxas, as benchmarks/sass_gemv.py): at
-`small`'s training shapes (bf16, D = C = 1536, the specialisations a training step compiles: integer arguments
-divisible by 16): registers a thread, spill bytes (STACK), shared memory, the programs an SM those allow (for the
-mix: and the count its launch asks for, BWD_PROGRAMS_PER_SM), and the bytes of loads each program issues together
-(what keeps HBM busy: ~30 KB an SM in flight reach an H200's bandwidth), each kernel in 1 stage (a step's loads,
-then its math) and in its default (BWD_STAGES: the next step's loads in flight through this step's math); the
-conv also at the UNROLL values bench_gpu_kernels.py --backwards times, and at its default with the heads' L2 norm.
+"""Registers and spills of the AttnRes mix backward (and its training forward's launch choices) and the short conv
+backward (k3.ops._attn_res_triton, k3.ops._conv_triton) compiled for sm_90 without a GPU (Triton's own ptxas, as
+benchmarks/sass_gemv.py): at `small`'s training shapes (bf16, D = C = 1536, the specialisations a training step
+compiles: integer arguments divisible by 16): registers a thread, spill bytes (STACK), shared memory, the programs an
+SM those allow (for the mix: and the count its launch asks for, BWD_PROGRAMS_PER_SM), and the bytes of loads each
+program issues together (what keeps HBM busy: ~30 KB an SM in flight reach an H200's bandwidth), each kernel in 1
+stage (a step's loads, then its math) and in its default (BWD_STAGES: the next step's loads in flight through this
+step's math); the conv also at the UNROLL values bench_gpu_kernels.py --backwards times, and at its default with the
+heads' L2 norm.
 
 Run: python benchmarks/sass_train_backwards.py   (needs triton; no CUDA device)
 """

@@ -156,8 +156,8 @@ def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_training_forwards_launch_choices_give_the_defaults_results(monkeypatch, change, dtype):
     """LAUNCH (the training forward's sources loaded at once; rows a program) changes when loads issue and how rows
-    tile, not the arithmetic: with the add and the norm, over 4 sources at 2·7 rows (not a multiple of any tile) and D 200, the
-    output, the sum, the scores and the log-sum-exp equal the default launch's bit for bit."""
+    tile, not the arithmetic: with the add and the norm, over 4 sources at 2·7 rows (not a multiple of any tile)
+    and D 200, the output, the sum, the scores and the log-sum-exp equal the default launch's bit for bit."""
     from k3.ops import _attn_res_triton
 
     gen = torch.Generator().manual_seed(77)
