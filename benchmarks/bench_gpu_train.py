@@ -70,7 +70,8 @@ def main():
     if bad:  # refused before any timing
         ap.error(f"--off: unknown switch(es) {bad}; on/off switches: {sorted(n for n, b in known.items() if b)}, "
                  f"or {'/'.join(lists)}:MODULE[:MODULE...], or FIELD=VALUE of {choices}, or SWITCH=0 / SWITCH=1")
-    variants += [(f"launch {spec}",) for spec in launches]  # (after the check: not k3.envs switches)
+    # a row's (k3.envs switches, --launch spec): the default, each --off, each --launch
+    variants = [(names, None) for names in variants] + [((), spec) for spec in launches]
     preset = "small" if not a.quick else "tiny"
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
@@ -88,7 +89,7 @@ def main():
     rows = []
     shapes = [(8, 4096), (2, 16384)] if not a.quick else [(2, 512)]
     modes = (False, True) if a.compile else (False,)
-    for (B, T), compiled, off in ((shape, c, off) for shape in shapes for c in modes for off in variants):
+    for (B, T), compiled, (off, spec) in ((shape, c, v) for shape in shapes for c in modes for v in variants):
         ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
         doc_ids = (torch.arange(T, device="cuda") // a.docs).expand(B, T).contiguous() if a.docs else None
 
@@ -99,13 +100,13 @@ def main():
             opt.zero_grad(set_to_none=True)
         t0 = time.time()
         torch.cuda.reset_peak_memory_stats()
-        row = dict(preset=preset, ckpt=a.activation_checkpointing, compiled=compiled, off=",".join(off) or "-", B=B,
-                   T=T, docs=a.docs or "-", active_params_M=n_act / 1e6)
-        if compiled and not off:  # this shape's first compiled row: its graphs compile from scratch
+        label = ",".join(off) or (f"launch {spec}" if spec else "-")
+        row = dict(preset=preset, ckpt=a.activation_checkpointing, compiled=compiled, off=label, B=B, T=T,
+                   docs=a.docs or "-", active_params_M=n_act / 1e6)
+        if compiled and not off and not spec:  # this shape's first compiled row: its graphs compile from scratch
             torch._dynamo.reset()
-        spec = off[0].removeprefix("launch ") if off and off[0].startswith("launch ") else None
         try:
-            with envs.override(**switches(() if spec else off)), \
+            with envs.override(**switches(off)), \
                     changed_launch(*launches[spec]) if spec else contextlib.nullcontext(), \
                     torch.compiler.set_stance("default" if compiled else "force_eager"):
                 if compiled:

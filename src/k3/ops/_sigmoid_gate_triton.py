@@ -46,15 +46,11 @@ def _gate_bwd_kernel(o_ptr, g_ptr, dy_ptr, do_ptr, dg_ptr, N, stride_on, stride_
     tl.store(dg_ptr + offs, (dy * o * s * s_neg).to(dg_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(N: int, HV: int):
-    return row_tiles(N, HV, 4096)
-
-
 def gate_forward(o3: torch.Tensor, gate2: torch.Tensor) -> torch.Tensor:
     """o3: [N, H, V] with a unit last stride; gate2: [N, H·V] contiguous. Returns [N, H·V] in gate's dtype."""
     N, H, V = o3.shape
     out = torch.empty_like(gate2)
-    grid, block_n, block_c = _launch(N, H * V)
+    grid, block_n, block_c = row_tiles(N, H * V, 4096)
     with on_device(out):
         _gate_fwd_kernel[grid](o3, gate2, out, N, o3.stride(0), o3.stride(1), H=H, V=V,
                                BLOCK_N=block_n, BLOCK_C=block_c, EXACT=out.dtype == torch.float32)
@@ -66,7 +62,7 @@ def gate_backward(dy2: torch.Tensor, o3: torch.Tensor, gate2: torch.Tensor):
     N, H, V = o3.shape
     d_o = torch.empty(N, H, V, dtype=o3.dtype, device=o3.device)
     d_g = torch.empty_like(gate2)
-    grid, block_n, block_c = _launch(N, H * V)
+    grid, block_n, block_c = row_tiles(N, H * V, 4096)
     with on_device(dy2):
         _gate_bwd_kernel[grid](o3, gate2, dy2, d_o, d_g, N, o3.stride(0), o3.stride(1), H=H, V=V,
                                BLOCK_N=block_n, BLOCK_C=block_c, EXACT=d_g.dtype == torch.float32)
