@@ -75,21 +75,33 @@ def serve_process(model_dir, log_path, *args: str, timeout: float = 180.0, env: 
     """`k3 serve --model DIR --port P *args` in a process of its own (its output to log_path), on a free loopback
     port; yields its base URL once /health answers, and stops it (SIGTERM, SIGKILL after 30 s) when the block
     ends. A failed start raises with the end of the server's log. `env`: on top of this process's."""
-    port = free_port()
     log_path = Path(log_path)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", "--model", str(model_dir), "--port",
-                                 str(port), *args], env={**os.environ, **(env or {})}, stdout=log,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    for attempt in range(3):  # the free port can be taken before the server binds it (by any process): a new one
+        port = free_port()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", "--model", str(model_dir), "--port",
+                                     str(port), *args], env={**os.environ, **(env or {})}, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_healthy(url, lambda: proc.poll() is None, timeout,
+                               lambda: log_path.read_text(errors="replace")[-2000:])
+            break
+        except RuntimeError as e:
+            _stop(proc)
+            if attempt == 2 or "address already in use" not in str(e):
+                raise
     try:
-        wait_until_healthy(url, lambda: proc.poll() is None, timeout,
-                           lambda: log_path.read_text(errors="replace")[-2000:])
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
