@@ -68,7 +68,8 @@ def main():
         made_by = f"benchmarks/bench_cold_start.py --preset {a.preset} --batch {a.batch} --seq {a.seq}"
         kernels = tuning.record()
         compiles = tuning.record_compiles(lambda: model(ids, labels=ids).loss.backward())
-        tuning.save(tuning.merge(old, torch.cuda.get_device_name(), kernels, made_by, compiles), a.save_table)
+        tuning.save(tuning.merge(old, torch.cuda.get_device_name(), kernels, made_by, compiles,
+                                 tuning.hardware_of(torch.device("cuda"))), a.save_table)
         marks["table_compiles"] = len(compiles)
     marks["triton_cache_files"] = files_under(os.environ.get("TRITON_CACHE_DIR"))
     print(marks)

@@ -156,8 +156,10 @@ def test_add_then_mix_in_one_launch_matches_the_float64_reference(n, B, T, D, dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_training_forwards_launch_choices_give_the_defaults_results(monkeypatch, change, dtype):
     """LAUNCH (the training forward's sources loaded at once; rows a program) changes when loads issue and how rows
-    tile, not the arithmetic: with the add and the norm, over 4 sources at 2·7 rows (not a multiple of any tile)
-    and D 200, the output, the sum, the scores and the log-sum-exp equal the default launch's bit for bit."""
+    tile, not the formulas: with the add and the norm, over 4 sources at 2·7 rows (not a multiple of any tile) and
+    D 200, the output, the sum, the scores and the log-sum-exp equal the default launch's, bit for bit under the
+    interpreter; on a GPU the tile decides the order of each row's sums (an H100 moved fp32 log-sum-exps and bf16
+    outputs by rounding), so there to the dtype's rounding (torch's default tolerances)."""
     from k3.ops import _attn_res_triton
 
     gen = torch.Generator().manual_seed(77)
@@ -168,8 +170,9 @@ def test_the_training_forwards_launch_choices_give_the_defaults_results(monkeypa
     want = _attn_res_triton.mix_add_forward(u, w, 1e-5, tuple(sources), add, norm)
     monkeypatch.setattr(_attn_res_triton, "LAUNCH", {**_attn_res_triton.LAUNCH, **change})
     got = _attn_res_triton.mix_add_forward(u, w, 1e-5, tuple(sources), add, norm)
+    exact = dict(rtol=0, atol=0) if DEVICE == "cpu" else {}
     for name, a, b in zip(["out", "sum", "scores", "lse"], got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(a, b, **exact, msg=name)
 
 
 @pytest.mark.parametrize("mask", [0b00, 0b01, 0b10, 0b11])

@@ -180,12 +180,13 @@ def test_an_oversized_or_missing_table_file_is_refused(tmp_path):
         tuning.load_table(tmp_path / "absent.json")
 
 
-def fake_gpu(monkeypatch, name, fla="0.6.0"):
+def fake_gpu(monkeypatch, name, fla="0.6.0", hardware=("sm_80", 108)):
     import torch
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(tuning, "fla_version", lambda: fla)
+    monkeypatch.setattr(tuning, "hardware_of", lambda device: hardware)
 
 
 def write(tmp_path, data):
@@ -213,6 +214,71 @@ def test_another_gpu_fla_version_or_off_leaves_triton_to_autotune(kernels, tmp_p
     with envs.override(autotune_table=setting or str(path)):
         assert tuning.pin_for_device("cuda:0") == 0
     assert kernels.plain.cache == {}
+
+
+def sections(*gpus):
+    """A table with a section per (name, arch, SMs, BLOCK): the choice for KEY each GPU made (BLOCK 128 is the
+    fake kernel's LARGE config, 32 its SMALL)."""
+    launch = {128: (8, 3), 32: (4, 2)}
+    data = table({})
+    data["gpus"] = {name: {"fla": "0.6.0", "made_by": "test", **({"arch": arch, "sms": sms} if arch else {}),
+                           "kernels": {f"{MODULE}.plain": [{"key": KEY, "config": config_json(block, *launch[block])}]}}
+                    for name, arch, sms, block in gpus}
+    return data
+
+
+@pytest.mark.parametrize("hardware, borrowed", [(("sm_90", 132), 128), (("sm_90", 114), 128), (("sm_90", 80), 32),
+                                                (("sm_100", 132), None)])
+def test_a_gpu_the_table_does_not_name_borrows_the_nearest_section_of_its_architecture(
+        kernels, tmp_path, monkeypatch, caplog, hardware, borrowed):
+    """An H100 (sm_90, 132 SMs) pins the H200's choices (sm_90, 132), not those of an sm_90 card of 78 SMs; an sm_90
+    card of 80 SMs takes the latter's; a section that records no architecture is never borrowed, and a GPU of an
+    architecture no section has autotunes."""
+    import logging
+
+    path = write(tmp_path, sections(("NVIDIA H200", "sm_90", 132, 128), ("Small Hopper", "sm_90", 78, 32),
+                                    ("Unknown card", "", 0, 32)))
+    fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", hardware=hardware)
+    with envs.override(autotune_table=str(path)), caplog.at_level(logging.INFO, logger=tuning.__name__):
+        assert tuning.pin_for_device("cuda:0") == (borrowed is not None)
+    if borrowed is None:
+        assert kernels.plain.cache == {} and "or its architecture" in caplog.text
+    else:
+        (config,) = kernels.plain.cache.values()
+        assert config.kwargs["BLOCK"] == borrowed and "pinning those of" in caplog.text
+
+
+def test_a_gpu_named_in_the_table_pins_its_own_section_over_a_nearer_one(kernels, tmp_path, monkeypatch):
+    path = write(tmp_path, sections(("NVIDIA H100 80GB HBM3", "sm_90", 114, 32), ("NVIDIA H200", "sm_90", 132, 128)))
+    fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", hardware=("sm_90", 132))
+    with envs.override(autotune_table=str(path)):
+        assert tuning.pin_for_device("cuda:0") == 1
+    (config,) = kernels.plain.cache.values()
+    assert config.kwargs["BLOCK"] == 32
+
+
+@pytest.mark.parametrize("field, value", [("sms", -1), ("sms", 1.5), ("sms", True), ("arch", 90)])
+def test_a_sections_hardware_fields_are_checked(tmp_path, field, value):
+    data = sections(("NVIDIA H200", "sm_90", 132, 128))
+    data["gpus"]["NVIDIA H200"][field] = value
+    with pytest.raises(tuning.TableError, match=rf"\.{field}: must be"):
+        tuning.load_table(write(tmp_path, data))
+
+
+def test_merge_records_the_hardware_and_keeps_it_when_not_given(monkeypatch):
+    monkeypatch.setattr(tuning, "fla_version", lambda: "0.6.0")
+    entry = {"key": KEY, "config": config_json()}
+    made = tuning.merge(None, "NVIDIA H200", {f"{MODULE}.plain": [entry]}, "test", [], ("sm_90", 132))
+    again = tuning.merge(made, "NVIDIA H200", {f"{MODULE}.plain": [entry]}, "again", [])
+    for t in (made, again):
+        section = tuning.parse_table(t)["NVIDIA H200"]
+        assert (section["arch"], section["sms"]) == ("sm_90", 132)
+
+
+def test_the_shipped_tables_sections_record_their_hardware():
+    """Every shipped section says its architecture and SMs, so GPUs it does not name can borrow it."""
+    for name, section in tuning.load_table(tuning.TABLE_PATH).items():
+        assert section["arch"].startswith("sm_") and section["sms"] > 0, name
 
 
 def test_a_malformed_table_named_by_the_switch_fails_at_the_first_kernel(kernels, tmp_path, monkeypatch):

@@ -3,7 +3,9 @@ config a GPU of the same name chose for the same key, so a fresh machine compile
 of benchmarking (and compiling) every candidate.
 
 The table (`autotune_table.json` beside this file; `K3_AUTOTUNE_TABLE=PATH` another, `off` none) holds, per GPU
-name (`torch.cuda.get_device_name`) and fla version, kernel name -> [{key, config}]:
+name (`torch.cuda.get_device_name`) and fla version, kernel name -> [{key, config}] (and the GPU's architecture and SM
+count, `arch` and `sms`: a GPU the table does not name borrows the section of its architecture with the nearest SM
+count, so an H100 starts from the H200's choices instead of autotuning for minutes):
 - kernel: `module.attribute` of an autotuned kernel in `fla.ops`, `fla.modules` or `k3.ops` (no other module is
   ever imported on a table's word);
 - key: Triton's autotune key for a call (the key arguments' values, then each tensor argument's dtype);
@@ -30,7 +32,7 @@ from k3.ops import precompile
 
 __all__ = ["TABLE_PATH", "FORMAT", "TableError", "load_table", "read_table", "parse_table", "resolve_kernel",
            "resolve_jit_function", "pin", "record", "record_compiles", "merge", "save", "tune", "table_path",
-           "pin_for_device", "pinned_count", "fla_version"]
+           "pin_for_device", "pinned_count", "fla_version", "hardware_of", "section_for"]
 
 TABLE_PATH = Path(__file__).with_name("autotune_table.json")
 FORMAT = "k3-autotune-table/1"
@@ -104,12 +106,15 @@ def parse_table(data, source: str = "<table>") -> dict[str, dict]:
         where = f"{source}: gpus[{gpu!r}]"
         if not isinstance(section, dict) or not isinstance(section.get("kernels"), dict):
             raise TableError(f"{where}: must be an object with a 'kernels' object")
-        unknown = sorted(set(section) - {"fla", "triton", "made_by", "kernels", "compiles"})
+        unknown = sorted(set(section) - {"fla", "triton", "made_by", "arch", "sms", "kernels", "compiles"})
         if unknown:
             raise TableError(f"{where}: unknown field(s) {unknown}")
-        for field in ("fla", "triton", "made_by"):
+        for field in ("fla", "triton", "made_by", "arch"):
             if not isinstance(section.get(field, ""), str):
                 raise TableError(f"{where}.{field}: must be a string")
+        sms = section.get("sms", 0)
+        if type(sms) is not int or sms < 0:
+            raise TableError(f"{where}.sms: must be a count of SMs")
         kernels = {}
         for kernel, entries in section["kernels"].items():
             if not _NAME.fullmatch(kernel) or not kernel.startswith(KERNEL_PREFIXES):
@@ -129,7 +134,8 @@ def parse_table(data, source: str = "<table>") -> dict[str, dict]:
         compiles = section.get("compiles", [])
         if not isinstance(compiles, list):
             raise TableError(f"{where}.compiles: must be a list of Triton specialisations")
-        parsed[gpu] = {"fla": section.get("fla", ""), "triton": section.get("triton", ""), "kernels": kernels,
+        parsed[gpu] = {"fla": section.get("fla", ""), "triton": section.get("triton", ""),
+                       "arch": section.get("arch", ""), "sms": sms, "kernels": kernels,
                        "compiles": [_check_compile(c, f"{where}.compiles[{i}]") for i, c in enumerate(compiles)]}
     return parsed
 
@@ -291,8 +297,9 @@ def record(prefixes=KERNEL_PREFIXES) -> dict[str, list]:
 
 
 def merge(table: dict | None, gpu: str, kernels: dict[str, list], made_by: str = "",
-          compiles: list[dict] | None = None) -> dict:
-    """A table (JSON, as `read_table` returns) with `kernels` and `compiles` added to `gpu`'s section: a key
+          compiles: list[dict] | None = None, hardware: tuple[str, int] = ("", 0)) -> dict:
+    """A table (JSON, as `read_table` returns) with `kernels` and `compiles` added to `gpu`'s section (and its
+    `hardware`, (arch, SMs) as `hardware_of` gives them, where known): a key
     tuned again takes the new choice, other keys and shapes stay; a kernel's compiles recorded with other
     parameters than its new ones go. A section made with another fla version is replaced whole; other GPUs'
     sections are kept."""
@@ -309,7 +316,9 @@ def merge(table: dict | None, gpu: str, kernels: dict[str, list], made_by: str =
     kept = [c for c in old.get("compiles", []) if params.get(c["name"], list(c["signature"])) == list(c["signature"])]
     specs = {json.dumps(c, sort_keys=True): c for c in [*kept, *(compiles or [])]}
     made = [m for m in old["made_by"].split("; ") if m and m != made_by] + [made_by]
+    arch, sms = hardware if hardware[0] else (old.get("arch", ""), old.get("sms", 0))
     table["gpus"][gpu] = {"fla": fla_version(), "triton": _triton_version(), "made_by": "; ".join(made),
+                          **({"arch": arch, "sms": sms} if arch else {}),
                           "kernels": {name: [entries[k] for k in sorted(entries)]
                                       for name, entries in sorted(merged.items())},
                           "compiles": list(specs.values())}
@@ -361,8 +370,28 @@ def tune(preset: str, batch: int, seq: int, path: str | os.PathLike, device: str
     gpu = torch.cuda.get_device_name(device)
     kernels = record()
     made_by = f"k3 tune --preset {preset} --batch-size {batch} --seq-len {seq}" + (" --autocast" if autocast else "")
-    save(merge(old, gpu, kernels, made_by, compiles), path)
+    save(merge(old, gpu, kernels, made_by, compiles, hardware_of(device)), path)
     return gpu, len(kernels)
+
+
+def hardware_of(device) -> tuple[str, int]:
+    """(architecture as "sm_XY", SM count) of a CUDA device: what decides whether another GPU's choices fit it."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return f"sm_{props.major}{props.minor}", props.multi_processor_count
+
+
+def section_for(table: dict[str, dict], gpu: str, hardware: tuple[str, int]) -> tuple[str, dict] | None:
+    """(name, section) of the parsed table that a GPU named `gpu` pins from: its own; else, among the sections
+    recorded on its architecture (`hardware`: (arch, SMs)), the one with the nearest SM count (the configs are
+    the same kernels' own candidates, compiled for the same target; tuned on another card they may run a few
+    percent off, where autotuning would cost minutes); else None."""
+    if gpu in table:
+        return gpu, table[gpu]
+    arch, sms = hardware
+    same = [(abs(s["sms"] - sms), name) for name, s in table.items() if arch and s["arch"] == arch]
+    return (min(same)[1], table[min(same)[1]]) if same else None
 
 
 def fla_version() -> str:
@@ -409,10 +438,14 @@ def pin_for_device(device) -> int:
         return 0
     gpu = torch.cuda.get_device_name(index)
     try:
-        section = load_table(path).get(gpu)
-        if section is None:
-            _log.info("autotune table %s has no choices for %s: Triton autotunes", path, gpu)
+        found = section_for(load_table(path), gpu, hardware_of(index))
+        if found is None:
+            _log.info("autotune table %s has no choices for %s or its architecture: Triton autotunes", path, gpu)
             return 0
+        source, section = found
+        if source != gpu:
+            _log.info("autotune table %s has no choices for %s: pinning those of %s (the same architecture, %s)",
+                      path, gpu, source, section["arch"])
         if section["fla"] != fla_version():
             _log.info("autotune table %s was made with fla %s, this is fla %s: Triton autotunes", path,
                       section["fla"] or "-", fla_version() or "-")
