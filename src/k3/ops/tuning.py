@@ -391,7 +391,10 @@ def section_for(table: dict[str, dict], gpu: str, hardware: tuple[str, int]) -> 
         return gpu, table[gpu]
     arch, sms = hardware
     same = [(abs(s["sms"] - sms), name) for name, s in table.items() if arch and s["arch"] == arch]
-    return (min(same)[1], table[min(same)[1]]) if same else None
+    if not same:
+        return None
+    _, nearest = min(same)  # (ties: the first name in order)
+    return nearest, table[nearest]
 
 
 def fla_version() -> str:
