@@ -3,8 +3,9 @@
 # the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests serve-tests kernels kbench decode prefill train
-#   train-ckpt moe mxfp4 vision serve serve64 sampler profile ncu pack k3-shaped
-#   (default: all but kernels, kbench, train-ckpt, profile, ncu, pack and k3-shaped). ncu = Nsight Compute's
+#   train-ckpt moe mxfp4 vision serve serve64 sampler profile ncu pack k3-shaped cold
+#   (default: all but kernels, kbench, train-ckpt, profile, ncu, pack, k3-shaped and cold). cold = a first training
+#   step from an empty Triton cache (issue 23's start-fast target), recording this GPU's table section. ncu = Nsight Compute's
 #   counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every
 #   GPU test (k3's Triton kernel tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
@@ -79,6 +80,11 @@ for step in $steps; do
         profile) run profile 240 python3 benchmarks/profile_gpu.py --compile ;;
         ncu) run ncu 420 python3 benchmarks/ncu_decode.py --batches 64,1 --out "$OUT" ;;
         train) run train 240 python3 benchmarks/bench_gpu_train.py ;;
+        # a fresh machine's first step (its own empty Triton cache), then this GPU's choices and compiles merged into
+        # a copy of the shipped table: $OUT/autotune_table.json, to commit where it adds kernels the table lacks
+        cold) cp src/k3/ops/autotune_table.json "$OUT/autotune_table.json" &&
+            run cold 240 env TRITON_CACHE_DIR="$(mktemp -d)" python3 benchmarks/bench_cold_start.py \
+                --save-table "$OUT/autotune_table.json" ;;
         train-ckpt) run train-ckpt 240 python3 benchmarks/bench_gpu_train.py --activation-checkpointing ;;
         kernels) run kernels 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_attn_res_triton.py tests/test_situ_triton.py \
             tests/test_norm_triton.py tests/test_conv_triton.py tests/test_mla_decode_triton.py tests/test_gpu.py \
