@@ -616,7 +616,7 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
     k3.ops.varlen_attention.document_attention, the packing made once a forward and left out of the timing, as the
     layers share it) against SDPA with the [B, T, T] document mask (k3's path before, and what a dense mask gives
     any SDPA user), and plain causal SDPA over whole rows (a row one document: not the same attention, the cost
-    of ignoring the documents). Documents of a fixed length (0: one a row). floor_ms: the documents' causal
+    of ignoring the documents), through k3's `causal_attention` (v padded to q's width) and with v as it is. Documents of a fixed length (0: one a row). floor_ms: the documents' causal
     FLOPs (fwd 2·H·(D+V) a visible pair; fwd+bwd 3.5× that) at the dense bf16 peak (989 TFLOP/s); extra_GiB:
     peak memory over the inputs during fwd+bwd."""
     from k3.ops.attention import causal_attention
@@ -638,7 +638,11 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
             impls = {"k3 varlen (documents)": lambda: document_attention(
                          q, packing.pack_keys(k), packing.pack_keys(v), D ** -0.5, packing),
                      "SDPA + [B,T,T] mask": lambda: causal_attention(q, k, v, D ** -0.5, doc_ids),
-                     "causal SDPA, documents ignored": lambda: causal_attention(q, k, v, D ** -0.5)}
+                     "causal SDPA, documents ignored": lambda: causal_attention(q, k, v, D ** -0.5),
+                     # (causal_attention pads v to q's width on CUDA for FlashAttention; cuDNN's SDPA, which
+                     # torch picks on sm_90, may take MLA's 192/128 split as it is: no pad, a third less P·V)
+                     "causal SDPA, documents ignored, v unpadded": lambda: F.scaled_dot_product_attention(
+                         *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=D ** -0.5).transpose(1, 2)}
             want = impls["SDPA + [B,T,T] mask"]().float()
             for impl, fn in impls.items():
                 try:
