@@ -5,8 +5,8 @@
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests serve-tests kernels kbench decode prefill train
 #   train-ckpt moe mxfp4 vision serve serve64 sampler profile ncu pack k3-shaped cold
 #   (default: all but kernels, kbench, train-ckpt, profile, ncu, pack, k3-shaped and cold). cold = a first training
-#   step from an empty Triton cache (issue 23's start-fast target), recording this GPU's table section. ncu = Nsight Compute's
-#   counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every
+#   step from an empty Triton cache (issue 23's start-fast target), recording this GPU's table section.
+#   ncu = Nsight Compute's counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every
 #   GPU test (k3's Triton kernel tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
 #   the static KDA layout, async output, fla's graph mode); serve64 = the serving bench at 64 streams only (set K3_TRITON to time

@@ -87,9 +87,9 @@ def serve_process(model_dir, log_path, *args: str, timeout: float = 180.0, env: 
             wait_until_healthy(url, lambda: proc.poll() is None, timeout,
                                lambda: log_path.read_text(errors="replace")[-2000:])
             break
-        except RuntimeError as e:
+        except BaseException as e:  # (an interrupt while waiting too: the server must not outlive its caller)
             _stop(proc)
-            if attempt == 2 or "address already in use" not in str(e):
+            if attempt == 2 or not (isinstance(e, RuntimeError) and "address already in use" in str(e)):
                 raise
     try:
         yield url
