@@ -306,6 +306,34 @@ def test_chunked_prefill_bottom_right_sdpa_matches_reference():
 
 
 
+@pytest.mark.parametrize("B, T, H", [(2, 256, 4), (1, 1000, 3)])
+def test_mla_causal_attention_and_its_gradients_match_the_fp32_reference(B, T, H):
+    """MLA's 192/128 split as the training forward calls it (S == T): unpadded on cuDNN where `_cudnn_sdpa` says
+    SDPA runs it (and then torch's own choice for the call must be cuDNN, or the pad's skip would hand the call to
+    a slower kernel), padded to FlashAttention's one head dim elsewhere; either way o, dq, dk, dv as fp32's."""
+    from torch.nn.attention import SDPBackend
+
+    from k3.ops.attention import _cudnn_sdpa, causal_attention
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    q, k = (torch.randn(B, T, H, 192, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, 128, device="cuda", generator=g).bfloat16().requires_grad_()
+    go = torch.randn(B, T, H, 128, device="cuda", generator=g).bfloat16()
+    if _cudnn_sdpa(0):
+        choice = torch._fused_sdp_choice(*(t.transpose(1, 2) for t in (q, k, v)), None, 0.0, True, scale=0.1)
+        assert choice == int(SDPBackend.CUDNN_ATTENTION), choice
+    o = causal_attention(q, k, v, 0.1)
+    grads = torch.autograd.grad(o, (q, k, v), go)
+    qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = torch.einsum("bthd,bshd->bhts", qf, kf) * 0.1
+    p = torch.softmax(scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device="cuda").tril(), float("-inf")), -1)
+    ref = torch.einsum("bhts,bshv->bthv", p, vf)
+    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), go.double())
+    assert o.shape == (B, T, H, 128) and rel_err(o, ref) < 1e-2
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert rel_err(got, want) < 2e-2, name
+
+
 def test_engine_decode_graphs_equal_eager_engine():
     """The serving engine's decode-only steps replayed from CUDA graphs (padded batch, padded block tables)
     give the same greedy tokens as the eager engine, in fp32 so that ties cannot flip a token, and the

@@ -3,6 +3,9 @@ step is compiled for the spec's GPU (sm_90) by Triton's own compiler, which need
 a kernel's parameters changed fails in the precompile workers of every GPU run (costing the compile time they
 exist to save); here it fails on the CPU. fla's kernels are left to the table's fla version check."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -51,16 +54,56 @@ def test_a_spec_recorded_before_the_kernels_parameters_changed_is_named_stale():
 
 
 def test_the_worker_reports_a_stale_spec_without_compiling_it(tmp_path, monkeypatch, capsys):
-    import torch
+    import triton
 
-    from k3.ops import _attn_res_triton
-
-    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    preloaded = []
-    monkeypatch.setattr(_attn_res_triton._mix_bwd_kernel, "preload", preloaded.append)
+    compiled = []
+    monkeypatch.setattr(triton, "compile", lambda *a, **k: compiled.append(a))
     path = tmp_path / "share.json"
     path.write_text(json.dumps([stale_mix_bwd_spec()]))
-    assert precompile.main(["0", str(path)]) == 0
-    assert preloaded == []
+    assert precompile.main([str(path)]) == 0
+    assert compiled == []
     err = capsys.readouterr().err
     assert "1 of 1 kernels not compiled ahead" in err and "_mix_bwd_kernel: stale" in err
+
+
+PRIMARY_CONTEXT = """
+import ctypes
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+flags, active = ctypes.c_uint(), ctypes.c_int()
+assert cuda.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0
+print("primary context active:", active.value)
+"""
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_a_worker_compiles_what_the_kernels_first_call_reads_without_a_cuda_context(tmp_path):
+    """The worker's compile lands under the key the kernel's own compile looks up (JITFunction.preload, the path
+    of a first call: a cache read, no new file), and the worker never opened a CUDA context (each would hold
+    ~0.5 GiB of the card while the run starts)."""
+    import torch
+
+    found = tuning.section_for(tuning.load_table(tuning.TABLE_PATH), torch.cuda.get_device_name(), tuning.hardware_of(0))
+    if found is None:
+        pytest.skip("the shipped table has no section for this GPU's architecture")
+    specs = [s for s in found[1]["compiles"] if s["name"].startswith("k3.")][:2]
+    cache = tmp_path / "cache"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(specs))
+    worker = subprocess.run([sys.executable, "-c", "import sys; from k3.ops import precompile; "
+                             f"precompile.main([{str(path)!r}])\n" + PRIMARY_CONTEXT],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert worker.returncode == 0, worker.stderr
+    assert "primary context active: 0" in worker.stdout
+    assert "not compiled ahead" not in worker.stderr
+    def compiled():  # the kernels' files (not the Triton driver's helper library, built on first use of the GPU)
+        return sorted(p.relative_to(cache) for p in cache.rglob("*") if p.is_file() and p.suffix != ".so")
+    written = compiled()
+    assert written
+    preload = subprocess.run([sys.executable, "-c", "import json; from k3.ops import tuning\n"
+                              f"for s in json.loads({json.dumps(specs)!r}): "
+                              "tuning.resolve_jit_function(s['name']).preload(json.dumps(s))"],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert preload.returncode == 0, preload.stderr
+    assert compiled() == written

@@ -1,12 +1,14 @@
 """Compile Triton kernels ahead of their first call, in worker processes: Triton compiles lazily, one kernel at a
 time, on the first call of each; a fresh machine's first step waits for each in turn. The workers compile the
-autotune table's recorded specialisations (k3.ops.tuning) with Triton's own `JITFunction.preload` into the shared
-disk cache (TRITON_CACHE_DIR), while the main process builds the model and runs; its own compile of a kernel a
-worker has finished is then a cache read. A kernel no worker reached yet is compiled by the main process as
-always, so precompiling can only save time; a failed precompile is reported by the worker and costs nothing else.
+autotune table's recorded specialisations (k3.ops.tuning) with Triton's compiler, as `JITFunction.preload` does, for
+the architecture the table recorded, into the shared disk cache (TRITON_CACHE_DIR), while the main process builds the
+model and runs; its own compile of a kernel a worker has finished is then a cache read. The workers never touch the
+GPU (preload would open a CUDA context: ~0.5 GiB of the card's memory a worker, held while the run starts). A kernel
+no worker reached yet is compiled by the main process as always, so precompiling can only save time; a failed
+precompile is reported by the worker and costs nothing else.
 
 Workers: K3_PRECOMPILE_WORKERS (default: half the cores, at most 8; 0: none). Worker:
-`python -m k3.ops.precompile DEVICE_INDEX SPECS.json` (the file is removed once read).
+`python -m k3.ops.precompile SPECS.json` (the file is removed once read).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def worker_count(n_specs: int) -> int:
     return min(n_specs, auto if setting is None else setting)
 
 
-def start(specs: list[dict], device_index: int) -> list[subprocess.Popen]:
+def start(specs: list[dict]) -> list[subprocess.Popen]:
     """Start worker processes compiling `specs` (given in first-use order); returns them without waiting (they
     exit when done). The workers take the specs from the last needed back, round robin, while the main process
     meets its kernels from the first: the two meet in the middle instead of compiling the same kernels at once
@@ -46,7 +48,7 @@ def start(specs: list[dict], device_index: int) -> list[subprocess.Popen]:
         with os.fdopen(fd, "w") as f:
             json.dump(share, f)
         try:
-            workers.append(subprocess.Popen([sys.executable, "-m", "k3.ops.precompile", str(device_index), path],
+            workers.append(subprocess.Popen([sys.executable, "-m", "k3.ops.precompile", path],
                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
         except OSError as e:  # no process to spare: the main process compiles as it always did
             os.unlink(path)
@@ -103,31 +105,20 @@ def _as_tuple(value):
 
 
 def main(argv: list[str] | None = None) -> int:
-    device_index, path = (argv if argv is not None else sys.argv[1:])
+    (path,) = argv if argv is not None else sys.argv[1:]
     with open(path) as f:
         specs = json.load(f)
     os.unlink(path)
-    import torch
-
-    from k3.ops.tuning import resolve_jit_function
-
-    torch.cuda.set_device(int(device_index))
     failed = []
     for spec in specs:
         try:
-            fn = resolve_jit_function(spec["name"])
-            reason = stale(spec, fn)
-            if reason:
-                failed.append(f"{spec['name']}: {reason}")
-                continue
-            fn.preload(json.dumps(spec))
+            compile_spec(spec)  # for the recorded arch: no CUDA context (preload would open one)
         except Exception as e:  # a kernel this fla/Triton compiles differently: the main process compiles it
             failed.append(f"{spec.get('name')}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     if failed:
         print(f"k3 precompile: {len(failed)} of {len(specs)} kernels not compiled ahead: " + "; ".join(failed[:3]),
               file=sys.stderr)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -453,7 +453,7 @@ def pin_for_device(device) -> int:
             _log.info("autotune table %s was made with fla %s, this is fla %s: Triton autotunes", path,
                       section["fla"] or "-", fla_version() or "-")
             return 0
-        workers = precompile.start(section["compiles"], index)  # first: the workers take seconds to start
+        workers = precompile.start(section["compiles"])  # first: the workers take seconds to start
         count = _pinned_devices[index] = pin(section["kernels"], source=str(path))
     except TableError as e:
         if path != TABLE_PATH:
