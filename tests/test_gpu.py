@@ -332,6 +332,9 @@ def test_mla_causal_attention_and_its_gradients_match_the_fp32_reference(B, T, H
     assert o.shape == (B, T, H, 128) and rel_err(o, ref) < 1e-2
     for name, got, want in zip("qkv", grads, ref_grads):
         assert rel_err(got, want) < 2e-2, name
+    # a compiled region (fullgraph, as k3.train.compiled_regions) takes the device fact as a constant: no break
+    compiled = torch.compile(causal_attention, fullgraph=True)(q, k, v, 0.1)
+    assert rel_err(compiled, o) < 1e-2
 
 
 def test_engine_decode_graphs_equal_eager_engine():
