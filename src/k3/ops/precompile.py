@@ -3,7 +3,8 @@ time, on the first call of each; a fresh machine's first step waits for each in 
 autotune table's recorded specialisations (k3.ops.tuning) with Triton's compiler, as `JITFunction.preload` does, for
 the architecture the table recorded, into the shared disk cache (TRITON_CACHE_DIR), while the main process builds the
 model and runs; its own compile of a kernel a worker has finished is then a cache read. The workers never touch the
-GPU (preload would open a CUDA context: ~0.5 GiB of the card's memory a worker, held while the run starts). A kernel
+GPU (workers that set their device and called `preload` opened a CUDA context each: ~0.5 GiB of the card's memory
+a worker while the run starts; 8 of them made a step at 2 x 16,384 run out of memory on an H100). A kernel
 no worker reached yet is compiled by the main process as always, so precompiling can only save time; a failed
 precompile is reported by the worker and costs nothing else.
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for spec in specs:
         try:
-            compile_spec(spec)  # for the recorded arch: no CUDA context (preload would open one)
+            compile_spec(spec)  # for the recorded arch: no CUDA context
         except Exception as e:  # a kernel this fla/Triton compiles differently: the main process compiles it
             failed.append(f"{spec.get('name')}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     if failed:
