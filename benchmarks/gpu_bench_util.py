@@ -105,7 +105,8 @@ def measure_ceilings() -> dict:
 
 
 def environment() -> dict:
-    env = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    env = {"card": card, "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "python": sys.version.split()[0]}
     for mod in ("triton", "fla"):

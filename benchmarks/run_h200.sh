@@ -3,9 +3,10 @@
 # the KDA op first (it compiles the chunk kernels the others reuse), then tests, decode, prefill, training,
 # the vision tower and serving. Each step has its own time limit, so one slow step cannot eat the rest.
 #   sh benchmarks/run_h200.sh [STEP ...]   STEP in: kda tests serve-tests kernels kbench decode prefill train
-#   train-ckpt moe mxfp4 vision serve serve64 sampler profile ncu pack k3-shaped cold
-#   (default: all but kernels, kbench, train-ckpt, profile, ncu, pack, k3-shaped and cold). cold = a first training
-#   step from an empty Triton cache (issue 23's start-fast target), recording this GPU's table section.
+#   train-ckpt moe mxfp4 vision serve serve64 sampler profile gemms ncu pack k3-shaped cold
+#   (default: all but kernels, kbench, train-ckpt, profile, gemms, ncu, pack, k3-shaped and cold). cold = a first
+#   training step from an empty Triton cache (issue 23's start-fast target), recording this GPU's table section;
+#   gemms = every matrix product of a `small` training step by shape, each alone against a square GEMM's rate.
 #   ncu = Nsight Compute's counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every
 #   GPU test (k3's Triton kernel tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
 #   GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
@@ -78,6 +79,7 @@ for step in $steps; do
                     run kbench 120 python3 benchmarks/bench_gpu_kernels.py)
             done ;;
         profile) run profile 240 python3 benchmarks/profile_gpu.py --compile ;;
+        gemms) run gemms 180 python3 benchmarks/gemm_census.py ;;
         ncu) run ncu 420 python3 benchmarks/ncu_decode.py --batches 64,1 --out "$OUT" ;;
         train) run train 240 python3 benchmarks/bench_gpu_train.py ;;
         # a fresh machine's first step (its own empty Triton cache), then this GPU's choices and compiles merged into
