@@ -32,14 +32,13 @@ Run: PYTHONPATH=src python benchmarks/bench_k3_shaped.py [--experts N] [--quick]
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import measure_ceilings, save, table, time_ms  # noqa: E402
+from gpu_bench_util import cpu_time_ms, measure_ceilings, save, table, time_ms  # noqa: E402
 
 from k3.checkpoint.names import is_f32  # noqa: E402
 from k3.config import K3Config  # noqa: E402
@@ -175,21 +174,10 @@ def filled_cache(model: K3ForCausalLM, cfg: K3Config, batch: int, context: int, 
     return cache
 
 
-def cpu_ms(fn, warmup: int = 1, reps: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
 def cpu_copy_tbps() -> float:
     x = torch.randn(2 ** 26)
     y = torch.empty_like(x)
-    ms = cpu_ms(lambda: y.copy_(x), reps=5)
+    ms = cpu_time_ms(lambda: y.copy_(x), reps=5)
     return 2 * x.numel() * 4 / (ms * 1e-3) / 1e12
 
 
@@ -206,7 +194,7 @@ def decode_rows(model, cfg, batches, context, copy_bw, cuda: bool) -> list[dict]
         with torch.no_grad():
             cache = filled_cache(model, cfg, B, context, room)
             step = lambda: model(tok, cache=cache)  # noqa: E731
-            timings.append(("eager", time_ms(step, warmup=warmup, reps=reps) if cuda else cpu_ms(step, warmup, reps)))
+            timings.append(("eager", time_ms(step, warmup=warmup, reps=reps) if cuda else cpu_time_ms(step, warmup, reps)))
             routed = routed_experts(model, step)
             if cuda:
                 from k3.model.cuda_graph import GraphedDecodeStep

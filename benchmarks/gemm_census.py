@@ -18,17 +18,16 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import os
-import statistics
 import sys
-import time
 import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import PEAK_BF16, save, table, time_ms  # noqa: E402
+from gpu_bench_util import PEAK_BF16, cpu_time_ms, save, table, time_ms  # noqa: E402
 
 from k3.config import K3Config  # noqa: E402
 from k3.model.decoder import K3ForCausalLM  # noqa: E402
@@ -147,17 +146,6 @@ def replay(p: Product, device) -> callable:
     return (lambda: a @ b)
 
 
-def cpu_time_ms(fn, warmup: int = 1, reps: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
 def census_of_step(model: K3ForCausalLM, ids: torch.Tensor) -> Census:
     """The products of one forward and backward (after one unrecorded step: lazy initialisations, autotuning)."""
     model(ids, labels=ids).loss.backward()
@@ -205,8 +193,8 @@ def main():
         timer, peak = time_ms, PEAK_BF16
     else:
         sq = torch.randn(1024, 1024)
-        square = 2 * 1024 ** 3 / (cpu_time_ms(lambda: sq @ sq) * 1e-3) / 1e12
-        timer, peak = cpu_time_ms, float("nan")
+        square = 2 * 1024 ** 3 / (cpu_time_ms(lambda: sq @ sq, reps=5) * 1e-3) / 1e12
+        timer, peak = functools.partial(cpu_time_ms, reps=5), float("nan")
     rows = rows_of(census, device, timer, square, peak)
     total_ms = sum(r["ms_step"] for r in rows)
     total_flop = sum(r["GFLOP"] * r["calls"] for r in rows) * 1e9

@@ -10,6 +10,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -36,6 +37,18 @@ def time_ms(fn, warmup: int = 3, reps: int = 10, inner: int = 1) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / inner)
+    return statistics.median(times)
+
+
+def cpu_time_ms(fn, warmup: int = 1, reps: int = 3) -> float:
+    """Median milliseconds of fn() over reps on the host clock (the CPU's time_ms)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
 
