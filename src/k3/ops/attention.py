@@ -2,8 +2,10 @@
 import torch
 import torch.nn.functional as F
 
+from k3.ops.lazy_dynamo import assume_constant_result
 
-@torch.compiler.assume_constant_result  # a fact of the device: compiled regions take it as a constant
+
+@assume_constant_result  # a fact of the device: compiled regions take it as a constant
 def _cudnn_sdpa(device_index: int | None) -> bool:
     """Whether SDPA runs cuDNN's attention on this GPU (Hopper and later, unless switched off): it takes MLA's
     192/128 head split as it is, so the causal call skips the pad to FlashAttention's one head dim: a third less P.V
