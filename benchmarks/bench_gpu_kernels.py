@@ -615,8 +615,9 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
     forward+backward: k3's varlen path (each document a segment of FlashAttention's varlen kernel,
     k3.ops.varlen_attention.document_attention, the packing made once a forward and left out of the timing, as the
     layers share it) against SDPA with the [B, T, T] document mask (k3's path before, and what a dense mask gives
-    any SDPA user), and plain causal SDPA over whole rows (a row one document: not the same attention, the cost
-    of ignoring the documents), through k3's `causal_attention` (v padded to q's width) and with v as it is.
+    any SDPA user), cuDNN's ragged SDPA over the documents (a candidate backend), and plain causal SDPA over whole
+    rows (a row one document: not the same attention, the cost of ignoring the documents), through k3's
+    `causal_attention` and with v padded to q's width (FlashAttention's one head dim, k3's call before session 46).
     Documents of a fixed length (0: one a row). floor_ms: the documents' causal FLOPs (fwd 2·H·(D+V) a visible
     pair; fwd+bwd 3.5× that) at the dense bf16 peak (989 TFLOP/s); extra_GiB: peak memory over the inputs during
     fwd+bwd."""
@@ -636,14 +637,21 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
             pairs = B * (T // L) * L * (L + 1) / 2 + B * (T % L) * (T % L + 1) / 2
             flops = 2 * H * (D + V) * pairs
             packing = packed_documents(doc_ids, device)
+            cu = torch.tensor([r * T + j for r in range(B) for j in range(0, T, L)] + [B * T], device=device,
+                              dtype=torch.int32)  # the documents' starts in the packed rows, and the end
             impls = {"k3 varlen (documents)": lambda: document_attention(
                          q, packing.pack_keys(k), packing.pack_keys(v), D ** -0.5, packing),
                      "SDPA + [B,T,T] mask": lambda: causal_attention(q, k, v, D ** -0.5, doc_ids),
+                     # a candidate varlen backend (session 46): cuDNN's ragged SDPA, as torch's nested tensors call
+                     # it (documents as cumulative lengths, v at its own width; autograd has its backward)
+                     "cuDNN varlen (documents), v unpadded": lambda: torch.ops.aten._cudnn_attention_forward(
+                         q.view(B * T, H, D), k.view(B * T, H, D), v.view(B * T, H, V), None, cu, cu, L, L, True,
+                         0.0, True, False, scale=D ** -0.5)[0].view(B, T, H, V),
+                     # k3's causal_attention: v unpadded where SDPA runs cuDNN (sm_90+, since session 46)
                      "causal SDPA, documents ignored": lambda: causal_attention(q, k, v, D ** -0.5),
-                     # (causal_attention pads v to q's width on CUDA for FlashAttention; cuDNN's SDPA, which
-                     # torch picks on sm_90, may take MLA's 192/128 split as it is: no pad, a third less P·V)
-                     "causal SDPA, documents ignored, v unpadded": lambda: F.scaled_dot_product_attention(
-                         *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=D ** -0.5).transpose(1, 2)}
+                     "causal SDPA, documents ignored, v padded": lambda: F.scaled_dot_product_attention(
+                         *(t.transpose(1, 2) for t in (q, k, F.pad(v, (0, D - V)))), is_causal=True,
+                         scale=D ** -0.5).transpose(1, 2)[..., :V]}
             want = impls["SDPA + [B,T,T] mask"]().float()
             for impl, fn in impls.items():
                 try:
@@ -658,6 +666,9 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
                 except torch.OutOfMemoryError:
                     f_ms = fb_ms = extra = err = float("nan")
                     torch.cuda.empty_cache()
+                except RuntimeError as e:  # a private op this torch runs otherwise (the cuDNN varlen row)
+                    f_ms = fb_ms = extra = err = float("nan")
+                    impl = f"{impl}: {str(e).splitlines()[0][:100]}"
                 rows.append(dict(op=f"MLA attention {B}x{T}, documents of {L}", impl=impl, fwd_ms=f_ms,
                                  fwd_bwd_ms=fb_ms, floor_fwd_ms=flops / PEAK_BF16 * 1e3,
                                  floor_fwd_bwd_ms=3.5 * flops / PEAK_BF16 * 1e3,
