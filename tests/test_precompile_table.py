@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -77,13 +78,11 @@ print("primary context active:", active.value)
 """
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_worker_compiles_what_the_kernels_first_call_reads_without_a_cuda_context(tmp_path):
     """The worker's compile lands under the key the kernel's own compile looks up (JITFunction.preload, the path
     of a first call: a cache read, no new file), and the worker never opened a CUDA context (each would hold
     ~0.5 GiB of the card while the run starts)."""
-    import torch
-
     found = tuning.section_for(tuning.load_table(tuning.TABLE_PATH), torch.cuda.get_device_name(), tuning.hardware_of(0))
     if found is None:
         pytest.skip("the shipped table has no section for this GPU's architecture")
