@@ -23,16 +23,14 @@ Run: PYTHONPATH=src python benchmarks/bench_gpu_vision.py [--quick]   (--quick: 
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_bench_util import MATMUL_BF16, measure_ceilings, save, table, time_ms  # noqa: E402
+from gpu_bench_util import MATMUL_BF16, cpu_time_ms, measure_ceilings, save, table, time_ms  # noqa: E402
 
 from k3.vision.config import VisionConfig  # noqa: E402
 from k3.vision.preprocess import batch_images, preprocess_image  # noqa: E402
@@ -45,19 +43,9 @@ QUICK_SIZES = {56: 8, 112: 4, 224: 2}    # tiny tower on the CPU
 
 def timer(device):
     """(fn, slow) → median ms: CUDA events on the GPU, perf_counter on the CPU; slow paths get fewer reps."""
-    def cpu_ms(fn, warmup, reps):
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
     def run(fn, slow=False):
         warmup, reps = (1, 3) if slow else (3, 10)
-        return time_ms(fn, warmup, reps) if device.type == "cuda" else cpu_ms(fn, warmup, reps)
+        return time_ms(fn, warmup, reps) if device.type == "cuda" else cpu_time_ms(fn, warmup, reps)
     return run
 
 
