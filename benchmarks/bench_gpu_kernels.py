@@ -637,16 +637,12 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
             pairs = B * (T // L) * L * (L + 1) / 2 + B * (T % L) * (T % L + 1) / 2
             flops = 2 * H * (D + V) * pairs
             packing = packed_documents(doc_ids, device)
-            cu = torch.tensor([r * T + j for r in range(B) for j in range(0, T, L)] + [B * T], device=device,
-                              dtype=torch.int32)  # the documents' starts in the packed rows, and the end
             impls = {"k3 varlen (documents)": lambda: document_attention(
                          q, packing.pack_keys(k), packing.pack_keys(v), D ** -0.5, packing),
                      "SDPA + [B,T,T] mask": lambda: causal_attention(q, k, v, D ** -0.5, doc_ids),
-                     # a candidate varlen backend (session 46): cuDNN's ragged SDPA, as torch's nested tensors call
-                     # it (documents as cumulative lengths, v at its own width; autograd has its backward)
-                     "cuDNN varlen (documents), v unpadded": lambda: torch.ops.aten._cudnn_attention_forward(
-                         q.view(B * T, H, D), k.view(B * T, H, D), v.view(B * T, H, V), None, cu, cu, L, L, True,
-                         0.0, True, False, scale=D ** -0.5)[0].view(B, T, H, V),
+                     # K3_VARLEN_CUDNN's backend (session 46, opt-in): cuDNN's ragged SDPA, v at its own width
+                     "k3 varlen (documents), cuDNN": lambda: document_attention(
+                         q, packing.pack_keys(k), packing.pack_keys(v), D ** -0.5, packing, backend="cudnn"),
                      # k3's causal_attention: v unpadded where SDPA runs cuDNN (sm_90+, since session 46)
                      "causal SDPA, documents ignored": lambda: causal_attention(q, k, v, D ** -0.5),
                      "causal SDPA, documents ignored, v padded": lambda: F.scaled_dot_product_attention(
@@ -666,7 +662,7 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
                 except torch.OutOfMemoryError:
                     f_ms = fb_ms = extra = err = float("nan")
                     torch.cuda.empty_cache()
-                except RuntimeError as e:  # a private op this torch runs otherwise (the cuDNN varlen row)
+                except RuntimeError as e:  # (the cuDNN row calls a private op: a torch may refuse it)
                     f_ms = fb_ms = extra = err = float("nan")
                     impl = f"{impl}: {str(e).splitlines()[0][:100]}"
                 rows.append(dict(op=f"MLA attention {B}x{T}, documents of {L}", impl=impl, fwd_ms=f_ms,

@@ -308,18 +308,18 @@ def test_chunked_prefill_bottom_right_sdpa_matches_reference():
 
 @pytest.mark.parametrize("B, T, H", [(2, 256, 4), (1, 1000, 3)])
 def test_mla_causal_attention_and_its_gradients_match_the_fp32_reference(B, T, H):
-    """MLA's 192/128 split as the training forward calls it (S == T): unpadded on cuDNN where `_cudnn_sdpa` says
-    SDPA runs it (and then torch's own choice for the call must be cuDNN, or the pad's skip would hand the call to
-    a slower kernel), padded to FlashAttention's one head dim elsewhere; either way o, dq, dk, dv as fp32's."""
+    """MLA's 192/128 split as the training forward calls it (S == T): unpadded on cuDNN where `sdpa_runs_cudnn`
+    says SDPA runs it (and then torch's own choice for the call must be cuDNN, or the pad's skip would hand the call
+    to a slower kernel), padded to FlashAttention's one head dim elsewhere; either way o, dq, dk, dv as fp32's."""
     from torch.nn.attention import SDPBackend
 
-    from k3.ops.attention import _cudnn_sdpa, causal_attention
+    from k3.ops.attention import causal_attention, sdpa_runs_cudnn
 
     g = torch.Generator(device="cuda").manual_seed(T)
     q, k = (torch.randn(B, T, H, 192, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(2))
     v = torch.randn(B, T, H, 128, device="cuda", generator=g).bfloat16().requires_grad_()
     go = torch.randn(B, T, H, 128, device="cuda", generator=g).bfloat16()
-    if _cudnn_sdpa(0):
+    if sdpa_runs_cudnn(0):
         choice = torch._fused_sdp_choice(*(t.transpose(1, 2) for t in (q, k, v)), None, 0.0, True, scale=0.1)
         assert choice == int(SDPBackend.CUDNN_ATTENTION), choice
     o = causal_attention(q, k, v, 0.1)

@@ -91,7 +91,8 @@ def test_a_worker_compiles_what_the_kernels_first_call_reads_without_a_cuda_cont
     """The worker's compile lands under the key the kernel's own compile looks up (JITFunction.preload, the path
     of a first call: a cache read, no new file), and the worker never opened a CUDA context (each would hold
     ~0.5 GiB of the card while the run starts)."""
-    found = tuning.section_for(tuning.load_table(tuning.TABLE_PATH), torch.cuda.get_device_name(), tuning.hardware_of(0))
+    table = tuning.load_table(tuning.TABLE_PATH)
+    found = tuning.section_for(table, torch.cuda.get_device_name(), tuning.hardware_of(0))
     if found is None:
         pytest.skip("the shipped table has no section for this GPU's architecture")
     compiles = found[1]["compiles"]

@@ -93,3 +93,45 @@ def test_cuda_flash_varlen_equals_the_reference(D, V):
     torch.testing.assert_close(o.double().cpu(), ref, rtol=2e-2, atol=2e-2)
     masked = varlen_causal_attention(q, k, v, seg, D ** -0.5, backend="masked")
     torch.testing.assert_close(o.float(), masked.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_cudnn_backend_refuses_segments_over_a_cached_context():
+    """cuDNN's ragged SDPA masks causally from each segment's first key: a chunk after its prefix would be wrong."""
+    from k3 import envs
+
+    (q, k, v), seg = inputs(SEGMENTS)  # (3, 11): three queries after eight cached keys
+    with pytest.raises(ValueError, match="own queries"):
+        varlen_causal_attention(q, k, v, seg, 0.3, backend="cudnn")
+    assert envs.parse({"K3_VARLEN_CUDNN": "1"}).varlen_cudnn and not envs.parse({}).varlen_cudnn
+    docs = [(4, 4), (2, 2)]
+    (q, k, v), seg = inputs(docs)
+    with envs.override(varlen_cudnn=True):  # on the CPU the switch changes nothing: the masked SDPA serves
+        o = varlen_causal_attention(q, k, v, seg, 0.3)
+    torch.testing.assert_close(o.double(), reference(q, k, v, docs, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (cuDNN's ragged SDPA)")
+@pytest.mark.parametrize("docs", [[(5, 5), (1, 1), (7, 7), (64, 64)], [(300, 300), (129, 129)]])
+def test_cuda_cudnn_varlen_and_its_gradients_equal_the_reference(docs, monkeypatch):
+    """K3_VARLEN_CUDNN's backend on documents (each segment its own keys), MLA's 192/128 split: o and dq, dk, dv
+    against the float64 per-segment softmax, and the switch makes the automatic pick take it (one cuDNN call)."""
+    from k3 import envs
+    from k3.ops.attention import sdpa_runs_cudnn
+
+    if not sdpa_runs_cudnn(0):
+        pytest.skip("SDPA does not run cuDNN on this GPU")
+    (q, k, v), seg = inputs(docs, H=4, D=192, V=128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert va.cudnn_usable(q, k, v, seg)
+    calls, real = [], torch.ops.aten._cudnn_attention_forward
+    monkeypatch.setattr(torch.ops.aten, "_cudnn_attention_forward", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    with envs.override(varlen_cudnn=True):
+        o = varlen_causal_attention(q, k, v, seg, 192 ** -0.5)
+    assert len(calls) == 1
+    go = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), go)
+    qd, kd, vd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    ref = reference(qd, kd, vd, docs, 192 ** -0.5)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), go.cpu().double())
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (ref, *ref_grads)):
+        assert ((got.cpu().double() - want).norm() / want.norm()).item() < 2e-2, name

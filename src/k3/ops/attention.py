@@ -6,7 +6,7 @@ from k3.ops.lazy_dynamo import assume_constant_result
 
 
 @assume_constant_result  # a fact of the device: compiled regions take it as a constant
-def _cudnn_sdpa(device_index: int | None) -> bool:
+def sdpa_runs_cudnn(device_index: int | None) -> bool:
     """Whether SDPA runs cuDNN's attention on this GPU (Hopper and later, unless switched off): it takes MLA's
     192/128 head split as it is, so the causal call skips the pad to FlashAttention's one head dim: a third less P.V
     and no copies (H100, torch 2.11, 12 heads, forward + backward: 3.9 ms against 6.2 padded at 8 x 4096, 14.3
@@ -26,7 +26,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     T, S = q.shape[1], k.shape[1]
     if S < T or (doc_ids is not None and S != T):
         raise ValueError(f"need S >= T keys (S == T with doc_ids), got T={T}, S={S}")
-    if q.is_cuda and v.shape[-1] < q.shape[-1] and not (S == T and doc_ids is None and _cudnn_sdpa(q.device.index)):
+    if q.is_cuda and v.shape[-1] < q.shape[-1] and not (
+            S == T and doc_ids is None and sdpa_runs_cudnn(q.device.index)):
         # FlashAttention wants one head dim for q, k and v; zero columns of v leave the real ones unchanged,
         # and flash beats the memory-efficient kernel SDPA would otherwise pick for MLA's 192/128 split.
         o = causal_attention(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), scale, doc_ids)
