@@ -66,7 +66,7 @@ for step in $steps; do
                 tests/test_gemv_fusions.py tests/test_varlen_attention.py tests/test_serve_mla_prefill.py \
                 tests/test_serve_kda_glue.py tests/test_serve_prefill_graphs.py tests/test_decode_compile_graph.py \
                 tests/test_tuned_launch.py tests/test_decode_folds.py tests/test_conv_varlen_triton.py \
-                tests/test_serve_warm_up.py tests/test_document_attention.py tests/test_pdl.py ;;
+                tests/test_serve_warm_up.py tests/test_document_attention.py tests/test_pdl.py tests/test_precompile_table.py ;;
         serve-tests) xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
             run serve-tests 300 python3 -m pytest -q -rfE -p no:cacheprovider $xdist tests/test_serve_prefill_graphs.py \
                 tests/test_serve_async_output.py tests/test_kda_fla_lean.py -k cuda ;;
