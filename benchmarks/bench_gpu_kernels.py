@@ -640,9 +640,6 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
             impls = {"k3 varlen (documents)": lambda: document_attention(
                          q, packing.pack_keys(k), packing.pack_keys(v), D ** -0.5, packing),
                      "SDPA + [B,T,T] mask": lambda: causal_attention(q, k, v, D ** -0.5, doc_ids),
-                     # K3_VARLEN_CUDNN's backend (session 46, opt-in): cuDNN's ragged SDPA, v at its own width
-                     "k3 varlen (documents), cuDNN": lambda: document_attention(
-                         q, packing.pack_keys(k), packing.pack_keys(v), D ** -0.5, packing, backend="cudnn"),
                      # k3's causal_attention: v unpadded where SDPA runs cuDNN (sm_90+, since session 46)
                      "causal SDPA, documents ignored": lambda: causal_attention(q, k, v, D ** -0.5),
                      "causal SDPA, documents ignored, v padded": lambda: F.scaled_dot_product_attention(
@@ -662,9 +659,6 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
                 except torch.OutOfMemoryError:
                     f_ms = fb_ms = extra = err = float("nan")
                     torch.cuda.empty_cache()
-                except RuntimeError as e:  # (the cuDNN row calls a private op: a torch may refuse it)
-                    f_ms = fb_ms = extra = err = float("nan")
-                    impl = f"{impl}: {str(e).splitlines()[0][:100]}"
                 rows.append(dict(op=f"MLA attention {B}x{T}, documents of {L}", impl=impl, fwd_ms=f_ms,
                                  fwd_bwd_ms=fb_ms, floor_fwd_ms=flops / PEAK_BF16 * 1e3,
                                  floor_fwd_bwd_ms=3.5 * flops / PEAK_BF16 * 1e3,

@@ -39,10 +39,6 @@
   way over q and over k), instead of in the q/k short convs' kernels (k3.model.kda.DenseLayout, k3.ops.conv
   `l2_head`: the forward normalises each head as it stores SiLU(conv), the backward takes the norm's gradient from
   the rows it recomputes); for timing the fold against it.
-- K3_VARLEN_CUDNN: "1" sends packed documents' attention (k3.ops.varlen_attention, each segment its own queries and
-  keys: training's documents, a new sequence's first prefill chunk) through cuDNN's ragged SDPA where SDPA runs cuDNN
-  (sm_90+), v at its own width, instead of FlashAttention's varlen kernel with v padded to q's. Opt-in and untimed in
-  a step: `bench_gpu_kernels.py --doc-attention` and `bench_gpu_train.py --docs 512 --off varlen_cudnn` judge it.
 - K3_PDL: "1" launches decode's Triton kernels with programmatic dependent launch (Hopper and later: each may start
   while the kernel before it runs, prefetching its weights into L2, and waits for it before reading anything;
   k3.ops._pdl_triton). Off by default: slower on an H200 (session 29, `bench_gpu_decode.py --pdl`, small's graphed
@@ -91,7 +87,6 @@ class Switches:
     no_residual_add_fold: bool = False
     no_mix_norm_fold: bool = False
     no_qk_norm_fold: bool = False
-    varlen_cudnn: bool = False
     pdl: bool = False
     no_pdl_prefetch: bool = False
     commit: str | None = None
@@ -151,7 +146,6 @@ def parse(environ: Mapping[str, str]) -> Switches:
                     no_residual_add_fold=_flag(get("K3_NO_RESIDUAL_ADD_FOLD")),
                     no_mix_norm_fold=_flag(get("K3_NO_MIX_NORM_FOLD")),
                     no_qk_norm_fold=_flag(get("K3_NO_QK_NORM_FOLD")),
-                    varlen_cudnn=_flag(get("K3_VARLEN_CUDNN")),
                     pdl=_flag(get("K3_PDL")), no_pdl_prefetch=_flag(get("K3_NO_PDL_PREFETCH")),
                     commit=get("K3_COMMIT") or None,
                     autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None,

@@ -7,9 +7,8 @@ call instead of one SDPA per row, and so do packed documents in training (`packe
 row a segment, where a [B, T, T] mask would make SDPA leave FlashAttention, compute every block across documents
 and hold the mask, O(T²), through backward; context parallelism's shards likewise). Backends, by what the call
 allows:
-- CUDA, fp16/bf16, head dim <= 256: FlashAttention's varlen kernel (`torch.nn.attention.varlen.varlen_attn`), or
-  with K3_VARLEN_CUDNN=1 where every segment is its own queries and keys and SDPA runs cuDNN (sm_90+), cuDNN's ragged
-  SDPA (`aten._cudnn_attention_forward` with the offsets, as torch's nested tensors call it; v at its own width);
+- CUDA, fp16/bf16, head dim <= 256: FlashAttention's varlen kernel (`torch.nn.attention.varlen.varlen_attn`; cuDNN's
+  ragged SDPA was 20-40x slower in session 47, its dq wrong on one layout, and crashed at 32K: not a backend);
 - small steps elsewhere (the CPU, fp32): one SDPA over the packed rows with a block-diagonal causal mask;
 - larger ones: one SDPA per segment (`k3.ops.attention.causal_attention`), the plain reference.
 """
@@ -23,8 +22,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from k3 import envs
-from k3.ops.attention import causal_attention, sdpa_runs_cudnn
+from k3.ops.attention import causal_attention
 
 # the masked SDPA materialises a [H, Nq, Nk] score block on its math path: past this many scores, one call a segment
 MASKED_SDPA_MAX_SCORES = 1 << 25
@@ -99,32 +97,18 @@ def flash_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and max(q.shape[-1], v.shape[-1]) <= FLASH_MAX_HEAD_DIM and _flash_varlen() is not None)
 
 
-def cudnn_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments) -> bool:
-    """cuDNN's ragged SDPA masks causally from each segment's first key, so it serves segments whose keys are their
-    own queries (documents, a first prefill chunk), not a chunk over its cached context."""
-    return flash_usable(q, k, v) and segments.cu_q_host == segments.cu_k_host and sdpa_runs_cudnn(q.device.index)
-
-
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
                             scale: float, backend: str | None = None) -> torch.Tensor:
     """q: [Nq, H, D]; k: [Nk, H, D]; v: [Nk, H, V], packed as `segments` says. Returns [Nq, H, V] in v's dtype.
-    `backend` ("cudnn", "flash", "masked", "loop") forces one (tests); None picks as the module docstring says."""
+    `backend` ("flash", "masked", "loop") forces one (tests); None picks as the module docstring says."""
     if backend is None:
         Nq, H, _ = q.shape
-        if envs.current().varlen_cudnn and cudnn_usable(q, k, v, segments):
-            backend = "cudnn"
-        elif flash_usable(q, k, v):
+        if flash_usable(q, k, v):
             backend = "flash"
         elif H * Nq * k.shape[0] <= MASKED_SDPA_MAX_SCORES:
             backend = "masked"
         else:
             backend = "loop"
-    if backend == "cudnn":
-        if segments.cu_q_host != segments.cu_k_host:
-            raise ValueError("the cuDNN backend takes segments whose keys are their own queries")
-        lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # the backward reads it
-        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, segments.cu_q, segments.cu_k, segments.max_q,
-                                                       segments.max_k, lse, 0.0, True, False, scale=scale)[0]
     if backend == "flash":
         V = v.shape[-1]
         if V < q.shape[-1]:  # flash wants one head dim: zero columns of v leave the real ones unchanged
@@ -136,7 +120,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                                            attn_mask=segments.mask, scale=scale)
         return o[0].transpose(0, 1)
     if backend != "loop":
-        raise ValueError(f"backend must be one of 'cudnn', 'flash', 'masked', 'loop' or None, got {backend!r}")
+        raise ValueError(f"backend must be one of 'flash', 'masked', 'loop' or None, got {backend!r}")
     out = []
     for qa, qb, ka, kb in zip(segments.cu_q_host, segments.cu_q_host[1:], segments.cu_k_host, segments.cu_k_host[1:]):
         out.append(causal_attention(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], scale)[0])
