@@ -1,13 +1,16 @@
 """The input projections' one accumulated input gradient (k3.ops.fused_linear._SharedInputProjections) against
 separate nn.Linear calls summed by autograd (K3_NO_SHARED_INPUT_GRAD): a node, each mixer and the MoE, and the
 whole tiny model's parameter gradients, in float64; that the sum really happens in the GEMMs (no add op left);
+the narrow projections' one GEMM each way;
 autocast's casts."""
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3 import envs
-from k3.ops.fused_linear import FusedLinears, _SharedInputProjections
+from k3.ops.fused_linear import NARROW_ROWS, FusedLinears, _SharedInputProjections, aligned_rows
 from random_model import random_tiny_model as tiny_model
 
 
@@ -87,11 +90,14 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+WIDE = NARROW_ROWS + 8  # a projection wider than the narrow ones that share a GEMM
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_input_gradient_is_summed_inside_the_gemms(shared):
-    """With the shared path the backward of 6 projections runs one mm and 5 in-place addmm for ∂L/∂x and no
-    separate add; autograd's path (the control: the counter sees what it claims) adds 5 times."""
-    lins = [torch.nn.Linear(16, 8, bias=False) for _ in range(6)]
+    """With the shared path the backward of 6 wide projections runs one mm and 5 in-place addmm for ∂L/∂x and
+    no separate add; autograd's path (the control: the counter sees what it claims) adds 5 times."""
+    lins = [torch.nn.Linear(16, WIDE, bias=False) for _ in range(6)]
     x = torch.randn(10, 16, requires_grad=True)
     with envs.override(no_shared_input_grad=not shared):
         ys = FusedLinears(*lins)(x)
@@ -106,6 +112,36 @@ def test_input_gradient_is_summed_inside_the_gemms(shared):
         assert len(adds) == 5 and "addmm_" not in counter.ops
     want = sum(2 * y.detach() @ lin.weight.detach() for y, lin in zip(ys, lins))
     torch.testing.assert_close(dx, want, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_projections_share_one_gemm_each_way():
+    """KDA's set (four wide, f_a and beta narrow): the narrow two are one GEMM forward (5 products, not 6), one
+    product into ∂L/∂x and one for both weight gradients, in float64 equal to separate nn.Linear calls."""
+    gen = torch.Generator().manual_seed(8)
+    widths = (WIDE, WIDE, WIDE, 24, 3, WIDE)
+    lins = [torch.nn.Linear(16, o, bias=False).double() for o in widths]
+    x0 = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
+    probes = [torch.randn(2, 5, o, generator=gen, dtype=torch.float64) for o in widths]
+
+    def run(counter=None):
+        for lin in lins:
+            lin.weight.grad = None
+        x = x0.clone().requires_grad_()
+        with counter or contextlib.nullcontext():
+            ys = FusedLinears(*lins)(x)
+            sum((y * w).sum() for y, w in zip(ys, probes)).backward()
+        return ys + [x.grad] + [lin.weight.grad for lin in lins]
+
+    counter = _OpCounter()
+    with envs.override(no_shared_input_grad=False):
+        got = run(counter)
+    with envs.override(no_shared_input_grad=True):
+        want = run()
+    assert_close_lists(got, want)
+    products = [op for op in counter.ops if op in ("mm", "addmm_", "addmm", "bmm")]
+    # forward 5; ∂L/∂x: 1 mm + 3 addmm_ (wide) + 1 addmm_ (narrow); ∂L/∂W: 4 wide + 1 narrow
+    assert products.count("addmm_") == 4 and len(products) == 5 + 5 + 5, products
+    assert got[3]._base is got[4]._base is not None  # f_a's and beta's outputs: views of one product
 
 
 def test_autocast_casts_once_and_matches_linear_under_autocast():
@@ -133,11 +169,13 @@ def test_autocast_casts_once_and_matches_linear_under_autocast():
         torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
 
 
-def test_node_returns_contiguous_outputs():
-    """Each output is its own contiguous [.., o_i] tensor (the short conv and the split of kv_a rely on it)."""
+def test_node_returns_contiguous_wide_outputs():
+    """Each wide output is its own contiguous [.., o_i] tensor (the short conv and the split of kv_a rely on it);
+    narrow ones are views of their shared product, its rows padded to ROW_ALIGN."""
     x = torch.randn(3, 5, 8, requires_grad=True)
-    ys = _SharedInputProjections.apply(x, torch.randn(4, 8), torch.randn(7, 8))
-    assert [tuple(y.shape) for y in ys] == [(3, 5, 4), (3, 5, 7)] and all(y.is_contiguous() for y in ys)
+    ys = _SharedInputProjections.apply(x, torch.randn(4, 8), torch.randn(WIDE, 8), torch.randn(7, 8))
+    assert [tuple(y.shape) for y in ys] == [(3, 5, 4), (3, 5, WIDE), (3, 5, 7)] and ys[1].is_contiguous()
+    assert ys[0]._base is ys[2]._base and ys[0].stride(1) == aligned_rows(4 + 7) == 16
 
 
 @pytest.mark.parametrize("layer_idx,part", [(1, "self_attn"), (5, "self_attn"), (2, "block_sparse_moe")])

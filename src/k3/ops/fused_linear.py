@@ -10,7 +10,7 @@ and in any call that needs a gradient, one GEMM per projection runs: training, a
 
 In training the projections run as one autograd node (`_SharedInputProjections`) whose backward accumulates
 every projection's ∂L/∂x into one buffer, each GEMM after the first adding into it in its epilogue (`addmm_`,
-β = 1). Separate nn.Linear calls would each write their own ∂L/∂x and autograd would add them pairwise: n − 1
+β = 1); the narrow ones (KDA's f_a and beta) share one GEMM each way (`NARROW_ROWS`). Separate nn.Linear calls would each write their own ∂L/∂x and autograd would add them pairwise: n − 1
 extra passes of three activations each (read, read, write). One GEMM over the stacked gradients would need
 them copied side by side first, a pass of its own, so the adds go into the GEMMs instead.
 Under autocast the input is cast once for all n GEMMs (autocast casts it per call). Tensor subclasses (a
@@ -154,29 +154,70 @@ def shared_input_projections(x: torch.Tensor, weights: list[torch.Tensor]) -> li
         return list(_SharedInputProjections.apply(x, *weights))
 
 
+# Projections at most this wide run as one GEMM where a set has two or more (KDA's f_a, 128 wide, and beta, one
+# column a head): cuBLAS runs such thin products far below its square-GEMM rate (H100, 32,768 × 1,536 in:
+# beta's 12 columns at 17 TFLOP/s, its input gradient, 24-byte rows, at 9; f_a's 128 at ~200), and the joined
+# product, padded to ROW_ALIGN, is one thin GEMM in place of several (`benchmarks/gemm_census.py` times each).
+NARROW_ROWS = 256
+
+
+def _narrow(weights) -> list[int]:
+    """Indices of the weights that share one GEMM (`NARROW_ROWS`): none unless two or more are narrow."""
+    narrow = [i for i, w in enumerate(weights) if w.shape[0] <= NARROW_ROWS]
+    return narrow if len(narrow) > 1 else []
+
+
 class _SharedInputProjections(torch.autograd.Function):
-    """Forward: one GEMM per weight (outputs contiguous, as nn.Linear's). Backward: ∂L/∂W_i = g_iᵀ x each;
-    ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing it and the others adding into it."""
+    """Forward: one GEMM per weight (outputs contiguous, as nn.Linear's), the narrow ones (`_narrow`) joined in
+    one GEMM whose outputs are column views of it. Backward: ∂L/∂W_i = g_iᵀ x each (the narrow ones' from one
+    GEMM over their gradients side by side); ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing it and
+    the others adding into it."""
 
     @staticmethod
     def forward(ctx, x, *weights):
         ctx.set_materialize_grads(False)  # an unused output brings no gradient, not a zero tensor
         ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(x, w) for w in weights)
+        narrow = _narrow(weights)
+        outs = [None if i in narrow else F.linear(x, w) for i, w in enumerate(weights)]
+        if narrow:
+            sizes = [weights[i].shape[0] for i in narrow]
+            joined = F.linear(x, _stacked_aligned(*(weights[i] for i in narrow)))
+            for i, y in zip(narrow, joined[..., :sum(sizes)].split(sizes, dim=-1)):
+                outs[i] = y
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
-        dx, dws = None, []
-        for g, w, needs_dw in zip(grads, weights, ctx.needs_input_grad[1:]):
-            if g is None:
-                dws.append(None)
+        needs = ctx.needs_input_grad
+        narrow = _narrow(weights)
+        dx, dws = None, [None] * len(weights)
+
+        def add(g2, w):  # ∂L/∂x += g2 w, the first product writing the buffer
+            nonlocal dx
+            if needs[0]:
+                dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)
+
+        for i, (g, w) in enumerate(zip(grads, weights)):
+            if g is None or i in narrow:
                 continue
             g2 = g.reshape(-1, g.shape[-1])
-            if ctx.needs_input_grad[0]:
-                dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)
-            dws.append(g2.t().mm(x2) if needs_dw else None)
+            add(g2, w)
+            dws[i] = g2.t().mm(x2) if needs[1 + i] else None
+        if any(grads[i] is not None for i in narrow):
+            w = _stacked_aligned(*(weights[i] for i in narrow))
+            parts = [grads[i].reshape(-1, weights[i].shape[0]) if grads[i] is not None
+                     else x2.new_zeros(x2.shape[0], weights[i].shape[0]) for i in narrow]
+            g2 = torch.cat(parts + [x2.new_zeros(x2.shape[0], w.shape[0] - sum(p.shape[1] for p in parts))], -1)
+            add(g2, w)
+            if any(needs[1 + i] for i in narrow):
+                dw = g2.t().mm(x2)
+                start = 0
+                for i, p in zip(narrow, parts):
+                    if needs[1 + i] and grads[i] is not None:
+                        dws[i] = dw[start:start + p.shape[1]]
+                    start += p.shape[1]
         return (None if dx is None else dx.view(x.shape)), *dws
 
 
