@@ -10,7 +10,9 @@ Columns: calls a step, GFLOP a call, ms a step alone, TFLOP/s, % of a square 819
 (the peer: cuBLAS at its best on this card), % of the datasheet peak (the hardware limit), and the ms a step the
 shape loses against the square GEMM's rate. `where`: the k3 line of the first call (backward products without a
 Python frame say "(autograd)").
-Run: PYTHONPATH=src python benchmarks/gemm_census.py [--preset small] [--batch 8] [--seq 4096] [--rows 30]
+--blas cublaslt|cublas: each non-grouped product also timed with that library as torch's preferred BLAS (a column,
+and the step's totals under each and under the faster a shape): whether k3 should pick one for training.
+Run: PYTHONPATH=src python benchmarks/gemm_census.py [--preset small] [--batch 8] [--seq 4096] [--rows 30] [--blas ..]
 (on a machine without CUDA it runs the preset in fp32 on the CPU, timed there; tests use that.)
 """
 from __future__ import annotations
@@ -158,15 +160,32 @@ def census_of_step(model: K3ForCausalLM, ids: torch.Tensor) -> Census:
     return census
 
 
-def rows_of(census: Census, device, timer, square_tflops: float, peak: float) -> list[dict]:
+def rows_of(census: Census, device, timer, square_tflops: float, peak: float, other_blas: str | None = None
+            ) -> list[dict]:
+    """One row a shape class; with `other_blas` ("cublaslt", "cublas") each non-grouped product also timed under
+    that library (torch.backends.cuda.preferred_blas_library), in `{other_blas}_ms_step`."""
     rows = []
     for p, n in census.calls.items():
-        ms = timer(replay(p, device))
+        call = replay(p, device)
+        ms = timer(call)
         tflops = p.flop / (ms * 1e-3) / 1e12
         rows.append(dict(product=p.label(), layout=p.layout, dtype=p.a[2], calls=n, GFLOP=p.flop / 1e9,
                          ms_step=ms * n, TFLOPs=tflops, of_square=tflops / square_tflops, of_peak=tflops * 1e12 / peak,
                          lost_ms=ms * n - p.flop * n / (square_tflops * 1e12) * 1e3, where=census.where[p]))
+        if other_blas is not None:
+            rows[-1][f"{other_blas}_ms_step"] = float("nan") if p.op == "_grouped_mm" else n * blas_time_ms(
+                other_blas, call, timer)
     return sorted(rows, key=lambda r: -r["lost_ms"])
+
+
+def blas_time_ms(library: str, call, timer) -> float:
+    """`timer(call)` with `library` as torch's preferred BLAS, the previous choice restored after."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        return timer(call)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def main():
@@ -175,6 +194,8 @@ def main():
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--blas", default=None, choices=["cublaslt", "cublas"],
+                    help="also time each product under this BLAS library (CUDA)")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -196,14 +217,21 @@ def main():
         sq = torch.randn(1024, 1024)
         square = 2 * 1024 ** 3 / (cpu_time_ms(lambda: sq @ sq, reps=5) * 1e-3) / 1e12
         timer, peak = functools.partial(cpu_time_ms, reps=5), float("nan")
-    rows = rows_of(census, device, timer, square, peak)
+    other = a.blas if cuda else None
+    rows = rows_of(census, device, timer, square, peak, other)
     total_ms = sum(r["ms_step"] for r in rows)
     total_flop = sum(r["GFLOP"] * r["calls"] for r in rows) * 1e9
     print(table(rows[:a.rows], ["product", "layout", "dtype", "calls", "GFLOP", "ms_step", "TFLOPs", "of_square",
-                                "of_peak", "lost_ms", "where"]))
+                                "of_peak", "lost_ms", *([f"{other}_ms_step"] if other else []), "where"]))
     summary = dict(preset=preset, B=B, T=T, shapes=len(rows), calls=sum(r["calls"] for r in rows),
                    ms_step_alone=total_ms, TFLOP_step=total_flop / 1e12, TFLOPs=total_flop / (total_ms * 1e-3) / 1e12,
                    square_TFLOPs=square, ms_at_square_rate=total_flop / (square * 1e12) * 1e3)
+    if other:  # the step's non-grouped products under the other library, and the faster of the two a shape
+        plain = [r for r in rows if r[f"{other}_ms_step"] == r[f"{other}_ms_step"]]
+        summary.update({f"plain_ms_step_{torch.backends.cuda.preferred_blas_library().name.lower()}":
+                        sum(r["ms_step"] for r in plain), f"plain_ms_step_{other}":
+                        sum(r[f"{other}_ms_step"] for r in plain),
+                        "plain_ms_step_best": sum(min(r["ms_step"], r[f"{other}_ms_step"]) for r in plain)})
     print(summary)
     save(f"gemm_census_{summary['preset']}", {"summary": summary, "rows": rows})
 
