@@ -173,38 +173,9 @@ def test_node_returns_contiguous_wide_outputs():
     """Each wide output is its own contiguous [.., o_i] tensor (the short conv and the split of kv_a rely on it);
     narrow ones are views of their shared product, its rows padded to ROW_ALIGN."""
     x = torch.randn(3, 5, 8, requires_grad=True)
-    ys = _SharedInputProjections.apply(x, False, torch.randn(4, 8), torch.randn(WIDE, 8), torch.randn(7, 8))
+    ys = _SharedInputProjections.apply(x, torch.randn(4, 8), torch.randn(WIDE, 8), torch.randn(7, 8))
     assert [tuple(y.shape) for y in ys] == [(3, 5, 4), (3, 5, WIDE), (3, 5, 7)] and ys[1].is_contiguous()
     assert ys[0]._base is ys[2]._base and ys[0].stride(1) == aligned_rows(4 + 7) == 16
-
-
-def test_joined_outputs_are_views_of_one_product_with_the_same_gradients():
-    """join_outputs (the MoE's set): wide projections too run as one GEMM each way, the outputs views of it, and
-    outputs, input and weight gradients equal separate nn.Linear calls in float64, an unused output included."""
-    gen = torch.Generator().manual_seed(9)
-    widths = (WIDE, 5, WIDE + 3)
-    lins = [torch.nn.Linear(16, o, bias=False).double() for o in widths]
-    x0 = torch.randn(3, 4, 16, generator=gen, dtype=torch.float64)
-    probes = [torch.randn(3, 4, o, generator=gen, dtype=torch.float64) for o in widths]
-
-    def run(counter=None):
-        for lin in lins:
-            lin.weight.grad = None
-        x = x0.clone().requires_grad_()
-        with counter or contextlib.nullcontext():
-            ys = FusedLinears(*lins, join_outputs=True)(x)
-            sum((y * w).sum() for i, (y, w) in enumerate(zip(ys, probes)) if i != 1).backward()
-        return ys + [x.grad] + [lin.weight.grad for lin in lins]
-
-    counter = _OpCounter()
-    with envs.override(no_shared_input_grad=False):
-        got = run(counter)
-    with envs.override(no_shared_input_grad=True):
-        want = run()
-    assert got[0]._base is got[1]._base is got[2]._base is not None
-    assert got[0].stride(-2) == aligned_rows(sum(widths))
-    assert [op for op in counter.ops if op in ("mm", "addmm_", "addmm")] == ["mm"] * 3  # one GEMM each way
-    assert_close_lists(got, want)
 
 
 @pytest.mark.parametrize("layer_idx,part", [(1, "self_attn"), (5, "self_attn"), (2, "block_sparse_moe")])

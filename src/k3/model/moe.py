@@ -79,12 +79,10 @@ class LatentMoE(nn.Module):
         self.last_mask: torch.Tensor | None = None
         # MXFP4 weights / MXFP8 activations fake-quantized in the expert GEMMs (k3.ops.mx_experts.enable_qat).
         self.qat = False
-        # the projections that read x besides the fp32 router, one GEMM at inference (names unchanged) and in
-        # training too: the experts' gather and the GLU kernel read their outputs as strided rows
+        # the projections that read x besides the fp32 router, one GEMM at inference (names unchanged)
         shared = self.shared_experts
         self.in_proj = FusedLinears(self.routed_expert_down_proj,
-                                    *((shared.gate_proj, shared.up_proj) if shared is not None else ()),
-                                    join_outputs=True)
+                                    *((shared.gate_proj, shared.up_proj) if shared is not None else ()))
 
     def router_scores(self, x: torch.Tensor) -> torch.Tensor:
         """Sigmoid router in fp32 (fp64 stays fp64). x: [N, D] → [N, E]."""

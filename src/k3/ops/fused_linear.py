@@ -10,11 +10,9 @@ and in any call that needs a gradient, one GEMM per projection runs: training, a
 
 In training the projections run as one autograd node (`_SharedInputProjections`) whose backward accumulates
 every projection's ∂L/∂x into one buffer, each GEMM after the first adding into it in its epilogue (`addmm_`,
-β = 1). Separate nn.Linear calls would each write their own ∂L/∂x and autograd would add them pairwise: n − 1
-extra passes of three activations each (read, read, write). One GEMM over the stacked gradients needs them
-copied side by side first, a pass of its own, so it is taken only where one GEMM is much faster than several:
-the narrow projections (KDA's f_a and beta, `NARROW_ROWS`: thin products run far below cuBLAS's rate), and every
-projection of a set whose caller asks (`join_outputs`: the MoE's, whose consumers read strided rows).
+β = 1); the narrow ones (KDA's f_a and beta) share one GEMM each way (`NARROW_ROWS`). Separate nn.Linear calls would each write their own ∂L/∂x and autograd would add them pairwise: n − 1
+extra passes of three activations each (read, read, write). One GEMM over the stacked gradients would need
+them copied side by side first, a pass of its own, so the adds go into the GEMMs instead.
 Under autocast the input is cast once for all n GEMMs (autocast casts it per call). Tensor subclasses (a
 DTensor's own linear) keep the nn.Linear calls. Switch: K3_NO_SHARED_INPUT_GRAD (k3.envs).
 """
@@ -103,20 +101,17 @@ class FusedLinears(DerivedWeight):
     """`fused(x)` == `[lin(x) for lin in linears]` (up to summation order), one GEMM once `refresh` switched the
     stacked weight on and no gradient is needed."""
 
-    def __init__(self, *linears: nn.Linear, join_outputs: bool = False):
-        """join_outputs: in training too, all projections as one GEMM each way, the outputs column views of one
-        tensor (for callers whose consumers read strided rows); else only the narrow ones share one."""
+    def __init__(self, *linears: nn.Linear):
         if any(lin.bias is not None for lin in linears):
             raise ValueError("FusedLinears stacks bias-free projections only")
         super().__init__(_stacked_aligned, *linears)
         self.linears = linears
-        self.join_outputs = join_outputs
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         weights = [lin.weight for lin in self.linears]
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
         if needs_grad and not envs.current().no_shared_input_grad and _plain_tensors(x, *weights):
-            return shared_input_projections(x, weights, self.join_outputs)
+            return shared_input_projections(x, weights)
         if self.weight is None or needs_grad:
             return [lin(x) for lin in self.linears]
         sizes = [w.shape[0] for w in weights]
@@ -148,8 +143,7 @@ def _plain_tensors(*tensors: torch.Tensor) -> bool:
     return all(type(t) is torch.Tensor or type(t) is nn.Parameter for t in tensors)
 
 
-def shared_input_projections(x: torch.Tensor, weights: list[torch.Tensor], join_all: bool = False
-                             ) -> list[torch.Tensor]:
+def shared_input_projections(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """`[F.linear(x, w) for w in weights]` with one accumulated ∂L/∂x (`_SharedInputProjections`). Autocast is
     applied here, as F.linear would: x and the weights are cast to its dtype once, outside the node."""
     device = x.device.type
@@ -157,7 +151,7 @@ def shared_input_projections(x: torch.Tensor, weights: list[torch.Tensor], join_
         dtype = torch.get_autocast_dtype(device)
         x, weights = x.to(dtype), [w.to(dtype) for w in weights]
     with torch.autocast(device, enabled=False):
-        return list(_SharedInputProjections.apply(x, join_all, *weights))
+        return list(_SharedInputProjections.apply(x, *weights))
 
 
 # Projections at most this wide run as one GEMM where a set has two or more (KDA's f_a, 128 wide, and beta, one
@@ -167,39 +161,37 @@ def shared_input_projections(x: torch.Tensor, weights: list[torch.Tensor], join_
 NARROW_ROWS = 256
 
 
-def _joined(weights, join_all: bool) -> list[int]:
-    """Indices of the weights that share one GEMM: all of them, or the narrow ones (`NARROW_ROWS`) where two or
-    more are."""
-    joined = [i for i, w in enumerate(weights) if join_all or w.shape[0] <= NARROW_ROWS]
-    return joined if len(joined) > 1 else []
+def _narrow(weights) -> list[int]:
+    """Indices of the weights that share one GEMM (`NARROW_ROWS`): none unless two or more are narrow."""
+    narrow = [i for i, w in enumerate(weights) if w.shape[0] <= NARROW_ROWS]
+    return narrow if len(narrow) > 1 else []
 
 
 class _SharedInputProjections(torch.autograd.Function):
-    """Forward: one GEMM per weight (outputs contiguous, as nn.Linear's), those `_joined` picks (the narrow ones,
-    or all) as one GEMM whose outputs are column views of it. Backward: ∂L/∂W_i = g_iᵀ x each (the joined ones'
-    from one GEMM over their gradients side by side); ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing
-    it and the others adding into it."""
+    """Forward: one GEMM per weight (outputs contiguous, as nn.Linear's), the narrow ones (`_narrow`) joined in
+    one GEMM whose outputs are column views of it. Backward: ∂L/∂W_i = g_iᵀ x each (the narrow ones' from one
+    GEMM over their gradients side by side); ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing it and
+    the others adding into it."""
 
     @staticmethod
-    def forward(ctx, x, join_all, *weights):
+    def forward(ctx, x, *weights):
         ctx.set_materialize_grads(False)  # an unused output brings no gradient, not a zero tensor
         ctx.save_for_backward(x, *weights)
-        ctx.join_all = join_all
-        together = _joined(weights, join_all)
-        outs = [None if i in together else F.linear(x, w) for i, w in enumerate(weights)]
-        if together:
-            sizes = [weights[i].shape[0] for i in together]
-            y = F.linear(x, _stacked_aligned(*(weights[i] for i in together)))
-            for i, part in zip(together, y[..., :sum(sizes)].split(sizes, dim=-1)):
-                outs[i] = part
+        narrow = _narrow(weights)
+        outs = [None if i in narrow else F.linear(x, w) for i, w in enumerate(weights)]
+        if narrow:
+            sizes = [weights[i].shape[0] for i in narrow]
+            joined = F.linear(x, _stacked_aligned(*(weights[i] for i in narrow)))
+            for i, y in zip(narrow, joined[..., :sum(sizes)].split(sizes, dim=-1)):
+                outs[i] = y
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
-        needs = ctx.needs_input_grad[:1] + ctx.needs_input_grad[2:]  # (x, *weights)
-        together = _joined(weights, ctx.join_all)
+        needs = ctx.needs_input_grad
+        narrow = _narrow(weights)
         dx, dws = None, [None] * len(weights)
 
         def add(g2, w):  # ∂L/∂x += g2 w, the first product writing the buffer
@@ -208,25 +200,25 @@ class _SharedInputProjections(torch.autograd.Function):
                 dx = torch.mm(g2, w) if dx is None else dx.addmm_(g2, w)
 
         for i, (g, w) in enumerate(zip(grads, weights)):
-            if g is None or i in together:
+            if g is None or i in narrow:
                 continue
             g2 = g.reshape(-1, g.shape[-1])
             add(g2, w)
             dws[i] = g2.t().mm(x2) if needs[1 + i] else None
-        if any(grads[i] is not None for i in together):
-            w = _stacked_aligned(*(weights[i] for i in together))
+        if any(grads[i] is not None for i in narrow):
+            w = _stacked_aligned(*(weights[i] for i in narrow))
             parts = [grads[i].reshape(-1, weights[i].shape[0]) if grads[i] is not None
-                     else x2.new_zeros(x2.shape[0], weights[i].shape[0]) for i in together]
-            pad = w.shape[0] - sum(p.shape[1] for p in parts)
-            g2 = torch.cat(parts + ([x2.new_zeros(x2.shape[0], pad)] if pad else []), -1)
+                     else x2.new_zeros(x2.shape[0], weights[i].shape[0]) for i in narrow]
+            g2 = torch.cat(parts + [x2.new_zeros(x2.shape[0], w.shape[0] - sum(p.shape[1] for p in parts))], -1)
             add(g2, w)
-            if any(needs[1 + i] for i in together):
-                dw, start = g2.t().mm(x2), 0
-                for i, p in zip(together, parts):
+            if any(needs[1 + i] for i in narrow):
+                dw = g2.t().mm(x2)
+                start = 0
+                for i, p in zip(narrow, parts):
                     if needs[1 + i] and grads[i] is not None:
                         dws[i] = dw[start:start + p.shape[1]]
                     start += p.shape[1]
-        return (None if dx is None else dx.view(x.shape)), None, *dws
+        return (None if dx is None else dx.view(x.shape)), *dws
 
 
 def fuse_projections(model: nn.Module) -> None:
