@@ -110,12 +110,14 @@ class FusedLinears(DerivedWeight):
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         weights = [lin.weight for lin in self.linears]
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
-        if needs_grad and not envs.current().no_shared_input_grad and _plain_tensors(x, *weights):
-            return shared_input_projections(x, weights)
-        if self.weight is None or needs_grad:
+        if self.weight is not None and not needs_grad:  # the kept stacked weight: one GEMM
+            sizes = [w.shape[0] for w in weights]
+            return list(linear(x, self.current())[..., :sum(sizes)].split(sizes, dim=-1))
+        if envs.current().no_shared_input_grad or not _plain_tensors(x, *weights):
             return [lin(x) for lin in self.linears]
-        sizes = [w.shape[0] for w in weights]
-        return list(linear(x, self.current())[..., :sum(sizes)].split(sizes, dim=-1))
+        if needs_grad:
+            return shared_input_projections(x, weights)
+        return list(_projections(x, weights))  # the training node's own GEMMs: the same bits with or without grad
 
 
 def joined_columns(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -167,9 +169,21 @@ def _narrow(weights) -> list[int]:
     return narrow if len(narrow) > 1 else []
 
 
+def _projections(x: torch.Tensor, weights) -> tuple[torch.Tensor, ...]:
+    """`F.linear(x, w)` for each weight: a GEMM a weight (contiguous outputs, as nn.Linear's), the narrow ones
+    (`_narrow`) one GEMM whose outputs are column views of it."""
+    narrow = _narrow(weights)
+    outs = [None if i in narrow else F.linear(x, w) for i, w in enumerate(weights)]
+    if narrow:
+        sizes = [weights[i].shape[0] for i in narrow]
+        joined = F.linear(x, _stacked_aligned(*(weights[i] for i in narrow)))
+        for i, y in zip(narrow, joined[..., :sum(sizes)].split(sizes, dim=-1)):
+            outs[i] = y
+    return tuple(outs)
+
+
 class _SharedInputProjections(torch.autograd.Function):
-    """Forward: one GEMM per weight (outputs contiguous, as nn.Linear's), the narrow ones (`_narrow`) joined in
-    one GEMM whose outputs are column views of it. Backward: ∂L/∂W_i = g_iᵀ x each (the narrow ones' from one
+    """Forward: `_projections`. Backward: ∂L/∂W_i = g_iᵀ x each (the narrow ones' from one
     GEMM over their gradients side by side); ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing it and
     the others adding into it."""
 
@@ -177,14 +191,7 @@ class _SharedInputProjections(torch.autograd.Function):
     def forward(ctx, x, *weights):
         ctx.set_materialize_grads(False)  # an unused output brings no gradient, not a zero tensor
         ctx.save_for_backward(x, *weights)
-        narrow = _narrow(weights)
-        outs = [None if i in narrow else F.linear(x, w) for i, w in enumerate(weights)]
-        if narrow:
-            sizes = [weights[i].shape[0] for i in narrow]
-            joined = F.linear(x, _stacked_aligned(*(weights[i] for i in narrow)))
-            for i, y in zip(narrow, joined[..., :sum(sizes)].split(sizes, dim=-1)):
-                outs[i] = y
-        return tuple(outs)
+        return _projections(x, weights)
 
     @staticmethod
     def backward(ctx, *grads):
