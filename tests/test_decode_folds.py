@@ -88,8 +88,9 @@ def test_decode_step_adds_each_ffn_output_inside_the_next_mix(monkeypatch):
     B, T = 2, 5
     ids = torch.randint(0, model.config.vocab_size, (B, T + 1), device=DEVICE)
     census = Census()
-    # the plain RMSNorm on every device: its `+ eps` is the one add counted below (a GPU norm kernel has none)
-    with envs.override(no_triton="_norm_triton"), torch.no_grad():
+    # the plain RMSNorm on every device: its `+ eps` is the one add counted below (a GPU norm kernel has none); on a
+    # GPU a MoE layer's second mix would launch with its router (`_attn_res_route_triton`): the mix op alone here
+    with envs.override(no_triton="_norm_triton,_attn_res_route_triton"), torch.no_grad():
         full = model(ids).logits[:, -1]
         cache = model.new_cache(B, T + 1)
         model(ids[:, :T], cache=cache)
@@ -172,10 +173,12 @@ def test_plain_linear_sums_into_a_scratch_residual(M, N, K):
 
 
 def test_moe_adds_the_shared_output_inside_the_up_projection_gemm():
-    """A tiny LatentMoE at 8 decode rows (where the GEMV is not taken: cuBLAS, the plain path on a CPU) sums the
-    routed up projection into the shared experts' output in its GEMM: one addmm_ and no add of [8, D] rows; the
-    layer equals the same layer run with a gradient wanted (the plain F.linear + add)."""
+    """A tiny LatentMoE at 8 decode rows, the GEMV off (on a GPU it takes tiny's small weights at 8 rows: the
+    plain path, cuBLAS's), sums the routed up projection into the shared experts' output in its GEMM: one addmm_
+    and no add of [8, D] rows; the layer equals the same layer run with a gradient wanted (F.linear + add)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from k3.ops.gemv import force_gemv
 
     from k3.model.moe import LatentMoE
 
@@ -200,7 +203,7 @@ def test_moe_adds_the_shared_output_inside_the_up_projection_gemm():
     runs = {}
     for grad in (False, True):
         ops = Ops()
-        with torch.set_grad_enabled(grad), ops:
+        with torch.set_grad_enabled(grad), force_gemv(False), ops:
             runs[grad] = (moe(x), ops.seen)
     rows = (8, cfg.hidden_size)
     assert ("aten::addmm_", rows) in runs[False][1] and ("aten::add", rows) not in runs[False][1]
@@ -215,6 +218,7 @@ def test_bf16_moe_hands_the_routers_fp32_weights_to_its_experts(rows, monkeypatc
     layer), and the output equals the same layer whose seam is handed bf16 weights (the casting forward before
     this fold, kept for a replaced seam) at bf16 tolerance. 2 rows: the selected-experts decode path; 8 and 40:
     expert-major's rule or the grouped path, whose product casts them itself."""
+    import k3.model.moe as moe_module
     from k3.model.moe import LatentMoE
 
     cfg = K3Config.preset("tiny")
@@ -231,6 +235,15 @@ def test_bf16_moe_hands_the_routers_fp32_weights_to_its_experts(rows, monkeypatc
         return real(self, z, idx, w, meanwhile)
 
     monkeypatch.setattr(LatentMoE, "combine_experts", seam)
+    real_tail = moe_module.selected_experts_tail
+
+    def tail(z, idx, w, *rest):  # on a GPU the expert-major kernels' tail takes 40 rows, past the seam
+        out = real_tail(z, idx, w, *rest)
+        if out is not None:
+            handed.append(w.dtype)
+        return out
+
+    monkeypatch.setattr(moe_module, "selected_experts_tail", tail)
     x = torch.randn(rows, 1, cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         got = moe(x)
