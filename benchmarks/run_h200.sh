@@ -23,12 +23,14 @@
 #   to carry back: put them in .tpack/ and carry that; the script merges .tpack/tcache.tgz.* into the cache.
 # Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
 # TRITON_CACHE_DIR defaults to ./.tcache: keep it between calls (and carry it) to skip recompiling.
-# Without fla importable, the wheels in .whl/ (carried: the GPU machine has no network) go to /tmp/k3-site.
+# Without fla (or the serving tests' fastapi and llguidance) importable, the wheels in .whl/ (carried: the GPU machine
+# has no network; the serve extra's, e.g. `pip download --no-deps --only-binary=:all: --python-version 3.12 ...` of
+# their requirements-lock.txt pins) go to /tmp/k3-site.
 set -u
 OUT=${OUT:-gpu-results}
 export OUT TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache} PYTHONUNBUFFERED=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src
-if ! python3 -c "import fla" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (no network)
+if ! python3 -c "import fla, fastapi, llguidance" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then  # carried (no network)
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/k3-site .whl/*.whl
     export PYTHONPATH=/tmp/k3-site:$PYTHONPATH
 fi
