@@ -5,14 +5,16 @@ one launch over the stacked weight reads the same bytes with fewer launches and 
 their own parameters (the released checkpoint's names); the stacked copy is a cache that the decode drivers
 switch on (`fuse_projections(model)`: the CUDA-graphed decode step, the serving engine's runner) and that is
 refreshed in place (same storage, so a captured CUDA graph stays valid) whenever a weight changed. Until then,
-and in any call that needs a gradient, one GEMM per projection runs: training, and evaluation inside training
-(FSDP's gathered weights, say), never hold the extra copy.
+and in any call that needs a gradient, one GEMM per projection runs (the narrow ones joined, below): training,
+and evaluation inside training (FSDP's gathered weights, say), never hold the extra copy.
 
 In training the projections run as one autograd node (`_SharedInputProjections`) whose backward accumulates
 every projection's ∂L/∂x into one buffer, each GEMM after the first adding into it in its epilogue (`addmm_`,
-β = 1); the narrow ones (KDA's f_a and beta) share one GEMM each way (`NARROW_ROWS`). Separate nn.Linear calls would each write their own ∂L/∂x and autograd would add them pairwise: n − 1
-extra passes of three activations each (read, read, write). One GEMM over the stacked gradients would need
-them copied side by side first, a pass of its own, so the adds go into the GEMMs instead.
+β = 1). Separate nn.Linear calls would each write their own ∂L/∂x and autograd would add them pairwise: n − 1
+extra passes of three activations each (read, read, write). One GEMM over the stacked gradients needs them
+copied side by side first, a pass of its own, so it is taken only for the narrow projections (KDA's f_a and beta,
+`NARROW_ROWS`), whose thin products run far below cuBLAS's rate apart; their forward is one GEMM too, with or
+without a gradient (the same bits either way).
 Under autocast the input is cast once for all n GEMMs (autocast casts it per call). Tensor subclasses (a
 DTensor's own linear) keep the nn.Linear calls. Switch: K3_NO_SHARED_INPUT_GRAD (k3.envs).
 """
@@ -183,9 +185,9 @@ def _projections(x: torch.Tensor, weights) -> tuple[torch.Tensor, ...]:
 
 
 class _SharedInputProjections(torch.autograd.Function):
-    """Forward: `_projections`. Backward: ∂L/∂W_i = g_iᵀ x each (the narrow ones' from one
-    GEMM over their gradients side by side); ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing it and
-    the others adding into it."""
+    """Forward: `_projections`. Backward: ∂L/∂W_i = g_iᵀ x each (the narrow ones' from one GEMM over their
+    gradients side by side); ∂L/∂x = Σ_i g_i W_i into one buffer, the first GEMM writing it and the others adding
+    into it."""
 
     @staticmethod
     def forward(ctx, x, *weights):
@@ -216,11 +218,11 @@ class _SharedInputProjections(torch.autograd.Function):
             w = _stacked_aligned(*(weights[i] for i in narrow))
             parts = [grads[i].reshape(-1, weights[i].shape[0]) if grads[i] is not None
                      else x2.new_zeros(x2.shape[0], weights[i].shape[0]) for i in narrow]
-            g2 = torch.cat(parts + [x2.new_zeros(x2.shape[0], w.shape[0] - sum(p.shape[1] for p in parts))], -1)
+            pad = w.shape[0] - sum(p.shape[1] for p in parts)  # the zero rows' columns
+            g2 = torch.cat(parts + ([x2.new_zeros(x2.shape[0], pad)] if pad else []), -1)
             add(g2, w)
             if any(needs[1 + i] for i in narrow):
-                dw = g2.t().mm(x2)
-                start = 0
+                dw, start = g2.t().mm(x2), 0
                 for i, p in zip(narrow, parts):
                     if needs[1 + i] and grads[i] is not None:
                         dws[i] = dw[start:start + p.shape[1]]
