@@ -8,8 +8,9 @@
 #   training step from an empty Triton cache (issue 23's start-fast target), recording this GPU's table section;
 #   gemms = every matrix product of a `small` training step by shape, each alone against a square GEMM's rate.
 #   ncu = Nsight Compute's counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every
-#   GPU test (k3's Triton kernel tests included), in 4 processes where pytest-xdist is installed; kernels = the Triton kernel tests and the
-#   GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
+#   GPU test (k3's Triton kernel tests included), in TEST_WORKERS (4) processes where pytest-xdist is installed
+#   (carry its wheel and execnet's), TESTS_LIMIT (480) s: on an H100 at 4 processes 863 ran in 480 s, not all;
+#   kernels = the Triton kernel tests and the GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
 #   the static KDA layout, async output, fla's graph mode); serve64 = the serving bench at 64 streams only (set K3_TRITON to time
 #   opt-in kernels; SERVE_BATCH_TOKENS=8192: steps of up to 8,192 tokens, default 2,048; SERVE_FLAGS: more engine
 #   flags, e.g. --prefill-graphs, or --no-async-output for the synchronous engine; serve and serve64 run with async
@@ -53,8 +54,8 @@ for step in $steps; do
         kda) run kda 540 python3 benchmarks/bench_gpu_kda.py ;;
         # 4 processes: fla compiles its kernels for minutes, on the CPU, and the tests share one GPU well. -v: a
         # run cut by its limit may die in a compile before pytest prints a summary; the log still names each result
-        tests) xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
-            run tests 480 python3 -m pytest -v -rfE -p no:cacheprovider $xdist tests/test_gpu.py \
+        tests) xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
+            run tests "${TESTS_LIMIT:-480}" python3 -m pytest -v -rfE -p no:cacheprovider $xdist tests/test_gpu.py \
                 tests/test_mla_decode_triton.py tests/test_attn_res_triton.py tests/test_norm_triton.py \
                 tests/test_conv_triton.py tests/test_situ_triton.py tests/test_mxfp4_triton.py \
                 tests/test_mxfp4_layout.py tests/test_cross_entropy_triton.py tests/test_tuning_triton.py \
