@@ -142,6 +142,10 @@ def test_narrow_projections_share_one_gemm_each_way():
     # forward 5; ∂L/∂x: 1 mm + 3 addmm_ (wide) + 1 addmm_ (narrow); ∂L/∂W: 4 wide + 1 narrow
     assert products.count("addmm_") == 4 and len(products) == 5 + 5 + 5, products
     assert got[3]._base is got[4]._base is not None  # f_a's and beta's outputs: views of one product
+    with torch.no_grad():  # without a gradient: the same GEMMs, so the same bits (a GPU's kernels differ by shape)
+        plain = FusedLinears(*lins)(x0)
+    assert plain[3]._base is plain[4]._base is not None
+    assert all(torch.equal(a, b.detach()) for a, b in zip(plain, got[:len(widths)]))
 
 
 def test_autocast_casts_once_and_matches_linear_under_autocast():
