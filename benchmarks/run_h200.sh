@@ -9,7 +9,7 @@
 #   gemms = every matrix product of a `small` training step by shape, each alone against a square GEMM's rate.
 #   ncu = Nsight Compute's counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every
 #   GPU test (k3's Triton kernel tests included), in TEST_WORKERS (4) processes where pytest-xdist is installed
-#   (carry its wheel and execnet's), TESTS_LIMIT (480) s: on an H100 at 4 processes 863 ran in 480 s, not all;
+#   (scripts/gpu-wheels.sh fetches it), TESTS_LIMIT (480) s: on an H100 at 4 processes 863 ran in 480 s, not all;
 #   kernels = the Triton kernel tests and the GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
 #   the static KDA layout, async output, fla's graph mode); serve64 = the serving bench at 64 streams only (set K3_TRITON to time
 #   opt-in kernels; SERVE_BATCH_TOKENS=8192: steps of up to 8,192 tokens, default 2,048; SERVE_FLAGS: more engine
@@ -25,8 +25,7 @@
 # Results: $OUT/<step>.log and the scripts' $OUT/<name>.json (OUT defaults to ./gpu-results).
 # TRITON_CACHE_DIR defaults to ./.tcache: keep it between calls (and carry it) to skip recompiling.
 # Without fla (or the serving tests' fastapi and llguidance) importable, the wheels in .whl/ (carried: the GPU machine
-# has no network; the serve extra's, e.g. `pip download --no-deps --only-binary=:all: --python-version 3.12 ...` of
-# their requirements-lock.txt pins) go to /tmp/k3-site.
+# has no network; `sh scripts/gpu-wheels.sh` downloads them) go to /tmp/k3-site.
 set -u
 OUT=${OUT:-gpu-results}
 export OUT TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache} PYTHONUNBUFFERED=1

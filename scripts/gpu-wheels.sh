@@ -1,5 +1,6 @@
 #!/bin/sh
-# The wheels a GPU machine without network needs to run k3's GPU tests and benchmarks, into .whl/ (carry it;
+# The wheels a GPU machine without network needs to run k3's GPU tests (pytest-xdist: run_h200.sh's processes)
+# and benchmarks, into .whl/ (carry it;
 # benchmarks/run_h200.sh installs them into /tmp/k3-site). Versions: the lock's, fla's from the gpu extra; the
 # target is CPython 3.12 on x86-64 Linux (the H200 machines' Python). Packages such a machine already has
 # (torch, triton, transformers, httpx, ...) are left out.
@@ -12,7 +13,7 @@ platforms=""
 for n in 17 24 27 28 31 34 35; do platforms="$platforms --platform manylinux_2_${n}_x86_64"; done
 pkgs="flash-linear-attention==0.6.0 fla-core==0.6.0"
 for p in fastapi starlette uvicorn uvloop httptools pydantic pydantic-core annotated-types typing-inspection llguidance openai \
-         jiter sniffio httpx2 httpcore2 truststore anyio opentelemetry-api; do
+         jiter sniffio httpx2 httpcore2 truststore anyio opentelemetry-api pytest-xdist execnet; do
     pkgs="$pkgs $(pin $p)"
 done
 # shellcheck disable=SC2086
