@@ -615,8 +615,8 @@ def doc_attention_rows(device: str = "cuda", shapes=((8, 4096), (1, 32768)), doc
     forward+backward: k3's varlen path (each document a segment of FlashAttention's varlen kernel,
     k3.ops.varlen_attention.document_attention, the packing made once a forward and left out of the timing, as the
     layers share it) against SDPA with the [B, T, T] document mask (k3's path before, and what a dense mask gives
-    any SDPA user), cuDNN's ragged SDPA over the documents (a candidate backend), and plain causal SDPA over whole
-    rows (a row one document: not the same attention, the cost of ignoring the documents), through k3's
+    any SDPA user), and plain causal SDPA over whole rows (a row one document: not the same attention, the cost of
+    ignoring the documents), through k3's
     `causal_attention` and with v padded to q's width (FlashAttention's one head dim, k3's call before session 46).
     Documents of a fixed length (0: one a row). floor_ms: the documents' causal FLOPs (fwd 2·H·(D+V) a visible
     pair; fwd+bwd 3.5× that) at the dense bf16 peak (989 TFLOP/s); extra_GiB: peak memory over the inputs during
