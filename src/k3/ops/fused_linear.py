@@ -119,7 +119,7 @@ class FusedLinears(DerivedWeight):
             return [lin(x) for lin in self.linears]
         if needs_grad:
             return shared_input_projections(x, weights)
-        return list(_projections(x, weights)[0])  # the training node's own GEMMs: the same bits with or without grad
+        return list(_projections(x, weights))  # the training node's own GEMMs: the same bits with or without grad
 
 
 def joined_columns(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -171,18 +171,17 @@ def _narrow(weights) -> list[int]:
     return narrow if len(narrow) > 1 else []
 
 
-def _projections(x: torch.Tensor, weights) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-    """(`F.linear(x, w)` for each weight, the narrow ones' stacked weight or None): a GEMM a weight (contiguous
-    outputs, as nn.Linear's), the narrow ones (`_narrow`) one GEMM whose outputs are column views of it."""
+def _projections(x: torch.Tensor, weights) -> tuple[torch.Tensor, ...]:
+    """`F.linear(x, w)` for each weight: a GEMM a weight (contiguous outputs, as nn.Linear's), the narrow ones
+    (`_narrow`) one GEMM whose outputs are column views of it."""
     narrow = _narrow(weights)
     outs = [None if i in narrow else F.linear(x, w) for i, w in enumerate(weights)]
-    stacked = None
     if narrow:
         sizes = [weights[i].shape[0] for i in narrow]
-        stacked = _stacked_aligned(*(weights[i] for i in narrow))
-        for i, y in zip(narrow, F.linear(x, stacked)[..., :sum(sizes)].split(sizes, dim=-1)):
+        joined = F.linear(x, _stacked_aligned(*(weights[i] for i in narrow)))
+        for i, y in zip(narrow, joined[..., :sum(sizes)].split(sizes, dim=-1)):
             outs[i] = y
-    return tuple(outs), stacked
+    return tuple(outs)
 
 
 class _SharedInputProjections(torch.autograd.Function):
@@ -193,15 +192,14 @@ class _SharedInputProjections(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *weights):
         ctx.set_materialize_grads(False)  # an unused output brings no gradient, not a zero tensor
-        outs, stacked = _projections(x, weights)
-        ctx.save_for_backward(x, stacked, *weights)  # (stacked: the narrow weights', kept for the backward)
-        return outs
+        ctx.save_for_backward(x, *weights)
+        return _projections(x, weights)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, stacked, *weights = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
-        needs = ctx.needs_input_grad  # (x, *weights)
+        needs = ctx.needs_input_grad
         narrow = _narrow(weights)
         dx, dws = None, [None] * len(weights)
 
@@ -217,11 +215,14 @@ class _SharedInputProjections(torch.autograd.Function):
             add(g2, w)
             dws[i] = g2.t().mm(x2) if needs[1 + i] else None
         if any(grads[i] is not None for i in narrow):
+            # stacked again, not kept from the forward: a weight-sized save would make the saved bytes per token
+            # depend on the length (benchmarks/activation_memory.py scales a short measurement by tokens)
+            w = _stacked_aligned(*(weights[i] for i in narrow))
             parts = [grads[i].reshape(-1, weights[i].shape[0]) if grads[i] is not None
                      else x2.new_zeros(x2.shape[0], weights[i].shape[0]) for i in narrow]
-            pad = stacked.shape[0] - sum(p.shape[1] for p in parts)  # the zero rows' columns
+            pad = w.shape[0] - sum(p.shape[1] for p in parts)  # the zero rows' columns
             g2 = torch.cat(parts + ([x2.new_zeros(x2.shape[0], pad)] if pad else []), -1)
-            add(g2, stacked)
+            add(g2, w)
             if any(needs[1 + i] for i in narrow):
                 dw, start = g2.t().mm(x2), 0
                 for i, p in zip(narrow, parts):
