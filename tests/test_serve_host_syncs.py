@@ -256,8 +256,9 @@ def test_cuda_steps_wait_for_the_device_once(model, split):
     mode: value reads, copies from pageable memory, stream syncs; and every Event.synchronize, which that mode
     does not see). The same requests run twice, the first time to capture the graphs; in the second, each step's
     waits from the serving code (k3.serve, the model's serving layouts, the sampler) are one read_back when it
-    samples (its event, behind the copy into pinned memory), and no other that waits: the graph runner's guard of
-    its pinned staging buffer synchronizes on an event the previous step's read_back already waited past.
+    samples (its event, behind the copy into pinned memory), and no other that waits: a staging area's guard
+    (k3.serve.staging) synchronizes on the copy two loads back, which a read_back has already waited past (with one
+    pinned buffer the guard waited on the copy of the step still on the device, now and then: session 47).
     fp32: no kernel to compile (the KDA references' own checks read values, outside the serving code;
     `profile_serve.py --sync-trace` lists fla's, in bf16)."""
     from profile_serve import device_waits  # benchmarks/: the one home of the trace
@@ -288,3 +289,67 @@ def test_cuda_steps_wait_for_the_device_once(model, split):
                 assert all(s.endswith(" (complete)") for s in serving if s not in reads), (step, sites)
                 measured_steps += 1
     assert measured_steps >= 8
+
+
+class StandInEvent:
+    """Records the order of a staging area's event calls (no CUDA needed)."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def synchronize(self):
+        self.log.append(("wait", self.name))
+
+    def record(self):
+        self.log.append(("record", self.name))
+
+
+def test_pinned_staging_waits_only_for_the_copy_two_loads_back():
+    """Each load waits on the event its own host buffer recorded two loads earlier (never the previous load's,
+    whose copy may still be queued behind the step on the device), fills that buffer only after the wait, and the
+    device buffer gets every load's values. The pinned path with stand-ins for the events and the pinned memory."""
+    from k3.serve.staging import TURNS, PinnedStaging
+
+    log = []
+    dst = torch.zeros(5, dtype=torch.long)
+    st = PinnedStaging(dst)
+    assert st.hosts == [] and TURNS == 2  # a CPU buffer: loads are plain copies
+    st.load(torch.arange(5))
+    assert dst.tolist() == [0, 1, 2, 3, 4] and log == []
+    st.pinned, st.hosts = True, [torch.zeros(5, dtype=torch.long) for _ in range(TURNS)]
+    st.copied = [StandInEvent(log, i) for i in range(TURNS)]
+    for k in range(5):
+        before = [h.clone() for h in st.hosts]
+        st.load(torch.full((5,), 10 + k))
+        assert dst.tolist() == [10 + k] * 5
+        assert log[-2:] == [("wait", k % TURNS), ("record", k % TURNS)]
+        # the other buffer (the previous load's copy source) is untouched
+        assert torch.equal(st.hosts[(k + 1) % TURNS], before[(k + 1) % TURNS])
+    recorded_at = {}
+    for i, (what, name) in enumerate(log):
+        if what == "wait" and name in recorded_at:
+            assert recorded_at[name] == i - 3  # the record two loads (four calls) back, one load between
+        if what == "record":
+            recorded_at[name] = i
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staging_keeps_each_queued_copys_source():
+    """Loads queued behind a long kernel, each read on the stream by a clone: every clone sees its own load's
+    values (a load that overwrote a queued copy's pinned source would hand a clone the next load's), and the third
+    load waited for the first copy only (the first two returned while the kernel still ran)."""
+    from k3.serve.staging import PinnedStaging
+
+    dst = torch.zeros(1 << 16, dtype=torch.long, device="cuda")
+    st = PinnedStaging(dst)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of a busy stream
+    seen = []
+    for k in range(6):
+        st.load(torch.full(dst.shape, k))
+        if k == 1:
+            assert not st.copied[0].query()  # the first copy still waits behind the kernel
+        seen.append(dst.clone())
+    torch.cuda.synchronize()
+    assert [int(s.min()) for s in seen] == [int(s.max()) for s in seen] == list(range(6))

@@ -27,6 +27,7 @@ import torch
 
 from k3.model import kda as kda_mixer, mla as mla_mixer
 from k3.model.cache import BatchCacheView
+from k3.serve.staging import PinnedStaging
 
 _log = logging.getLogger(__name__)
 
@@ -111,10 +112,8 @@ class PrefillGraph:
         self.model, self.tokens, self.device = model, tokens, device
         self.kda_view = kda_view  # the KDA layers' fixed-shape layout (k3.serve.runner.StaticKDAView), or None
         self.layout = PiecewiseLayout(self)
-        pinned = device.type == "cuda"
-        self.host = torch.zeros(tokens, dtype=torch.long, pin_memory=pinned)
         self.ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host` has run
+        self.staging = PinnedStaging(self.ids)
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[tuple] = []
         self.hidden: torch.Tensor | None = None
@@ -122,13 +121,9 @@ class PrefillGraph:
 
     def load(self, ids: list[int]) -> None:
         """The step's token ids into the first rows, zeros after them: one copy from pinned memory."""
-        if self.copied is not None:  # the previous step's copy may still be queued: never overwrite its source
-            self.copied.synchronize()
-        self.host.zero_()
-        self.host[:len(ids)] = torch.tensor(ids, dtype=torch.long)
-        self.ids.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        values = torch.zeros(self.tokens, dtype=torch.long)
+        values[:len(ids)] = torch.tensor(ids, dtype=torch.long)
+        self.staging.load(values)
 
     def split(self, core, inputs: tuple, shape, dtype) -> torch.Tensor:
         """A break at a mixer's core: its output buffer (zeros: the pad rows stay zero), filled by `core` now

@@ -22,6 +22,7 @@ from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
 from k3.serve.prefill_graphs import PrefillGraphs, gc_paused
 from k3.serve.sampling import score_rows
+from k3.serve.staging import PinnedStaging
 from k3.serve.sequence import Sequence
 
 _log = logging.getLogger(__name__)
@@ -139,10 +140,8 @@ class DecodeGraphView(PagedBatchView):
         self.pool, self.num_layers, self.seq_len = pool, num_layers, 0
         self.rows, self.width = rows, width
         self.set_layout([1] * rows, [width * pool.block_size] * rows, pool.device)  # decode_max_len = width blocks
-        pinned = pool.device.type == "cuda"
-        self.host = torch.zeros(rows * (4 + width), dtype=torch.long, pin_memory=pinned)
-        self.buf = torch.zeros_like(self.host, device=pool.device)
-        self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host` has run
+        self.buf = torch.zeros(rows * (4 + width), dtype=torch.long, device=pool.device)
+        self.staging = PinnedStaging(self.buf)
         self.ids, self.kv_len, self.slots, self.slot_mapping = self.buf[:4 * rows].view(4, rows)
         self.block_tables = self.buf[4 * rows:].view(rows, width)
 
@@ -158,12 +157,7 @@ class DecodeGraphView(PagedBatchView):
                 [s.slot for s in seqs] + [pool.scratch_slot] * pad,
                 [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, n)] + [pool.scratch_block * bs] * pad]
         tables = [b for s in seqs for b in s.block_table + [pool.scratch_block] * (width - len(s.block_table))]
-        if self.copied is not None:  # the previous step's copy may still be queued: never overwrite its source
-            self.copied.synchronize()
-        self.host.copy_(torch.tensor([v for c in cols for v in c] + tables + [pool.scratch_block] * (pad * width)))
-        self.buf.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self.staging.load(torch.tensor([v for c in cols for v in c] + tables + [pool.scratch_block] * (pad * width)))
         if ids is not None:
             self.ids[:len(seqs)].copy_(ids)
         self._kda_read = {}  # (a forward cut short by an error may have left a layer's read)
@@ -184,10 +178,8 @@ class StaticKDAView(PagedBatchView):
         dev, S = pool.device, min(max_rows, tokens) + 2
         self.pool, self.num_layers, self.seq_len, self.tokens, self.S = pool, num_layers, 0, tokens, S
         self.nt = tokens // CHUNK_SIZE + S  # Σ ceil(len/64) <= tokens/64 + documents
-        pinned = dev.type == "cuda"
-        self.host = torch.zeros(S + (S + 1) + 2 * self.nt + (S + 1) + 1, dtype=torch.long, pin_memory=pinned)
-        self.buf = torch.zeros_like(self.host, device=dev)
-        self.copied = torch.cuda.Event() if pinned else None  # the last copy out of `host` has run
+        self.buf = torch.zeros(S + (S + 1) + 2 * self.nt + (S + 1) + 1, dtype=torch.long, device=dev)
+        self.staging = PinnedStaging(self.buf)
         self.slots, self.cu_seqlens, pairs, offsets, rows = self.buf.split([S, S + 1, 2 * self.nt, S + 1, 1])
         self.kda_rows = rows[0]
         self.cu_cpu = torch.zeros(S + 1, dtype=torch.long)  # the offsets on the host (the CPU reference reads them)
@@ -209,12 +201,7 @@ class StaticKDAView(PagedBatchView):
         pairs, offsets = chunk_lists(docs)
         pairs += [-1, 0] * (self.nt - len(pairs) // 2)  # fla's sentinel rows
         values = [*slots, *[self.pool.scratch_slot] * (S - len(slots)), *cu, *pairs, *offsets, len(lens) + 1]
-        if self.copied is not None:  # the previous step's copy may still be queued: never overwrite its source
-            self.copied.synchronize()
-        self.host.copy_(torch.frombuffer(array.array("q", values), dtype=torch.long))
-        self.buf.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self.staging.load(torch.frombuffer(array.array("q", values), dtype=torch.long))
         self.cu_cpu.copy_(torch.tensor(cu))
         self.forget_shared()
 
