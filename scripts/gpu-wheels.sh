@@ -13,7 +13,7 @@ platforms=""
 for n in 17 24 27 28 31 34 35; do platforms="$platforms --platform manylinux_2_${n}_x86_64"; done
 pkgs="flash-linear-attention==0.6.0 fla-core==0.6.0"
 for p in fastapi starlette uvicorn uvloop httptools pydantic pydantic-core annotated-types typing-inspection llguidance openai \
-         jiter sniffio httpx2 httpcore2 truststore anyio opentelemetry-api pytest-xdist execnet; do
+         jiter sniffio httpx2 httpcore2 truststore anyio opentelemetry-api annotated-doc pytest-xdist execnet; do
     pkgs="$pkgs $(pin $p)"
 done
 # shellcheck disable=SC2086

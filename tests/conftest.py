@@ -13,6 +13,31 @@ def single_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def stub_fla(monkeypatch):
+    """install(chunk_kda): fla, fla.ops and fla.ops.kda replaced by stub modules whose kda module has `chunk_kda`.
+    k3's cached answers about fla are cleared before and after, so that the stub is judged on its own and never
+    stays cached for later tests of the process (on a GPU, a cached "no fla" sent a whole xdist worker to the
+    references)."""
+    import sys
+    import types
+
+    from k3.ops import kda_fla, kda_fla_lean
+    caches = (kda_fla.fla_available, kda_fla_lean.lean_supported)  # whether fla imports; whether its series fits
+
+    def install(chunk_kda):
+        kda = types.ModuleType("fla.ops.kda")
+        kda.chunk_kda = chunk_kda
+        for name, mod in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                          ("fla.ops.kda", kda)):
+            monkeypatch.setitem(sys.modules, name, mod)
+        for cached in caches:
+            cached.cache_clear()
+    yield install
+    for cached in caches:
+        cached.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def short_corpus(tmp_path_factory) -> str:
     """The bundled documents cut to 1,500 characters each: a Trainer on it tokenises in milliseconds, where the

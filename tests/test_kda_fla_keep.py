@@ -5,8 +5,6 @@ when switched on (fla replaced by a recorder). On CUDA (marked gpu, needs fla): 
 gradient with the switch on equal the switch off (the same kernels on kept rather than recomputed tensors), and both
 stay within bf16 tolerance of the float64 reference composition.
 """
-import sys
-import types
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ def test_switch_parses_on_by_default():
 
 
 @pytest.fixture
-def recorded(monkeypatch):
+def recorded(stub_fla):
     """fla's public chunk_kda replaced by a recorder of its disable_recompute argument."""
     calls = []
 
@@ -31,10 +29,7 @@ def recorded(monkeypatch):
         calls.append(kw["disable_recompute"])
         return v * 1.0, None
 
-    kda = types.ModuleType("fla.ops.kda")
-    kda.chunk_kda = chunk_kda
-    for name, mod in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")), ("fla.ops.kda", kda)):
-        monkeypatch.setitem(sys.modules, name, mod)
+    stub_fla(chunk_kda)
     return calls
 
 

@@ -108,7 +108,7 @@ def test_every_kda_layer_hands_fla_the_steps_host_cu_seqlens(model, monkeypatch)
         assert host.tolist() == dev.tolist()
 
 
-def test_fla_entry_points_pass_the_host_cu_seqlens_through(monkeypatch):
+def test_fla_entry_points_pass_the_host_cu_seqlens_through(stub_fla):
     """k3.ops.kda_fla hands fla's chunk_kda the caller's host cu_seqlens object itself (fla caches by identity),
     and a CPU copy of a host cu_seqlens when none is given. fla is replaced by a module that records its kwargs."""
     seen = []
@@ -116,11 +116,7 @@ def test_fla_entry_points_pass_the_host_cu_seqlens_through(monkeypatch):
     def chunk_kda(q, k, v, g, beta, **kw):
         seen.append(kw)
         return v.clone(), None
-    fake = types.ModuleType("fla.ops.kda")
-    fake.chunk_kda = chunk_kda
-    for name, mod in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
-                      ("fla.ops.kda", fake)):
-        monkeypatch.setitem(sys.modules, name, mod)
+    stub_fla(chunk_kda)
     T, H, K = 8, 2, 4
     q, k, v, f = (torch.randn(1, T, H, K) for _ in range(4))
     beta = torch.randn(1, T, H)

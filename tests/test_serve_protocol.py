@@ -19,7 +19,7 @@ from k3.data import Tokenizer
 from k3.serve import EngineConfig, LLMEngine
 from k3.serve import protocol as P
 from k3.serve.api import create_app
-from k3.serve.local_server import local_server
+from k3.serve.local_server import free_port, local_server
 
 KEY, NAME = "proto-key", "k3-proto"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -487,3 +487,26 @@ def test_api_key_from_the_environment_and_max_model_len_flag(tmp_path, monkeypat
     got.clear()
     assert cli.main(["serve", "--model", str(tmp_path), "--max-model-len", "5000"]) == 2
     assert not got  # refused before loading anything
+
+
+@pytest.mark.parametrize("missing", ["fastapi", "uvicorn"])
+@pytest.mark.parametrize("flags", [[], ["--nproc", "2"]])
+def test_serve_without_the_serve_extra_says_so_in_one_line(tmp_path, monkeypatch, capsys, missing, flags):
+    """A machine without the serve extra (here: the module made unimportable, and k3's server module unloaded so
+    that it is imported again): `k3 serve`, from one process or as ranks, exits 2 with one line naming the
+    missing module and the extra, before any rank starts or a model loads; no traceback."""
+    import sys
+
+    from k3 import cli
+    from k3.serve import distributed
+
+    started = []
+    monkeypatch.setattr(distributed, "serve_from_cli", lambda *a: started.append(a))
+    monkeypatch.setitem(sys.modules, missing, None)
+    monkeypatch.delitem(sys.modules, "k3.serve.api")
+    monkeypatch.delattr("k3.serve.api")
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.main(["serve", "--model", str(tmp_path), "--port", str(free_port()), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"k3 serve: error: {missing} is missing: install the serve extra (pip install 'k3[serve]')"
+    assert not started

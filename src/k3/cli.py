@@ -682,10 +682,19 @@ def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
         raise CLIError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings ({positions})")
 
 
+def _import_server():
+    """k3.serve.api (FastAPI, pydantic) with uvicorn, or one line naming the serve extra when a part is missing."""
+    try:
+        import uvicorn  # noqa: F401
+        from k3.serve import api
+    except ImportError as e:  # e.name: the missing module, fastapi's own dependencies included
+        raise CLIError(f"{e.name} is missing: install the serve extra (pip install 'k3[serve]')") from None
+    return api
+
+
 def cmd_serve(a) -> int:
     import os
 
-    from k3.serve.api import serve
     from k3.serve.distributed import is_torchrun_rank
 
     ranked = is_torchrun_rank()  # one rank of a group (torchrun, or started by `k3 serve --nproc N`)
@@ -696,6 +705,7 @@ def cmd_serve(a) -> int:
     _check_max_model_len(a.model, a.max_model_len)
     from k3 import envs
     api_key = a.api_key if a.api_key is not None else envs.current().api_key
+    serve = _import_server().serve  # before any rank starts or a model loads
     if ranked or (a.nproc or 1) > 1 or (a.ep or 1) > 1 or a.tp > 1 or a.ep_replicas or a.ep_rebalance_steps:
         from k3.serve.distributed import RankFailure, serve_from_cli
         try:
@@ -703,13 +713,10 @@ def cmd_serve(a) -> int:
         except RankFailure as e:
             raise CLIError(str(e)) from None
         return 0
-    try:
-        serve(a.model, host=a.host, port=a.port, api_key=api_key, engine_config=engine_config,
-              model_name=a.served_model_name, device=a.device, max_request_bytes=a.max_request_bytes,
-              timeout_keep_alive=a.timeout_keep_alive, header_timeout=a.header_timeout,
-              limit_concurrency=a.limit_concurrency, engine_process=a.engine_process)
-    except ImportError as e:
-        raise CLIError(f"{e.name} is missing: install the serve extra (pip install 'k3[serve]')") from None
+    serve(a.model, host=a.host, port=a.port, api_key=api_key, engine_config=engine_config,
+          model_name=a.served_model_name, device=a.device, max_request_bytes=a.max_request_bytes,
+          timeout_keep_alive=a.timeout_keep_alive, header_timeout=a.header_timeout,
+          limit_concurrency=a.limit_concurrency, engine_process=a.engine_process)
     return 0
 
 
