@@ -22,8 +22,8 @@ from k3.ops.triton_dispatch import on_device
 from k3.serve.block_pool import CachePool
 from k3.serve.prefill_graphs import PrefillGraphs, gc_paused
 from k3.serve.sampling import score_rows
-from k3.serve.staging import PinnedStaging
 from k3.serve.sequence import Sequence
+from k3.serve.staging import PinnedStaging
 
 _log = logging.getLogger(__name__)
 
