@@ -9,7 +9,8 @@
 #   gemms = every matrix product of a `small` training step by shape, each alone against a square GEMM's rate.
 #   ncu = Nsight Compute's counters for each kernel of a graphed decode step at batch 64 and 1 (benchmarks/ncu_decode.py). tests = every
 #   GPU test (k3's Triton kernel tests included), in TEST_WORKERS (4) processes where pytest-xdist is installed
-#   (scripts/gpu-wheels.sh fetches it), TESTS_LIMIT (480) s: on an H100 at 4 processes 863 ran in 480 s, not all;
+#   (scripts/gpu-wheels.sh fetches it), TESTS_LIMIT (480) s: on an H100 at 4 processes 863 ran in 480 s, at 8 processes
+#   905 in 520 s (all but five of test_gpu.py: TESTS_LIMIT=560 in a 600 s call);
 #   kernels = the Triton kernel tests and the GPU tests that need no new fla compile; serve-tests = the serving path's CUDA tests alone (prefill graphs and
 #   the static KDA layout, async output, fla's graph mode); serve64 = the serving bench at 64 streams only (set K3_TRITON to time
 #   opt-in kernels; SERVE_BATCH_TOKENS=8192: steps of up to 8,192 tokens, default 2,048; SERVE_FLAGS: more engine
