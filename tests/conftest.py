@@ -14,16 +14,24 @@ def single_thread():
 
 
 @pytest.fixture
-def stub_fla(monkeypatch):
-    """install(chunk_kda): fla, fla.ops and fla.ops.kda replaced by stub modules whose kda module has `chunk_kda`.
-    k3's cached answers about fla are cleared before and after, so that the stub is judged on its own and never
-    stays cached for later tests of the process (on a GPU, a cached "no fla" sent a whole xdist worker to the
-    references)."""
+def fresh_fla_caches():
+    """k3's per-process answers about the installed fla (whether it imports; whether the lean entries fit its series)
+    forgotten before and after the test: a test's stub fla is judged on its own and never stays cached for later
+    tests of the process (on a GPU, a cached "no fla" sent a whole xdist worker's later tests to the references)."""
+    from k3.ops import kda_fla, kda_fla_lean
+    caches = (kda_fla.fla_available, kda_fla_lean.lean_supported)
+    for cached in caches:
+        cached.cache_clear()
+    yield
+    for cached in caches:
+        cached.cache_clear()
+
+
+@pytest.fixture
+def stub_fla(monkeypatch, fresh_fla_caches):
+    """install(chunk_kda): fla, fla.ops and fla.ops.kda replaced by stub modules whose kda module has `chunk_kda`."""
     import sys
     import types
-
-    from k3.ops import kda_fla, kda_fla_lean
-    caches = (kda_fla.fla_available, kda_fla_lean.lean_supported)  # whether fla imports; whether its series fits
 
     def install(chunk_kda):
         kda = types.ModuleType("fla.ops.kda")
@@ -31,11 +39,7 @@ def stub_fla(monkeypatch):
         for name, mod in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
                           ("fla.ops.kda", kda)):
             monkeypatch.setitem(sys.modules, name, mod)
-        for cached in caches:
-            cached.cache_clear()
-    yield install
-    for cached in caches:
-        cached.cache_clear()
+    return install
 
 
 @pytest.fixture(scope="session")

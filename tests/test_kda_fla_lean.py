@@ -20,11 +20,10 @@ from k3.ops.kda_fla_lean import CHUNK_SIZE, chunk_plan
 
 
 @pytest.fixture(autouse=True)
-def fresh_version_check():
-    kda_fla_lean.lean_supported.cache_clear()
+def fresh_version_check(fresh_fla_caches):
+    """FakeFla's modules judged on their own, never cached for later tests (fresh_fla_caches); no chunk plan kept."""
     kda_fla_lean._last_plan[:] = [None, None, None]
     yield
-    kda_fla_lean.lean_supported.cache_clear()
     kda_fla_lean._last_plan[:] = [None, None, None]
 
 
