@@ -178,9 +178,8 @@ def test_moe_adds_the_shared_output_inside_the_up_projection_gemm():
     and no add of [8, D] rows; the layer equals the same layer run with a gradient wanted (F.linear + add)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from k3.ops.gemv import force_gemv
-
     from k3.model.moe import LatentMoE
+    from k3.ops.gemv import force_gemv
 
     class Ops(TorchDispatchMode):
         def __init__(self):

@@ -312,7 +312,7 @@ def test_pinned_staging_waits_only_for_the_copy_two_loads_back():
     assert st.hosts == [] and TURNS == 2  # a CPU buffer: loads are plain copies
     st.load(torch.arange(5))
     assert dst.tolist() == [0, 1, 2, 3, 4] and log == []
-    st.pinned, st.hosts = True, [torch.zeros(5, dtype=torch.long) for _ in range(TURNS)]
+    st.hosts = [torch.zeros(5, dtype=torch.long) for _ in range(TURNS)]
     st.copied = [StandInEvent(log, i) for i in range(TURNS)]
     for k in range(5):
         before = [h.clone() for h in st.hosts]

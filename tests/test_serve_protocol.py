@@ -489,24 +489,28 @@ def test_api_key_from_the_environment_and_max_model_len_flag(tmp_path, monkeypat
     assert not got  # refused before loading anything
 
 
-@pytest.mark.parametrize("missing", ["fastapi", "uvicorn"])
-@pytest.mark.parametrize("flags", [[], ["--nproc", "2"]])
-def test_serve_without_the_serve_extra_says_so_in_one_line(tmp_path, monkeypatch, capsys, missing, flags):
+@pytest.mark.parametrize("command, missing", [
+    (["serve"], "fastapi"), (["serve"], "uvicorn"), (["serve", "--nproc", "2"], "fastapi"),
+    (["serve", "--nproc", "2"], "uvicorn"), (["bench", "serve"], "fastapi"), (["bench", "serve"], "aiohttp")])
+def test_serve_without_the_serve_extra_says_so_in_one_line(tmp_path, monkeypatch, capsys, command, missing):
     """A machine without the serve extra (here: the module made unimportable, and k3's server module unloaded so
-    that it is imported again): `k3 serve`, from one process or as ranks, exits 2 with one line naming the
-    missing module and the extra, before any rank starts or a model loads; no traceback."""
+    that it is imported again): `k3 serve`, from one process or as ranks, and `k3 bench serve` exit 2 with one line
+    naming the missing module and the extra, before any rank starts or a model loads; no traceback."""
     import sys
 
     from k3 import cli
-    from k3.serve import distributed
+    from k3.serve import bench, distributed
 
     started = []
     monkeypatch.setattr(distributed, "serve_from_cli", lambda *a: started.append(a))
+    monkeypatch.setattr(bench, "make_model", lambda *a: started.append(a))
     monkeypatch.setitem(sys.modules, missing, None)
     monkeypatch.delitem(sys.modules, "k3.serve.api")
     monkeypatch.delattr("k3.serve.api")
     (tmp_path / "config.json").write_text("{}")
-    assert cli.main(["serve", "--model", str(tmp_path), "--port", str(free_port()), *flags]) == 2
+    flags = ["--port", str(free_port())] if command[0] == "serve" else []
+    assert cli.main([*command, "--model", str(tmp_path), *flags]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == f"k3 serve: error: {missing} is missing: install the serve extra (pip install 'k3[serve]')"
+    name = " ".join(command[:2]) if command[0] == "bench" else "serve"
+    assert err.strip() == f"k3 {name}: error: {missing} is missing: install the serve extra (pip install 'k3[serve]')"
     assert not started

@@ -682,14 +682,15 @@ def _check_max_model_len(model_dir: str, max_model_len: int | None) -> None:
         raise CLIError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings ({positions})")
 
 
-def _import_server():
-    """k3.serve.api (FastAPI, pydantic) with uvicorn, or one line naming the serve extra when a part is missing."""
+def _require_serve_extra(*modules: str) -> None:
+    """Import `modules` (parts of the serve extra, or k3 modules built on it), or fail with one line naming the
+    missing module and the extra: before any rank starts or a model loads."""
+    import importlib
     try:
-        import uvicorn  # noqa: F401
-        from k3.serve import api
+        for name in modules:
+            importlib.import_module(name)
     except ImportError as e:  # e.name: the missing module, fastapi's own dependencies included
         raise CLIError(f"{e.name} is missing: install the serve extra (pip install 'k3[serve]')") from None
-    return api
 
 
 def cmd_serve(a) -> int:
@@ -705,7 +706,8 @@ def cmd_serve(a) -> int:
     _check_max_model_len(a.model, a.max_model_len)
     from k3 import envs
     api_key = a.api_key if a.api_key is not None else envs.current().api_key
-    serve = _import_server().serve  # before any rank starts or a model loads
+    _require_serve_extra("uvicorn", "k3.serve.api")
+    from k3.serve.api import serve
     if ranked or (a.nproc or 1) > 1 or (a.ep or 1) > 1 or a.tp > 1 or a.ep_replicas or a.ep_rebalance_steps:
         from k3.serve.distributed import RankFailure, serve_from_cli
         try:
@@ -737,6 +739,7 @@ def cmd_bench_serve(a) -> int:
     engine_config = dataclasses.replace(_engine_config(a), num_state_slots=a.num_state_slots)
     if a.model and not (Path(a.model) / "config.json").is_file():
         raise CLIError(f"--model {a.model}: no config.json there")
+    _require_serve_extra("aiohttp", "k3.serve.api")  # the load's client, the HTTP server it drives
     torch.manual_seed(a.seed)
     # On a shared CPU, OpenMP spin-waiting across threads can slow small ops 10x; one thread is steadier.
     torch.set_num_threads(a.threads or (1 if a.device == "cpu" else torch.get_num_threads()))

@@ -19,8 +19,7 @@ class PinnedStaging:
 
     def __init__(self, device_buffer: torch.Tensor):
         self.device_buffer = device_buffer
-        self.pinned = device_buffer.device.type == "cuda"
-        turns = TURNS if self.pinned else 0
+        turns = TURNS if device_buffer.device.type == "cuda" else 0  # none: a CPU buffer is loaded directly
         self.hosts = [torch.empty(device_buffer.shape, dtype=device_buffer.dtype, pin_memory=True)
                       for _ in range(turns)]
         self.copied = [torch.cuda.Event() for _ in range(turns)]  # each host buffer's last copy has run
@@ -28,7 +27,7 @@ class PinnedStaging:
 
     def load(self, values: torch.Tensor) -> None:
         """Copy `values` (a host tensor of the buffer's shape) to the device buffer, in stream order."""
-        if not self.pinned:
+        if not self.hosts:
             self.device_buffer.copy_(values)
             return
         host, copied = self.hosts[self.turn], self.copied[self.turn]
