@@ -272,6 +272,33 @@ def test_missing_shard_file_is_reported(model, tmp_path):
         K3ForCausalLM.from_pretrained(tmp_path)
 
 
+
+@pytest.mark.parametrize("where", ["../outside/model.safetensors", "ABSOLUTE", "sub/../../outside/model.safetensors",
+                                   7, None, "LIST"])
+def test_a_hostile_index_cannot_send_the_loader_outside_the_directory(model, tmp_path, where):
+    """An index whose weight_map names a shard outside the checkpoint (`..`, an absolute path) or no file at all:
+    every loader refuses it, naming the index, although the file it points to outside is a valid shard of the
+    same model that the loaders would otherwise read."""
+    ckpt, outside = tmp_path / "ckpt", tmp_path / "outside"
+    model.save_pretrained(ckpt, dtype=None)
+    outside.mkdir()
+    (shard,) = shard_files(ckpt)
+    (outside / "model.safetensors").write_bytes(shard.read_bytes())
+    shard.unlink()
+    index = json.loads((ckpt / INDEX).read_text())
+    if where == "LIST":
+        index["weight_map"] = sorted(index["weight_map"])
+    else:
+        target = str(outside / "model.safetensors") if where == "ABSOLUTE" else where
+        index["weight_map"] = {n: target for n in index["weight_map"]}
+    (ckpt / INDEX).write_text(json.dumps(index))
+    from k3.checkpoint.convert import verify_checkpoint
+    from k3.checkpoint.sharded import RankLayout, load_rank_shard
+    for load in (K3ForCausalLM.from_pretrained, verify_checkpoint, lambda d: load_rank_shard(d, RankLayout(0, 2))):
+        with pytest.raises(CheckpointError, match=INDEX) as err:
+            load(ckpt)
+        assert "not a file inside the checkpoint directory" in str(err.value) or "not a valid" in str(err.value)
+
 # ---- `k3 convert` never writes over what OUT holds ---------------------------------------------------------------------
 def convert_cli(src, dst, capsys, *extra) -> tuple[int, list[str]]:
     from k3.cli import main

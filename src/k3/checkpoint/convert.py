@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from k3.checkpoint.hf import INDEX_NAME, CheckpointError, is_vision, mxfp4_quantization_config, shard_files
+from k3.checkpoint.hf import INDEX_NAME, CheckpointError, is_vision, mxfp4_quantization_config, read_index, shard_files
 from k3.checkpoint.names import PREFIX
 from k3.checkpoint.plan import ST_BYTES, group_into_shards, iter_plan
 from k3.checkpoint.staging import check_new_out, staged_out
@@ -93,9 +93,8 @@ def verify_checkpoint(path) -> dict:
     text = {n: h for n, h in heads.items() if not is_vision(n)}
     problems += [f"unexpected tensor {n}" for n in sorted(set(text) - planned)]
     found_bytes = sum(ST_BYTES.get(dt, 0) * _numel(shape) for shape, dt, _, _ in heads.values())
-    index = path / INDEX_NAME
-    if index.is_file():
-        idx = json.loads(index.read_text())
+    idx = read_index(path)
+    if idx is not None:
         where = {h[3]: h[2] for h in heads.values()}
         if idx.get("weight_map") != where:
             bad = [n for n in set(where) | set(idx.get("weight_map", {})) if idx.get("weight_map", {}).get(n) != where.get(n)]

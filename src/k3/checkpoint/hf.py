@@ -114,22 +114,35 @@ def save_pretrained(model, path, dtype: torch.dtype | None = torch.bfloat16, max
     cfg.save(out / "config.json")
 
 
+def read_index(path: Path) -> dict | None:
+    """The checkpoint's index (`model.safetensors.index.json`) as a dict, None where it has none. Its
+    `weight_map` must map tensor names to shard files inside the directory: an absolute name, a `..` or a
+    non-string (a hostile or broken index that would have the loader open files elsewhere) is a CheckpointError."""
+    index = Path(path) / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        idx = json.loads(index.read_text())
+        weight_map = idx["weight_map"]
+        names = weight_map.items()
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index} is not a valid safetensors index: {type(e).__name__}: {e}") from None
+    for name, fname in names:
+        if not (isinstance(fname, str) and fname) or os.path.isabs(fname) or ".." in Path(fname).parts or "\\" in fname:
+            raise CheckpointError(f"{index}: tensor {name!r} names shard {fname!r}, which is not a file inside "
+                                  f"the checkpoint directory")
+    return idx
+
+
 def shard_files(path: Path) -> list[Path]:
     """The shard files a checkpoint directory declares (index) or holds (no index)."""
-    index = path / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
-        return [path / f for f in sorted(set(weight_map.values()))]
+    idx = read_index(path)
+    if idx is not None:
+        return [path / f for f in sorted(set(idx["weight_map"].values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no safetensors files in {path}")
     return files
-
-
-_shard_files = shard_files  # the old private name
 
 
 def is_vision(raw: str) -> bool:

@@ -5,14 +5,13 @@ tensor parallelism, its block of attention heads, of MLP width and of the vocabu
 go to the rank's device as they are read; MXFP4 experts can stay packed."""
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from k3.checkpoint.hf import (INDEX_NAME, CheckpointError, _check_expert_header, _LiveBytes, is_vision, open_shard,
+from k3.checkpoint.hf import (CheckpointError, _check_expert_header, _LiveBytes, is_vision, open_shard, read_index,
                               resolve_dtype, shard_files)
 from k3.checkpoint.names import PREFIX, a_log_len, is_f32, parse_name
 from k3.checkpoint.plan import expert_stacks
@@ -106,11 +105,11 @@ class RankShard:
 
 def _needed_files(path: Path, experts: range) -> list[Path]:
     """The shards holding anything but other ranks' experts, from the index (no index: every shard)."""
-    index = path / INDEX_NAME
-    if not index.is_file():
+    idx = read_index(path)
+    if idx is None:
         return shard_files(path)
     files = set()
-    for raw, fname in json.loads(index.read_text())["weight_map"].items():
+    for raw, fname in idx["weight_map"].items():
         if is_vision(raw):
             continue
         _, e, _ = parse_name(raw)
