@@ -230,6 +230,26 @@ def test_multi_shard_checkpoint(model, tmp_path):
         assert torch.equal(loaded.state_dict()[n], t), n
 
 
+
+def test_a_save_over_an_earlier_one_leaves_only_its_own_shards(model, tmp_path):
+    """Saved in many shards, then again in one into the same directory: the directory holds exactly the shards
+    the new index names, so a reader of every `*.safetensors` there (llama.cpp's converter) sees each tensor once,
+    with the new save's values."""
+    model.save_pretrained(tmp_path, dtype=None, max_shard_bytes=1 << 20)
+    assert len(shard_files(tmp_path)) > 3
+    (tmp_path / "notes.safetensors.txt").write_text("not a shard")  # not ours: stays
+    model.save_pretrained(tmp_path, dtype=torch.bfloat16)
+    index = json.loads((tmp_path / INDEX).read_text())
+    assert {f.name for f in shard_files(tmp_path)} == set(index["weight_map"].values())
+    seen = {}
+    for f in shard_files(tmp_path):
+        for n, t in load_file(str(f)).items():
+            assert n not in seen, f"{n} in two shards"
+            seen[n] = t
+    assert set(seen) == set(index["weight_map"])
+    assert all(t.dtype != torch.float32 or n.endswith(F32_SUFFIXES) for n, t in seen.items())
+    assert (tmp_path / "notes.safetensors.txt").is_file()
+
 # ---- broken checkpoints --------------------------------------------------------------------------------------------
 def copy_single_shard(src, dst):
     for f in src.iterdir():

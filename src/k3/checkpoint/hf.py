@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import warnings
 import weakref
 from pathlib import Path
@@ -109,9 +110,22 @@ def save_pretrained(model, path, dtype: torch.dtype | None = torch.bfloat16, max
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    _remove_stale_shards(out, keep=set(weight_map.values()))
     cfg = model.config.replace(dtype=str(float_dtype).removeprefix("torch."),
                                quantization_config=mxfp4_quantization_config() if experts == "mxfp4" else None)
     cfg.save(out / "config.json")
+
+
+# The shard names a save writes: k3's (and transformers') numbered shards, the single-file name, the vision shard.
+_SHARD_NAME = re.compile(r"model(-\d{5}-of-\d{5}|-vision)?\.safetensors")
+
+
+def _remove_stale_shards(out: Path, keep: set[str]) -> None:
+    """Deletes the shards an earlier save left in `out` that this one did not write (say 5 shards saved over 3):
+    tools that read every `*.safetensors` of a directory (llama.cpp's converter) would read them as tensors."""
+    for f in out.iterdir():
+        if _SHARD_NAME.fullmatch(f.name) and f.name not in keep and f.is_file():
+            f.unlink()
 
 
 def read_index(path: Path) -> dict | None:
