@@ -124,6 +124,13 @@ def test_cli_error_has_no_traceback(tmp_path):
     assert "Traceback" not in p.stderr and "/nonexistent.xz" in p.stderr
 
 
+
+def test_generate_with_bad_sampling_writes_nothing_but_the_error(uninterrupted, capsys):
+    _, t = uninterrupted
+    assert main(["generate", "--model", str(t.out / "model"), "--prompt", "ROMEO:", "--temperature", "-1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "need temperature >= 0" in err
+
 def test_generate_streams_from_a_trained_model(uninterrupted, capsys):
     _, t = uninterrupted
     assert main(["generate", "--model", str(t.out / "model"), "--prompt", "ROMEO:", "--max-new-tokens", "5",

@@ -12,11 +12,16 @@ from k3.model.cache import BatchCacheView
 from k3.model.cuda_graph import GraphedDecodeStep, wants_graphs
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """A ValueError unless temperature >= 0 (finite), 0 < top_p <= 1 and top_k >= 0."""
+    if not (0 <= temperature < math.inf and 0 < top_p <= 1 and top_k >= 0):
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick the next token from logits [B, V]: greedy when temperature == 0, else temperature/top-k/top-p."""
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(-1)
     B = logits.shape[0]
@@ -219,6 +224,7 @@ def stream_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a non-empty [batch, seq] or [seq] tensor (or a list of ids), got {shape}")
+    check_sampling(temperature, top_k, top_p)
     eos = _eos_ids(model, eos_token_id)
     B, T = input_ids.shape
     limit = model.config.max_position_embeddings

@@ -121,12 +121,13 @@ class K3ForConditionalGeneration(nn.Module):
     def stream_generate(self, input_ids: torch.Tensor, images: list[ImageInput] | None = None,
                         max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         seed: int | None = None, eos_token_id: int | None = None) -> Iterator[torch.Tensor]:
-        """Prefill the prompt (with its images) once, then decode through the cache; yields tokens [B]."""
+        """Prefill the prompt (with its images) once, then decode through the cache; yields tokens [B]. The
+        arguments are checked and the images encoded when called, before the first token is asked for."""
         from k3.model.generate import stream_generate
 
         rows = self.encode(images) if images else None
         prefill = lambda ids, cache: self(ids, image_rows=rows, cache=cache).logits  # noqa: E731
-        yield from stream_generate(self.language_model, input_ids, max_new_tokens, temperature, top_k, top_p,
+        return stream_generate(self.language_model, input_ids, max_new_tokens, temperature, top_k, top_p,
                                    seed, eos_token_id, prefill=prefill)
 
     # ---- checkpoints -----------------------------------------------------------------------------------
