@@ -9,7 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3ForCausalLM
+from k3.checkpoint.convert import verify_checkpoint
 from k3.checkpoint.hf import CheckpointError
+from k3.checkpoint.sharded import RankLayout, load_rank_shard
 
 INDEX = "model.safetensors.index.json"
 # SPEC §2: the only F32 tensors of the released checkpoint
@@ -312,8 +314,6 @@ def test_a_hostile_index_cannot_send_the_loader_outside_the_directory(model, tmp
         target = str(outside / "model.safetensors") if where == "ABSOLUTE" else where
         index["weight_map"] = {n: target for n in index["weight_map"]}
     (ckpt / INDEX).write_text(json.dumps(index))
-    from k3.checkpoint.convert import verify_checkpoint
-    from k3.checkpoint.sharded import RankLayout, load_rank_shard
     for load in (K3ForCausalLM.from_pretrained, verify_checkpoint, lambda d: load_rank_shard(d, RankLayout(0, 2))):
         with pytest.raises(CheckpointError, match=INDEX) as err:
             load(ckpt)

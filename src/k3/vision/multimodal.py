@@ -128,7 +128,7 @@ class K3ForConditionalGeneration(nn.Module):
         rows = self.encode(images) if images else None
         prefill = lambda ids, cache: self(ids, image_rows=rows, cache=cache).logits  # noqa: E731
         return stream_generate(self.language_model, input_ids, max_new_tokens, temperature, top_k, top_p,
-                                   seed, eos_token_id, prefill=prefill)
+                               seed, eos_token_id, prefill=prefill)
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def save_pretrained(self, path, dtype: torch.dtype | None = torch.bfloat16, **kwargs) -> None:
