@@ -95,9 +95,9 @@ def verify_checkpoint(path) -> dict:
     found_bytes = sum(ST_BYTES.get(dt, 0) * _numel(shape) for shape, dt, _, _ in heads.values())
     idx = read_index(path)
     if idx is not None:
-        where = {h[3]: h[2] for h in heads.values()}
-        if idx.get("weight_map") != where:
-            bad = [n for n in set(where) | set(idx.get("weight_map", {})) if idx.get("weight_map", {}).get(n) != where.get(n)]
+        where, listed = {h[3]: h[2] for h in heads.values()}, idx["weight_map"]  # read_index: a mapping
+        if listed != where:
+            bad = [n for n in set(where) | set(listed) if listed.get(n) != where.get(n)]
             problems.append(f"index weight_map disagrees with the shards for {len(bad)} tensors, e.g. {sorted(bad)[:3]}")
         if idx.get("metadata", {}).get("total_size") != found_bytes:
             problems.append(f"index total_size {idx.get('metadata', {}).get('total_size')} != {found_bytes} bytes in the shards")
