@@ -117,6 +117,43 @@ def test_missing_and_corrupt_files_fail_clearly(tmp_path, capsys):
     assert "no complete checkpoint" in capsys.readouterr().err
 
 
+class _RunsCode:
+    """Unpickling this calls exec: what a hostile trainer_state.pt (a pickle) can make torch.load do."""
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_never_runs(tmp_path, uninterrupted, capsys):
+    """A run directory can come from anyone: resuming from one whose newest trainer state carries a payload (a
+    valid state plus an object that runs code as it unpickles) names the file, runs nothing, and resumes from the
+    checkpoint before it, saving the newest step again; a rank's state file is read the same way."""
+    import shutil
+
+    from k3.checkpoint.hf import CheckpointError
+    from k3.train.run_dir import load_state_file
+    _, t = uninterrupted
+    out = tmp_path / "run"
+    shutil.copytree(t.out, out)
+    newest = out / "checkpoints" / "step_000006" / "trainer_state.pt"
+    state = torch.load(newest, weights_only=False)
+    marker = tmp_path / "payload-ran"
+    torch.save({**state, "extra": _RunsCode(marker)}, newest)
+    rank_file = tmp_path / "rank_00000.pt"
+    torch.save({"optimizer": {}, "rng": state["rng"], "layout": _RunsCode(marker)}, rank_file)
+
+    with pytest.raises(CheckpointError, match="does not run code") as e:
+        load_state_file(rank_file)
+    assert "builtins.exec" in str(e.value) and str(rank_file) in str(e.value)
+    assert main(["train", "--out", str(out), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert str(newest) in err and "does not run code" in err
+    assert not marker.exists()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+    assert load_state_file(newest)["step"] == 6 and "extra" not in load_state_file(newest)  # saved again, clean
+
 def test_cli_error_has_no_traceback(tmp_path):
     p = subprocess.run([sys.executable, "-m", "k3.cli", "train", "--out", str(tmp_path), "--corpus", "/nonexistent.xz"],
                        capture_output=True, text=True, timeout=120)

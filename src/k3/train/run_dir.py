@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from k3.checkpoint.hf import CheckpointError
@@ -114,13 +116,37 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     return done
 
 
+# What a trainer state holds beyond tensors and containers: numpy's RNG state (one uint32 array). A checkpoint is
+# a pickle, and a pickle may name any callable (`os.system` included) to run as it loads; a run directory can come
+# from anyone, so states load with torch's weights-only unpickler, which refuses every other global.
+_NUMPY_ARRAY = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np._core.multiarray._reconstruct]
+
+
+def load_state_file(f: Path, mmap: bool = False):
+    """One `torch.save`d state of a run (trainer_state.pt, a rank's rank_*.pt) on the CPU, without running any code
+    the file names; a damaged file, or one that needs code to load, is a CheckpointError naming it."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY):
+            return torch.load(f, weights_only=True, map_location="cpu", mmap=mmap)
+    except pickle.UnpicklingError as e:
+        try:
+            foreign = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(f)
+                       if not g.startswith("numpy.")]
+        except Exception:  # noqa: BLE001 (a file too damaged to list: reported as corrupt below)
+            foreign = []
+        if foreign:
+            raise CheckpointError(f"{f} names Python objects a k3 state never holds ({_few(foreign)}); k3 does not "
+                                  f"run code from a checkpoint: it was not written by k3, or was tampered with"
+                                  ) from None
+        raise CheckpointError(f"corrupt {f}: {_first_line(e)}") from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, ... for a damaged file
+        raise CheckpointError(f"corrupt {f}: {_first_line(e)}") from None
+
+
 def read_trainer_state(ckpt: Path, mmap: bool = False) -> dict:
     """trainer_state.pt of one checkpoint; a file that does not load is a CheckpointError naming it."""
     f = ckpt / "trainer_state.pt"
-    try:
-        state = torch.load(f, weights_only=False, map_location="cpu", mmap=mmap)
-    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
-        raise CheckpointError(f"corrupt {f}: {_first_line(e)}") from None
+    state = load_state_file(f, mmap=mmap)
     if not isinstance(state, dict) or "step" not in state or "train_config" not in state:
         raise CheckpointError(f"corrupt {f}: not a k3 trainer state")
     return state

@@ -27,8 +27,8 @@ from k3.model.decoder import K3ForCausalLM
 from k3.checkpoint.hf import CheckpointError
 from k3.train.optim import build_optimizer
 from k3.train.run_dir import (RunDirError, check_resume_config, check_run_dir, claim_run_dir, clear_previous_run,
-                              complete_checkpoints, default_run_dir, read_trainer_state, remove_stale_temporaries,
-                              saved_train_config)
+                              complete_checkpoints, default_run_dir, load_state_file, read_trainer_state,
+                              remove_stale_temporaries, saved_train_config)
 from k3.train.schedule import apply_lr, wsd_multiplier
 
 
@@ -298,7 +298,7 @@ class Trainer:
                              f"resume it with the same --nproc/--dp/--ep/--cp/--fsdp (this run: {now or 'single process'})")
         loaded = load_pretrained(path, device="cpu")  # host memory: beside the training model, a second GPU copy
         if self.dist:  # the full model into this rank's shards; this rank's own optimizer state and RNG
-            mine = read_rank_state(path / f"rank_{self.dist.rank:05d}.pt")
+            mine = load_state_file(path / f"rank_{self.dist.rank:05d}.pt")
             self.dist.load_full_state_dict(loaded.state_dict())
             self.dist.load_optimizer_state(self.optimizer, mine["optimizer"])
             set_rng_state(mine["rng"])
@@ -544,12 +544,6 @@ class Trainer:
         return summary
 
 
-def read_rank_state(f: Path) -> dict:
-    """One rank's optimizer state and RNG of a multi-process checkpoint; a damaged file is named."""
-    try:
-        return torch.load(f, weights_only=False, map_location="cpu")
-    except Exception as e:
-        raise CheckpointError(f"corrupt {f}: {type(e).__name__}: {str(e).strip()[:200]}") from None
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
