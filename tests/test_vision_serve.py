@@ -157,6 +157,26 @@ def test_server_accepts_data_urls_and_refuses_bad_images_with_400(vlm, tok):
             assert err["param"] == "messages" and match in err["message"] and "content[1]" in err["message"]
 
 
+
+def test_server_never_reads_a_file_a_client_names(vlm, tok, tmp_path):
+    """An image URL that is a path on the server's machine (an image there, a file there that is not one, one that
+    does not exist) is refused alike, without reading it: a client learns neither what a file holds nor whether
+    it exists."""
+    image = tmp_path / "private.png"
+    image.write_bytes(png(7))
+    other = tmp_path / "secret.txt"
+    other.write_text("password")
+    app = create_app(engine(vlm, tok, max_model_len=200), tok, "k3")
+    answers = []
+    with TestClient(app) as client:
+        for url in (str(image), str(other), str(tmp_path / "absent.png"), "private.png", f"file://{image}"):
+            r = client.post("/v1/chat/completions", json=chat_body(url))
+            assert r.status_code == 400, (url, r.text)
+            message = r.json()["error"]["message"]
+            assert "data URL" in message and "not found" not in message and "decoded" not in message
+            answers.append(message.replace(url, "URL").replace("; remote URLs are not fetched", ""))
+    assert len(set(answers)) == 1, answers
+
 def _png_of_size(W, H) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (W, H)).save(buf, format="PNG")

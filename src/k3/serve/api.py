@@ -293,11 +293,11 @@ def create_app(engine: LLMEngine, tokenizer, model_name: str = "k3", api_key: st
         if vision is None:
             return images, None
         from k3.vision.multimodal import image_token_ids
-        from k3.vision.preprocess import preprocess_image
+        from k3.vision.preprocess import decode_data_url, preprocess_image
 
         def media(url: str, where: str) -> list[int]:
-            try:
-                im = preprocess_image(url, vision)
+            try:  # the bytes of a data URL only: `preprocess_image` also reads files, which a client must not name
+                im = preprocess_image(decode_data_url(url), vision)
             except ValueError as e:  # ImageError: bad data URL, remote URL, corrupt or absurd image
                 raise ValueError(f"{where}: {e}") from None
             images.append(im)
