@@ -194,3 +194,37 @@ def test_what_k3_cannot_honour_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=ask("hi"), max_tokens=4, extra_body=extra)
     assert e.value.body["param"] == param and param.split(".")[0].split("[")[0] in e.value.body["message"]
+
+
+def _doubling(n: int, leaf: dict) -> dict:
+    """A tool whose one argument is anyOf two refs to the next definition, n deep: 2^n alternatives from ~50 n bytes."""
+    defs = {f"D{i}": {"anyOf": [{"$ref": f"#/$defs/D{i + 1}"}, {"$ref": f"#/$defs/D{i + 1}"}]} for i in range(n)}
+    defs[f"D{n}"] = leaf
+    return {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/D0"}}, "required": ["x"], "$defs": defs}}}
+
+
+SELF = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"$ref": "#/$defs/A"}},
+    "$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "string"}]}}}}}
+
+
+@pytest.mark.parametrize("tool, words", [
+    (_doubling(30, {"type": "string"}), "MiB of grammar"),  # the old expansion: 2^30 alternatives, the server stuck
+    (_doubling(12, {"type": "object", "properties": {"pad": {"const": "x" * 4096}}}), "MiB of grammar"),
+    (SELF, "leads back to itself"),  # the old expansion: a RecursionError
+])
+def test_tool_schemas_that_expand_without_bound_are_refused_quickly(client, tool, words):
+    """A request of a few kB whose argument schema names exponentially many alternatives (anyOf through $refs) is a
+    400 naming `tools` within a second or two, and the server answers the next request; before, the first kind
+    built 2^30 alternatives (20 deep already took 52 s and 0.7 GB)."""
+    import time
+    start = time.perf_counter()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=ask("hi"), max_tokens=4, tools=[tool],
+                                       tool_choice="required")
+    assert time.perf_counter() - start < 20  # a bound with room for a loaded CI machine; the expansion is ~1 s
+    assert e.value.body["param"] == "tools" and words in e.value.body["message"]
+    ok = client.chat.completions.create(model=NAME, messages=ask("hi"), max_tokens=150, tools=[WEATHER],
+                                        tool_choice="required", parallel_tool_calls=False, extra_body=OFF)
+    assert json.loads(ok.choices[0].message.tool_calls[0].function.arguments)["city"] in ("Paris", "Oslo")

@@ -24,6 +24,11 @@ import torch
 from k3.data.chat_template import CLOSE, OPEN, SEP, escape_attr, json_type
 
 MAX_PARALLEL_CALLS = 8  # a grammar enumerates call indices 1..this when parallel_tool_calls is on
+# What the tools' argument alternatives may add to a grammar. A few hundred bytes of anyOf through $ref name 2^n
+# alternatives (each of n definitions lists the next one twice), and $defs copied into each would multiply a
+# request's size: a grammar past this is refused before it is built, not built for minutes and gigabytes.
+MAX_TOOLS_GRAMMAR_CHARS = 8 << 20
+MAX_BRANCH_DEPTH = 32  # anyOf/oneOf within anyOf/oneOf at an argument's top; deeper is a $ref leading to itself
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _COMPACT_JSON = {"whitespace_flexible": False}  # no free whitespace: a model cannot pad JSON forever
 _ANY_TEXT = "/(?s:.*)/"  # any text; markers are special tokens, which no text lexeme matches
@@ -75,9 +80,29 @@ def _resolve(schema, root: dict, depth: int = 0):
     return schema
 
 
-def _value_alternatives(schema: dict, root: dict, where: str = "argument") -> list[tuple[str, str]]:
+class _Budget:
+    """The characters the tools' arguments may still add to one grammar (MAX_TOOLS_GRAMMAR_CHARS)."""
+
+    def __init__(self):
+        self.left = MAX_TOOLS_GRAMMAR_CHARS
+
+    def spend(self, chars: int, where: str) -> None:
+        self.left -= chars
+        if self.left < 0:
+            raise GrammarError(f"tools: at {where}, the tools' argument types come to more than "
+                               f"{MAX_TOOLS_GRAMMAR_CHARS >> 20} MiB of grammar (anyOf/oneOf branches once their "
+                               f"$refs are followed); simplify the schemas", "tools")
+
+
+def _value_alternatives(schema: dict, root: dict, where: str, budget: _Budget,
+                        depth: int = 0) -> list[tuple[str, str]]:
     """→ [(XTML argument type, Lark expression of the value)] that a property's schema allows; root: the tool's
-    parameters schema, whose `$defs` the property's JSON sub-schemas keep; where: the argument, for errors."""
+    parameters schema, whose `$defs` the property's JSON sub-schemas keep; where: the argument, for errors;
+    budget: what the alternatives may still add (each visit counts, so an expansion is stopped as it grows)."""
+    if depth > MAX_BRANCH_DEPTH:
+        raise GrammarError(f"tools: {where} nests anyOf/oneOf more than {MAX_BRANCH_DEPTH} deep (a $ref that leads "
+                           f"back to itself?)", "tools")
+    budget.spend(64, where)  # about what an alternative's tags cost, whatever it yields
     schema = _resolve(schema, root)
     if not isinstance(schema, dict):
         schema = {}
@@ -90,7 +115,7 @@ def _value_alternatives(schema: dict, root: dict, where: str = "argument") -> li
         return out
     branches = schema.get("anyOf") or schema.get("oneOf")
     if isinstance(branches, list) and branches:
-        return [alt for b in branches for alt in _value_alternatives(b, root, where)]
+        return [alt for b in branches for alt in _value_alternatives(b, root, where, budget, depth + 1)]
     types = schema.get("type")
     types = types if isinstance(types, list) else [types] if types else \
         ["string", "number", "boolean", "null", "object", "array"]
@@ -101,8 +126,11 @@ def _value_alternatives(schema: dict, root: dict, where: str = "argument") -> li
         else:
             sub = {k: v for k, v in schema.items() if k not in ("type", "anyOf", "oneOf")}
             sub["type"] = t
-            sub.update({k: root[k] for k in ("$defs", "definitions") if k in root})
+            if '"$ref"' in json.dumps(sub):  # its definitions, only where it refers to them
+                sub.update({k: root[k] for k in ("$defs", "definitions") if k in root})
             out.append(("number" if t == "integer" else t, _json_rule(sub)))
+    for _, value in out:
+        budget.spend(len(value), where)
     return out
 
 
@@ -206,12 +234,21 @@ class ChatGrammar:
     def __init__(self, tokenizer):
         self.m = Markup(tokenizer)
         self.rules: list[str] = []
+        self.budget = _Budget()
+        self._arguments: dict[int, str] = {}  # tool t → its arguments' rules, shared by every call index
 
     def rule(self, name: str, body: str) -> str:
         self.rules.append(f"{name}: {body}")
         return name
 
     def tool_call(self, tool: dict, index: int, t: int) -> str:
+        head = self.m.open_tag(f'call tool="{escape_attr(tool["function"]["name"])}" index="{index}"')
+        return f"{head} {self.arguments(tool, t)} {self.m.close_tag('call')}"
+
+    def arguments(self, tool: dict, t: int) -> str:
+        """Tool t's arguments in order, each a rule of its typed alternatives (built once a grammar)."""
+        if t in self._arguments:
+            return self._arguments[t]
         fn = tool["function"]
         name, params = fn["name"], fn.get("parameters") or {}
         _check_json_strings(params, "tools")  # here, not in _check_tools: a tool no grammar enforces is not refused
@@ -220,15 +257,16 @@ class ChatGrammar:
         args = []
         for k, (key, prop) in enumerate(props.items()):
             alts = []
-            for j, (kind, value) in enumerate(_value_alternatives(prop, params, f"{name}'s argument {key!r}")):
+            where = f"{name}'s argument {key!r}"
+            for j, (kind, value) in enumerate(_value_alternatives(prop, params, where, self.budget)):
                 if " & " in value:  # an intersection must be a named token
-                    value = self.rule(f"STR_{t}_{index}_{k}_{j}", value)
+                    value = self.rule(f"STR_{t}_{k}_{j}", value)
                 head = self.m.open_tag('argument key="%s" type="%s"' % (escape_attr(key), kind))
                 alts.append(f"{head} {value} {self.m.close_tag('argument')}")
-            rule = self.rule(f"arg_{t}_{index}_{k}", " | ".join(alts))
+            rule = self.rule(f"arg_{t}_{k}", " | ".join(alts))
             args.append(rule if key in required else f"{rule}?")
-        head = self.m.open_tag(f'call tool="{escape_attr(name)}" index="{index}"')
-        return f"{head} {' '.join(args)} {self.m.close_tag('call')}"
+        self._arguments[t] = " ".join(args)
+        return self._arguments[t]
 
     def tools_section(self, tools: list[dict], parallel: bool) -> str:
         calls = []
