@@ -119,7 +119,7 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
 # What a trainer state holds beyond tensors and containers: numpy's RNG state (one uint32 array). A checkpoint is
 # a pickle, and a pickle may name any callable (`os.system` included) to run as it loads; a run directory can come
 # from anyone, so states load with torch's weights-only unpickler, which refuses every other global.
-_NUMPY_ARRAY = [np.ndarray, np.dtype, np.dtypes.UInt32DType, np._core.multiarray._reconstruct]
+_NUMPY_ARRAY = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.array(0).__reduce__()[0]]  # any numpy
 
 
 def load_state_file(f: Path, mmap: bool = False):
