@@ -33,9 +33,10 @@ def test_resume_is_bit_exact(tmp_path, uninterrupted, short_corpus):
     t.history = [t.train_step() for _ in range(3)]  # a run stopped after step 3's checkpoint
     t.save_checkpoint()
     del t
-    # the interrupted run had logged a step past its checkpoint: resume must not keep it
+    # the interrupted run had logged a step past its checkpoint, and was killed writing the next: resume keeps
+    # neither (the torn line made it raise JSONDecodeError)
     with open(tmp_path / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 4, "loss": 0.0}) + "\n")
+        f.write(json.dumps({"step": 4, "loss": 0.0}) + "\n" + json.dumps({"step": 5, "loss": 1.25})[:15])
     resumed = Trainer(small_run(tmp_path, short_corpus, resume=True), log=lambda *a: None)
     resumed.run()
     steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -547,9 +547,17 @@ class Trainer:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """After a resume from `step`, drop the records of steps the interrupted run logged past its checkpoint."""
+    """After a resume from `step`, drop the records of steps the interrupted run logged past its checkpoint, and
+    the line it was killed while writing, if any (always past the checkpoint: a step's record precedes its save)."""
     if path.is_file():
-        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+        keep = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+                keep.append(line)
         _atomic_write(path, "".join(l + "\n" for l in keep))
 
 
