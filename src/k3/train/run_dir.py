@@ -129,9 +129,9 @@ def load_state_file(f: Path, mmap: bool = False):
         with torch.serialization.safe_globals(_NUMPY_ARRAY):
             return torch.load(f, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as e:
-        try:
-            foreign = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(f)
-                       if not g.startswith("numpy.")]
+        try:  # what the file names beyond the allowed (read from the pickle's opcodes, nothing run)
+            with torch.serialization.safe_globals(_NUMPY_ARRAY):
+                foreign = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(f))
         except Exception:  # noqa: BLE001 (a file too damaged to list: reported as corrupt below)
             foreign = []
         if foreign:

@@ -544,8 +544,6 @@ class Trainer:
         return summary
 
 
-
-
 def _truncate_metrics(path: Path, step: int) -> None:
     """After a resume from `step`, drop the records of steps the interrupted run logged past its checkpoint, and
     the line it was killed while writing, if any (always past the checkpoint: a step's record precedes its save)."""
