@@ -167,7 +167,7 @@ def test_generate_with_bad_sampling_writes_nothing_but_the_error(uninterrupted, 
     _, t = uninterrupted
     assert main(["generate", "--model", str(t.out / "model"), "--prompt", "ROMEO:", "--temperature", "-1"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and "need temperature >= 0" in err
+    assert out == "" and "temperature must be a number >= 0" in err
 
 def test_generate_streams_from_a_trained_model(uninterrupted, capsys):
     _, t = uninterrupted

@@ -97,7 +97,7 @@ def test_prefill_then_decode_equals_full_forward(vlm, tok):
     logits = vlm(seq, *batch_images(ims)).logits[0]
     T = ids.shape[1]
     assert gen.tolist() == logits[T - 1:T + 4].argmax(-1).tolist()
-    with pytest.raises(ValueError, match="need temperature >= 0"):  # when called, before the first token
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):  # when called, before the first token
         vlm.stream_generate(ids, ims, max_new_tokens=5, temperature=-1.0)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.model.cache import BatchCacheView
-from k3.model.generate import sample_rows
+from k3.model.generate import check_sampling, sample_rows
 
 upload = BatchCacheView.upload  # host lists → device in one copy that does not wait for queued kernels
 send = BatchCacheView.send  # a host tensor → device, the same way
@@ -74,12 +74,7 @@ class SamplingParams:
 
         if not is_int(self.max_tokens) or self.max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        if not is_num(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
