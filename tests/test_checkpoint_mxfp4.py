@@ -254,6 +254,10 @@ def test_verify_lists_what_is_wrong(mx_dir, tmp_path):
     problems = verify_checkpoint(tmp_path)["problems"]
     assert any(victim in p and "F32" in p and "expected U8" in p for p in problems), problems
     assert any("total_size" in p for p in problems) and any("bytes of text tensors" in p for p in problems)
+    index = tmp_path / "model.safetensors.index.json"
+    for metadata in (5, [], None):  # not a mapping: a problem to list, not an AttributeError
+        index.write_text(json.dumps({**json.loads(index.read_text()), "metadata": metadata}))
+        assert any("index total_size None" in p for p in verify_checkpoint(tmp_path)["problems"])
 
 
 # ---- broken checkpoints ------------------------------------------------------------------------------------------------

@@ -99,8 +99,10 @@ def verify_checkpoint(path) -> dict:
         if listed != where:
             bad = [n for n in set(where) | set(listed) if listed.get(n) != where.get(n)]
             problems.append(f"index weight_map disagrees with the shards for {len(bad)} tensors, e.g. {sorted(bad)[:3]}")
-        if idx.get("metadata", {}).get("total_size") != found_bytes:
-            problems.append(f"index total_size {idx.get('metadata', {}).get('total_size')} != {found_bytes} bytes in the shards")
+        meta = idx.get("metadata")
+        listed_size = meta.get("total_size") if isinstance(meta, dict) else None  # a hostile index: not a crash
+        if listed_size != found_bytes:
+            problems.append(f"index total_size {listed_size} != {found_bytes} bytes in the shards")
     text_bytes = found_bytes - sum(ST_BYTES.get(h[1], 0) * _numel(h[0]) for n, h in heads.items() if is_vision(n))
     if len(text) != count:
         problems.append(f"{len(text)} text tensors, the config's plan has {count}")
