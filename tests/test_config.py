@@ -230,6 +230,10 @@ BAD_FIELDS = [
     (dict(initializer_range=-1), "initializer_range", "> 0"),
     (dict(quantization_config={"quant_method": "fp8", "format": "float-quantized"}), "quantization_config",
      "mxfp4-pack-quantized"),
+    # JSON ints have no bound; torch's sizes are int64 (these were a TypeError / RuntimeError from the build)
+    (dict(hidden_size=10**30), "hidden_size", r"positive integer \(below 2\^31\)"),
+    (dict(num_experts=2**30, moe_intermediate_size=2**30), "routed experts' stack", "more than 2\\^40"),
+    (dict(num_attention_heads=2**20, num_key_value_heads=2**20, q_lora_rank=2**20), "q_b_proj", "more than 2\\^40"),
 ]
 
 

@@ -123,7 +123,8 @@ class K3Config:
                      "num_experts_per_token", "moe_intermediate_size", "routed_expert_hidden_size",
                      "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
                      "attn_res_block_size", "moe_layer_freq"):
-            need(_is_int(getattr(self, name)) and getattr(self, name) > 0, name, "must be a positive integer")
+            need(_is_int(getattr(self, name)) and getattr(self, name) > 0, name,
+                 "must be a positive integer (below 2^31)")
         for name in ("qk_rope_head_dim", "num_shared_experts", "first_k_dense_replace"):
             need(_is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "must be an integer >= 0")
         # Real-valued fields are type-checked first so that a JSON string or null names its field instead of
@@ -188,6 +189,21 @@ class K3Config:
         full, kda = set(la.full_attn_layers), set(la.kda_layers)
         need(not (full & kda) and (full | kda) == set(range(1, L + 1)), "linear_attn_config.kda_layers",
              "together with full_attn_layers, every layer 1..num_hidden_layers exactly once")
+        # Each field below 2^31 still lets a weight of three of them pass int64 (torch: "Storage size calculation
+        # overflowed", from deep inside the model's build); the released model's largest holds 2e10 elements.
+        H = self.num_attention_heads
+        weights = {"embed_tokens": self.vocab_size * self.hidden_size,
+                   "the routed experts' stack": self.num_experts * self.moe_intermediate_size
+                   * self.routed_expert_hidden_size,
+                   "the dense MLP": self.intermediate_size * self.hidden_size,
+                   "MLA's q_b_proj": H * (self.qk_nope_head_dim + self.qk_rope_head_dim) * self.q_lora_rank,
+                   "MLA's kv_b_proj": H * (self.qk_nope_head_dim + self.v_head_dim) * self.kv_lora_rank,
+                   "MLA's o_proj": H * self.v_head_dim * self.hidden_size,
+                   "KDA's projections": la.num_heads * la.head_dim * self.hidden_size}
+        name, numel = max(weights.items(), key=lambda kv: kv[1])
+        if numel > MAX_WEIGHT_ELEMENTS:
+            raise ConfigError(f"invalid config: {name} would hold {numel:,} elements, more than 2^40; its sizes "
+                              f"are not a model's")
 
     # ---- (de)serialisation --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -307,8 +323,13 @@ _OPTIONAL = frozenset({"model_type", "architectures", "quantization_config", "in
 _SHARED_TOP_LEVEL = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "dtype", "torch_dtype")
 
 
+MAX_WEIGHT_ELEMENTS = 2**40  # one weight tensor of a config: 4 TB in float32
+
+
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An int (JSON's true is not one) that a tensor's size can be: JSON has no bound, torch's sizes are int64 and
+    10**30 would be a TypeError from deep inside the model's build."""
+    return isinstance(v, int) and not isinstance(v, bool) and -2**31 < v < 2**31
 
 
 def _is_real(v) -> bool:
