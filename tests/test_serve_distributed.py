@@ -241,6 +241,21 @@ def _serving_pid(url: str) -> int:
     raise AssertionError(f"no process listens on {port}")
 
 
+def test_a_failed_rank_slow_to_exit_is_still_named_as_the_cause():
+    """Rank 0 learns of a failed local rank as a lost connection, while that rank may still be tearing down: the
+    report waits for its exit (here 3 s, which the old 2 s wait missed, leaving only rank 0's gloo error), and
+    returns at once with no local ranks to wait for (torchrun nodes)."""
+    from k3.serve.distributed import describe_exits
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); raise SystemExit(2)"])
+    healthy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert describe_exits([healthy, slow]) == "rank 2 exited with status 2"
+        start = time.monotonic()
+        assert describe_exits([]) == "" and time.monotonic() - start < 0.5
+    finally:
+        healthy.kill()
+        healthy.wait()
+
 def test_a_rank_failing_to_load_stops_the_launch(tmp_path):
     """A shard only rank 1 reads is truncated (a bad disk on one node): rank 1 fails loading, and rank 0, which
     loaded fine and waits for it, exits with an error naming it instead of waiting out the load timeout."""

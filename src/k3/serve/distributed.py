@@ -303,11 +303,12 @@ def spawn_local_ranks(nproc: int, serve_args: list[str]) -> list[subprocess.Pope
     return children
 
 
-def describe_exits(children: list[subprocess.Popen], wait_s: float = 2.0) -> str:
+def describe_exits(children: list[subprocess.Popen], wait_s: float = 6.0) -> str:
     """'rank 1 was killed by SIGKILL; ...' for the local ranks that have ended with a failure ('' for none),
-    waiting up to wait_s for one to end."""
+    waiting up to wait_s for one to end: the rank whose failure closed the group may still be tearing down (torch's
+    exit took over 2 s on a loaded 2-core machine), and its exit, not rank 0's lost connection, is the cause."""
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and all(p.poll() is None for p in children):
+    while children and time.monotonic() < deadline and all(p.poll() is None for p in children):
         time.sleep(0.05)
     out = []
     for r, p in enumerate(children, start=1):
