@@ -279,7 +279,9 @@ def slow_server(model, tok, monkeypatch, impl, loop):
         logging.getLogger("uvicorn.error").addHandler(errors)  # after uvicorn has configured its loggers
         try:
             host, port = url.removeprefix("http://").split(":")
-            with socket.create_connection((host, int(port)), timeout=10) as sock:
+            # reads wait out a loaded machine (a 10 s limit failed a clean clone beside other jobs): what these
+            # tests time is bounded by their own deadlines, not the socket's
+            with socket.create_connection((host, int(port)), timeout=60) as sock:
                 yield sock, eng, logged
         finally:
             logging.getLogger("uvicorn.error").removeHandler(errors)
