@@ -116,3 +116,27 @@ def test_truncated_file_and_absurd_sizes_are_refused():
     with pytest.raises(ImageError, match="zero-size"):
         resize_size(0, 10)
     assert issubclass(ImageError, ValueError)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_a_photo_stored_sideways_is_read_upright(fmt):
+    """EXIF Orientation 6 (a phone held upright: rotate 90° clockwise to view): stored 40 wide and 20 high with a red
+    top-left corner, the image is 20 wide and 40 high with that corner at the top right, from bytes and data URL
+    alike; an EXIF block without an orientation leaves the pixels as stored."""
+    stored = np.zeros((20, 40, 3), dtype=np.uint8)
+    stored[:6, :6] = (255, 0, 0)
+    img = Image.fromarray(stored)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, exif=exif.tobytes(), **({"quality": 95} if fmt == "JPEG" else {}))
+    for source in (buf.getvalue(), "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()):
+        up = np.asarray(load_image(source).convert("RGB"))
+        assert up.shape == (40, 20, 3)
+        assert up[:3, -3:, 0].min() > 200 and up[:3, :3, 0].max() < 60  # red at the top right, not the top left
+        assert up[-3:, -3:, 0].max() < 60
+    assert preprocess_image(buf.getvalue()).size == (20, 40)
+    plain = io.BytesIO()
+    exif[0x0112] = 1
+    img.save(plain, format=fmt, exif=exif.tobytes())
+    assert np.asarray(load_image(plain.getvalue()).convert("RGB")).shape == (20, 40, 3)

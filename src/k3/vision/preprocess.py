@@ -1,7 +1,8 @@
-"""Image preprocessing (SPEC §7, `media_proc_cfg`): decode from bytes, files or base64 data URLs; the released
-resize rule (never upscale; patch-count and side limits); bicubic resize with Pillow; transparency composited
-after the resize onto an 8-px chessboard; zero padding to multiples of 28; [-1, 1] normalisation; NaViT-style
-patchify. `num_image_tokens` gives the pad count of an image from its size alone, by the same rule."""
+"""Image preprocessing (SPEC §7, `media_proc_cfg`): decode from bytes, files or base64 data URLs (turned upright by
+their EXIF Orientation); the released resize rule (never upscale; patch-count and side limits); bicubic resize with
+Pillow; transparency composited after the resize onto an 8-px chessboard; zero padding to multiples of 28; [-1, 1]
+normalisation; NaViT-style patchify. `num_image_tokens` gives the pad count of an image from its size alone, by the
+same rule."""
 from __future__ import annotations
 
 import base64
@@ -128,8 +129,22 @@ def load_image(source):
             raise
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             raise ImageError(f"{what} could not be decoded as an image: {e}") from None
+    img = _upright(img)
     _check_size(img.width, img.height)
     return img
+
+
+def _upright(img):
+    """The image as it is meant to be seen: a camera's EXIF Orientation (a phone photo is often stored sideways)
+    applied, as transformers' and diffusers' `load_image` apply it; an unreadable EXIF block is ignored."""
+    from PIL import ImageOps
+
+    try:
+        if img.getexif().get(0x0112, 1) in (1, None):  # 0x0112: Orientation; 1 = as stored
+            return img
+        return ImageOps.exif_transpose(img)
+    except Exception:  # noqa: BLE001 (malformed EXIF: the pixels as stored are still an image)
+        return img
 
 
 # ---- pixels -------------------------------------------------------------------------------------------------
