@@ -489,6 +489,28 @@ def test_api_key_from_the_environment_and_max_model_len_flag(tmp_path, monkeypat
     assert not got  # refused before loading anything
 
 
+
+@pytest.mark.parametrize("flag, env", [("", None), (None, ""), (" key", None), ("ke y", None), ("k\u00e9y", None),
+                                       ("key\n", None), (None, "key\t")])
+def test_an_api_key_no_client_could_send_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys, flag, env):
+    """An empty key (`--api-key "$KEY"` or `K3_API_KEY=$KEY` with KEY unset) served with auth off (the variable)
+    or passed a bare 'Bearer ' (the flag); a space, control or non-ASCII character never arrives in a header as
+    sent. Each is exit 2 naming where the key came from, before the model loads; create_app's auth refuses it too."""
+    from k3 import cli, envs
+    from k3.serve import api
+
+    got = {}
+    monkeypatch.setattr(api, "serve", lambda *a, **kw: got.update(kw))
+    monkeypatch.setattr(cli, "check_listen_address", lambda host, port: None)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    with envs.override(api_key=env):
+        assert cli.main(["serve", "--model", str(tmp_path), *(["--api-key", flag] if flag is not None else [])]) == 2
+    err = capsys.readouterr().err
+    assert ("--api-key" if flag is not None else "$K3_API_KEY") in err and "error" in err and not got
+    assert envs.parse({"K3_API_KEY": ""}).api_key == "" and envs.parse({}).api_key is None
+    with pytest.raises(ValueError, match="api_key"):
+        api.BearerAuth(None, api_key=flag if flag is not None else env)
+
 @pytest.mark.parametrize("command, missing", [
     (["serve"], "fastapi"), (["serve"], "uvicorn"), (["serve", "--nproc", "2"], "fastapi"),
     (["serve", "--nproc", "2"], "uvicorn"), (["bench", "serve"], "fastapi"), (["bench", "serve"], "aiohttp")])

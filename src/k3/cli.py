@@ -707,7 +707,9 @@ def cmd_serve(a) -> int:
     from k3 import envs
     api_key = a.api_key if a.api_key is not None else envs.current().api_key
     _require_serve_extra("uvicorn", "k3.serve.api")
-    from k3.serve.api import serve
+    from k3.serve.api import check_api_key, serve
+    if api_key is not None:  # before the model loads
+        check_api_key(api_key, "--api-key" if a.api_key is not None else "$K3_API_KEY")
     if ranked or (a.nproc or 1) > 1 or (a.ep or 1) > 1 or a.tp > 1 or a.ep_replicas or a.ep_rebalance_steps:
         from k3.serve.distributed import RankFailure, serve_from_cli
         try:

@@ -150,7 +150,7 @@ def parse(environ: Mapping[str, str]) -> Switches:
                     commit=get("K3_COMMIT") or None,
                     autotune_table=get("K3_AUTOTUNE_TABLE").strip() or None,
                     precompile_workers=_count("K3_PRECOMPILE_WORKERS", get("K3_PRECOMPILE_WORKERS")),
-                    api_key=get("K3_API_KEY") or None)
+                    api_key=environ.get("K3_API_KEY"))  # set but empty stays "": `k3 serve` refuses it
 
 
 _current = parse(os.environ)

@@ -53,12 +53,24 @@ _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abAB89]|\\u[dD][c-fC-F]")
 
 
+def check_api_key(key: str, where: str = "api_key") -> None:
+    """A ValueError naming `where` unless `key` can be sent in an Authorization header: an empty key (an unset
+    variable expanded: `--api-key "$KEY"`) would pass a bare 'Bearer ', and spaces, control or non-ASCII characters
+    never arrive as sent (HTTP strips or refuses them), so no client could authenticate."""
+    if not key:
+        raise ValueError(f"{where} is empty: give a key, or leave it out (and $K3_API_KEY unset) to serve without one")
+    if not all("!" <= c <= "~" for c in key):
+        raise ValueError(f"{where} holds a space, control or non-ASCII character, which an Authorization header "
+                         f"cannot carry: no client could send it")
+
+
 class BearerAuth:
     """ASGI middleware: every route but the public probes (health, ping, version, metrics, the API docs) needs
     'Authorization: Bearer KEY'. Plain ASGI rather than @app.middleware("http"): Starlette's BaseHTTPMiddleware
     wraps `receive` so that the disconnect watcher (`serving._watch_disconnect`) never sees a disconnect."""
 
     def __init__(self, app, api_key: str):
+        check_api_key(api_key)
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
