@@ -97,8 +97,14 @@ def test_prefill_then_decode_equals_full_forward(vlm, tok):
     logits = vlm(seq, *batch_images(ims)).logits[0]
     T = ids.shape[1]
     assert gen.tolist() == logits[T - 1:T + 4].argmax(-1).tolist()
-    with pytest.raises(ValueError, match="temperature must be a number >= 0"):  # when called, before the first token
-        vlm.stream_generate(ids, ims, max_new_tokens=5, temperature=-1.0)
+    encoded = []
+    vlm.encode, plain_encode = (lambda *a: encoded.append(1) or plain_encode(*a)), vlm.encode
+    try:  # refused when called, before the first token and before the tower encodes the images
+        with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+            vlm.stream_generate(ids, ims, max_new_tokens=5, temperature=-1.0)
+    finally:
+        del vlm.encode
+    assert encoded == []
 
 
 def test_save_load_round_trip(vlm, tok, tmp_path):

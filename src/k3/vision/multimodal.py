@@ -123,8 +123,9 @@ class K3ForConditionalGeneration(nn.Module):
                         seed: int | None = None, eos_token_id: int | None = None) -> Iterator[torch.Tensor]:
         """Prefill the prompt (with its images) once, then decode through the cache; yields tokens [B]. The
         arguments are checked and the images encoded when called, before the first token is asked for."""
-        from k3.model.generate import stream_generate
+        from k3.model.generate import check_sampling, stream_generate
 
+        check_sampling(temperature, top_k, top_p)  # before the tower runs: a bad argument costs no encode
         rows = self.encode(images) if images else None
         prefill = lambda ids, cache: self(ids, image_rows=rows, cache=cache).logits  # noqa: E731
         return stream_generate(self.language_model, input_ids, max_new_tokens, temperature, top_k, top_p,
