@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Iterator
 
@@ -15,14 +16,14 @@ from k3.model.cuda_graph import GraphedDecodeStep, wants_graphs
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
     """A ValueError, its message starting with the field's name, unless temperature >= 0 (finite), 0 < top_p <= 1
     and top_k an integer >= 0: the one rule for these three, `generate`'s and the server's (SamplingParams)."""
-    def is_num(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    def is_num(v):  # numpy's scalars too; a bool (JSON's true) is not a number here
+        return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
     if not is_num(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     if not is_num(top_p) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
 
 
