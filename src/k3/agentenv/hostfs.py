@@ -273,6 +273,14 @@ def remove_tree(d: Path) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _cmdline(pid) -> str:
+    """A process's command line as one line ('' once it is gone): what names a stray's origin in a report."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return ""
+
+
 def leftovers(root: Path | None = None, pid: int | None = None) -> list[str]:
     """What sandboxes of process `pid` (default: this one) left behind once all were closed: sandbox
     directories, mounts, layer holds; and, from any process, layer directories nothing holds, sandbox cgroups
@@ -327,6 +335,7 @@ def leftovers(root: Path | None = None, pid: int | None = None) -> list[str]:
             field = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
             where = next((g.split(":", 2)[2] for g in groups.splitlines() if ":pids:" in g or g.startswith("0::")), "?")
             out.append(f"process {proc} of sandbox uid {uid} outside every live sandbox ({field.get('Name')}, "
-                       f"state {field.get('State')}, parent {field.get('PPid')}, cgroup {where})")
+                       f"state {field.get('State')}, parent {field.get('PPid')} {_cmdline(field.get('PPid'))!r}, "
+                       f"cgroup {where})")
     out += [f"uid {u} still leased" for u in idmap.leases_of(root, pid)]
     return out
